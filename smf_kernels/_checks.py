@@ -1,0 +1,115 @@
+"""Argument validation shared by the public ops: clear errors, nothing clamped."""
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_tensor(name: str, t: object, *, ndim: int, dtypes: tuple[torch.dtype, ...], shape_doc: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {shape_doc}, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have shape {shape_doc} ({ndim} dims), got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({names}), got {str(t.dtype).replace('torch.', '')}")
+
+
+def check_same_device(reference_name: str, reference: torch.Tensor, **others: torch.Tensor | None) -> None:
+    for name, t in others.items():
+        if t is not None and t.device != reference.device:
+            raise ValueError(
+                f"{name} is on {t.device} but {reference_name} is on {reference.device}; "
+                "all tensors of an op must be on the same device"
+            )
+
+
+def check_index_range(name: str, indices: torch.Tensor, upper: int) -> None:
+    """Every entry of ``indices`` must lie in [0, upper).
+
+    On CPU this raises IndexError at once. On an accelerator it is a device-side
+    assertion (torch._assert_async) so the forward never syncs with the host;
+    a violation aborts the next synchronising call with the message below.
+    Skipped while torch.compile traces (data-dependent checks would break the graph).
+    """
+    if indices.numel() == 0 or torch.compiler.is_compiling():
+        return
+    if indices.device.type == "cpu":
+        low, high = int(indices.min()), int(indices.max())
+        if low < 0 or high >= upper:
+            raise IndexError(f"{name} must lie in [0, {upper}), got values in [{low}, {high}]")
+    else:
+        ok = (indices.min() >= 0) & (indices.max() < upper)
+        torch._assert_async(ok, f"{name} must lie in [0, {upper})")
+
+
+def check_distinct(name: str, rows: torch.Tensor) -> None:
+    """Entries of the 1-D tensor ``rows`` must be pairwise distinct."""
+    if rows.numel() < 2 or torch.compiler.is_compiling():
+        return
+    ordered = rows.sort().values
+    repeated = ordered[1:] == ordered[:-1]
+    if rows.device.type == "cpu":
+        if bool(repeated.any()):
+            first = int(ordered[1:][repeated][0])
+            raise ValueError(f"{name} must hold distinct rows; row {first} appears more than once")
+    else:
+        torch._assert_async(~repeated.any(), f"{name} must hold distinct rows")
+
+
+def check_topk_args(query: torch.Tensor, keys: torch.Tensor, topk: int) -> None:
+    check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES, shape_doc="(N, heads, key_dim)")
+    check_tensor("keys", keys, ndim=4, dtypes=FLOAT_DTYPES, shape_doc="(heads, 2, n_keys, key_dim // 2)")
+    _, heads, key_dim = query.shape
+    if key_dim % 2:
+        raise ValueError(f"query's last dim (key_dim) must be even to split into two halves, got {key_dim}")
+    expected = (heads, 2, keys.shape[2], key_dim // 2)
+    if tuple(keys.shape) != expected:
+        raise ValueError(
+            f"keys must have shape (heads, 2, n_keys, key_dim // 2) = {expected} for query of shape "
+            f"{tuple(query.shape)}, got {tuple(keys.shape)}"
+        )
+    if keys.dtype != query.dtype:
+        raise TypeError(f"query and keys must share a dtype, got {query.dtype} and {keys.dtype}")
+    check_same_device("query", query, keys=keys)
+    if isinstance(topk, bool) or not isinstance(topk, int):
+        raise TypeError(f"topk must be an int, got {type(topk).__name__}")
+    if not 1 <= topk <= keys.shape[2]:
+        raise ValueError(f"topk must lie in [1, n_keys={keys.shape[2]}], got {topk}")
+
+
+def check_gather_args(
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    weights: torch.Tensor,
+    counts: torch.Tensor | None,
+    valid: torch.Tensor | None,
+    update_rows: torch.Tensor | None,
+) -> None:
+    check_tensor("values", values, ndim=2, dtypes=FLOAT_DTYPES, shape_doc="(M, D)")
+    check_tensor("indices", indices, ndim=2, dtypes=(torch.int64,), shape_doc="(N, L)")
+    check_tensor("weights", weights, ndim=2, dtypes=FLOAT_DTYPES, shape_doc="(N, L)")
+    if weights.shape != indices.shape:
+        raise ValueError(
+            f"weights must have the shape of indices (N, L) = {tuple(indices.shape)}, got {tuple(weights.shape)}"
+        )
+    num_rows, num_tokens = values.shape[0], indices.shape[0]
+    if counts is not None:
+        check_tensor("counts", counts, ndim=1, dtypes=(torch.int64,), shape_doc="(M,)")
+        if counts.numel() != num_rows:
+            raise ValueError(f"counts must have shape (M,) = ({num_rows},), got {tuple(counts.shape)}")
+    if valid is not None:
+        check_tensor("valid", valid, ndim=1, dtypes=(torch.bool,), shape_doc="(N,)")
+        if valid.numel() != num_tokens:
+            raise ValueError(f"valid must have shape (N,) = ({num_tokens},), got {tuple(valid.shape)}")
+        if counts is None:
+            raise ValueError("valid only selects which tokens are counted; pass counts too")
+    if update_rows is not None:
+        check_tensor("update_rows", update_rows, ndim=1, dtypes=(torch.int64,), shape_doc="(T,)")
+    check_same_device("values", values, indices=indices, weights=weights, counts=counts, valid=valid,
+                      update_rows=update_rows)
+    check_index_range("indices", indices, num_rows)
+    if update_rows is not None:
+        check_index_range("update_rows", update_rows, num_rows)
+        check_distinct("update_rows", update_rows)

@@ -1,0 +1,85 @@
+"""Backend registry: which implementation of the ops runs for a given device.
+
+Backends:
+  * ``torch``  - plain PyTorch, any device (the reference path).
+  * ``triton`` - Triton kernels; CUDA tensors, or CPU tensors when the Triton
+    interpreter is enabled (``TRITON_INTERPRET=1`` before import).
+  * ``ext``    - the optional compiled extension (``csrc/``), when it was built.
+
+``backend=None`` picks, in order: the ``SMF_KERNELS_BACKEND`` environment
+variable, else the fastest available backend for the tensors' device (CUDA:
+triton, then ext, then torch; CPU: ext, then torch). Asking for a backend that
+cannot run raises :class:`BackendUnavailableError` saying why.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from types import ModuleType
+
+import torch
+
+BACKENDS = ("torch", "triton", "ext")
+ENV_VAR = "SMF_KERNELS_BACKEND"
+
+
+class BackendUnavailableError(RuntimeError):
+    """Raised when a requested backend cannot run on the given device."""
+
+
+@functools.lru_cache(maxsize=None)
+def _load(name: str) -> tuple[ModuleType | None, str]:
+    """Import a backend's implementation module; return (module, reason-if-missing)."""
+    module_name = {
+        "torch": "smf_kernels.kernels.torch_impl",
+        "triton": "smf_kernels.kernels.triton_impl",
+        "ext": "smf_kernels.kernels.ext_impl",
+    }[name]
+    try:
+        return importlib.import_module(module_name), ""
+    except ImportError as exc:  # missing optional dependency or unbuilt extension
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def triton_interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def unavailable_reason(name: str, device: torch.device) -> str | None:
+    """None if backend ``name`` can run on ``device``, else a human-readable reason."""
+    if name not in BACKENDS:
+        return f"unknown backend {name!r}; expected one of {BACKENDS}"
+    module, reason = _load(name)
+    if module is None:
+        return f"backend {name!r} could not be imported ({reason})"
+    return module.unavailable_reason(device)
+
+
+def available_backends(device: torch.device | str = "cpu") -> list[str]:
+    """Backends that can run on ``device``, fastest first."""
+    device = torch.device(device)
+    order = ("triton", "ext", "torch") if device.type == "cuda" else ("ext", "torch")
+    return [name for name in order if unavailable_reason(name, device) is None]
+
+
+def resolve_backend(backend: str | None, device: torch.device) -> str:
+    """Name of the backend to run on ``device``; raises if the choice cannot run."""
+    requested = backend if backend is not None else os.environ.get(ENV_VAR) or None
+    if requested is None:
+        return available_backends(device)[0]
+    reason = unavailable_reason(requested, device)
+    if reason is not None:
+        source = f"environment variable {ENV_VAR}" if backend is None else "backend="
+        raise BackendUnavailableError(
+            f"backend {requested!r} (from {source}) cannot run on {device.type}: {reason}"
+        )
+    return requested
+
+
+def implementation(name: str) -> ModuleType:
+    """The implementation module of a backend already checked by resolve_backend."""
+    module, reason = _load(name)
+    if module is None:
+        raise BackendUnavailableError(f"backend {name!r} is not available: {reason}")
+    return module

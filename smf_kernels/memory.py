@@ -1,0 +1,141 @@
+"""ProductKeyMemory: the product-key memory layer of SPEC §1 as an nn.Module."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from smf_kernels.ops import product_key_topk, weighted_gather
+
+
+class ProductKeyMemory(nn.Module):
+    """Product-key memory layer (Lample et al. 2019; Berges et al. 2024).
+
+    ``mem(x) = out_proj(r * silu(gate_proj(x)))`` with ``r`` the softmax-weighted
+    sum of the ``heads * topk`` value rows found by a product-key lookup.
+
+    Args:
+        d_model: input and output width.
+        n_keys: sub-keys per half; the memory has ``n_keys ** 2`` slots.
+        heads: independent query heads.
+        topk: slots read per head per token.
+        key_dim: query / key width (even; split into two halves).
+        value_dim: width of a value row (default ``d_model``).
+        backend: kernel backend for the ops (None = automatic, see
+            :mod:`smf_kernels.backends`).
+
+    Read counting: after :meth:`set_read_counting` (True), every forward adds the
+    reads of its valid tokens to the ``read_counts`` buffer ``(n_keys**2,)``
+    int64; :meth:`reset_read_counts` zeroes it. Sparse value gradients: after
+    :meth:`set_update_rows` (rows), ``values.grad`` is a sparse COO tensor
+    holding only those rows; ``set_update_rows(None)`` restores dense gradients.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_keys: int = 128,
+        heads: int = 4,
+        topk: int = 16,
+        key_dim: int = 256,
+        value_dim: int | None = None,
+        *,
+        backend: str | None = None,
+    ) -> None:
+        super().__init__()
+        for name, value in (("d_model", d_model), ("n_keys", n_keys), ("heads", heads), ("topk", topk),
+                            ("key_dim", key_dim)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if key_dim % 2:
+            raise ValueError(f"key_dim must be even (it is split into two halves), got {key_dim}")
+        if topk > n_keys:
+            raise ValueError(f"topk must be <= n_keys, got topk={topk}, n_keys={n_keys}")
+        value_dim = d_model if value_dim is None else value_dim
+        if isinstance(value_dim, bool) or not isinstance(value_dim, int) or value_dim < 1:
+            raise ValueError(f"value_dim must be a positive int or None, got {value_dim!r}")
+        self.d_model, self.n_keys, self.heads, self.topk = d_model, n_keys, heads, topk
+        self.key_dim, self.value_dim, self.num_slots = key_dim, value_dim, n_keys * n_keys
+        self.backend = backend
+
+        self.query_proj = nn.Linear(d_model, heads * key_dim, bias=True)
+        self.keys = nn.Parameter(torch.empty(heads, 2, n_keys, key_dim // 2))
+        self.values = nn.Parameter(torch.empty(self.num_slots, value_dim))
+        self.gate_proj = nn.Linear(d_model, value_dim, bias=True)
+        self.out_proj = nn.Linear(value_dim, d_model, bias=True)
+        self.register_buffer("read_counts", torch.zeros(self.num_slots, dtype=torch.int64), persistent=False)
+        self.count_reads = False
+        self.update_rows: torch.Tensor | None = None
+        self.reset_parameters()
+
+    def config(self) -> dict:
+        """Constructor arguments (without backend), e.g. for saving alongside weights."""
+        return {"d_model": self.d_model, "n_keys": self.n_keys, "heads": self.heads, "topk": self.topk,
+                "key_dim": self.key_dim, "value_dim": self.value_dim}
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Initialise as SPEC §1."""
+        nn.init.xavier_uniform_(self.query_proj.weight)
+        nn.init.zeros_(self.query_proj.bias)
+        bound = 1.0 / math.sqrt(self.key_dim)
+        nn.init.uniform_(self.keys, -bound, bound)
+        nn.init.normal_(self.values, std=self.value_dim ** -0.5)
+        for proj in (self.gate_proj, self.out_proj):
+            nn.init.normal_(proj.weight, std=self.d_model ** -0.5)
+            nn.init.zeros_(proj.bias)
+
+    def set_read_counting(self, enabled: bool) -> None:
+        self.count_reads = bool(enabled)
+
+    def reset_read_counts(self) -> None:
+        self.read_counts.zero_()
+
+    def set_update_rows(self, rows: torch.Tensor | None) -> None:
+        """Restrict value gradients to ``rows`` ((T,) int64, distinct), or None for dense."""
+        if rows is not None:
+            if not isinstance(rows, torch.Tensor) or rows.dim() != 1 or rows.dtype != torch.int64:
+                raise ValueError("rows must be a 1-D int64 tensor of distinct slot ids, or None")
+            rows = rows.to(self.values.device)
+        self.update_rows = rows
+
+    def lookup(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scores (N, heads, topk) fp32 and slot ids (N, heads, topk) for x (N, d_model)."""
+        query = self.query_proj(x).view(x.shape[0], self.heads, self.key_dim)
+        return product_key_topk(query.to(self.keys.dtype), self.keys, self.topk, backend=self.backend)
+
+    def forward(self, x: torch.Tensor, valid_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (..., d_model) -> (..., d_model).
+
+        valid_mask: optional bool tensor of shape x.shape[:-1]; tokens where it is
+        False (padding) are computed but not added to ``read_counts``.
+        """
+        if x.shape[-1] != self.d_model:
+            raise ValueError(f"x must have shape (..., d_model={self.d_model}), got {tuple(x.shape)}")
+        if valid_mask is not None and valid_mask.shape != x.shape[:-1]:
+            raise ValueError(
+                f"valid_mask must have shape x.shape[:-1] = {tuple(x.shape[:-1])}, got {tuple(valid_mask.shape)}"
+            )
+        flat = x.reshape(-1, self.d_model)
+        scores, indices = self.lookup(flat)
+        weights = torch.softmax(scores.float(), dim=-1)
+        num_tokens, per_token = flat.shape[0], self.heads * self.topk
+        counting = self.count_reads
+        read = weighted_gather(
+            self.values,
+            indices.view(num_tokens, per_token),
+            weights.view(num_tokens, per_token),
+            counts=self.read_counts if counting else None,
+            valid=valid_mask.reshape(-1).bool() if (counting and valid_mask is not None) else None,
+            update_rows=self.update_rows,
+            backend=self.backend,
+        )
+        gate = F.silu(self.gate_proj(flat))
+        out = self.out_proj(read.to(gate.dtype) * gate)
+        return out.view(*x.shape[:-1], self.d_model)
+
+    def extra_repr(self) -> str:
+        return (f"d_model={self.d_model}, n_keys={self.n_keys} (slots={self.num_slots}), heads={self.heads}, "
+                f"topk={self.topk}, key_dim={self.key_dim}, value_dim={self.value_dim}")

@@ -1,0 +1,7 @@
+"""Public ops. Each validates its arguments, picks a backend and dispatches to a
+``torch.library`` custom op (so models using them compile without graph breaks).
+"""
+from smf_kernels.ops.product_key_topk import product_key_topk
+from smf_kernels.ops.weighted_gather import weighted_gather
+
+__all__ = ["product_key_topk", "weighted_gather"]

@@ -1,0 +1,129 @@
+"""Weighted gather with read histogram (SPEC §1 steps 5 and read counts) and its
+dense / row-sparse backward, as custom ops tied together by an autograd.Function.
+
+The forward op mutates ``counts``; torch.library does not attach autograd to
+mutating ops, so the autograd.Function below wraps the custom ops (torch.compile
+traces it without graph breaks).
+"""
+from __future__ import annotations
+
+import torch
+
+from smf_kernels._checks import check_gather_args
+from smf_kernels.backends import implementation, resolve_backend
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+@torch.library.custom_op("smf_kernels::weighted_gather_forward", mutates_args=("counts",))
+def _forward(
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    weights: torch.Tensor,
+    counts: torch.Tensor | None,
+    valid: torch.Tensor | None,
+    backend: str,
+) -> torch.Tensor:
+    return implementation(backend).gather_forward(values, indices, weights, counts, valid)
+
+
+@_forward.register_fake
+def _(values, indices, weights, counts, valid, backend):
+    return values.new_empty(indices.shape[0], values.shape[1])
+
+
+@torch.library.custom_op("smf_kernels::weighted_gather_backward_weights", mutates_args=())
+def _backward_weights(grad_out: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, backend: str) -> torch.Tensor:
+    return implementation(backend).gather_backward_weights(grad_out, values, indices)
+
+
+@_backward_weights.register_fake
+def _(grad_out, values, indices, backend):
+    return grad_out.new_empty(indices.shape, dtype=_accumulation_dtype(values.dtype))
+
+
+@torch.library.custom_op("smf_kernels::weighted_gather_backward_values", mutates_args=())
+def _backward_values(
+    grad_out: torch.Tensor,
+    indices: torch.Tensor,
+    weights: torch.Tensor,
+    num_rows: int,
+    update_rows: torch.Tensor | None,
+    backend: str,
+    deterministic: bool,
+) -> torch.Tensor:
+    return implementation(backend).gather_backward_values(
+        grad_out, indices, weights, num_rows, update_rows, deterministic
+    )
+
+
+@_backward_values.register_fake
+def _(grad_out, indices, weights, num_rows, update_rows, backend, deterministic):
+    rows = num_rows if update_rows is None else update_rows.shape[0]
+    return grad_out.new_empty(rows, grad_out.shape[1], dtype=_accumulation_dtype(grad_out.dtype))
+
+
+class _WeightedGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, values, indices, weights, counts, valid, update_rows, backend):
+        ctx.save_for_backward(values, indices, weights, update_rows)
+        ctx.backend = backend
+        return _forward(values, indices, weights, counts, valid, backend)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        values, indices, weights, update_rows = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        grad_values = grad_weights = None
+        if ctx.needs_input_grad[0]:
+            deterministic = torch.are_deterministic_algorithms_enabled()
+            compact = _backward_values(
+                grad_out, indices, weights, values.shape[0], update_rows, ctx.backend, deterministic
+            ).to(values.dtype)
+            if update_rows is None:
+                grad_values = compact
+            else:  # the nn.Embedding(sparse=True) convention: a COO tensor with T rows
+                grad_values = torch.sparse_coo_tensor(
+                    update_rows.unsqueeze(0), compact, values.shape, is_coalesced=True, check_invariants=False
+                )
+        if ctx.needs_input_grad[2]:
+            grad_weights = _backward_weights(grad_out, values, indices, ctx.backend).to(weights.dtype)
+        return grad_values, None, grad_weights, None, None, None, None
+
+
+def weighted_gather(
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    counts: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
+    update_rows: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """``out[n] = sum_l weights[n, l] * values[indices[n, l]]``, with a read histogram.
+
+    Args:
+        values: (M, D) float tensor (any D; accumulation is fp32).
+        indices: (N, L) int64 rows in [0, M).
+        weights: (N, L) float tensor.
+        counts: optional (M,) int64; every (token, slot) read of a valid token
+            adds 1 to ``counts[slot]`` in place, in the same pass as the gather.
+        valid: optional (N,) bool; tokens with ``valid[n] == False`` (padding)
+            are computed but not counted. Requires ``counts``.
+        update_rows: optional (T,) int64 distinct rows. When given, the gradient
+            w.r.t. ``values`` is a sparse COO tensor holding only these rows
+            (sorted ascending; reads of other rows get no gradient), and no dense
+            (M, D) buffer is allocated. Without it the gradient is dense.
+        backend: "torch", "triton", "ext" or None (see :mod:`smf_kernels.backends`).
+
+    Returns:
+        (N, D) tensor in values' dtype; differentiable w.r.t. values and weights.
+    """
+    check_gather_args(values, indices, weights, counts, valid, update_rows)
+    name = resolve_backend(backend, values.device)
+    if update_rows is not None:
+        update_rows = update_rows.sort().values  # sorted rows => the COO gradient is coalesced
+    return _WeightedGather.apply(values, indices, weights, counts, valid, update_rows, name)

@@ -1,0 +1,24 @@
+"""Test-wide environment. Must run before any module defines a @triton.jit kernel."""
+import os
+
+# Triton kernels run on CPU only through the interpreter; it must be enabled
+# before triton.jit decorators execute (i.e. before smf_kernels is imported).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+# No network here: make every Hugging Face hub call fail at once instead of
+# hanging ~47 s per call.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _seed_and_restore_determinism():
+    """Fresh, reproducible random inputs per test; restore global torch flags after."""
+    torch.manual_seed(0)
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    yield
+    torch.use_deterministic_algorithms(was_deterministic)
