@@ -63,8 +63,13 @@ def available_backends(device: torch.device | str = "cpu") -> list[str]:
     return [name for name in order if unavailable_reason(name, device) is None]
 
 
+@torch.compiler.assume_constant_result
 def resolve_backend(backend: str | None, device: torch.device) -> str:
-    """Name of the backend to run on ``device``; raises if the choice cannot run."""
+    """Name of the backend to run on ``device``; raises if the choice cannot run.
+
+    torch.compile evaluates this once while tracing and bakes the answer into
+    the graph (the environment is not re-read on every call of a compiled model).
+    """
     requested = backend if backend is not None else os.environ.get(ENV_VAR) or None
     if requested is None:
         return available_backends(device)[0]

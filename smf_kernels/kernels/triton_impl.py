@@ -1,0 +1,46 @@
+"""The ``triton`` backend: CUDA tensors, or CPU tensors under TRITON_INTERPRET=1."""
+from __future__ import annotations
+
+import torch
+
+from smf_kernels.backends import triton_interpreter_enabled
+from smf_kernels.kernels import triton_gather, triton_topk
+from smf_kernels.kernels.torch_impl import row_to_slot_map
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    if device.type == "cuda":
+        return None
+    if device.type == "cpu" and triton_interpreter_enabled():
+        return None
+    return ("Triton kernels need CUDA tensors (or, on CPU, the Triton interpreter: set "
+            "TRITON_INTERPRET=1 before importing smf_kernels)")
+
+
+def _check_dtype(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in _DTYPES:
+        raise TypeError(f"the triton backend supports {name} in float32/bfloat16/float16, got {t.dtype}")
+
+
+def topk_forward(query, keys, topk):
+    _check_dtype("query", query)
+    return triton_topk.product_key_topk(query, keys, topk)
+
+
+def gather_forward(values, indices, weights, counts, valid):
+    _check_dtype("values", values)
+    _check_dtype("weights", weights)
+    return triton_gather.gather_forward(values, indices, weights, counts, valid)
+
+
+def gather_backward_weights(grad_out, values, indices):
+    return triton_gather.gather_backward_weights(grad_out, values, indices)
+
+
+def gather_backward_values(grad_out, indices, weights, num_rows, update_rows, deterministic):
+    slots = None if update_rows is None else row_to_slot_map(update_rows, num_rows)
+    out_rows = num_rows if update_rows is None else update_rows.numel()
+    accumulate = triton_gather.segment_rows if deterministic else triton_gather.scatter_rows
+    return accumulate(grad_out, indices, weights, slots, out_rows)
