@@ -1,0 +1,122 @@
+"""MedMCQA accuracy (SPEC §6): pick the option whose continuation has the highest mean log-likelihood.
+
+Each option is scored as the continuation ``" {label}. {option}"`` of the question prompt.
+Tokenisation at the boundary: the prompt is tokenised on its own (with the tokenizer's usual
+special tokens) and each continuation on its own (no special tokens), and the two id lists are
+concatenated. The scored tokens are therefore exactly ``tokenizer(continuation)``, the same for
+every prompt, and a merge across the boundary can never move tokens between prompt and option.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from smf.eval.common import batched, evaluating, model_device, pad_batch, pad_token_id, write_jsonl
+
+logger = logging.getLogger(__name__)
+
+OPTION_LABELS = ("A", "B", "C", "D")
+OPTION_FIELDS = ("opa", "opb", "opc", "opd")
+
+
+# --- Private copy of the prompt, to be replaced by smf.data.medmcqa.format_prompt /
+# --- option_continuations (the one definition) as soon as that module lands.
+def format_prompt(example: dict) -> str:
+    """The question, then the four options labelled A-D, one per line, ending in ``Answer:``."""
+    options = "\n".join(f"{label}. {example[field]}" for label, field in zip(OPTION_LABELS, OPTION_FIELDS))
+    return f"Question: {example['question']}\n{options}\nAnswer:"
+
+
+def option_continuations(example: dict) -> list[str]:
+    """The four continuations ``" {label}. {option}"`` in label order."""
+    return [f" {label}. {example[field]}" for label, field in zip(OPTION_LABELS, OPTION_FIELDS)]
+# --- End of the private copy.
+
+
+def single_answer_slice(examples: Sequence[dict], limit: int | None = 1000) -> list[dict]:
+    """The first ``limit`` examples with ``choice_type == "single"`` (all of them for None)."""
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"limit must be a positive int or None, got {limit!r}")
+    single = [example for example in examples if example["choice_type"] == "single"]
+    return single if limit is None else single[:limit]
+
+
+def encode_options(tokenizer, example: dict) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, continuation ids) for each of the four options, tokenised separately."""
+    prompt_ids = tokenizer(format_prompt(example))["input_ids"]
+    encoded = []
+    for continuation in option_continuations(example):
+        continuation_ids = tokenizer(continuation, add_special_tokens=False)["input_ids"]
+        if not prompt_ids or not continuation_ids:
+            raise ValueError(f"example {example.get('id')!r}: prompt and continuation must tokenise to >= 1 token")
+        encoded.append((list(prompt_ids), list(continuation_ids)))
+    return encoded
+
+
+def mean_continuation_logprobs(
+    model: nn.Module, pairs: Sequence[tuple[list[int], list[int]]], pad_id: int
+) -> torch.Tensor:
+    """Mean per-token log-probability of each continuation given its prompt, in one forward pass.
+
+    pairs: S (prompt ids, continuation ids) pairs, right-padded into one (S, L) batch.
+    Returns (S,) float32 on the CPU.
+    """
+    device = model_device(model)
+    input_ids, attention_mask = pad_batch([prompt + cont for prompt, cont in pairs], pad_id, left=False)
+    # is_target[s, t]: token t of sequence s belongs to the continuation.
+    is_target = torch.zeros_like(input_ids, dtype=torch.bool)
+    for row, (prompt, cont) in enumerate(pairs):
+        is_target[row, len(prompt):len(prompt) + len(cont)] = True
+    input_ids, attention_mask, is_target = input_ids.to(device), attention_mask.to(device), is_target.to(device)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # (S, L, V)
+    # Logits at position t predict token t + 1: keep only the rows that predict a target.
+    predicts_target = is_target[:, 1:]
+    selected = logits[:, :-1][predicts_target].float()  # (K, V)
+    targets = input_ids[:, 1:][predicts_target]  # (K,)
+    token_logprobs = torch.log_softmax(selected, dim=-1).gather(1, targets[:, None]).squeeze(1)
+    sequence_of_token = torch.arange(len(pairs), device=device)[:, None].expand_as(predicts_target)[predicts_target]
+    sums = torch.zeros(len(pairs), device=device).index_add_(0, sequence_of_token, token_logprobs)
+    return (sums / predicts_target.sum(dim=1)).cpu()
+
+
+def evaluate_medmcqa(
+    model: nn.Module,
+    tokenizer,
+    examples: Sequence[dict],
+    *,
+    limit: int | None = 1000,
+    questions_per_batch: int = 8,
+    output_path: str | Path | None = None,
+) -> float:
+    """Accuracy on the first ``limit`` single-answer examples (MedMCQA schema: question, opa-opd, cop).
+
+    All four options of ``questions_per_batch`` questions go through the model as one padded
+    batch. With ``output_path``, writes one JSON line per question: id, scores (mean
+    log-likelihood per option, A-D), prediction (0-3), cop, correct.
+    """
+    questions = single_answer_slice(examples, limit)
+    if not questions:
+        raise ValueError("examples holds no single-answer (choice_type == 'single') question")
+    for example in questions:
+        if example["cop"] not in (0, 1, 2, 3):
+            raise ValueError(f"example {example.get('id')!r}: cop must be 0-3, got {example['cop']!r}")
+    pad_id = pad_token_id(tokenizer)
+    records = []
+    with evaluating(model):
+        for batch in tqdm(list(batched(questions, questions_per_batch)), desc="MedMCQA", unit="batch"):
+            pairs = [pair for example in batch for pair in encode_options(tokenizer, example)]
+            scores = mean_continuation_logprobs(model, pairs, pad_id).view(len(batch), len(OPTION_LABELS))
+            for example, option_scores in zip(batch, scores):
+                prediction = int(option_scores.argmax())
+                records.append({"id": example.get("id"), "scores": option_scores.tolist(), "prediction": prediction,
+                                "cop": int(example["cop"]), "correct": prediction == int(example["cop"])})
+    accuracy = sum(record["correct"] for record in records) / len(records)
+    logger.info("MedMCQA accuracy %.4f on %d questions", accuracy, len(records))
+    if output_path is not None:
+        write_jsonl(output_path, records)
+    return accuracy

@@ -1,0 +1,105 @@
+"""WikiText perplexity (SPEC §6): sliding-window NLL over the concatenated test split.
+
+The rows' ``text`` fields are joined with ``"\\n\\n"`` and tokenised once. Windows of ``window``
+tokens start every ``stride`` tokens; the first window scores all of its tokens (except token 0,
+which nothing predicts), each later window only the tokens after the previous window's end. So
+every token after the first is predicted exactly once, with at least ``window - stride`` tokens
+of context once the text is long enough (the recipe of the HF perplexity guide).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from smf.eval.common import batched, evaluating, model_device, pad_batch, pad_token_id, write_jsonl
+
+logger = logging.getLogger(__name__)
+
+
+def sliding_windows(num_tokens: int, window: int, stride: int) -> list[tuple[int, int, int]]:
+    """The windows over a text of ``num_tokens`` tokens as (begin, end, first_target) triples.
+
+    A window feeds tokens ``[begin, end)`` to the model and scores the tokens
+    ``[first_target, end)``. Requires ``0 < stride < window`` (with ``stride == window`` the
+    first token of each window would never be predicted) and ``num_tokens >= 2``.
+    """
+    for name, value in (("num_tokens", num_tokens), ("window", window), ("stride", stride)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an int, got {value!r}")
+    if not 0 < stride < window:
+        raise ValueError(f"need 0 < stride < window, got stride={stride}, window={window}")
+    if num_tokens < 2:
+        raise ValueError(f"num_tokens must be >= 2 (token 0 is never predicted), got {num_tokens}")
+    windows, previous_end = [], 0
+    for begin in range(0, num_tokens, stride):
+        end = min(begin + window, num_tokens)
+        windows.append((begin, end, max(previous_end, begin + 1)))
+        previous_end = end
+        if end == num_tokens:
+            break
+    return windows
+
+
+def window_nll_sums(model: nn.Module, token_ids: torch.Tensor, windows: Sequence[tuple[int, int, int]],
+                    pad_id: int) -> torch.Tensor:
+    """Summed NLL (nats) of each window's scored tokens, the windows run as one right-padded batch.
+
+    token_ids: (num_tokens,) int64. Returns (len(windows),) float64 on the CPU.
+    """
+    device = model_device(model)
+    input_ids, attention_mask = pad_batch([token_ids[begin:end].tolist() for begin, end, _ in windows],
+                                          pad_id, left=False)
+    is_target = torch.zeros_like(input_ids, dtype=torch.bool)
+    for row, (begin, end, first_target) in enumerate(windows):
+        is_target[row, first_target - begin:end - begin] = True
+    input_ids, attention_mask, is_target = input_ids.to(device), attention_mask.to(device), is_target.to(device)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # (B, L, V)
+    predicts_target = is_target[:, 1:]
+    nll = torch.nn.functional.cross_entropy(
+        logits[:, :-1][predicts_target].float(), input_ids[:, 1:][predicts_target], reduction="none"
+    )
+    window_of_token = torch.arange(len(windows), device=device)[:, None].expand_as(predicts_target)[predicts_target]
+    sums = torch.zeros(len(windows), dtype=torch.float64, device=device)
+    return sums.index_add_(0, window_of_token, nll.double()).cpu()
+
+
+def evaluate_wikitext(
+    model: nn.Module,
+    tokenizer,
+    rows: Sequence[dict],
+    *,
+    window: int = 1024,
+    stride: int = 512,
+    windows_per_batch: int = 8,
+    output_path: str | Path | None = None,
+) -> float:
+    """Perplexity ``exp(mean NLL)`` of the rows' concatenated ``text`` (WikiText schema).
+
+    With ``output_path``, writes one JSON line per window: window, begin, end, scored (number
+    of tokens scored), nll_sum.
+    """
+    if not rows:
+        raise ValueError("rows must hold at least one {'text': ...} row")
+    text = "\n\n".join(row["text"] for row in rows)
+    token_ids = torch.as_tensor(tokenizer(text)["input_ids"], dtype=torch.int64)
+    windows = sliding_windows(len(token_ids), window, stride)
+    pad_id = pad_token_id(tokenizer)
+    nll_sums = []
+    with evaluating(model):
+        for batch in tqdm(list(batched(windows, windows_per_batch)), desc="WikiText", unit="batch"):
+            nll_sums.append(window_nll_sums(model, token_ids, batch, pad_id))
+    nll_sums = torch.cat(nll_sums)
+    scored = sum(end - first_target for _, end, first_target in windows)  # == len(token_ids) - 1
+    perplexity = math.exp(nll_sums.sum().item() / scored)
+    logger.info("WikiText perplexity %.4f over %d scored tokens in %d windows", perplexity, scored, len(windows))
+    if output_path is not None:
+        write_jsonl(output_path, ({"window": i, "begin": begin, "end": end, "scored": end - first_target,
+                                   "nll_sum": nll_sum} for i, ((begin, end, first_target), nll_sum)
+                                  in enumerate(zip(windows, nll_sums.tolist()))))
+    return perplexity
