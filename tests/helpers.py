@@ -1,0 +1,24 @@
+"""Shared test utilities for the op tests."""
+from __future__ import annotations
+
+import torch
+
+from smf_kernels.backends import unavailable_reason
+
+
+def backends_under_test() -> list[str]:
+    """torch, triton (interpreter on CPU) and ext when it is built."""
+    names = ["torch", "triton", "ext"]
+    return [n for n in names if unavailable_reason(n, torch.device("cpu")) is None]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64 (dense views of sparse tensors)."""
+    out = out.to_dense() if out.is_sparse else out
+    ref = ref.to_dense() if ref.is_sparse else ref
+    out, ref = out.detach().double(), ref.detach().double()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+# Relative error bounds that fit the precision of each input dtype.
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float64: 1e-12}

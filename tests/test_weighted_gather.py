@@ -1,0 +1,194 @@
+"""weighted_gather: every backend against the reference, forward, histogram, dense and sparse backward."""
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from helpers import TOL, backends_under_test, rel_err
+from smf_kernels.ops import weighted_gather
+from smf_kernels.reference import weighted_gather_reference
+
+BACKENDS = backends_under_test()
+# (M, D, N, L): D not a power of two (96 = 896/ 9.33..., 130 spans two 128-wide tiles),
+# N not a multiple of any block.
+SHAPES = [(50, 96, 37, 8), (300, 130, 21, 12)]
+
+
+def _inputs(shape, dtype, requires_grad=False):
+    m, d, n, l = shape
+    values = torch.randn(m, d).to(dtype).requires_grad_(requires_grad)
+    indices = torch.randint(0, m, (n, l))
+    weights = torch.softmax(torch.randn(n, l), -1).requires_grad_(requires_grad)
+    return values, indices, weights
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_matches_reference(backend, shape, dtype):
+    values, indices, weights = _inputs(shape, dtype)
+    out = weighted_gather(values, indices, weights, backend=backend)
+    ref = weighted_gather_reference(values.double(), indices, weights.double())
+    assert out.dtype == dtype and out.shape == (shape[2], shape[1])
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_histogram_is_exact_and_skips_padding(backend):
+    values, indices, weights = _inputs(SHAPES[0], torch.float32)
+    indices[0, :4] = 7  # repeated slot within one token
+    valid = torch.rand(indices.shape[0]) > 0.3
+    valid[0] = True
+    counts = torch.randint(0, 5, (values.shape[0],))  # counts accumulate onto what is there
+    expected = counts + torch.bincount(indices[valid].flatten(), minlength=values.shape[0])
+    out = weighted_gather(values, indices, weights, counts=counts, valid=valid, backend=backend)
+    assert torch.equal(counts, expected)
+    # padding is still computed
+    assert rel_err(out, weighted_gather_reference(values, indices, weights)) < 1e-5
+    all_counts = torch.zeros_like(counts)
+    weighted_gather(values, indices, weights, counts=all_counts, backend=backend)
+    assert torch.equal(all_counts, torch.bincount(indices.flatten(), minlength=values.shape[0]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_backward_matches_reference(backend, dtype):
+    values, indices, weights = _inputs(SHAPES[1], dtype, requires_grad=True)
+    out = weighted_gather(values, indices, weights, backend=backend)
+    ref = weighted_gather_reference(values.double(), indices, weights.double())
+    grad = torch.randn(out.shape, dtype=torch.float64)
+    got = torch.autograd.grad(out, (values, weights), grad.to(dtype))
+    want = torch.autograd.grad(ref, (values, weights), grad)
+    assert got[0].dtype == dtype and got[0].layout == torch.strided
+    assert rel_err(got[0], want[0]) < TOL[dtype]
+    assert rel_err(got[1], want[1]) < TOL[dtype]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_sparse_backward_is_dense_restricted_to_update_rows(backend, deterministic):
+    torch.use_deterministic_algorithms(deterministic)
+    values, indices, weights = _inputs(SHAPES[0], torch.float32, requires_grad=True)
+    rows = torch.cat([indices[:3, 0].unique(), torch.tensor([49])])  # read rows + one maybe unread
+    rows = rows.unique()[torch.randperm(rows.unique().numel())]  # distinct, unsorted
+    grad = torch.randn(indices.shape[0], values.shape[1])
+    dense = torch.autograd.grad(weighted_gather(values, indices, weights, backend=backend), values, grad)[0]
+    out = weighted_gather(values, indices, weights, update_rows=rows, backend=backend)
+    sparse, grad_weights = torch.autograd.grad(out, (values, weights), grad)
+    assert sparse.layout == torch.sparse_coo and sparse.is_coalesced()
+    assert torch.equal(sparse.indices()[0], rows.sort().values), "exactly the update rows, nothing else"
+    assert sparse.values().shape == (rows.numel(), values.shape[1])
+    assert rel_err(sparse.to_dense()[rows], dense[rows]) < 1e-6
+    expected_weights = torch.autograd.grad(weighted_gather_reference(values, indices, weights), weights, grad)[0]
+    assert rel_err(grad_weights, expected_weights) < 1e-5
+
+
+class _LargestAllocation(TorchDispatchMode):
+    """Records the largest number of elements of any tensor an op returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and not t.is_sparse:
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_sparse_backward_never_allocates_dense_gradient(backend, deterministic):
+    torch.use_deterministic_algorithms(deterministic)
+    num_rows, dim = 20_000, 16
+    values = torch.randn(num_rows, dim, requires_grad=True)
+    indices = torch.randint(0, num_rows, (9, 6))
+    weights = torch.rand(9, 6)
+    rows = indices[:2].flatten().unique()
+    out = weighted_gather(values, indices, weights, update_rows=rows, backend=backend)
+    recorder = _LargestAllocation()
+    with recorder:
+        (grad,) = torch.autograd.grad(out, values, torch.randn_like(out))
+    assert grad.is_sparse
+    assert recorder.largest < num_rows * dim // 4, f"a {recorder.largest}-element buffer was allocated"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_deterministic_backward_is_bit_reproducible(backend):
+    torch.use_deterministic_algorithms(True)
+    values, indices, weights = _inputs(SHAPES[1], torch.float32, requires_grad=True)
+    indices[:, :4] = indices[0, 0]  # a hot row read by every token
+    grad = torch.randn(indices.shape[0], values.shape[1])
+
+    def run():
+        out = weighted_gather(values, indices, weights, backend=backend)
+        return torch.autograd.grad(out, (values, weights), grad)
+
+    first, second = run(), run()
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_reference_gradcheck_float64():
+    values, indices, weights = _inputs((9, 5, 4, 3), torch.float64, requires_grad=True)
+    weights = weights.detach().double().requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda v, w: weighted_gather_reference(v, indices, w), (values, weights))
+
+
+def test_custom_op_gradcheck_float64_and_opcheck():
+    values, indices, weights = _inputs((9, 5, 4, 3), torch.float64, requires_grad=True)
+    weights = weights.detach().double().requires_grad_(True)
+    fn = lambda v, w: weighted_gather(v, indices, w, backend="torch")  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (values, weights))
+    counts = torch.zeros(9, dtype=torch.int64)
+    ops = torch.ops.smf_kernels
+    torch.library.opcheck(ops.weighted_gather_forward.default,
+                          (values.detach(), indices, weights.detach(), counts, None, "torch"))
+    grad = torch.randn(4, 5, dtype=torch.float64)
+    torch.library.opcheck(ops.weighted_gather_backward_weights.default, (grad, values.detach(), indices, "torch"))
+    torch.library.opcheck(ops.weighted_gather_backward_values.default,
+                          (grad, indices, weights.detach(), 9, torch.tensor([1, 4]), "torch", False))
+
+
+def test_out_of_range_indices_raise():
+    values, indices, weights = _inputs(SHAPES[0], torch.float32)
+    indices[3, 2] = values.shape[0]
+    with pytest.raises(IndexError, match=r"indices must lie in \[0, 50\)"):
+        weighted_gather(values, indices, weights)
+    indices[3, 2] = -1
+    with pytest.raises(IndexError, match="indices must lie in"):
+        weighted_gather(values, indices, weights)
+    indices[3, 2] = 0
+    with pytest.raises(IndexError, match="update_rows must lie in"):
+        weighted_gather(values, indices, weights, update_rows=torch.tensor([0, 50]))
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (dict(values=torch.randn(50)), ValueError, r"values must have shape \(M, D\)"),
+        (dict(indices=torch.zeros(37, 8, dtype=torch.int32)), TypeError, "indices must have dtype in"),
+        (dict(weights=torch.rand(37, 7)), ValueError, "weights must have the shape of indices"),
+        (dict(weights=torch.rand(37, 8).long()), TypeError, "weights must have dtype"),
+        (dict(counts=torch.zeros(49, dtype=torch.int64)), ValueError, r"counts must have shape \(M,\)"),
+        (dict(counts=torch.zeros(50)), TypeError, "counts must have dtype"),
+        (dict(counts=torch.zeros(50, dtype=torch.int64), valid=torch.ones(36, dtype=torch.bool)), ValueError,
+         r"valid must have shape \(N,\)"),
+        (dict(valid=torch.ones(37, dtype=torch.bool)), ValueError, "pass counts too"),
+        (dict(update_rows=torch.tensor([3, 5, 3])), ValueError, "distinct"),
+        (dict(update_rows=torch.tensor([[3]])), ValueError, r"update_rows must have shape \(T,\)"),
+        (dict(weights=torch.rand(37, 8, device="meta")), ValueError, "same device"),
+    ],
+)
+def test_bad_arguments_raise(change, error, match):
+    values, indices, weights = _inputs(SHAPES[0], torch.float32)
+    args = dict(values=values, indices=indices, weights=weights)
+    args.update(change)
+    with pytest.raises(error, match=match):
+        weighted_gather(args.pop("values"), args.pop("indices"), args.pop("weights"), **args)
+
+
+def test_unavailable_backend_raises_clearly():
+    values, indices, weights = _inputs(SHAPES[0], torch.float32)
+    with pytest.raises(RuntimeError, match="unknown backend 'cuda'"):
+        weighted_gather(values, indices, weights, backend="cuda")
