@@ -1,0 +1,43 @@
+"""Sparse Memory Finetuning machinery: background statistics, slot selection,
+row-sparse AdamW and a controller tying them to any model with ProductKeyMemory
+layers (SPEC §4, §5).
+
+Usage (stage 2; only the memory values, plus e.g. a +S scale, are trainable)::
+
+    from smf_kernels.sparse import BackgroundStats, RowSparseAdamW, SparseMemoryController
+
+    controller = SparseMemoryController(model, rule="kl", rows_per_step=512)
+    controller.collect_background(background_loader)      # batch size 1, or:
+    # controller.set_background(BackgroundStats.load("bg.safetensors", controller.memories))
+    optimizer = RowSparseAdamW(controller.value_parameters() + extra_params, lr=5e-4)
+
+    for step_batches in loader:                            # one optimizer step
+        controller.begin_step()
+        for micro_batch in step_batches:                   # gradient accumulation
+            loss = compute_loss(model, micro_batch) / len(step_batches)
+            loss.backward()
+        rows = controller.finish_step(optimizer, max_grad_norm=1.0)  # {layer name: rows}
+        scheduler.step()
+
+Under DDP, exclude ``controller.ddp_ignored_names()`` from DDP before wrapping
+(see :mod:`smf_kernels.sparse.controller`). The controller holds no state that
+changes during training (resume = same background file + optimizer state_dict).
+"""
+from smf_kernels.sparse.background import BackgroundStats
+from smf_kernels.sparse.clipping import clip_grad_norm_
+from smf_kernels.sparse.controller import SparseMemoryController
+from smf_kernels.sparse.dense_masked import mask_grad_rows_
+from smf_kernels.sparse.row_sparse_adamw import RowSparseAdamW
+from smf_kernels.sparse.selection import kl_scores, score_slots, select_top_rows, tfidf_scores
+
+__all__ = [
+    "BackgroundStats",
+    "RowSparseAdamW",
+    "SparseMemoryController",
+    "clip_grad_norm_",
+    "kl_scores",
+    "mask_grad_rows_",
+    "score_slots",
+    "select_top_rows",
+    "tfidf_scores",
+]

@@ -1,0 +1,122 @@
+"""Background read statistics of each memory layer (SPEC §4), saved with safetensors.
+
+Per layer: ``N`` background batches seen, the document frequency ``df(i)``
+(batches in which slot ``i`` was read at least once) and the token-level read
+total ``b(i)``. The file also records each layer's ``ProductKeyMemory.config()``
+so statistics cannot silently be used with a different memory.
+
+File layout (safetensors): tensors ``"{layer}.doc_freq"`` and ``"{layer}.reads"``
+((M,) int64 each); metadata ``"smf_background"`` = JSON
+``{"version": 1, "layers": {layer: {"config": {...}, "num_batches": N}}}``.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from smf_kernels._checks import check_tensor
+from smf_kernels.memory import ProductKeyMemory
+
+FORMAT_KEY = "smf_background"
+FORMAT_VERSION = 1
+
+
+class BackgroundStats:
+    """Background statistics for a set of named memory layers.
+
+    Args:
+        configs: layer name -> ``ProductKeyMemory.config()`` of that layer.
+
+    Attributes (per layer name):
+        num_batches: N, int.
+        doc_freq: (M,) int64 CPU tensor, df(i).
+        reads: (M,) int64 CPU tensor, b(i).
+    """
+
+    def __init__(self, configs: Mapping[str, dict]) -> None:
+        if not configs:
+            raise ValueError("configs must name at least one memory layer")
+        self.configs = {name: dict(config) for name, config in configs.items()}
+        self.num_batches = {name: 0 for name in self.configs}
+        self.doc_freq = {name: self._zeros(config) for name, config in self.configs.items()}
+        self.reads = {name: self._zeros(config) for name, config in self.configs.items()}
+
+    @staticmethod
+    def _zeros(config: dict) -> torch.Tensor:
+        return torch.zeros(config["n_keys"] ** 2, dtype=torch.int64)
+
+    @classmethod
+    def for_memories(cls, memories: Mapping[str, ProductKeyMemory]) -> "BackgroundStats":
+        """Empty statistics for the named memories (e.g. ``SparseMemoryController.memories``)."""
+        return cls({name: memory.config() for name, memory in memories.items()})
+
+    def add_batch(self, name: str, counts: torch.Tensor) -> None:
+        """Add one background batch's read counts ((M,) int64, any device) of layer ``name``."""
+        if name not in self.configs:
+            raise KeyError(f"unknown memory layer {name!r}; known layers: {sorted(self.configs)}")
+        check_tensor("counts", counts, ndim=1, dtypes=(torch.int64,), shape_doc="(M,)")
+        if counts.shape != self.reads[name].shape:
+            raise ValueError(
+                f"counts of layer {name!r} must have shape (M,) = {tuple(self.reads[name].shape)}, "
+                f"got {tuple(counts.shape)}"
+            )
+        counts = counts.cpu()
+        self.num_batches[name] += 1
+        self.doc_freq[name] += (counts > 0).to(torch.int64)
+        self.reads[name] += counts
+
+    def check_matches(self, memories: Mapping[str, ProductKeyMemory]) -> None:
+        """Raise ValueError unless ``memories`` has exactly these layer names and configs."""
+        names, expected = set(memories), set(self.configs)
+        if names != expected:
+            raise ValueError(
+                f"background statistics are for memory layers {sorted(expected)} but the model has "
+                f"{sorted(names)}"
+            )
+        for name, memory in memories.items():
+            if memory.config() != self.configs[name]:
+                raise ValueError(
+                    f"background statistics of layer {name!r} were built for config {self.configs[name]}, "
+                    f"but the layer has config {memory.config()}"
+                )
+
+    def save(self, path: str | Path) -> None:
+        tensors = {}
+        for name in self.configs:
+            tensors[f"{name}.doc_freq"] = self.doc_freq[name].contiguous()
+            tensors[f"{name}.reads"] = self.reads[name].contiguous()
+        layers = {name: {"config": self.configs[name], "num_batches": self.num_batches[name]}
+                  for name in self.configs}
+        metadata = {FORMAT_KEY: json.dumps({"version": FORMAT_VERSION, "layers": layers})}
+        save_file(tensors, str(path), metadata=metadata)
+
+    @classmethod
+    def load(cls, path: str | Path, memories: Mapping[str, ProductKeyMemory] | None = None) -> "BackgroundStats":
+        """Load statistics saved by :meth:`save`; with ``memories``, also :meth:`check_matches` them."""
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+        if FORMAT_KEY not in metadata:
+            raise ValueError(f"{path} is not a background statistics file (no {FORMAT_KEY!r} metadata)")
+        header = json.loads(metadata[FORMAT_KEY])
+        if header.get("version") != FORMAT_VERSION:
+            raise ValueError(f"{path} has background statistics version {header.get('version')}, "
+                             f"expected {FORMAT_VERSION}")
+        tensors = load_file(str(path))
+        layers = header["layers"]
+        stats = cls({name: layer["config"] for name, layer in layers.items()})
+        for name, layer in layers.items():
+            stats.num_batches[name] = int(layer["num_batches"])
+            for field in ("doc_freq", "reads"):
+                tensor = tensors[f"{name}.{field}"]
+                if tensor.dtype != torch.int64 or tensor.shape != stats.reads[name].shape:
+                    raise ValueError(f"{path}: {name}.{field} must be (M,) = {tuple(stats.reads[name].shape)} "
+                                     f"int64, got {tuple(tensor.shape)} {tensor.dtype}")
+                getattr(stats, field)[name] = tensor
+        if memories is not None:
+            stats.check_matches(memories)
+        return stats

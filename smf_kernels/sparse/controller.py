@@ -1,0 +1,287 @@
+"""SparseMemoryController: per-step row selection and sparse updates for any model
+holding :class:`ProductKeyMemory` layers.
+
+How one optimizer step works (mode "row_sparse", the default):
+
+1. ``begin_step()`` zeroes every memory's ``read_counts``, turns read counting
+   on, and installs a forward pre-hook on each memory. Before each forward the
+   hook looks up (without grad) which slots that micro-batch reads and sets
+   them as the layer's ``update_rows``. So every backward writes a compact
+   sparse COO gradient holding just the rows the micro-batch read — never a
+   dense (M, D) buffer — and autograd sums these sparse gradients across
+   micro-batches ("compact accumulation"). The lookup runs twice per forward
+   (the hook's copy has no grad); the slot ids must be known before the forward
+   because the gather records ``update_rows`` when it runs. ``torch.unique`` in
+   the hook syncs with the host once per micro-batch and layer.
+2. The user runs forward/backward for each micro-batch as usual. Read counts
+   exclude padding when the model passes ``valid_mask`` to the memories. Rows
+   read only by padding positions get no gradient from that micro-batch; the
+   loss must not depend on padding positions (the usual convention).
+3. ``finish_step(optimizer)`` sums the step's counts over all ranks (one
+   all_reduce), scores them with the rule and background statistics and picks
+   the top ``min(T, #read)`` rows per layer — the same rows on every rank, from
+   the counts of the whole optimizer step. It then keeps only those rows of the
+   accumulated gradient, as a (T, D) buffer that is all-reduced and averaged over
+   ranks (the DDP convention), hands it to the optimizer as a coalesced sparse
+   gradient, optionally clips, steps, zeroes gradients and resets counts.
+
+Data parallelism: do not let DDP synchronise the memory values (sparse
+gradients do not go through DDP's reducer): before wrapping the model, call
+``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model,
+controller.ddp_ignored_names())``. The controller reduces counts and the
+selected rows' gradients itself over ``process_group`` (default: the world
+group whenever torch.distributed is initialised with more than one rank).
+
+Mode "dense_masked" reproduces the original SMF code for comparison (see
+:mod:`smf_kernels.sparse.dense_masked`): dense value gradients, masked to the
+selected rows at the step, to be used with torch.optim.AdamW.
+
+Limitation: activation checkpointing that re-runs a memory's forward during
+backward would count that micro-batch's reads twice.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from tqdm.auto import tqdm
+
+from smf_kernels.memory import ProductKeyMemory
+from smf_kernels.sparse.background import BackgroundStats
+from smf_kernels.sparse.clipping import clip_grad_norm_
+from smf_kernels.sparse.dense_masked import mask_grad_rows_
+from smf_kernels.sparse.selection import RULES, score_slots, select_top_rows
+
+logger = logging.getLogger(__name__)
+
+MODES = ("row_sparse", "dense_masked")
+
+
+def _default_forward(model: nn.Module, batch: Any) -> Any:
+    return model(**batch) if isinstance(batch, Mapping) else model(batch)
+
+
+def _set_rows_read_by_forward(memory: ProductKeyMemory, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook: update_rows := the distinct slots this forward will read."""
+    x = args[0] if args else kwargs["x"]
+    with torch.no_grad():
+        _, slots = memory.lookup(x.reshape(-1, memory.d_model))
+    memory.set_update_rows(torch.unique(slots))
+
+
+class SparseMemoryController:
+    """Selects and updates the value rows of every ProductKeyMemory in ``model`` (see module docstring).
+
+    Args:
+        model: any nn.Module; its ProductKeyMemory submodules are found with
+            ``named_modules()`` and named by module path.
+        rule: "tfidf" or "kl" (SPEC §4).
+        rows_per_step: T, rows selected per layer per optimizer step.
+        background: statistics for these memories (or collect them later with
+            :meth:`collect_background`, or assign with :meth:`set_background`).
+        mode: "row_sparse" (sparse gradients; use :class:`RowSparseAdamW`) or
+            "dense_masked" (dense masked gradients; torch.optim.AdamW).
+        process_group: group to reduce counts and gradients over; None = the
+            default group when torch.distributed is initialised with world size > 1.
+    """
+
+    def __init__(self, model: nn.Module, *, rule: str = "tfidf", rows_per_step: int = 512,
+                 background: BackgroundStats | None = None, mode: str = "row_sparse",
+                 process_group: Any = None) -> None:
+        if rule not in RULES:
+            raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if isinstance(rows_per_step, bool) or not isinstance(rows_per_step, int) or rows_per_step < 1:
+            raise ValueError(f"rows_per_step must be a positive int, got {rows_per_step!r}")
+        self.model = model
+        self.memories = {name: module for name, module in model.named_modules()
+                         if isinstance(module, ProductKeyMemory)}
+        if not self.memories:
+            raise ValueError("model holds no ProductKeyMemory module")
+        self.rule, self.rows_per_step, self.mode = rule, rows_per_step, mode
+        self.process_group = process_group
+        self.background: BackgroundStats | None = None
+        self._hooks: list = []
+        self._in_step = False
+        if background is not None:
+            self.set_background(background)
+
+    # ----------------------------------------------------------------- setup
+    def value_parameters(self) -> list[nn.Parameter]:
+        """The memories' ``values`` parameters, in layer order."""
+        return [memory.values for memory in self.memories.values()]
+
+    def ddp_ignored_names(self) -> list[str]:
+        """Parameter names (in ``model``) that DDP must not synchronise: the memories' values."""
+        return [f"{name}.values" if name else "values" for name in self.memories]
+
+    def set_background(self, background: BackgroundStats) -> None:
+        """Use ``background`` for scoring; raises ValueError if it was built for other memories."""
+        background.check_matches(self.memories)
+        self.background = background
+        self._stats_on_device = {
+            name: (background.doc_freq[name].to(memory.read_counts.device),
+                   background.reads[name].to(memory.read_counts.device))
+            for name, memory in self.memories.items()
+        }
+
+    def _world(self) -> int:
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_world_size(self.process_group)
+        return 1
+
+    def _all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        if self._world() > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group)
+
+    # ------------------------------------------------------- background stats
+    @torch.no_grad()
+    def collect_background(self, batches: Iterable, *, forward: Callable[[nn.Module, Any], Any] | None = None,
+                           max_batches: int | None = None) -> BackgroundStats:
+        """Count reads over ``batches`` (model in eval mode, one batch = one document) and use the result.
+
+        Each batch should hold a single example (the paper's batch size 1), so
+        that ``df`` counts documents. ``forward(model, batch)`` runs the model
+        (default ``model(**batch)`` for mappings, else ``model(batch)``). Under
+        torch.distributed, every rank counts its own batches and the totals are
+        summed across ranks.
+        """
+        if self._in_step:
+            raise RuntimeError("collect_background cannot run between begin_step() and finish_step()")
+        forward = forward or _default_forward
+        stats = BackgroundStats.for_memories(self.memories)
+        was_training = self.model.training
+        self.model.eval()
+        for memory in self.memories.values():
+            memory.set_update_rows(None)
+            memory.set_read_counting(True)
+        try:
+            total = max_batches if max_batches is not None else (len(batches) if hasattr(batches, "__len__") else None)
+            for index, batch in enumerate(tqdm(batches, total=total, desc="background statistics")):
+                if max_batches is not None and index >= max_batches:
+                    break
+                for memory in self.memories.values():
+                    memory.reset_read_counts()
+                forward(self.model, batch)
+                for name, memory in self.memories.items():
+                    stats.add_batch(name, memory.read_counts)
+        finally:
+            for memory in self.memories.values():
+                memory.set_read_counting(False)
+                memory.reset_read_counts()
+            self.model.train(was_training)
+        if self._world() > 1:
+            for name, memory in self.memories.items():
+                device = memory.read_counts.device
+                packed = torch.cat([stats.doc_freq[name], stats.reads[name],
+                                    torch.tensor([stats.num_batches[name]])]).to(device)
+                self._all_reduce_sum(packed)
+                packed = packed.cpu()
+                num_slots = memory.num_slots
+                stats.doc_freq[name] = packed[:num_slots].clone()
+                stats.reads[name] = packed[num_slots:2 * num_slots].clone()
+                stats.num_batches[name] = int(packed[-1])
+        logger.info("background statistics from %d batches", next(iter(stats.num_batches.values())))
+        self.set_background(stats)
+        return stats
+
+    # ------------------------------------------------------------ train steps
+    def begin_step(self) -> None:
+        """Start an optimizer step: zero counts, count reads, route value gradients."""
+        if self.background is None:
+            raise RuntimeError("no background statistics: pass background=, call set_background() "
+                               "or collect_background() first")
+        if self._in_step:
+            raise RuntimeError("begin_step() called twice without finish_step()")
+        for name, memory in self.memories.items():
+            if not memory.values.requires_grad:
+                raise RuntimeError(f"{name}.values does not require grad; nothing to train")
+            memory.reset_read_counts()
+            memory.set_read_counting(True)
+            memory.set_update_rows(None)
+            if self.mode == "row_sparse":
+                self._hooks.append(memory.register_forward_pre_hook(_set_rows_read_by_forward, with_kwargs=True))
+        self._in_step = True
+
+    def finish_step(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None
+                    ) -> dict[str, torch.Tensor]:
+        """Select rows from the step's counts, restrict value gradients to them, step and reset.
+
+        Clips all gradients of ``optimizer``'s parameters to ``max_grad_norm``
+        (sparse-aware) when given, calls ``optimizer.step()`` and
+        ``optimizer.zero_grad(set_to_none=True)``.
+
+        Returns:
+            layer name -> (T',) int64 selected rows (ascending), T' = min(T, #read).
+        """
+        if not self._in_step:
+            raise RuntimeError("finish_step() called without begin_step()")
+        self._end_step()
+        counts = self._step_counts()
+        selected = {}
+        for name, memory in self.memories.items():
+            doc_freq, reads = self._stats_on_device[name]
+            scores = score_slots(self.rule, counts[name], doc_freq, reads, self.background.num_batches[name])
+            selected[name] = select_top_rows(scores, counts[name], self.rows_per_step)
+            if self.mode == "row_sparse":
+                self._restrict_sparse_grad(memory.values, selected[name])
+            else:
+                self._restrict_dense_grad(memory.values, selected[name])
+        if max_grad_norm is not None:
+            clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        for memory in self.memories.values():
+            memory.reset_read_counts()
+        return selected
+
+    def _end_step(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        for memory in self.memories.values():
+            memory.set_read_counting(False)
+            memory.set_update_rows(None)
+        self._in_step = False
+
+    def _step_counts(self) -> dict[str, torch.Tensor]:
+        """Each layer's (M,) int64 read counts of the whole step, summed over ranks (one all_reduce)."""
+        names = list(self.memories)
+        packed = torch.cat([self.memories[name].read_counts for name in names])
+        self._all_reduce_sum(packed)
+        return dict(zip(names, packed.split([self.memories[name].num_slots for name in names])))
+
+    def _restrict_sparse_grad(self, values: nn.Parameter, rows: torch.Tensor) -> None:
+        """values.grad := sparse COO gradient holding exactly ``rows`` ((T,) sorted), averaged over ranks."""
+        grad = values.grad
+        if grad is not None and not grad.is_sparse:
+            raise RuntimeError("values.grad is dense in row_sparse mode; was a forward run outside "
+                               "begin_step()/finish_step()?")
+        num_rows, dim = values.shape
+        compact = torch.zeros(rows.numel() + 1, dim, dtype=values.dtype, device=values.device)  # +1: scratch row
+        if grad is not None:
+            grad = grad.coalesce()
+            slot_of_row = torch.full((num_rows,), rows.numel(), dtype=torch.int64, device=values.device)
+            slot_of_row[rows] = torch.arange(rows.numel(), device=values.device)
+            compact.index_add_(0, slot_of_row[grad.indices()[0]], grad.values())
+        compact = compact[:-1]
+        world = self._world()
+        if world > 1:
+            self._all_reduce_sum(compact)
+            compact.div_(world)
+        values.grad = torch.sparse_coo_tensor(rows.unsqueeze(0), compact, values.shape, is_coalesced=True,
+                                              check_invariants=False)
+
+    def _restrict_dense_grad(self, values: nn.Parameter, rows: torch.Tensor) -> None:
+        if values.grad is None:
+            values.grad = torch.zeros_like(values)
+        world = self._world()
+        if world > 1:
+            self._all_reduce_sum(values.grad)
+            values.grad.div_(world)
+        mask_grad_rows_(values, rows)

@@ -1,0 +1,122 @@
+"""Row-sparse ("lazy") AdamW: only the rows present in a sparse gradient move (SPEC §5).
+
+For a parameter whose gradient is a sparse COO tensor (e.g. the memory values
+with ``set_update_rows``), a step updates only the gradient's rows R:
+
+    s[r] += 1                                   (per-row step count, r in R)
+    p[r] *= 1 - lr * weight_decay               (decoupled weight decay)
+    m[r] = beta1 * m[r] + (1 - beta1) * g[r]
+    v[r] = beta2 * v[r] + (1 - beta2) * g[r]^2
+    p[r] -= lr / (1 - beta1^s[r]) * m[r] / (sqrt(v[r]) / sqrt(1 - beta2^s[r]) + eps)
+
+Rows outside R keep their values, moments and step count bit-identical: no
+momentum or weight decay leaks into them. This is AdamW run on each row's own
+sequence of updates, as embedding libraries do for sparse tables.
+
+State layout ("lazy" state): for each sparse-updated parameter of shape (M, D),
+``exp_avg`` and ``exp_avg_sq`` are full (M, D) tensors allocated on its first
+step (zeros, so a row's state starts at its first update) and ``row_step`` is an
+(M,) int64 per-row step count. Parameters with dense gradients (e.g. a trainable
+scale) get exactly torch.optim.AdamW's single-tensor update. Learning rate and
+other hyper-parameters are read from ``param_groups`` every step, so LR
+schedulers work unchanged.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class RowSparseAdamW(torch.optim.Optimizer):
+    """AdamW that updates only the rows of sparse COO gradients (see module docstring).
+
+    Args:
+        params: parameters or param groups, as for torch.optim.AdamW. Parameters
+            receiving sparse gradients must be 2-D (M, D).
+        lr, betas, eps, weight_decay: as torch.optim.AdamW (same defaults).
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2) -> None:
+        if not lr >= 0.0:
+            raise ValueError(f"lr must be >= 0, got {lr}")
+        if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
+            raise ValueError(f"betas must lie in [0, 1), got {betas}")
+        if not eps >= 0.0:
+            raise ValueError(f"eps must be >= 0, got {eps}")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                if param.grad.is_sparse:
+                    self._row_step(param, group)
+                else:
+                    self._dense_step(param, group)
+        return loss
+
+    def _row_step(self, param: torch.Tensor, group: dict) -> None:
+        if param.dim() != 2:
+            raise ValueError(f"a parameter with a sparse gradient must be 2-D (M, D), got shape {tuple(param.shape)}")
+        state = self.state[param]
+        if "step" in state:
+            raise ValueError("this parameter was updated with dense gradients before; it cannot switch to sparse")
+        if not state:
+            state["row_step"] = torch.zeros(param.shape[0], dtype=torch.int64, device=param.device)
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        grad = param.grad.coalesce()
+        rows, grad_rows = grad.indices()[0], grad.values()  # (R,), (R, D)
+        if rows.numel() == 0:
+            return
+        lr, weight_decay, eps = group["lr"], group["weight_decay"], group["eps"]
+        beta1, beta2 = group["betas"]
+
+        row_step = state["row_step"].index_select(0, rows) + 1
+        state["row_step"].index_copy_(0, rows, row_step)
+        exp_avg = state["exp_avg"].index_select(0, rows).lerp_(grad_rows, 1 - beta1)
+        exp_avg_sq = state["exp_avg_sq"].index_select(0, rows).mul_(beta2).addcmul_(grad_rows, grad_rows,
+                                                                                     value=1 - beta2)
+        state["exp_avg"].index_copy_(0, rows, exp_avg)
+        state["exp_avg_sq"].index_copy_(0, rows, exp_avg_sq)
+
+        steps = row_step.to(torch.float64)
+        step_size = (lr / (1 - torch.pow(beta1, steps))).to(param.dtype).unsqueeze(1)  # (R, 1)
+        bias_correction2_sqrt = (1 - torch.pow(beta2, steps)).sqrt().to(param.dtype).unsqueeze(1)
+        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+        updated = param.index_select(0, rows)
+        if weight_decay != 0:
+            updated.mul_(1 - lr * weight_decay)
+        updated.sub_(exp_avg / denom * step_size)
+        param.index_copy_(0, rows, updated)
+
+    def _dense_step(self, param: torch.Tensor, group: dict) -> None:
+        """torch.optim.AdamW's single-tensor update, operation for operation."""
+        state = self.state[param]
+        if "row_step" in state:
+            raise ValueError("this parameter was updated with sparse gradients before; it cannot switch to dense")
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        lr, weight_decay, eps = group["lr"], group["weight_decay"], group["eps"]
+        beta1, beta2 = group["betas"]
+        grad, exp_avg, exp_avg_sq = param.grad, state["exp_avg"], state["exp_avg_sq"]
+        state["step"] += 1
+        step = float(state["step"])
+        if weight_decay != 0:
+            param.mul_(1 - lr * weight_decay)
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        step_size = lr / (1 - beta1 ** step)
+        bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5
+        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+        param.addcdiv_(exp_avg, denom, value=-step_size)

@@ -1,0 +1,108 @@
+"""Slot scoring and top-T row selection (SPEC §4), pure functions on tensors.
+
+All functions run on the tensors' device. Scores are computed in float64 so that
+slots with equal statistics get exactly equal scores; ties are broken by the
+lower slot id (a stable sort), which makes the selection identical on every
+device and every rank. :func:`select_top_rows` returns a tensor whose length
+depends on the data (``min(T, #read slots)``), so it reads one scalar back to
+the host; that is the only host sync here.
+"""
+from __future__ import annotations
+
+import torch
+
+from smf_kernels._checks import check_tensor
+
+RULES = ("tfidf", "kl")
+KL_EPS = 1e-8
+
+
+def _check_counts(counts: torch.Tensor) -> None:
+    check_tensor("counts", counts, ndim=1, dtypes=(torch.int64,), shape_doc="(M,)")
+
+
+def _check_like_counts(name: str, stat: torch.Tensor, counts: torch.Tensor) -> None:
+    check_tensor(name, stat, ndim=1, dtypes=(torch.int64,), shape_doc="(M,)")
+    if stat.shape != counts.shape:
+        raise ValueError(f"{name} must have the shape of counts (M,) = {tuple(counts.shape)}, got {tuple(stat.shape)}")
+    if stat.device != counts.device:
+        raise ValueError(f"{name} is on {stat.device} but counts is on {counts.device}")
+
+
+def _mask_unread(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    return scores.masked_fill(counts == 0, float("-inf"))
+
+
+def tfidf_scores(counts: torch.Tensor, doc_freq: torch.Tensor, num_batches: int) -> torch.Tensor:
+    """TF-IDF score per slot: ``c(i)/C * log((N + 1) / (df(i) + 1))``, ``-inf`` where ``c(i) = 0``.
+
+    Args:
+        counts: (M,) int64 reads of each slot in the optimizer step's batch.
+        doc_freq: (M,) int64 background batches in which each slot was read.
+        num_batches: N, the number of background batches (>= 0).
+
+    Returns:
+        (M,) float64 scores.
+    """
+    _check_counts(counts)
+    _check_like_counts("doc_freq", doc_freq, counts)
+    if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 0:
+        raise ValueError(f"num_batches must be a non-negative int, got {num_batches!r}")
+    counts64 = counts.to(torch.float64)
+    term_freq = counts64 / counts64.sum().clamp_min(1.0)  # C = 0 only when every slot is masked anyway
+    inverse_doc_freq = torch.log((num_batches + 1.0) / (doc_freq.to(torch.float64) + 1.0))
+    return _mask_unread(term_freq * inverse_doc_freq, counts)
+
+
+def kl_scores(counts: torch.Tensor, reads: torch.Tensor, eps: float = KL_EPS) -> torch.Tensor:
+    """KL score per slot: ``p(i) * log((p(i) + eps) / (q(i) + eps))``, ``-inf`` where ``c(i) = 0``.
+
+    ``p(i) = c(i) / C`` is the batch's read distribution and
+    ``q(i) = (b(i) + 1) / sum_j (b(j) + 1)`` the add-one-smoothed background one.
+
+    Args:
+        counts: (M,) int64 reads of each slot in the optimizer step's batch.
+        reads: (M,) int64 total background reads b(i) of each slot.
+        eps: the epsilon of SPEC §4 (1e-8).
+
+    Returns:
+        (M,) float64 scores.
+    """
+    _check_counts(counts)
+    _check_like_counts("reads", reads, counts)
+    counts64 = counts.to(torch.float64)
+    batch_dist = counts64 / counts64.sum().clamp_min(1.0)
+    smoothed = reads.to(torch.float64) + 1.0
+    background_dist = smoothed / smoothed.sum()
+    return _mask_unread(batch_dist * torch.log((batch_dist + eps) / (background_dist + eps)), counts)
+
+
+def select_top_rows(scores: torch.Tensor, counts: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """The ``min(num_rows, #read slots)`` highest-scoring read slots, sorted ascending.
+
+    Args:
+        scores: (M,) float scores (``-inf`` for unread slots).
+        counts: (M,) int64 reads in the batch; only slots with ``counts > 0`` are eligible.
+        num_rows: T, the most rows to select (>= 0).
+
+    Returns:
+        (min(T, #read),) int64 slot ids, ascending. Equal scores: lower slot id first.
+    """
+    _check_counts(counts)
+    if not isinstance(scores, torch.Tensor) or scores.shape != counts.shape:
+        raise ValueError(f"scores must be a tensor of the shape of counts (M,) = {tuple(counts.shape)}")
+    if isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 0:
+        raise ValueError(f"num_rows must be a non-negative int, got {num_rows!r}")
+    num_read = int(torch.count_nonzero(counts))  # the one host sync: the output length
+    order = torch.sort(scores, descending=True, stable=True).indices
+    return order[: min(num_rows, num_read)].sort().values
+
+
+def score_slots(rule: str, counts: torch.Tensor, doc_freq: torch.Tensor, reads: torch.Tensor,
+                num_batches: int) -> torch.Tensor:
+    """Scores of ``rule`` ("tfidf" or "kl") from a batch's counts and background statistics (all (M,) int64)."""
+    if rule == "tfidf":
+        return tfidf_scores(counts, doc_freq, num_batches)
+    if rule == "kl":
+        return kl_scores(counts, reads)
+    raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
