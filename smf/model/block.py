@@ -1,0 +1,70 @@
+"""MemoryBlock: a decoder layer's feed-forward slot holding a product-key memory (SPEC §2)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from smf_kernels import ProductKeyMemory
+
+MODES = ("replacement", "additive", "additive_s")
+
+
+class MemoryBlock(nn.Module):
+    """Stands in for ``layer.mlp`` of one decoder layer.
+
+    - ``replacement``: ``out = mem(h)``; the original MLP is dropped.
+    - ``additive`` / ``additive_s``: ``out = mlp(h) + alpha * mem(h)``, ``alpha`` a scalar
+      parameter; the two modes differ only in whether sparse training trains ``alpha``
+      (see :func:`smf.model.configure_trainable`).
+
+    The memory and ``alpha`` are fp32 whatever the base model's dtype: ``h`` is cast to fp32
+    for the memory and the memory branch is cast back to ``h``'s dtype.
+
+    Padding: the owning model's pre-forward hook (installed by
+    :func:`smf.model.attach_memories`) stores the call's 2-D ``attention_mask``
+    ``(batch, past + current length)`` in ``self.attention_mask`` and clears it afterwards.
+    When the memory counts reads, the last ``seq`` columns of that mask become its
+    ``valid_mask``, so padded positions are not counted. No mask means all positions valid.
+    """
+
+    def __init__(self, memory: ProductKeyMemory, mlp: nn.Module | None, mode: str, layer_index: int,
+                 alpha_init: float = 0.01) -> None:
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if (mlp is None) != (mode == "replacement"):
+            raise ValueError(f"mode {mode!r} needs {'no' if mode == 'replacement' else 'the original'} mlp")
+        self.mode = mode
+        self.layer_index = layer_index
+        self.memory = memory
+        self.mlp = mlp
+        if mode == "replacement":
+            self.alpha = None
+        else:
+            self.alpha = nn.Parameter(torch.tensor(float(alpha_init), device=memory.values.device))
+        self.attention_mask: torch.Tensor | None = None
+
+    def valid_mask(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Bool (batch, seq) of real (non-padding) positions for ``hidden`` (batch, seq, d), or None."""
+        mask = self.attention_mask
+        if mask is None:
+            return None
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+            raise ValueError("counting memory reads needs a 2-D attention_mask (batch, past + current length) of "
+                             f"0/1; got {type(mask).__name__} with shape {getattr(mask, 'shape', None)}")
+        batch, seq = hidden.shape[0], hidden.shape[1]
+        if mask.shape[0] != batch or mask.shape[1] < seq:
+            raise ValueError(f"attention_mask of shape {tuple(mask.shape)} does not cover hidden states of "
+                             f"shape (batch={batch}, seq={seq}, ...): need (batch, >= seq)")
+        return mask[:, -seq:].to(device=hidden.device, dtype=torch.bool)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: (batch, seq, d_model) -> (batch, seq, d_model) in hidden's dtype."""
+        valid = self.valid_mask(hidden) if self.memory.count_reads else None
+        read = self.memory(hidden.to(self.memory.values.dtype), valid_mask=valid)
+        if self.mlp is None:
+            return read.to(hidden.dtype)
+        return self.mlp(hidden) + (self.alpha * read).to(hidden.dtype)
+
+    def extra_repr(self) -> str:
+        return f"mode={self.mode}, layer_index={self.layer_index}"

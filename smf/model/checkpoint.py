@@ -1,0 +1,127 @@
+"""Loading base models and saving / loading what the method adds (the memories) on top of them."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from smf.model.attach import attach_memories, memory_blocks
+from smf.model.block import MemoryBlock
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
+ADAPTER_WEIGHTS = "memory_adapter.safetensors"
+ADAPTER_CONFIG = "memory_adapter.json"
+
+
+def _not_found(name_or_path: str, err: Exception) -> OSError:
+    offline = os.environ.get("HF_HUB_OFFLINE", "0")
+    return OSError(
+        f"could not load {name_or_path!r}: it is not a local directory and could not be fetched from the "
+        f"Hugging Face hub or its cache (HF_HUB_OFFLINE={offline}). Download it where there is network access "
+        f"(`huggingface-cli download {name_or_path}`) or pass a local path. Cause: {err}"
+    )
+
+
+def load_base_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32,
+                    device: str | torch.device = "cpu") -> nn.Module:
+    """A pretrained causal LM (default: the paper's Qwen-2.5-0.5B-Instruct) in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
+    except OSError as err:
+        raise _not_found(name_or_path, err) from err
+    return model.to(device).eval()
+
+
+def load_tokenizer(name_or_path: str = DEFAULT_MODEL):
+    """The tokenizer stored with ``name_or_path`` (a hub id or a local directory)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name_or_path)
+    except OSError as err:
+        raise _not_found(name_or_path, err) from err
+
+
+def save_memory_adapter(model: nn.Module, directory: str | Path) -> Path:
+    """Write the memories of ``model`` (weights and alpha; safetensors) and their placement (json).
+
+    Files: ``memory_adapter.safetensors`` with keys ``layers.{i}.memory.{param}`` and
+    ``layers.{i}.alpha``; ``memory_adapter.json`` with mode, layers, memory kwargs and the base
+    model's name. The base model itself is not saved. Returns the directory.
+    """
+    blocks = memory_blocks(model)
+    if not blocks:
+        raise ValueError("model has no memories to save; call smf.model.attach_memories first")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for block in blocks:
+        for name, tensor in block.memory.state_dict().items():
+            tensors[f"layers.{block.layer_index}.memory.{name}"] = tensor.detach().cpu().contiguous()
+        if block.alpha is not None:
+            tensors[f"layers.{block.layer_index}.alpha"] = block.alpha.detach().cpu()
+    memory_kwargs = blocks[0].memory.config()
+    memory_kwargs.pop("d_model")
+    config = {
+        "mode": blocks[0].mode,
+        "layers": [block.layer_index for block in blocks],
+        "memory_kwargs": memory_kwargs,
+        "base_model": getattr(getattr(model, "config", None), "_name_or_path", None),
+    }
+    save_file(tensors, str(directory / ADAPTER_WEIGHTS))
+    (directory / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return directory
+
+
+def read_adapter_config(directory: str | Path) -> dict:
+    """The json written by :func:`save_memory_adapter`."""
+    path = Path(directory) / ADAPTER_CONFIG
+    if not path.is_file():
+        raise FileNotFoundError(f"no memory adapter in {str(directory)!r}: {ADAPTER_CONFIG} is missing")
+    return json.loads(path.read_text())
+
+
+def load_memory_adapter(model: nn.Module, directory: str | Path, backend: str | None = None) -> list[MemoryBlock]:
+    """Attach the memories saved in ``directory`` to ``model`` (a base model without memories)."""
+    config = read_adapter_config(directory)
+    blocks = attach_memories(model, layers=config["layers"], mode=config["mode"], backend=backend,
+                             **config["memory_kwargs"])
+    tensors = load_file(str(Path(directory) / ADAPTER_WEIGHTS))
+    expected = set()
+    for block in blocks:
+        prefix = f"layers.{block.layer_index}."
+        state = {k[len(prefix) + len("memory."):]: v for k, v in tensors.items() if k.startswith(prefix + "memory.")}
+        block.memory.load_state_dict(state, strict=True)
+        expected.update(prefix + "memory." + k for k in state)
+        if block.alpha is not None:
+            if prefix + "alpha" not in tensors:
+                raise KeyError(f"{ADAPTER_WEIGHTS} lacks {prefix}alpha needed by mode {block.mode!r}")
+            with torch.no_grad():
+                block.alpha.copy_(tensors[prefix + "alpha"])
+            expected.add(prefix + "alpha")
+    unexpected = sorted(set(tensors) - expected)
+    if unexpected:
+        raise KeyError(f"{ADAPTER_WEIGHTS} has tensors for no attached memory: {unexpected}")
+    return blocks
+
+
+def load_model_with_memories(adapter_dir: str | Path, base_name_or_path: str | None = None,
+                             dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                             backend: str | None = None) -> nn.Module:
+    """Base model (default: the one recorded in the adapter) with the adapter's memories attached."""
+    if base_name_or_path is None:
+        base_name_or_path = read_adapter_config(adapter_dir)["base_model"]
+        if not base_name_or_path:
+            raise ValueError(f"the adapter in {str(adapter_dir)!r} records no base model; pass base_name_or_path")
+    model = load_base_model(base_name_or_path, dtype=dtype, device=device)
+    load_memory_adapter(model, adapter_dir, backend=backend)
+    return model.eval()

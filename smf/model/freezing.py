@@ -1,0 +1,71 @@
+"""Which parameters each training recipe trains (SPEC §3)."""
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+from smf.model.attach import memory_blocks
+
+logger = logging.getLogger(__name__)
+
+STAGES = ("retrofit", "sparse", "full")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def count_parameters(model: nn.Module) -> dict[str, int]:
+    """{"trainable": ..., "total": ...} over distinct parameters (tied weights counted once)."""
+    params = list(model.parameters())
+    return {"trainable": sum(p.numel() for p in params if p.requires_grad), "total": sum(p.numel() for p in params)}
+
+
+def configure_trainable(model: nn.Module, stage: str) -> dict[str, int]:
+    """Set ``requires_grad`` for ``stage`` and return :func:`count_parameters`.
+
+    - ``retrofit``: every memory parameter (query, keys, values, gate, out; alpha in additive
+      modes) trains, everything else is frozen.
+    - ``sparse``: only memory values train (plus alpha in mode ``additive_s``); which value rows
+      move each step is the trainer's business (ProductKeyMemory.set_update_rows).
+    - ``full``: every parameter of a model without memories trains (full-finetune baseline).
+    """
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+    blocks = memory_blocks(model)
+    if stage == "full":
+        if blocks:
+            raise ValueError("stage 'full' is the full-finetune baseline and expects a model without memories; "
+                             f"this one has memories at layers {[b.layer_index for b in blocks]}")
+        model.requires_grad_(True)
+    else:
+        if not blocks:
+            raise ValueError(f"stage {stage!r} trains memory parameters, but the model has none; "
+                             "call smf.model.attach_memories first")
+        model.requires_grad_(False)
+        for block in blocks:
+            if stage == "retrofit":
+                block.memory.requires_grad_(True)
+            else:
+                block.memory.values.requires_grad_(True)
+            if block.alpha is not None and (stage == "retrofit" or block.mode == "additive_s"):
+                block.alpha.requires_grad_(True)
+    counts = count_parameters(model)
+    logger.info("stage %s: %d of %d parameters trainable", stage, counts["trainable"], counts["total"])
+    return counts
+
+
+def apply_lora(model: nn.Module, r: int = 16, alpha: int = 32, dropout: float = 0.05) -> nn.Module:
+    """LoRA baseline (SPEC §3): peft adapters on the seven projections of every decoder layer.
+
+    Returns the peft model (base weights frozen by peft). Refuses models with memories, whose
+    ``gate_proj``/``out_proj`` names would otherwise collide with the targets.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    if memory_blocks(model):
+        raise ValueError("apply_lora expects a model without memories (the LoRA baseline)")
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(LORA_TARGETS),
+                        bias="none", task_type="CAUSAL_LM")
+    peft_model = get_peft_model(model, config)
+    counts = count_parameters(peft_model)
+    logger.info("LoRA r=%d: %d of %d parameters trainable", r, counts["trainable"], counts["total"])
+    return peft_model
