@@ -14,9 +14,9 @@ How one optimizer step works (mode "row_sparse", the default):
    because the gather records ``update_rows`` when it runs. ``torch.unique`` in
    the hook syncs with the host once per micro-batch and layer.
 2. The user runs forward/backward for each micro-batch as usual. Read counts
-   exclude padding when the model passes ``valid_mask`` to the memories. Rows
-   read only by padding positions get no gradient from that micro-batch; the
-   loss must not depend on padding positions (the usual convention).
+   exclude padding when the model passes ``valid_mask`` to the memories, so
+   padding never steers selection; the hook's rows include every position read
+   (padding too), so the gradients of the rows finally selected are exact.
 3. ``finish_step(optimizer)`` sums the step's counts over all ranks (one
    all_reduce), scores them with the rule and background statistics and picks
    the top ``min(T, #read)`` rows per layer — the same rows on every rank, from
