@@ -47,6 +47,12 @@ class RowSparseAdamW(torch.optim.Optimizer):
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        for state in self.state.values():  # the base class casts state tensors to the param's float dtype
+            if "row_step" in state:
+                state["row_step"] = state["row_step"].to(torch.int64)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None

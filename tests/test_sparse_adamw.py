@@ -1,0 +1,151 @@
+"""RowSparseAdamW against torch.optim.AdamW; the dense-masked leak; sparse-aware clipping."""
+import copy
+
+import pytest
+import torch
+
+from smf_kernels.sparse import RowSparseAdamW, clip_grad_norm_, mask_grad_rows_
+
+HYPER = dict(lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+
+
+def sparse_grad(rows, grad_rows, shape):
+    return torch.sparse_coo_tensor(rows.unsqueeze(0), grad_rows, shape, check_invariants=True)
+
+
+def rel_err(out, ref):
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def test_selected_rows_follow_adamw_on_just_those_rows_and_others_stay_bit_identical():
+    table = torch.nn.Parameter(torch.randn(20, 7))
+    rows = torch.tensor([3, 11, 17, 4])
+    only_rows = torch.nn.Parameter(table.detach()[rows].clone())
+    start = table.detach().clone()
+    sparse_opt, dense_opt = RowSparseAdamW([table], **HYPER), torch.optim.AdamW([only_rows], **HYPER, foreach=False)
+    for _ in range(6):
+        grad_rows = torch.randn(4, 7)
+        table.grad = sparse_grad(rows, grad_rows, table.shape)
+        only_rows.grad = grad_rows.clone()
+        sparse_opt.step()
+        dense_opt.step()
+    assert rel_err(table.detach()[rows], only_rows.detach()) < 1e-6
+    others = torch.ones(20, dtype=torch.bool)
+    others[rows] = False
+    assert torch.equal(table.detach()[others], start[others])
+    assert torch.equal(sparse_opt.state[table]["exp_avg"][others], torch.zeros(16, 7))
+    assert sparse_opt.state[table]["row_step"].tolist() == [6 if r in (3, 4, 11, 17) else 0 for r in range(20)]
+
+
+def test_each_row_has_its_own_step_count_and_lr_follows_the_scheduler():
+    """A row updated in steps {1, 3, 4} is AdamW on that row's own 3 updates (bias correction 1, 2, 3)."""
+    table = torch.nn.Parameter(torch.randn(10, 5))
+    schedule = [[0, 2], [2], [0, 7], [0, 2, 7]]
+    grads = [torch.randn(len(rows), 5) for rows in schedule]
+    lr_factor = lambda step: 1.0 / (1 + step)  # noqa: E731
+    optimizer = RowSparseAdamW([table], **HYPER)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    start = table.detach().clone()
+    for rows, grad_rows in zip(schedule, grads):
+        table.grad = sparse_grad(torch.tensor(rows), grad_rows, table.shape)
+        optimizer.step()
+        scheduler.step()
+    for row in (0, 2, 7):
+        single = torch.nn.Parameter(start[row].clone())
+        reference = torch.optim.AdamW([single], **HYPER, foreach=False)
+        for step, (rows, grad_rows) in enumerate(zip(schedule, grads)):
+            if row in rows:
+                for group in reference.param_groups:
+                    group["lr"] = HYPER["lr"] * lr_factor(step)
+                single.grad = grad_rows[rows.index(row)].clone()
+                reference.step()
+        assert rel_err(table.detach()[row], single.detach()) < 1e-6, row
+    assert torch.equal(table.detach()[[1, 3, 4, 5, 6, 8, 9]], start[[1, 3, 4, 5, 6, 8, 9]])
+
+
+def test_dense_parameters_match_torch_adamw_exactly():
+    scale, reference_scale = torch.nn.Parameter(torch.tensor([0.01])), torch.nn.Parameter(torch.tensor([0.01]))
+    matrix = torch.nn.Parameter(torch.randn(4, 3))
+    reference_matrix = torch.nn.Parameter(matrix.detach().clone())
+    ours = RowSparseAdamW([scale, matrix], **HYPER)
+    theirs = torch.optim.AdamW([reference_scale, reference_matrix], **HYPER, foreach=False)
+    for _ in range(5):
+        for a, b in ((scale, reference_scale), (matrix, reference_matrix)):
+            a.grad = torch.randn_like(a)
+            b.grad = a.grad.clone()
+        ours.step()
+        theirs.step()
+    assert torch.equal(scale, reference_scale) and torch.equal(matrix, reference_matrix)
+
+
+def test_state_dict_resume_continues_identically():
+    table = torch.nn.Parameter(torch.randn(12, 4))
+    grads = [(torch.randint(0, 12, (5,)).unique(), None) for _ in range(4)]
+    grads = [(rows, torch.randn(rows.numel(), 4)) for rows, _ in grads]
+
+    def run(optimizer, param, steps):
+        for rows, grad_rows in steps:
+            param.grad = sparse_grad(rows, grad_rows, param.shape)
+            optimizer.step()
+
+    optimizer = RowSparseAdamW([table], **HYPER)
+    run(optimizer, table, grads[:2])
+    resumed_table = torch.nn.Parameter(table.detach().clone())
+    resumed = RowSparseAdamW([resumed_table], **HYPER)
+    resumed.load_state_dict(copy.deepcopy(optimizer.state_dict()))  # as if read back from a file
+    assert resumed.state[resumed_table]["row_step"].dtype == torch.int64
+    run(optimizer, table, grads[2:])
+    run(resumed, resumed_table, grads[2:])
+    assert torch.equal(table, resumed_table)
+
+
+def test_dense_masked_adamw_leaks_into_unselected_rows_row_sparse_does_not():
+    """Rows selected in step 1 only: masked-gradient AdamW keeps moving them afterwards (SPEC §5)."""
+    start = torch.randn(16, 6)
+    masked, lazy = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    masked_opt, lazy_opt = torch.optim.AdamW([masked], **HYPER), RowSparseAdamW([lazy], **HYPER)
+    first, later = torch.tensor([1, 5, 9]), torch.tensor([2, 12])
+    for step in range(8):
+        rows = first if step == 0 else later
+        full_grad = torch.randn(16, 6)
+        masked.grad = full_grad.clone()
+        mask_grad_rows_(masked, rows)
+        lazy.grad = sparse_grad(rows, full_grad[rows], lazy.shape)
+        masked_opt.step()
+        lazy_opt.step()
+        if step == 0:
+            after_first_masked, after_first_lazy = masked.detach().clone(), lazy.detach().clone()
+    assert torch.equal(lazy.detach()[first], after_first_lazy[first])
+    assert torch.equal(lazy.detach()[[0, 3, 15]], start[[0, 3, 15]])
+    leak = (masked.detach()[first] - after_first_masked[first]).abs().max()
+    assert leak > 1e-3, "dense-masked AdamW should keep moving rows selected only earlier"
+    assert not torch.equal(masked.detach()[[0, 3, 15]], start[[0, 3, 15]])  # weight decay touches every row
+
+
+def test_clip_grad_norm_counts_sparse_values_once_coalesced():
+    table, bias = torch.nn.Parameter(torch.randn(9, 4)), torch.nn.Parameter(torch.randn(4))
+    rows = torch.tensor([2, 6, 2, 0])  # row 2 twice: uncoalesced
+    grad_rows = torch.randn(4, 4)
+    table.grad = sparse_grad(rows, grad_rows, table.shape)
+    bias.grad = torch.randn(4)
+    dense_table = torch.nn.Parameter(table.detach().clone())
+    dense_bias = torch.nn.Parameter(bias.detach().clone())
+    dense_table.grad, dense_bias.grad = table.grad.to_dense(), bias.grad.clone()
+
+    expected = torch.nn.utils.clip_grad_norm_([dense_table, dense_bias], 0.5)
+    total = clip_grad_norm_([table, bias], 0.5)
+    assert abs(total.item() - expected.item()) < 1e-5 * expected.item()
+    assert table.grad.is_sparse and table.grad.is_coalesced()
+    assert rel_err(table.grad.to_dense(), dense_table.grad) < 1e-6
+    assert rel_err(bias.grad, dense_bias.grad) < 1e-6
+    with pytest.raises(ValueError, match="max_norm"):
+        clip_grad_norm_([table], 0.0)
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(ValueError, match="betas"):
+        RowSparseAdamW([torch.nn.Parameter(torch.randn(2, 2))], betas=(1.0, 0.9))
+    vector = torch.nn.Parameter(torch.randn(5))
+    vector.grad = torch.sparse_coo_tensor(torch.tensor([[1]]), torch.tensor([1.0]), (5,), check_invariants=True)
+    with pytest.raises(ValueError, match=r"must be 2-D \(M, D\)"):
+        RowSparseAdamW([vector]).step()
