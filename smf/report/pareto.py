@@ -1,0 +1,94 @@
+"""The paper's Pareto figure: MedMCQA accuracy against each forgetting probe, two panels.
+
+Left: MedMCQA accuracy (y) vs WikiText perplexity (x), top-left best. Right: MedMCQA accuracy
+(y) vs TriviaQA accuracy (x), top-right best. One point per condition with seed-std error bars;
+colour = method family; sparse methods: circle = KL, triangle = TF-IDF; the non-sparse
+baselines get their own markers and a text label; a dashed line joins each panel's empirical
+Pareto frontier.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
+
+from smf.report.paper_results import DISPLAY_NAMES, FAMILIES, METRIC_TITLES, SELECTION_RULES  # noqa: E402
+from smf.report.table import Summary  # noqa: E402
+
+FAMILY_COLOURS = {"Base": "#555555", "Replacement": "#d62728", "Additive": "#1f77b4", "Additive +S": "#2ca02c",
+                  "LoRA": "#ff7f0e", "Full finetune": "#9467bd"}
+RULE_MARKERS = {"KL": "o", "TF-IDF": "^"}
+BASELINE_MARKERS = {"base": "s", "lora": "D", "full": "P"}
+
+
+def pareto_front(xs: Sequence[float], ys: Sequence[float], *, maximize_x: bool, maximize_y: bool) -> list[int]:
+    """Indices of the points no other point dominates (at least as good on both axes, better on one),
+    ordered by increasing x."""
+    if len(xs) != len(ys):
+        raise ValueError(f"xs and ys must have the same length, got {len(xs)} and {len(ys)}")
+    sx, sy = (1 if maximize_x else -1), (1 if maximize_y else -1)
+
+    def dominates(a: int, b: int) -> bool:
+        at_least = sx * xs[a] >= sx * xs[b] and sy * ys[a] >= sy * ys[b]
+        better = sx * xs[a] > sx * xs[b] or sy * ys[a] > sy * ys[b]
+        return at_least and better
+
+    front = [i for i in range(len(xs)) if not any(dominates(j, i) for j in range(len(xs)) if j != i)]
+    return sorted(front, key=lambda i: xs[i])
+
+
+def _draw_panel(axis, summaries: Sequence[Summary], x_metric: str, maximize_x: bool) -> None:
+    points = [s for s in summaries if s.stats["medmcqa_acc"] is not None and s.stats[x_metric] is not None]
+    for summary in points:
+        (x, x_std), (y, y_std) = summary.stats[x_metric], summary.stats["medmcqa_acc"]
+        colour = FAMILY_COLOURS[FAMILIES[summary.condition]]
+        rule = SELECTION_RULES.get(summary.condition)
+        marker = RULE_MARKERS[rule] if rule else BASELINE_MARKERS[summary.condition]
+        axis.errorbar(x, y, xerr=x_std, yerr=y_std, fmt=marker, color=colour, markersize=9, capsize=3,
+                      markeredgecolor="black", markeredgewidth=0.6, zorder=3)
+        if rule is None:
+            axis.annotate(DISPLAY_NAMES[summary.condition], (x, y), textcoords="offset points", xytext=(8, -12),
+                          fontsize=9, color=colour, zorder=4)
+    if points:
+        xs = [s.stats[x_metric][0] for s in points]
+        ys = [s.stats["medmcqa_acc"][0] for s in points]
+        front = pareto_front(xs, ys, maximize_x=maximize_x, maximize_y=True)
+        axis.plot([xs[i] for i in front], [ys[i] for i in front], linestyle="--", color="black", linewidth=1,
+                  alpha=0.7, zorder=2)
+    axis.set_xlabel(f"{METRIC_TITLES[x_metric]} ({'higher' if maximize_x else 'lower'} is better)")
+    axis.set_ylabel("MedMCQA acc (higher is better)")
+    axis.grid(alpha=0.3)
+    axis.margins(x=0.12, y=0.1)
+
+
+def plot_pareto(summaries: Sequence[Summary], path_stem: str | Path, *, title: str | None = None) -> list[Path]:
+    """Draw both panels and write ``{path_stem}.png`` and ``{path_stem}.pdf``; returns the two paths."""
+    if not summaries:
+        raise ValueError("summaries must hold at least one condition")
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 5.2))
+    _draw_panel(left, summaries, "wikitext_ppl", maximize_x=False)
+    left.set_title("Task gain vs language-modelling forgetting (top-left best)")
+    _draw_panel(right, summaries, "triviaqa_acc", maximize_x=True)
+    right.set_title("Task gain vs knowledge forgetting (top-right best)")
+    families = dict.fromkeys(FAMILIES[s.condition] for s in summaries)
+    handles = [Line2D([], [], linestyle="", marker="s", markersize=10, color=FAMILY_COLOURS[f], label=f)
+               for f in families]
+    handles += [Line2D([], [], linestyle="", marker=marker, markersize=9, color="white", markeredgecolor="black",
+                       label=f"sparse, {rule} selection") for rule, marker in RULE_MARKERS.items()]
+    handles.append(Line2D([], [], linestyle="--", color="black", label="empirical Pareto frontier"))
+    figure.legend(handles=handles, loc="lower center", ncol=min(len(handles), 5), frameon=False, fontsize=9)
+    if title:
+        figure.suptitle(title)
+    figure.tight_layout(rect=(0, 0.1, 1, 1))
+    path_stem = Path(path_stem)
+    path_stem.parent.mkdir(parents=True, exist_ok=True)
+    paths = [path_stem.with_suffix(".png"), path_stem.with_suffix(".pdf")]
+    for path in paths:
+        figure.savefig(path, dpi=150)
+    plt.close(figure)
+    return paths

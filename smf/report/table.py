@@ -1,0 +1,139 @@
+"""Table 1: mean ± std over seeds per condition, as Markdown, LaTeX and CSV.
+
+A result record is one finished run: ``{"condition": one of CONDITIONS, "seed": int,
+"medmcqa_acc": float, "wikitext_ppl": float, "triviaqa_acc": float}``; a metric may be missing
+or None (not evaluated). The spread is the SAMPLE standard deviation over seeds (n - 1 in the
+denominator), 0 for a single seed. In every column the best mean (highest accuracy, lowest
+perplexity) is bold; ties are all bold. With ``include_paper`` the paper's numbers (SPEC §7)
+stand beside ours, column by column; use it when the runs used the paper's model.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from smf.report.paper_results import (CONDITIONS, DISPLAY_NAMES, HIGHER_IS_BETTER, METRIC_TITLES, METRICS,
+                                      PAPER_TABLE1)
+
+
+@dataclass(frozen=True)
+class Summary:
+    """One condition's results: ``stats[metric]`` is (mean, std) over seeds, or None if never measured."""
+
+    condition: str
+    n_seeds: int
+    stats: dict[str, tuple[float, float] | None]
+
+
+def summarize(records: Sequence[dict]) -> list[Summary]:
+    """Group run records by condition (in the paper's order) and reduce each metric to mean ± sample std."""
+    by_condition: dict[str, dict[int, dict]] = {}
+    for record in records:
+        condition, seed = record.get("condition"), record.get("seed")
+        if condition not in DISPLAY_NAMES:
+            raise ValueError(f"record condition must be one of {list(CONDITIONS)}, got {condition!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"record seed must be an int, got {seed!r} (condition {condition})")
+        if seed in by_condition.setdefault(condition, {}):
+            raise ValueError(f"two records for condition {condition!r} with seed {seed}")
+        for metric in METRICS:
+            value = record.get(metric)
+            if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value)):
+                raise ValueError(f"record {metric} must be a finite number or None, got {value!r}")
+        by_condition[condition][seed] = record
+    summaries = []
+    for condition in CONDITIONS:
+        if condition not in by_condition:
+            continue
+        runs = by_condition[condition].values()
+        stats = {}
+        for metric in METRICS:
+            values = [float(run[metric]) for run in runs if run.get(metric) is not None]
+            stats[metric] = ((statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0)
+                             if values else None)
+        summaries.append(Summary(condition, len(runs), stats))
+    return summaries
+
+
+def paper_summaries(conditions: Sequence[str] = CONDITIONS) -> list[Summary]:
+    """The paper's Table 1 rows as summaries (seed counts are not reported: n_seeds = 0)."""
+    return [Summary(condition, 0, dict(PAPER_TABLE1[condition])) for condition in conditions]
+
+
+def _columns(summaries: Sequence[Summary], include_paper: bool) -> list[tuple[str, str, list]]:
+    """(source, metric, one (mean, std) | None per row) for every numeric column, in display order."""
+    columns = []
+    for metric in METRICS:
+        columns.append(("ours", metric, [summary.stats[metric] for summary in summaries]))
+        if include_paper:
+            columns.append(("paper", metric, [PAPER_TABLE1[summary.condition][metric] for summary in summaries]))
+    return columns
+
+
+def _best_rows(cells: Sequence[tuple[float, float] | None], metric: str) -> set[int]:
+    means = [cell[0] for cell in cells if cell is not None]
+    if not means:
+        return set()
+    best = max(means) if HIGHER_IS_BETTER[metric] else min(means)
+    return {row for row, cell in enumerate(cells) if cell is not None and cell[0] == best}
+
+
+def _header(source: str, metric: str, up: str, down: str) -> str:
+    arrow = up if HIGHER_IS_BETTER[metric] else down
+    return f"{METRIC_TITLES[metric]} {arrow}" + (" (paper)" if source == "paper" else "")
+
+
+def _formatted_grid(summaries, include_paper, bold, plus_minus, up, down, missing):
+    """Header row and body rows of display strings, shared by Markdown and LaTeX."""
+    columns = _columns(summaries, include_paper)
+    header = ["Method", *(_header(source, metric, up, down) for source, metric, _ in columns), "Seeds"]
+    body = [[DISPLAY_NAMES[summary.condition]] for summary in summaries]
+    for _, metric, cells in columns:
+        best = _best_rows(cells, metric)
+        for row, cell in enumerate(cells):
+            if cell is None:
+                body[row].append(missing)
+                continue
+            mean = f"{cell[0]:.3f}"
+            body[row].append(f"{bold(mean) if row in best else mean}{plus_minus}{cell[1]:.3f}")
+    for row, summary in enumerate(summaries):
+        body[row].append(str(summary.n_seeds))
+    return header, body
+
+
+def to_markdown(summaries: Sequence[Summary], *, include_paper: bool = False) -> str:
+    """GitHub-flavoured Markdown table; bold as ``**mean**``."""
+    header, body = _formatted_grid(summaries, include_paper, lambda text: f"**{text}**", " ± ", "↑", "↓", "—")
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(["---"] + ["---:"] * (len(header) - 1)) + " |"]
+    lines += ["| " + " | ".join(row) + " |" for row in body]
+    return "\n".join(lines) + "\n"
+
+
+def to_latex(summaries: Sequence[Summary], *, include_paper: bool = False) -> str:
+    """A booktabs ``tabular`` like the paper's Table 1; bold as ``\\textbf{mean}``."""
+    header, body = _formatted_grid(summaries, include_paper, lambda text: f"\\textbf{{{text}}}", " $\\pm$ ",
+                                   "$\\uparrow$", "$\\downarrow$", "--")
+    escape = lambda text: text.replace("&", "\\&").replace("%", "\\%").replace("_", "\\_")  # noqa: E731
+    lines = ["\\begin{tabular}{l" + "c" * (len(header) - 1) + "}", "\\toprule",
+             " & ".join(header) + " \\\\", "\\midrule"]
+    lines += [" & ".join([escape(row[0]), *row[1:]]) + " \\\\" for row in body]
+    lines += ["\\bottomrule", "\\end{tabular}"]
+    return "\n".join(lines) + "\n"
+
+
+def to_csv(summaries: Sequence[Summary], *, include_paper: bool = False) -> str:
+    """Machine-readable CSV: condition, method, seeds, then ``{metric}_mean`` / ``{metric}_std``
+    (and ``paper_{metric}_mean`` / ``paper_{metric}_std``) at full precision; empty when missing."""
+    columns = _columns(summaries, include_paper)
+    names = [f"{'paper_' if source == 'paper' else ''}{metric}" for source, metric, _ in columns]
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(["condition", "method", "seeds", *(f"{name}_{part}" for name in names for part in ("mean", "std"))])
+    for row, summary in enumerate(summaries):
+        cells = [cell for _, _, column in columns for cell in ((column[row] or ("", "")))]
+        writer.writerow([summary.condition, DISPLAY_NAMES[summary.condition], summary.n_seeds, *cells])
+    return buffer.getvalue()
