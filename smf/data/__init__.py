@@ -1,0 +1,24 @@
+"""Data for the SMF experiments: loaders (hub ids by default, local paths for fixtures), prompt
+formatting, and tokenisation for causal-LM training (SPEC §3, §6, §9)."""
+from smf.data.causal_lm import IGNORE_INDEX, CausalLMCollator, tokenize_example, tokenize_examples
+from smf.data.eval_sets import load_triviaqa, load_wikitext, triviaqa_prompt
+from smf.data.medmcqa import load_medmcqa
+from smf.data.oasst import assistant_pairs, load_oasst1, retrofit_and_background
+from smf.data.sources import load_split, shuffled, subset
+
+__all__ = [
+    "IGNORE_INDEX",
+    "CausalLMCollator",
+    "assistant_pairs",
+    "load_medmcqa",
+    "load_oasst1",
+    "load_split",
+    "load_triviaqa",
+    "load_wikitext",
+    "retrofit_and_background",
+    "shuffled",
+    "subset",
+    "tokenize_example",
+    "tokenize_examples",
+    "triviaqa_prompt",
+]

@@ -1,0 +1,71 @@
+"""Reading a dataset split from the hub or from a local file, and deterministic subsets."""
+from __future__ import annotations
+
+import logging
+import os
+import random
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def load_split(hub_id: str, config: str | None, split: str, path: str | Path | None = None):
+    """One split as a ``datasets.Dataset``.
+
+    Args:
+        hub_id, config, split: the public dataset (used when ``path`` is None).
+        path: local override in the same schema: a ``.jsonl``/``.json`` or ``.parquet`` file
+            (the whole file is the split), or a directory written by ``save_to_disk`` (a
+            ``Dataset``, or a ``DatasetDict`` holding ``split``).
+    """
+    import datasets
+
+    if path is None:
+        try:
+            return datasets.load_dataset(hub_id, config, split=split)
+        except (ConnectionError, OSError, ValueError) as err:
+            offline = os.environ.get("HF_DATASETS_OFFLINE", os.environ.get("HF_HUB_OFFLINE", "0"))
+            raise OSError(f"could not load dataset {hub_id!r} (config {config!r}, split {split!r}) from the hub or "
+                          f"its cache (offline={offline}); pass path= to a local copy (jsonl, parquet or a "
+                          f"save_to_disk directory). Cause: {err}") from err
+    path = Path(path)
+    if path.is_dir():
+        loaded = datasets.load_from_disk(str(path))
+        if isinstance(loaded, datasets.DatasetDict):
+            if split not in loaded:
+                raise KeyError(f"{str(path)!r} holds splits {list(loaded)}, not {split!r}")
+            loaded = loaded[split]
+        return loaded
+    if not path.is_file():
+        raise FileNotFoundError(f"path {str(path)!r} is neither a file nor a save_to_disk directory")
+    if path.suffix in (".jsonl", ".json"):
+        return datasets.Dataset.from_json(str(path))
+    if path.suffix == ".parquet":
+        return datasets.Dataset.from_parquet(str(path))
+    raise ValueError(f"path must be a .jsonl, .json or .parquet file or a save_to_disk directory, got {str(path)!r}")
+
+
+def subset(dataset, n: int | None = None, seed: int | None = None):
+    """The first ``n`` rows (``seed`` None), or ``n`` rows drawn at random with ``seed``, in drawn order.
+
+    ``n`` None keeps every row (shuffled when ``seed`` is given). Asking for more rows than
+    exist returns them all and logs a warning.
+    """
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+        raise ValueError(f"n must be a non-negative int or None, got {n!r}")
+    size = len(dataset)
+    if n is not None and n > size:
+        logger.warning("asked for %d rows but only %d exist; using all of them", n, size)
+    order = list(range(size))
+    if seed is not None:
+        random.Random(seed).shuffle(order)
+    if n is not None:
+        order = order[:n]
+    return dataset.select(order) if hasattr(dataset, "select") else [dataset[i] for i in order]
+
+
+def shuffled(items: list, seed: int) -> list:
+    """A new list with ``items`` in an order fixed by ``seed`` (e.g. seed + epoch per epoch)."""
+    order = list(items)
+    random.Random(seed).shuffle(order)
+    return order
