@@ -26,7 +26,9 @@ How one optimizer step works (mode "row_sparse", the default):
    gradient, optionally clips, steps, zeroes gradients and resets counts.
 
 Data parallelism: do not let DDP synchronise the memory values (sparse
-gradients do not go through DDP's reducer): before wrapping the model, call
+gradients do not go through DDP's reducer) nor the ``read_counts`` buffers
+(DDP broadcasts buffers from rank 0 before every forward, which would replace
+each rank's counts with rank 0's): before wrapping the model, call
 ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model,
 controller.ddp_ignored_names())``. The controller reduces counts and the
 selected rows' gradients itself over ``process_group`` (default: the world
@@ -117,8 +119,11 @@ class SparseMemoryController:
         return [memory.values for memory in self.memories.values()]
 
     def ddp_ignored_names(self) -> list[str]:
-        """Parameter names (in ``model``) that DDP must not synchronise: the memories' values."""
-        return [f"{name}.values" if name else "values" for name in self.memories]
+        """Names (in ``model``) that DDP must not synchronise: each memory's ``values`` (reduced by
+        the controller) and ``read_counts`` (DDP's default buffer broadcast would overwrite every
+        rank's counts with rank 0's)."""
+        prefixes = [f"{name}." if name else "" for name in self.memories]
+        return [prefix + field for prefix in prefixes for field in ("values", "read_counts")]
 
     def set_background(self, background: BackgroundStats) -> None:
         """Use ``background`` for scoring; raises ValueError if it was built for other memories."""

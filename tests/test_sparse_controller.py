@@ -1,0 +1,195 @@
+"""SparseMemoryController end to end: sparse gradients only, per-step selection under gradient
+accumulation and under torch.distributed (gloo, 2 processes), and the dense-masked leak."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+from smf_kernels import ProductKeyMemory
+from smf_kernels.sparse import BackgroundStats, RowSparseAdamW, SparseMemoryController
+
+VOCAB, WIDTH, SEQ, ROWS = 50, 32, 6, 12
+
+
+class TinyModel(nn.Module):
+    """embed -> h + alpha * memory(h) -> head; only the memory values and alpha train (stage 2, +S)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.memory = ProductKeyMemory(WIDTH, n_keys=8, heads=2, topk=4, key_dim=16)
+        self.alpha = nn.Parameter(torch.tensor(0.5))
+        self.head = nn.Linear(WIDTH, VOCAB)
+        for param in self.parameters():
+            param.requires_grad_(False)
+        self.memory.values.requires_grad_(True)
+        self.alpha.requires_grad_(True)
+
+    def forward(self, tokens, valid):
+        hidden = self.embed(tokens)
+        return self.head(hidden + self.alpha * self.memory(hidden, valid_mask=valid))
+
+
+def make_steps(num_steps, sequences, generator_seed=1):
+    """Per step: tokens (B, SEQ), targets (B, SEQ), valid (B, SEQ) with right padding."""
+    generator = torch.Generator().manual_seed(generator_seed)
+    steps = []
+    for _ in range(num_steps):
+        tokens = torch.randint(0, VOCAB, (sequences, SEQ), generator=generator)
+        targets = torch.randint(0, VOCAB, (sequences, SEQ), generator=generator)
+        lengths = torch.randint(2, SEQ + 1, (sequences,), generator=generator)
+        valid = torch.arange(SEQ).unsqueeze(0) < lengths.unsqueeze(1)
+        steps.append((tokens, targets, valid))
+    return steps
+
+
+def background_batches(count=10):
+    generator = torch.Generator().manual_seed(2)
+    return [(torch.randint(0, VOCAB, (1, SEQ), generator=generator), torch.ones(1, SEQ, dtype=torch.bool))
+            for _ in range(count)]
+
+
+def forward_background(model, batch):
+    return model(*batch)
+
+
+def micro_loss(model, tokens, targets, valid, normaliser):
+    """Sum of token losses over valid positions / normaliser (padding never enters the loss)."""
+    logits = model(tokens, valid)
+    losses = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), reduction="none")
+    return (losses * valid.reshape(-1)).sum() / normaliser
+
+
+def train(model, controller, optimizer, steps, micro_batches, normaliser_scale=1.0):
+    """Runs the steps, each split into ``micro_batches`` chunks; returns the selected rows per step."""
+    selected = []
+    for tokens, targets, valid in steps:
+        normaliser = valid.sum() * normaliser_scale
+        controller.begin_step()
+        for chunk in zip(tokens.chunk(micro_batches), targets.chunk(micro_batches), valid.chunk(micro_batches)):
+            micro_loss(model, *chunk, normaliser).backward()
+            grad = model.memory.values.grad
+            assert grad.is_sparse and grad.coalesce().indices().shape[1] < model.memory.num_slots
+        selected.append(controller.finish_step(optimizer, max_grad_norm=1.0)["memory"])
+    return selected
+
+
+def fresh_setup(rule, mode="row_sparse"):
+    torch.manual_seed(0)
+    model = TinyModel()
+    controller = SparseMemoryController(model, rule=rule, rows_per_step=ROWS, mode=mode)
+    controller.collect_background(background_batches(), forward=forward_background)
+    return model, controller
+
+
+def rel_err(out, ref):
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def test_accumulating_four_micro_batches_equals_one_batch_of_four_times_the_size():
+    steps = make_steps(3, sequences=8)
+    results = []
+    for micro_batches in (1, 4):
+        model, controller = fresh_setup("tfidf")
+        start = model.memory.values.detach().clone()
+        optimizer = RowSparseAdamW([model.memory.values, model.alpha], lr=1e-2)
+        selected = train(model, controller, optimizer, steps, micro_batches)
+        results.append((selected, model.memory.values.detach().clone(), model.alpha.detach().clone()))
+        changed = (model.memory.values.detach() != start).any(dim=1).nonzero().flatten()
+        assert changed.tolist() == torch.cat(selected).unique().tolist()  # exactly the selected rows moved
+        assert all(rows.numel() == ROWS for rows in selected)
+    (rows_one, values_one, alpha_one), (rows_four, values_four, alpha_four) = results
+    assert all(torch.equal(a, b) for a, b in zip(rows_one, rows_four))
+    assert rel_err(values_four, values_one) < 1e-6
+    assert abs(alpha_four.item() - alpha_one.item()) < 1e-6
+
+
+def test_dense_masked_mode_leaks_while_row_sparse_keeps_unselected_rows_bit_identical():
+    steps = make_steps(3, sequences=4)
+    runs = {}
+    for mode in ("row_sparse", "dense_masked"):
+        model, controller = fresh_setup("kl", mode)
+        optimizer_type = RowSparseAdamW if mode == "row_sparse" else torch.optim.AdamW
+        optimizer = optimizer_type([model.memory.values], lr=1e-2, weight_decay=0.0)
+        history, selected = [model.memory.values.detach().clone()], []
+        for tokens, targets, valid in steps:
+            controller.begin_step()
+            micro_loss(model, tokens, targets, valid, valid.sum()).backward()
+            assert model.memory.values.grad.is_sparse == (mode == "row_sparse")
+            selected.append(controller.finish_step(optimizer)["memory"])
+            history.append(model.memory.values.detach().clone())
+        runs[mode] = history, selected
+    sparse_history, sparse_rows = runs["row_sparse"]
+    masked_history, masked_rows = runs["dense_masked"]
+    assert rel_err(masked_history[1], sparse_history[1]) < 1e-6  # first step: no momentum yet, no leak
+    for step in (1, 2):
+        moved = lambda history: (history[step + 1] != history[step]).any(dim=1)  # noqa: E731
+        assert moved(sparse_history).nonzero().flatten().tolist() == sparse_rows[step].tolist()
+        masked_moved = moved(masked_history)
+        leaked = masked_moved.clone()
+        leaked[masked_rows[step]] = False
+        assert bool(leaked.any()), "dense-masked AdamW should move rows it did not select (momentum)"
+
+
+def test_controller_misuse_raises():
+    model = TinyModel()
+    with pytest.raises(RuntimeError, match="no background statistics"):
+        SparseMemoryController(model).begin_step()
+    controller = SparseMemoryController(model, background=BackgroundStats.for_memories({"memory": model.memory}))
+    with pytest.raises(RuntimeError, match="without begin_step"):
+        controller.finish_step(torch.optim.SGD([model.alpha], lr=0.1))
+    controller.begin_step()
+    with pytest.raises(RuntimeError, match="twice"):
+        controller.begin_step()
+    with pytest.raises(ValueError, match="rule must be one of"):
+        SparseMemoryController(model, rule="bm25")
+    with pytest.raises(ValueError, match="no ProductKeyMemory"):
+        SparseMemoryController(nn.Linear(2, 2))
+    assert controller.ddp_ignored_names() == ["memory.values", "memory.read_counts"]
+
+
+NUM_STEPS, WORLD = 2, 2
+
+
+def _distributed_worker(rank, init_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        torch.manual_seed(0)
+        model = TinyModel()
+        controller = SparseMemoryController(model, rule="kl", rows_per_step=ROWS)
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, controller.ddp_ignored_names())
+        wrapped = nn.parallel.DistributedDataParallel(model)
+        # each rank counts half of the background; the controller sums them across ranks
+        controller.collect_background(background_batches()[rank::WORLD], forward=forward_background)
+        optimizer = RowSparseAdamW([model.memory.values, model.alpha], lr=1e-2)
+        selected = []
+        for tokens, targets, valid in make_steps(NUM_STEPS, sequences=8):
+            normaliser = valid.sum() / WORLD  # DDP averages over ranks: the global token mean results
+            half = slice(rank * 4, rank * 4 + 4)
+            controller.begin_step()
+            for chunk in zip(tokens[half].chunk(2), targets[half].chunk(2), valid[half].chunk(2)):
+                micro_loss(wrapped, *chunk, normaliser).backward()
+            selected.append(controller.finish_step(optimizer, max_grad_norm=1.0)["memory"])
+        torch.save({"selected": selected, "values": model.memory.values.detach(), "alpha": model.alpha.detach(),
+                    "background": controller.background.reads["memory"]}, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_select_the_same_rows_and_match_one_process_with_the_whole_batch(tmp_path):
+    mp.spawn(_distributed_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True)
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(WORLD)]
+
+    model, controller = fresh_setup("kl")
+    optimizer = RowSparseAdamW([model.memory.values, model.alpha], lr=1e-2)
+    selected = train(model, controller, optimizer, make_steps(NUM_STEPS, sequences=8), micro_batches=1)
+
+    for result in ranks:
+        assert torch.equal(result["background"], controller.background.reads["memory"])
+        assert all(torch.equal(a, b) for a, b in zip(result["selected"], selected))
+        assert rel_err(result["values"], model.memory.values.detach()) < 1e-6
+        assert abs(result["alpha"].item() - model.alpha.item()) < 1e-6
+    assert torch.equal(ranks[0]["values"], ranks[1]["values"])
