@@ -102,9 +102,12 @@ def test_oasst_pairs_filter_language_deletion_and_link_prompts():
     assert any(p["rank"] is None for p in pairs) and any(p["rank"] == 1 for p in pairs)
 
 
+def ids(pairs):
+    return [pair["message_id"] for pair in pairs]
+
+
 def test_retrofit_and_background_are_disjoint_when_possible_and_deterministic():
     pairs = assistant_pairs(load_oasst1(path=FIXTURES / "oasst1_train.jsonl"))
-    ids = lambda xs: [x["message_id"] for x in xs]  # noqa: E731
     retrofit, background = retrofit_and_background(pairs, n_retrofit=20, n_background=6, seed=1)
     assert len(retrofit) == 20 and len(background) == 6 and not set(ids(retrofit)) & set(ids(background))
     again = retrofit_and_background(pairs, n_retrofit=20, n_background=6, seed=1)

@@ -180,7 +180,8 @@ def test_adapter_round_trip_gives_identical_logits(tmp_path, mode):
     assert config["memory_kwargs"] == {**TINY_MEMORY_KWARGS, "value_dim": 64}
     assert config["base_model"] == str(base_dir)
 
-    reloaded = load_model_with_memories(tmp_path / "adapter")
+    reloaded = load_model_with_memories(None, tmp_path / "adapter")
+    assert torch.equal(load_model_with_memories(str(base_dir), tmp_path / "adapter")(ids).logits, ref)
     assert torch.equal(reloaded(ids).logits, ref)
 
 

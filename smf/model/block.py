@@ -25,6 +25,8 @@ class MemoryBlock(nn.Module):
     ``(batch, past + current length)`` in ``self.attention_mask`` and clears it afterwards.
     When the memory counts reads, the last ``seq`` columns of that mask become its
     ``valid_mask``, so padded positions are not counted. No mask means all positions valid.
+    Activation checkpointing re-runs this forward during backward, after the mask is cleared,
+    so read counts would be added twice (and padding counted): count reads without it.
     """
 
     def __init__(self, memory: ProductKeyMemory, mlp: nn.Module | None, mode: str, layer_index: int,

@@ -114,10 +114,11 @@ def load_memory_adapter(model: nn.Module, directory: str | Path, backend: str | 
     return blocks
 
 
-def load_model_with_memories(adapter_dir: str | Path, base_name_or_path: str | None = None,
+def load_model_with_memories(base_name_or_path: str | None, adapter_dir: str | Path,
                              dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                              backend: str | None = None) -> nn.Module:
-    """Base model (default: the one recorded in the adapter) with the adapter's memories attached."""
+    """Base model with the adapter's memories attached; ``base_name_or_path`` None uses the base
+    model recorded in the adapter."""
     if base_name_or_path is None:
         base_name_or_path = read_adapter_config(adapter_dir)["base_model"]
         if not base_name_or_path:
