@@ -5,6 +5,8 @@ the (N, L, D) gathered-row tensors built a chunk of tokens at a time.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
@@ -49,13 +51,19 @@ def gather_forward(values, indices, weights, counts, valid):
 
 
 def gather_backward_weights(grad_out, values, indices):
+    """grad_w[n, l] = values[indices[n, l]] . grad_out[n], as one sampled dense-dense
+    product (SDDMM) over the (N, M) read pattern: each entry is its own dot product,
+    so it is deterministic and never materialises the (N, L, D) gathered rows."""
     num_tokens, per_token = indices.shape
     dtype = _accumulation_dtype(values.dtype)
-    grad_weights = torch.empty(indices.shape, dtype=dtype, device=values.device)
-    for part in _token_chunks(num_tokens, per_token * values.shape[1]):
-        rows = values[indices[part]].to(dtype)  # (chunk, L, D)
-        grad_weights[part] = torch.bmm(rows, grad_out[part].to(dtype).unsqueeze(-1)).squeeze(-1)
-    return grad_weights
+    crow = torch.arange(0, num_tokens * per_token + 1, per_token, device=indices.device)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+        pattern = torch.sparse_csr_tensor(crow, indices.reshape(-1), torch.zeros(indices.numel(), dtype=dtype,
+                                          device=indices.device), (num_tokens, values.shape[0]),
+                                          check_invariants=False)
+        sampled = torch.sparse.sampled_addmm(pattern, grad_out.to(dtype), values.to(dtype).t())
+    return sampled.values().view(num_tokens, per_token)
 
 
 def row_to_slot_map(update_rows: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -65,22 +73,41 @@ def row_to_slot_map(update_rows: torch.Tensor, num_rows: int) -> torch.Tensor:
     return slots
 
 
-def gather_backward_values(grad_out, indices, weights, num_rows, update_rows, deterministic):
-    # index_put_(accumulate=True) is deterministic on every device when
-    # torch.use_deterministic_algorithms(True) is set, so one path serves both.
-    num_tokens, per_token = indices.shape
+def _sum_reads_by_target(grad_out, weights, targets, out_rows):
+    """fp32 (out_rows, D): row t = sum of w[n, l] * grad_out[n] over reads with targets[n * L + l] == t.
+
+    CPU: one CSR (out_rows, N) x (N, D) product, computed row by row, hence
+    deterministic. Elsewhere: index_put_(accumulate=True), deterministic under
+    torch.use_deterministic_algorithms(True).
+    """
+    num_tokens, per_token = weights.shape
     dim = grad_out.shape[1]
-    dtype = _accumulation_dtype(grad_out.dtype)
-    slots = None if update_rows is None else row_to_slot_map(update_rows, num_rows)
-    out_rows = num_rows if slots is None else update_rows.numel()
-    # Sparse: reads of unselected rows land in one scratch row past the end,
-    # dropped on return (a mask would need a host sync).
-    grad = torch.zeros(out_rows + (slots is not None), dim, dtype=dtype, device=grad_out.device)
+    grad_out = grad_out.to(_accumulation_dtype(grad_out.dtype))
+    flat_weights = weights.reshape(-1).to(grad_out.dtype)
+    if grad_out.device.type == "cpu":
+        order = targets.argsort(stable=True)
+        crow = torch.zeros(out_rows + 1, dtype=torch.int64)
+        crow[1:] = torch.bincount(targets, minlength=out_rows).cumsum(0)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+            reads = torch.sparse_csr_tensor(crow, torch.div(order, per_token, rounding_mode="floor"),
+                                            flat_weights[order], (out_rows, num_tokens), check_invariants=False)
+        return reads @ grad_out
+    grad = torch.zeros(out_rows, dim, dtype=grad_out.dtype, device=grad_out.device)
+    targets = targets.view(num_tokens, per_token)
     for part in _token_chunks(num_tokens, per_token * dim):
-        contrib = weights[part].to(dtype).unsqueeze(-1) * grad_out[part].to(dtype).unsqueeze(1)  # (chunk, L, D)
-        targets = indices[part].flatten()
-        if slots is not None:
-            targets = slots[targets]
-            targets = torch.where(targets >= 0, targets, out_rows)
-        grad.index_put_((targets,), contrib.reshape(-1, dim), accumulate=True)
-    return grad[:out_rows]
+        contrib = flat_weights.view(num_tokens, per_token)[part].unsqueeze(-1) * grad_out[part].unsqueeze(1)
+        grad.index_put_((targets[part].flatten(),), contrib.reshape(-1, dim), accumulate=True)
+    return grad
+
+
+def gather_backward_values(grad_out, indices, weights, num_rows, update_rows, deterministic):
+    targets = indices.reshape(-1)
+    if update_rows is None:
+        return _sum_reads_by_target(grad_out, weights, targets, num_rows)
+    # Sparse: reads of unselected rows land in one scratch row past the end,
+    # dropped on return (a mask would need a host sync on accelerators).
+    selected = update_rows.numel()
+    slots = row_to_slot_map(update_rows, num_rows)[targets]
+    targets = torch.where(slots >= 0, slots, selected)
+    return _sum_reads_by_target(grad_out, weights, targets, selected + 1)[:selected]

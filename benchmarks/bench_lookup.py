@@ -1,0 +1,198 @@
+"""Benchmark the memory-layer ops on every available backend, at the paper's configuration.
+
+    python benchmarks/bench_lookup.py                  # CPU, paper config, 4096 tokens
+    python benchmarks/bench_lookup.py --device cuda --tokens 16384 --dtype bfloat16
+    python benchmarks/bench_lookup.py --tiny --backends torch triton   # Triton interpreter on CPU
+
+For each backend it times (median of --repeats runs after warm-up):
+  lookup          product_key_topk forward
+  gather+hist     weighted_gather forward, counting reads into a histogram
+  dense bwd       weighted_gather backward: dense (M, D) value grad + weight grad
+  sparse bwd      weighted_gather backward with update_rows (T rows) + weight grad
+  layer fwd+bwd   ProductKeyMemory forward and backward (dense value grad)
+and prints median time, effective GB/s (the bytes the op must move, see
+``_bytes_moved``) and the speed-up over the torch backend measured in the same run.
+``--json PATH`` also writes every number. Needs no GPU and no download.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+PAPER = dict(n_keys=128, heads=4, topk=16, key_dim=256, value_dim=896)
+TINY = dict(n_keys=16, heads=2, topk=4, key_dim=32, value_dim=96)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="tokens per batch (default: 4096 at paper size, 64 with --tiny)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="dtype of query, keys and values (accumulation is always fp32)")
+    p.add_argument("--update-rows", type=int, default=512, help="T: rows kept by the sparse backward")
+    p.add_argument("--backends", nargs="+", default=None,
+                   help="backends to time (default: all available on the device; torch is always timed)")
+    p.add_argument("--tiny", action="store_true", help="a tiny configuration (for the Triton interpreter on CPU)")
+    p.add_argument("--repeats", type=int, default=None, help="timed runs per op (default: 10, 3 with --tiny)")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    args = p.parse_args(argv)
+    if args.tokens is not None and args.tokens < 1:
+        p.error("--tokens must be >= 1")
+    if args.update_rows < 1:
+        p.error("--update-rows must be >= 1")
+    return args
+
+
+def _bytes_moved(op: str, cfg: dict, tokens: int, itemsize: int, update_rows: int) -> int:
+    """Bytes an ideal kernel must move (reads + writes) for ``op``: its floor traffic."""
+    n, h, k, kd = tokens, cfg["heads"], cfg["topk"], cfg["key_dim"]
+    d, m, reads = cfg["value_dim"], cfg["n_keys"] ** 2, tokens * cfg["heads"] * cfg["topk"]
+    ids_and_weights = reads * (8 + 4)
+    if op == "lookup":
+        return n * h * kd * itemsize + h * 2 * cfg["n_keys"] * (kd // 2) * itemsize + n * h * k * (4 + 8)
+    if op == "gather+hist":
+        return ids_and_weights + reads * d * itemsize + n * d * itemsize + reads * 8
+    if op == "dense bwd":  # rows for the weight grad, grad_out, the whole dense grad written
+        return ids_and_weights + reads * d * itemsize + n * d * itemsize + m * d * itemsize + reads * 4
+    if op == "sparse bwd":
+        return ids_and_weights + reads * d * itemsize + n * d * itemsize + update_rows * d * itemsize + reads * 4
+    return 0  # the whole layer: GB/s not meaningful
+
+
+def _timer(device):
+    import torch
+
+    def run(fn, repeats: int, warmup: int = 2) -> float:
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(repeats):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    return run
+
+
+def benchmark(args: argparse.Namespace) -> dict:
+    import torch
+
+    import smf_kernels
+    from smf_kernels import ProductKeyMemory
+    from smf_kernels.backends import available_backends, resolve_backend
+    from smf_kernels.ops import product_key_topk, weighted_gather
+
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    cfg = TINY if args.tiny else PAPER
+    tokens = args.tokens or (64 if args.tiny else 4096)
+    repeats = args.repeats or (3 if args.tiny else 10)
+    backends = args.backends or available_backends(device)
+    backends = ["torch"] + [b for b in backends if b != "torch"]
+    for name in backends:
+        resolve_backend(name, device)  # clear error now if one cannot run
+    num_slots, dim, per_token = cfg["n_keys"] ** 2, cfg["value_dim"], cfg["heads"] * cfg["topk"]
+    update_rows = min(args.update_rows, num_slots)
+    timer = _timer(device)
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    query = torch.randn(tokens, cfg["heads"], cfg["key_dim"], generator=gen).to(device, dtype)
+    keys = (torch.rand(cfg["heads"], 2, cfg["n_keys"], cfg["key_dim"] // 2, generator=gen) * 0.1).to(device, dtype)
+    values = (torch.randn(num_slots, dim, generator=gen) * dim ** -0.5).to(device, dtype).requires_grad_(True)
+    _, slots = product_key_topk(query, keys, cfg["topk"], backend="torch")
+    indices = slots.view(tokens, per_token)
+    weights = torch.softmax(torch.randn(tokens, per_token, generator=gen), -1).to(device).requires_grad_(True)
+    grad_out = torch.randn(tokens, dim, generator=gen).to(device, dtype)
+    counts = torch.zeros(num_slots, dtype=torch.int64, device=device)
+    rows = torch.randperm(num_slots, generator=gen)[:update_rows].to(device)
+    x = torch.randn(tokens, cfg["value_dim"], generator=gen).to(device, dtype)
+
+    results = []
+    for name in backends:
+        def lookup():
+            product_key_topk(query, keys, cfg["topk"], backend=name)
+
+        def gather_hist():
+            with torch.no_grad():
+                weighted_gather(values, indices, weights, counts=counts, backend=name)
+
+        def backward(sparse: bool):
+            out = weighted_gather(values, indices, weights, update_rows=rows if sparse else None, backend=name)
+            return lambda: torch.autograd.grad(out, (values, weights), grad_out, retain_graph=True)
+
+        layer = ProductKeyMemory(cfg["value_dim"], n_keys=cfg["n_keys"], heads=cfg["heads"], topk=cfg["topk"],
+                                 key_dim=cfg["key_dim"], backend=name).to(device, dtype)
+
+        def layer_step():
+            layer.zero_grad(set_to_none=True)
+            layer(x).float().square().mean().backward()
+
+        ops = [("lookup", lookup), ("gather+hist", gather_hist), ("dense bwd", backward(False)),
+               ("sparse bwd", backward(True)), ("layer fwd+bwd", layer_step)]
+        for op, fn in ops:
+            seconds = timer(fn, repeats)
+            moved = _bytes_moved(op, cfg, tokens, values.element_size(), update_rows)
+            results.append({"op": op, "backend": name, "median_ms": seconds * 1e3,
+                            "gb_per_s": moved / seconds / 1e9 if moved else None, "bytes": moved})
+    base = {r["op"]: r["median_ms"] for r in results if r["backend"] == "torch"}
+    for r in results:
+        r["speedup_vs_torch"] = base[r["op"]] / r["median_ms"]
+    return {
+        "config": {**cfg, "tokens": tokens, "update_rows": update_rows, "dtype": args.dtype,
+                   "device": str(device), "repeats": repeats},
+        "machine": {"device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
+                    else platform.processor() or platform.machine(),
+                    "threads": torch.get_num_threads(), "torch": torch.__version__,
+                    "smf_kernels": smf_kernels.__version__},
+        "results": results,
+    }
+
+
+def format_table(report: dict) -> str:
+    c = report["config"]
+    lines = [
+        f"smf-kernels lookup benchmark: {c['tokens']} tokens, n_keys={c['n_keys']} heads={c['heads']} "
+        f"topk={c['topk']} key_dim={c['key_dim']} D={c['value_dim']} T={c['update_rows']} {c['dtype']} "
+        f"on {c['device']} ({report['machine']['device_name']}, {report['machine']['threads']} threads)",
+        "",
+        f"| {'op':<14} | {'backend':<7} | {'median ms':>10} | {'GB/s':>7} | {'vs torch':>8} |",
+        f"|{'-' * 16}|{'-' * 9}|{'-' * 12}|{'-' * 9}|{'-' * 10}|",
+    ]
+    for r in sorted(report["results"], key=lambda r: (_OP_ORDER.index(r["op"]), r["backend"] != "torch")):
+        gbs = f"{r['gb_per_s']:.2f}" if r["gb_per_s"] is not None else "-"
+        lines.append(f"| {r['op']:<14} | {r['backend']:<7} | {r['median_ms']:>10.3f} | {gbs:>7} | "
+                     f"{r['speedup_vs_torch']:>7.2f}x |")
+    return "\n".join(lines)
+
+
+_OP_ORDER = ["lookup", "gather+hist", "dense bwd", "sparse bwd", "layer fwd+bwd"]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.device == "cpu" and args.backends and "triton" in args.backends:
+        # Triton on CPU runs only through its interpreter, enabled before kernels are defined.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    report = benchmark(args)
+    print(format_table(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
