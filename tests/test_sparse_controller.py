@@ -68,10 +68,14 @@ def train(model, controller, optimizer, steps, micro_batches, normaliser_scale=1
     for tokens, targets, valid in steps:
         normaliser = valid.sum() * normaliser_scale
         controller.begin_step()
+        read_so_far = []
         for chunk in zip(tokens.chunk(micro_batches), targets.chunk(micro_batches), valid.chunk(micro_batches)):
             micro_loss(model, *chunk, normaliser).backward()
-            grad = model.memory.values.grad
-            assert grad.is_sparse and grad.coalesce().indices().shape[1] < model.memory.num_slots
+            with torch.no_grad():  # every slot this micro-batch read, padding included
+                read_so_far.append(model.memory.lookup(model.embed(chunk[0]).reshape(-1, WIDTH))[1].flatten())
+            grad = model.memory.values.grad  # compact: exactly the rows read so far, no dense (M, D) buffer
+            assert grad.is_sparse and grad.is_coalesced()
+            assert grad.indices()[0].tolist() == torch.cat(read_so_far).unique().tolist()
         selected.append(controller.finish_step(optimizer, max_grad_norm=1.0)["memory"])
     return selected
 

@@ -12,7 +12,11 @@ How one optimizer step works (mode "row_sparse", the default):
    micro-batches ("compact accumulation"). The lookup runs twice per forward
    (the hook's copy has no grad); the slot ids must be known before the forward
    because the gather records ``update_rows`` when it runs. ``torch.unique`` in
-   the hook syncs with the host once per micro-batch and layer.
+   the hook syncs with the host once per micro-batch and layer. A second hook
+   coalesces the summed gradient after each backward, so it never holds more
+   than the R <= M distinct rows the step has read so far. Note R approaches M
+   for large batches (every slot gets read), so this gradient can be nearly as
+   large as a dense one; what stays sparse is the update (T rows) below.
 2. The user runs forward/backward for each micro-batch as usual. Read counts
    exclude padding when the model passes ``valid_mask`` to the memories, so
    padding never steers selection; the hook's rows include every position read
@@ -20,8 +24,8 @@ How one optimizer step works (mode "row_sparse", the default):
 3. ``finish_step(optimizer)`` sums the step's counts over all ranks (one
    all_reduce), scores them with the rule and background statistics and picks
    the top ``min(T, #read)`` rows per layer — the same rows on every rank, from
-   the counts of the whole optimizer step. It then keeps only those rows of the
-   accumulated gradient, as a (T, D) buffer that is all-reduced and averaged over
+   the counts of the whole optimizer step. It then copies only those rows of the
+   accumulated gradient into a (T, D) buffer that is all-reduced and averaged over
    ranks (the DDP convention), hands it to the optimizer as a coalesced sparse
    gradient, optionally clips, steps, zeroes gradients and resets counts.
 
@@ -65,6 +69,12 @@ MODES = ("row_sparse", "dense_masked")
 
 def _default_forward(model: nn.Module, batch: Any) -> Any:
     return model(**batch) if isinstance(batch, Mapping) else model(batch)
+
+
+def _coalesce_grad(param: torch.Tensor) -> None:
+    """Post-accumulate-grad hook: keep the summed sparse gradient at <= M rows across micro-batches
+    (sparse + sparse may concatenate entries instead of merging them)."""
+    param.grad = param.grad.coalesce()
 
 
 def _set_rows_read_by_forward(memory: ProductKeyMemory, args: tuple, kwargs: dict) -> None:
@@ -211,6 +221,7 @@ class SparseMemoryController:
             memory.set_update_rows(None)
             if self.mode == "row_sparse":
                 self._hooks.append(memory.register_forward_pre_hook(_set_rows_read_by_forward, with_kwargs=True))
+                self._hooks.append(memory.values.register_post_accumulate_grad_hook(_coalesce_grad))
         self._in_step = True
 
     def finish_step(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None
@@ -268,13 +279,13 @@ class SparseMemoryController:
             raise RuntimeError("values.grad is dense in row_sparse mode; was a forward run outside "
                                "begin_step()/finish_step()?")
         num_rows, dim = values.shape
-        compact = torch.zeros(rows.numel() + 1, dim, dtype=values.dtype, device=values.device)  # +1: scratch row
+        compact = torch.zeros(rows.numel(), dim, dtype=values.dtype, device=values.device)
         if grad is not None:
-            grad = grad.coalesce()
-            slot_of_row = torch.full((num_rows,), rows.numel(), dtype=torch.int64, device=values.device)
+            slot_of_row = torch.full((num_rows,), -1, dtype=torch.int64, device=values.device)
             slot_of_row[rows] = torch.arange(rows.numel(), device=values.device)
-            compact.index_add_(0, slot_of_row[grad.indices()[0]], grad.values())
-        compact = compact[:-1]
+            slots = slot_of_row[grad._indices()[0]]  # _indices/_values: also valid when uncoalesced
+            hits = (slots >= 0).nonzero().squeeze(1)  # host sync; only selected rows' entries are added
+            compact.index_add_(0, slots[hits], grad._values().index_select(0, hits))
         world = self._world()
         if world > 1:
             self._all_reduce_sum(compact)

@@ -1,0 +1,140 @@
+"""One SMF training step of a paper-sized memory layer: row-sparse path vs dense-masked AdamW.
+
+The layer is ProductKeyMemory(896) with its defaults (16,384 x 896 values); only
+the values train, as in stage 2. A step is: begin_step, forward + backward of
+``--tokens`` tokens, finish_step (count all-reduce, selection of T rows,
+clipping, optimizer step). Paths:
+
+  row_sparse    sparse COO value gradients + RowSparseAdamW (the project default)
+  dense_masked  dense (M, D) value gradient masked to the selected rows +
+                torch.optim.AdamW (the original SMF code)
+
+Reported per path: median wall time of the whole step and of finish_step alone;
+bytes of the values' gradient (as produced by backward) plus optimizer state
+(exact tensor sizes, any device); on CUDA also the peak memory allocated during
+a step above what was allocated before it (torch.cuda.max_memory_allocated).
+
+    python benchmarks/bench_sparse_step.py [--device cuda] [--tokens 512] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from smf_kernels import ProductKeyMemory  # noqa: E402
+from smf_kernels.sparse import RowSparseAdamW, SparseMemoryController  # noqa: E402
+
+MIB = 2 ** 20
+
+
+def tensor_bytes(tensor: torch.Tensor | None) -> int:
+    if tensor is None:
+        return 0
+    if tensor.is_sparse:
+        tensor = tensor.coalesce()
+        return tensor_bytes(tensor.indices()) + tensor_bytes(tensor.values())
+    return tensor.numel() * tensor.element_size()
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return sum(tensor_bytes(value) for state in optimizer.state.values() for value in state.values()
+               if isinstance(value, torch.Tensor))
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_path(mode: str, args: argparse.Namespace, device: torch.device) -> dict:
+    torch.manual_seed(0)
+    memory = ProductKeyMemory(896, backend=args.backend).to(device)
+    for param in memory.parameters():
+        param.requires_grad_(False)
+    memory.values.requires_grad_(True)
+    controller = SparseMemoryController(memory, rule="kl", rows_per_step=args.rows, mode=mode)
+    documents = [torch.randn(1, 64, 896, device=device) for _ in range(16)]
+    controller.collect_background(documents, forward=lambda model, x: model(x))
+    if mode == "row_sparse":
+        optimizer = RowSparseAdamW([memory.values], lr=5e-4)
+    else:
+        optimizer = torch.optim.AdamW([memory.values], lr=5e-4)
+    inputs = torch.randn(args.tokens, 896, device=device)
+    target = torch.randn(args.tokens, 896, device=device)
+
+    step_times, finish_times, grad_bytes, peaks = [], [], 0, []
+    for step in range(args.warmup + args.repeats):
+        synchronize(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+        start = time.perf_counter()
+        controller.begin_step()
+        loss = (memory(inputs) - target).square().mean()
+        loss.backward()
+        synchronize(device)
+        grad_bytes = tensor_bytes(memory.values.grad)
+        finish_start = time.perf_counter()
+        rows = controller.finish_step(optimizer, max_grad_norm=1.0)[""]
+        synchronize(device)
+        end = time.perf_counter()
+        if step >= args.warmup:
+            step_times.append(end - start)
+            finish_times.append(end - finish_start)
+            if device.type == "cuda":
+                peaks.append(torch.cuda.max_memory_allocated(device) - before)
+    result = {
+        "step_ms": 1e3 * statistics.median(step_times),
+        "finish_step_ms": 1e3 * statistics.median(finish_times),
+        "grad_mib": grad_bytes / MIB,
+        "optimizer_state_mib": optimizer_state_bytes(optimizer) / MIB,
+        "rows_selected": int(rows.numel()),
+    }
+    result["grad_plus_state_mib"] = result["grad_mib"] + result["optimizer_state_mib"]
+    if peaks:
+        result["cuda_peak_extra_mib"] = max(peaks) / MIB
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--backend", default=None, help="kernel backend (default: automatic)")
+    parser.add_argument("--tokens", type=int, default=512, help="tokens per step")
+    parser.add_argument("--rows", type=int, default=512, help="T, rows selected per step")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", default=None, help="write the numbers to this file")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+
+    results = {mode: run_path(mode, args, device) for mode in ("row_sparse", "dense_masked")}
+    rows = [("step time (ms)", "step_ms"), ("finish_step time (ms)", "finish_step_ms"),
+            ("values grad (MiB)", "grad_mib"), ("optimizer state (MiB)", "optimizer_state_mib"),
+            ("grad + state (MiB)", "grad_plus_state_mib")]
+    if "cuda_peak_extra_mib" in results["row_sparse"]:
+        rows.append(("CUDA peak above start (MiB)", "cuda_peak_extra_mib"))
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    print(f"ProductKeyMemory(896): 16384 x 896 values, {args.tokens} tokens, T={args.rows}, device {name}, "
+          f"median of {args.repeats}")
+    print(f"{'':30s}{'row_sparse':>14s}{'dense_masked':>14s}{'dense/sparse':>14s}")
+    for label, key in rows:
+        sparse, dense = results["row_sparse"][key], results["dense_masked"][key]
+        ratio = dense / sparse if sparse else float("nan")
+        print(f"{label:30s}{sparse:14.2f}{dense:14.2f}{ratio:14.2f}")
+    if args.json:
+        payload = {"device": name, "tokens": args.tokens, "rows": args.rows, "repeats": args.repeats,
+                   "results": results}
+        with open(args.json, "w") as handle:
+            json.dump(payload, handle, indent=2)
+
+
+if __name__ == "__main__":
+    main()
