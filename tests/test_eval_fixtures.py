@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from smf.data import load_split
 from smf.eval import evaluate_medmcqa, evaluate_triviaqa, evaluate_wikitext
 from smf.eval.triviaqa import is_correct
 from smf.model import attach_memories, memory_blocks
@@ -15,7 +16,8 @@ FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def load(name):
-    return [json.loads(line) for line in (FIXTURES / name).read_text().splitlines()]
+    """The fixture as the data loaders return it: a ``datasets.Dataset``."""
+    return load_split("fixture", None, "test", FIXTURES / name)
 
 
 def lines(path):
@@ -31,14 +33,15 @@ def memory_model():
 
 def test_evaluations_run_on_fixture_schemas(memory_model, tmp_path):
     tokenizer = tiny_tokenizer()
-    medmcqa = load("medmcqa_validation.jsonl")[17:25]  # row 21 is the fixture's "multi" question
+    medmcqa = load("medmcqa_validation.jsonl").select(range(17, 25))  # row 21 is the fixture's "multi" question
     accuracy = evaluate_medmcqa(memory_model, tokenizer, medmcqa, limit=6, output_path=tmp_path / "m.jsonl")
     records = lines(tmp_path / "m.jsonl")
     assert [r["id"] for r in records] == [ex["id"] for i, ex in enumerate(medmcqa) if i != 4][:6]
     assert medmcqa[4]["choice_type"] == "multi"
     assert accuracy == sum(r["correct"] for r in records) / len(records)
 
-    perplexity = evaluate_wikitext(memory_model, tokenizer, load("wikitext103_test.jsonl")[:12], window=96, stride=40,
+    wikitext = load("wikitext103_test.jsonl").select(range(12))
+    perplexity = evaluate_wikitext(memory_model, tokenizer, wikitext, window=96, stride=40,
                                    output_path=tmp_path / "w.jsonl")
     windows = lines(tmp_path / "w.jsonl")
     assert 1 < perplexity < 10 * len(tokenizer) and len(windows) > 2
@@ -47,7 +50,7 @@ def test_evaluations_run_on_fixture_schemas(memory_model, tmp_path):
     triviaqa = load("triviaqa_validation.jsonl")
     accuracy = evaluate_triviaqa(memory_model, tokenizer, triviaqa, limit=3, max_new_tokens=4,
                                  output_path=tmp_path / "t.jsonl")
-    assert [r["id"] for r in lines(tmp_path / "t.jsonl")] == [ex["question_id"] for ex in triviaqa[:3]]
+    assert [r["id"] for r in lines(tmp_path / "t.jsonl")] == triviaqa["question_id"][:3]
     assert 0.0 <= accuracy <= 1.0
 
 
@@ -60,7 +63,7 @@ def test_fixture_answers_are_matched_by_their_own_values():
 
 def test_memory_model_left_padded_generation_equals_one_by_one(memory_model, tmp_path):
     tokenizer = tiny_tokenizer()
-    examples = load("triviaqa_validation.jsonl")[3:6]
+    examples = load("triviaqa_validation.jsonl").select(range(3, 6))
     for block in memory_blocks(memory_model):
         block.memory.reset_read_counts()
     predictions = []

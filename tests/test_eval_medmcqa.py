@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from smf.eval.medmcqa import encode_options, evaluate_medmcqa, format_prompt, option_continuations
+from smf.data.medmcqa import format_prompt, option_continuations
+from smf.eval.medmcqa import encode_options, evaluate_medmcqa
 from smf.tiny import tiny_model, tiny_tokenizer
 
 WORDS = "heart liver kidney nerve bone blood acid enzyme vitamin cell tissue drug dose".split()

@@ -5,7 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from smf.eval.triviaqa import evaluate_triviaqa, format_prompt, is_correct, normalize_answer
+from smf.data import triviaqa_prompt
+from smf.eval.triviaqa import evaluate_triviaqa, is_correct, normalize_answer
 from smf.tiny import tiny_model, tiny_tokenizer
 
 
@@ -67,9 +68,9 @@ def test_accuracy_and_outputs_with_scripted_answers(tmp_path):
                  "search_results": {}, "answer": answer(a)}
                 for i, (q, a) in enumerate([("Capital of France?", ["Paris"]), ("Who wrote Hamlet?", ["Shakespeare"]),
                                             ("Largest ocean on Earth, by area?", ["The Pacific", "Pacific Ocean"])])]
-    replies = {format_prompt("Capital of France?"): " Paris, France.",
-               format_prompt("Who wrote Hamlet?"): " Marlowe",
-               format_prompt("Largest ocean on Earth, by area?"): " the pacific"}
+    replies = {triviaqa_prompt({"question": "Capital of France?"}): " Paris, France.",
+               triviaqa_prompt({"question": "Who wrote Hamlet?"}): " Marlowe",
+               triviaqa_prompt({"question": "Largest ocean on Earth, by area?"}): " the pacific"}
     model = ScriptedGenerator(tokenizer, replies)
     accuracy = evaluate_triviaqa(model, tokenizer, examples, batch_size=2, output_path=tmp_path / "t.jsonl")
     assert accuracy == pytest.approx(2 / 3)

@@ -1,6 +1,7 @@
 """MedMCQA accuracy (SPEC §6): pick the option whose continuation has the highest mean log-likelihood.
 
-Each option is scored as the continuation ``" {label}. {option}"`` of the question prompt.
+Each option is scored as the continuation ``" {label}. {option}"`` of the question prompt; both
+come from :mod:`smf.data.medmcqa`, the one definition shared with training.
 Tokenisation at the boundary: the prompt is tokenised on its own (with the tokenizer's usual
 special tokens) and each continuation on its own (no special tokens), and the two id lists are
 concatenated. The scored tokens are therefore exactly ``tokenizer(continuation)``, the same for
@@ -8,42 +9,29 @@ every prompt, and a merge across the boundary can never move tokens between prom
 """
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from smf.data.medmcqa import LABELS, format_prompt, option_continuations
 from smf.eval.common import batched, evaluating, model_device, pad_batch, pad_token_id, write_jsonl
 
 logger = logging.getLogger(__name__)
 
-OPTION_LABELS = ("A", "B", "C", "D")
-OPTION_FIELDS = ("opa", "opb", "opc", "opd")
 
 
-# --- Private copy of the prompt, to be replaced by smf.data.medmcqa.format_prompt /
-# --- option_continuations (the one definition) as soon as that module lands.
-def format_prompt(example: dict) -> str:
-    """The question, then the four options labelled A-D, one per line, ending in ``Answer:``."""
-    options = "\n".join(f"{label}. {example[field]}" for label, field in zip(OPTION_LABELS, OPTION_FIELDS))
-    return f"Question: {example['question']}\n{options}\nAnswer:"
 
-
-def option_continuations(example: dict) -> list[str]:
-    """The four continuations ``" {label}. {option}"`` in label order."""
-    return [f" {label}. {example[field]}" for label, field in zip(OPTION_LABELS, OPTION_FIELDS)]
-# --- End of the private copy.
-
-
-def single_answer_slice(examples: Sequence[dict], limit: int | None = 1000) -> list[dict]:
+def single_answer_slice(examples: Iterable[dict], limit: int | None = 1000) -> list[dict]:
     """The first ``limit`` examples with ``choice_type == "single"`` (all of them for None)."""
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ValueError(f"limit must be a positive int or None, got {limit!r}")
-    single = [example for example in examples if example["choice_type"] == "single"]
-    return single if limit is None else single[:limit]
+    single = (example for example in examples if example["choice_type"] == "single")
+    return list(itertools.islice(single, limit))
 
 
 def encode_options(tokenizer, example: dict) -> list[tuple[list[int], list[int]]]:
@@ -87,13 +75,14 @@ def mean_continuation_logprobs(
 def evaluate_medmcqa(
     model: nn.Module,
     tokenizer,
-    examples: Sequence[dict],
+    examples: Iterable[dict],
     *,
     limit: int | None = 1000,
     questions_per_batch: int = 8,
     output_path: str | Path | None = None,
 ) -> float:
-    """Accuracy on the first ``limit`` single-answer examples (MedMCQA schema: question, opa-opd, cop).
+    """Accuracy on the first ``limit`` single-answer examples (MedMCQA schema: question, opa-opd, cop;
+    a list of dicts or a ``datasets.Dataset``).
 
     All four options of ``questions_per_batch`` questions go through the model as one padded
     batch. With ``output_path``, writes one JSON line per question: id, scores (mean
@@ -110,7 +99,7 @@ def evaluate_medmcqa(
     with evaluating(model):
         for batch in tqdm(list(batched(questions, questions_per_batch)), desc="MedMCQA", unit="batch"):
             pairs = [pair for example in batch for pair in encode_options(tokenizer, example)]
-            scores = mean_continuation_logprobs(model, pairs, pad_id).view(len(batch), len(OPTION_LABELS))
+            scores = mean_continuation_logprobs(model, pairs, pad_id).view(len(batch), len(LABELS))
             for example, option_scores in zip(batch, scores):
                 prediction = int(option_scores.argmax())
                 records.append({"id": example.get("id"), "scores": option_scores.tolist(), "prediction": prediction,

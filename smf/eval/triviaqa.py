@@ -9,16 +9,18 @@ the normalised prediction.
 from __future__ import annotations
 
 import logging
+import itertools
 import re
 import string
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from torch import nn
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
+from smf.data.eval_sets import triviaqa_prompt
 from smf.eval.common import batched, evaluating, model_device, pad_batch, pad_token_id, write_jsonl
 
 logger = logging.getLogger(__name__)
@@ -51,10 +53,6 @@ def is_correct(prediction: str, answer: dict) -> bool:
     return any(alias in normalized_prediction for alias in aliases if alias)
 
 
-def format_prompt(question: str) -> str:
-    return f"Question: {question}\nAnswer:"
-
-
 def greedy_config(model: nn.Module, tokenizer, max_new_tokens: int) -> GenerationConfig:
     """Plain greedy decoding: no sampling, no repetition penalty (Qwen-Instruct's default config has
     one), stopping at the model's end-of-sequence token(s)."""
@@ -78,27 +76,28 @@ def generate_answers(model: nn.Module, tokenizer, prompts: Sequence[str], config
 def evaluate_triviaqa(
     model: nn.Module,
     tokenizer,
-    examples: Sequence[dict],
+    examples: Iterable[dict],
     *,
     limit: int | None = 1000,
     batch_size: int = 32,
     max_new_tokens: int = 32,
     output_path: str | Path | None = None,
 ) -> float:
-    """Accuracy on the first ``limit`` examples (TriviaQA rc.nocontext schema: question, question_id, answer).
+    """Accuracy on the first ``limit`` examples (TriviaQA rc.nocontext schema: question, question_id, answer;
+    a list of dicts or a ``datasets.Dataset``). The prompt is :func:`smf.data.triviaqa_prompt`.
 
     With ``output_path``, writes one JSON line per question: id, prediction, correct.
     """
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ValueError(f"limit must be a positive int or None, got {limit!r}")
-    questions = list(examples if limit is None else examples[:limit])
+    questions = list(itertools.islice(examples, limit))
     if not questions:
         raise ValueError("examples must hold at least one question")
     config = greedy_config(model, tokenizer, max_new_tokens)
     records = []
     with evaluating(model):
         for batch in tqdm(list(batched(questions, batch_size)), desc="TriviaQA", unit="batch"):
-            predictions = generate_answers(model, tokenizer, [format_prompt(ex["question"]) for ex in batch], config)
+            predictions = generate_answers(model, tokenizer, [triviaqa_prompt(ex) for ex in batch], config)
             for example, prediction in zip(batch, predictions):
                 records.append({"id": example.get("question_id"), "prediction": prediction,
                                 "correct": is_correct(prediction, example["answer"])})

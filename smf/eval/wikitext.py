@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -72,21 +72,23 @@ def window_nll_sums(model: nn.Module, token_ids: torch.Tensor, windows: Sequence
 def evaluate_wikitext(
     model: nn.Module,
     tokenizer,
-    rows: Sequence[dict],
+    rows: Iterable[dict],
     *,
     window: int = 1024,
     stride: int = 512,
     windows_per_batch: int = 8,
     output_path: str | Path | None = None,
 ) -> float:
-    """Perplexity ``exp(mean NLL)`` of the rows' concatenated ``text`` (WikiText schema).
+    """Perplexity ``exp(mean NLL)`` of the rows' concatenated ``text`` (WikiText schema; a list of
+    dicts or a ``datasets.Dataset``).
 
     With ``output_path``, writes one JSON line per window: window, begin, end, scored (number
     of tokens scored), nll_sum.
     """
-    if not rows:
+    texts = [row["text"] for row in rows]
+    if not texts:
         raise ValueError("rows must hold at least one {'text': ...} row")
-    text = "\n\n".join(row["text"] for row in rows)
+    text = "\n\n".join(texts)
     token_ids = torch.as_tensor(tokenizer(text)["input_ids"], dtype=torch.int64)
     windows = sliding_windows(len(token_ids), window, stride)
     pad_id = pad_token_id(tokenizer)
