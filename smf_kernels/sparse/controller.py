@@ -139,11 +139,6 @@ class SparseMemoryController:
         """Use ``background`` for scoring; raises ValueError if it was built for other memories."""
         background.check_matches(self.memories)
         self.background = background
-        self._stats_on_device = {
-            name: (background.doc_freq[name].to(memory.read_counts.device),
-                   background.reads[name].to(memory.read_counts.device))
-            for name, memory in self.memories.items()
-        }
 
     def _world(self) -> int:
         if dist.is_available() and dist.is_initialized():
@@ -241,8 +236,9 @@ class SparseMemoryController:
         counts = self._step_counts()
         selected = {}
         for name, memory in self.memories.items():
-            doc_freq, reads = self._stats_on_device[name]
-            scores = score_slots(self.rule, counts[name], doc_freq, reads, self.background.num_batches[name])
+            device = counts[name].device  # statistics live on the CPU; (M,) int64 copies are cheap
+            scores = score_slots(self.rule, counts[name], self.background.doc_freq[name].to(device),
+                                 self.background.reads[name].to(device), self.background.num_batches[name])
             selected[name] = select_top_rows(scores, counts[name], self.rows_per_step)
             if self.mode == "row_sparse":
                 self._restrict_sparse_grad(memory.values, selected[name])
