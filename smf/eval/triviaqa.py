@@ -46,7 +46,8 @@ def is_correct(prediction: str, answer: dict) -> bool:
     """Whether any normalised alias is a substring of the normalised prediction.
 
     Aliases that normalise to the empty string (e.g. "The") are ignored: the empty string would
-    match every prediction.
+    match every prediction. The match is on characters, as SPEC §6 states, not on whole words:
+    alias "2" matches the prediction "1234".
     """
     normalized_prediction = normalize_answer(prediction)
     aliases = {normalize_answer(alias) for alias in [*answer["aliases"], *answer["normalized_aliases"]]}

@@ -2,8 +2,8 @@
 
 A result record is one finished run: ``{"condition": one of CONDITIONS, "seed": int,
 "medmcqa_acc": float, "wikitext_ppl": float, "triviaqa_acc": float}``; a metric may be missing
-or None (not evaluated). The spread is the SAMPLE standard deviation over seeds (n - 1 in the
-denominator), 0 for a single seed. In every column the best mean (highest accuracy, lowest
+or None (not evaluated). The spread is the SAMPLE standard deviation over the seeds that
+measured the metric (n - 1 in the denominator), 0 for a single seed; "Seeds" counts runs. In every column the best mean (highest accuracy, lowest
 perplexity) is bold; ties are all bold. With ``include_paper`` the paper's numbers (SPEC §7)
 stand beside ours, column by column; use it when the runs used the paper's model.
 """
