@@ -24,8 +24,6 @@ from smf.eval.common import batched, evaluating, model_device, pad_batch, pad_to
 logger = logging.getLogger(__name__)
 
 
-
-
 def single_answer_slice(examples: Iterable[dict], limit: int | None = 1000) -> list[dict]:
     """The first ``limit`` examples with ``choice_type == "single"`` (all of them for None)."""
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
