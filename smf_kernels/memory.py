@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from smf_kernels.ops import product_key_topk, weighted_gather
+from smf_kernels.ops import DeferredRows, product_key_topk, weighted_gather
 
 
 class ProductKeyMemory(nn.Module):
@@ -29,8 +29,8 @@ class ProductKeyMemory(nn.Module):
     Read counting: after :meth:`set_read_counting` (True), every forward adds the
     reads of its valid tokens to the ``read_counts`` buffer ``(n_keys**2,)``
     int64; :meth:`reset_read_counts` zeroes it. Sparse value gradients: after
-    :meth:`set_update_rows` (rows), ``values.grad`` is a sparse COO tensor
-    holding only those rows; ``set_update_rows(None)`` restores dense gradients.
+    :meth:`set_update_rows`, ``values.grad`` is a sparse COO tensor holding only
+    the chosen rows; ``set_update_rows(None)`` restores dense gradients.
     """
 
     def __init__(
@@ -67,7 +67,7 @@ class ProductKeyMemory(nn.Module):
         self.out_proj = nn.Linear(value_dim, d_model, bias=True)
         self.register_buffer("read_counts", torch.zeros(self.num_slots, dtype=torch.int64), persistent=False)
         self.count_reads = False
-        self.update_rows: torch.Tensor | None = None
+        self.update_rows: torch.Tensor | DeferredRows | str | None = None
         self.reset_parameters()
 
     def config(self) -> dict:
@@ -93,12 +93,20 @@ class ProductKeyMemory(nn.Module):
     def reset_read_counts(self) -> None:
         self.read_counts.zero_()
 
-    def set_update_rows(self, rows: torch.Tensor | None) -> None:
-        """Restrict value gradients to ``rows`` ((T,) int64, distinct), or None for dense."""
-        if rows is not None:
-            if not isinstance(rows, torch.Tensor) or rows.dim() != 1 or rows.dtype != torch.int64:
-                raise ValueError("rows must be a 1-D int64 tensor of distinct slot ids, or None")
+    def set_update_rows(self, rows: torch.Tensor | DeferredRows | str | None) -> None:
+        """Restrict the value gradient of later forwards to some rows.
+
+        rows: a (T,) int64 tensor of distinct slot ids; ``"read"``, the distinct
+        slots each forward reads (all tokens, padding included); a
+        :class:`~smf_kernels.ops.DeferredRows` filled between forward and
+        backward; or None for a dense gradient.
+        """
+        if isinstance(rows, torch.Tensor):
+            if rows.dim() != 1 or rows.dtype != torch.int64:
+                raise ValueError("rows must be a 1-D int64 tensor of distinct slot ids")
             rows = rows.to(self.values.device)
+        elif not (rows is None or rows == "read" or isinstance(rows, DeferredRows)):
+            raise ValueError(f"rows must be a 1-D int64 tensor, 'read', a DeferredRows or None, got {rows!r}")
         self.update_rows = rows
 
     def lookup(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,13 +131,14 @@ class ProductKeyMemory(nn.Module):
         weights = torch.softmax(scores.float(), dim=-1)
         num_tokens, per_token = flat.shape[0], self.heads * self.topk
         counting = self.count_reads
+        update_rows = torch.unique(indices) if isinstance(self.update_rows, str) else self.update_rows
         read = weighted_gather(
             self.values,
             indices.view(num_tokens, per_token),
             weights.view(num_tokens, per_token),
             counts=self.read_counts if counting else None,
             valid=valid_mask.reshape(-1).bool() if (counting and valid_mask is not None) else None,
-            update_rows=self.update_rows,
+            update_rows=update_rows,
             backend=self.backend,
         )
         gate = F.silu(self.gate_proj(flat))

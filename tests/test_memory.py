@@ -118,3 +118,31 @@ def test_compiles_without_graph_breaks_with_counting():
     assert rel_err(compiled_grad, mem.values.grad) < 1e-6
     assert counts_after_compiled.sum() == 12 * mem.heads * mem.topk
     assert torch.equal(mem.read_counts, 2 * counts_after_compiled)
+
+
+def test_update_rows_read_and_deferred_modes():
+    from smf_kernels.ops import DeferredRows
+
+    mem = ProductKeyMemory(40, **SMALL)
+    x = torch.randn(5, 40)
+    _, slots = mem.lookup(x)
+    dense = torch.autograd.grad(mem(x).square().sum(), mem.values)[0]
+    mem.set_update_rows("read")
+    grad = torch.autograd.grad(mem(x).square().sum(), mem.values)[0]
+    assert torch.equal(grad.indices()[0], slots.unique())
+    assert rel_err(grad.to_dense(), dense) < 1e-6, "every read row is kept: equal to the dense gradient"
+
+    deferred = DeferredRows()
+    mem.set_update_rows(deferred)
+    out = mem(x).square().sum()
+    chosen = slots.unique()[:3]
+    deferred.set(chosen.flip(0))
+    grad = torch.autograd.grad(out, mem.values)[0]
+    assert torch.equal(grad.indices()[0], chosen)
+    assert rel_err(grad.to_dense()[chosen], dense[chosen]) < 1e-6
+    unset = DeferredRows()
+    mem.set_update_rows(unset)
+    with pytest.raises(RuntimeError, match="were not set before the backward"):
+        torch.autograd.grad(mem(x).sum(), mem.values)
+    with pytest.raises(ValueError, match="'read', a DeferredRows or None"):
+        mem.set_update_rows("all")

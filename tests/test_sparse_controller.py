@@ -110,6 +110,44 @@ def test_accumulating_four_micro_batches_equals_one_batch_of_four_times_the_size
     assert abs(alpha_four.item() - alpha_one.item()) < 1e-6
 
 
+def test_select_before_backward_writes_only_selected_rows_and_matches_compact_accumulation():
+    steps = make_steps(3, sequences=4)
+    results = []
+    for early in (False, True):
+        model, controller = fresh_setup("kl")
+        optimizer = RowSparseAdamW([model.memory.values, model.alpha], lr=1e-2)
+        selected = []
+        for tokens, targets, valid in steps:
+            controller.begin_step(select_before_backward=early)
+            loss = micro_loss(model, tokens, targets, valid, valid.sum())
+            if early:
+                rows = controller.select_rows()["memory"]
+            loss.backward()
+            if early:  # the backward itself wrote exactly the T selected rows
+                assert torch.equal(model.memory.values.grad.indices()[0], rows)
+            selected.append(controller.finish_step(optimizer, max_grad_norm=1.0)["memory"])
+        results.append((selected, model.memory.values.detach().clone()))
+    (rows_late, values_late), (rows_early, values_early) = results
+    assert all(torch.equal(a, b) for a, b in zip(rows_late, rows_early))
+    assert rel_err(values_early, values_late) < 1e-6
+
+
+def test_select_before_backward_misuse_raises():
+    model, controller = fresh_setup("kl")
+    optimizer = RowSparseAdamW([model.memory.values], lr=1e-2)
+    tokens, targets, valid = make_steps(1, sequences=2)[0]
+    controller.begin_step()
+    with pytest.raises(RuntimeError, match="select_before_backward=True"):
+        controller.select_rows()
+    controller.finish_step(optimizer)
+    controller.begin_step(select_before_backward=True)
+    loss = micro_loss(model, tokens, targets, valid, valid.sum())
+    with pytest.raises(RuntimeError, match="were not set before the backward"):
+        loss.backward()
+    with pytest.raises(RuntimeError, match="needs select_rows"):
+        controller.finish_step(optimizer)
+
+
 def test_dense_masked_mode_leaks_while_row_sparse_keeps_unselected_rows_bit_identical():
     steps = make_steps(3, sequences=4)
     runs = {}

@@ -65,16 +65,41 @@ def _(grad_out, indices, weights, num_rows, update_rows, backend, deterministic)
     return grad_out.new_empty(rows, grad_out.shape[1], dtype=_accumulation_dtype(grad_out.dtype))
 
 
+class DeferredRows:
+    """The rows of a sparse value gradient, chosen after the forward and before the backward.
+
+    Pass an instance as ``update_rows`` to :func:`weighted_gather`, then call
+    :meth:`set` once the rows are known (e.g. selected from the read counts the
+    forward produced). The backward reads them then, so it writes only the
+    chosen rows. Backward before :meth:`set` raises RuntimeError.
+    """
+
+    def __init__(self) -> None:
+        self.rows: torch.Tensor | None = None
+
+    def set(self, rows: torch.Tensor) -> None:
+        """rows: (T,) int64 distinct row ids."""
+        if not isinstance(rows, torch.Tensor) or rows.dim() != 1 or rows.dtype != torch.int64:
+            raise ValueError("rows must be a 1-D int64 tensor of distinct row ids")
+        self.rows = rows.sort().values
+
+
 class _WeightedGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, values, indices, weights, counts, valid, update_rows, backend):
-        ctx.save_for_backward(values, indices, weights, update_rows)
+        ctx.deferred = update_rows if isinstance(update_rows, DeferredRows) else None
+        ctx.save_for_backward(values, indices, weights, None if ctx.deferred is not None else update_rows)
         ctx.backend = backend
         return _forward(values, indices, weights, counts, valid, backend)
 
     @staticmethod
     def backward(ctx, grad_out):
         values, indices, weights, update_rows = ctx.saved_tensors
+        if ctx.deferred is not None:
+            update_rows = ctx.deferred.rows
+            if update_rows is None:
+                raise RuntimeError("update_rows is a DeferredRows whose rows were not set before the backward")
+            check_gather_args(values, indices, weights, None, None, update_rows)
         grad_out = grad_out.contiguous()
         grad_values = grad_weights = None
         if ctx.needs_input_grad[0]:
@@ -100,7 +125,7 @@ def weighted_gather(
     *,
     counts: torch.Tensor | None = None,
     valid: torch.Tensor | None = None,
-    update_rows: torch.Tensor | None = None,
+    update_rows: torch.Tensor | DeferredRows | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """``out[n] = sum_l weights[n, l] * values[indices[n, l]]``, with a read histogram.
@@ -116,14 +141,16 @@ def weighted_gather(
         update_rows: optional (T,) int64 distinct rows. When given, the gradient
             w.r.t. ``values`` is a sparse COO tensor holding only these rows
             (sorted ascending; reads of other rows get no gradient), and no dense
-            (M, D) buffer is allocated. Without it the gradient is dense.
+            (M, D) buffer is allocated. Without it the gradient is dense. A
+            :class:`DeferredRows` instead lets the rows be chosen after the forward.
         backend: "torch", "triton", "ext" or None (see :mod:`smf_kernels.backends`).
 
     Returns:
         (N, D) tensor in values' dtype; differentiable w.r.t. values and weights.
     """
-    check_gather_args(values, indices, weights, counts, valid, update_rows)
+    deferred = isinstance(update_rows, DeferredRows)
+    check_gather_args(values, indices, weights, counts, valid, None if deferred else update_rows)
     name = resolve_backend(backend, values.device)
-    if update_rows is not None:
+    if update_rows is not None and not deferred:
         update_rows = update_rows.sort().values  # sorted rows => the COO gradient is coalesced
     return _WeightedGather.apply(values, indices, weights, counts, valid, update_rows, name)

@@ -19,6 +19,14 @@ Usage (stage 2; only the memory values, plus e.g. a +S scale, are trainable)::
         rows = controller.finish_step(optimizer, max_grad_norm=1.0)  # {layer name: rows}
         scheduler.step()
 
+    # A step of one micro-batch can select before its backward, which then
+    # writes only the T selected rows:
+    controller.begin_step(select_before_backward=True)
+    loss = compute_loss(model, batch)
+    controller.select_rows()
+    loss.backward()
+    controller.finish_step(optimizer, max_grad_norm=1.0)
+
 Under DDP, exclude ``controller.ddp_ignored_names()`` from DDP before wrapping
 (see :mod:`smf_kernels.sparse.controller`). The controller holds no state that
 changes during training (resume = same background file + optimizer state_dict).

@@ -4,19 +4,21 @@ holding :class:`ProductKeyMemory` layers.
 How one optimizer step works (mode "row_sparse", the default):
 
 1. ``begin_step()`` zeroes every memory's ``read_counts``, turns read counting
-   on, and installs a forward pre-hook on each memory. Before each forward the
-   hook looks up (without grad) which slots that micro-batch reads and sets
-   them as the layer's ``update_rows``. So every backward writes a compact
-   sparse COO gradient holding just the rows the micro-batch read — never a
-   dense (M, D) buffer — and autograd sums these sparse gradients across
-   micro-batches ("compact accumulation"). The lookup runs twice per forward
-   (the hook's copy has no grad); the slot ids must be known before the forward
-   because the gather records ``update_rows`` when it runs. ``torch.unique`` in
-   the hook syncs with the host once per micro-batch and layer. A second hook
-   coalesces the summed gradient after each backward, so it never holds more
-   than the R <= M distinct rows the step has read so far. Note R approaches M
-   for large batches (every slot gets read), so this gradient can be nearly as
-   large as a dense one; what stays sparse is the update (T rows) below.
+   on, and sets each memory's update rows to ``"read"``: every forward routes
+   the value gradient to the distinct slots it reads (``torch.unique``, one host
+   sync per micro-batch and layer). So every backward writes a compact sparse
+   COO gradient holding just the rows the micro-batch read — never a dense
+   (M, D) buffer — and autograd sums these sparse gradients across
+   micro-batches ("compact accumulation"). A hook coalesces the summed gradient
+   after each backward, so it never holds more than the R <= M distinct rows
+   the step has read so far. R approaches M for large batches (every slot gets
+   read), so this gradient can be nearly as large as a dense one; what stays
+   sparse is the update (T rows) below.
+
+   When a step is ONE micro-batch, ``begin_step(select_before_backward=True)``
+   does better: the forward only records reads, then ``select_rows()`` (after
+   the forward, before the backward) picks the step's rows from its counts, and
+   the backward writes only those T rows (via :class:`~smf_kernels.ops.DeferredRows`).
 2. The user runs forward/backward for each micro-batch as usual. Read counts
    exclude padding when the model passes ``valid_mask`` to the memories, so
    padding never steers selection; the hook's rows include every position read
@@ -57,6 +59,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from smf_kernels.memory import ProductKeyMemory
+from smf_kernels.ops import DeferredRows
 from smf_kernels.sparse.background import BackgroundStats
 from smf_kernels.sparse.clipping import clip_grad_norm_
 from smf_kernels.sparse.dense_masked import mask_grad_rows_
@@ -75,14 +78,6 @@ def _coalesce_grad(param: torch.Tensor) -> None:
     """Post-accumulate-grad hook: keep the summed sparse gradient at <= M rows across micro-batches
     (sparse + sparse may concatenate entries instead of merging them)."""
     param.grad = param.grad.coalesce()
-
-
-def _set_rows_read_by_forward(memory: ProductKeyMemory, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook: update_rows := the distinct slots this forward will read."""
-    x = args[0] if args else kwargs["x"]
-    with torch.no_grad():
-        _, slots = memory.lookup(x.reshape(-1, memory.d_model))
-    memory.set_update_rows(torch.unique(slots))
 
 
 class SparseMemoryController:
@@ -120,6 +115,8 @@ class SparseMemoryController:
         self.background: BackgroundStats | None = None
         self._hooks: list = []
         self._in_step = False
+        self._deferred: dict[str, DeferredRows] | None = None
+        self._selected: dict[str, torch.Tensor] | None = None
         if background is not None:
             self.set_background(background)
 
@@ -201,23 +198,55 @@ class SparseMemoryController:
         return stats
 
     # ------------------------------------------------------------ train steps
-    def begin_step(self) -> None:
-        """Start an optimizer step: zero counts, count reads, route value gradients."""
+    def begin_step(self, *, select_before_backward: bool = False) -> None:
+        """Start an optimizer step: zero counts, count reads, route value gradients.
+
+        select_before_backward: the step is a single micro-batch; call
+        :meth:`select_rows` between its forward and backward so the backward
+        writes only the selected rows.
+        """
         if self.background is None:
             raise RuntimeError("no background statistics: pass background=, call set_background() "
                                "or collect_background() first")
         if self._in_step:
             raise RuntimeError("begin_step() called twice without finish_step()")
+        self._deferred = {name: DeferredRows() for name in self.memories} if select_before_backward else None
+        self._selected = None
         for name, memory in self.memories.items():
             if not memory.values.requires_grad:
                 raise RuntimeError(f"{name}.values does not require grad; nothing to train")
             memory.reset_read_counts()
             memory.set_read_counting(True)
-            memory.set_update_rows(None)
             if self.mode == "row_sparse":
-                self._hooks.append(memory.register_forward_pre_hook(_set_rows_read_by_forward, with_kwargs=True))
+                memory.set_update_rows(self._deferred[name] if self._deferred else "read")
                 self._hooks.append(memory.values.register_post_accumulate_grad_hook(_coalesce_grad))
+            else:
+                memory.set_update_rows(None)
         self._in_step = True
+
+    def select_rows(self) -> dict[str, torch.Tensor]:
+        """Select this step's rows now, from the counts of the forward just run (see begin_step).
+
+        Returns:
+            layer name -> (T',) int64 selected rows (ascending), T' = min(T, #read).
+        """
+        if not self._in_step or self._deferred is None:
+            raise RuntimeError("select_rows() needs begin_step(select_before_backward=True) first")
+        if self._selected is not None:
+            raise RuntimeError("select_rows() was already called in this step")
+        self._selected = self._select(self._step_counts())
+        for name, rows in self._selected.items():
+            self._deferred[name].set(rows)
+        return self._selected
+
+    def _select(self, counts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        selected = {}
+        for name in self.memories:
+            device = counts[name].device  # statistics live on the CPU; (M,) int64 copies are cheap
+            scores = score_slots(self.rule, counts[name], self.background.doc_freq[name].to(device),
+                                 self.background.reads[name].to(device), self.background.num_batches[name])
+            selected[name] = select_top_rows(scores, counts[name], self.rows_per_step)
+        return selected
 
     def finish_step(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None
                     ) -> dict[str, torch.Tensor]:
@@ -232,14 +261,11 @@ class SparseMemoryController:
         """
         if not self._in_step:
             raise RuntimeError("finish_step() called without begin_step()")
+        if self._deferred is not None and self._selected is None:
+            raise RuntimeError("begin_step(select_before_backward=True) needs select_rows() before the backward")
         self._end_step()
-        counts = self._step_counts()
-        selected = {}
+        selected = self._selected if self._selected is not None else self._select(self._step_counts())
         for name, memory in self.memories.items():
-            device = counts[name].device  # statistics live on the CPU; (M,) int64 copies are cheap
-            scores = score_slots(self.rule, counts[name], self.background.doc_freq[name].to(device),
-                                 self.background.reads[name].to(device), self.background.num_batches[name])
-            selected[name] = select_top_rows(scores, counts[name], self.rows_per_step)
             if self.mode == "row_sparse":
                 self._restrict_sparse_grad(memory.values, selected[name])
             else:
