@@ -1,10 +1,43 @@
-"""The ``ext`` backend: the optional compiled extension built from ``csrc/``."""
+"""The ``ext`` backend: the optional compiled extension built from ``csrc/``.
+
+Importing this module raises ImportError (recorded by :mod:`smf_kernels.backends`
+as the reason the backend is unavailable) when the extension is not built; see
+:mod:`smf_kernels.build_ext`. The CPU kernels are deterministic whatever
+``deterministic`` says; so are the CUDA ones (sorted reads, no float atomics).
+float16 runs through a float32 copy.
+"""
 from __future__ import annotations
 
 import torch
 
-from smf_kernels import _ext  # noqa: F401  (ImportError here = extension not built)
+from smf_kernels.build_ext import load_extension
+
+_ext = load_extension()
 
 
 def unavailable_reason(device: torch.device) -> str | None:
-    return f"the compiled extension has no {device.type} kernels" if device.type != "cpu" else None
+    if device.type == "cpu":
+        return None
+    if device.type == "cuda":
+        if _ext.with_cuda:
+            return None
+        return ("the compiled extension was built without CUDA kernels; on a CUDA machine run "
+                "`SMF_KERNELS_BUILD_EXT=1 pip install --no-build-isolation -e .`")
+    return f"the compiled extension has no {device.type} kernels"
+
+
+def topk_forward(query, keys, topk):
+    scores, indices = _ext.topk_forward(query, keys, topk)
+    return scores, indices
+
+
+def gather_forward(values, indices, weights, counts, valid):
+    return _ext.gather_forward(values, indices, weights, counts, valid)
+
+
+def gather_backward_weights(grad_out, values, indices):
+    return _ext.gather_backward_weights(grad_out, values, indices)
+
+
+def gather_backward_values(grad_out, indices, weights, num_rows, update_rows, deterministic):
+    return _ext.gather_backward_values(grad_out, indices, weights, num_rows, update_rows)

@@ -1,0 +1,186 @@
+// Python bindings: torch tensors in, kernel launches out. Arguments arrive validated
+// by smf_kernels.ops (shapes, dtypes, index ranges); here they are made contiguous,
+// float16 is run through float32, and the call goes to the CPU or CUDA kernels.
+// On CPU the top-k's sub-key scores come from at::bmm (MKL) and the kernel selects.
+#include <torch/extension.h>
+
+#include "cpu_kernels.h"
+#ifdef SMF_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "cuda_kernels.h"
+#endif
+
+namespace {
+
+// Half precision has no kernels of its own: it runs as float32.
+at::Tensor kernel_input(const at::Tensor& t) {
+  return (t.scalar_type() == at::kHalf ? t.to(at::kFloat) : t).contiguous();
+}
+
+smf::DType kernel_dtype(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return smf::DType::Float32;
+    case at::kDouble:
+      return smf::DType::Float64;
+    case at::kBFloat16:
+      return smf::DType::BFloat16;
+    default:
+      TORCH_CHECK(false, "smf_kernels ext: unsupported dtype ", t.scalar_type(),
+                  " (expected float32, float64, bfloat16 or float16)");
+  }
+}
+
+at::ScalarType accumulation_type(const at::Tensor& t) {
+  return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+#ifdef SMF_WITH_CUDA
+// Runs cpu_call (it may use `threads`) or, for a CUDA tensor, cuda_call (it may use
+// `stream`, the current stream of the tensor's device) and checks its launch status.
+#define SMF_RUN(tensor, cpu_call, cuda_call)                                  \
+  if ((tensor).is_cuda()) {                                                   \
+    const c10::cuda::CUDAGuard device_guard((tensor).device());              \
+    const cudaStream_t stream = at::cuda::getCurrentCUDAStream();             \
+    C10_CUDA_CHECK(cuda_call);                                                \
+  } else {                                                                    \
+    const int threads = at::get_num_threads();                                \
+    cpu_call;                                                                 \
+  }
+#else
+#define SMF_RUN(tensor, cpu_call, cuda_call)                                                          \
+  TORCH_CHECK((tensor).is_cpu(), "smf_kernels ext was built without CUDA kernels; got a tensor on ", \
+              (tensor).device());                                                                     \
+  {                                                                                                   \
+    const int threads = at::get_num_threads();                                                        \
+    cpu_call;                                                                                         \
+  }
+#endif
+
+std::tuple<at::Tensor, at::Tensor> topk_forward(const at::Tensor& query, const at::Tensor& keys, int64_t topk) {
+  const int64_t num_tokens = query.size(0), heads = query.size(1), key_dim = query.size(2), n_keys = keys.size(2);
+  const at::ScalarType acc = accumulation_type(query);
+  at::Tensor scores = at::empty({num_tokens, heads, topk}, query.options().dtype(acc));
+  at::Tensor indices = at::empty({num_tokens, heads, topk}, query.options().dtype(at::kLong));
+#ifdef SMF_WITH_CUDA
+  if (query.is_cuda()) {  // one fused kernel: sub-key scores, both top-k, the merge
+    const at::Tensor q = kernel_input(query), k = kernel_input(keys);
+    const c10::cuda::CUDAGuard device_guard(query.device());
+    C10_CUDA_CHECK(smf::cuda::topk_forward(kernel_dtype(q), q.const_data_ptr(), k.const_data_ptr(), scores.data_ptr(),
+                                           indices.data_ptr<int64_t>(), num_tokens, heads, key_dim, n_keys, topk,
+                                           at::cuda::getCurrentCUDAStream()));
+    return {scores, indices};
+  }
+#endif
+  TORCH_CHECK(query.is_cpu(), "smf_kernels ext was built without CUDA kernels; got a tensor on ", query.device());
+  // Sub-key scores by one batched GEMM: (2H, N, half) x (2H, half, n_keys) -> (2H, N, n_keys).
+  const at::Tensor q = query.to(acc).reshape({num_tokens, heads * 2, key_dim / 2}).transpose(0, 1);
+  const at::Tensor k = keys.to(acc).reshape({heads * 2, n_keys, key_dim / 2}).transpose(1, 2);
+  const at::Tensor sub_scores = at::bmm(q, k).contiguous();
+  smf::cpu::topk_select(acc == at::kDouble ? smf::DType::Float64 : smf::DType::Float32, sub_scores.const_data_ptr(),
+                        scores.data_ptr(), indices.data_ptr<int64_t>(), num_tokens, heads, n_keys, topk,
+                        at::get_num_threads());
+  return {scores, indices};
+}
+
+at::Tensor gather_forward(const at::Tensor& values_in, const at::Tensor& indices_in, const at::Tensor& weights_in,
+                          std::optional<at::Tensor> counts_in, std::optional<at::Tensor> valid_in) {
+  const at::Tensor values = kernel_input(values_in), indices = indices_in.contiguous();
+  const at::Tensor weights = weights_in.to(accumulation_type(values)).contiguous();
+  // counts is updated in place: a non-contiguous one is updated through a copy.
+  at::Tensor counts = counts_in.has_value() ? counts_in->contiguous() : at::Tensor();
+  const at::Tensor valid = valid_in.has_value() ? valid_in->contiguous() : at::Tensor();
+  int64_t* counts_ptr = counts.defined() ? counts.data_ptr<int64_t>() : nullptr;
+  const bool* valid_ptr = valid.defined() ? valid.const_data_ptr<bool>() : nullptr;
+  const int64_t num_tokens = indices.size(0), per_token = indices.size(1), dim = values.size(1);
+  at::Tensor out = at::empty({num_tokens, dim}, values.options());
+  const smf::DType dtype = kernel_dtype(values);
+  SMF_RUN(values,
+          smf::cpu::gather_forward(dtype, values.const_data_ptr(), indices.const_data_ptr<int64_t>(),
+                                   weights.const_data_ptr(), counts_ptr, valid_ptr, out.data_ptr(), num_tokens,
+                                   per_token, dim, threads),
+          smf::cuda::gather_forward(dtype, values.const_data_ptr(), indices.const_data_ptr<int64_t>(),
+                                    weights.const_data_ptr(), counts_ptr, valid_ptr, out.data_ptr(), num_tokens,
+                                    per_token, dim, stream));
+  if (counts_in.has_value() && !counts.is_same(*counts_in)) counts_in->copy_(counts);
+  return out.to(values_in.scalar_type());
+}
+
+at::Tensor gather_backward_weights(const at::Tensor& grad_out_in, const at::Tensor& values_in,
+                                   const at::Tensor& indices_in) {
+  at::Tensor values = kernel_input(values_in), grad_out = kernel_input(grad_out_in);
+  if (grad_out.scalar_type() != values.scalar_type()) {  // mixed dtypes: both in values' accumulation dtype
+    const at::ScalarType common = accumulation_type(values);
+    values = values.to(common);
+    grad_out = grad_out.to(common);
+  }
+  const at::Tensor indices = indices_in.contiguous();
+  const int64_t num_tokens = indices.size(0), per_token = indices.size(1), dim = values.size(1);
+  at::Tensor grad_weights = at::empty({num_tokens, per_token}, values.options().dtype(accumulation_type(values)));
+  const smf::DType dtype = kernel_dtype(values);
+  SMF_RUN(values,
+          smf::cpu::gather_backward_weights(dtype, grad_out.const_data_ptr(), values.const_data_ptr(),
+                                            indices.const_data_ptr<int64_t>(), grad_weights.data_ptr(), num_tokens,
+                                            per_token, dim, threads),
+          smf::cuda::gather_backward_weights(dtype, grad_out.const_data_ptr(), values.const_data_ptr(),
+                                             indices.const_data_ptr<int64_t>(), grad_weights.data_ptr(), num_tokens,
+                                             per_token, dim, stream));
+  return grad_weights;
+}
+
+at::Tensor gather_backward_values(const at::Tensor& grad_out_in, const at::Tensor& indices_in,
+                                  const at::Tensor& weights_in, int64_t num_rows,
+                                  std::optional<at::Tensor> update_rows_in) {
+  const at::Tensor grad_out = kernel_input(grad_out_in), indices = indices_in.contiguous();
+  const at::Tensor weights = weights_in.to(accumulation_type(grad_out)).contiguous();
+  const at::Tensor update_rows = update_rows_in.has_value() ? update_rows_in->contiguous() : at::Tensor();
+  const int64_t* update_rows_ptr = update_rows.defined() ? update_rows.const_data_ptr<int64_t>() : nullptr;
+  const int64_t num_update_rows = update_rows.defined() ? update_rows.numel() : 0;
+  const int64_t out_rows = update_rows.defined() ? num_update_rows : num_rows;
+  const int64_t num_tokens = indices.size(0), per_token = indices.size(1), dim = grad_out.size(1);
+  at::Tensor grad = at::empty({out_rows, dim}, grad_out.options().dtype(accumulation_type(grad_out)));
+  const smf::DType dtype = kernel_dtype(grad_out);
+#ifdef SMF_WITH_CUDA
+  at::Tensor workspace;
+  if (grad_out.is_cuda()) {
+    TORCH_CHECK(num_tokens * per_token < (int64_t(1) << 31), "smf_kernels ext: N * L = ", num_tokens * per_token,
+                " reads exceed the CUDA kernels' 2**31 limit");
+    const size_t bytes = smf::cuda::gather_backward_values_workspace_bytes(num_rows, out_rows, num_tokens * per_token);
+    workspace = at::empty({static_cast<int64_t>(bytes)}, grad_out.options().dtype(at::kByte));
+  }
+#endif
+  SMF_RUN(grad_out,
+          smf::cpu::gather_backward_values(dtype, grad_out.const_data_ptr(), indices.const_data_ptr<int64_t>(),
+                                           weights.const_data_ptr(), update_rows_ptr, num_update_rows,
+                                           grad.data_ptr(), num_rows, num_tokens, per_token, dim, threads),
+          smf::cuda::gather_backward_values(dtype, grad_out.const_data_ptr(), indices.const_data_ptr<int64_t>(),
+                                            weights.const_data_ptr(), update_rows_ptr, num_update_rows,
+                                            grad.data_ptr(), num_rows, num_tokens, per_token, dim,
+                                            workspace.data_ptr(), workspace.numel(), stream));
+  return grad;
+}
+
+#define SMF_STRINGIFY(x) #x
+#define SMF_EXPAND_STRINGIFY(x) SMF_STRINGIFY(x)
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "smf_kernels compiled kernels (csrc/); use them through smf_kernels.ops with backend='ext'";
+  m.attr("source_hash") = SMF_EXPAND_STRINGIFY(SMF_EXT_SOURCE_HASH);  // checked by build_ext.load_extension
+#ifdef SMF_WITH_CUDA
+  m.attr("with_cuda") = true;
+#else
+  m.attr("with_cuda") = false;
+#endif
+  m.def("topk_forward", &topk_forward, "scores (N, H, k) acc, indices (N, H, k) int64",
+        py::arg("query"), py::arg("keys"), py::arg("topk"));
+  m.def("gather_forward", &gather_forward, "out (N, D); counts updated in place", py::arg("values"),
+        py::arg("indices"), py::arg("weights"), py::arg("counts"), py::arg("valid"));
+  m.def("gather_backward_weights", &gather_backward_weights, "grad of weights (N, L) acc", py::arg("grad_out"),
+        py::arg("values"), py::arg("indices"));
+  m.def("gather_backward_values", &gather_backward_values, "grad of values (M or T, D) acc", py::arg("grad_out"),
+        py::arg("indices"), py::arg("weights"), py::arg("num_rows"), py::arg("update_rows"));
+}

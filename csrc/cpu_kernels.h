@@ -1,0 +1,41 @@
+// CPU kernels of the three ops: plain pointers, OpenMP over tokens or rows.
+//
+// Shapes: N tokens, H heads, L = slots per token, D = value width, M = rows.
+// "acc" below means float64 when dtype is Float64, float32 otherwise. All
+// inputs are contiguous; every kernel is deterministic (no thread-order sums).
+#pragma once
+
+#include <cstdint>
+
+#include "dtype.h"
+
+namespace smf::cpu {
+
+// Top-k of the product keys from the sub-key scores sub_scores (H, 2, N, n_keys) acc
+// (query half c of token n against sub-key j of head h; a GEMM computes them).
+// Writes scores (N, H, topk) acc, sorted descending, and indices (N, H, topk)
+// holding slot ids i * n_keys + j. `dtype` is the acc type (Float32 or Float64).
+void topk_select(DType dtype, const void* sub_scores, void* scores, int64_t* indices, int64_t num_tokens,
+                 int64_t heads, int64_t n_keys, int64_t topk, int threads);
+
+// out (N, D) = sum_l weights[n, l] * values[indices[n, l]]; values (M, D) and out
+// of `dtype`, weights (N, L) acc. If counts (M,) is not null, counts[indices[n, l]]
+// += 1 for every token with valid == nullptr or valid[n].
+void gather_forward(DType dtype, const void* values, const int64_t* indices, const void* weights,
+                    int64_t* counts, const bool* valid, void* out, int64_t num_tokens, int64_t per_token,
+                    int64_t dim, int threads);
+
+// grad_weights (N, L) acc = <grad_out[n], values[indices[n, l]]>; grad_out (N, D)
+// and values (M, D) of `dtype`.
+void gather_backward_weights(DType dtype, const void* grad_out, const void* values, const int64_t* indices,
+                             void* grad_weights, int64_t num_tokens, int64_t per_token, int64_t dim, int threads);
+
+// grad (R, D) acc: row r = sum over reads (n, l) of row target(r) of weights[n, l] * grad_out[n].
+// Dense (update_rows == nullptr): R = num_rows and target(r) = r. Sparse: R = num_update_rows,
+// target(r) = update_rows[r] (distinct), reads of other rows are dropped.
+// grad_out (N, D) of `dtype`, weights (N, L) acc. Each row is summed in token order.
+void gather_backward_values(DType dtype, const void* grad_out, const int64_t* indices, const void* weights,
+                            const int64_t* update_rows, int64_t num_update_rows, void* grad, int64_t num_rows,
+                            int64_t num_tokens, int64_t per_token, int64_t dim, int threads);
+
+}  // namespace smf::cpu

@@ -1,0 +1,189 @@
+"""Build and load the optional compiled extension: the ``ext`` backend, sources in ``csrc/``.
+
+Nothing is compiled on a plain import. Ways to build (all against the installed torch):
+
+* ``python -m smf_kernels.build_ext``: compiles the CPU kernels with
+  ``torch.utils.cpp_extension`` (ninja, about a minute) into a cache directory,
+  ``$SMF_KERNELS_EXT_DIR`` or ``~/.cache/smf_kernels``, one subdirectory per
+  hash of the sources, compiler flags and torch version.
+* ``SMF_KERNELS_BUILD_EXT=1`` in the environment: the first import of the ext
+  backend builds it the same way. A failed build is recorded in its directory
+  and not retried on import; run the command above to retry.
+* ``SMF_KERNELS_BUILD_EXT=1 pip install --no-build-isolation -e .``: setup.py
+  builds ``smf_kernels._ext`` in place, with the CUDA kernels when torch has CUDA.
+
+:func:`load_extension` returns the build that matches the current sources, or
+raises ImportError saying how to get one.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib
+import importlib.util
+import logging
+import os
+import platform
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).resolve().parent.parent / "csrc"
+CPU_SOURCES = ("bindings.cpp", "cpu_kernels.cpp")
+CUDA_SOURCES = ("cuda_kernels.cu",)
+BUILD_ENV_VAR = "SMF_KERNELS_BUILD_EXT"
+DIR_ENV_VAR = "SMF_KERNELS_EXT_DIR"
+MODULE_NAME = "_ext"
+# -march=native: the build runs where it was compiled (the cache key holds the CPU flags).
+CXX_FLAGS = ("-O3", "-march=native", "-fopenmp")
+NVCC_FLAGS = ("-O3", "--use_fast_math")
+HOW_TO_BUILD = (
+    f"run `python -m smf_kernels.build_ext` (about a minute), or set {BUILD_ENV_VAR}=1 to build on first use"
+)
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+def source_hash() -> str | None:
+    """Hash of csrc/, the compiler flags, torch's version and the CPU; None without csrc/."""
+    if not SOURCE_DIR.is_dir():
+        return None
+    digest = hashlib.sha256()
+    for path in sorted(SOURCE_DIR.iterdir()):
+        if path.suffix in (".h", ".cpp", ".cu"):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    digest.update(" ".join(CXX_FLAGS + NVCC_FLAGS).encode() + torch.__version__.encode() + _cpu_flags().encode())
+    return digest.hexdigest()[:16]
+
+
+def build_dir(digest: str) -> Path:
+    """Cache directory of the JIT build for sources with hash ``digest``."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    root = Path(os.environ.get(DIR_ENV_VAR) or os.path.join(cache, "smf_kernels"))
+    return root / f"ext-{digest}"
+
+
+def _compile_flags(digest: str) -> list[str]:
+    return [*CXX_FLAGS, f"-DSMF_EXT_SOURCE_HASH={digest}"]
+
+
+def _import_library(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(MODULE_NAME, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _built_library(directory: Path) -> Path | None:
+    matches = sorted(directory.glob(f"{MODULE_NAME}*.so"))
+    return matches[0] if matches else None
+
+
+def build(verbose: bool = False) -> ModuleType:
+    """Compile the CPU extension into its cache directory unless already built; load it.
+
+    Raises RuntimeError (with the compiler's message) if the build fails; the
+    failure is recorded so that imports with SMF_KERNELS_BUILD_EXT=1 do not retry it.
+    """
+    digest = source_hash()
+    if digest is None:
+        raise RuntimeError(f"cannot build the extension: sources not found at {SOURCE_DIR} (needs a source checkout)")
+    directory = build_dir(digest)
+    library = _built_library(directory)
+    if library is not None:
+        return _import_library(library)
+    directory.mkdir(parents=True, exist_ok=True)
+    failure = directory / "build_failed.txt"
+    failure.unlink(missing_ok=True)
+    logger.info("building the smf_kernels extension in %s (about a minute)", directory)
+    from torch.utils import cpp_extension
+
+    try:
+        return cpp_extension.load(
+            name=MODULE_NAME,
+            sources=[str(SOURCE_DIR / name) for name in CPU_SOURCES],
+            extra_cflags=_compile_flags(digest),
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            verbose=verbose,
+        )
+    except Exception as exc:
+        failure.write_text(f"{type(exc).__name__}: {exc}\n")
+        raise RuntimeError(f"building the smf_kernels extension failed (recorded in {failure}): {exc}") from exc
+
+
+def load_extension() -> ModuleType:
+    """The compiled extension matching the current sources; ImportError saying how to build it if none."""
+    digest = source_hash()
+    stale = ""
+    try:
+        module = importlib.import_module(f"smf_kernels.{MODULE_NAME}")  # built in place by setup.py
+    except ImportError:
+        module = None
+    if module is not None:
+        if digest is None or module.source_hash == digest:
+            return module
+        stale = f"the in-place build {module.__file__} is stale (csrc/ changed since); "
+    if digest is None:
+        raise ImportError(f"the compiled extension is not built and its sources ({SOURCE_DIR}) are missing")
+    directory = build_dir(digest)
+    library = _built_library(directory)
+    if library is not None:
+        return _import_library(library)
+    if os.environ.get(BUILD_ENV_VAR, "0") not in ("", "0"):
+        failure = directory / "build_failed.txt"
+        if failure.exists():
+            raise ImportError(
+                f"{stale}an earlier build of the compiled extension failed (see {failure}); "
+                "fix it, then run `python -m smf_kernels.build_ext` to retry"
+            )
+        try:
+            return build()
+        except RuntimeError as exc:
+            raise ImportError(str(exc)) from exc
+    raise ImportError(f"{stale}the compiled extension is not built for these sources: {HOW_TO_BUILD}")
+
+
+def setup_extensions() -> list:
+    """setup.py's extension modules: ``smf_kernels._ext``, with CUDA kernels when torch has CUDA."""
+    from torch.utils import cpp_extension
+
+    digest = source_hash()
+    sources = [str(SOURCE_DIR / name) for name in CPU_SOURCES]
+    cxx = _compile_flags(digest)
+    if torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None:
+        return [
+            cpp_extension.CUDAExtension(
+                f"smf_kernels.{MODULE_NAME}",
+                sources + [str(SOURCE_DIR / name) for name in CUDA_SOURCES],
+                extra_compile_args={"cxx": [*cxx, "-DSMF_WITH_CUDA"], "nvcc": list(NVCC_FLAGS)},
+                extra_link_args=["-fopenmp"],
+            )
+        ]
+    return [
+        cpp_extension.CppExtension(
+            f"smf_kernels.{MODULE_NAME}", sources, extra_compile_args=cxx, extra_link_args=["-fopenmp"]
+        )
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Build the smf_kernels compiled extension (CPU kernels).")
+    parser.add_argument("--verbose", action="store_true", help="show the compiler commands")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    module = build(verbose=args.verbose)
+    print(f"smf_kernels extension ready: {module.__file__}")
+
+
+if __name__ == "__main__":
+    main()

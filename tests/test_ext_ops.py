@@ -1,0 +1,190 @@
+"""The compiled ``ext`` backend (csrc/) through the public ops, against the reference.
+
+The module fixture builds the CPU extension (about a minute the first time, then
+cached; see smf_kernels.build_ext), so this file always tests real kernels.
+"""
+import pytest
+import torch
+
+from helpers import TOL, rel_err
+from smf_kernels import backends, build_ext
+from smf_kernels.memory import ProductKeyMemory
+from smf_kernels.ops import product_key_topk, weighted_gather
+from smf_kernels.reference import product_key_topk_reference, weighted_gather_reference
+
+CPU = torch.device("cpu")
+# (M, D, N, L): D = 96 and 130 are not powers of two and not multiples of the
+# 256-wide register tile; N is not a multiple of anything.
+GATHER_SHAPES = [(50, 96, 37, 8), (300, 130, 21, 12)]
+# (N, H, key_dim, n_keys, topk): n_keys not a power of two; topk from 1 to n_keys.
+TOPK_SHAPES = [(37, 3, 24, 24, 5), (19, 2, 16, 10, 10), (23, 1, 8, 7, 1), (64, 4, 256, 128, 16)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ext():
+    module = build_ext.build()
+    backends._load.cache_clear()  # backends caches the ImportError of an import before the build
+    return module
+
+
+def _gather_inputs(shape, dtype, requires_grad=False):
+    m, d, n, l = shape
+    values = torch.randn(m, d).to(dtype).requires_grad_(requires_grad)
+    indices = torch.randint(0, m, (n, l))
+    weights = torch.softmax(torch.randn(n, l), -1).requires_grad_(requires_grad)
+    return values, indices, weights
+
+
+def test_ext_is_the_cpu_default_once_built():
+    assert backends.unavailable_reason("ext", CPU) is None
+    assert backends.available_backends(CPU)[0] == "ext"
+    reason = backends.unavailable_reason("ext", torch.device("cuda"))
+    assert reason is None or "without CUDA" in reason
+
+
+@pytest.mark.parametrize("shape", TOPK_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_topk_matches_reference_and_its_own_indices(shape, dtype):
+    n, h, key_dim, n_keys, topk = shape
+    query = torch.randn(n, h, key_dim).to(dtype)
+    keys = torch.randn(h, 2, n_keys, key_dim // 2).to(dtype)
+    scores, indices = product_key_topk(query, keys, topk, backend="ext")
+    ref_scores, ref_indices = product_key_topk_reference(query, keys, topk)
+    assert scores.dtype == ref_scores.dtype and indices.dtype == torch.int64
+    assert scores.shape == indices.shape == (n, h, topk)
+    assert rel_err(scores, ref_scores) < (1e-12 if dtype == torch.float64 else 1e-5)
+    # Scores summed in another order may swap near-ties: nearly all indices agree.
+    assert (indices == ref_indices).double().mean() >= 0.99
+    # Each returned slot's score, recomputed from its sub-keys, is the returned score.
+    half = key_dim // 2
+    q, k = query.double(), keys.double()
+    first, second = indices // n_keys, indices % n_keys
+    heads = torch.arange(h).view(1, h, 1)
+    recomputed = (q[..., :half].unsqueeze(2) * k[heads, 0, first]).sum(-1) + (
+        q[..., half:].unsqueeze(2) * k[heads, 1, second]).sum(-1)
+    assert rel_err(scores, recomputed) < (1e-12 if dtype == torch.float64 else 1e-5)
+    assert bool((scores[..., :-1] >= scores[..., 1:]).all())
+    assert bool((indices.sort(-1).values.diff(dim=-1) > 0).all())  # distinct slots
+
+
+def test_topk_accepts_non_contiguous_and_float16():
+    query = torch.randn(40, 3, 12).transpose(0, 1).contiguous().transpose(0, 1)  # strided (N, H, key_dim)
+    keys = torch.randn(3, 2, 9, 6)
+    assert not query.is_contiguous()
+    scores, indices = product_key_topk(query, keys, 4, backend="ext")
+    ref_scores, ref_indices = product_key_topk_reference(query, keys, 4)
+    assert rel_err(scores, ref_scores) < 1e-5 and torch.equal(indices, ref_indices)
+    half_scores, _ = product_key_topk(query.half(), keys.half(), 4, backend="ext")
+    assert half_scores.dtype == torch.float32
+    assert rel_err(half_scores, product_key_topk_reference(query.half(), keys.half(), 4)[0]) < 1e-5
+
+
+@pytest.mark.parametrize("shape", GATHER_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.float16])
+def test_gather_forward_matches_reference(shape, dtype):
+    values, indices, weights = _gather_inputs(shape, dtype)
+    out = weighted_gather(values, indices, weights, backend="ext")
+    ref = weighted_gather_reference(values.double(), indices, weights.double())
+    assert out.dtype == dtype and out.shape == (shape[2], shape[1])
+    assert rel_err(out, ref) < TOL.get(dtype, 1e-3)
+
+
+def test_gather_accepts_non_contiguous_inputs():
+    values = torch.randn(96, 50).t()  # (50, 96), strided
+    indices = torch.randint(0, 50, (37, 16))[:, ::2]
+    weights = torch.rand(37, 16)[:, 1::2]
+    counts = torch.zeros(50, 2, dtype=torch.int64)[:, 0]  # strided counts: updated in place
+    out = weighted_gather(values, indices, weights, counts=counts, backend="ext")
+    assert rel_err(out, weighted_gather_reference(values, indices, weights)) < 1e-5
+    assert torch.equal(counts, torch.bincount(indices.flatten(), minlength=50))
+
+
+def test_histogram_is_exact_and_skips_padding():
+    values, indices, weights = _gather_inputs(GATHER_SHAPES[0], torch.float32)
+    indices[0, :4] = 7  # a slot read several times by one token
+    valid = torch.rand(indices.shape[0]) > 0.3
+    valid[0] = True
+    counts = torch.randint(0, 5, (values.shape[0],))  # counts accumulate onto what is there
+    expected = counts + torch.bincount(indices[valid].flatten(), minlength=values.shape[0])
+    weighted_gather(values, indices, weights, counts=counts, valid=valid, backend="ext")
+    assert torch.equal(counts, expected)
+
+
+@pytest.mark.parametrize("shape", GATHER_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_dense_and_weight_backward_match_reference(shape, dtype):
+    values, indices, weights = _gather_inputs(shape, dtype, requires_grad=True)
+    grad = torch.randn(shape[2], shape[1], dtype=torch.float64)
+    out = weighted_gather(values, indices, weights, backend="ext")
+    got_values, got_weights = torch.autograd.grad(out, (values, weights), grad.to(dtype))
+    ref = weighted_gather_reference(values.double(), indices, weights.double())
+    want_values, want_weights = torch.autograd.grad(ref, (values, weights), grad)
+    # Gradients accumulate in fp32 from the rounded grad_out: bound by its dtype.
+    tol = 1e-12 if dtype == torch.float64 else (1e-2 if dtype == torch.bfloat16 else 1e-5)
+    assert got_values.dtype == dtype and not got_values.is_sparse
+    assert rel_err(got_values, want_values) < tol
+    assert rel_err(got_weights, want_weights) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sparse_backward_holds_only_update_rows(dtype):
+    values, indices, weights = _gather_inputs(GATHER_SHAPES[1], dtype, requires_grad=True)
+    read = indices.flatten().unique()
+    update_rows = torch.cat([read[torch.randperm(read.numel())[:20]], torch.tensor([299])]).unique()
+    update_rows = update_rows[torch.randperm(update_rows.numel())]  # any order; the op sorts
+    out = weighted_gather(values, indices, weights, update_rows=update_rows, backend="ext")
+    grad = torch.randn(out.shape)
+    (got,) = torch.autograd.grad(out, values, grad.to(dtype))
+    ref = weighted_gather_reference(values.float(), indices, weights.float())
+    (dense,) = torch.autograd.grad(ref, values, grad)
+    assert got.is_sparse and got.is_coalesced() and got.dtype == dtype
+    rows = got.indices()[0]
+    assert torch.equal(rows, update_rows.sort().values)
+    assert rel_err(got.values(), dense[rows]) < TOL[dtype]
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_backward_is_bit_reproducible_across_runs_and_threads(sparse):
+    values, indices, weights = _gather_inputs((64, 130, 200, 16), torch.float32, requires_grad=True)
+    indices[:, :8] = indices[:, :8] % 4  # hot rows: many reads to sum into one row
+    update_rows = torch.arange(0, 64, 3) if sparse else None
+    grad = torch.randn(200, 130)
+    torch.use_deterministic_algorithms(True)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for num_threads in (threads, threads, 1):
+            torch.set_num_threads(num_threads)
+            out = weighted_gather(values, indices, weights, update_rows=update_rows, backend="ext")
+            results.append(torch.autograd.grad(out, (values, weights), grad))
+    finally:
+        torch.set_num_threads(threads)
+    dense = [[g.to_dense() if g.is_sparse else g for g in grads] for grads in results]
+    for grads in dense[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(grads, dense[0]))
+
+
+def test_bad_input_raises_through_the_public_ops():
+    values, indices, weights = _gather_inputs(GATHER_SHAPES[0], torch.float32)
+    with pytest.raises(IndexError, match="indices must lie in"):
+        weighted_gather(values, indices + values.shape[0], weights, backend="ext")
+    with pytest.raises(TypeError, match="indices must have dtype"):
+        weighted_gather(values, indices.int(), weights, backend="ext")
+    with pytest.raises(ValueError, match="weights must have the shape of indices"):
+        weighted_gather(values, indices, weights[:, :-1], backend="ext")
+    with pytest.raises(ValueError, match="topk must lie in"):
+        product_key_topk(torch.randn(4, 2, 8), torch.randn(2, 2, 5, 4), 6, backend="ext")
+
+
+def test_memory_layer_matches_torch_backend():
+    torch.manual_seed(1)
+    layer = ProductKeyMemory(48, n_keys=12, heads=2, topk=4, key_dim=16, backend="ext")
+    twin = ProductKeyMemory(48, n_keys=12, heads=2, topk=4, key_dim=16, backend="torch")
+    twin.load_state_dict(layer.state_dict())
+    x = torch.randn(3, 7, 48)
+    out, ref = layer(x), twin(x)
+    assert rel_err(out, ref) < 1e-5
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    for (name, p), q in zip(layer.named_parameters(), twin.parameters()):
+        assert rel_err(p.grad, q.grad) < 1e-4, name
