@@ -1,0 +1,47 @@
+"""``smf background``: background read statistics of the retrofit memories (SPEC §4).
+
+The model (base + retrofit adapter) runs in eval mode over ``n_background`` single-example
+oasst1 batches (held out from the retrofit examples, see :func:`smf.data.retrofit_and_background`);
+the :class:`SparseMemoryController` counts reads and the statistics are written to
+``{output_dir}/background.safetensors``. Under torchrun each rank counts its share of the
+examples and the counts are summed.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from smf.train.artifacts import write_run_config
+from smf.train.config import RunConfig
+from smf.train.data import background_features
+from smf.train.distributed import barrier, setup_distributed
+from smf.train.recipes import BACKGROUND_FILE, load_model_with_adapter
+from smf_kernels.sparse import SparseMemoryController
+
+logger = logging.getLogger(__name__)
+
+
+def collect_background(config: RunConfig) -> Path:
+    """Count reads over the background examples and save them; returns the file's path."""
+    world = setup_distributed(config.device)
+    output_dir = Path(config.output_dir)
+    model, tokenizer = load_model_with_adapter(config, world.device)
+    controller = SparseMemoryController(model)
+    features = background_features(config, tokenizer)[world.rank::world.size]
+    batches = [{"input_ids": torch.tensor([f["input_ids"]], device=world.device),
+                "attention_mask": torch.ones(1, len(f["input_ids"]), dtype=torch.long, device=world.device)}
+               for f in features]
+    stats = controller.collect_background(batches)
+    path = output_dir / BACKGROUND_FILE
+    if world.is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        write_run_config(output_dir, config.to_dict())
+        tmp = path.with_name(path.name + ".tmp")
+        stats.save(tmp)
+        tmp.replace(path)
+        logger.info("background statistics of %d batches written to %s", next(iter(stats.num_batches.values())),
+                    path)
+    barrier(world)
+    return path

@@ -1,0 +1,113 @@
+"""Training examples of each recipe and their split into optimizer steps, ranks and micro-batches.
+
+The order of epoch ``e`` is a permutation of the examples fixed by ``(seed, e)``; optimizer step
+``s`` (0-based, counted over all epochs) takes the ``s % steps_per_epoch``-th slice of
+``global_batch_size`` examples of epoch ``s // steps_per_epoch`` (a last partial batch is dropped).
+So the data position of a run is a function of the step alone, which makes resume exact; rank
+``r`` of ``world`` takes the ``r``-th equal part of the slice and cuts it into micro-batches.
+"""
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+
+import torch
+
+from smf.data import (
+    IGNORE_INDEX,
+    CausalLMCollator,
+    assistant_pairs,
+    load_medmcqa,
+    load_oasst1,
+    retrofit_and_background,
+    tokenize_examples,
+)
+from smf.data import medmcqa, oasst
+from smf.train.config import ConfigError, RunConfig
+
+logger = logging.getLogger(__name__)
+
+
+def _oasst_split(config: RunConfig, tokenizer) -> tuple[list[dict], list[dict]]:
+    pairs = assistant_pairs(load_oasst1(path=config.oasst_path))
+    retrofit, background = retrofit_and_background(pairs, n_retrofit=config.n_examples,
+                                                   n_background=config.n_background, seed=config.data_seed)
+    return ([oasst.format_example(pair, tokenizer) for pair in retrofit],
+            [oasst.format_example(pair, tokenizer) for pair in background])
+
+
+def training_features(config: RunConfig, tokenizer) -> list[dict]:
+    """Tokenised {"input_ids", "labels"} of the recipe's training set (oasst1 for retrofit, else MedMCQA)."""
+    if config.recipe == "retrofit":
+        examples, _ = _oasst_split(config, tokenizer)
+    else:
+        rows = load_medmcqa("train", path=config.medmcqa_path, n=config.n_examples, seed=config.data_seed)
+        examples = [medmcqa.format_example(row) for row in rows]
+    features = tokenize_examples(tokenizer, examples, max_length=config.max_length)
+    logger.info("%s: %d training examples", config.recipe, len(features))
+    return features
+
+
+def background_features(config: RunConfig, tokenizer) -> list[dict]:
+    """Tokenised background examples (oasst1 pairs after the first ``n_examples`` retrofit pairs)."""
+    _, examples = _oasst_split(config, tokenizer)
+    return tokenize_examples(tokenizer, examples, max_length=config.max_length)
+
+
+def target_tokens(feature: dict) -> int:
+    """Tokens that enter the causal-LM loss: labels after the one-token shift that are not ignored."""
+    return sum(label != IGNORE_INDEX for label in feature["labels"][1:])
+
+
+@dataclass
+class StepPlan:
+    """How the examples map to optimizer steps (see module docstring)."""
+
+    num_examples: int
+    global_batch_size: int
+    micro_batch_size: int
+    world_size: int
+    rank: int
+    seed: int
+
+    def __post_init__(self) -> None:
+        per_step = self.world_size * self.micro_batch_size
+        if self.global_batch_size % per_step:
+            raise ConfigError(f"--global-batch-size {self.global_batch_size} must be a multiple of "
+                              f"--micro-batch-size {self.micro_batch_size} x {self.world_size} processes")
+        if self.num_examples < self.global_batch_size:
+            raise ConfigError(f"only {self.num_examples} training examples, fewer than one global batch "
+                              f"({self.global_batch_size}); lower --global-batch-size or add data")
+        self.steps_per_epoch = self.num_examples // self.global_batch_size
+        self._orders: dict[int, list[int]] = {}
+
+    @property
+    def accumulation_steps(self) -> int:
+        return self.global_batch_size // (self.world_size * self.micro_batch_size)
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        if epoch not in self._orders:
+            order = list(range(self.num_examples))
+            random.Random(f"{self.seed}:{epoch}").shuffle(order)
+            self._orders = {epoch: order}  # one epoch at a time
+        return self._orders[epoch]
+
+    def global_indices(self, step: int) -> list[int]:
+        """Example indices of optimizer step ``step`` (0-based), over all ranks."""
+        epoch, position = divmod(step, self.steps_per_epoch)
+        start = position * self.global_batch_size
+        return self.epoch_order(epoch)[start:start + self.global_batch_size]
+
+    def micro_batches(self, step: int) -> list[list[int]]:
+        """This rank's micro-batches of step ``step``: ``accumulation_steps`` lists of example indices."""
+        per_rank = self.global_batch_size // self.world_size
+        mine = self.global_indices(step)[self.rank * per_rank:(self.rank + 1) * per_rank]
+        return [mine[i:i + self.micro_batch_size] for i in range(0, per_rank, self.micro_batch_size)]
+
+
+def collate(features: list[dict], indices: list[int], collator: CausalLMCollator,
+            device: torch.device) -> dict[str, torch.Tensor]:
+    """input_ids, attention_mask, labels (micro_batch, longest) on ``device``."""
+    batch = collator([features[i] for i in indices])
+    return {key: value.to(device) for key, value in batch.items()}

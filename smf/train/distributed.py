@@ -1,0 +1,70 @@
+"""torch.distributed helpers for data-parallel training under ``torchrun``.
+
+``torchrun --nproc-per-node N -m smf.cli train ...`` sets WORLD_SIZE, RANK and LOCAL_RANK;
+:func:`setup_distributed` then starts the default process group (NCCL on CUDA, gloo on CPU)
+unless the caller already did (tests start gloo themselves).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place in the job: rank, number of processes and its device."""
+
+    rank: int
+    size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def pick_device(name: str, local_rank: int = 0) -> torch.device:
+    """'auto' -> cuda:{local_rank} when CUDA is available, else cpu; other names as given."""
+    if name == "auto":
+        return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device(f"cuda:{local_rank}")
+    return device
+
+
+def setup_distributed(device_name: str) -> World:
+    """Join the process group when launched with WORLD_SIZE > 1 (or already joined); else one process."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = pick_device(device_name, local_rank)
+    if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if dist.is_initialized():
+        return World(dist.get_rank(), dist.get_world_size(), device)
+    return World(0, 1, device)
+
+
+def barrier(world: World) -> None:
+    if world.size > 1:
+        dist.barrier()
+
+
+def all_reduce_sum(value: torch.Tensor, world: World) -> torch.Tensor:
+    """Sum of ``value`` over ranks (in place; returns it)."""
+    if world.size > 1:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value
+
+
+def gather_objects(obj, world: World) -> list:
+    """``obj`` from every rank, in rank order (on every rank)."""
+    if world.size == 1:
+        return [obj]
+    gathered = [None] * world.size
+    dist.all_gather_object(gathered, obj)
+    return gathered

@@ -1,0 +1,182 @@
+"""The one trainer behind every recipe: gradient accumulation, DDP, cosine schedule, clipping,
+bf16 autocast, progress bar, train_log.jsonl, periodic checkpoints and exact resume.
+
+Loss: the causal-LM cross entropy summed over the target tokens of a micro-batch, divided by
+the number of target tokens in the whole global batch (all micro-batches and ranks), times the
+world size because DDP averages gradients over ranks. So the gradient is that of the global
+token-mean loss whatever the micro-batch size and number of processes.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+from smf.data import IGNORE_INDEX, CausalLMCollator
+from smf.train.artifacts import FINAL_DIR, save_final, write_run_config
+from smf.train.checkpoint import CHECKPOINT_FILE, LOG_FILE, load_checkpoint, rng_state, save_checkpoint, truncate_log
+from smf.train.config import ConfigError, RunConfig
+from smf.train.data import StepPlan, collate, target_tokens, training_features
+from smf.train.distributed import World, all_reduce_sum, barrier, gather_objects, setup_distributed
+from smf.train.recipes import TrainingSetup, build_setup
+
+logger = logging.getLogger(__name__)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def autocast_enabled(setting: str, device: torch.device) -> bool:
+    """bf16 autocast: 'on', 'off', or 'auto' = on for a CUDA device that supports bf16."""
+    if setting == "auto":
+        return device.type == "cuda" and torch.cuda.is_bf16_supported()
+    return setting == "on"
+
+
+def cosine_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int):
+    """Linear warm-up from 0 over ``warmup_steps``, then cosine decay to 0 at ``total_steps``."""
+    from transformers import get_cosine_schedule_with_warmup
+
+    return get_cosine_schedule_with_warmup(optimizer, warmup_steps, total_steps)
+
+
+def summed_token_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Sum over target tokens of the next-token cross entropy (fp32), a 0-d tensor."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    shifted = logits[:, :-1].float()
+    targets = batch["labels"][:, 1:]
+    return F.cross_entropy(shifted.reshape(-1, shifted.shape[-1]), targets.reshape(-1),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def _wrap_for_ddp(setup: TrainingSetup, world: World) -> nn.Module:
+    """DDP over the parameters DDP should reduce; the sparse controller reduces the memory values itself."""
+    if world.size == 1:
+        return setup.model
+    ignored = setup.controller.ddp_ignored_names() if setup.controller is not None else []
+    if not any(p.requires_grad for name, p in setup.model.named_parameters() if name not in ignored):
+        return setup.model  # only memory values train: nothing left for DDP
+    nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(setup.model, ignored)
+    device_ids = [world.device] if world.device.type == "cuda" else None
+    return nn.parallel.DistributedDataParallel(setup.model, device_ids=device_ids)
+
+
+def run_step(wrapped: nn.Module, setup: TrainingSetup, scheduler, micro_batches: list[dict], num_tokens: int,
+             config: RunConfig, world: World) -> torch.Tensor:
+    """One optimizer step over this rank's micro-batches; returns this rank's summed token loss."""
+    use_autocast = autocast_enabled(config.bf16, world.device)
+    scale = world.size / num_tokens
+    if setup.controller is not None:
+        setup.controller.begin_step()
+    loss_sum = torch.zeros((), device=world.device)
+    for index, batch in enumerate(micro_batches):
+        last = index == len(micro_batches) - 1
+        no_sync = wrapped.no_sync() if isinstance(wrapped, nn.parallel.DistributedDataParallel) and not last \
+            else contextlib.nullcontext()
+        with no_sync:
+            with torch.autocast(world.device.type, dtype=torch.bfloat16, enabled=use_autocast):
+                loss = summed_token_loss(wrapped, batch)
+            (loss * scale).backward()
+        loss_sum += loss.detach()
+    if setup.controller is not None:
+        setup.controller.finish_step(setup.optimizer, max_grad_norm=config.max_grad_norm)
+    else:
+        params = [p for group in setup.optimizer.param_groups for p in group["params"]]
+        torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
+        setup.optimizer.step()
+        setup.optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    return loss_sum
+
+
+def _prepare_output_dir(config: RunConfig, world: World) -> Path:
+    output_dir = Path(config.output_dir)
+    checkpoint = output_dir / CHECKPOINT_FILE
+    if config.resume and not checkpoint.is_file():
+        raise ConfigError(f"--resume: no checkpoint {CHECKPOINT_FILE} in --output-dir {config.output_dir!r}")
+    if not config.resume and (checkpoint.is_file() or (output_dir / FINAL_DIR).exists()):
+        raise ConfigError(f"--output-dir {config.output_dir!r} already holds a run; pass --resume to continue it "
+                          "or choose a new directory")
+    barrier(world)  # every rank has checked before rank 0 writes anything
+    if world.is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        write_run_config(output_dir, config.to_dict())
+    return output_dir
+
+
+def train(config: RunConfig) -> dict:
+    """Train ``config.recipe`` (a resolved RunConfig); returns {"step", "total_steps", "final_dir" or None}."""
+    world = setup_distributed(config.device)
+    output_dir = _prepare_output_dir(config, world)
+    logger.info("run options: %s", json.dumps(config.to_dict()))
+    seed_everything(config.seed)  # the same on every rank: fresh memories / LoRA weights agree
+    setup = build_setup(config, world)
+    features = training_features(config, setup.tokenizer)
+    plan = StepPlan(len(features), config.global_batch_size, config.micro_batch_size, world.size, world.rank,
+                    config.seed)
+    total_steps = plan.steps_per_epoch * config.epochs
+    scheduler = cosine_schedule(setup.optimizer, config.warmup_steps, total_steps)
+    wrapped = _wrap_for_ddp(setup, world)
+    collator = CausalLMCollator(setup.tokenizer.pad_token_id)
+    checkpoint_path, log_path = output_dir / CHECKPOINT_FILE, output_dir / LOG_FILE
+
+    step = 0
+    if config.resume:
+        step = load_checkpoint(checkpoint_path, model=setup.model, optimizer=setup.optimizer, scheduler=scheduler,
+                               rank=world.rank, world_size=world.size)
+        if world.is_main:
+            truncate_log(log_path, step)
+        logger.info("resumed from %s at step %d of %d", checkpoint_path, step, total_steps)
+    else:
+        torch.manual_seed(config.seed + world.rank)  # dropout differs across ranks
+    stop = total_steps if config.max_steps is None else min(config.max_steps, total_steps)
+    logger.info("%d examples, %d steps per epoch, %d epochs, %d accumulation steps x %d processes",
+                len(features), plan.steps_per_epoch, config.epochs, plan.accumulation_steps, world.size)
+
+    setup.model.train()
+    progress = tqdm(total=total_steps, initial=step, desc=config.recipe, disable=not world.is_main)
+    while step < stop:
+        started = time.perf_counter()
+        indices = plan.global_indices(step)
+        num_tokens = sum(target_tokens(features[i]) for i in indices)
+        seen_tokens = sum(len(features[i]["input_ids"]) for i in indices)
+        lr = scheduler.get_last_lr()[0]
+        micro_batches = [collate(features, chunk, collator, world.device) for chunk in plan.micro_batches(step)]
+        loss_sum = run_step(wrapped, setup, scheduler, micro_batches, num_tokens, config, world)
+        loss = all_reduce_sum(loss_sum, world).item() / num_tokens
+        step += 1
+        elapsed = time.perf_counter() - started
+        if world.is_main:
+            with log_path.open("a") as handle:
+                handle.write(json.dumps({"step": step, "epoch": (step - 1) // plan.steps_per_epoch, "loss": loss,
+                                         "lr": lr, "tokens": seen_tokens, "seconds": round(elapsed, 4)}) + "\n")
+            progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{seen_tokens / elapsed:.0f}")
+            progress.update(1)
+        if step % config.save_every == 0 or step == stop:
+            rng_states = gather_objects(rng_state(), world)
+            if world.is_main:
+                save_checkpoint(checkpoint_path, step=step, model=setup.model, optimizer=setup.optimizer,
+                                scheduler=scheduler, rng_states=rng_states, run_options=config.to_dict())
+            barrier(world)
+    progress.close()
+
+    final_dir = None
+    if step == total_steps:
+        final_dir = output_dir / FINAL_DIR
+        if world.is_main:
+            save_final(setup.model, setup.tokenizer, config.recipe, final_dir)
+            logger.info("saved the final %s artefact to %s", config.recipe, final_dir)
+        barrier(world)
+    return {"step": step, "total_steps": total_steps, "final_dir": final_dir}

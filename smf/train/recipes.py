@@ -1,0 +1,136 @@
+"""The four training recipes of SPEC §3: which model, which parameters train, which optimizer.
+
+- ``retrofit``: fresh memories at ``layers``; every memory parameter (+ alpha) trains; AdamW.
+- ``sparse``: memories from the retrofit adapter; only value rows picked each step by the
+  :class:`SparseMemoryController` train (+ alpha in mode additive+s); :class:`RowSparseAdamW`
+  (or, ``--optimizer dense-masked``, masked dense gradients with torch AdamW for comparison).
+- ``lora``: peft LoRA on the seven projections; AdamW.
+- ``full``: every base parameter; AdamW.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from smf.model import (
+    apply_lora,
+    attach_memories,
+    configure_trainable,
+    decoder_stack,
+    load_memory_adapter,
+    read_adapter_config,
+)
+from smf.train.artifacts import FINAL_DIR, load_base
+from smf.train.config import ConfigError, RunConfig
+from smf.train.distributed import World
+from smf_kernels.sparse import BackgroundStats, RowSparseAdamW, SparseMemoryController
+
+logger = logging.getLogger(__name__)
+
+BACKGROUND_FILE = "background.safetensors"
+MODE_NAMES = {"replacement": "replacement", "additive": "additive", "additive+s": "additive_s"}
+
+
+@dataclass
+class TrainingSetup:
+    """What the trainer needs from a recipe. ``model`` is the unwrapped model; ``controller`` is set
+    for the sparse recipe only (it then runs the optimizer step)."""
+
+    model: nn.Module
+    tokenizer: object
+    optimizer: torch.optim.Optimizer
+    controller: SparseMemoryController | None
+
+    def trainable_parameters(self) -> dict[str, nn.Parameter]:
+        return {name: p for name, p in self.model.named_parameters() if p.requires_grad}
+
+
+def resolve_adapter_dir(path: str) -> Path:
+    """The folder holding memory_adapter.json: ``path`` itself or a retrofit run's final/ folder."""
+    for candidate in (Path(path) / FINAL_DIR, Path(path)):
+        if (candidate / "memory_adapter.json").is_file():
+            return candidate
+    raise ConfigError(f"--adapter {path!r} holds no memory adapter (memory_adapter.json), neither directly nor "
+                      f"in {FINAL_DIR}/; pass a finished retrofit run directory")
+
+
+def resolve_background_file(path: str) -> Path:
+    """``path`` itself, or ``path``/background.safetensors when ``path`` is a directory."""
+    candidate = Path(path) / BACKGROUND_FILE if Path(path).is_dir() else Path(path)
+    if not candidate.is_file():
+        raise ConfigError(f"--background {path!r}: no background statistics file ({BACKGROUND_FILE}) there")
+    return candidate
+
+
+def _check_layers(model: nn.Module, layers) -> None:
+    num_layers = len(decoder_stack(model).layers)
+    beyond = [index for index in layers if index >= num_layers]
+    if beyond:
+        raise ConfigError(f"--layers {list(layers)}: indices {beyond} are beyond the model, which has {num_layers} "
+                          f"decoder layers (valid: 0..{num_layers - 1})")
+
+
+def load_model_with_adapter(config: RunConfig, device: torch.device) -> tuple[nn.Module, object]:
+    """Base model (``config.model``) with the retrofit adapter's memories attached."""
+    adapter_dir = resolve_adapter_dir(config.adapter)
+    adapter = read_adapter_config(adapter_dir)
+    if adapter.get("base_model") and adapter["base_model"] != config.model:
+        raise ConfigError(f"--adapter was trained on base model {adapter['base_model']!r} but --model is "
+                          f"{config.model!r}; pass --model {adapter['base_model']}")
+    model, tokenizer = load_base(config.model, device)
+    _check_layers(model, adapter["layers"])
+    load_memory_adapter(model, adapter_dir, backend=config.backend)
+    return model.to(device), tokenizer
+
+
+def _adamw(params, config: RunConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+
+
+def build_setup(config: RunConfig, world: World) -> TrainingSetup:
+    """Model, tokenizer, frozen/trainable parameters and optimizer of ``config.recipe``.
+
+    Uses torch's global RNG (seeded by the caller identically on every rank) to initialise
+    fresh memories and LoRA weights.
+    """
+    recipe, controller = config.recipe, None
+    if recipe == "retrofit":
+        model, tokenizer = load_base(config.model, world.device)
+        _check_layers(model, config.layers)
+        attach_memories(model, config.layers, MODE_NAMES[config.mode], alpha_init=config.alpha_init,
+                        n_keys=config.n_keys, heads=config.heads, topk=config.topk, key_dim=config.key_dim,
+                        backend=config.backend)
+        model.to(world.device)
+        counts = configure_trainable(model, "retrofit")
+    elif recipe == "sparse":
+        model, tokenizer = load_model_with_adapter(config, world.device)
+        counts = configure_trainable(model, "sparse")
+        mode = "row_sparse" if config.optimizer == "row-sparse" else "dense_masked"
+        controller = SparseMemoryController(model, rule=config.rule, rows_per_step=config.rows_per_step, mode=mode)
+        try:
+            controller.set_background(BackgroundStats.load(resolve_background_file(config.background),
+                                                           controller.memories))
+        except ValueError as err:
+            raise ConfigError(f"--background: {err}") from err
+    elif recipe == "lora":
+        model, tokenizer = load_base(config.model, world.device)
+        model = apply_lora(model, r=config.lora_r, alpha=config.lora_alpha, dropout=config.lora_dropout)
+        counts = {"trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+                  "total": sum(p.numel() for p in model.parameters())}
+    elif recipe == "full":
+        model, tokenizer = load_base(config.model, world.device)
+        counts = configure_trainable(model, "full")
+    else:
+        raise ConfigError(f"--recipe must be one of retrofit, sparse, lora, full; got {recipe!r}")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if recipe == "sparse" and config.optimizer == "row-sparse":
+        optimizer = RowSparseAdamW(trainable, lr=config.lr, weight_decay=config.weight_decay)
+    else:
+        optimizer = _adamw(trainable, config)
+    logger.info("recipe %s: %d of %d parameters trainable (%s)", recipe, counts["trainable"], counts["total"],
+                type(optimizer).__name__)
+    return TrainingSetup(model, tokenizer, optimizer, controller)
