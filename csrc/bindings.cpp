@@ -6,8 +6,9 @@
 
 #include "cpu_kernels.h"
 #ifdef SMF_WITH_CUDA
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include "cuda_kernels.h"
 #endif
@@ -43,7 +44,7 @@ at::ScalarType accumulation_type(const at::Tensor& t) {
 #define SMF_RUN(tensor, cpu_call, cuda_call)                                  \
   if ((tensor).is_cuda()) {                                                   \
     const c10::cuda::CUDAGuard device_guard((tensor).device());              \
-    const cudaStream_t stream = at::cuda::getCurrentCUDAStream();             \
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();             \
     C10_CUDA_CHECK(cuda_call);                                                \
   } else {                                                                    \
     const int threads = at::get_num_threads();                                \
@@ -70,7 +71,7 @@ std::tuple<at::Tensor, at::Tensor> topk_forward(const at::Tensor& query, const a
     const c10::cuda::CUDAGuard device_guard(query.device());
     C10_CUDA_CHECK(smf::cuda::topk_forward(kernel_dtype(q), q.const_data_ptr(), k.const_data_ptr(), scores.data_ptr(),
                                            indices.data_ptr<int64_t>(), num_tokens, heads, key_dim, n_keys, topk,
-                                           at::cuda::getCurrentCUDAStream()));
+                                           c10::cuda::getCurrentCUDAStream()));
     return {scores, indices};
   }
 #endif
@@ -145,8 +146,9 @@ at::Tensor gather_backward_values(const at::Tensor& grad_out_in, const at::Tenso
 #ifdef SMF_WITH_CUDA
   at::Tensor workspace;
   if (grad_out.is_cuda()) {
-    TORCH_CHECK(num_tokens * per_token < (int64_t(1) << 31), "smf_kernels ext: N * L = ", num_tokens * per_token,
-                " reads exceed the CUDA kernels' 2**31 limit");
+    TORCH_CHECK(num_tokens * per_token < (int64_t(1) << 31) && num_rows < (int64_t(1) << 31),
+                "smf_kernels ext: the CUDA backward indexes reads (N * L = ", num_tokens * per_token,
+                ") and rows (M = ", num_rows, ") with int32; both must be < 2**31");
     const size_t bytes = smf::cuda::gather_backward_values_workspace_bytes(num_rows, out_rows, num_tokens * per_token);
     workspace = at::empty({static_cast<int64_t>(bytes)}, grad_out.options().dtype(at::kByte));
   }

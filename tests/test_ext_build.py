@@ -1,0 +1,85 @@
+"""How the optional extension is built, found and reported; the CUDA sources compile with nvcc."""
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from smf_kernels import backends, build_ext
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _nvcc() -> str | None:
+    return shutil.which("nvcc") or next(
+        (p for p in ("/usr/local/cuda/bin/nvcc",) if os.access(p, os.X_OK)), None
+    )
+
+
+@pytest.fixture
+def empty_cache(tmp_path, monkeypatch):
+    """No build to find: an empty cache directory and no in-place build."""
+    if importlib.util.find_spec("smf_kernels._ext") is not None:
+        pytest.skip("an in-place build (setup.py) exists and would be found first")
+    monkeypatch.setenv(build_ext.DIR_ENV_VAR, str(tmp_path))
+    monkeypatch.delenv(build_ext.BUILD_ENV_VAR, raising=False)
+    return tmp_path
+
+
+@pytest.mark.skipif(_nvcc() is None, reason="nvcc not found")
+def test_cuda_sources_compile_with_nvcc():
+    result = subprocess.run(
+        [str(ROOT / "benchmarks" / "compile_cuda_sources.sh")],
+        env={**os.environ, "NVCC": _nvcc()}, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_unbuilt_extension_says_how_to_build(empty_cache, monkeypatch):
+    with pytest.raises(ImportError, match="python -m smf_kernels.build_ext"):
+        build_ext.load_extension()
+    # ... and the backend registry reports that reason for "ext".
+    monkeypatch.delitem(sys.modules, "smf_kernels.kernels.ext_impl", raising=False)
+    backends._load.cache_clear()
+    try:
+        reason = backends.unavailable_reason("ext", torch.device("cpu"))
+        assert reason is not None and "python -m smf_kernels.build_ext" in reason
+        assert backends.available_backends("cpu")[0] != "ext"
+    finally:
+        backends._load.cache_clear()
+
+
+def test_env_var_builds_on_first_use(empty_cache, monkeypatch):
+    built = object()
+    monkeypatch.setenv(build_ext.BUILD_ENV_VAR, "1")
+    monkeypatch.setattr(build_ext, "build", lambda verbose=False: built)
+    assert build_ext.load_extension() is built
+
+
+def test_failed_build_is_not_retried_on_import(empty_cache, monkeypatch):
+    failure = build_ext.build_dir(build_ext.source_hash()) / "build_failed.txt"
+    failure.parent.mkdir(parents=True)
+    failure.write_text("RuntimeError: compiler exploded\n")
+    monkeypatch.setenv(build_ext.BUILD_ENV_VAR, "1")
+
+    def no_build(verbose=False):
+        raise AssertionError("a recorded failure must not be rebuilt on import")
+
+    monkeypatch.setattr(build_ext, "build", no_build)
+    with pytest.raises(ImportError, match="earlier build .* failed"):
+        build_ext.load_extension()
+
+
+def test_source_hash_follows_the_sources(tmp_path, monkeypatch):
+    digest = build_ext.source_hash()
+    assert digest is not None and build_ext.build_dir(digest).name == f"ext-{digest}"
+    copy = tmp_path / "csrc"
+    shutil.copytree(build_ext.SOURCE_DIR, copy)
+    monkeypatch.setattr(build_ext, "SOURCE_DIR", copy)
+    assert build_ext.source_hash() == digest
+    (copy / "cpu_kernels.cpp").write_text((copy / "cpu_kernels.cpp").read_text() + "\n// edited\n")
+    assert build_ext.source_hash() != digest
