@@ -42,6 +42,11 @@ def _load(name: str) -> tuple[ModuleType | None, str]:
         return None, f"{type(exc).__name__}: {exc}"
 
 
+def refresh() -> None:
+    """Forget cached import results, e.g. after building the compiled extension in this process."""
+    _load.cache_clear()
+
+
 def triton_interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 

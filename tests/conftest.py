@@ -11,8 +11,23 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import logging  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+
+def pytest_sessionstart(session):
+    """Build the optional compiled extension (cached after the first time, ~1 min) so that every
+    backend-parametrised test covers ``ext`` too. A failed build does not stop the session: the
+    ext tests then fail on their own, saying why."""
+    from smf_kernels import backends, build_ext
+
+    try:
+        build_ext.build()
+    except RuntimeError as exc:
+        logging.getLogger(__name__).warning("compiled extension not built: %s", exc)
+    backends.refresh()
 
 
 @pytest.fixture(autouse=True)

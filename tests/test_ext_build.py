@@ -44,13 +44,13 @@ def test_unbuilt_extension_says_how_to_build(empty_cache, monkeypatch):
         build_ext.load_extension()
     # ... and the backend registry reports that reason for "ext".
     monkeypatch.delitem(sys.modules, "smf_kernels.kernels.ext_impl", raising=False)
-    backends._load.cache_clear()
+    backends.refresh()
     try:
         reason = backends.unavailable_reason("ext", torch.device("cpu"))
         assert reason is not None and "python -m smf_kernels.build_ext" in reason
         assert backends.available_backends("cpu")[0] != "ext"
     finally:
-        backends._load.cache_clear()
+        backends.refresh()
 
 
 def test_env_var_builds_on_first_use(empty_cache, monkeypatch):
