@@ -1,0 +1,161 @@
+"""What a suite runs: one run per (condition, seed), the training stages each needs, where each
+stage writes, and the fingerprints that tell whether something on disk came from this config.
+
+Directory layout of a suite (``output_dir``)::
+
+    suite_config.json                      the resolved config of the last `smf suite`
+    retrofit/{mode}-seed{s}/               stage 1, shared by both selection rules of a mode and seed
+    background/{mode}-seed{s}/             background statistics of that retrofit
+    train/{condition}-seed{s}/             stage 2 (sparse), or the LoRA / full-finetune baseline
+    eval/{condition}-seed{s}/{task}.jsonl  per-example evaluation output
+    results/{condition}-seed{s}.json       one finished run (written last, atomically)
+
+The retrofit is done once per (mode, seed): the seed drives the fresh memories' initialisation,
+so each seed of a sparse condition starts from its own retrofit, and the KL and TF-IDF runs of a
+mode and seed share it (and its background statistics), differing only in the selection rule.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from smf.suite.config import STAGE_COMMANDS, SuiteConfig
+from smf.train.config import FIELDS, RunConfig, build_config
+
+SUITE_CONFIG_FILE = "suite_config.json"
+# Options that say where a stage lives or whether it resumes, not what it computes.
+LOCATION_OPTIONS = ("output_dir", "adapter", "background", "resume")
+
+
+@dataclass(frozen=True)
+class Run:
+    """One cell of Table 1: a condition (see :data:`smf.report.CONDITIONS`) trained with one seed."""
+
+    condition: str
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.condition}-seed{self.seed}"
+
+    @property
+    def recipe(self) -> str | None:
+        """None (base: no training), 'lora', 'full' or 'sparse'."""
+        if self.condition == "base":
+            return None
+        return self.condition if self.condition in ("lora", "full") else "sparse"
+
+    @property
+    def mode(self) -> str | None:
+        """Memory mode of a sparse condition (replacement, additive, additive+s), else None."""
+        return self.condition.rsplit("-", 1)[0] if self.recipe == "sparse" else None
+
+    @property
+    def rule(self) -> str | None:
+        """Selection rule of a sparse condition (kl, tfidf), else None."""
+        if self.recipe != "sparse":
+            return None
+        return self.condition.rsplit("-", 1)[1]
+
+
+def plan_runs(config: SuiteConfig) -> list[Run]:
+    """Every run of the suite, seed by seed (a partial suite has whole seeds done first)."""
+    return [Run(condition, seed) for seed in config.seeds for condition in config.conditions]
+
+
+@dataclass(frozen=True)
+class SuiteLayout:
+    """Paths inside a suite directory (see the module docstring)."""
+
+    root: Path
+
+    @property
+    def config_file(self) -> Path:
+        return self.root / SUITE_CONFIG_FILE
+
+    @property
+    def results_dir(self) -> Path:
+        return self.root / "results"
+
+    def retrofit_dir(self, mode: str, seed: int) -> Path:
+        return self.root / "retrofit" / f"{mode}-seed{seed}"
+
+    def background_dir(self, mode: str, seed: int) -> Path:
+        return self.root / "background" / f"{mode}-seed{seed}"
+
+    def train_dir(self, run: Run) -> Path:
+        return self.root / "train" / run.name
+
+    def eval_dir(self, run: Run) -> Path:
+        return self.root / "eval" / run.name
+
+    def results_path(self, run: Run) -> Path:
+        return self.results_dir / f"{run.name}.json"
+
+
+def _options_for(command: str, options: dict) -> dict:
+    return {name: value for name, value in options.items() if command in FIELDS[name].metadata["commands"]}
+
+
+def stage_config(config: SuiteConfig, stage: str, seed: int, output_dir: Path, *, mode: str | None = None,
+                 rule: str | None = None, adapter: Path | None = None, background: Path | None = None) -> RunConfig:
+    """The resolved trainer options of one stage (retrofit, background, sparse, lora, full).
+
+    Options: ``train`` < ``stages.{stage}`` < what the suite sets (model, device, data, seed, mode,
+    rule, directories). The background stage also inherits ``stages.retrofit`` (its examples must
+    be drawn exactly as the retrofit's were, to avoid them).
+    """
+    command = STAGE_COMMANDS[stage]
+    inherited = config.stages.get("retrofit", {}) if stage == "background" else {}
+    options = {**config.train, **inherited, **config.stages.get(stage, {})}
+    suite_set = {"output_dir": str(output_dir), "model": config.model, "device": config.device, "seed": seed,
+                 "oasst_path": config.data.oasst, "medmcqa_path": config.data.medmcqa_train, "recipe": stage,
+                 "mode": mode, "rule": rule, "adapter": None if adapter is None else str(adapter),
+                 "background": None if background is None else str(background)}
+    suite_set = {name: value for name, value in suite_set.items()
+                 if value is not None or name in ("oasst_path", "medmcqa_path")}
+    run_config = build_config(command, _options_for(command, options), _options_for(command, suite_set))
+    return run_config.resolved(stage if command == "train" else command)
+
+
+def stage_settings(config: SuiteConfig, stage: str) -> RunConfig:
+    """The options a retrofit, sparse, lora or full stage resolves to, without its directories (for
+    reporting sizes such as ``rows_per_step``); validated like a LoRA run, which needs no adapter."""
+    command = STAGE_COMMANDS[stage]
+    if command not in ("retrofit", "train"):
+        raise ValueError(f"stage must be one of retrofit, sparse, lora, full; got {stage!r}")
+    options = _options_for(command, {**config.train, **config.stages.get(stage, {})})
+    given = {"output_dir": str(config.output_dir), "model": config.model}
+    if command == "train":
+        given["recipe"] = "lora"
+    return build_config(command, options, given).resolved(stage)
+
+
+def sparse_stage_dirs(layout: SuiteLayout, run: Run) -> tuple[Path, Path]:
+    """(retrofit directory, background directory) that the sparse ``run`` trains from."""
+    return layout.retrofit_dir(run.mode, run.seed), layout.background_dir(run.mode, run.seed)
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def options_fingerprint(options: dict) -> str:
+    """Hash of a stage's resolved trainer options, ignoring where it lives and whether it resumed."""
+    return _digest({name: value for name, value in options.items() if name not in LOCATION_OPTIONS})
+
+
+def run_hash(config: SuiteConfig, run: Run) -> str:
+    """Hash of everything that decides ``run``'s numbers: model, data, the options of its stages
+    as configured, its seed and condition, and the evaluation settings."""
+    stages = {"base": (), "lora": ("lora",), "full": ("full",)}.get(run.condition,
+                                                                      ("retrofit", "background", "sparse"))
+    return _digest({
+        "model": config.model, "condition": run.condition, "seed": run.seed,
+        "train_data": [config.data.oasst, config.data.medmcqa_train] if stages else [],
+        "stages": {stage: {**config.train, **config.stages.get(stage, {})} for stage in stages},
+        "eval": config.to_dict()["eval"],
+        "eval_data": [config.data.medmcqa_validation, config.data.wikitext, config.data.triviaqa],
+    })

@@ -1,0 +1,137 @@
+"""What a suite directory reports: Table 1 and the Pareto figure (:func:`smf.report.write_report`),
+the parameter accounting of the configured model, and the status of every planned run.
+
+Files written into the suite directory: ``table1.md``, ``table1.csv``, ``table1.tex``,
+``pareto.png``, ``pareto.pdf``, ``accounting.md``, ``accounting.json``, ``suite_status.md``,
+``suite_status.json``. The paper's numbers stand beside ours only when the suite's model is the
+paper's (``Qwen/Qwen2.5-0.5B-Instruct``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+from smf.report import PAPER_MODEL_ID, accounting_markdown, paper_qwen_config, parameter_accounting, write_report
+from smf.report.paper_results import DISPLAY_NAMES, METRIC_TITLES, METRICS
+from smf.suite.config import SuiteConfig, suite_config_from_dict
+from smf.suite.plan import SuiteLayout, plan_runs, stage_settings
+from smf.train.config import TINY_MODEL, ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def load_suite_dir(suite_dir: str | Path) -> SuiteConfig:
+    """The config that last ran in ``suite_dir`` (its ``suite_config.json``)."""
+    layout = SuiteLayout(Path(suite_dir))
+    if not layout.config_file.is_file():
+        raise ConfigError(f"--suite-dir {str(suite_dir)!r} is not a suite directory (no {layout.config_file.name}); "
+                          "run `smf suite` first")
+    return suite_config_from_dict(json.loads(layout.config_file.read_text()))
+
+
+def collect_results(layout: SuiteLayout) -> list[dict]:
+    """Every results file of the suite directory, sorted by file name."""
+    return [json.loads(path.read_text()) for path in sorted(layout.results_dir.glob("*.json"))]
+
+
+def table_records(results: list[dict]) -> list[dict]:
+    """Results files -> the records of :mod:`smf.report.table`."""
+    return [{"condition": r["condition"], "seed": r["seed"], **r["metrics"]} for r in results]
+
+
+def model_architecture(model: str):
+    """The transformers config of the suite's model: built in for 'tiny' and the paper's Qwen (no
+    download), else read from the local directory or the hub cache."""
+    if model == TINY_MODEL:
+        from smf.tiny import tiny_config
+
+        return tiny_config()
+    if model == PAPER_MODEL_ID:
+        return paper_qwen_config()
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model)
+    except OSError as err:
+        raise ConfigError(f"model {model!r}: cannot read its config for the parameter accounting ({err})") from err
+
+
+def write_accounting(config: SuiteConfig, out_dir: Path) -> list[Path]:
+    """Parameter accounting of the configured model and memory sizes (modules on the meta device)."""
+    retrofit = stage_settings(config, "retrofit")
+    rows_per_step = stage_settings(config, "sparse").rows_per_step
+    lora_rank = stage_settings(config, "lora").lora_r
+    rows = parameter_accounting(model_architecture(config.model), layers=tuple(retrofit.layers),
+                                rows_per_step=rows_per_step, lora_rank=lora_rank, n_keys=retrofit.n_keys,
+                                heads=retrofit.heads, topk=retrofit.topk, key_dim=retrofit.key_dim)
+    base_parameters = rows[0].updated_per_step  # full finetuning updates every base parameter
+    header = (f"Parameter accounting for `{config.model}` ({base_parameters:,} parameters): memories at layers "
+              f"{list(retrofit.layers)}, n_keys={retrofit.n_keys}, heads={retrofit.heads}, topk={retrofit.topk}, "
+              f"key_dim={retrofit.key_dim}; T={rows_per_step} rows per layer per step; "
+              f"LoRA r={lora_rank}.\n\n")
+    md_path, json_path = out_dir / "accounting.md", out_dir / "accounting.json"
+    md_path.write_text(header + accounting_markdown(rows, base_parameters), encoding="utf-8")
+    json_path.write_text(json.dumps([dataclasses.asdict(row) for row in rows], indent=2) + "\n", encoding="utf-8")
+    return [md_path, json_path]
+
+
+def _status_rows(config: SuiteConfig, layout: SuiteLayout, failed: dict[str, str]) -> list[dict]:
+    rows = []
+    for run in plan_runs(config):
+        path = layout.results_path(run)
+        row = {"condition": run.condition, "seed": run.seed, "status": "pending", "metrics": {}, "train_s": None,
+               "eval_s": None, "results": None}
+        if path.is_file():
+            results = json.loads(path.read_text())
+            timing = results["timing"]
+            row.update(status="done", metrics=results["metrics"], results=str(path.relative_to(layout.root)),
+                       train_s=sum(v for k, v in timing.items() if k in ("retrofit_s", "background_s", "train_s")),
+                       eval_s=sum(timing["eval_s"].values()))
+        elif run.name in failed:
+            row["status"] = f"failed: {failed[run.name]}"
+        rows.append(row)
+    return rows
+
+
+def _cell(value, digits: int = 3) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
+
+
+def write_status(config: SuiteConfig, root: Path, failed: dict[str, str] | None = None) -> list[Path]:
+    """``suite_status.md`` / ``.json``: every planned run, done / failed / pending, with its metrics and
+    seconds (training counts the shared retrofit and background stages in full for each run that uses them).
+    ``root``: the suite directory; ``failed``: run name -> error of runs that raised."""
+    layout = SuiteLayout(Path(root))
+    rows = _status_rows(config, layout, failed or {})
+    done = sum(row["status"] == "done" for row in rows)
+    lines = [f"# Suite `{config.name}`: {done} of {len(rows)} runs done\n",
+             f"Model `{config.model}`, seeds {list(config.seeds)}, directory `{layout.root}`.\n",
+             "| Method | Seed | Status | " + " | ".join(METRIC_TITLES[m] for m in METRICS)
+             + " | Train s | Eval s | Results |",
+             "| --- | ---: | --- | " + " | ".join("---:" for _ in METRICS) + " | ---: | ---: | --- |"]
+    for row in rows:
+        metrics = " | ".join(_cell(row["metrics"].get(metric)) for metric in METRICS)
+        lines.append(f"| {DISPLAY_NAMES[row['condition']]} | {row['seed']} | {row['status']} | {metrics} | "
+                     f"{_cell(row['train_s'], 1)} | {_cell(row['eval_s'], 1)} | {row['results'] or '—'} |")
+    md_path, json_path = layout.root / "suite_status.md", layout.root / "suite_status.json"
+    md_path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    json_path.write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
+    return [md_path, json_path]
+
+
+def write_suite_report(suite_dir: str | Path) -> list[Path]:
+    """Table 1, the Pareto figure, the accounting and the status of the suite in ``suite_dir``; returns
+    the paths written."""
+    config = load_suite_dir(suite_dir)
+    layout = SuiteLayout(Path(suite_dir))
+    results = collect_results(layout)
+    if not results:
+        raise ConfigError(f"--suite-dir {str(suite_dir)!r} holds no finished run (results/*.json) to report")
+    include_paper = config.model == PAPER_MODEL_ID
+    paths = write_report(table_records(results), layout.root, include_paper=include_paper)
+    paths += write_accounting(config, layout.root)
+    paths += write_status(config, layout.root)
+    logger.info("report of %d runs written to %s", len(results), layout.root)
+    return paths

@@ -1,0 +1,191 @@
+"""Run a suite: train what each (condition, seed) needs, evaluate it, write its results file.
+
+Resuming: a run is finished when ``results/{condition}-seed{s}.json`` exists (written atomically,
+last); finished runs are skipped. A training stage is finished when its directory holds
+``suite_stage.json`` (written after the trainer returned); a stage with a checkpoint but no
+marker continues through the trainer's ``--resume``; the shared retrofit and background stages
+are trained by the first run that needs them and reused by the others. Results, stage markers
+and trainer directories from a differently configured suite are refused with a ConfigError
+rather than mixed in.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import gc
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from smf.suite.config import SuiteConfig
+from smf.suite.evaluate import evaluate_model, load_eval_sets
+from smf.suite.plan import (Run, SuiteLayout, options_fingerprint, plan_runs, run_hash, sparse_stage_dirs,
+                            stage_config)
+from smf.suite.report import write_status
+from smf.train.artifacts import FINAL_DIR, RUN_CONFIG, load_base, load_trained_model
+from smf.train.background import collect_background
+from smf.train.checkpoint import CHECKPOINT_FILE
+from smf.train.config import ConfigError, RunConfig
+from smf.train.distributed import pick_device
+from smf.train.loop import train
+
+logger = logging.getLogger(__name__)
+
+STAGE_MARKER = "suite_stage.json"
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    """Write ``obj`` as JSON to ``path`` via a synced temporary file and a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(json.dumps(obj, indent=2) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def read_results(path: Path, expected_hash: str) -> dict:
+    """A finished run's results, refused if another configuration wrote them."""
+    results = json.loads(path.read_text())
+    if results.get("config_hash") != expected_hash:
+        raise ConfigError(f"{path} was written by a suite with other settings (config hash "
+                          f"{results.get('config_hash')} != {expected_hash}); delete it to recompute that run, "
+                          "or use another output_dir")
+    return results
+
+
+def ensure_stage(kind: str, config: RunConfig) -> dict:
+    """Run one training stage (kind: retrofit, background or train) unless it already finished.
+
+    Returns its marker: {"fingerprint", "seconds", "resumed", "skipped"}.
+    """
+    output_dir = Path(config.output_dir)
+    marker_path = output_dir / STAGE_MARKER
+    fingerprint = options_fingerprint(config.to_dict())
+    foreign = f"{output_dir} holds a {kind} run with other options than this suite's; delete it or use another " \
+              "output_dir"
+    if marker_path.is_file():
+        marker = json.loads(marker_path.read_text())
+        if marker["fingerprint"] != fingerprint:
+            raise ConfigError(foreign)
+        return {**marker, "skipped": True}
+    if (output_dir / RUN_CONFIG).is_file():
+        if options_fingerprint(json.loads((output_dir / RUN_CONFIG).read_text())) != fingerprint:
+            raise ConfigError(foreign)
+    resume = (output_dir / CHECKPOINT_FILE).is_file()
+    logger.info("%s %s: %s", "resuming" if resume else "starting", kind, output_dir)
+    started = time.perf_counter()
+    if kind == "background":
+        collect_background(config)
+    else:
+        result = train(dataclasses.replace(config, resume=resume))
+        if result["final_dir"] is None:
+            raise RuntimeError(f"{kind} in {output_dir} stopped at step {result['step']} of "
+                               f"{result['total_steps']} without a final artefact")
+    marker = {"fingerprint": fingerprint, "seconds": round(time.perf_counter() - started, 3), "resumed": resume}
+    write_json_atomic(marker_path, marker)
+    return {**marker, "skipped": False}
+
+
+class SuiteRunner:
+    """Runs the plan of a :class:`SuiteConfig` into ``config.output_dir``."""
+
+    def __init__(self, config: SuiteConfig) -> None:
+        self.config = config
+        self.layout = SuiteLayout(config.output_dir)
+        self.device = pick_device(config.device)
+        self._eval_sets = None
+
+    def pending(self) -> list[Run]:
+        """Planned runs whose results file does not exist yet."""
+        return [run for run in plan_runs(self.config) if not self.layout.results_path(run).is_file()]
+
+    def train_stages(self, run: Run) -> dict[str, dict]:
+        """Train (or reuse) every stage ``run`` needs; returns their markers by stage kind."""
+        config, layout = self.config, self.layout
+        if run.recipe is None:
+            return {}
+        if run.recipe != "sparse":
+            return {"train": ensure_stage("train", stage_config(config, run.recipe, run.seed, layout.train_dir(run)))}
+        retrofit_dir, background_dir = sparse_stage_dirs(layout, run)
+        markers = {"retrofit": ensure_stage("retrofit", stage_config(config, "retrofit", run.seed, retrofit_dir,
+                                                                     mode=run.mode))}
+        markers["background"] = ensure_stage("background", stage_config(
+            config, "background", run.seed, background_dir, mode=run.mode, adapter=retrofit_dir))
+        markers["train"] = ensure_stage("train", stage_config(
+            config, "sparse", run.seed, layout.train_dir(run), mode=run.mode, rule=run.rule, adapter=retrofit_dir,
+            background=background_dir))
+        return markers
+
+    def evaluate(self, run: Run) -> tuple[dict, dict, str]:
+        """(metrics, seconds per task, artefact) of ``run``'s trained model (the base model for base)."""
+        if self._eval_sets is None:
+            self._eval_sets = load_eval_sets(self.config.data, self.config.eval)
+        if run.recipe is None:
+            model, tokenizer = load_base(self.config.model, self.device)
+            artefact = self.config.model
+        else:
+            model, tokenizer = load_trained_model(self.layout.train_dir(run), self.device)
+            artefact = str(self.layout.train_dir(run) / FINAL_DIR)
+        try:
+            metrics, seconds = evaluate_model(model, tokenizer, self._eval_sets, self.config.eval,
+                                              self.layout.eval_dir(run))
+        finally:
+            del model
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        return metrics, seconds, artefact
+
+    def run_one(self, run: Run) -> dict:
+        """Train, evaluate and record ``run`` (or read its results if finished); returns the results."""
+        expected_hash = run_hash(self.config, run)
+        path = self.layout.results_path(run)
+        if path.is_file():
+            return read_results(path, expected_hash)
+        started = time.perf_counter()
+        markers = self.train_stages(run)
+        metrics, eval_seconds, artefact = self.evaluate(run)
+        results = {
+            "condition": run.condition, "seed": run.seed, "metrics": metrics,
+            "timing": {**{f"{kind}_s": marker["seconds"] for kind, marker in markers.items()},
+                       "eval_s": eval_seconds, "wall_s": round(time.perf_counter() - started, 3)},
+            "config_hash": expected_hash, "artefact": artefact, "model": self.config.model,
+            "finished_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        }
+        write_json_atomic(path, results)
+        logger.info("%s: %s", run.name, ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        return results
+
+    def run(self) -> list[dict]:
+        """Every planned run, skipping finished ones; returns their results in plan order."""
+        runs = plan_runs(self.config)
+        self.config.output_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.layout.config_file, self.config.to_dict())
+        todo = len(self.pending())
+        logger.info("suite %s: %d runs (%d finished, %d to do) in %s", self.config.name, len(runs),
+                    len(runs) - todo, todo, self.config.output_dir)
+        results, failed = [], {}
+        try:
+            with tqdm(runs, desc=f"suite {self.config.name}", unit="run") as progress:
+                for run in progress:
+                    progress.set_postfix_str(run.name)
+                    try:
+                        results.append(self.run_one(run))
+                    except Exception as err:
+                        failed[run.name] = f"{type(err).__name__}: {err}".splitlines()[0][:200]
+                        raise
+        finally:
+            write_status(self.config, self.config.output_dir, failed)
+        return results
+
+
+def run_suite(config: SuiteConfig) -> list[dict]:
+    """Run (or finish) the suite of ``config``; see :class:`SuiteRunner`."""
+    return SuiteRunner(config).run()
