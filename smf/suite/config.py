@@ -126,6 +126,9 @@ def _check_keys(mapping: dict, valid, where: str) -> None:
                 raise ConfigError(f"{where}: option {key!r} is set by the suite for each run (seeds, conditions, "
                                   f"model, device and data are top-level keys); valid options here: "
                                   f"{', '.join(valid)}")
+            if key in TRAIN_KEYS and where.startswith("stages."):
+                raise ConfigError(f"{where}: option {key!r} does not apply to this stage; valid keys: "
+                                  f"{', '.join(valid)}")
             raise ConfigError(f"{where}: unknown key {key!r}; valid keys: {', '.join(valid)}")
 
 

@@ -1,0 +1,111 @@
+"""Suite config: shipped configs, path resolution, and one clear error per kind of bad input (CLI exit 2)."""
+from pathlib import Path
+
+import pytest
+import yaml
+
+from smf import cli
+from smf.report import CONDITIONS, PAPER_MODEL_ID
+from smf.suite.config import TRAIN_KEYS, load_suite_config
+from smf.train.config import ConfigError
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def _write(tmp_path: Path, **overrides) -> Path:
+    """A small valid suite config (data given relative to the file) with ``overrides`` applied."""
+    data_dir = tmp_path / "data"
+    data_dir.mkdir(exist_ok=True)
+    for name in ("oasst1_train", "medmcqa_train", "medmcqa_validation", "wikitext103_test", "triviaqa_validation"):
+        (data_dir / f"{name}.jsonl").write_text((FIXTURES / f"{name}.jsonl").read_text())
+    raw = {"name": "t", "model": "tiny", "output_dir": "out", "seeds": [0], "conditions": ["base", "lora"],
+           "device": "cpu",
+           "data": {"oasst": "../data/oasst1_train.jsonl", "medmcqa_train": "../data/medmcqa_train.jsonl",
+                    "medmcqa_validation": "../data/medmcqa_validation.jsonl",
+                    "wikitext": "../data/wikitext103_test.jsonl", "triviaqa": "../data/triviaqa_validation.jsonl"},
+           "train": {"preset": "tiny"}, "eval": {"medmcqa_examples": 4}}
+    raw.update(overrides)
+    path = tmp_path / "configs" / "suite.yaml"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _cli(argv, monkeypatch) -> int:
+    """smf.cli.main with the suite commands registered (as the lead will in COMMAND_MODULES)."""
+    if "smf.suite.commands" not in cli.COMMAND_MODULES:
+        monkeypatch.setattr(cli, "COMMAND_MODULES", cli.COMMAND_MODULES + ("smf.suite.commands",))
+    return cli.main(argv)
+
+
+def test_shipped_configs_load_by_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    paper = load_suite_config("paper")
+    assert paper.model == PAPER_MODEL_ID and paper.seeds == (0, 1, 2) and paper.conditions == CONDITIONS
+    assert (paper.eval.medmcqa_examples, paper.eval.triviaqa_examples) == (1000, 1000)
+    assert paper.train["rows_per_step"] == 512 and paper.train["layers"] == [6, 12, 18]
+    tiny = load_suite_config("tiny")
+    assert tiny.model == "tiny" and tiny.seeds == (0, 1) and tiny.conditions == CONDITIONS
+    # Data resolve against the config file's folder (smf/configs), the output against the working directory.
+    assert Path(tiny.data.medmcqa_validation) == (FIXTURES / "medmcqa_validation.jsonl").resolve()
+    assert tiny.output_dir == (tmp_path / "runs" / "suite-tiny").resolve()
+
+
+def test_relative_paths_and_yaml_numbers(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = _write(tmp_path, conditions=["lora", "base"], train={"preset": "tiny", "lr": "5e-4"})
+    config = load_suite_config(str(path), {"seeds": [3, 1]})
+    assert Path(config.data.oasst) == (tmp_path / "data" / "oasst1_train.jsonl").resolve()
+    assert config.output_dir == (tmp_path / "out").resolve()
+    assert config.conditions == ("base", "lora")  # the paper's order, whatever the file's
+    assert config.seeds == (3, 1)
+    assert config.train["lr"] == 5e-4  # YAML reads 5e-4 as a string; the trainer's coercion applies
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"epochs": 3}, "unknown key 'epochs'; valid keys: name, model, output_dir, seeds"),
+    ({"conditions": ["base", "sparse-kl"]}, "unknown condition 'sparse-kl'; valid conditions: base, replacement-kl"),
+    ({"train": {"learning_rate": 1e-3}}, "train: unknown key 'learning_rate'; valid keys: preset, layers"),
+    ({"train": {"seed": 1}}, "train: option 'seed' is set by the suite"),
+    ({"stages": {"lora": {"n_keys": 8}}}, "stages.lora: option 'n_keys' does not apply to this stage; valid"),
+    ({"stages": {"sparse2": {}}}, "stages: unknown key 'sparse2'; valid keys: retrofit, background, sparse, lora"),
+    ({"data": {"wikitext": "../data/missing.jsonl"}}, "data.wikitext: no such file or directory"),
+    ({"data": {"medmcqa": "x"}}, "data: unknown key 'medmcqa'; valid keys: oasst, medmcqa_train"),
+    ({"eval": {"tasks": ["medmcqa", "mmlu"]}}, "eval.tasks must be a non-empty list drawn from medmcqa"),
+    ({"eval": {"wikitext_stride": 1024, "wikitext_window": 512}}, "eval.wikitext_stride (1024) must be smaller"),
+    ({"seeds": [0, 0]}, "seeds must be a non-empty list of distinct non-negative ints"),
+    ({"model": "./no-such-model"}, "model: no such directory"),
+    ({"train": {"preset": "tiny", "global_batch_size": 6}}, "--global-batch-size 6 is not a multiple"),
+])
+def test_bad_config_raises_one_clear_error(tmp_path, overrides, message):
+    path = _write(tmp_path, **overrides)
+    with pytest.raises(ConfigError) as info:
+        load_suite_config(str(path))
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_valid_train_keys_are_listed():
+    assert "lr" in TRAIN_KEYS and "rows_per_step" in TRAIN_KEYS and "seed" not in TRAIN_KEYS
+
+
+def test_cli_errors_are_one_line_exit_2(tmp_path, monkeypatch, capsys):
+    bad = _write(tmp_path, conditions=["base", "dense"])
+    assert _cli(["suite", "--config", str(bad)], monkeypatch) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("smf suite: error: unknown condition 'dense'") and err.count("\n") == 1
+    assert _cli(["suite", "--config", "no-such-config"], monkeypatch) == 2
+    assert "shipped: paper, tiny" in capsys.readouterr().err
+    assert _cli(["report", "--suite-dir", str(tmp_path / "nowhere")], monkeypatch) == 2
+    assert "is not a suite directory" in capsys.readouterr().err
+    assert _cli(["eval", "--model", "tiny", "--adapter", str(tmp_path / "nowhere")], monkeypatch) == 2
+    assert "--adapter: no such directory" in capsys.readouterr().err
+
+
+def test_dry_run_lists_the_plan_and_runs_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert _cli(["suite", "--config", "tiny", "--dry-run"], monkeypatch) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 * len(CONDITIONS)
+    assert lines[0].split() == ["base-seed0", "to", "do"] and lines[-1].split()[0] == "full-seed1"
+    assert not (tmp_path / "runs").exists()
