@@ -105,6 +105,9 @@ class RunConfig:
                                  "epochs; resume later with --resume)", ("retrofit", "train"))
     resume: bool = _opt(False, "continue from the checkpoint in --output-dir", ("retrofit", "train"))
 
+    def __post_init__(self) -> None:
+        self.layers = list(self.layers)
+
     def resolved(self, recipe: str) -> "RunConfig":
         """A copy with ``recipe`` set and the recipe's paper defaults filled in where options are None."""
         config = dataclasses.replace(self, recipe=recipe)
@@ -118,8 +121,7 @@ class RunConfig:
     def to_dict(self) -> dict:
         """The options the run's command takes (plus ``recipe``), e.g. for run_config.json."""
         command = self.recipe if self.recipe in ("retrofit", "background") else "train"
-        options = dataclasses.asdict(self)
-        return {name: (list(value) if isinstance(value, tuple) else value) for name, value in options.items()
+        return {name: value for name, value in dataclasses.asdict(self).items()
                 if name == "recipe" or command in FIELDS[name].metadata["commands"]}
 
 

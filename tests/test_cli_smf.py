@@ -1,0 +1,96 @@
+"""The smf command line: help for every subcommand, config file < flags precedence, shipped configs,
+and one-line errors with exit code 2 for bad input."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from smf.cli import build_parser, main
+from smf.train.commands import COMMANDS, config_from_args
+from smf.train.config import FIELDS, RunConfig, build_config, read_config_file
+
+CONFIGS = Path(__file__).resolve().parents[1] / "smf" / "configs"
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_help_lists_every_option_with_its_default(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # undo argparse's line wrapping
+    options = [name for name, spec in FIELDS.items() if command in spec.metadata["commands"]]
+    assert options and "--config FILE" in text
+    for name in options:
+        flag = "--" + name.replace("_", "-")
+        assert flag in text, flag
+        after = text.split(flag + " ", 1)[-1] if name == "resume" else text.split(flag, 2)[-1]
+        assert "(default:" in after, flag
+
+
+def parse(argv):
+    args = build_parser().parse_args(argv)
+    return config_from_args(args, args.command)
+
+
+def test_flags_override_the_config_file_which_overrides_the_preset(tmp_path):
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text("preset: tiny\nlr: 3e-3\nepochs: 5\nmode: replacement\noutput-dir: from-file\n"
+                           "rule: kl\n")  # rule is a train option: skipped for retrofit
+    config = parse(["retrofit", "--config", str(config_file), "--epochs", "7", "--n-keys", "8", "--topk", "2"])
+    assert (config.lr, config.mode, config.output_dir) == (3e-3, "replacement", "from-file")  # file
+    assert (config.epochs, config.n_keys, config.topk) == (7, 8, 2)  # flags
+    assert (config.heads, config.model, config.warmup_steps) == (2, "tiny", 2)  # preset
+    assert config.max_grad_norm == 1.0 and config.rule == RunConfig().rule  # default
+    assert parse(["retrofit", "--config", str(config_file), "--output-dir", "flag"]).output_dir == "flag"
+
+
+def test_shipped_paper_config_spells_out_the_defaults_and_tiny_config_loads(tmp_path):
+    for command in COMMANDS:
+        options = read_config_file(CONFIGS / "paper.yaml", command)
+        assert build_config(command, options, {"output_dir": "x", "adapter": str(tmp_path),
+                                               "background": str(tmp_path)}) == \
+            RunConfig(output_dir="x", adapter=str(tmp_path), background=str(tmp_path), layers=[6, 12, 18])
+    tiny = build_config("train", read_config_file(CONFIGS / "tiny.yaml", "train"),
+                        {"output_dir": "x", "recipe": "lora"}).resolved("lora")
+    assert (tiny.model, tiny.lr, tiny.epochs, Path(tiny.medmcqa_path).is_file()) == ("tiny", 2e-4, 2, True)
+
+
+def run_main(argv, capsys):
+    try:
+        code = main(["--log-level", "ERROR", *argv])
+    except SystemExit as exit_info:
+        code = exit_info.code
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--recipe", "lora", "--preset", "tiny", "--medmcqa-path", "/no/such.jsonl", "--output-dir", "{d}"],
+     "--medmcqa-path: no such path '/no/such.jsonl'"),
+    (["retrofit", "--mode", "bogus", "--output-dir", "{d}"], "argument --mode: invalid choice: 'bogus'"),
+    (["train", "--recipe", "dpo", "--output-dir", "{d}"], "argument --recipe: invalid choice: 'dpo'"),
+    (["retrofit", "--config", "{d}/bad_mode.yaml"], "--mode must be one of replacement, additive, additive+s"),
+    (["retrofit", "--config", "{d}/unknown_key.yaml"], "unknown option 'learning_rate'"),
+    (["retrofit", "--config", "{d}/missing.yaml", "--output-dir", "{d}"], "--config: no such file"),
+    (["retrofit", "--preset", "tiny", "--layers", "2", "9", "--output-dir", "{d}/run"],
+     "indices [9] are beyond the model, which has 8 decoder layers"),
+    (["train", "--recipe", "sparse", "--preset", "tiny", "--output-dir", "{d}"], "--adapter (the retrofit run "),
+    (["background", "--preset", "tiny", "--adapter", "{d}", "--output-dir", "{d}"], "holds no memory adapter"),
+    (["retrofit", "--preset", "tiny", "--micro-batch-size", "3", "--output-dir", "{d}"], "not a multiple"),
+])
+def test_bad_input_gives_one_line_and_exit_code_2(tmp_path, capsys, argv, message):
+    (tmp_path / "bad_mode.yaml").write_text(f"mode: bogus\noutput-dir: {tmp_path}\n")
+    (tmp_path / "unknown_key.yaml").write_text("learning_rate: 0.1\n")
+    code, err = run_main([arg.replace("{d}", str(tmp_path)) for arg in argv], capsys)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("smf") and "error: " in lines[0], err
+    assert message in lines[0]
+
+
+def test_console_script_error_has_no_traceback(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "smf.cli", "train", "--recipe", "sparse", "--preset", "tiny",
+                             "--adapter", str(tmp_path / "nowhere"), "--output-dir", str(tmp_path)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"smf train: error: --adapter: no such directory '{tmp_path / 'nowhere'}'"
