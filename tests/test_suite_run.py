@@ -1,0 +1,192 @@
+"""The tiny suite end to end (reduced: one seed, base + additive-kl + lora, one epoch, few eval examples):
+results files, Table 1, the figure, the accounting, the status; skipping finished runs; resuming a
+run killed mid-training or mid-evaluation; `smf eval` reproducing the suite's numbers."""
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from smf import cli
+from smf.suite import runner as runner_module
+from smf.suite.config import load_suite_config
+from smf.suite.plan import Run, SuiteLayout
+from smf.suite.runner import SuiteRunner, run_suite
+from smf.suite.report import write_suite_report
+from smf.tiny import tiny_model
+from smf.train import loop
+from smf.train.config import ConfigError
+
+FIXTURES = Path(__file__).parent / "fixtures"
+CONDITIONS = ["base", "additive-kl", "lora"]
+
+
+def _config_file(directory: Path, output_dir: Path, conditions, **eval_overrides) -> Path:
+    raw = {
+        "name": "tiny-test", "model": "tiny", "output_dir": str(output_dir), "seeds": [0],
+        "conditions": conditions, "device": "cpu",
+        "data": {"oasst": str(FIXTURES / "oasst1_train.jsonl"), "medmcqa_train": str(FIXTURES / "medmcqa_train.jsonl"),
+                 "medmcqa_validation": str(FIXTURES / "medmcqa_validation.jsonl"),
+                 "wikitext": str(FIXTURES / "wikitext103_test.jsonl"),
+                 "triviaqa": str(FIXTURES / "triviaqa_validation.jsonl")},
+        "train": {"preset": "tiny", "epochs": 1, "save_every": 1},
+        "stages": {"lora": {"epochs": 2}},
+        "eval": {"medmcqa_examples": 6, "triviaqa_examples": 4, "triviaqa_max_new_tokens": 6,
+                 "wikitext_window": 256, "wikitext_stride": 128, **eval_overrides},
+    }
+    path = directory / "suite.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _cli(argv, monkeypatch) -> int:
+    if "smf.suite.commands" not in cli.COMMAND_MODULES:
+        monkeypatch.setattr(cli, "COMMAND_MODULES", cli.COMMAND_MODULES + ("smf.suite.commands",))
+    return cli.main(argv)
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    """The reduced suite run once through run_suite + write_suite_report: (config file, suite dir)."""
+    root = tmp_path_factory.mktemp("suite")
+    path = _config_file(root, root / "suite", CONDITIONS)
+    config = load_suite_config(str(path))
+    run_suite(config)
+    write_suite_report(config.output_dir)
+    return path, config.output_dir
+
+
+def _results(suite_dir: Path) -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in sorted((suite_dir / "results").glob("*.json"))}
+
+
+def test_suite_writes_results_table_figure_accounting_status(suite):
+    _, suite_dir = suite
+    results = _results(suite_dir)
+    assert set(results) == {f"{c}-seed0" for c in CONDITIONS}
+    for name, record in results.items():
+        assert {"condition", "seed", "metrics", "timing", "config_hash", "artefact"} <= set(record)
+        assert set(record["metrics"]) == {"medmcqa_acc", "wikitext_ppl", "triviaqa_acc"}
+        assert all(math.isfinite(v) for v in record["metrics"].values())
+        assert 0 <= record["metrics"]["medmcqa_acc"] <= 1 and record["metrics"]["wikitext_ppl"] > 1
+        assert (suite_dir / "eval" / name / "medmcqa.jsonl").read_text().count("\n") == 6
+    assert results["base-seed0"]["artefact"] == "tiny"
+    assert Path(results["lora-seed0"]["artefact"], "adapter_config.json").is_file()
+    assert Path(results["additive-kl-seed0"]["artefact"], "memory_adapter.json").is_file()
+    assert {"retrofit_s", "background_s", "train_s", "eval_s"} <= set(results["additive-kl-seed0"]["timing"])
+    assert (suite_dir / "retrofit" / "additive-seed0" / "final" / "memory_adapter.json").is_file()
+    assert (suite_dir / "background" / "additive-seed0" / "background.safetensors").is_file()
+    # Training moved the model: the trained conditions differ from base on WikiText.
+    base_ppl = results["base-seed0"]["metrics"]["wikitext_ppl"]
+    assert results["lora-seed0"]["metrics"]["wikitext_ppl"] != base_ppl
+    assert results["additive-kl-seed0"]["metrics"]["wikitext_ppl"] != base_ppl
+
+    # Table 1: one row per condition, our numbers (one seed: mean = the run's number), no paper columns.
+    with open(suite_dir / "table1.csv") as handle:
+        rows = {row["condition"]: row for row in csv.DictReader(handle)}
+    assert list(rows) == CONDITIONS and "paper_medmcqa_acc_mean" not in rows["base"]
+    for condition in CONDITIONS:
+        for metric, value in results[f"{condition}-seed0"]["metrics"].items():
+            assert float(rows[condition][f"{metric}_mean"]) == pytest.approx(value, rel=1e-12)
+    markdown = (suite_dir / "table1.md").read_text()
+    assert "| Base Qwen |" in markdown and "| Additive sparse (KL) |" in markdown and "(paper)" not in markdown
+    assert "\\begin{tabular}" in (suite_dir / "table1.tex").read_text()
+    assert (suite_dir / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (suite_dir / "pareto.pdf").read_bytes()[:5] == b"%PDF-"
+
+    # Accounting from the configured (tiny) model: full finetuning counts every parameter of it.
+    accounting = {row["method"]: row for row in json.loads((suite_dir / "accounting.json").read_text())}
+    assert accounting["Full finetune"]["updated_per_step"] == sum(p.numel() for p in tiny_model().parameters())
+    assert accounting["Additive memory"]["values"] == 3 * 16 ** 2 * 64  # 3 layers x 256 slots x d_model
+    assert accounting["Additive memory"]["updated_per_step"] == 3 * 32 * 64  # T = 32 rows per layer
+    status = (suite_dir / "suite_status.md").read_text()
+    assert "3 of 3 runs done" in status and status.count("| done |") == 3
+
+
+def test_second_run_trains_and_evaluates_nothing(suite, monkeypatch):
+    path, suite_dir = suite
+    before = _results(suite_dir)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a finished run was trained or evaluated again")
+
+    monkeypatch.setattr(runner_module, "train", forbidden)
+    monkeypatch.setattr(runner_module, "collect_background", forbidden)
+    monkeypatch.setattr(SuiteRunner, "evaluate", forbidden)
+    assert _cli(["suite", "--config", str(path), "--no-report"], monkeypatch) == 0
+    assert _results(suite_dir) == before
+
+
+def test_results_of_another_configuration_are_refused(suite, tmp_path):
+    _, suite_dir = suite
+    other = load_suite_config(str(_config_file(tmp_path, suite_dir, ["base"], medmcqa_examples=5)))
+    with pytest.raises(ConfigError, match="written by a suite with other settings"):
+        SuiteRunner(other).run_one(Run("base", 0))
+
+
+def test_killed_run_resumes_from_its_checkpoint_then_its_evaluation(suite, tmp_path, monkeypatch):
+    _, reference_dir = suite
+    config = load_suite_config(str(_config_file(tmp_path, tmp_path / "suite", ["lora"])))
+    layout, run = SuiteLayout(config.output_dir), Run("lora", 0)
+    real_run_step, steps = loop.run_step, []
+
+    def dies_at_third_step(*args, **kwargs):
+        if len(steps) == 2:
+            raise KeyboardInterrupt("killed")
+        steps.append(1)
+        return real_run_step(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "run_step", dies_at_third_step)
+    with pytest.raises(KeyboardInterrupt):
+        run_suite(config)
+    train_dir = layout.train_dir(run)
+    assert (train_dir / "checkpoint.pt").is_file() and not (train_dir / "final").exists()
+    assert not layout.results_path(run).exists()
+    monkeypatch.setattr(loop, "run_step", real_run_step)
+
+    # Second attempt: training resumes from step 2 and finishes; the evaluation is killed.
+    resumed = []
+
+    def spy_train(run_config):
+        resumed.append(run_config.resume)
+        return loop.train(run_config)
+
+    def killed_evaluation(self, run):
+        raise RuntimeError("killed")
+
+    monkeypatch.setattr(runner_module, "train", spy_train)
+    monkeypatch.setattr(SuiteRunner, "evaluate", killed_evaluation)
+    with pytest.raises(RuntimeError, match="killed"):
+        run_suite(config)
+    assert resumed == [True]
+    assert "failed: RuntimeError: killed" in (config.output_dir / "suite_status.md").read_text()
+    logged = [json.loads(line)["step"] for line in (train_dir / "train_log.jsonl").read_text().splitlines()]
+    assert logged == [1, 2, 3, 4]  # 20 examples / batch 8 = 2 steps per epoch, 2 epochs, each step once
+
+    # Third attempt: nothing left to train; the evaluation runs and the results match an unbroken run.
+    monkeypatch.undo()
+    monkeypatch.setattr(runner_module, "train", lambda c: pytest.fail("training ran again"))
+    run_suite(config)
+    ours = json.loads(layout.results_path(run).read_text())["metrics"]
+    reference = _results(reference_dir)["lora-seed0"]["metrics"]
+    for metric, value in reference.items():
+        assert ours[metric] == pytest.approx(value, rel=1e-5), metric
+
+
+def test_eval_command_reproduces_the_suite_numbers(suite, tmp_path, monkeypatch, capsys):
+    path, suite_dir = suite
+    results = _results(suite_dir)
+    cases = [("base-seed0", []), ("lora-seed0", ["--adapter", str(suite_dir / "train" / "lora-seed0")]),
+             ("additive-kl-seed0", ["--adapter", results["additive-kl-seed0"]["artefact"]])]
+    for name, adapter_args in cases:
+        out = tmp_path / name
+        argv = ["eval", "--config", str(path), "--model", "tiny", *adapter_args, "--tasks", "medmcqa,wikitext",
+                "--output-dir", str(out)]
+        assert _cli(argv, monkeypatch) == 0
+        printed = json.loads(capsys.readouterr().out)
+        saved = json.loads((out / "metrics.json").read_text())["metrics"]
+        assert printed == saved and set(saved) == {"medmcqa_acc", "wikitext_ppl"}
+        for metric, value in saved.items():
+            assert value == pytest.approx(results[name]["metrics"][metric], rel=1e-5), (name, metric)
