@@ -86,9 +86,9 @@ def _status_rows(config: SuiteConfig, layout: SuiteLayout, failed: dict[str, str
         if path.is_file():
             results = json.loads(path.read_text())
             timing = results["timing"]
+            stages = [v for k, v in timing.items() if k in ("retrofit_s", "background_s", "train_s")]
             row.update(status="done", metrics=results["metrics"], results=str(path.relative_to(layout.root)),
-                       train_s=sum(v for k, v in timing.items() if k in ("retrofit_s", "background_s", "train_s")),
-                       eval_s=sum(timing["eval_s"].values()))
+                       train_s=sum(stages) if stages else None, eval_s=sum(timing["eval_s"].values()))
         elif run.name in failed:
             row["status"] = f"failed: {failed[run.name]}"
         rows.append(row)
