@@ -17,7 +17,7 @@ import sys
 
 from smf.train.config import ConfigError
 
-COMMAND_MODULES = ("smf.train.commands",)
+COMMAND_MODULES = ("smf.train.commands", "smf.suite.commands")
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    level = args.log_level if int(os.environ.get("RANK", 0)) == 0 else "WARNING"  # torchrun: rank 0 reports
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.run(args)
     except ConfigError as err:
