@@ -156,3 +156,21 @@ def test_a_second_run_into_the_same_directory_needs_resume(tmp_path):
         train(config)
     result = train(tiny_run_config(tmp_path, "retrofit", "retrofit", resume=True))
     assert result["step"] == result["total_steps"] and result["final_dir"].is_dir()
+
+
+def test_a_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    from smf.train import checkpoint
+
+    path = tmp_path / CHECKPOINT_FILE
+    first = {"step": 1, "weights": torch.randn(4, 3)}
+    checkpoint.atomic_save(first, path)
+
+    def dies_half_way(obj, handle):
+        handle.write(b"partial")
+        raise Killed
+
+    monkeypatch.setattr(checkpoint.torch, "save", dies_half_way)
+    with pytest.raises(Killed):
+        checkpoint.atomic_save({"step": 2, "weights": torch.randn(4, 3)}, path)
+    loaded = torch.load(path, weights_only=False)
+    assert loaded["step"] == 1 and torch.equal(loaded["weights"], first["weights"])
