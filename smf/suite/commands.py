@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -125,7 +126,7 @@ def run_eval_command(args: argparse.Namespace) -> int:
     model, tokenizer = load_for_eval(args.model, args.adapter, pick_device(args.device), backend=args.backend)
     metrics, seconds = evaluate_model(model, tokenizer, load_eval_sets(data, settings), settings, output_dir)
     summary = {"model": args.model, "adapter": args.adapter, "metrics": metrics, "eval_s": seconds,
-               "settings": {**settings.__dict__, "tasks": list(settings.tasks)}}
+               "settings": {**dataclasses.asdict(settings), "tasks": list(settings.tasks)}}
     write_json_atomic(output_dir / "metrics.json", summary)
     print(json.dumps(metrics, indent=2))
     logger.info("metrics and per-example files written to %s", output_dir)

@@ -237,7 +237,8 @@ def parse_suite_config(raw, base_dir: Path, *, source: str = "config", check_pat
         seeds=_parse_seeds(raw["seeds"]),
         conditions=_parse_conditions(raw.get("conditions", list(CONDITIONS))),
         device=device,
-        data=DataPaths(**{key: _resolve_input_path(value, base_dir, f"data.{key}", check_paths) for key, value in data.items()}),
+        data=DataPaths(**{key: _resolve_input_path(value, base_dir, f"data.{key}", check_paths)
+                          for key, value in data.items()}),
         train=_parse_train_options(raw.get("train"), "train", TRAIN_KEYS),
         stages={stage: _parse_train_options(options, f"stages.{stage}", _stage_keys(stage))
                 for stage, options in stages.items()},

@@ -4,7 +4,6 @@ Metric keys (those of a Table 1 record): ``medmcqa_acc``, ``wikitext_ppl``, ``tr
 """
 from __future__ import annotations
 
-import logging
 import time
 from pathlib import Path
 
@@ -16,8 +15,6 @@ from smf.eval import evaluate_medmcqa, evaluate_triviaqa, evaluate_wikitext
 from smf.suite.config import DataPaths, EvalSettings
 from smf.train.artifacts import FINAL_DIR, RUN_CONFIG, load_base, load_trained_model
 from smf.train.config import ConfigError
-
-logger = logging.getLogger(__name__)
 
 METRIC_OF_TASK = {"medmcqa": "medmcqa_acc", "wikitext": "wikitext_ppl", "triviaqa": "triviaqa_acc"}
 

@@ -25,8 +25,8 @@ from smf.suite.config import STAGE_COMMANDS, SuiteConfig
 from smf.train.config import FIELDS, RunConfig, build_config
 
 SUITE_CONFIG_FILE = "suite_config.json"
-# Options that say where a stage lives or whether it resumes, not what it computes.
-LOCATION_OPTIONS = ("output_dir", "adapter", "background", "resume")
+# Options that say where a stage lives, whether it resumed and how often it saved, not what it computes.
+IGNORED_OPTIONS = ("output_dir", "adapter", "background", "resume", "save_every")
 
 
 @dataclass(frozen=True)
@@ -143,8 +143,8 @@ def _digest(obj) -> str:
 
 
 def options_fingerprint(options: dict) -> str:
-    """Hash of a stage's resolved trainer options, ignoring where it lives and whether it resumed."""
-    return _digest({name: value for name, value in options.items() if name not in LOCATION_OPTIONS})
+    """Hash of a stage's resolved trainer options, without :data:`IGNORED_OPTIONS`."""
+    return _digest({name: value for name, value in options.items() if name not in IGNORED_OPTIONS})
 
 
 def run_hash(config: SuiteConfig, run: Run) -> str:
@@ -155,7 +155,8 @@ def run_hash(config: SuiteConfig, run: Run) -> str:
     return _digest({
         "model": config.model, "condition": run.condition, "seed": run.seed,
         "train_data": [config.data.oasst, config.data.medmcqa_train] if stages else [],
-        "stages": {stage: {**config.train, **config.stages.get(stage, {})} for stage in stages},
+        "stages": {stage: {name: value for name, value in {**config.train, **config.stages.get(stage, {})}.items()
+                           if name not in IGNORED_OPTIONS} for stage in stages},
         "eval": config.to_dict()["eval"],
         "eval_data": [config.data.medmcqa_validation, config.data.wikitext, config.data.triviaqa],
     })

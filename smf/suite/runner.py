@@ -7,6 +7,9 @@ marker continues through the trainer's ``--resume``; the shared retrofit and bac
 are trained by the first run that needs them and reused by the others. Results, stage markers
 and trainer directories from a differently configured suite are refused with a ConfigError
 rather than mixed in.
+
+The suite runs in one process on one device (``device`` of the config); stages and evaluations
+run one after another.
 """
 from __future__ import annotations
 
