@@ -1,6 +1,7 @@
 """Data parallelism through the trainer: 2 gloo processes with micro-batch m each end with the same
 weights as 1 process with micro-batch 2m and the same global batch (sparse +S: controller-synchronised
 selection plus DDP on alpha; full: plain DDP)."""
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -13,6 +14,15 @@ from smf_kernels.sparse import BackgroundStats, SparseMemoryController
 
 WORLD = 2
 RECIPES = ("sparse", "full")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """The tiny model gains nothing from threads, and on a shared 2-core machine they only spin-wait."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def run_config(root, recipe, micro_batch_size, adapter):
