@@ -78,8 +78,12 @@ def run_step(wrapped: nn.Module, setup: TrainingSetup, scheduler, micro_batches:
     """One optimizer step over this rank's micro-batches; returns this rank's summed token loss."""
     use_autocast = autocast_enabled(config.bf16, world.device)
     scale = world.size / num_tokens
+    # A step of one micro-batch selects its rows between forward and backward, so the backward
+    # writes only the T selected value rows (SPEC §5); with accumulation the controller gathers
+    # the rows each micro-batch read and keeps the selected ones at the step.
+    select_early = setup.controller is not None and len(micro_batches) == 1
     if setup.controller is not None:
-        setup.controller.begin_step()
+        setup.controller.begin_step(select_before_backward=select_early)
     loss_sum = torch.zeros((), device=world.device)
     for index, batch in enumerate(micro_batches):
         last = index == len(micro_batches) - 1
@@ -88,6 +92,8 @@ def run_step(wrapped: nn.Module, setup: TrainingSetup, scheduler, micro_batches:
         with no_sync:
             with torch.autocast(world.device.type, dtype=torch.bfloat16, enabled=use_autocast):
                 loss = summed_token_loss(wrapped, batch)
+            if select_early:
+                setup.controller.select_rows()
             (loss * scale).backward()
         loss_sum += loss.detach()
     if setup.controller is not None:
