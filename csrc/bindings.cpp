@@ -100,8 +100,8 @@ at::Tensor gather_forward(const at::Tensor& values_in, const at::Tensor& indices
   const smf::DType dtype = kernel_dtype(values);
   SMF_RUN(values,
           smf::cpu::gather_forward(dtype, values.const_data_ptr(), indices.const_data_ptr<int64_t>(),
-                                   weights.const_data_ptr(), counts_ptr, valid_ptr, out.data_ptr(), num_tokens,
-                                   per_token, dim, threads),
+                                   weights.const_data_ptr(), counts_ptr, valid_ptr, out.data_ptr(), values.size(0),
+                                   num_tokens, per_token, dim, threads),
           smf::cuda::gather_forward(dtype, values.const_data_ptr(), indices.const_data_ptr<int64_t>(),
                                     weights.const_data_ptr(), counts_ptr, valid_ptr, out.data_ptr(), num_tokens,
                                     per_token, dim, stream));

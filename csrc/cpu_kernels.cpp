@@ -2,6 +2,8 @@
 // disjoint set of output rows, so results never depend on scheduling.
 #include "cpu_kernels.h"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -150,10 +152,19 @@ inline void prefetch(const void* start, int64_t bytes) {
 
 template <typename T>
 void gather_forward_impl(const T* values, const int64_t* indices, const typename Accumulate<T>::type* weights,
-                         int64_t* counts, const bool* valid, T* out, int64_t num_tokens, int64_t per_token,
-                         int64_t dim, int threads) {
+                         int64_t* counts, const bool* valid, T* out, int64_t num_rows, int64_t num_tokens,
+                         int64_t per_token, int64_t dim, int threads) {
   using A = typename Accumulate<T>::type;
-#pragma omp parallel for num_threads(threads) schedule(static)
+  // Each thread counts into its own histogram (no atomics); they are summed after the pass.
+  std::vector<std::vector<int64_t>> local_counts(counts != nullptr ? threads : 0);
+#pragma omp parallel num_threads(threads)
+  {
+  int64_t* my_counts = nullptr;
+  if (counts != nullptr) {
+    local_counts[omp_get_thread_num()].assign(num_rows, 0);
+    my_counts = local_counts[omp_get_thread_num()].data();
+  }
+#pragma omp for schedule(static)
   for (int64_t n = 0; n < num_tokens; ++n) {
     const int64_t* token_indices = indices + n * per_token;
     const A* token_weights = weights + n * per_token;
@@ -184,10 +195,16 @@ void gather_forward_impl(const T* values, const int64_t* indices, const typename
       }
       for (int64_t i = 0; i < width; ++i) store(sum[i], out + n * dim + d0 + i);
     }
-    if (counts != nullptr && (valid == nullptr || valid[n])) {
-      for (int64_t l = 0; l < per_token; ++l)  // integer adds: exact in any order
-        __atomic_fetch_add(counts + token_indices[l], int64_t(1), __ATOMIC_RELAXED);
+    if (my_counts != nullptr && (valid == nullptr || valid[n])) {
+      for (int64_t l = 0; l < per_token; ++l) ++my_counts[token_indices[l]];
     }
+  }
+  if (counts != nullptr) {
+#pragma omp for schedule(static)
+    for (int64_t row = 0; row < num_rows; ++row)
+      for (const auto& thread_counts : local_counts)
+        if (!thread_counts.empty()) counts[row] += thread_counts[row];
+  }
   }
 }
 
@@ -295,10 +312,12 @@ void topk_select(DType dtype, const void* sub_scores, void* scores, int64_t* ind
 }
 
 void gather_forward(DType dtype, const void* values, const int64_t* indices, const void* weights, int64_t* counts,
-                    const bool* valid, void* out, int64_t num_tokens, int64_t per_token, int64_t dim, int threads) {
+                    const bool* valid, void* out, int64_t num_rows, int64_t num_tokens, int64_t per_token,
+                    int64_t dim, int threads) {
   SMF_CPU_DISPATCH(dtype, gather_forward_impl(static_cast<const T*>(values), indices,
                                               static_cast<const typename Accumulate<T>::type*>(weights), counts,
-                                              valid, static_cast<T*>(out), num_tokens, per_token, dim, threads));
+                                              valid, static_cast<T*>(out), num_rows, num_tokens, per_token, dim,
+                                              threads));
 }
 
 void gather_backward_weights(DType dtype, const void* grad_out, const void* values, const int64_t* indices,

@@ -20,10 +20,10 @@ void topk_select(DType dtype, const void* sub_scores, void* scores, int64_t* ind
 
 // out (N, D) = sum_l weights[n, l] * values[indices[n, l]]; values (M, D) and out
 // of `dtype`, weights (N, L) acc. If counts (M,) is not null, counts[indices[n, l]]
-// += 1 for every token with valid == nullptr or valid[n].
+// += 1 for every token with valid == nullptr or valid[n]; M = num_rows.
 void gather_forward(DType dtype, const void* values, const int64_t* indices, const void* weights,
-                    int64_t* counts, const bool* valid, void* out, int64_t num_tokens, int64_t per_token,
-                    int64_t dim, int threads);
+                    int64_t* counts, const bool* valid, void* out, int64_t num_rows, int64_t num_tokens,
+                    int64_t per_token, int64_t dim, int threads);
 
 // grad_weights (N, L) acc = <grad_out[n], values[indices[n, l]]>; grad_out (N, D)
 // and values (M, D) of `dtype`.
