@@ -25,8 +25,8 @@ from smf.suite.config import STAGE_COMMANDS, SuiteConfig
 from smf.train.config import FIELDS, RunConfig, build_config
 
 SUITE_CONFIG_FILE = "suite_config.json"
-# Options that say where a stage lives, whether it resumed and how often it saved, not what it computes.
-IGNORED_OPTIONS = ("output_dir", "adapter", "background", "resume", "save_every")
+# Options that say where a stage lives and runs, whether it resumed and how often it saved, not what it computes.
+IGNORED_OPTIONS = ("output_dir", "adapter", "background", "resume", "save_every", "device")
 
 
 @dataclass(frozen=True)
