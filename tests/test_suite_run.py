@@ -1,6 +1,7 @@
-"""The tiny suite end to end (reduced: one seed, base + additive-kl + lora, one epoch, few eval examples):
-results files, Table 1, the figure, the accounting, the status; skipping finished runs; resuming a
-run killed mid-training or mid-evaluation; `smf eval` reproducing the suite's numbers."""
+"""The tiny suite end to end (reduced: one seed, five conditions, one or two epochs, few eval examples):
+results files, Table 1, the figure, the accounting, the status; one retrofit shared by the two rules;
+skipping finished runs; resuming a run killed mid-training or mid-evaluation; `smf eval` reproducing
+the suite's numbers from each kind of artefact."""
 import csv
 import json
 import math
@@ -20,7 +21,7 @@ from smf.train import loop
 from smf.train.config import ConfigError
 
 FIXTURES = Path(__file__).parent / "fixtures"
-CONDITIONS = ["base", "additive-kl", "lora"]
+CONDITIONS = ["base", "additive-kl", "additive-tfidf", "lora", "full"]
 
 
 def _config_file(directory: Path, output_dir: Path, conditions, **eval_overrides) -> Path:
@@ -49,13 +50,25 @@ def _cli(argv, monkeypatch) -> int:
 
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory):
-    """The reduced suite run once through run_suite + write_suite_report: (config file, suite dir)."""
+    """The reduced suite run once through run_suite + write_suite_report: (config file, suite dir,
+    output directories of every training stage in the order they ran)."""
     root = tmp_path_factory.mktemp("suite")
     path = _config_file(root, root / "suite", CONDITIONS)
     config = load_suite_config(str(path))
-    run_suite(config)
+    trained = []
+
+    def spy(function):
+        def recorded(run_config):
+            trained.append(Path(run_config.output_dir).relative_to(config.output_dir))
+            return function(run_config)
+        return recorded
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(runner_module, "train", spy(runner_module.train))
+        patch.setattr(runner_module, "collect_background", spy(runner_module.collect_background))
+        run_suite(config)
     write_suite_report(config.output_dir)
-    return path, config.output_dir
+    return path, config.output_dir, trained
 
 
 def _results(suite_dir: Path) -> dict[str, dict]:
@@ -63,7 +76,11 @@ def _results(suite_dir: Path) -> dict[str, dict]:
 
 
 def test_suite_writes_results_table_figure_accounting_status(suite):
-    _, suite_dir = suite
+    _, suite_dir, trained = suite
+    # One retrofit (and one background collection) serves both selection rules of the mode and seed.
+    assert [str(p) for p in trained] == ["retrofit/additive-seed0", "background/additive-seed0",
+                                         "train/additive-kl-seed0",
+                                         "train/additive-tfidf-seed0", "train/lora-seed0", "train/full-seed0"]
     results = _results(suite_dir)
     assert set(results) == {f"{c}-seed0" for c in CONDITIONS}
     for name, record in results.items():
@@ -102,11 +119,11 @@ def test_suite_writes_results_table_figure_accounting_status(suite):
     assert accounting["Additive memory"]["values"] == 3 * 16 ** 2 * 64  # 3 layers x 256 slots x d_model
     assert accounting["Additive memory"]["updated_per_step"] == 3 * 32 * 64  # T = 32 rows per layer
     status = (suite_dir / "suite_status.md").read_text()
-    assert "3 of 3 runs done" in status and status.count("| done |") == 3
+    assert "5 of 5 runs done" in status and status.count("| done |") == 5
 
 
 def test_second_run_trains_and_evaluates_nothing(suite, monkeypatch):
-    path, suite_dir = suite
+    path, suite_dir, _ = suite
     before = _results(suite_dir)
 
     def forbidden(*args, **kwargs):
@@ -120,14 +137,14 @@ def test_second_run_trains_and_evaluates_nothing(suite, monkeypatch):
 
 
 def test_results_of_another_configuration_are_refused(suite, tmp_path):
-    _, suite_dir = suite
+    _, suite_dir, _ = suite
     other = load_suite_config(str(_config_file(tmp_path, suite_dir, ["base"], medmcqa_examples=5)))
     with pytest.raises(ConfigError, match="written by a suite with other settings"):
         SuiteRunner(other).run_one(Run("base", 0))
 
 
 def test_killed_run_resumes_from_its_checkpoint_then_its_evaluation(suite, tmp_path, monkeypatch):
-    _, reference_dir = suite
+    _, reference_dir, _ = suite
     config = load_suite_config(str(_config_file(tmp_path, tmp_path / "suite", ["lora"])))
     layout, run = SuiteLayout(config.output_dir), Run("lora", 0)
     real_run_step, steps = loop.run_step, []
@@ -176,12 +193,16 @@ def test_killed_run_resumes_from_its_checkpoint_then_its_evaluation(suite, tmp_p
 
 
 def test_eval_command_reproduces_the_suite_numbers(suite, tmp_path, monkeypatch, capsys):
-    path, suite_dir = suite
+    path, suite_dir, _ = suite
     results = _results(suite_dir)
-    cases = [("base-seed0", []), ("lora-seed0", ["--adapter", str(suite_dir / "train" / "lora-seed0")]),
-             ("additive-kl-seed0", ["--adapter", results["additive-kl-seed0"]["artefact"]])]
+    train = suite_dir / "train"
+    cases = [("base-seed0", []),  # the base model
+             ("lora-seed0", ["--adapter", str(train / "lora-seed0")]),  # a training run directory
+             ("lora-seed0", ["--adapter", str(train / "lora-seed0" / "final")]),  # a peft adapter
+             ("additive-kl-seed0", ["--adapter", str(train / "additive-kl-seed0" / "final")]),  # memories
+             ("full-seed0", ["--adapter", str(train / "full-seed0" / "final")])]  # a finetuned model
     for name, adapter_args in cases:
-        out = tmp_path / name
+        out = tmp_path / "_".join([name, *adapter_args]).replace("/", "_")
         argv = ["eval", "--config", str(path), "--model", "tiny", *adapter_args, "--tasks", "medmcqa,wikitext",
                 "--output-dir", str(out)]
         assert _cli(argv, monkeypatch) == 0
