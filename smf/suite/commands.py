@@ -26,7 +26,7 @@ def add_suite_arguments(parser: argparse.ArgumentParser) -> None:
                         "relative to the current directory)")
     parser.add_argument("--seeds", type=int, nargs="+", metavar="SEED", help="override the config's seeds")
     parser.add_argument("--conditions", type=_comma_list, metavar="LIST",
-                        help=f"override the config's conditions, comma-separated, from: {','.join(CONDITIONS)}")
+                        help=f"override the config's conditions, comma-separated, from: {', '.join(CONDITIONS)}")
     parser.add_argument("--device", help="override the config's torch device (auto, cpu, cuda, cuda:1, ...)")
     parser.add_argument("--dry-run", action="store_true", help="list the runs and whether each is done; run none")
     parser.add_argument("--no-report", action="store_true", help="skip `smf report` at the end")
@@ -74,7 +74,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
                         help="what to evaluate on top of --model: a training run directory, a memory adapter, a "
                              "peft LoRA adapter, or a full-finetune model directory (default: the base model)")
     parser.add_argument("--tasks", type=_comma_list, metavar="LIST",
-                        help=f"comma-separated tasks from {','.join(TASKS)} (default: all, or the --config's)")
+                        help=f"comma-separated tasks from {', '.join(TASKS)} (default: all, or the --config's)")
     parser.add_argument("--config", metavar="NAME_OR_FILE",
                         help="take data paths and evaluation settings from this suite config (e.g. tiny)")
     for task, help_text in (("medmcqa", "MedMCQA validation"), ("wikitext", "WikiText-103 test"),
