@@ -42,8 +42,20 @@ def pareto_front(xs: Sequence[float], ys: Sequence[float], *, maximize_x: bool, 
     return sorted(front, key=lambda i: xs[i])
 
 
+def _label_offsets(xy: Sequence[tuple[float, float]], near: float = 0.03) -> list[int]:
+    """For each labelled point, how many earlier labelled points lie within ``near`` of it (as a
+    fraction of the axis ranges): labels of coinciding points are stacked instead of overprinted."""
+    xs, ys = [p[0] for p in xy], [p[1] for p in xy]
+    span_x, span_y = (max(xs) - min(xs)) or 1.0, (max(ys) - min(ys)) or 1.0
+    return [sum(abs(x - px) <= near * span_x and abs(y - py) <= near * span_y for px, py in xy[:i])
+            for i, (x, y) in enumerate(xy)]
+
+
 def _draw_panel(axis, summaries: Sequence[Summary], x_metric: str, maximize_x: bool) -> None:
     points = [s for s in summaries if s.stats["medmcqa_acc"] is not None and s.stats[x_metric] is not None]
+    labelled = [s for s in points if SELECTION_RULES.get(s.condition) is None]
+    stacked = dict(zip((s.condition for s in labelled), _label_offsets(
+        [(s.stats[x_metric][0], s.stats["medmcqa_acc"][0]) for s in labelled]))) if labelled else {}
     for summary in points:
         (x, x_std), (y, y_std) = summary.stats[x_metric], summary.stats["medmcqa_acc"]
         colour = FAMILY_COLOURS[FAMILIES[summary.condition]]
@@ -52,8 +64,8 @@ def _draw_panel(axis, summaries: Sequence[Summary], x_metric: str, maximize_x: b
         axis.errorbar(x, y, xerr=x_std, yerr=y_std, fmt=marker, color=colour, markersize=9, capsize=3,
                       markeredgecolor="black", markeredgewidth=0.6, zorder=3)
         if rule is None:
-            axis.annotate(DISPLAY_NAMES[summary.condition], (x, y), textcoords="offset points", xytext=(8, -12),
-                          fontsize=9, color=colour, zorder=4)
+            axis.annotate(DISPLAY_NAMES[summary.condition], (x, y), textcoords="offset points",
+                          xytext=(8, -12 - 11 * stacked[summary.condition]), fontsize=9, color=colour, zorder=4)
     if points:
         xs = [s.stats[x_metric][0] for s in points]
         ys = [s.stats["medmcqa_acc"][0] for s in points]

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from smf.report.paper_results import CONDITIONS
 from smf.train.config import FIELDS, ConfigError, build_config
-from smf.train.config import _coerce as coerce_option
+from smf.train.config import coerce_option
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 SHIPPED_PREFIX = "suite_"

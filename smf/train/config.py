@@ -155,7 +155,7 @@ def field_type(name: str):
     return str
 
 
-def _coerce(name: str, value, source: str):
+def coerce_option(name: str, value, source: str):
     """``value`` from a config file as option ``name``'s type; ConfigError naming ``source`` otherwise."""
     kind = field_type(name)
     if value is None:
@@ -213,7 +213,7 @@ def read_config_file(path: str | Path, command: str) -> dict:
         if name not in FIELDS:
             raise ConfigError(f"--config {str(path)!r}: unknown option {key!r}")
         if command in FIELDS[name].metadata["commands"]:
-            options[name] = _coerce(name, value, f"--config {str(path)!r}")
+            options[name] = coerce_option(name, value, f"--config {str(path)!r}")
     return options
 
 
