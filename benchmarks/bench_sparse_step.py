@@ -104,14 +104,15 @@ def run_path(mode: str, args: argparse.Namespace, device: torch.device) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--backend", default=None, help="kernel backend (default: automatic)")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
+    parser.add_argument("--backend", default=None, help="kernel backend: torch, triton or ext; None picks automatically")
     parser.add_argument("--tokens", type=int, default=512, help="tokens per step")
     parser.add_argument("--rows", type=int, default=512, help="T, rows selected per step")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--json", default=None, help="write the numbers to this file")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps (the median is reported)")
+    parser.add_argument("--json", default=None, help="also write the numbers to this file")
     args = parser.parse_args()
     device = torch.device(args.device)
 
