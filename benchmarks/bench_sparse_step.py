@@ -5,7 +5,11 @@ the values train, as in stage 2. A step is: begin_step, forward + backward of
 ``--tokens`` tokens, finish_step (count all-reduce, selection of T rows,
 clipping, optimizer step). Paths:
 
-  row_sparse    sparse COO value gradients + RowSparseAdamW (the project default)
+  select_first  rows selected between forward and backward (a step of one
+                micro-batch): the backward writes only the T selected rows;
+                RowSparseAdamW
+  row_sparse    sparse COO gradients of every row the step read, restricted to
+                the selected rows at the step (gradient accumulation); RowSparseAdamW
   dense_masked  dense (M, D) value gradient masked to the selected rows +
                 torch.optim.AdamW (the original SMF code)
 
@@ -53,7 +57,12 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_path(mode: str, args: argparse.Namespace, device: torch.device) -> dict:
+PATHS = {"select_first": ("row_sparse", True), "row_sparse": ("row_sparse", False),
+         "dense_masked": ("dense_masked", False)}
+
+
+def run_path(path: str, args: argparse.Namespace, device: torch.device) -> dict:
+    mode, select_first = PATHS[path]
     torch.manual_seed(0)
     memory = ProductKeyMemory(896, backend=args.backend).to(device)
     for param in memory.parameters():
@@ -76,8 +85,10 @@ def run_path(mode: str, args: argparse.Namespace, device: torch.device) -> dict:
             torch.cuda.reset_peak_memory_stats(device)
             before = torch.cuda.memory_allocated(device)
         start = time.perf_counter()
-        controller.begin_step()
+        controller.begin_step(select_before_backward=select_first)
         loss = (memory(inputs) - target).square().mean()
+        if select_first:
+            controller.select_rows()
         loss.backward()
         synchronize(device)
         grad_bytes = tensor_bytes(memory.values.grad)
@@ -116,7 +127,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
 
-    results = {mode: run_path(mode, args, device) for mode in ("row_sparse", "dense_masked")}
+    results = {path: run_path(path, args, device) for path in PATHS}
     rows = [("step time (ms)", "step_ms"), ("finish_step time (ms)", "finish_step_ms"),
             ("values grad (MiB)", "grad_mib"), ("optimizer state (MiB)", "optimizer_state_mib"),
             ("grad + state (MiB)", "grad_plus_state_mib")]
@@ -125,11 +136,14 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
     print(f"ProductKeyMemory(896): 16384 x 896 values, {args.tokens} tokens, T={args.rows}, device {name}, "
           f"median of {args.repeats}")
-    print(f"{'':30s}{'row_sparse':>14s}{'dense_masked':>14s}{'dense/sparse':>14s}")
+    print(f"{'':30s}" + "".join(f"{path:>14s}" for path in PATHS)
+          + f"{'dense/select':>14s}{'dense/sparse':>14s}")
     for label, key in rows:
-        sparse, dense = results["row_sparse"][key], results["dense_masked"][key]
-        ratio = dense / sparse if sparse else float("nan")
-        print(f"{label:30s}{sparse:14.2f}{dense:14.2f}{ratio:14.2f}")
+        values = [results[path][key] for path in PATHS]
+        dense = results["dense_masked"][key]
+        ratios = [dense / results[path][key] if results[path][key] else float("nan")
+                  for path in ("select_first", "row_sparse")]
+        print(f"{label:30s}" + "".join(f"{v:14.2f}" for v in values) + "".join(f"{r:14.2f}" for r in ratios))
     if args.json:
         payload = {"device": name, "tokens": args.tokens, "rows": args.rows, "repeats": args.repeats,
                    "results": results}
