@@ -99,6 +99,18 @@ def test_state_dict_resume_continues_identically():
     assert torch.equal(table, resumed_table)
 
 
+def test_row_step_counts_of_a_bf16_table_survive_a_state_dict_round_trip():
+    table = torch.nn.Parameter(torch.randn(4, 3).bfloat16())
+    optimizer = RowSparseAdamW([table], lr=1e-3)
+    for _ in range(301):  # beyond 256, the largest integer bf16 holds exactly in a run of them
+        table.grad = torch.sparse_coo_tensor(torch.tensor([[1]]), torch.randn(1, 3).bfloat16(), table.shape)
+        optimizer.step()
+    resumed = RowSparseAdamW([table], lr=1e-3)
+    resumed.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    row_step = resumed.state[table]["row_step"]
+    assert row_step.dtype == torch.int64 and row_step.tolist() == [0, 301, 0, 0]
+
+
 def test_dense_masked_adamw_leaks_into_unselected_rows_row_sparse_does_not():
     """Rows selected in step 1 only: masked-gradient AdamW keeps moving them afterwards (SPEC §5)."""
     start = torch.randn(16, 6)

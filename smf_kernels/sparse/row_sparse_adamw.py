@@ -48,10 +48,15 @@ class RowSparseAdamW(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
 
     def load_state_dict(self, state_dict: dict) -> None:
+        # The base class casts floating state to the parameter's dtype, and an int64 count that went
+        # through bf16 would round (bf16 holds integers exactly only up to 256): restore the originals.
+        row_steps = {index: state["row_step"] for index, state in state_dict["state"].items() if "row_step" in state}
         super().load_state_dict(state_dict)
-        for state in self.state.values():  # the base class casts state tensors to the param's float dtype
-            if "row_step" in state:
-                state["row_step"] = state["row_step"].to(torch.int64)
+        indices = [index for group in state_dict["param_groups"] for index in group["params"]]
+        params = [param for group in self.param_groups for param in group["params"]]
+        for index, param in zip(indices, params):
+            if index in row_steps:
+                self.state[param]["row_step"] = row_steps[index].to(device=param.device, dtype=torch.int64)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -95,8 +100,9 @@ class RowSparseAdamW(torch.optim.Optimizer):
         state["exp_avg_sq"].index_copy_(0, rows, exp_avg_sq)
 
         steps = row_step.to(torch.float64)
-        step_size = (lr / (1 - torch.pow(beta1, steps))).to(param.dtype).unsqueeze(1)  # (R, 1)
-        bias_correction2_sqrt = (1 - torch.pow(beta2, steps)).sqrt().to(param.dtype).unsqueeze(1)
+        factor_dtype = torch.promote_types(param.dtype, torch.float32)  # never round the factors to bf16
+        step_size = (lr / (1 - torch.pow(beta1, steps))).to(factor_dtype).unsqueeze(1)  # (R, 1)
+        bias_correction2_sqrt = (1 - torch.pow(beta2, steps)).sqrt().to(factor_dtype).unsqueeze(1)
         denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
         updated = param.index_select(0, rows)
         if weight_decay != 0:
