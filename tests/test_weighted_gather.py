@@ -50,6 +50,17 @@ def test_histogram_is_exact_and_skips_padding(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_histogram_into_strided_counts_and_valid(backend):
+    values, indices, weights = _inputs(SHAPES[0], torch.float32)
+    storage = torch.zeros(2 * values.shape[0], dtype=torch.int64)
+    counts = storage[::2]  # non-contiguous view; the elements in between must stay untouched
+    valid = (torch.rand(2 * indices.shape[0]) > 0.3)[::2]
+    weighted_gather(values, indices, weights, counts=counts, valid=valid, backend=backend)
+    assert torch.equal(counts, torch.bincount(indices[valid].flatten(), minlength=values.shape[0]))
+    assert storage[1::2].abs().sum() == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dense_backward_matches_reference(backend, dtype):
     values, indices, weights = _inputs(SHAPES[1], dtype, requires_grad=True)

@@ -7,7 +7,7 @@ from smf_kernels.backends import triton_interpreter_enabled
 from smf_kernels.kernels import triton_gather, triton_topk
 from smf_kernels.kernels.torch_impl import row_to_slot_map
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -20,7 +20,7 @@ def unavailable_reason(device: torch.device) -> str | None:
 
 
 def _check_dtype(name: str, t: torch.Tensor) -> None:
-    if t.dtype not in _DTYPES:
+    if t.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"the triton backend supports {name} in float32/bfloat16/float16, got {t.dtype}")
 
 
@@ -32,7 +32,13 @@ def topk_forward(query, keys, topk):
 def gather_forward(values, indices, weights, counts, valid):
     _check_dtype("values", values)
     _check_dtype("weights", weights)
-    return triton_gather.gather_forward(values, indices, weights, counts, valid)
+    # The kernel indexes counts and valid with unit stride: give it contiguous ones.
+    dense_counts = None if counts is None else counts.contiguous()
+    out = triton_gather.gather_forward(values, indices, weights, dense_counts,
+                                       None if valid is None else valid.contiguous())
+    if dense_counts is not None and dense_counts.data_ptr() != counts.data_ptr():
+        counts.copy_(dense_counts)
+    return out
 
 
 def gather_backward_weights(grad_out, values, indices):
