@@ -61,23 +61,31 @@ def unavailable_reason(name: str, device: torch.device) -> str | None:
     return module.unavailable_reason(device)
 
 
-def available_backends(device: torch.device | str = "cpu") -> list[str]:
-    """Backends that can run on ``device``, fastest first."""
+def _supports(name: str, dtype: torch.dtype | None) -> bool:
+    """Whether backend ``name`` takes inputs of ``dtype`` (a module may list SUPPORTED_DTYPES)."""
+    supported = getattr(_load(name)[0], "SUPPORTED_DTYPES", None)
+    return dtype is None or supported is None or dtype in supported
+
+
+def available_backends(device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> list[str]:
+    """Backends that can run on ``device`` (for inputs of ``dtype``, if given), fastest first."""
     device = torch.device(device)
     order = ("triton", "ext", "torch") if device.type == "cuda" else ("ext", "torch")
-    return [name for name in order if unavailable_reason(name, device) is None]
+    return [name for name in order if unavailable_reason(name, device) is None and _supports(name, dtype)]
 
 
 @torch.compiler.assume_constant_result
-def resolve_backend(backend: str | None, device: torch.device) -> str:
-    """Name of the backend to run on ``device``; raises if the choice cannot run.
+def resolve_backend(backend: str | None, device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """Name of the backend to run on ``device`` for inputs of ``dtype``; raises if the choice cannot run.
+
+    The automatic choice skips backends that do not take ``dtype`` (Triton has no float64).
 
     torch.compile evaluates this once while tracing and bakes the answer into
     the graph (the environment is not re-read on every call of a compiled model).
     """
     requested = backend if backend is not None else os.environ.get(ENV_VAR) or None
     if requested is None:
-        return available_backends(device)[0]
+        return available_backends(device, dtype)[0]
     reason = unavailable_reason(requested, device)
     if reason is not None:
         source = f"environment variable {ENV_VAR}" if backend is None else "backend="

@@ -30,3 +30,13 @@ def test_unrunnable_backends_say_why(monkeypatch):
     with pytest.raises(BackendUnavailableError, match="cannot run on cpu"):
         resolve_backend("triton", torch.device("cpu"))
     assert "unknown backend" in unavailable_reason("cuda", torch.device("cpu"))
+
+
+def test_automatic_choice_skips_backends_without_the_dtype():
+    # Availability for a CUDA device is decided without touching one: Triton is first for
+    # fp32 and bf16, and skipped for float64, which it does not take.
+    cuda = torch.device("cuda")
+    assert available_backends(cuda, torch.float32)[0] == "triton"
+    assert available_backends(cuda, torch.bfloat16)[0] == "triton"
+    assert "triton" not in available_backends(cuda, torch.float64)
+    assert available_backends(cuda, torch.float64)[-1] == "torch"

@@ -83,5 +83,5 @@ def product_key_topk(
         indices: (N, H, topk) int64 slot ids ``i * n_keys + j`` in [0, n_keys**2).
     """
     check_topk_args(query, keys, topk)
-    name = resolve_backend(backend, query.device)
+    name = resolve_backend(backend, query.device, query.dtype)
     return _product_key_topk(query, keys, topk, name)

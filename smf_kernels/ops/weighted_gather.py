@@ -150,7 +150,7 @@ def weighted_gather(
     """
     deferred = isinstance(update_rows, DeferredRows)
     check_gather_args(values, indices, weights, counts, valid, None if deferred else update_rows)
-    name = resolve_backend(backend, values.device)
+    name = resolve_backend(backend, values.device, torch.promote_types(values.dtype, weights.dtype))
     if update_rows is not None and not deferred:
         update_rows = update_rows.sort().values  # sorted rows => the COO gradient is coalesced
     return _WeightedGather.apply(values, indices, weights, counts, valid, update_rows, name)
