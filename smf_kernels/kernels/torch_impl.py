@@ -51,19 +51,28 @@ def gather_forward(values, indices, weights, counts, valid):
 
 
 def gather_backward_weights(grad_out, values, indices):
-    """grad_w[n, l] = values[indices[n, l]] . grad_out[n], as one sampled dense-dense
-    product (SDDMM) over the (N, M) read pattern: each entry is its own dot product,
-    so it is deterministic and never materialises the (N, L, D) gathered rows."""
+    """grad_w[n, l] = values[indices[n, l]] . grad_out[n].
+
+    CPU: one sampled dense-dense product (SDDMM) over the (N, M) read pattern:
+    each entry is its own dot product (deterministic), and the (N, L, D) gathered
+    rows are never materialised. Elsewhere: gathered rows times grad_out, a chunk
+    of tokens at a time.
+    """
     num_tokens, per_token = indices.shape
     dtype = _accumulation_dtype(values.dtype)
-    crow = torch.arange(0, num_tokens * per_token + 1, per_token, device=indices.device)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
-        pattern = torch.sparse_csr_tensor(crow, indices.reshape(-1), torch.zeros(indices.numel(), dtype=dtype,
-                                          device=indices.device), (num_tokens, values.shape[0]),
-                                          check_invariants=False)
-        sampled = torch.sparse.sampled_addmm(pattern, grad_out.to(dtype), values.to(dtype).t())
-    return sampled.values().view(num_tokens, per_token)
+    if values.device.type == "cpu":
+        crow = torch.arange(0, num_tokens * per_token + 1, per_token)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+            pattern = torch.sparse_csr_tensor(crow, indices.reshape(-1), torch.zeros(indices.numel(), dtype=dtype),
+                                              (num_tokens, values.shape[0]), check_invariants=False)
+            sampled = torch.sparse.sampled_addmm(pattern, grad_out.to(dtype), values.to(dtype).t())
+        return sampled.values().view(num_tokens, per_token)
+    grad_weights = torch.empty(indices.shape, dtype=dtype, device=values.device)
+    for part in _token_chunks(num_tokens, per_token * values.shape[1]):
+        rows = values[indices[part]].to(dtype)  # (chunk, L, D)
+        grad_weights[part] = torch.bmm(rows, grad_out[part].to(dtype).unsqueeze(-1)).squeeze(-1)
+    return grad_weights
 
 
 def row_to_slot_map(update_rows: torch.Tensor, num_rows: int) -> torch.Tensor:

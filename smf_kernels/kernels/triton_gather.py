@@ -28,7 +28,7 @@ def gather_forward_kernel(
 ):
     pid_n = tl.program_id(0)
     pid_d = tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # int64: rows * stride can pass 2**31
     row_mask = rows < N
     cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     tile_mask = row_mask[:, None] & (cols[None, :] < D)
@@ -59,7 +59,7 @@ def gather_backward_weights_kernel(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # int64: rows * stride can pass 2**31
     row_mask = rows < N
     for l in range(0, L):
         idx = tl.load(idx_ptr + rows * stride_idx + l, mask=row_mask, other=0)
@@ -81,7 +81,7 @@ def scatter_rows_kernel(
 ):
     pid_n = tl.program_id(0)
     pid_d = tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # int64: rows * stride can pass 2**31
     row_mask = rows < N
     cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     col_mask = cols < D
@@ -113,7 +113,7 @@ def segment_rows_kernel(
     """
     pid_s = tl.program_id(0)
     pid_d = tl.program_id(1)
-    segs = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+    segs = (pid_s * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)
     seg_mask = segs < S
     cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     col_mask = cols < D

@@ -59,7 +59,7 @@ def product_key_topk_kernel(
 ):
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # int64: rows * stride can pass 2**31
     row_mask = rows < N
     q_head = q_ptr + head * stride_qh
     k_head = k_ptr + head * stride_kh
