@@ -183,3 +183,30 @@ def test_a_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatc
         checkpoint.atomic_save({"step": 2, "weights": torch.randn(4, 3)}, path)
     loaded = torch.load(path, weights_only=False)
     assert loaded["step"] == 1 and torch.equal(loaded["weights"], first["weights"])
+
+
+def test_sparse_backward_selected_rows_equals_read_rows_under_accumulation(tmp_path, monkeypatch):
+    # 2 micro-batches per step: "selected-rows" counts in a no-grad pass first and its backward writes
+    # only the T selected rows; "read-rows" writes every row read. Same rows, same final weights.
+    adapter = write_adapter_and_background(tmp_path / "adapter", "additive+s")
+    overrides = {"n_examples": 8, "global_batch_size": 4, "micro_batch_size": 2, "epochs": 1, "lr": 1e-2,
+                 "warmup_steps": 0, "adapter": str(adapter), "background": str(adapter)}
+    written = {}
+    real_finish = SparseMemoryController.finish_step
+
+    def record_grad_rows(self, optimizer, **kwargs):
+        grad = next(iter(self.memories.values())).values.grad
+        written.setdefault(self._deferred is not None, []).append(grad.coalesce().indices().shape[1])
+        return real_finish(self, optimizer, **kwargs)
+
+    monkeypatch.setattr(SparseMemoryController, "finish_step", record_grad_rows)
+    finals = []
+    for mode in ("selected-rows", "read-rows"):
+        config = tiny_run_config(tmp_path / mode, "train", "sparse", sparse_backward=mode, **overrides)
+        train(config)
+        finals.append(torch.load(tmp_path / mode / "sparse-run" / CHECKPOINT_FILE, weights_only=False)["trainable"])
+    rows_per_step = tiny_run_config(tmp_path, "train", "sparse", **overrides).rows_per_step
+    assert all(rows <= rows_per_step for rows in written[True]), written
+    assert any(rows > rows_per_step for rows in written[False]), written
+    for name, tensor in finals[0].items():
+        torch.testing.assert_close(tensor, finals[1][name], rtol=1e-5, atol=1e-6)

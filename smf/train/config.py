@@ -18,6 +18,7 @@ RECIPES = ("retrofit", "sparse", "lora", "full")
 TRAIN_RECIPES = ("sparse", "lora", "full")
 MEMORY_MODES = ("replacement", "additive", "additive+s")
 RULES = ("tfidf", "kl")
+SPARSE_BACKWARDS = ("selected-rows", "read-rows")
 SPARSE_OPTIMIZERS = ("row-sparse", "dense-masked")
 BF16_CHOICES = ("auto", "on", "off")
 PRESETS = ("tiny",)
@@ -70,6 +71,12 @@ class RunConfig:
     optimizer: str = _opt("row-sparse", "row-sparse: only selected rows and their AdamW state move (default); "
                           "dense-masked: the original masked-gradient AdamW, kept for comparison (--recipe sparse)",
                           ("train",), SPARSE_OPTIMIZERS)
+    sparse_backward: str = _opt("selected-rows", "selected-rows: rows are chosen before any backward of the step "
+                                "(under gradient accumulation after a no-grad counting forward over its micro-batches), "
+                                "so each backward writes only the T selected rows; read-rows: each backward writes "
+                                "every row its micro-batch read and the step keeps the selected ones (no extra "
+                                "forward; nearly dense gradients at large batches) (--recipe sparse)",
+                                ("train",), SPARSE_BACKWARDS)
     # LoRA
     lora_r: int = _opt(16, "LoRA rank (--recipe lora)", ("train",))
     lora_alpha: int = _opt(32, "LoRA alpha (--recipe lora)", ("train",))

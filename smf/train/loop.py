@@ -78,12 +78,19 @@ def run_step(wrapped: nn.Module, setup: TrainingSetup, scheduler, micro_batches:
     """One optimizer step over this rank's micro-batches; returns this rank's summed token loss."""
     use_autocast = autocast_enabled(config.bf16, world.device)
     scale = world.size / num_tokens
-    # A step of one micro-batch selects its rows between forward and backward, so the backward
-    # writes only the T selected value rows (SPEC §5); with accumulation the controller gathers
-    # the rows each micro-batch read and keeps the selected ones at the step.
-    select_early = setup.controller is not None and len(micro_batches) == 1
-    if setup.controller is not None:
-        setup.controller.begin_step(select_before_backward=select_early)
+    controller = setup.controller
+    # Sparse steps pick their rows before the backward when they can (SPEC §5: the backward then
+    # writes only the T selected value rows): at once for a step of one micro-batch; under
+    # accumulation after a no-grad forward over every micro-batch that only counts reads.
+    select_first = controller is not None and (
+        len(micro_batches) == 1 or (config.sparse_backward == "selected-rows" and controller.mode == "row_sparse"))
+    if controller is not None:
+        controller.begin_step(select_before_backward=select_first)
+    if select_first and len(micro_batches) > 1:
+        with torch.no_grad(), torch.autocast(world.device.type, dtype=torch.bfloat16, enabled=use_autocast):
+            for batch in micro_batches:
+                setup.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        controller.select_rows()
     loss_sum = torch.zeros((), device=world.device)
     for index, batch in enumerate(micro_batches):
         last = index == len(micro_batches) - 1
@@ -92,12 +99,12 @@ def run_step(wrapped: nn.Module, setup: TrainingSetup, scheduler, micro_batches:
         with no_sync:
             with torch.autocast(world.device.type, dtype=torch.bfloat16, enabled=use_autocast):
                 loss = summed_token_loss(wrapped, batch)
-            if select_early:
-                setup.controller.select_rows()
+            if select_first and len(micro_batches) == 1:
+                controller.select_rows()
             (loss * scale).backward()
         loss_sum += loss.detach()
-    if setup.controller is not None:
-        setup.controller.finish_step(setup.optimizer, max_grad_norm=config.max_grad_norm)
+    if controller is not None:
+        controller.finish_step(setup.optimizer, max_grad_norm=config.max_grad_norm)
     else:
         params = [p for group in setup.optimizer.param_groups for p in group["params"]]
         torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)

@@ -15,10 +15,13 @@ How one optimizer step works (mode "row_sparse", the default):
    read), so this gradient can be nearly as large as a dense one; what stays
    sparse is the update (T rows) below.
 
-   When a step is ONE micro-batch, ``begin_step(select_before_backward=True)``
-   does better: the forward only records reads, then ``select_rows()`` (after
-   the forward, before the backward) picks the step's rows from its counts, and
-   the backward writes only those T rows (via :class:`~smf_kernels.ops.DeferredRows`).
+   ``begin_step(select_before_backward=True)`` does better: forwards only record
+   reads, ``select_rows()`` (after them, before any backward) picks the step's
+   rows from its counts, and every backward writes only those T rows (via
+   :class:`~smf_kernels.ops.DeferredRows`). For a step of one micro-batch this is
+   free; under accumulation the caller first runs a no-grad forward over every
+   micro-batch (counting only), then the usual forward + backward passes
+   (read counting is off after ``select_rows()``).
 2. The user runs forward/backward for each micro-batch as usual. Read counts
    exclude padding when the model passes ``valid_mask`` to the memories, so
    padding never steers selection; the hook's rows include every position read
@@ -237,6 +240,7 @@ class SparseMemoryController:
         self._selected = self._select(self._step_counts())
         for name, rows in self._selected.items():
             self._deferred[name].set(rows)
+            self.memories[name].set_read_counting(False)  # the step's selection is made
         return self._selected
 
     def _select(self, counts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
