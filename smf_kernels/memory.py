@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from smf_kernels._checks import no_autocast
 from smf_kernels.ops import DeferredRows, product_key_topk, weighted_gather
 
 
@@ -110,9 +111,14 @@ class ProductKeyMemory(nn.Module):
         self.update_rows = rows
 
     def lookup(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scores (N, heads, topk) fp32 and slot ids (N, heads, topk) for x (N, d_model)."""
-        query = self.query_proj(x).view(x.shape[0], self.heads, self.key_dim)
-        return product_key_topk(query.to(self.keys.dtype), self.keys, self.topk, backend=self.backend)
+        """Scores (N, heads, topk) fp32 and slot ids (N, heads, topk) for x (N, d_model).
+
+        Runs in the parameters' precision even under autocast: which slots a token reads must
+        not depend on it (background statistics and training would disagree on the slots).
+        """
+        with no_autocast(x.device):
+            query = self.query_proj(x.to(self.query_proj.weight.dtype)).view(x.shape[0], self.heads, self.key_dim)
+            return product_key_topk(query.to(self.keys.dtype), self.keys, self.topk, backend=self.backend)
 
     def forward(self, x: torch.Tensor, valid_mask: torch.Tensor | None = None) -> torch.Tensor:
         """x: (..., d_model) -> (..., d_model).

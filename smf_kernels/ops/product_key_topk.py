@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from smf_kernels._checks import check_topk_args
+from smf_kernels._checks import check_topk_args, no_autocast
 from smf_kernels.backends import implementation, resolve_backend
 
 
@@ -13,7 +13,8 @@ def _scores_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @torch.library.custom_op("smf_kernels::product_key_topk", mutates_args=())
 def _product_key_topk(query: torch.Tensor, keys: torch.Tensor, topk: int, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return implementation(backend).topk_forward(query, keys, topk)
+    with no_autocast(query.device):  # the kernels choose their own precision
+        return implementation(backend).topk_forward(query, keys, topk)
 
 
 @_product_key_topk.register_fake
@@ -45,20 +46,22 @@ def _backward(ctx, grad_scores, _grad_indices):
     query, keys, indices = ctx.saved_tensors
     n_keys, half = keys.shape[2], keys.shape[3]
     dtype = _scores_dtype(query.dtype)
-    grad_scores = grad_scores.to(dtype)
-    g1 = _sub_key_grad(grad_scores, torch.div(indices, n_keys, rounding_mode="floor"), n_keys)
-    g2 = _sub_key_grad(grad_scores, indices % n_keys, n_keys)
-    k = keys.to(dtype)
     grad_query = grad_keys = None
-    if ctx.needs_input_grad[0]:
-        grad_query = torch.cat(
-            [torch.einsum("nhk,hkd->nhd", g1, k[:, 0]), torch.einsum("nhk,hkd->nhd", g2, k[:, 1])], dim=-1
-        ).to(query.dtype)
-    if ctx.needs_input_grad[1]:
-        q = query.to(dtype)
-        grad_keys = torch.stack(
-            [torch.einsum("nhk,nhd->hkd", g1, q[..., :half]), torch.einsum("nhk,nhd->hkd", g2, q[..., half:])], dim=1
-        ).to(keys.dtype)
+    with no_autocast(query.device):
+        grad_scores = grad_scores.to(dtype)
+        g1 = _sub_key_grad(grad_scores, torch.div(indices, n_keys, rounding_mode="floor"), n_keys)
+        g2 = _sub_key_grad(grad_scores, indices % n_keys, n_keys)
+        if ctx.needs_input_grad[0]:
+            k = keys.to(dtype)
+            grad_query = torch.cat(
+                [torch.einsum("nhk,hkd->nhd", g1, k[:, 0]), torch.einsum("nhk,hkd->nhd", g2, k[:, 1])], dim=-1
+            ).to(query.dtype)
+        if ctx.needs_input_grad[1]:
+            q = query.to(dtype)
+            grad_keys = torch.stack(
+                [torch.einsum("nhk,nhd->hkd", g1, q[..., :half]), torch.einsum("nhk,nhd->hkd", g2, q[..., half:])],
+                dim=1,
+            ).to(keys.dtype)
     return grad_query, grad_keys, None, None
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from smf_kernels._checks import check_gather_args
+from smf_kernels._checks import check_gather_args, no_autocast
 from smf_kernels.backends import implementation, resolve_backend
 
 
@@ -26,7 +26,8 @@ def _forward(
     valid: torch.Tensor | None,
     backend: str,
 ) -> torch.Tensor:
-    return implementation(backend).gather_forward(values, indices, weights, counts, valid)
+    with no_autocast(values.device):
+        return implementation(backend).gather_forward(values, indices, weights, counts, valid)
 
 
 @_forward.register_fake
@@ -36,7 +37,8 @@ def _(values, indices, weights, counts, valid, backend):
 
 @torch.library.custom_op("smf_kernels::weighted_gather_backward_weights", mutates_args=())
 def _backward_weights(grad_out: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, backend: str) -> torch.Tensor:
-    return implementation(backend).gather_backward_weights(grad_out, values, indices)
+    with no_autocast(values.device):
+        return implementation(backend).gather_backward_weights(grad_out, values, indices)
 
 
 @_backward_weights.register_fake
@@ -54,9 +56,10 @@ def _backward_values(
     backend: str,
     deterministic: bool,
 ) -> torch.Tensor:
-    return implementation(backend).gather_backward_values(
-        grad_out, indices, weights, num_rows, update_rows, deterministic
-    )
+    with no_autocast(grad_out.device):
+        return implementation(backend).gather_backward_values(
+            grad_out, indices, weights, num_rows, update_rows, deterministic
+        )
 
 
 @_backward_values.register_fake
