@@ -88,3 +88,18 @@ def test_report_without_results_is_an_error(tmp_path, monkeypatch, capsys):
     write_json_atomic(SuiteLayout(tmp_path).config_file, config.to_dict())
     assert _report(tmp_path, monkeypatch) == 2
     assert "holds no finished run" in capsys.readouterr().err
+
+
+def test_report_skips_results_left_by_another_config(paper_suite, monkeypatch):
+    suite_dir, written = paper_suite
+    layout = SuiteLayout(suite_dir)
+    leftover = json.loads(layout.results_dir.joinpath("lora-seed0.json").read_text())
+    # a run this config does not plan, and a planned run computed with other settings
+    write_json_atomic(layout.results_dir / "lora-seed7.json", {**leftover, "seed": 7, "config_hash": "other"})
+    write_json_atomic(layout.results_dir / "lora-seed2.json", {**leftover, "seed": 2, "config_hash": "other"})
+    assert _report(suite_dir, monkeypatch) == 0
+    with open(suite_dir / "table1.csv") as f:
+        lora = next(row for row in csv.DictReader(f) if row["condition"] == "lora")
+    assert lora["seeds"] == "2", lora  # seeds 0 and 1; the two leftovers are skipped
+    expected = statistics.mean(written[f"lora-seed{seed}"]["medmcqa_acc"] for seed in (0, 1))
+    assert float(lora["medmcqa_acc_mean"]) == pytest.approx(expected)

@@ -16,7 +16,7 @@ from pathlib import Path
 from smf.report import PAPER_MODEL_ID, accounting_markdown, paper_qwen_config, parameter_accounting, write_report
 from smf.report.paper_results import DISPLAY_NAMES, METRIC_TITLES, METRICS
 from smf.suite.config import SuiteConfig, suite_config_from_dict
-from smf.suite.plan import SuiteLayout, plan_runs, stage_settings
+from smf.suite.plan import SuiteLayout, plan_runs, run_hash, stage_settings
 from smf.train.config import TINY_MODEL, ConfigError
 
 logger = logging.getLogger(__name__)
@@ -31,9 +31,18 @@ def load_suite_dir(suite_dir: str | Path) -> SuiteConfig:
     return suite_config_from_dict(json.loads(layout.config_file.read_text()))
 
 
-def collect_results(layout: SuiteLayout) -> list[dict]:
-    """Every results file of the suite directory, sorted by file name."""
-    return [json.loads(path.read_text()) for path in sorted(layout.results_dir.glob("*.json"))]
+def collect_results(layout: SuiteLayout, config: SuiteConfig) -> list[dict]:
+    """The results files of ``config``'s planned runs that were computed with ``config`` (same run
+    hash), sorted by file name: leftovers of other configs in the same directory are skipped."""
+    planned = {run.name: run_hash(config, run) for run in plan_runs(config)}
+    results = []
+    for path in sorted(layout.results_dir.glob("*.json")):
+        record = json.loads(path.read_text())
+        if planned.get(path.stem) == record.get("config_hash"):
+            results.append(record)
+        else:
+            logger.warning("skipping %s: not a run of this suite config", path)
+    return results
 
 
 def table_records(results: list[dict]) -> list[dict]:
@@ -126,7 +135,7 @@ def write_suite_report(suite_dir: str | Path) -> list[Path]:
     the paths written."""
     config = load_suite_dir(suite_dir)
     layout = SuiteLayout(Path(suite_dir))
-    results = collect_results(layout)
+    results = collect_results(layout, config)
     if not results:
         raise ConfigError(f"--suite-dir {str(suite_dir)!r} holds no finished run (results/*.json) to report")
     include_paper = config.model == PAPER_MODEL_ID
