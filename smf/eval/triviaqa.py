@@ -33,12 +33,13 @@ def _is_punctuation(char: str) -> bool:
 
 
 def normalize_answer(text: str) -> str:
-    """Lower-case, punctuation (ASCII and Unicode) to spaces, drop the words a/an/the, collapse spaces.
+    """SPEC §6: lower-case, drop punctuation (ASCII and Unicode), drop the words a/an/the, collapse spaces.
 
-    Punctuation becomes a space rather than vanishing, as in TriviaQA's own normaliser, so the
-    dataset's ``normalized_aliases`` are fixed points ("jean-paul" -> "jean paul").
+    Punctuation vanishes ("jean-paul" -> "jeanpaul", "U.S.A." -> "usa"), as in the common SQuAD-style
+    normaliser, not replaced by a space as in TriviaQA's own; the raw ``aliases`` are normalised the
+    same way as the prediction, so hyphenated names still match.
     """
-    text = "".join(" " if _is_punctuation(char) else char for char in text.lower().replace("_", " "))
+    text = "".join(char for char in text.lower() if not _is_punctuation(char))
     return " ".join(_ARTICLES.sub(" ", text).split())
 
 
