@@ -210,3 +210,19 @@ def test_sparse_backward_selected_rows_equals_read_rows_under_accumulation(tmp_p
     assert any(rows > rows_per_step for rows in written[False]), written
     for name, tensor in finals[0].items():
         torch.testing.assert_close(tensor, finals[1][name], rtol=1e-5, atol=1e-6)
+
+
+def test_background_refuses_a_split_that_is_not_the_retrofit_runs(tmp_path):
+    from smf.train.artifacts import RUN_CONFIG
+    from smf.train.background import check_held_out_split
+    from smf.train.config import ConfigError
+
+    retrofit = tiny_run_config(tmp_path, "retrofit", "retrofit")
+    (tmp_path / "run" / "final").mkdir(parents=True)
+    (tmp_path / "run" / RUN_CONFIG).write_text(json.dumps(retrofit.to_dict()))
+    same = tiny_run_config(tmp_path, "background", "background", adapter=str(tmp_path / "run" / "final"))
+    check_held_out_split(same)
+    other = tiny_run_config(tmp_path, "background", "background", adapter=str(tmp_path / "run"),
+                            n_examples=retrofit.n_examples - 1)
+    with pytest.raises(ConfigError, match="n-examples"):
+        check_held_out_split(other)

@@ -8,13 +8,14 @@ examples and the counts are summed.
 """
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
 import torch
 
-from smf.train.artifacts import write_run_config
-from smf.train.config import RunConfig
+from smf.train.artifacts import RUN_CONFIG, write_run_config
+from smf.train.config import ConfigError, RunConfig
 from smf.train.data import background_features
 from smf.train.distributed import barrier, setup_distributed
 from smf.train.recipes import BACKGROUND_FILE, load_model_with_adapter
@@ -23,8 +24,31 @@ from smf_kernels.sparse import SparseMemoryController
 logger = logging.getLogger(__name__)
 
 
+# Options that decide which oasst1 pairs the retrofit trained on; the background set is what follows them.
+SPLIT_OPTIONS = ("oasst_path", "oasst_languages", "n_examples", "data_seed")
+
+
+def check_held_out_split(config: RunConfig) -> None:
+    """Raise ConfigError if the retrofit run behind ``config.adapter`` drew its examples with other
+    options than ``config`` (its background examples would then overlap the retrofit's)."""
+    adapter = Path(config.adapter)
+    run_config = next((d / RUN_CONFIG for d in (adapter, adapter.parent) if (d / RUN_CONFIG).is_file()), None)
+    if run_config is None:
+        logger.warning("no %s beside adapter %s: cannot check that the background set is held out", RUN_CONFIG,
+                       adapter)
+        return
+    retrofit = json.loads(run_config.read_text())
+    ours = config.to_dict()
+    differ = [f"{name.replace('_', '-')} {retrofit[name]!r} (retrofit) vs {ours[name]!r}"
+              for name in SPLIT_OPTIONS if name in retrofit and retrofit[name] != ours.get(name)]
+    if differ:
+        raise ConfigError("the background examples must be held out from the retrofit's; pass the retrofit's "
+                          "options: " + "; ".join(differ))
+
+
 def collect_background(config: RunConfig) -> Path:
     """Count reads over the background examples and save them; returns the file's path."""
+    check_held_out_split(config)
     world = setup_distributed(config.device)
     output_dir = Path(config.output_dir)
     model, tokenizer = load_model_with_adapter(config, world.device)

@@ -84,6 +84,9 @@ class RunConfig:
     # data
     oasst_path: str | None = _opt(None, "local oasst1 train split (jsonl/parquet/save_to_disk); default: the hub",
                                   ("retrofit", "background"))
+    oasst_languages: str = _opt("en", "comma-separated oasst1 languages of the assistant replies used (e.g. en,de), "
+                                "or 'all' (SPEC names no filter; English-only may hold fewer than 52,000 replies)",
+                                ("retrofit", "background"))
     medmcqa_path: str | None = _opt(None, "local MedMCQA train split (jsonl/parquet/save_to_disk); default: the hub",
                                     ("train",))
     n_examples: int | None = _opt(None, "training examples (default: 50000 retrofit, 60000 train); background: "

@@ -30,7 +30,8 @@ logger = logging.getLogger(__name__)
 
 
 def _oasst_split(config: RunConfig, tokenizer) -> tuple[list[dict], list[dict]]:
-    pairs = assistant_pairs(load_oasst1(path=config.oasst_path))
+    languages = None if config.oasst_languages == "all" else tuple(config.oasst_languages.split(","))
+    pairs = assistant_pairs(load_oasst1(path=config.oasst_path), languages=languages)
     retrofit, background = retrofit_and_background(pairs, n_retrofit=config.n_examples,
                                                    n_background=config.n_background, seed=config.data_seed)
     return ([oasst.format_example(pair, tokenizer) for pair in retrofit],
