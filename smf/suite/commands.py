@@ -9,7 +9,6 @@ from pathlib import Path
 
 from smf.report import CONDITIONS, PAPER_MODEL_ID
 from smf.suite.config import TASKS, DataPaths, EvalSettings, load_suite_config
-from smf.train.config import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -35,13 +35,12 @@ directories, resume, model, device, data paths) may not appear in ``train`` or `
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from smf.report.paper_results import CONDITIONS
 from smf.train.config import FIELDS, ConfigError, build_config
-from smf.train.config import coerce_option
+from smf.train.config import coerce_option, parse_config_file
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 SHIPPED_PREFIX = "suite_"
@@ -266,16 +265,7 @@ def load_suite_config(name_or_path: str, overrides: dict | None = None) -> Suite
     """Read and validate a suite config file (or shipped name); ``overrides`` replace top-level keys
     (e.g. from command-line flags) before validation."""
     path = resolve_config_path(name_or_path)
-    text = path.read_text()
-    if path.suffix == ".json":
-        raw = json.loads(text)
-    else:
-        import yaml
-
-        try:
-            raw = yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            raise ConfigError(f"--config {str(path)!r} is not valid YAML: {str(err).splitlines()[0]}") from None
+    raw = parse_config_file(path)
     if not isinstance(raw, dict):
         raise ConfigError(f"--config {str(path)!r} must hold a mapping of suite keys ({', '.join(TOP_KEYS)})")
     raw = {**_normalise_keys(raw, str(path)), **(overrides or {})}

@@ -195,6 +195,22 @@ def coerce_option(name: str, value, source: str):
     return value
 
 
+def parse_config_file(path: Path):
+    """The parsed contents of a YAML (or, by suffix, JSON) config file; ConfigError if unreadable."""
+    text = path.read_text()
+    if path.suffix == ".json":
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"--config {str(path)!r} is not valid JSON: {err}") from None
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--config {str(path)!r} is not valid YAML: {str(err).splitlines()[0]}") from None
+
+
 def read_config_file(path: str | Path, command: str) -> dict:
     """Options from a YAML or JSON file whose keys are the option names (``output-dir`` or ``output_dir``).
 
@@ -204,17 +220,7 @@ def read_config_file(path: str | Path, command: str) -> dict:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"--config: no such file {str(path)!r}")
-    text = path.read_text()
-    if path.suffix == ".json":
-        raw = json.loads(text)
-    else:
-        import yaml
-
-        try:
-            raw = yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            raise ConfigError(f"--config {str(path)!r} is not valid YAML: {str(err).splitlines()[0]}") from None
-    raw = raw or {}
+    raw = parse_config_file(path) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"--config {str(path)!r} must hold a mapping of option names to values")
     options = {}
