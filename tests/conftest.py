@@ -37,3 +37,13 @@ def _seed_and_restore_determinism():
     was_deterministic = torch.are_deterministic_algorithms_enabled()
     yield
     torch.use_deterministic_algorithms(was_deterministic)
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for tests of the tiny model: it gains nothing from threads, and on a
+    shared 2-core machine they only spin-wait."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -16,13 +16,7 @@ WORLD = 2
 RECIPES = ("sparse", "full")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The tiny model gains nothing from threads, and on a shared 2-core machine they only spin-wait."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def run_config(root, recipe, micro_batch_size, adapter):

@@ -18,13 +18,7 @@ TINY_MEMORY = {"n_keys": 16, "heads": 2, "topk": 4, "key_dim": 32}  # the tiny p
 WIDTH, INTERMEDIATE, LAYERS, KV_WIDTH = 64, 128, 8, 32  # tiny Qwen-2: hidden, MLP, layers, 2 KV heads x 16
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The tiny model gains nothing from threads, and on a shared 2-core machine they only spin-wait."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_run_config(tmp_path, command, recipe, **overrides):
