@@ -1,7 +1,8 @@
 // Python bindings: torch tensors in, kernel launches out. Arguments arrive validated
 // by smf_kernels.ops (shapes, dtypes, index ranges); here they are made contiguous,
 // float16 is run through float32, and the call goes to the CPU or CUDA kernels.
-// On CPU the top-k's sub-key scores come from at::bmm (MKL) and the kernel selects.
+// On CPU, float32 top-k runs fused in the kernels (scores and selection a block of tokens at a time);
+// float64 gets its sub-key scores from at::bmm (MKL) and the kernel selects.
 #include <torch/extension.h>
 
 #include "cpu_kernels.h"
@@ -76,7 +77,17 @@ std::tuple<at::Tensor, at::Tensor> topk_forward(const at::Tensor& query, const a
   }
 #endif
   TORCH_CHECK(query.is_cpu(), "smf_kernels ext was built without CUDA kernels; got a tensor on ", query.device());
-  // Sub-key scores by one batched GEMM: (2H, N, half) x (2H, half, n_keys) -> (2H, N, n_keys).
+  if (acc == at::kFloat) {  // fused: scores of a block of tokens, selected while in cache
+    const int64_t half = key_dim / 2, padded_keys = (n_keys + 15) / 16 * 16;
+    const at::Tensor q = query.to(at::kFloat).contiguous();
+    at::Tensor keys_t = at::zeros({heads * 2, half, padded_keys}, query.options().dtype(at::kFloat));
+    keys_t.narrow(2, 0, n_keys).copy_(keys.to(at::kFloat).reshape({heads * 2, n_keys, half}).transpose(1, 2));
+    smf::cpu::topk_forward_float(q.const_data_ptr<float>(), keys_t.const_data_ptr<float>(),
+                                 scores.data_ptr<float>(), indices.data_ptr<int64_t>(), num_tokens, heads, half,
+                                 n_keys, padded_keys, topk, at::get_num_threads());
+    return {scores, indices};
+  }
+  // float64: sub-key scores by one batched GEMM: (2H, N, half) x (2H, half, n_keys) -> (2H, N, n_keys).
   const at::Tensor q = query.to(acc).reshape({num_tokens, heads * 2, key_dim / 2}).transpose(0, 1);
   const at::Tensor k = keys.to(acc).reshape({heads * 2, n_keys, key_dim / 2}).transpose(1, 2);
   const at::Tensor sub_scores = at::bmm(q, k).contiguous();

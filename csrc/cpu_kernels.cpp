@@ -6,7 +6,12 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace smf::cpu {
 namespace {
@@ -137,6 +142,165 @@ void topk_select_impl(const A* sub_scores, A* scores, int64_t* indices, int64_t 
                  next.data(), scores + nh * topk, indices + nh * topk);
     }
   }
+}
+
+// Tokens whose sub-key scores are computed together and selected right away,
+// while they are still in L1/L2 (kTokenBlock x padded_keys fp32 per thread).
+constexpr int64_t kTokenBlock = 32;
+// Tokens per register tile of the score GEMM.
+constexpr int64_t kTileRows = 4;
+// Candidates above which the vector selection hands over to insertion sort.
+constexpr int64_t kMaxRankCandidates = 64;
+
+#if defined(__AVX512F__)
+// out_r[j] = q_r . kt[:, j] for 4 query rows and the 16 * V columns kt[:, 0..16V)
+// (kt is (half, padded) row-major); the 4 x V accumulators stay in registers.
+template <int V>
+inline void score_tile(const float* const* q, const float* kt, int64_t half, int64_t padded, float* const* out) {
+  __m512 acc[kTileRows][V];
+  for (int r = 0; r < kTileRows; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < half; ++d) {
+    __m512 k[V];
+    for (int v = 0; v < V; ++v) k[v] = _mm512_loadu_ps(kt + d * padded + 16 * v);
+    for (int r = 0; r < kTileRows; ++r) {
+      const __m512 b = _mm512_set1_ps(q[r][d]);
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(b, k[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < kTileRows; ++r)
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(out[r] + 16 * v, acc[r][v]);
+}
+#endif
+
+// Scores (rows, padded) of `rows` (a multiple of kTileRows) query rows q[r] against kt
+// (half, padded), padded a multiple of 16: out[r * padded + j] = q[r] . kt[:, j].
+void block_scores(const float* const* q, int64_t rows, const float* kt, int64_t half, int64_t padded, float* out) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
+    const float* const* tile_q = q + r0;
+#if defined(__AVX512F__)
+    for (int64_t j0 = 0; j0 < padded;) {
+      float* tile_out[kTileRows];
+      for (int64_t r = 0; r < kTileRows; ++r) tile_out[r] = out + (r0 + r) * padded + j0;
+      const int64_t vectors = std::min<int64_t>(4, (padded - j0) / 16);
+      switch (vectors) {
+        case 4: score_tile<4>(tile_q, kt + j0, half, padded, tile_out); break;
+        case 3: score_tile<3>(tile_q, kt + j0, half, padded, tile_out); break;
+        case 2: score_tile<2>(tile_q, kt + j0, half, padded, tile_out); break;
+        default: score_tile<1>(tile_q, kt + j0, half, padded, tile_out); break;
+      }
+      j0 += 16 * vectors;
+    }
+#else
+    for (int64_t r = 0; r < kTileRows; ++r) {
+      float* row_out = out + (r0 + r) * padded;
+      std::fill(row_out, row_out + padded, 0.0f);
+      for (int64_t d = 0; d < half; ++d) {
+        const float b = tile_q[r][d];
+#pragma omp simd
+        for (int64_t j = 0; j < padded; ++j) row_out[j] += b * kt[d * padded + j];
+      }
+    }
+#endif
+  }
+}
+
+#if defined(__AVX512F__)
+// Order key of score s at index j: larger key = larger score, on equal scores the
+// lower index. -0.0 is folded onto +0.0 so that they tie, as under float compares.
+inline uint64_t order_key(float s, uint32_t j) {
+  uint32_t bits;
+  const float folded = s + 0.0f;
+  std::memcpy(&bits, &folded, sizeof(bits));
+  bits = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+  return (static_cast<uint64_t>(bits) << 32) | static_cast<uint64_t>(~j);
+}
+
+// rank[p] = number of keys (of the V * 8 in keys, padded with 0) larger than keys[p].
+template <int V>
+inline void key_ranks(const uint64_t* keys, int64_t count, int64_t* rank) {
+  __m512i key[V], above[V];
+  const __m512i one = _mm512_set1_epi64(1);
+  for (int v = 0; v < V; ++v) {
+    key[v] = _mm512_loadu_si512(keys + 8 * v);
+    above[v] = _mm512_setzero_si512();
+  }
+  for (int64_t c = 0; c < count; ++c) {
+    const __m512i other = _mm512_set1_epi64(static_cast<long long>(keys[c]));
+    for (int v = 0; v < V; ++v)
+      above[v] = _mm512_mask_add_epi64(above[v], _mm512_cmpgt_epu64_mask(other, key[v]), above[v], one);
+  }
+  for (int v = 0; v < V; ++v) _mm512_storeu_si512(rank + 8 * v, above[v]);
+}
+
+// The float32 select_topk for k <= 16 and no NaN: threshold t = the smallest of the
+// 16 lane maxima {max s[j] : j % 16 == l} (16 distinct scores >= t, so the top k are
+// >= t), candidates gathered by compress, then ranked by all-pairs key compares.
+// Returns false (nothing written) where it does not apply; then the caller falls back.
+bool select_topk_vector(const float* s, int64_t n, int64_t k, float* top_values, int64_t* top_indices) {
+  if (k > 16) return false;
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 lane_max = minus_inf;
+  __mmask16 nan = 0;
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const __mmask16 live = n - j0 >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j0)) - 1);
+    const __m512 v = _mm512_mask_loadu_ps(minus_inf, live, s + j0);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    lane_max = _mm512_max_ps(lane_max, v);
+  }
+  if (nan) return false;
+  // Lanes past n hold -inf and no score: leave them out of the minimum.
+  const __mmask16 lanes = n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1);
+  const float t = _mm512_mask_reduce_min_ps(lanes, lane_max);
+  const __m512 threshold = _mm512_set1_ps(t);
+  alignas(64) float candidate_values[kMaxRankCandidates + 16];
+  alignas(64) int32_t candidate_indices[kMaxRankCandidates + 16];
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  int64_t count = 0;
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const __mmask16 live = n - j0 >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j0)) - 1);
+    const __m512 v = _mm512_mask_loadu_ps(minus_inf, live, s + j0);
+    const __mmask16 keep = _mm512_mask_cmp_ps_mask(live, v, threshold, _CMP_GE_OQ);
+    // Compress in registers, then a full store: compress straight to memory is slow on AMD.
+    _mm512_storeu_ps(candidate_values + count, _mm512_maskz_compress_ps(keep, v));
+    _mm512_storeu_si512(candidate_indices + count,
+                        _mm512_maskz_compress_epi32(keep, _mm512_add_epi32(lane, _mm512_set1_epi32(int(j0)))));
+    count += _mm_popcnt_u32(keep);
+    if (count > kMaxRankCandidates) return false;
+  }
+  alignas(64) uint64_t keys[kMaxRankCandidates];
+  alignas(64) int64_t rank[kMaxRankCandidates];
+  const int64_t vectors = (count + 7) / 8;
+  for (int64_t p = 0; p < count; ++p) keys[p] = order_key(candidate_values[p], uint32_t(candidate_indices[p]));
+  for (int64_t p = count; p < vectors * 8; ++p) keys[p] = 0;
+  switch (vectors) {
+    case 1: key_ranks<1>(keys, count, rank); break;
+    case 2: key_ranks<2>(keys, count, rank); break;
+    case 3: key_ranks<3>(keys, count, rank); break;
+    case 4: key_ranks<4>(keys, count, rank); break;
+    case 5: key_ranks<5>(keys, count, rank); break;
+    case 6: key_ranks<6>(keys, count, rank); break;
+    case 7: key_ranks<7>(keys, count, rank); break;
+    default: key_ranks<8>(keys, count, rank); break;
+  }
+  // Keys are distinct, so ranks are a permutation of 0..count): place every candidate.
+  int64_t order[kMaxRankCandidates];
+  for (int64_t p = 0; p < count; ++p) order[rank[p]] = p;
+  for (int64_t r = 0; r < k; ++r) {
+    top_values[r] = candidate_values[order[r]];
+    top_indices[r] = candidate_indices[order[r]];
+  }
+  return true;
+}
+#endif
+
+// select_topk of float32 scores: the vector path where it applies, else the general one.
+void select_topk_float(const float* s, int64_t n, int64_t k, float* top_values, int64_t* top_indices, float* scratch,
+                       int64_t* candidates) {
+#if defined(__AVX512F__)
+  if (select_topk_vector(s, n, k, top_values, top_indices)) return;
+#endif
+  select_topk(s, n, k, top_values, top_indices, scratch, candidates);
 }
 
 // Width of a D tile whose accumulators stay in registers (16 AVX-512 registers of fp32).
@@ -309,6 +473,39 @@ void topk_select(DType dtype, const void* sub_scores, void* scores, int64_t* ind
   else
     topk_select_impl(static_cast<const float*>(sub_scores), static_cast<float*>(scores), indices, num_tokens, heads,
                      n_keys, topk, threads);
+}
+
+void topk_forward_float(const float* query, const float* keys_t, float* scores, int64_t* indices, int64_t num_tokens,
+                        int64_t heads, int64_t half, int64_t n_keys, int64_t padded_keys, int64_t topk, int threads) {
+  const int64_t blocks = (num_tokens + kTokenBlock - 1) / kTokenBlock;
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> block(kTokenBlock * padded_keys), top(kTokenBlock * 2 * topk), scratch(2 * n_keys);
+    std::vector<int64_t> top_index(kTokenBlock * 2 * topk), next(topk), candidates(n_keys);
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t n0 = b * kTokenBlock, rows = std::min(kTokenBlock, num_tokens - n0);
+      const int64_t tiled_rows = (rows + kTileRows - 1) / kTileRows * kTileRows;
+      for (int64_t h = 0; h < heads; ++h) {
+        for (int64_t c = 0; c < 2; ++c) {
+          // Rows past the last token repeat it; their scores are not read.
+          const float* q[kTokenBlock];
+          for (int64_t r = 0; r < tiled_rows; ++r)
+            q[r] = query + ((n0 + std::min(r, rows - 1)) * heads + h) * 2 * half + c * half;
+          block_scores(q, tiled_rows, keys_t + (h * 2 + c) * half * padded_keys, half, padded_keys, block.data());
+          for (int64_t r = 0; r < rows; ++r)
+            select_topk_float(block.data() + r * padded_keys, n_keys, topk, top.data() + (2 * r + c) * topk,
+                              top_index.data() + (2 * r + c) * topk, scratch.data(), candidates.data());
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t nh = (n0 + r) * heads + h;
+          merge_topk(top.data() + 2 * r * topk, top_index.data() + 2 * r * topk, top.data() + (2 * r + 1) * topk,
+                     top_index.data() + (2 * r + 1) * topk, topk, n_keys, next.data(), scores + nh * topk,
+                     indices + nh * topk);
+        }
+      }
+    }
+  }
 }
 
 void gather_forward(DType dtype, const void* values, const int64_t* indices, const void* weights, int64_t* counts,

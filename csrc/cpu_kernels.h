@@ -18,6 +18,14 @@ namespace smf::cpu {
 void topk_select(DType dtype, const void* sub_scores, void* scores, int64_t* indices, int64_t num_tokens,
                  int64_t heads, int64_t n_keys, int64_t topk, int threads);
 
+// The float32 top-k in one pass: for each block of tokens, the sub-key scores are
+// computed into a per-thread buffer and selected while still in cache. query
+// (N, H, 2 * half) fp32; keys_t (H, 2, half, padded_keys) fp32, the sub-keys
+// transposed and zero-padded to padded_keys (a multiple of 16) columns. Writes
+// scores and indices as topk_select does.
+void topk_forward_float(const float* query, const float* keys_t, float* scores, int64_t* indices, int64_t num_tokens,
+                        int64_t heads, int64_t half, int64_t n_keys, int64_t padded_keys, int64_t topk, int threads);
+
 // out (N, D) = sum_l weights[n, l] * values[indices[n, l]]; values (M, D) and out
 // of `dtype`, weights (N, L) acc. If counts (M,) is not null, counts[indices[n, l]]
 // += 1 for every token with valid == nullptr or valid[n]; M = num_rows.
