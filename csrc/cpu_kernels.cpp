@@ -233,25 +233,69 @@ inline void key_ranks(const uint64_t* keys, int64_t count, int64_t* rank) {
   for (int v = 0; v < V; ++v) _mm512_storeu_si512(rank + 8 * v, above[v]);
 }
 
-// The float32 select_topk for k <= 16 and no NaN: threshold t = the smallest of the
-// 16 lane maxima {max s[j] : j % 16 == l} (16 distinct scores >= t, so the top k are
-// >= t), candidates gathered by compress, then ranked by all-pairs key compares.
+// Lane l takes the larger of itself and its partner l ^ stride in this step of a
+// bitonic sort of 16 lanes into descending order (blocks of `size` alternate direction).
+constexpr __mmask16 take_max_mask(int size, int stride) {
+  unsigned mask = 0;
+  for (int lane = 0; lane < 16; ++lane)
+    if (((lane & stride) == 0) != ((lane & size) != 0)) mask |= 1u << lane;
+  return static_cast<__mmask16>(mask);
+}
+
+template <int Size, int Stride>
+inline __m512 bitonic_step(__m512 x) {
+  const __m512i partner = _mm512_xor_si512(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(Stride));
+  const __m512 other = _mm512_permutexvar_ps(partner, x);
+  return _mm512_mask_blend_ps(take_max_mask(Size, Stride), _mm512_min_ps(x, other), _mm512_max_ps(x, other));
+}
+
+// A bitonic sequence of 16 (no NaN) sorted descending.
+inline __m512 bitonic_merge16(__m512 x) {
+  x = bitonic_step<16, 8>(x);
+  x = bitonic_step<16, 4>(x);
+  x = bitonic_step<16, 2>(x);
+  return bitonic_step<16, 1>(x);
+}
+
+// 16 floats (no NaN) sorted descending.
+inline __m512 sort16(__m512 x) {
+  x = bitonic_step<2, 1>(x);
+  x = bitonic_step<4, 2>(x);
+  x = bitonic_step<4, 1>(x);
+  x = bitonic_step<8, 4>(x);
+  x = bitonic_step<8, 2>(x);
+  x = bitonic_step<8, 1>(x);
+  return bitonic_merge16(x);
+}
+
+// The float32 select_topk for k <= 16 and no NaN. Threshold: the lane maxima of the
+// first and of the second half of the 16-wide vectors are 32 distinct scores (or -inf
+// fillers), so the k-th largest of them, t, has k scores >= t and the top k are among
+// the candidates s[j] >= t (about 20 of 128 random scores). They are gathered by
+// compress and ranked by all-pairs compares of their (score, index) keys.
 // Returns false (nothing written) where it does not apply; then the caller falls back.
 bool select_topk_vector(const float* s, int64_t n, int64_t k, float* top_values, int64_t* top_indices) {
   if (k > 16) return false;
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __m512 lane_max = minus_inf;
+  __m512 lane_max[2] = {minus_inf, minus_inf};
   __mmask16 nan = 0;
-  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+  const int64_t vectors = (n + 15) / 16, first_half = (vectors + 1) / 2;
+  for (int64_t v = 0; v < vectors; ++v) {
+    const int64_t j0 = 16 * v;
     const __mmask16 live = n - j0 >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j0)) - 1);
-    const __m512 v = _mm512_mask_loadu_ps(minus_inf, live, s + j0);
-    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    lane_max = _mm512_max_ps(lane_max, v);
+    const __m512 x = _mm512_mask_loadu_ps(minus_inf, live, s + j0);
+    nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    lane_max[v >= first_half] = _mm512_max_ps(lane_max[v >= first_half], x);
   }
   if (nan) return false;
-  // Lanes past n hold -inf and no score: leave them out of the minimum.
-  const __mmask16 lanes = n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1);
-  const float t = _mm512_mask_reduce_min_ps(lanes, lane_max);
+  // Top 16 of the 32 lane maxima: both sorted, the larger of a[l] and b[15 - l] per lane.
+  const __m512 first = sort16(lane_max[0]);
+  const __m512 second = _mm512_permutexvar_ps(
+      _mm512_setr_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), sort16(lane_max[1]));
+  alignas(64) float top_maxima[16];
+  _mm512_store_ps(top_maxima, bitonic_merge16(_mm512_max_ps(first, second)));
+  const float t = top_maxima[k - 1];
   const __m512 threshold = _mm512_set1_ps(t);
   alignas(64) float candidate_values[kMaxRankCandidates + 16];
   alignas(64) int32_t candidate_indices[kMaxRankCandidates + 16];
@@ -270,10 +314,10 @@ bool select_topk_vector(const float* s, int64_t n, int64_t k, float* top_values,
   }
   alignas(64) uint64_t keys[kMaxRankCandidates];
   alignas(64) int64_t rank[kMaxRankCandidates];
-  const int64_t vectors = (count + 7) / 8;
+  const int64_t key_vectors = (count + 7) / 8;
   for (int64_t p = 0; p < count; ++p) keys[p] = order_key(candidate_values[p], uint32_t(candidate_indices[p]));
-  for (int64_t p = count; p < vectors * 8; ++p) keys[p] = 0;
-  switch (vectors) {
+  for (int64_t p = count; p < key_vectors * 8; ++p) keys[p] = 0;
+  switch (key_vectors) {
     case 1: key_ranks<1>(keys, count, rank); break;
     case 2: key_ranks<2>(keys, count, rank); break;
     case 3: key_ranks<3>(keys, count, rank); break;
