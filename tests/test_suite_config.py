@@ -31,12 +31,6 @@ def _write(tmp_path: Path, **overrides) -> Path:
     return path
 
 
-def _cli(argv, monkeypatch) -> int:
-    """smf.cli.main with the suite commands registered (as the lead will in COMMAND_MODULES)."""
-    if "smf.suite.commands" not in cli.COMMAND_MODULES:
-        monkeypatch.setattr(cli, "COMMAND_MODULES", cli.COMMAND_MODULES + ("smf.suite.commands",))
-    return cli.main(argv)
-
 
 def test_shipped_configs_load_by_name(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -89,22 +83,22 @@ def test_valid_train_keys_are_listed():
     assert "lr" in TRAIN_KEYS and "rows_per_step" in TRAIN_KEYS and "seed" not in TRAIN_KEYS
 
 
-def test_cli_errors_are_one_line_exit_2(tmp_path, monkeypatch, capsys):
+def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):
     bad = _write(tmp_path, conditions=["base", "dense"])
-    assert _cli(["suite", "--config", str(bad)], monkeypatch) == 2
+    assert cli.main(["suite", "--config", str(bad)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("smf suite: error: unknown condition 'dense'") and err.count("\n") == 1
-    assert _cli(["suite", "--config", "no-such-config"], monkeypatch) == 2
+    assert cli.main(["suite", "--config", "no-such-config"]) == 2
     assert "shipped: paper, tiny" in capsys.readouterr().err
-    assert _cli(["report", "--suite-dir", str(tmp_path / "nowhere")], monkeypatch) == 2
+    assert cli.main(["report", "--suite-dir", str(tmp_path / "nowhere")]) == 2
     assert "is not a suite directory" in capsys.readouterr().err
-    assert _cli(["eval", "--model", "tiny", "--adapter", str(tmp_path / "nowhere")], monkeypatch) == 2
+    assert cli.main(["eval", "--model", "tiny", "--adapter", str(tmp_path / "nowhere")]) == 2
     assert "--adapter: no such directory" in capsys.readouterr().err
 
 
 def test_dry_run_lists_the_plan_and_runs_nothing(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    assert _cli(["suite", "--config", "tiny", "--dry-run"], monkeypatch) == 0
+    assert cli.main(["suite", "--config", "tiny", "--dry-run"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2 * len(CONDITIONS)
     assert lines[0].split() == ["base-seed0", "to", "do"] and lines[-1].split()[0] == "full-seed1"

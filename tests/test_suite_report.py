@@ -38,15 +38,13 @@ def paper_suite(tmp_path):
     return config.output_dir, written
 
 
-def _report(suite_dir, monkeypatch) -> int:
-    if "smf.suite.commands" not in cli.COMMAND_MODULES:
-        monkeypatch.setattr(cli, "COMMAND_MODULES", cli.COMMAND_MODULES + ("smf.suite.commands",))
+def _report(suite_dir) -> int:
     return cli.main(["report", "--suite-dir", str(suite_dir)])
 
 
-def test_report_of_paper_suite(paper_suite, monkeypatch, capsys):
+def test_report_of_paper_suite(paper_suite, capsys):
     suite_dir, written = paper_suite
-    assert _report(suite_dir, monkeypatch) == 0
+    assert _report(suite_dir) == 0
     printed = capsys.readouterr().out.split()
     expected = ["table1.md", "table1.csv", "table1.tex", "pareto.png", "pareto.pdf", "accounting.md",
                 "accounting.json", "suite_status.md", "suite_status.json"]
@@ -83,21 +81,21 @@ def test_report_of_paper_suite(paper_suite, monkeypatch, capsys):
     assert next(r for r in rows if r["condition"] == "full" and r["seed"] == 0)["eval_s"] == 6.0
 
 
-def test_report_without_results_is_an_error(tmp_path, monkeypatch, capsys):
+def test_report_without_results_is_an_error(tmp_path, capsys):
     config = load_suite_config("paper", {"output_dir": str(tmp_path)})
     write_json_atomic(SuiteLayout(tmp_path).config_file, config.to_dict())
-    assert _report(tmp_path, monkeypatch) == 2
+    assert _report(tmp_path) == 2
     assert "holds no finished run" in capsys.readouterr().err
 
 
-def test_report_skips_results_left_by_another_config(paper_suite, monkeypatch):
+def test_report_skips_results_left_by_another_config(paper_suite):
     suite_dir, written = paper_suite
     layout = SuiteLayout(suite_dir)
     leftover = json.loads(layout.results_dir.joinpath("lora-seed0.json").read_text())
     # a run this config does not plan, and a planned run computed with other settings
     write_json_atomic(layout.results_dir / "lora-seed7.json", {**leftover, "seed": 7, "config_hash": "other"})
     write_json_atomic(layout.results_dir / "lora-seed2.json", {**leftover, "seed": 2, "config_hash": "other"})
-    assert _report(suite_dir, monkeypatch) == 0
+    assert _report(suite_dir) == 0
     with open(suite_dir / "table1.csv") as f:
         lora = next(row for row in csv.DictReader(f) if row["condition"] == "lora")
     assert lora["seeds"] == "2", lora  # seeds 0 and 1; the two leftovers are skipped

@@ -42,11 +42,6 @@ def _config_file(directory: Path, output_dir: Path, conditions, **eval_overrides
     return path
 
 
-def _cli(argv, monkeypatch) -> int:
-    if "smf.suite.commands" not in cli.COMMAND_MODULES:
-        monkeypatch.setattr(cli, "COMMAND_MODULES", cli.COMMAND_MODULES + ("smf.suite.commands",))
-    return cli.main(argv)
-
 
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory):
@@ -132,7 +127,7 @@ def test_second_run_trains_and_evaluates_nothing(suite, monkeypatch):
     monkeypatch.setattr(runner_module, "train", forbidden)
     monkeypatch.setattr(runner_module, "collect_background", forbidden)
     monkeypatch.setattr(SuiteRunner, "evaluate", forbidden)
-    assert _cli(["suite", "--config", str(path), "--no-report"], monkeypatch) == 0
+    assert cli.main(["suite", "--config", str(path), "--no-report"]) == 0
     assert _results(suite_dir) == before
 
 
@@ -205,7 +200,7 @@ def test_eval_command_reproduces_the_suite_numbers(suite, tmp_path, monkeypatch,
         out = tmp_path / "_".join([name, *adapter_args]).replace("/", "_")
         argv = ["eval", "--config", str(path), "--model", "tiny", *adapter_args, "--tasks", "medmcqa,wikitext",
                 "--output-dir", str(out)]
-        assert _cli(argv, monkeypatch) == 0
+        assert cli.main(argv) == 0
         printed = json.loads(capsys.readouterr().out)
         saved = json.loads((out / "metrics.json").read_text())["metrics"]
         assert printed == saved and set(saved) == {"medmcqa_acc", "wikitext_ppl"}
