@@ -20,5 +20,15 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
+def gather_inputs(shape, dtype, requires_grad=False):
+    """Fresh random weighted_gather inputs for shape (M, D, N, L): values (M, D) of ``dtype``,
+    indices (N, L) int64 in [0, M), softmax weights (N, L) fp32."""
+    m, d, n, l = shape
+    values = torch.randn(m, d).to(dtype).requires_grad_(requires_grad)
+    indices = torch.randint(0, m, (n, l))
+    weights = torch.softmax(torch.randn(n, l), -1).requires_grad_(requires_grad)
+    return values, indices, weights
+
+
 # Relative error bounds that fit the precision of each input dtype.
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float64: 1e-12}

@@ -6,7 +6,7 @@ cached; see smf_kernels.build_ext), so this file always tests real kernels.
 import pytest
 import torch
 
-from helpers import TOL, rel_err
+from helpers import TOL, gather_inputs, rel_err
 from smf_kernels import backends, build_ext
 from smf_kernels.memory import ProductKeyMemory
 from smf_kernels.ops import product_key_topk, weighted_gather
@@ -25,14 +25,6 @@ def ext():
     module = build_ext.build()
     backends.refresh()  # backends caches the ImportError of an import before the build
     return module
-
-
-def _gather_inputs(shape, dtype, requires_grad=False):
-    m, d, n, l = shape
-    values = torch.randn(m, d).to(dtype).requires_grad_(requires_grad)
-    indices = torch.randint(0, m, (n, l))
-    weights = torch.softmax(torch.randn(n, l), -1).requires_grad_(requires_grad)
-    return values, indices, weights
 
 
 def test_ext_is_the_cpu_default_once_built():
@@ -82,7 +74,7 @@ def test_topk_accepts_non_contiguous_and_float16():
 @pytest.mark.parametrize("shape", GATHER_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.float16])
 def test_gather_forward_matches_reference(shape, dtype):
-    values, indices, weights = _gather_inputs(shape, dtype)
+    values, indices, weights = gather_inputs(shape, dtype)
     out = weighted_gather(values, indices, weights, backend="ext")
     ref = weighted_gather_reference(values.double(), indices, weights.double())
     assert out.dtype == dtype and out.shape == (shape[2], shape[1])
@@ -100,7 +92,7 @@ def test_gather_accepts_non_contiguous_inputs():
 
 
 def test_histogram_is_exact_and_skips_padding():
-    values, indices, weights = _gather_inputs(GATHER_SHAPES[0], torch.float32)
+    values, indices, weights = gather_inputs(GATHER_SHAPES[0], torch.float32)
     indices[0, :4] = 7  # a slot read several times by one token
     valid = torch.rand(indices.shape[0]) > 0.3
     valid[0] = True
@@ -113,7 +105,7 @@ def test_histogram_is_exact_and_skips_padding():
 @pytest.mark.parametrize("shape", GATHER_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_dense_and_weight_backward_match_reference(shape, dtype):
-    values, indices, weights = _gather_inputs(shape, dtype, requires_grad=True)
+    values, indices, weights = gather_inputs(shape, dtype, requires_grad=True)
     grad = torch.randn(shape[2], shape[1], dtype=torch.float64)
     out = weighted_gather(values, indices, weights, backend="ext")
     got_values, got_weights = torch.autograd.grad(out, (values, weights), grad.to(dtype))
@@ -128,7 +120,7 @@ def test_dense_and_weight_backward_match_reference(shape, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sparse_backward_holds_only_update_rows(dtype):
-    values, indices, weights = _gather_inputs(GATHER_SHAPES[1], dtype, requires_grad=True)
+    values, indices, weights = gather_inputs(GATHER_SHAPES[1], dtype, requires_grad=True)
     read = indices.flatten().unique()
     update_rows = torch.cat([read[torch.randperm(read.numel())[:20]], torch.tensor([299])]).unique()
     update_rows = update_rows[torch.randperm(update_rows.numel())]  # any order; the op sorts
@@ -145,7 +137,7 @@ def test_sparse_backward_holds_only_update_rows(dtype):
 
 @pytest.mark.parametrize("sparse", [False, True])
 def test_backward_is_bit_reproducible_across_runs_and_threads(sparse):
-    values, indices, weights = _gather_inputs((64, 130, 200, 16), torch.float32, requires_grad=True)
+    values, indices, weights = gather_inputs((64, 130, 200, 16), torch.float32, requires_grad=True)
     indices[:, :8] = indices[:, :8] % 4  # hot rows: many reads to sum into one row
     update_rows = torch.arange(0, 64, 3) if sparse else None
     grad = torch.randn(200, 130)
@@ -165,7 +157,7 @@ def test_backward_is_bit_reproducible_across_runs_and_threads(sparse):
 
 
 def test_bad_input_raises_through_the_public_ops():
-    values, indices, weights = _gather_inputs(GATHER_SHAPES[0], torch.float32)
+    values, indices, weights = gather_inputs(GATHER_SHAPES[0], torch.float32)
     with pytest.raises(IndexError, match="indices must lie in"):
         weighted_gather(values, indices + values.shape[0], weights, backend="ext")
     with pytest.raises(TypeError, match="indices must have dtype"):

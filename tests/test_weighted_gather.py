@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import TOL, backends_under_test, rel_err
+from helpers import TOL, backends_under_test, gather_inputs, rel_err
 from smf_kernels.ops import weighted_gather
 from smf_kernels.reference import weighted_gather_reference
 
@@ -13,19 +13,11 @@ BACKENDS = backends_under_test()
 SHAPES = [(50, 96, 37, 8), (300, 130, 21, 12)]
 
 
-def _inputs(shape, dtype, requires_grad=False):
-    m, d, n, l = shape
-    values = torch.randn(m, d).to(dtype).requires_grad_(requires_grad)
-    indices = torch.randint(0, m, (n, l))
-    weights = torch.softmax(torch.randn(n, l), -1).requires_grad_(requires_grad)
-    return values, indices, weights
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_forward_matches_reference(backend, shape, dtype):
-    values, indices, weights = _inputs(shape, dtype)
+    values, indices, weights = gather_inputs(shape, dtype)
     out = weighted_gather(values, indices, weights, backend=backend)
     ref = weighted_gather_reference(values.double(), indices, weights.double())
     assert out.dtype == dtype and out.shape == (shape[2], shape[1])
@@ -34,7 +26,7 @@ def test_forward_matches_reference(backend, shape, dtype):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_histogram_is_exact_and_skips_padding(backend):
-    values, indices, weights = _inputs(SHAPES[0], torch.float32)
+    values, indices, weights = gather_inputs(SHAPES[0], torch.float32)
     indices[0, :4] = 7  # repeated slot within one token
     valid = torch.rand(indices.shape[0]) > 0.3
     valid[0] = True
@@ -51,7 +43,7 @@ def test_histogram_is_exact_and_skips_padding(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_histogram_into_strided_counts_and_valid(backend):
-    values, indices, weights = _inputs(SHAPES[0], torch.float32)
+    values, indices, weights = gather_inputs(SHAPES[0], torch.float32)
     storage = torch.zeros(2 * values.shape[0], dtype=torch.int64)
     counts = storage[::2]  # non-contiguous view; the elements in between must stay untouched
     valid = (torch.rand(2 * indices.shape[0]) > 0.3)[::2]
@@ -63,7 +55,7 @@ def test_histogram_into_strided_counts_and_valid(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dense_backward_matches_reference(backend, dtype):
-    values, indices, weights = _inputs(SHAPES[1], dtype, requires_grad=True)
+    values, indices, weights = gather_inputs(SHAPES[1], dtype, requires_grad=True)
     out = weighted_gather(values, indices, weights, backend=backend)
     ref = weighted_gather_reference(values.double(), indices, weights.double())
     grad = torch.randn(out.shape, dtype=torch.float64)
@@ -78,7 +70,7 @@ def test_dense_backward_matches_reference(backend, dtype):
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_sparse_backward_is_dense_restricted_to_update_rows(backend, deterministic):
     torch.use_deterministic_algorithms(deterministic)
-    values, indices, weights = _inputs(SHAPES[0], torch.float32, requires_grad=True)
+    values, indices, weights = gather_inputs(SHAPES[0], torch.float32, requires_grad=True)
     rows = torch.cat([indices[:3, 0].unique(), torch.tensor([49])])  # read rows + one maybe unread
     rows = rows.unique()[torch.randperm(rows.unique().numel())]  # distinct, unsorted
     grad = torch.randn(indices.shape[0], values.shape[1])
@@ -128,7 +120,7 @@ def test_sparse_backward_never_allocates_dense_gradient(backend, deterministic):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_deterministic_backward_is_bit_reproducible(backend):
     torch.use_deterministic_algorithms(True)
-    values, indices, weights = _inputs(SHAPES[1], torch.float32, requires_grad=True)
+    values, indices, weights = gather_inputs(SHAPES[1], torch.float32, requires_grad=True)
     indices[:, :4] = indices[0, 0]  # a hot row read by every token
     grad = torch.randn(indices.shape[0], values.shape[1])
 
@@ -141,13 +133,13 @@ def test_deterministic_backward_is_bit_reproducible(backend):
 
 
 def test_reference_gradcheck_float64():
-    values, indices, weights = _inputs((9, 5, 4, 3), torch.float64, requires_grad=True)
+    values, indices, weights = gather_inputs((9, 5, 4, 3), torch.float64, requires_grad=True)
     weights = weights.detach().double().requires_grad_(True)
     assert torch.autograd.gradcheck(lambda v, w: weighted_gather_reference(v, indices, w), (values, weights))
 
 
 def test_custom_op_gradcheck_float64_and_opcheck():
-    values, indices, weights = _inputs((9, 5, 4, 3), torch.float64, requires_grad=True)
+    values, indices, weights = gather_inputs((9, 5, 4, 3), torch.float64, requires_grad=True)
     weights = weights.detach().double().requires_grad_(True)
     fn = lambda v, w: weighted_gather(v, indices, w, backend="torch")  # noqa: E731
     assert torch.autograd.gradcheck(fn, (values, weights))
@@ -162,7 +154,7 @@ def test_custom_op_gradcheck_float64_and_opcheck():
 
 
 def test_out_of_range_indices_raise():
-    values, indices, weights = _inputs(SHAPES[0], torch.float32)
+    values, indices, weights = gather_inputs(SHAPES[0], torch.float32)
     indices[3, 2] = values.shape[0]
     with pytest.raises(IndexError, match=r"indices must lie in \[0, 50\)"):
         weighted_gather(values, indices, weights)
@@ -192,7 +184,7 @@ def test_out_of_range_indices_raise():
     ],
 )
 def test_bad_arguments_raise(change, error, match):
-    values, indices, weights = _inputs(SHAPES[0], torch.float32)
+    values, indices, weights = gather_inputs(SHAPES[0], torch.float32)
     args = dict(values=values, indices=indices, weights=weights)
     args.update(change)
     with pytest.raises(error, match=match):
@@ -200,6 +192,6 @@ def test_bad_arguments_raise(change, error, match):
 
 
 def test_unavailable_backend_raises_clearly():
-    values, indices, weights = _inputs(SHAPES[0], torch.float32)
+    values, indices, weights = gather_inputs(SHAPES[0], torch.float32)
     with pytest.raises(RuntimeError, match="unknown backend 'cuda'"):
         weighted_gather(values, indices, weights, backend="cuda")
