@@ -47,14 +47,13 @@ def check_index_range(name: str, indices: torch.Tensor, upper: int) -> None:
 
 
 def check_distinct(name: str, rows: torch.Tensor) -> None:
-    """Entries of the 1-D tensor ``rows`` must be pairwise distinct."""
+    """Entries of the 1-D tensor ``rows``, sorted ascending, must be pairwise distinct."""
     if rows.numel() < 2 or torch.compiler.is_compiling():
         return
-    ordered = rows.sort().values
-    repeated = ordered[1:] == ordered[:-1]
+    repeated = rows[1:] == rows[:-1]
     if rows.device.type == "cpu":
         if bool(repeated.any()):
-            first = int(ordered[1:][repeated][0])
+            first = int(rows[1:][repeated][0])
             raise ValueError(f"{name} must hold distinct rows; row {first} appears more than once")
     else:
         torch._assert_async(~repeated.any(), f"{name} must hold distinct rows")
@@ -89,6 +88,7 @@ def check_gather_args(
     valid: torch.Tensor | None,
     update_rows: torch.Tensor | None,
 ) -> None:
+    """update_rows, when given, must already be sorted ascending (the distinctness check relies on it)."""
     check_tensor("values", values, ndim=2, dtypes=FLOAT_DTYPES, shape_doc="(M, D)")
     check_tensor("indices", indices, ndim=2, dtypes=(torch.int64,), shape_doc="(N, L)")
     check_tensor("weights", weights, ndim=2, dtypes=FLOAT_DTYPES, shape_doc="(N, L)")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from smf_kernels._checks import check_gather_args, no_autocast
+from smf_kernels._checks import check_gather_args, check_tensor, no_autocast
 from smf_kernels.backends import implementation, resolve_backend
 
 
@@ -152,8 +152,9 @@ def weighted_gather(
         (N, D) tensor in values' dtype; differentiable w.r.t. values and weights.
     """
     deferred = isinstance(update_rows, DeferredRows)
+    if update_rows is not None and not deferred:
+        check_tensor("update_rows", update_rows, ndim=1, dtypes=(torch.int64,), shape_doc="(T,)")
+        update_rows = update_rows.sort().values  # sorted once: checked for repeats, and the COO gradient is coalesced
     check_gather_args(values, indices, weights, counts, valid, None if deferred else update_rows)
     name = resolve_backend(backend, values.device, torch.promote_types(values.dtype, weights.dtype))
-    if update_rows is not None and not deferred:
-        update_rows = update_rows.sort().values  # sorted rows => the COO gradient is coalesced
     return _WeightedGather.apply(values, indices, weights, counts, valid, update_rows, name)
