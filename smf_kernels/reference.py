@@ -13,6 +13,17 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def ranked_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` best entries of each row of ``scores`` (..., C) under the ranking every backend follows.
+
+    Ranking (torch.topk's order, made total): NaN above +inf above every finite
+    value above -inf; among equal scores (NaNs included) the lower column first.
+    Returns values and int64 column ids (..., k), best first.
+    """
+    values, columns = torch.sort(scores, dim=-1, descending=True, stable=True)
+    return values[..., :k].contiguous(), columns[..., :k].contiguous()
+
+
 def product_key_topk_reference(
     query: torch.Tensor, keys: torch.Tensor, topk: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -22,6 +33,9 @@ def product_key_topk_reference(
     Returns scores (N, H, topk), sorted descending, in fp32 (fp64 for fp64
     inputs), and slot indices (N, H, topk) int64 in [0, n_keys**2), where
     slot = i * n_keys + j for first-half sub-key i and second-half sub-key j.
+    Every top-k (each half's, then the candidates') follows :func:`ranked_topk`,
+    so NaN and infinite scores rank as torch.topk ranks them and ties resolve
+    to the lower sub-key / candidate id (candidate id = ia * topk + ib).
     """
     dtype = _compute_dtype(query.dtype)
     n_keys = keys.shape[2]
@@ -30,10 +44,10 @@ def product_key_topk_reference(
     k = keys.to(dtype)
     s1 = torch.einsum("nhd,hkd->nhk", q[..., :half], k[:, 0])
     s2 = torch.einsum("nhd,hkd->nhk", q[..., half:], k[:, 1])
-    a, i = s1.topk(topk, dim=-1)  # (N, H, topk) each
-    b, j = s2.topk(topk, dim=-1)
-    candidates = (a.unsqueeze(-1) + b.unsqueeze(-2)).flatten(-2)  # (N, H, topk*topk)
-    scores, flat = candidates.topk(topk, dim=-1)
+    a, i = ranked_topk(s1, topk)  # (N, H, topk) each
+    b, j = ranked_topk(s2, topk)
+    candidates = (a.unsqueeze(-1) + b.unsqueeze(-2)).flatten(-2)  # (N, H, topk*topk), c = ia * topk + ib
+    scores, flat = ranked_topk(candidates, topk)
     first = i.gather(-1, torch.div(flat, topk, rounding_mode="floor"))
     second = j.gather(-1, flat % topk)
     return scores, first * n_keys + second
