@@ -148,9 +148,11 @@ def test_custom_op_gradcheck_float64_and_opcheck():
     torch.library.opcheck(ops.weighted_gather_forward.default,
                           (values.detach(), indices, weights.detach(), counts, None, "torch"))
     grad = torch.randn(4, 5, dtype=torch.float64)
-    torch.library.opcheck(ops.weighted_gather_backward_weights.default, (grad, values.detach(), indices, "torch"))
-    torch.library.opcheck(ops.weighted_gather_backward_values.default,
-                          (grad, indices, weights.detach(), 9, torch.tensor([1, 4]), "torch", False))
+    for update_rows in (None, torch.tensor([1, 4])):
+        for need_values, need_weights in ((True, True), (True, False), (False, True)):
+            torch.library.opcheck(ops.weighted_gather_backward.default,
+                                  (grad, values.detach(), indices, weights.detach(), update_rows, "torch", False,
+                                   need_values, need_weights))
 
 
 def test_out_of_range_indices_raise():

@@ -8,9 +8,12 @@ float16 runs through a float32 copy.
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from smf_kernels.build_ext import load_extension
+from smf_kernels.kernels import backward_in_two_passes
 
 _ext = load_extension()
 
@@ -41,3 +44,8 @@ def gather_backward_weights(grad_out, values, indices):
 
 def gather_backward_values(grad_out, indices, weights, num_rows, update_rows, deterministic):
     return _ext.gather_backward_values(grad_out, indices, weights, num_rows, update_rows)
+
+
+def gather_backward(grad_out, values, indices, weights, update_rows, deterministic, need_values, need_weights):
+    return backward_in_two_passes(sys.modules[__name__], grad_out, values, indices, weights, update_rows,
+                                  deterministic, need_values, need_weights)

@@ -5,9 +5,13 @@ the (N, L, D) gathered-row tensors built a chunk of tokens at a time.
 """
 from __future__ import annotations
 
+import sys
+
 import warnings
 
 import torch
+
+from smf_kernels.kernels import backward_in_two_passes
 import torch.nn.functional as F
 
 from smf_kernels.reference import product_key_topk_reference
@@ -120,3 +124,8 @@ def gather_backward_values(grad_out, indices, weights, num_rows, update_rows, de
     slots = row_to_slot_map(update_rows, num_rows)[targets]
     targets = torch.where(slots >= 0, slots, selected)
     return _sum_reads_by_target(grad_out, weights, targets, selected + 1)[:selected]
+
+
+def gather_backward(grad_out, values, indices, weights, update_rows, deterministic, need_values, need_weights):
+    return backward_in_two_passes(sys.modules[__name__], grad_out, values, indices, weights, update_rows,
+                                  deterministic, need_values, need_weights)

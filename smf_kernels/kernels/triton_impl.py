@@ -1,7 +1,11 @@
 """The ``triton`` backend: CUDA tensors, or CPU tensors under TRITON_INTERPRET=1."""
 from __future__ import annotations
 
+import sys
+
 import torch
+
+from smf_kernels.kernels import backward_in_two_passes
 
 from smf_kernels.backends import triton_interpreter_enabled
 from smf_kernels.kernels import triton_gather, triton_topk
@@ -50,3 +54,8 @@ def gather_backward_values(grad_out, indices, weights, num_rows, update_rows, de
     out_rows = num_rows if update_rows is None else update_rows.numel()
     accumulate = triton_gather.segment_rows if deterministic else triton_gather.scatter_rows
     return accumulate(grad_out, indices, weights, slots, out_rows)
+
+
+def gather_backward(grad_out, values, indices, weights, update_rows, deterministic, need_values, need_weights):
+    return backward_in_two_passes(sys.modules[__name__], grad_out, values, indices, weights, update_rows,
+                                  deterministic, need_values, need_weights)

@@ -35,37 +35,37 @@ def _(values, indices, weights, counts, valid, backend):
     return values.new_empty(indices.shape[0], values.shape[1])
 
 
-@torch.library.custom_op("smf_kernels::weighted_gather_backward_weights", mutates_args=())
-def _backward_weights(grad_out: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, backend: str) -> torch.Tensor:
-    with no_autocast(values.device):
-        return implementation(backend).gather_backward_weights(grad_out, values, indices)
-
-
-@_backward_weights.register_fake
-def _(grad_out, values, indices, backend):
-    return grad_out.new_empty(indices.shape, dtype=_accumulation_dtype(values.dtype))
-
-
-@torch.library.custom_op("smf_kernels::weighted_gather_backward_values", mutates_args=())
-def _backward_values(
+@torch.library.custom_op("smf_kernels::weighted_gather_backward", mutates_args=())
+def _backward(
     grad_out: torch.Tensor,
+    values: torch.Tensor,
     indices: torch.Tensor,
     weights: torch.Tensor,
-    num_rows: int,
     update_rows: torch.Tensor | None,
     backend: str,
     deterministic: bool,
-) -> torch.Tensor:
+    need_values: bool,
+    need_weights: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both gradients from one call, so a backend can produce them in one pass over grad_out.
+
+    Returns (grad_values, grad_weights) in the accumulation dtype:
+    grad_values (M, D) dense or (T, D) for update_rows (row t for update_rows[t]),
+    grad_weights (N, L); a gradient not needed comes back with 0 rows.
+    """
     with no_autocast(grad_out.device):
-        return implementation(backend).gather_backward_values(
-            grad_out, indices, weights, num_rows, update_rows, deterministic
+        return implementation(backend).gather_backward(
+            grad_out, values, indices, weights, update_rows, deterministic, need_values, need_weights
         )
 
 
-@_backward_values.register_fake
-def _(grad_out, indices, weights, num_rows, update_rows, backend, deterministic):
-    rows = num_rows if update_rows is None else update_rows.shape[0]
-    return grad_out.new_empty(rows, grad_out.shape[1], dtype=_accumulation_dtype(grad_out.dtype))
+@_backward.register_fake
+def _(grad_out, values, indices, weights, update_rows, backend, deterministic, need_values, need_weights):
+    dtype = _accumulation_dtype(values.dtype)
+    rows = (values.shape[0] if update_rows is None else update_rows.shape[0]) if need_values else 0
+    grad_values = grad_out.new_empty(rows, values.shape[1], dtype=dtype)
+    grad_weights = grad_out.new_empty(indices.shape[0] if need_weights else 0, indices.shape[1], dtype=dtype)
+    return grad_values, grad_weights
 
 
 class DeferredRows:
@@ -104,20 +104,21 @@ class _WeightedGather(torch.autograd.Function):
                 raise RuntimeError("update_rows is a DeferredRows whose rows were not set before the backward")
             check_gather_args(values, indices, weights, None, None, update_rows)
         grad_out = grad_out.contiguous()
-        grad_values = grad_weights = None
-        if ctx.needs_input_grad[0]:
-            deterministic = torch.are_deterministic_algorithms_enabled()
-            compact = _backward_values(
-                grad_out, indices, weights, values.shape[0], update_rows, ctx.backend, deterministic
-            ).to(values.dtype)
+        need_values, need_weights = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+        compact, grad_weights = _backward(
+            grad_out, values, indices, weights, update_rows, ctx.backend,
+            torch.are_deterministic_algorithms_enabled(), need_values, need_weights,
+        )
+        grad_values = None
+        if need_values:
+            compact = compact.to(values.dtype)
             if update_rows is None:
                 grad_values = compact
             else:  # the nn.Embedding(sparse=True) convention: a COO tensor with T rows
                 grad_values = torch.sparse_coo_tensor(
                     update_rows.unsqueeze(0), compact, values.shape, is_coalesced=True, check_invariants=False
                 )
-        if ctx.needs_input_grad[2]:
-            grad_weights = _backward_weights(grad_out, values, indices, ctx.backend).to(weights.dtype)
+        grad_weights = grad_weights.to(weights.dtype) if need_weights else None
         return grad_values, None, grad_weights, None, None, None, None
 
 
