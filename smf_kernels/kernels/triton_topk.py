@@ -1,61 +1,165 @@
-"""Triton kernel: fused product-key top-k (SPEC §1 steps 2-3).
+"""Triton kernel: fused product-key top-k (SPEC §1 steps 2-3), exact under the ranking rule.
 
-One program handles BLOCK_M tokens of one head. It computes both half-score
-blocks with tl.dot (fp32), takes the top-k of each by k rounds of row-wise argmax,
-forms the k x k candidate sums in registers and takes their top-k the same way.
+One program handles BLOCK_M tokens of one head:
+
+1. Both half-score tiles (BLOCK_M, NK_P) come from ``tl.dot``: bf16/fp16 inputs
+   on tensor cores with fp32 accumulation (products of 16-bit floats are exact
+   in fp32, so this is the reference's fp32 sum up to summation order); fp32
+   inputs in IEEE fp32 (no TF32, whose rounding could change the selection).
+   Under the CPU interpreter 16-bit inputs are upcast and multiplied in fp32 too
+   (its dot multiplies the raw bf16 bit patterns); the products are the same.
+2. Each score becomes one int64 key, ``ordered(score) * 2**32 + (2**32 - 1 - id)``,
+   whose integer order is the ranking of :func:`smf_kernels.reference.ranked_topk`
+   (NaN > +inf > finite > -inf, equal scores to the lower id). A bitonic
+   ``tl.topk`` on those keys replaces k rounds of argmax.
+3. Of the k x k sums of the two sorted lists only pairs with (ia+1)(ib+1) <= k
+   can reach the top-k (each is outranked by every pair above-left of it), about
+   50 candidates for k = 16 instead of 256. That argument needs the sum to be
+   monotone in each list; it fails only when +inf in one half meets -inf in the
+   other (their sum is NaN, the top rank). A block holding such a row takes the
+   full k x k candidate set instead, so the selection stays exact.
+
 Nothing but the final (scores, slot ids) reaches global memory.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import constexpr_function
 
+from smf_kernels.kernels.launch import LaunchPlan
 
-@triton.jit
-def _row_topk(scores, cols, TOPK: tl.constexpr, K_P: tl.constexpr):
-    """Top-TOPK of each row of ``scores`` (BLOCK_M, C): values and column ids, descending.
-
-    Padded columns must already hold -inf. Ties go to the lowest column.
-    Returns (BLOCK_M, K_P) tensors; columns >= TOPK hold -inf / 0.
-    """
-    slot = tl.arange(0, K_P)[None, :]
-    top_vals = tl.full((scores.shape[0], K_P), float("-inf"), tl.float32)
-    top_cols = tl.zeros((scores.shape[0], K_P), tl.int32)
-    for t in tl.static_range(TOPK):
-        best = tl.max(scores, axis=1)
-        best_col = tl.argmax(scores, axis=1).to(tl.int32)
-        top_vals = tl.where(slot == t, best[:, None], top_vals)
-        top_cols = tl.where(slot == t, best_col[:, None], top_cols)
-        scores = tl.where(cols[None, :] == best_col[:, None], float("-inf"), scores)
-    return top_vals, top_cols
 
 
 @triton.jit
-def _half_scores(q_ptr, k_ptr, rows, row_mask, half_offset, stride_qn, stride_kk, n_keys,
-                 HALF: tl.constexpr, HALF_P: tl.constexpr, NK_P: tl.constexpr):
-    """Scores (BLOCK_M, NK_P) fp32 of one query half against one sub-key table; padded keys -inf.
+def _ranking_keys(scores, ids):
+    """int64 keys whose descending order ranks ``scores`` (fp32) as ranked_topk does, ties to lower ``ids``."""
+    bits = scores.to(tl.int32, bitcast=True)
+    bits = tl.where(scores == 0.0, 0, bits)  # -0.0 ranks equal to +0.0
+    bits = tl.where(scores != scores, 0x7FC00000, bits)  # every NaN is one NaN, above +inf
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # negative floats: larger magnitude ranks lower
+    return (ordered.to(tl.int64) << 32) + ((4294967296 - 1) - ids.to(tl.int64))
 
-    Inputs are upcast to fp32 and multiplied in IEEE fp32 (no TF32): the lookup
-    is memory-bound, and exact-as-the-reference scores keep the top-k identical.
+
+@triton.jit
+def _key_score(keys):
+    """The fp32 score a ranking key was made from (NaN canonical, -0.0 as +0.0)."""
+    ordered = (keys >> 32).to(tl.int32)
+    bits = tl.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _key_id(keys):
+    return ((4294967296 - 1) - (keys - ((keys >> 32) << 32))).to(tl.int32)
+
+
+@constexpr_function
+def _log2(n):
+    return int(n).bit_length() - 1
+
+
+@triton.jit
+def _position(n_dims: tl.constexpr, axis: tl.constexpr):
+    """0/1 along hypercube axis ``axis`` (counted from the innermost), broadcastable to the cube."""
+    return tl.reshape(tl.arange(0, 2), [1] * (n_dims - axis - 1) + [2] + [1] * axis)
+
+
+@triton.jit
+def _compare_swap(cube, descending_here, axis: tl.constexpr):
+    """One bitonic compare-and-swap across hypercube axis ``axis`` (int64 keys).
+
+    The partner of each element is the pair's sum minus itself (exact in wrapping int64
+    arithmetic): one plain reduction, which the interpreter runs vectorised too.
     """
+    n_dims: tl.constexpr = len(cube.shape)
+    partner = tl.sum(cube, axis=n_dims - 1 - axis, keep_dims=True) - cube
+    upper = _position(n_dims, axis)
+    return tl.where((cube > partner) != (descending_here ^ upper), partner, cube)
+
+
+@triton.jit
+def _bitonic_merge(cube, stage: tl.constexpr, order: tl.constexpr):
+    """Merge runs of 2**stage along the innermost axes; order 0 ascending, 1 descending, 2 alternating."""
+    if order == 2:
+        descending_here = _position(len(cube.shape), stage)
+    else:
+        descending_here = order
+    for i in tl.static_range(stage):
+        cube = _compare_swap(cube, descending_here, stage - 1 - i)
+    return cube
+
+
+@triton.jit
+def _row_topk(x, K: tl.constexpr):
+    """The K (a power of two) largest int64 keys of each row of x (R, C), largest first.
+
+    Bitonic top-k: sort runs of K, then repeatedly keep the larger of each pair of
+    runs and re-merge, as tl.topk does, but with a compare-and-swap the interpreter
+    runs at numpy speed (tl.topk's xor reduction runs element by element there).
+    """
+    log_n: tl.constexpr = _log2(x.shape[1])
+    log_k: tl.constexpr = _log2(K)
+    cube = tl.reshape(x, [2] * _log2(x.numel))
+    for i in tl.static_range(1, log_k + 1):
+        cube = _bitonic_merge(cube, i, 2 if i < log_n else 1)
+    for i in tl.static_range(log_k + 1, log_n + 1):
+        cube = tl.max(cube, axis=len(cube.shape) - 1 - log_k)
+        cube = _bitonic_merge(cube, log_k, 2 if i < log_n else 1)
+    return tl.reshape(cube, [x.shape[0], K])
+
+
+@triton.jit
+def _half_keys(q_ptr, k_ptr, rows, row_mask, half_offset, stride_qn, stride_kk, n_keys,
+               HALF: tl.constexpr, HALF_P: tl.constexpr, NK_P: tl.constexpr, IEEE: tl.constexpr):
+    """Ranking keys (BLOCK_M, NK_P) of one query half against one sub-key table; padded keys rank last."""
     d = tl.arange(0, HALF_P)
-    keys = tl.arange(0, NK_P)
+    cols = tl.arange(0, NK_P)
     q = tl.load(q_ptr + rows[:, None] * stride_qn + half_offset + d[None, :],
                 mask=row_mask[:, None] & (d[None, :] < HALF), other=0.0)
-    k = tl.load(k_ptr + keys[None, :] * stride_kk + d[:, None],
-                mask=(keys[None, :] < n_keys) & (d[:, None] < HALF), other=0.0)  # (HALF_P, NK_P)
-    s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
-    return tl.where(keys[None, :] < n_keys, s, float("-inf"))
+    k = tl.load(k_ptr + cols[None, :] * stride_kk + d[:, None],
+                mask=(cols[None, :] < n_keys) & (d[:, None] < HALF), other=0.0)  # (HALF_P, NK_P)
+    if IEEE:
+        s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
+    else:
+        s = tl.dot(q, k)  # 16-bit inputs, fp32 accumulation
+    s = tl.where(cols[None, :] < n_keys, s, float("-inf"))  # padded ids > every real id: ranked below real -inf
+    return _ranking_keys(s, cols[None, :])
+
+
+@triton.jit
+def _select_and_store(a_keys, b_keys, cand_a, cand_b, cand_live, n_keys, out_scores, out_slots, out_mask,
+                      TOPK: tl.constexpr, K_P: tl.constexpr):
+    """Top-TOPK of the candidate pairs (cand_a[c], cand_b[c]) of each row, stored best first.
+
+    a_keys, b_keys: (BLOCK_M, K_P) each half's top keys, best first; cand_*: (BLOCK_M, C) ranks.
+    Candidate ids follow the reference: c = ia * TOPK + ib.
+    """
+    a = tl.gather(a_keys, cand_a, axis=1)
+    b = tl.gather(b_keys, cand_b, axis=1)
+    sums = _key_score(a) + _key_score(b)
+    keys = _ranking_keys(sums, cand_a * TOPK + cand_b)
+    keys = tl.where(cand_live, keys, tl.full(keys.shape, -2147483648, tl.int64) << 32)  # -2**63: below every key
+    best = _row_topk(keys, K_P)  # (BLOCK_M, K_P)
+    cand = _key_id(best)
+    ia = cand // TOPK
+    ib = cand % TOPK
+    i = _key_id(tl.gather(a_keys, ia, axis=1))
+    j = _key_id(tl.gather(b_keys, ib, axis=1))
+    tl.store(out_scores, _key_score(best), mask=out_mask)
+    tl.store(out_slots, i.to(tl.int64) * n_keys + j, mask=out_mask)
 
 
 @triton.jit
 def product_key_topk_kernel(
-    q_ptr, k_ptr, out_scores_ptr, out_idx_ptr,
+    q_ptr, k_ptr, cand_ptr, out_scores_ptr, out_idx_ptr,
     N, n_keys,
     stride_qn, stride_qh, stride_kh, stride_kc, stride_kk, stride_on, stride_oh,
     HALF: tl.constexpr, HALF_P: tl.constexpr, NK_P: tl.constexpr,
-    TOPK: tl.constexpr, K_P: tl.constexpr, BLOCK_M: tl.constexpr,
+    TOPK: tl.constexpr, K_P: tl.constexpr, C_P: tl.constexpr, BLOCK_M: tl.constexpr, IEEE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
@@ -63,55 +167,89 @@ def product_key_topk_kernel(
     row_mask = rows < N
     q_head = q_ptr + head * stride_qh
     k_head = k_ptr + head * stride_kh
-    key_cols = tl.arange(0, NK_P)
 
-    s1 = _half_scores(q_head, k_head, rows, row_mask, 0, stride_qn, stride_kk, n_keys, HALF, HALF_P, NK_P)
-    a, a_idx = _row_topk(s1, key_cols, TOPK, K_P)
-    s2 = _half_scores(q_head, k_head + stride_kc, rows, row_mask, HALF, stride_qn, stride_kk, n_keys,
-                      HALF, HALF_P, NK_P)
-    b, b_idx = _row_topk(s2, key_cols, TOPK, K_P)
-
-    # k x k candidate sums, flattened row-major: candidate c = ia * K_P + ib.
-    cand = tl.reshape(a[:, :, None] + b[:, None, :], (BLOCK_M, K_P * K_P))
-    cand_cols = tl.arange(0, K_P * K_P)
-    scores, best = _row_topk(cand, cand_cols, TOPK, K_P)
-
-    # Map candidate ids back to sub-key ids without a gather: select by equality.
-    slot = tl.arange(0, K_P)[None, None, :]
-    ia = (best // K_P)[:, :, None]
-    ib = (best % K_P)[:, :, None]
-    i = tl.sum(tl.where(slot == ia, a_idx[:, None, :], 0), axis=2)
-    j = tl.sum(tl.where(slot == ib, b_idx[:, None, :], 0), axis=2)
-    slots = i.to(tl.int64) * n_keys + j.to(tl.int64)
+    a_keys = _row_topk(_half_keys(q_head, k_head, rows, row_mask, 0, stride_qn, stride_kk, n_keys,
+                                HALF, HALF_P, NK_P, IEEE), K_P)
+    b_keys = _row_topk(_half_keys(q_head, k_head + stride_kc, rows, row_mask, HALF, stride_qn, stride_kk, n_keys,
+                                HALF, HALF_P, NK_P, IEEE), K_P)
 
     out_cols = tl.arange(0, K_P)[None, :]
     out_off = rows[:, None] * stride_on + head * stride_oh + out_cols
     out_mask = row_mask[:, None] & (out_cols < TOPK)
-    tl.store(out_scores_ptr + out_off, scores, mask=out_mask)
-    tl.store(out_idx_ptr + out_off, slots, mask=out_mask)
+    out_scores = out_scores_ptr + out_off
+    out_slots = out_idx_ptr + out_off
+
+    # +inf in one half's top-k meeting -inf in the other's breaks the pruning (inf - inf = NaN).
+    ranks = tl.arange(0, K_P)[None, :] < TOPK
+    a_s = _key_score(a_keys)
+    b_s = _key_score(b_keys)
+    a_pos = tl.max((ranks & (a_s == float("inf"))).to(tl.int32), axis=1)
+    a_neg = tl.max((ranks & (a_s == float("-inf"))).to(tl.int32), axis=1)
+    b_pos = tl.max((ranks & (b_s == float("inf"))).to(tl.int32), axis=1)
+    b_neg = tl.max((ranks & (b_s == float("-inf"))).to(tl.int32), axis=1)
+    mixed = tl.max((a_pos & b_neg) | (a_neg & b_pos), axis=0)
+    if mixed != 0:
+        c = tl.arange(0, K_P * K_P)[None, :] + tl.zeros((BLOCK_M, 1), tl.int32)
+        ca = c // K_P
+        cb = c % K_P
+        _select_and_store(a_keys, b_keys, ca, cb, (ca < TOPK) & (cb < TOPK), n_keys, out_scores, out_slots,
+                          out_mask, TOPK, K_P)
+    else:
+        c = tl.arange(0, C_P)
+        packed = tl.load(cand_ptr + c)[None, :] + tl.zeros((BLOCK_M, 1), tl.int32)  # ia * K_P + ib, -1 = dead
+        live = packed >= 0
+        packed = tl.where(live, packed, 0)
+        _select_and_store(a_keys, b_keys, packed // K_P, packed % K_P, live, n_keys, out_scores, out_slots,
+                          out_mask, TOPK, K_P)
 
 
 def _pow2_at_least(n: int, floor: int) -> int:
     return max(floor, triton.next_power_of_2(n))
 
 
-def product_key_topk(query: torch.Tensor, keys: torch.Tensor, topk: int, block_m: int = 32):
-    """query (N, H, key_dim), keys (H, 2, n_keys, key_dim//2) -> fp32 scores, int64 slots (N, H, topk)."""
+@functools.lru_cache(maxsize=None)
+def _candidate_pairs(topk: int, k_pad: int, device: torch.device) -> torch.Tensor:
+    """(C_P,) int32 packed ranks ia * k_pad + ib of the pairs with (ia+1)(ib+1) <= topk, padded with -1
+    to a power of two; built once per (topk, device), so a launch copies nothing from the host."""
+    pairs = [ia * k_pad + ib for ia in range(topk) for ib in range(topk) if (ia + 1) * (ib + 1) <= topk]
+    pairs += [-1] * (_pow2_at_least(len(pairs), 16) - len(pairs))
+    return torch.tensor(pairs, dtype=torch.int32, device=device)
+
+
+def topk_block_config(num_tokens: int, heads: int, half: int, n_keys: int, topk: int,
+                      dtype: torch.dtype) -> dict:
+    """Block sizes and warps for the top-k kernel (chosen with benchmarks/triton_aot.py: no spills,
+    >= 25% estimated occupancy on sm_90)."""
+    return {"BLOCK_M": 16, "num_warps": 4}
+
+
+def plan_product_key_topk(query: torch.Tensor, keys: torch.Tensor, topk: int) -> tuple[LaunchPlan, tuple]:
+    """The launch the op makes: (plan, (scores, slots)) with outputs allocated, query/keys made contiguous."""
     query = query.contiguous()
     keys = keys.contiguous()
-    num_tokens, heads, key_dim = query.shape
+    num_tokens, heads, _ = query.shape
     n_keys, half = keys.shape[2], keys.shape[3]
     scores = torch.empty(num_tokens, heads, topk, dtype=torch.float32, device=query.device)
     slots = torch.empty(num_tokens, heads, topk, dtype=torch.int64, device=query.device)
-    if num_tokens == 0:
-        return scores, slots
-    grid = (triton.cdiv(num_tokens, block_m), heads)
-    product_key_topk_kernel[grid](
-        query, keys, scores, slots,
-        num_tokens, n_keys,
-        query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
-        scores.stride(0), scores.stride(1),
-        HALF=half, HALF_P=_pow2_at_least(half, 16), NK_P=_pow2_at_least(n_keys, 16),
-        TOPK=topk, K_P=_pow2_at_least(topk, 1), BLOCK_M=block_m,
+    config = topk_block_config(num_tokens, heads, half, n_keys, topk, query.dtype)
+    block_m = config["BLOCK_M"]
+    k_pad = _pow2_at_least(topk, 1)
+    pairs = _candidate_pairs(topk, k_pad, query.device)
+    plan = LaunchPlan(
+        product_key_topk_kernel, (triton.cdiv(num_tokens, block_m), heads),
+        (query, keys, pairs, scores, slots, num_tokens, n_keys,
+         query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
+         scores.stride(0), scores.stride(1)),
+        dict(HALF=half, HALF_P=_pow2_at_least(half, 16), NK_P=_pow2_at_least(n_keys, 16),
+             TOPK=topk, K_P=k_pad, C_P=pairs.numel(), BLOCK_M=block_m, IEEE=query.dtype == torch.float32 or query.device.type == "cpu",
+             num_warps=config["num_warps"]),
     )
+    return plan, (scores, slots)
+
+
+def product_key_topk(query: torch.Tensor, keys: torch.Tensor, topk: int):
+    """query (N, H, key_dim), keys (H, 2, n_keys, key_dim//2) -> fp32 scores, int64 slots (N, H, topk)."""
+    plan, (scores, slots) = plan_product_key_topk(query, keys, topk)
+    if query.shape[0] > 0:
+        plan.launch()
     return scores, slots
