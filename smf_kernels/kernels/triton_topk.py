@@ -114,43 +114,68 @@ def _row_topk(x, K: tl.constexpr):
 
 @triton.jit
 def _half_keys(q_ptr, k_ptr, rows, row_mask, half_offset, stride_qn, stride_kk, n_keys,
-               HALF: tl.constexpr, HALF_P: tl.constexpr, NK_P: tl.constexpr, IEEE: tl.constexpr):
-    """Ranking keys (BLOCK_M, NK_P) of one query half against one sub-key table; padded keys rank last."""
-    d = tl.arange(0, HALF_P)
+               HALF: tl.constexpr, NK_P: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+    """Ranking keys (BLOCK_M, NK_P) of one query half against one sub-key table; padded keys rank last.
+
+    The dot runs over BLOCK_D-wide slices of the half (a loop, not one unrolled dot).
+    """
     cols = tl.arange(0, NK_P)
-    q = tl.load(q_ptr + rows[:, None] * stride_qn + half_offset + d[None, :],
-                mask=row_mask[:, None] & (d[None, :] < HALF), other=0.0)
-    k = tl.load(k_ptr + cols[None, :] * stride_kk + d[:, None],
-                mask=(cols[None, :] < n_keys) & (d[:, None] < HALF), other=0.0)  # (HALF_P, NK_P)
-    if IEEE:
-        s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
-    else:
-        s = tl.dot(q, k)  # 16-bit inputs, fp32 accumulation
+    s = tl.zeros((rows.shape[0], NK_P), tl.float32)
+    for d0 in range(0, HALF, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        q = tl.load(q_ptr + rows[:, None] * stride_qn + half_offset + d[None, :],
+                    mask=row_mask[:, None] & (d[None, :] < HALF), other=0.0)
+        k = tl.load(k_ptr + cols[None, :] * stride_kk + d[:, None],
+                    mask=(cols[None, :] < n_keys) & (d[:, None] < HALF), other=0.0)  # (BLOCK_D, NK_P)
+        if IEEE:
+            s = tl.dot(q.to(tl.float32), k.to(tl.float32), s, input_precision="ieee")
+        else:
+            s = tl.dot(q, k, s)  # 16-bit inputs, fp32 accumulation
     s = tl.where(cols[None, :] < n_keys, s, float("-inf"))  # padded ids > every real id: ranked below real -inf
     return _ranking_keys(s, cols[None, :])
 
 
 @triton.jit
-def _select_and_store(a_keys, b_keys, cand_a, cand_b, cand_live, n_keys, out_scores, out_slots, out_mask,
-                      TOPK: tl.constexpr, K_P: tl.constexpr):
-    """Top-TOPK of the candidate pairs (cand_a[c], cand_b[c]) of each row, stored best first.
+def _pair_keys(a_scores, b_scores, ia, ib, live, TOPK: tl.constexpr):
+    """Ranking keys of the candidate pairs (ia, ib); candidate id c = ia * TOPK + ib as in the reference."""
+    keys = _ranking_keys(a_scores + b_scores, ia * TOPK + ib)
+    return tl.where(live, keys, tl.full(keys.shape, -2147483648, tl.int64) << 32)  # -2**63: below every key
 
-    a_keys, b_keys: (BLOCK_M, K_P) each half's top keys, best first; cand_*: (BLOCK_M, C) ranks.
-    Candidate ids follow the reference: c = ia * TOPK + ib.
-    """
-    a = tl.gather(a_keys, cand_a, axis=1)
-    b = tl.gather(b_keys, cand_b, axis=1)
-    sums = _key_score(a) + _key_score(b)
-    keys = _ranking_keys(sums, cand_a * TOPK + cand_b)
-    keys = tl.where(cand_live, keys, tl.full(keys.shape, -2147483648, tl.int64) << 32)  # -2**63: below every key
-    best = _row_topk(keys, K_P)  # (BLOCK_M, K_P)
+
+@triton.jit
+def _store_pairs(best, a_keys, b_keys, n_keys, out_scores, out_slots, out_mask, TOPK: tl.constexpr):
+    """Store the best pair keys (BLOCK_M, K_P) as scores and slot ids i * n_keys + j."""
     cand = _key_id(best)
-    ia = cand // TOPK
-    ib = cand % TOPK
-    i = _key_id(tl.gather(a_keys, ia, axis=1))
-    j = _key_id(tl.gather(b_keys, ib, axis=1))
+    i = _key_id(tl.gather(a_keys, cand // TOPK, axis=1))
+    j = _key_id(tl.gather(b_keys, cand % TOPK, axis=1))
     tl.store(out_scores, _key_score(best), mask=out_mask)
     tl.store(out_slots, i.to(tl.int64) * n_keys + j, mask=out_mask)
+
+
+@triton.jit
+def _best_pruned_pairs(a_keys, b_keys, cand_ptr, TOPK: tl.constexpr, K_P: tl.constexpr, C_P: tl.constexpr):
+    """Top keys (BLOCK_M, K_P) among the pairs with (ia+1)(ib+1) <= TOPK, listed at cand_ptr."""
+    packed = tl.load(cand_ptr + tl.arange(0, C_P))[None, :] + tl.zeros((a_keys.shape[0], 1), tl.int32)
+    live = packed >= 0  # ia * K_P + ib, -1 = padding
+    ia = tl.where(live, packed // K_P, 0)
+    ib = tl.where(live, packed % K_P, 0)
+    a = _key_score(tl.gather(a_keys, ia, axis=1))
+    b = _key_score(tl.gather(b_keys, ib, axis=1))
+    return _row_topk(_pair_keys(a, b, ia, ib, live, TOPK), K_P)
+
+
+@triton.jit
+def _best_of_all_pairs(a_keys, b_keys, TOPK: tl.constexpr, K_P: tl.constexpr):
+    """Top keys (BLOCK_M, K_P) among all TOPK x TOPK pairs: one first-half rank at a time, merged
+    into a running top-K_P (small in registers; only blocks where +inf meets -inf come here)."""
+    ranks = tl.arange(0, K_P)[None, :]
+    b = _key_score(b_keys)
+    best = tl.full(a_keys.shape, -2147483648, tl.int64) << 32
+    for ia in range(TOPK):
+        a = _key_score(tl.sum(tl.where(ranks == ia, a_keys, 0), axis=1))[:, None]
+        row = _pair_keys(a, b, ia + tl.zeros_like(ranks), ranks, ranks < TOPK, TOPK)
+        best = _row_topk(tl.reshape(tl.join(best, row), (a_keys.shape[0], 2 * K_P)), K_P)
+    return best
 
 
 @triton.jit
@@ -158,7 +183,7 @@ def product_key_topk_kernel(
     q_ptr, k_ptr, cand_ptr, out_scores_ptr, out_idx_ptr,
     N, n_keys,
     stride_qn, stride_qh, stride_kh, stride_kc, stride_kk, stride_on, stride_oh,
-    HALF: tl.constexpr, HALF_P: tl.constexpr, NK_P: tl.constexpr,
+    HALF: tl.constexpr, NK_P: tl.constexpr, BLOCK_D: tl.constexpr,
     TOPK: tl.constexpr, K_P: tl.constexpr, C_P: tl.constexpr, BLOCK_M: tl.constexpr, IEEE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -169,15 +194,13 @@ def product_key_topk_kernel(
     k_head = k_ptr + head * stride_kh
 
     a_keys = _row_topk(_half_keys(q_head, k_head, rows, row_mask, 0, stride_qn, stride_kk, n_keys,
-                                HALF, HALF_P, NK_P, IEEE), K_P)
+                                HALF, NK_P, BLOCK_D, IEEE), K_P)
     b_keys = _row_topk(_half_keys(q_head, k_head + stride_kc, rows, row_mask, HALF, stride_qn, stride_kk, n_keys,
-                                HALF, HALF_P, NK_P, IEEE), K_P)
+                                HALF, NK_P, BLOCK_D, IEEE), K_P)
 
     out_cols = tl.arange(0, K_P)[None, :]
     out_off = rows[:, None] * stride_on + head * stride_oh + out_cols
     out_mask = row_mask[:, None] & (out_cols < TOPK)
-    out_scores = out_scores_ptr + out_off
-    out_slots = out_idx_ptr + out_off
 
     # +inf in one half's top-k meeting -inf in the other's breaks the pruning (inf - inf = NaN).
     ranks = tl.arange(0, K_P)[None, :] < TOPK
@@ -189,18 +212,10 @@ def product_key_topk_kernel(
     b_neg = tl.max((ranks & (b_s == float("-inf"))).to(tl.int32), axis=1)
     mixed = tl.max((a_pos & b_neg) | (a_neg & b_pos), axis=0)
     if mixed != 0:
-        c = tl.arange(0, K_P * K_P)[None, :] + tl.zeros((BLOCK_M, 1), tl.int32)
-        ca = c // K_P
-        cb = c % K_P
-        _select_and_store(a_keys, b_keys, ca, cb, (ca < TOPK) & (cb < TOPK), n_keys, out_scores, out_slots,
-                          out_mask, TOPK, K_P)
+        best = _best_of_all_pairs(a_keys, b_keys, TOPK, K_P)
     else:
-        c = tl.arange(0, C_P)
-        packed = tl.load(cand_ptr + c)[None, :] + tl.zeros((BLOCK_M, 1), tl.int32)  # ia * K_P + ib, -1 = dead
-        live = packed >= 0
-        packed = tl.where(live, packed, 0)
-        _select_and_store(a_keys, b_keys, packed // K_P, packed % K_P, live, n_keys, out_scores, out_slots,
-                          out_mask, TOPK, K_P)
+        best = _best_pruned_pairs(a_keys, b_keys, cand_ptr, TOPK, K_P, C_P)
+    _store_pairs(best, a_keys, b_keys, n_keys, out_scores_ptr + out_off, out_idx_ptr + out_off, out_mask, TOPK)
 
 
 def _pow2_at_least(n: int, floor: int) -> int:
@@ -216,11 +231,13 @@ def _candidate_pairs(topk: int, k_pad: int, device: torch.device) -> torch.Tenso
     return torch.tensor(pairs, dtype=torch.int32, device=device)
 
 
-def topk_block_config(num_tokens: int, heads: int, half: int, n_keys: int, topk: int,
-                      dtype: torch.dtype) -> dict:
-    """Block sizes and warps for the top-k kernel (chosen with benchmarks/triton_aot.py: no spills,
-    >= 25% estimated occupancy on sm_90)."""
-    return {"BLOCK_M": 16, "num_warps": 4}
+def topk_block_config(half: int, dtype: torch.dtype) -> dict:
+    """Block sizes and warps for the top-k kernel, chosen with benchmarks/triton_aot.py at the paper
+    shape (no spills, >= 25% estimated occupancy on sm_90): fp32 runs its dot on the FMA path, whose
+    operand slices cost registers, so it takes thin 16-wide slices and 8 warps."""
+    if dtype == torch.float32:
+        return {"BLOCK_M": 16, "BLOCK_D": 16, "num_warps": 8}
+    return {"BLOCK_M": 16, "BLOCK_D": min(32, _pow2_at_least(half, 16)), "num_warps": 4}
 
 
 def plan_product_key_topk(query: torch.Tensor, keys: torch.Tensor, topk: int) -> tuple[LaunchPlan, tuple]:
@@ -231,7 +248,7 @@ def plan_product_key_topk(query: torch.Tensor, keys: torch.Tensor, topk: int) ->
     n_keys, half = keys.shape[2], keys.shape[3]
     scores = torch.empty(num_tokens, heads, topk, dtype=torch.float32, device=query.device)
     slots = torch.empty(num_tokens, heads, topk, dtype=torch.int64, device=query.device)
-    config = topk_block_config(num_tokens, heads, half, n_keys, topk, query.dtype)
+    config = topk_block_config(half, query.dtype)
     block_m = config["BLOCK_M"]
     k_pad = _pow2_at_least(topk, 1)
     pairs = _candidate_pairs(topk, k_pad, query.device)
@@ -240,7 +257,7 @@ def plan_product_key_topk(query: torch.Tensor, keys: torch.Tensor, topk: int) ->
         (query, keys, pairs, scores, slots, num_tokens, n_keys,
          query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
          scores.stride(0), scores.stride(1)),
-        dict(HALF=half, HALF_P=_pow2_at_least(half, 16), NK_P=_pow2_at_least(n_keys, 16),
+        dict(HALF=half, BLOCK_D=config["BLOCK_D"], NK_P=_pow2_at_least(n_keys, 16),
              TOPK=topk, K_P=k_pad, C_P=pairs.numel(), BLOCK_M=block_m, IEEE=query.dtype == torch.float32 or query.device.type == "cpu",
              num_warps=config["num_warps"]),
     )
