@@ -1,22 +1,30 @@
-"""Triton kernels: weighted gather + read histogram, and its backwards.
+"""Triton kernels: weighted gather + read histogram, and its backward, without host syncs.
 
 Every kernel tiles the value row in BLOCK_D columns, so any width D works
-(896 is not a power of two), and accumulates in fp32.
+(896 is not a power of two), and accumulates in fp32. Each launcher is split
+into a ``plan_*`` function returning the :class:`LaunchPlan` it launches, which
+benchmarks/triton_aot.py compiles for sm_90 / sm_80.
 
 * gather_forward_kernel: out[n] = sum_l w[n,l] * V[idx[n,l]]; the first column
-  tile of each token block also bumps counts[idx] for valid tokens (integer
-  atomics: exact and order-independent).
-* gather_backward_weights_kernel: dW[n,l] = V[idx[n,l]] . dOut[n] (no atomics).
-* scatter_rows_kernel: dV[target] += w[n,l] * dOut[n] with fp32 atomics, where
-  target = idx (dense) or slot_of_row[idx] (sparse; -1 = not selected, skipped).
-* segment_rows_kernel: the deterministic alternative. Reads sorted by row form
-  segments; each segment is summed in a fixed order and written once.
+  tile of each token block also bumps counts[idx] for valid tokens (relaxed
+  integer atomics: exact and order-independent).
+* gather_backward_kernel: one pass over each grad_out row tile gives both
+  dW[n,l] = V[idx[n,l]] . dOut[n] (kept in registers across the column tiles)
+  and dV[target] += w[n,l] * dOut[n] (relaxed fp32 atomics), where target = idx
+  (dense) or slot_of_row[idx] (sparse; -1 = not selected, skipped).
+* gather_backward_weights_kernel: dW alone (the deterministic path's half).
+* segment_rows_kernel: the deterministic dV. Reads sorted by target form one
+  segment per output row, found by binary search (no host sync, grid sized by
+  the output rows); each is summed in a fixed order and written once; reads of
+  unselected rows sort past the end and are never touched.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from smf_kernels.kernels.launch import LaunchPlan
 
 
 @triton.jit
@@ -49,165 +57,240 @@ def gather_forward_kernel(
                 read_mask = read_mask & valid[:, None]
             idx2 = tl.load(idx_ptr + rows[:, None] * stride_idx + ls[None, :], mask=read_mask, other=0)
             ones = tl.full((BLOCK_N, BLOCK_L), 1, tl.int64)
-            tl.atomic_add(counts_ptr + idx2, ones, mask=read_mask)
+            tl.atomic_add(counts_ptr + idx2, ones, mask=read_mask, sem="relaxed")
+
+
+@triton.jit
+def gather_backward_kernel(
+    v_ptr, idx_ptr, w_ptr, g_ptr, slot_ptr, dv_ptr, gw_ptr,
+    N, L, D, stride_v, stride_idx, stride_w, stride_g, stride_gw,
+    HAS_SLOTS: tl.constexpr, NEED_VALUES: tl.constexpr, NEED_WEIGHTS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
+):
+    """Both gradients in one pass: each grad_out tile is loaded once and used for every read."""
+    pid_n = tl.program_id(0)
+    rows = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    row_mask = rows < N
+    ls = tl.arange(0, BLOCK_L)[None, :]
+    grad_w = tl.zeros((BLOCK_N, BLOCK_L), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        tile_mask = row_mask[:, None] & (cols[None, :] < D)
+        g = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=tile_mask, other=0.0).to(tl.float32)
+        for l in range(0, L):
+            idx = tl.load(idx_ptr + rows * stride_idx + l, mask=row_mask, other=0)
+            if NEED_WEIGHTS:
+                v = tl.load(v_ptr + idx[:, None] * stride_v + cols[None, :], mask=tile_mask, other=0.0)
+                part = tl.sum(v.to(tl.float32) * g, axis=1)
+                grad_w = tl.where(ls == l, grad_w + part[:, None], grad_w)
+            if NEED_VALUES:
+                w = tl.load(w_ptr + rows * stride_w + l, mask=row_mask, other=0.0).to(tl.float32)
+                if HAS_SLOTS:
+                    target = tl.load(slot_ptr + idx, mask=row_mask, other=-1)
+                    keep = row_mask & (target >= 0)
+                else:
+                    target = idx
+                    keep = row_mask
+                tl.atomic_add(dv_ptr + target[:, None] * D + cols[None, :], w[:, None] * g,
+                              mask=keep[:, None] & (cols[None, :] < D), sem="relaxed")
+    if NEED_WEIGHTS:
+        tl.store(gw_ptr + rows[:, None] * stride_gw + ls, grad_w, mask=row_mask[:, None] & (ls < L))
 
 
 @triton.jit
 def gather_backward_weights_kernel(
     v_ptr, idx_ptr, g_ptr, gw_ptr,
     N, L, D, stride_v, stride_idx, stride_g, stride_gw,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
 ):
+    """dW alone: the grad_out tile is loaded once per column tile and used for all L reads."""
     pid_n = tl.program_id(0)
-    rows = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # int64: rows * stride can pass 2**31
+    rows = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     row_mask = rows < N
-    for l in range(0, L):
-        idx = tl.load(idx_ptr + rows * stride_idx + l, mask=row_mask, other=0)
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for d0 in range(0, D, BLOCK_D):
-            cols = d0 + tl.arange(0, BLOCK_D)
-            tile_mask = row_mask[:, None] & (cols[None, :] < D)
+    ls = tl.arange(0, BLOCK_L)[None, :]
+    grad_w = tl.zeros((BLOCK_N, BLOCK_L), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        tile_mask = row_mask[:, None] & (cols[None, :] < D)
+        g = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=tile_mask, other=0.0).to(tl.float32)
+        for l in range(0, L):
+            idx = tl.load(idx_ptr + rows * stride_idx + l, mask=row_mask, other=0)
             v = tl.load(v_ptr + idx[:, None] * stride_v + cols[None, :], mask=tile_mask, other=0.0)
-            g = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=tile_mask, other=0.0)
-            acc += tl.sum(v.to(tl.float32) * g.to(tl.float32), axis=1)
-        tl.store(gw_ptr + rows * stride_gw + l, acc, mask=row_mask)
-
-
-@triton.jit
-def scatter_rows_kernel(
-    g_ptr, idx_ptr, w_ptr, slot_ptr, dst_ptr,
-    N, L, D, stride_g, stride_idx, stride_w,
-    HAS_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    pid_n = tl.program_id(0)
-    pid_d = tl.program_id(1)
-    rows = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # int64: rows * stride can pass 2**31
-    row_mask = rows < N
-    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    col_mask = cols < D
-    g = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :],
-                mask=row_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
-    for l in range(0, L):
-        idx = tl.load(idx_ptr + rows * stride_idx + l, mask=row_mask, other=0)
-        w = tl.load(w_ptr + rows * stride_w + l, mask=row_mask, other=0.0).to(tl.float32)
-        if HAS_SLOTS:
-            target = tl.load(slot_ptr + idx, mask=row_mask, other=-1)
-            keep = row_mask & (target >= 0)
-        else:
-            target = idx
-            keep = row_mask
-        tl.atomic_add(dst_ptr + target[:, None] * D + cols[None, :], w[:, None] * g,
-                      mask=keep[:, None] & col_mask[None, :])
+            part = tl.sum(v.to(tl.float32) * g, axis=1)
+            grad_w = tl.where(ls == l, grad_w + part[:, None], grad_w)
+    tl.store(gw_ptr + rows[:, None] * stride_gw + ls, grad_w, mask=row_mask[:, None] & (ls < L))
 
 
 @triton.jit
 def segment_rows_kernel(
-    g_ptr, w_ptr, order_ptr, seg_start_ptr, seg_target_ptr, dst_ptr,
-    S, L, D, stride_g,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    g_ptr, w_ptr, order_ptr, sorted_ptr, dst_ptr,
+    R, P, L, D, stride_g,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, SEARCH_STEPS: tl.constexpr,
 ):
-    """dst[target[s]] = sum over the reads p of segment s (in sorted order) of w[p] * g[p // L].
+    """dst[r] = sum over the reads p of target r (in sorted order) of w[p] * g[p // L], for r < R.
 
-    order: flat read ids (n * L + l) sorted by row; seg_start: (S + 1,) offsets
-    into order; seg_target: (S,) destination row, -1 = skip. Fixed summation order.
+    order: (P,) flat read ids (n * L + l) sorted by target; sorted: (P,) their targets,
+    ascending (reads to skip carry target R). Row r's segment is [lower(r), lower(r + 1)),
+    found by a branch-free binary search over ``sorted``.
     """
-    pid_s = tl.program_id(0)
+    pid_r = tl.program_id(0)
     pid_d = tl.program_id(1)
-    segs = (pid_s * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)
-    seg_mask = segs < S
+    targets = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    row_mask = targets < R
     cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     col_mask = cols < D
-    start = tl.load(seg_start_ptr + segs, mask=seg_mask, other=0)
-    end = tl.load(seg_start_ptr + segs + 1, mask=seg_mask, other=0)
-    target = tl.load(seg_target_ptr + segs, mask=seg_mask, other=-1)
-    longest = tl.max(end - start, axis=0)
-    acc = tl.zeros((BLOCK_S, BLOCK_D), dtype=tl.float32)
+    # lower bound of targets and targets + 1 (first position whose target is >= the key)
+    start = tl.zeros((BLOCK_R,), tl.int64)
+    end = tl.zeros((BLOCK_R,), tl.int64)
+    step = tl.full((BLOCK_R,), 1, tl.int64) << (SEARCH_STEPS - 1)
+    for _ in tl.static_range(SEARCH_STEPS):
+        probe = start + step - 1
+        below = tl.load(sorted_ptr + probe, mask=probe < P, other=R + 1) < targets
+        start = tl.where(below, start + step, start)
+        probe = end + step - 1
+        below = tl.load(sorted_ptr + probe, mask=probe < P, other=R + 1) < targets + 1
+        end = tl.where(below, end + step, end)
+        step = step >> 1
+    longest = tl.max(tl.where(row_mask, end - start, 0), axis=0)
+    acc = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
     for p in range(0, longest):
         pos = start + p
-        live = seg_mask & (pos < end)
+        live = row_mask & (pos < end)
         read = tl.load(order_ptr + pos, mask=live, other=0)
         w = tl.load(w_ptr + read, mask=live, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + (read // L)[:, None] * stride_g + cols[None, :],
                     mask=live[:, None] & col_mask[None, :], other=0.0)
         acc += w[:, None] * g.to(tl.float32)
-    keep = seg_mask & (target >= 0)
-    tl.store(dst_ptr + target[:, None] * D + cols[None, :], acc, mask=keep[:, None] & col_mask[None, :])
+    tl.store(dst_ptr + targets[:, None] * D + cols[None, :], acc, mask=row_mask[:, None] & col_mask[None, :])
 
 
 def _block_d(dim: int) -> int:
     return min(128, triton.next_power_of_2(dim))
 
 
-def gather_forward(values, indices, weights, counts, valid, block_n: int = 16):
+def _block_l(per_token: int) -> int:
+    return max(2, triton.next_power_of_2(per_token))
+
+
+def _dummy(t: torch.Tensor) -> torch.Tensor:
+    return t  # any tensor of the right device stands in for an absent optional pointer
+
+
+def plan_gather_forward(values, indices, weights, counts, valid, block_n: int = 16):
+    """(plan, out): the forward launch and its (N, D) output, values' dtype."""
     values, indices, weights = values.contiguous(), indices.contiguous(), weights.contiguous()
     num_tokens, per_token = indices.shape
     dim = values.shape[1]
     out = torch.empty(num_tokens, dim, dtype=values.dtype, device=values.device)
-    if num_tokens == 0:
-        return out
     block_d = _block_d(dim)
-    grid = (triton.cdiv(num_tokens, block_n), triton.cdiv(dim, block_d))
-    gather_forward_kernel[grid](
-        values, indices, weights, out,
-        counts if counts is not None else indices, valid if valid is not None else indices,
-        num_tokens, per_token, dim, values.stride(0), indices.stride(0), weights.stride(0), out.stride(0),
-        HAS_COUNTS=counts is not None, HAS_VALID=valid is not None,
-        BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_L=triton.next_power_of_2(per_token),
+    plan = LaunchPlan(
+        gather_forward_kernel, (triton.cdiv(num_tokens, block_n), triton.cdiv(dim, block_d)),
+        (values, indices, weights, out,
+         counts if counts is not None else _dummy(indices), valid if valid is not None else _dummy(indices),
+         num_tokens, per_token, dim, values.stride(0), indices.stride(0), weights.stride(0), out.stride(0)),
+        dict(HAS_COUNTS=counts is not None, HAS_VALID=valid is not None,
+             BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_L=_block_l(per_token), num_warps=4),
     )
+    return plan, out
+
+
+def gather_forward(values, indices, weights, counts, valid):
+    plan, out = plan_gather_forward(values, indices, weights, counts, valid)
+    if indices.shape[0] > 0:
+        plan.launch()
     return out
 
 
-def gather_backward_weights(grad_out, values, indices, block_n: int = 16):
-    values, indices = values.contiguous(), indices.contiguous()
+def plan_gather_backward(grad_out, values, indices, weights, slots, out_rows, need_values, need_weights,
+                         block_n: int = 16):
+    """(plan, (grad_values fp32 (out_rows or 0, D), grad_weights fp32 (N or 0, L))): the one-pass backward.
+
+    slots: None (dense: target = row) or (M,) int64 row -> output row, -1 = not selected.
+    """
+    values, indices, weights, grad_out = (values.contiguous(), indices.contiguous(), weights.contiguous(),
+                                          grad_out.contiguous())
+    num_tokens, per_token = indices.shape
+    dim = values.shape[1]
+    grad_values = torch.zeros(out_rows if need_values else 0, dim, dtype=torch.float32, device=values.device)
+    grad_weights = torch.empty(num_tokens if need_weights else 0, per_token, dtype=torch.float32,
+                               device=values.device)
+    plan = LaunchPlan(
+        gather_backward_kernel, (triton.cdiv(num_tokens, block_n),),
+        (values, indices, weights, grad_out, slots if slots is not None else _dummy(indices),
+         grad_values, grad_weights if need_weights else _dummy(grad_values),
+         num_tokens, per_token, dim, values.stride(0), indices.stride(0), weights.stride(0), grad_out.stride(0),
+         per_token),
+        dict(HAS_SLOTS=slots is not None, NEED_VALUES=need_values, NEED_WEIGHTS=need_weights,
+             BLOCK_N=block_n, BLOCK_D=min(64, _block_d(dim)), BLOCK_L=_block_l(per_token), num_warps=4),
+    )
+    return plan, (grad_values, grad_weights)
+
+
+def plan_gather_backward_weights(grad_out, values, indices, block_n: int = 16):
+    """(plan, grad_weights fp32 (N, L))."""
+    values, indices, grad_out = values.contiguous(), indices.contiguous(), grad_out.contiguous()
     num_tokens, per_token = indices.shape
     dim = values.shape[1]
     grad_weights = torch.empty(num_tokens, per_token, dtype=torch.float32, device=values.device)
-    if num_tokens == 0:
-        return grad_weights
-    gather_backward_weights_kernel[(triton.cdiv(num_tokens, block_n),)](
-        values, indices, grad_out, grad_weights,
-        num_tokens, per_token, dim, values.stride(0), indices.stride(0), grad_out.stride(0),
-        grad_weights.stride(0), BLOCK_N=block_n, BLOCK_D=_block_d(dim),
+    plan = LaunchPlan(
+        gather_backward_weights_kernel, (triton.cdiv(num_tokens, block_n),),
+        (values, indices, grad_out, grad_weights,
+         num_tokens, per_token, dim, values.stride(0), indices.stride(0), grad_out.stride(0), grad_weights.stride(0)),
+        dict(BLOCK_N=block_n, BLOCK_D=min(64, _block_d(dim)), BLOCK_L=_block_l(per_token), num_warps=4),
     )
-    return grad_weights
+    return plan, grad_weights
 
 
-def scatter_rows(grad_out, indices, weights, slots, out_rows, block_n: int = 16):
-    """fp32 (out_rows, D) sums of w * grad_out per target row, with atomics."""
-    indices, weights = indices.contiguous(), weights.contiguous()
+def plan_segment_rows(grad_out, indices, weights, slots, out_rows, block_r: int = 16):
+    """(plan, grad_values fp32 (out_rows, D)): the deterministic value gradient, sorted by target row.
+
+    Only device-side torch ops (sort, gather, where) precede the launch: no host sync.
+    """
     num_tokens, per_token = indices.shape
     dim = grad_out.shape[1]
-    dst = torch.zeros(out_rows, dim, dtype=torch.float32, device=grad_out.device)
-    if num_tokens == 0:
-        return dst
+    grad_out = grad_out.contiguous()
+    dst = torch.empty(out_rows, dim, dtype=torch.float32, device=grad_out.device)
+    targets = indices.reshape(-1)
+    if slots is not None:  # unselected rows (-1) sort past every output row
+        targets = slots[targets]
+        targets = torch.where(targets >= 0, targets, out_rows)
+    sorted_targets, order = torch.sort(targets, stable=True)
+    reads = targets.numel()
     block_d = _block_d(dim)
-    grid = (triton.cdiv(num_tokens, block_n), triton.cdiv(dim, block_d))
-    scatter_rows_kernel[grid](
-        grad_out, indices, weights, slots if slots is not None else indices, dst,
-        num_tokens, per_token, dim, grad_out.stride(0), indices.stride(0), weights.stride(0),
-        HAS_SLOTS=slots is not None, BLOCK_N=block_n, BLOCK_D=block_d,
+    plan = LaunchPlan(
+        segment_rows_kernel, (triton.cdiv(out_rows, block_r), triton.cdiv(dim, block_d)),
+        (grad_out, weights.contiguous().reshape(-1), order, sorted_targets, dst,
+         out_rows, reads, per_token, dim, grad_out.stride(0)),
+        dict(BLOCK_R=block_r, BLOCK_D=block_d, SEARCH_STEPS=max(1, reads.bit_length()), num_warps=4),
     )
-    return dst
+    return plan, dst
 
 
-def segment_rows(grad_out, indices, weights, slots, out_rows, block_s: int = 16):
-    """Deterministic version of :func:`scatter_rows`: sort reads by row, sum each row's segment once."""
-    num_tokens, per_token = indices.shape
-    dim = grad_out.shape[1]
-    dst = torch.zeros(out_rows, dim, dtype=torch.float32, device=grad_out.device)
-    if num_tokens == 0:
-        return dst
-    flat = indices.reshape(-1)
-    sorted_rows, order = torch.sort(flat, stable=True)
-    seg_rows, seg_len = torch.unique_consecutive(sorted_rows, return_counts=True)  # host sync
-    seg_start = torch.zeros(seg_rows.numel() + 1, dtype=torch.int64, device=flat.device)
-    seg_start[1:] = torch.cumsum(seg_len, 0)
-    seg_target = seg_rows if slots is None else slots[seg_rows]
-    block_d = _block_d(dim)
-    grid = (triton.cdiv(seg_rows.numel(), block_s), triton.cdiv(dim, block_d))
-    segment_rows_kernel[grid](
-        grad_out, weights.contiguous().reshape(-1), order, seg_start, seg_target, dst,
-        seg_rows.numel(), per_token, dim, grad_out.stride(0),
-        BLOCK_S=block_s, BLOCK_D=block_d,
-    )
-    return dst
+def gather_backward(grad_out, values, indices, weights, slots, out_rows, deterministic, need_values,
+                    need_weights):
+    """(grad_values fp32 (out_rows or 0, D), grad_weights fp32 (N or 0, L)).
+
+    Default: one fused pass with atomics. Deterministic: dW by its own kernel
+    (no atomics) and dV by sorted segments, each row summed in a fixed order.
+    """
+    num_tokens = indices.shape[0]
+    if not deterministic:
+        plan, grads = plan_gather_backward(grad_out, values, indices, weights, slots, out_rows, need_values,
+                                           need_weights)
+        if num_tokens > 0 and (need_values or need_weights):
+            plan.launch()
+        return grads
+    dim, per_token = values.shape[1], indices.shape[1]
+    grad_values = torch.zeros(0, dim, dtype=torch.float32, device=values.device)
+    grad_weights = torch.zeros(0, per_token, dtype=torch.float32, device=values.device)
+    if need_values:
+        plan, grad_values = plan_segment_rows(grad_out, indices, weights, slots, out_rows)
+        if num_tokens == 0:
+            grad_values.zero_()
+        elif out_rows > 0:
+            plan.launch()
+    if need_weights:
+        plan, grad_weights = plan_gather_backward_weights(grad_out, values, indices)
+        if num_tokens > 0:
+            plan.launch()
+    return grad_values, grad_weights

@@ -1,11 +1,7 @@
 """The ``triton`` backend: CUDA tensors, or CPU tensors under TRITON_INTERPRET=1."""
 from __future__ import annotations
 
-import sys
-
 import torch
-
-from smf_kernels.kernels import backward_in_two_passes
 
 from smf_kernels.backends import triton_interpreter_enabled
 from smf_kernels.kernels import triton_gather, triton_topk
@@ -45,17 +41,10 @@ def gather_forward(values, indices, weights, counts, valid):
     return out
 
 
-def gather_backward_weights(grad_out, values, indices):
-    return triton_gather.gather_backward_weights(grad_out, values, indices)
-
-
-def gather_backward_values(grad_out, indices, weights, num_rows, update_rows, deterministic):
-    slots = None if update_rows is None else row_to_slot_map(update_rows, num_rows)
-    out_rows = num_rows if update_rows is None else update_rows.numel()
-    accumulate = triton_gather.segment_rows if deterministic else triton_gather.scatter_rows
-    return accumulate(grad_out, indices, weights, slots, out_rows)
-
-
 def gather_backward(grad_out, values, indices, weights, update_rows, deterministic, need_values, need_weights):
-    return backward_in_two_passes(sys.modules[__name__], grad_out, values, indices, weights, update_rows,
-                                  deterministic, need_values, need_weights)
+    slots = None if update_rows is None else row_to_slot_map(update_rows, values.shape[0])
+    out_rows = values.shape[0] if update_rows is None else update_rows.numel()
+    grad_values, grad_weights = triton_gather.gather_backward(
+        grad_out, values, indices, weights, slots, out_rows, deterministic, need_values, need_weights)
+    dtype = torch.promote_types(values.dtype, torch.float32)
+    return grad_values.to(dtype), grad_weights.to(dtype)
