@@ -11,6 +11,28 @@ from smf_kernels._checks import no_autocast
 from smf_kernels.ops import DeferredRows, product_key_topk, weighted_gather
 
 
+
+class _RowsReadBy(DeferredRows):
+    """``update_rows="read"``: the distinct slots a forward read, found only when the backward asks.
+
+    The forward makes no host sync; the backward's ``torch.unique`` (which sizes the
+    sparse gradient) makes the one a data-dependent row count needs.
+    """
+
+    def __init__(self, indices: torch.Tensor) -> None:
+        self._indices = indices
+        super().__init__()
+
+    @property
+    def rows(self) -> torch.Tensor:
+        if self._rows is None:
+            self._rows = torch.unique(self._indices)
+        return self._rows
+
+    @rows.setter
+    def rows(self, value: torch.Tensor | None) -> None:
+        self._rows = value
+
 class ProductKeyMemory(nn.Module):
     """Product-key memory layer (Lample et al. 2019; Berges et al. 2024).
 
@@ -137,7 +159,7 @@ class ProductKeyMemory(nn.Module):
         weights = torch.softmax(scores.float(), dim=-1)
         num_tokens, per_token = flat.shape[0], self.heads * self.topk
         counting = self.count_reads
-        update_rows = torch.unique(indices) if isinstance(self.update_rows, str) else self.update_rows
+        update_rows = _RowsReadBy(indices) if isinstance(self.update_rows, str) else self.update_rows
         read = weighted_gather(
             self.values,
             indices.view(num_tokens, per_token),
