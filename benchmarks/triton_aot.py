@@ -1,0 +1,194 @@
+"""Compile every Triton kernel the ops launch, ahead of time, for sm_90 and sm_80, with no GPU.
+
+Each launch comes from the op's own ``plan_*`` function (same kernel, grid,
+constexprs and num_warps as the launcher picks) at the paper configuration:
+N = 16,384 tokens, 4 heads, n_keys 128, top-16, key_dim 256, D 896, fp32 and
+bf16. Triton's compiler and the ptxas bundled in its wheel build each kernel;
+ptxas's report gives registers and spills, the compiled kernel its shared
+memory; occupancy is estimated from them (see :func:`estimated_occupancy`).
+
+    python benchmarks/triton_aot.py [--json PATH] [--jobs 2] [--tokens 16384]
+
+Prints a markdown table. Kernels compile in a fresh Triton cache (times are
+honest cold compiles), in a pool of worker processes.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import io
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+
+# The kernels must be compiled, not interpreted: set before triton.jit decorators run.
+os.environ["TRITON_INTERPRET"] = "0"
+os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
+
+TARGETS = {"sm_90": 90, "sm_80": 80}
+DTYPES = ("fp32", "bf16")
+# Per-SM limits: registers, max resident warps, max resident blocks, shared memory per SM
+# and per block (bytes); the driver reserves 1 KiB of shared memory per block.
+SM_LIMITS = {
+    90: dict(regs=65536, warps=64, blocks=32, smem=233472, smem_block=232448),
+    80: dict(regs=65536, warps=64, blocks=32, smem=167936, smem_block=166912),
+}
+PAPER = dict(tokens=16384, heads=4, n_keys=128, topk=16, key_dim=256, dim=896, selected_rows=4096)
+
+
+def estimated_occupancy(capability: int, registers: int, shared_bytes: int, num_warps: int) -> float:
+    """Fraction of the SM's maximum resident warps one kernel reaches, limited by registers
+    (allocated per warp in units of 256, per thread rounded up to 8), shared memory (per block,
+    128-byte granules plus the 1 KiB reserve), warps and blocks."""
+    lim = SM_LIMITS[capability]
+    regs_per_warp = -(-max(registers, 1) * 32 // 256) * 256
+    by_regs = (lim["regs"] // regs_per_warp) // num_warps
+    smem = -(-(shared_bytes + 1024) // 128) * 128
+    by_smem = lim["smem"] // smem if shared_bytes <= lim["smem_block"] else 0
+    blocks = min(by_regs, by_smem, lim["warps"] // num_warps, lim["blocks"])
+    return blocks * num_warps / lim["warps"]
+
+
+def launch_plans(dtype_name: str, config: dict) -> dict:
+    """{name: LaunchPlan} for every kernel the ops launch at ``config``, on meta tensors."""
+    import torch
+
+    from smf_kernels.kernels import triton_gather, triton_topk
+    from smf_kernels.kernels.torch_impl import row_to_slot_map
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    meta = dict(device="meta")
+    n, heads, n_keys, topk = config["tokens"], config["heads"], config["n_keys"], config["topk"]
+    rows, per_token, dim = n_keys * n_keys, heads * topk, config["dim"]
+    query = torch.empty(n, heads, config["key_dim"], dtype=dtype, **meta)
+    keys = torch.empty(heads, 2, n_keys, config["key_dim"] // 2, dtype=dtype, **meta)
+    values = torch.empty(rows, dim, dtype=dtype, **meta)
+    indices = torch.empty(n, per_token, dtype=torch.int64, **meta)
+    weights = torch.empty(n, per_token, dtype=dtype, **meta)
+    counts = torch.empty(rows, dtype=torch.int64, **meta)
+    valid = torch.empty(n, dtype=torch.bool, **meta)
+    grad_out = torch.empty(n, dim, dtype=dtype, **meta)
+    update_rows = torch.empty(config["selected_rows"], dtype=torch.int64, **meta)
+    slots = row_to_slot_map(update_rows, rows)
+    selected = update_rows.numel()
+    return {
+        "product_key_topk": triton_topk.plan_product_key_topk(query, keys, topk)[0],
+        "gather_forward (counts, valid)": triton_gather.plan_gather_forward(values, indices, weights, counts,
+                                                                            valid)[0],
+        "gather_backward (dense)": triton_gather.plan_gather_backward(grad_out, values, indices, weights, None,
+                                                                      rows, True, True)[0],
+        "gather_backward (sparse rows)": triton_gather.plan_gather_backward(grad_out, values, indices, weights,
+                                                                            slots, selected, True, True)[0],
+        "gather_backward_weights (deterministic)": triton_gather.plan_gather_backward_weights(
+            grad_out, values, indices)[0],
+        "segment_rows (deterministic, sparse)": triton_gather.plan_segment_rows(grad_out, indices, weights, slots,
+                                                                                selected)[0],
+    }
+
+
+def _ptxas_numbers(log: str) -> tuple[int, int]:
+    """(registers, spill bytes = stores + loads) from ptxas -v output."""
+    regs = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    if regs is None or spills is None:
+        raise RuntimeError(f"unexpected ptxas report:\n{log}")
+    return int(regs.group(1)), int(spills.group(1)) + int(spills.group(2))
+
+
+def compile_one(job: tuple[str, str, str, dict]) -> dict:
+    """Compile one (kernel, target, dtype) exactly as its launcher would specialise it."""
+    name, target_name, dtype_name, config = job
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    plan = launch_plans(dtype_name, config)[name]
+    capability = TARGETS[target_name]
+    record = dict(kernel=name, target=target_name, dtype=dtype_name,
+                  config={k: v for k, v in plan.meta.items()}, ok=False, registers=None, spill_bytes=None,
+                  shared_bytes=None, num_warps=plan.meta.get("num_warps", 4), occupancy=None, compile_s=None)
+    target = GPUTarget("cuda", capability, 32)
+    backend = make_backend(target)
+    fn = plan.kernel
+    binder = create_function_from_signature(fn.signature, fn.params, backend)  # the launcher's own binder
+    bound, specialization, options = binder(*plan.args, **plan.meta)
+    options, signature, constexprs, attrs = fn._pack_args(backend, plan.meta, bound, specialization, options)
+    log = io.StringIO()
+    start = time.perf_counter()
+    try:
+        with contextlib.redirect_stdout(log):
+            kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+                                    options=options.__dict__)
+    except Exception as exc:  # reported in the table, not raised: one failure must not hide the others
+        record["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        return record
+    record["compile_s"] = round(time.perf_counter() - start, 2)
+    registers, spills = _ptxas_numbers(log.getvalue())
+    record.update(ok=True, registers=registers, spill_bytes=spills, shared_bytes=int(kernel.metadata.shared),
+                  num_warps=int(kernel.metadata.num_warps))
+    record["occupancy"] = estimated_occupancy(capability, registers, record["shared_bytes"], record["num_warps"])
+    return record
+
+
+def ptxas_unavailable_reason() -> str | None:
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+        path = get_ptxas(90).path
+    except Exception as exc:  # no nvidia backend in this triton build
+        return f"triton's nvidia backend is unavailable: {exc}"
+    if not path or not os.path.exists(path):
+        return "triton's bundled ptxas is absent"
+    return None
+
+
+def run(config: dict, jobs: int, kernels: list[str] | None = None) -> list[dict]:
+    names = kernels or list(launch_plans("fp32", config))
+    work = [(name, target, dtype, config) for name in names for target in TARGETS for dtype in DTYPES]
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["TRITON_CACHE_DIR"] = cache  # cold compiles; the workers inherit it
+        with concurrent.futures.ProcessPoolExecutor(max_workers=jobs) as pool:
+            return list(pool.map(compile_one, work))
+
+
+def table(records: list[dict]) -> str:
+    lines = ["| kernel | target | dtype | ok | regs | spill B | smem B | warps | occupancy | compile s |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in records:
+        occ = "-" if r["occupancy"] is None else f"{r['occupancy']:.0%}"
+        lines.append(f"| {r['kernel']} | {r['target']} | {r['dtype']} | {'yes' if r['ok'] else r.get('error', 'no')} "
+                     f"| {r['registers']} | {r['spill_bytes']} | {r['shared_bytes']} | {r['num_warps']} | {occ} "
+                     f"| {r['compile_s']} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the records to this path")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiler worker processes")
+    parser.add_argument("--tokens", type=int, default=PAPER["tokens"])
+    parser.add_argument("--kernel", action="append", help="only this kernel (repeatable)")
+    args = parser.parse_args(argv)
+    reason = ptxas_unavailable_reason()
+    if reason:
+        print(f"skipped: {reason}")
+        return 2
+    config = dict(PAPER, tokens=args.tokens)
+    records = run(config, args.jobs, args.kernel)
+    print(f"Triton AOT report: N={config['tokens']}, heads {config['heads']}, n_keys {config['n_keys']}, "
+          f"top-{config['topk']}, key_dim {config['key_dim']}, D {config['dim']}, "
+          f"T {config['selected_rows']} selected rows\n")
+    print(table(records))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+    return 0 if all(r["ok"] for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.exit(main())

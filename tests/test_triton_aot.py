@@ -1,0 +1,54 @@
+"""benchmarks/triton_aot.py compiles every Triton kernel for sm_90 and sm_80 within the budgets.
+
+Runs the real compiler and triton's bundled ptxas (no GPU needed), in a subprocess
+without the interpreter, at the paper configuration (N = 16,384).
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import triton_aot  # noqa: E402
+
+MAX_COMPILE_S = 60.0
+
+
+def test_estimated_occupancy_matches_hand_counts():
+    # 128 regs x 4 warps: 16 KiB regs per block -> 4 blocks = 16 warps of 64.
+    assert triton_aot.estimated_occupancy(90, 128, 0, 4) == 16 / 64
+    # 255 regs round to 256 per thread: 2 blocks of 4 warps.
+    assert triton_aot.estimated_occupancy(90, 255, 0, 4) == 8 / 64
+    # shared memory bound: 80 KiB per block fits twice in 228 KiB, once in 164 KiB.
+    assert triton_aot.estimated_occupancy(90, 32, 80 * 1024, 4) == 8 / 64
+    assert triton_aot.estimated_occupancy(80, 32, 80 * 1024, 4) == 8 / 64
+    assert triton_aot.estimated_occupancy(80, 32, 100 * 1024, 4) == 4 / 64
+    assert triton_aot.estimated_occupancy(90, 32, 0, 4) == 1.0
+
+
+def test_every_kernel_compiles_within_budget(tmp_path):
+    reason = triton_aot.ptxas_unavailable_reason()
+    if reason:
+        pytest.skip(f"cannot compile ahead of time: {reason}")
+    out = tmp_path / "aot.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="0")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "triton_aot.py"), "--json", str(out),
+                           "--jobs", "2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.exists(), proc.stdout + proc.stderr
+    records = json.loads(out.read_text())
+    kernels = {r["kernel"] for r in records}
+    assert "product_key_topk" in kernels and len(kernels) >= 5
+    assert {(r["target"], r["dtype"]) for r in records} == {(t, d) for t in ("sm_90", "sm_80") for d in ("fp32", "bf16")}
+    failed = [r for r in records if not r["ok"]]
+    assert not failed, f"kernels that did not compile: {failed}\n{proc.stdout}"
+    for r in records:
+        assert r["compile_s"] <= MAX_COMPILE_S, f"{r['kernel']} {r['target']} {r['dtype']}: {r['compile_s']} s"
+        if r["target"] == "sm_90":
+            assert r["spill_bytes"] == 0, f"{r['kernel']} {r['dtype']} spills {r['spill_bytes']} B on sm_90"
+            assert r["occupancy"] >= 0.25, f"{r['kernel']} {r['dtype']}: occupancy {r['occupancy']:.0%} on sm_90"
+    assert proc.returncode == 0, proc.stdout + proc.stderr
