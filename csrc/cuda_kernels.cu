@@ -2,7 +2,6 @@
 // library used is CUB (shipped with the CUDA toolkit) for the stable radix sort.
 #include <cuda_bf16.h>
 
-#include <climits>
 #include <cub/device/device_radix_sort.cuh>
 
 #include "cuda_kernels.h"
@@ -30,23 +29,47 @@ __device__ inline void store(float value, float* out) { *out = value; }
 __device__ inline void store(double value, double* out) { *out = value; }
 __device__ inline void store(float value, __nv_bfloat16* out) { *out = __float2bfloat16_rn(value); }
 
-// Order of (value, index) entries: larger value first, then lower index.
+// The ranking of reference.ranked_topk (torch.topk's order made total): NaN above
+// +inf above every finite value above -inf; equal values (NaNs included) by the
+// lower index. True when (v, i) ranks before (w, j).
 template <typename A>
 __device__ inline bool before(A v, long long i, A w, long long j) {
+  const bool v_nan = isnan(v), w_nan = isnan(w);
+  if (v_nan || w_nan) return v_nan && (!w_nan || i < j);
   return v > w || (v == w && i < j);
 }
 
-// Every lane ends with the first entry of the warp in that order.
+// Every lane ends with the first entry of the warp in that order; index -1 = no entry.
 template <typename A>
 __device__ inline void warp_first(A& value, long long& index) {
   for (int offset = kWarp / 2; offset > 0; offset >>= 1) {
     const A other_value = __shfl_xor_sync(0xffffffffu, value, offset);
     const long long other_index = __shfl_xor_sync(0xffffffffu, index, offset);
-    if (before(other_value, other_index, value, index)) {
+    if (other_index >= 0 && (index < 0 || before(other_value, other_index, value, index))) {
       value = other_value;
       index = other_index;
     }
   }
+}
+
+// One round of a warp's k-round selection over entries e in [0, count) with values value(e):
+// (previous, previous_index) becomes the first entry ranked after it. Start from
+// (NaN, -1), which ranks before every entry. In a total order the next entry always
+// exists while rounds <= count, so the index never stays -1.
+template <typename A, typename Value>
+__device__ inline void next_ranked(Value value, long long count, int lane, A& previous, long long& previous_index) {
+  A best = 0;
+  long long best_index = -1;
+  for (long long e = lane; e < count; e += kWarp) {
+    const A v = value(e);
+    if (before(previous, previous_index, v, e) && (best_index < 0 || before(v, e, best, best_index))) {
+      best = v;
+      best_index = e;
+    }
+  }
+  warp_first(best, best_index);
+  previous = best;
+  previous_index = best_index;
 }
 
 template <typename A>
@@ -56,8 +79,8 @@ __device__ inline A warp_sum(A value) {  // same tree on every run: deterministi
 }
 
 // One block per (token, head): sub-key scores (a warp per sub-key), the top-k of
-// each half (warps 0 and 1, k rounds of a warp arg-max), then the frontier merge
-// of the k x k pair sums (warp 0; row i's next candidate is b[next[i]]).
+// each half (warps 0 and 1, k rounds of a warp arg-max), then k rounds over the
+// k x k pair sums (warp 0), all under the ranking of reference.ranked_topk.
 template <typename T>
 __global__ void topk_kernel(const T* query, const T* keys, typename Accumulate<T>::type* scores, int64_t* indices,
                             int64_t heads, int64_t key_dim, int64_t n_keys, int64_t topk) {
@@ -67,7 +90,6 @@ __global__ void topk_kernel(const T* query, const T* keys, typename Accumulate<T
   A* q = reinterpret_cast<A*>(top_index + 2 * topk);             // (key_dim,)
   A* s = q + key_dim;                                             // (2, n_keys)
   A* top = s + 2 * n_keys;                                        // (2, topk)
-  int* next = reinterpret_cast<int*>(top + 2 * topk);             // (topk,)
   const int64_t nh = blockIdx.x, h = nh % heads, half = key_dim / 2;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
 
@@ -84,49 +106,29 @@ __global__ void topk_kernel(const T* query, const T* keys, typename Accumulate<T
   __syncthreads();
   if (warp < 2) {  // round r takes the first entry after round r-1's
     const A* half_scores = s + warp * n_keys;
-    A previous = INFINITY;
+    A previous = NAN;
     long long previous_index = -1;
     for (int64_t r = 0; r < topk; ++r) {
-      A best = -INFINITY;
-      long long best_index = LLONG_MAX;
-      for (long long j = lane; j < n_keys; j += kWarp) {
-        const A v = half_scores[j];
-        if (before(previous, previous_index, v, j) && before(v, j, best, best_index)) {
-          best = v;
-          best_index = j;
-        }
-      }
-      warp_first(best, best_index);
+      next_ranked([&](long long j) { return half_scores[j]; }, n_keys, lane, previous, previous_index);
       if (lane == 0) {
-        top[warp * topk + r] = best;
-        top_index[warp * topk + r] = best_index;
+        top[warp * topk + r] = previous;
+        top_index[warp * topk + r] = previous_index;
       }
-      previous = best;
-      previous_index = best_index;
     }
   }
   __syncthreads();
+  // The k x k pair sums, candidate c = ia * topk + ib as in the reference, ranked the same way.
+  // All pairs, not a frontier merge: +inf meeting -inf makes NaN where a row's sums are not monotone.
   if (warp == 0) {
-    for (int64_t i = lane; i < topk; i += kWarp) next[i] = 0;
-    __syncwarp();
+    A previous = NAN;
+    long long previous_index = -1;
     for (int64_t r = 0; r < topk; ++r) {
-      A best = -INFINITY;
-      long long best_row = LLONG_MAX;
-      for (long long i = lane; i < topk; i += kWarp) {
-        if (next[i] == topk) continue;
-        const A v = top[i] + top[topk + next[i]];
-        if (before(v, i, best, best_row)) {
-          best = v;
-          best_row = i;
-        }
-      }
-      warp_first(best, best_row);
+      next_ranked([&](long long c) { return top[c / topk] + top[topk + c % topk]; }, topk * topk, lane, previous,
+                  previous_index);
       if (lane == 0) {
-        scores[nh * topk + r] = best;
-        indices[nh * topk + r] = top_index[best_row] * n_keys + top_index[topk + next[best_row]];
-        ++next[best_row];
+        scores[nh * topk + r] = previous;
+        indices[nh * topk + r] = top_index[previous_index / topk] * n_keys + top_index[topk + previous_index % topk];
       }
-      __syncwarp();
     }
   }
 }
@@ -243,8 +245,7 @@ cudaError_t topk_forward_impl(const void* query, const void* keys, void* scores,
                               int64_t heads, int64_t key_dim, int64_t n_keys, int64_t topk, cudaStream_t stream) {
   using A = typename Accumulate<T>::type;
   if (num_tokens * heads == 0) return cudaSuccess;
-  const size_t shared = 2 * topk * sizeof(long long) + (key_dim + 2 * n_keys + 2 * topk) * sizeof(A) +
-                        topk * sizeof(int);
+  const size_t shared = 2 * topk * sizeof(long long) + (key_dim + 2 * n_keys + 2 * topk) * sizeof(A);
   cudaError_t status = cudaFuncSetAttribute(topk_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(shared));
   if (status != cudaSuccess) return status;
