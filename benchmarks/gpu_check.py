@@ -1,0 +1,210 @@
+"""One command for a CUDA machine: check every op's Triton path at full paper size and time it.
+
+    python benchmarks/gpu_check.py [--out gpu_check.md]      # CUDA: N = 16,384, paper config
+    python benchmarks/gpu_check.py --tiny                    # CPU, Triton interpreter (CI)
+    python benchmarks/gpu_check.py --roofline                # the floor table alone, no run
+
+For fp32 and bf16, each op (top-k lookup, gather + histogram, dense / sparse /
+deterministic backward) runs on the ``triton`` backend and is checked against
+the float64 reference: relative error of the outputs and, for the lookup, the
+fraction of slot ids equal to the reference's. Each op is then timed (median of
+CUDA-event timed runs) against the ``torch`` backend in the same run and against
+its H100 SXM floor (see :func:`floors`). Writes a markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+PAPER = dict(tokens=16384, n_keys=128, heads=4, topk=16, key_dim=256, dim=896, update_rows=4096)
+TINY = dict(tokens=20, n_keys=8, heads=2, topk=4, key_dim=32, dim=48, update_rows=12)
+# H100 SXM: HBM3 bandwidth, dense bf16 tensor-core and fp32 (non-tensor) peaks.
+HBM_BYTES_S = 3.35e12
+PEAK_FLOPS = {"bf16": 989e12, "fp32": 67e12}
+OPS = ("lookup", "gather+hist", "dense bwd", "sparse bwd", "deterministic sparse bwd")
+
+
+def floors(cfg: dict, dtype: str) -> dict:
+    """{op: (bytes that must cross HBM, flops, floor seconds)} at ``cfg``.
+
+    Bytes count each input once and each output once (the value table once when
+    it is read: its rows are re-read from L2, not HBM); flops count the
+    multiply-adds the op cannot avoid. Floor = max(bytes / HBM, flops / peak).
+    """
+    s = 2 if dtype == "bf16" else 4
+    n, h, k, kd, nk, d = cfg["tokens"], cfg["heads"], cfg["topk"], cfg["key_dim"], cfg["n_keys"], cfg["dim"]
+    m, reads, t = nk * nk, n * h * k, cfg["update_rows"]
+    ids_w = reads * (8 + 4)  # int64 slot ids, fp32 weights
+    out = {
+        "lookup": (n * h * kd * s + h * nk * kd * s + n * h * k * (4 + 8), 2 * n * h * nk * kd),
+        "gather+hist": (m * d * s + ids_w + n * d * s + 2 * m * 8, 2 * reads * d),
+        # grad_out, values, ids/weights in; dense fp32 grad values + grad weights out
+        "dense bwd": (n * d * s + m * d * s + ids_w + m * d * 4 + reads * 4, 4 * reads * d),
+        "sparse bwd": (n * d * s + m * d * s + ids_w + t * d * 4 + reads * 4, 4 * reads * d),
+        "deterministic sparse bwd": (n * d * s + m * d * s + ids_w + t * d * 4 + reads * 4, 4 * reads * d),
+    }
+    peak = PEAK_FLOPS[dtype]
+    return {op: (b, f, max(b / HBM_BYTES_S, f / peak)) for op, (b, f) in out.items()}
+
+
+def _inputs(cfg, dtype, device):
+    import torch
+
+    n, h, kd, nk, d = cfg["tokens"], cfg["heads"], cfg["key_dim"], cfg["n_keys"], cfg["dim"]
+    query = torch.randn(n, h, kd, device=device).to(dtype)
+    keys = (torch.rand(h, 2, nk, kd // 2, device=device) * 2 - 1).to(dtype)
+    values = torch.randn(nk * nk, d, device=device).to(dtype)
+    indices = torch.randint(0, nk * nk, (n, h * cfg["topk"]), device=device)
+    weights = torch.softmax(torch.randn(n, h * cfg["topk"], device=device), -1)
+    grad_out = torch.randn(n, d, device=device).to(dtype)
+    rows = torch.randperm(nk * nk, device=device)[: cfg["update_rows"]].sort().values
+    return query, keys, values, indices, weights, grad_out, rows
+
+
+def _rel(out, ref) -> float:
+    out = out.to_dense() if out.is_sparse else out
+    ref = ref.to_dense() if ref.is_sparse else ref
+    return float((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
+
+
+def _op_runner(op, backend, inputs, cfg):
+    """A zero-argument callable running ``op`` on ``backend``, returning its outputs."""
+    import torch
+
+    from smf_kernels.ops import product_key_topk, weighted_gather
+
+    query, keys, values, indices, weights, grad_out, rows = inputs
+    if op == "lookup":
+        return lambda: product_key_topk(query, keys, cfg["topk"], backend=backend)
+    if op == "gather+hist":
+        counts = torch.zeros(values.shape[0], dtype=torch.int64, device=values.device)
+        return lambda: (weighted_gather(values, indices, weights, counts=counts.zero_(), backend=backend), counts)
+
+    def backward():
+        torch.use_deterministic_algorithms(op.startswith("deterministic"))
+        v = values.detach().requires_grad_(True)
+        w = weights.detach().requires_grad_(True)
+        out = weighted_gather(v, indices, w, update_rows=None if op == "dense bwd" else rows, backend=backend)
+        gv, gw = torch.autograd.grad(out, (v, w), grad_out)
+        torch.use_deterministic_algorithms(False)
+        return gv, gw
+
+    return backward
+
+
+def _reference(op, inputs, cfg):
+    import torch
+
+    from smf_kernels.reference import product_key_topk_reference, weighted_gather_reference
+
+    query, keys, values, indices, weights, grad_out, rows = (x.double() if x.is_floating_point() else x
+                                                             for x in inputs)
+    if op == "lookup":
+        return product_key_topk_reference(query, keys, cfg["topk"])
+    if op == "gather+hist":
+        counts = torch.zeros(values.shape[0], dtype=torch.int64, device=values.device)
+        return weighted_gather_reference(values, indices, weights, counts=counts), counts
+    v = values.requires_grad_(True)
+    w = weights.requires_grad_(True)
+    gv, gw = torch.autograd.grad(weighted_gather_reference(v, indices, w), (v, w), grad_out)
+    if op != "dense bwd":
+        gv = gv[rows]
+    return gv, gw
+
+
+def _check(op, got, want) -> str:
+    if op == "lookup":
+        return f"scores {_rel(got[0], want[0]):.1e}, slots = ref {float((got[1] == want[1]).float().mean()):.2%}"
+    if op == "gather+hist":
+        return f"out {_rel(got[0], want[0]):.1e}, counts exact {bool((got[1] == want[1]).all())}"
+    gv = got[0].coalesce().values() if got[0].is_sparse else got[0]
+    return f"dV {_rel(gv, want[0]):.1e}, dW {_rel(got[1], want[1]):.1e}"
+
+
+def _time(fn, device, repeats) -> float:
+    import torch
+
+    if device.type == "cuda":
+        fn()  # warm-up (and compile)
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def run(cfg, device, repeats) -> list[str]:
+    import torch
+
+    lines = ["| op | dtype | check vs float64 reference | triton ms | torch ms | speed-up | floor ms | x floor |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
+    for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        torch.manual_seed(0)
+        inputs = _inputs(cfg, dtype, device)
+        bounds = floors(cfg, dtype_name)
+        for op in OPS:
+            triton_fn = _op_runner(op, "triton", inputs, cfg)
+            check = _check(op, triton_fn(), _reference(op, inputs, cfg))
+            t_triton = _time(triton_fn, device, repeats)
+            t_torch = _time(_op_runner(op, "torch", inputs, cfg), device, repeats)
+            floor = bounds[op][2]
+            lines.append(f"| {op} | {dtype_name} | {check} | {t_triton * 1e3:.3f} | {t_torch * 1e3:.3f} "
+                         f"| {t_torch / t_triton:.2f} | {floor * 1e3:.4f} | {t_triton / floor:.1f} |")
+    return lines
+
+
+def roofline_lines(cfg) -> list[str]:
+    lines = ["| op | dtype | bytes (MB) | GFLOP | floor µs | bound |", "|---|---|---:|---:|---:|---|"]
+    for dtype in ("fp32", "bf16"):
+        for op, (b, f, t) in floors(cfg, dtype).items():
+            bound = "memory" if b / HBM_BYTES_S >= f / PEAK_FLOPS[dtype] else "compute"
+            lines.append(f"| {op} | {dtype} | {b / 1e6:.1f} | {f / 1e9:.2f} | {t * 1e6:.1f} | {bound} |")
+    return lines
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="tiny config on CPU under the Triton interpreter")
+    p.add_argument("--roofline", action="store_true", help="print the floor table only")
+    p.add_argument("--repeats", type=int, default=None, help="timed runs per op (default 20, 1 with --tiny)")
+    p.add_argument("--out", help="also write the markdown table to this path")
+    args = p.parse_args(argv)
+    cfg = TINY if args.tiny else PAPER
+    if args.roofline:
+        print("\n".join(roofline_lines(cfg)))
+        return 0
+    if args.tiny:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before smf_kernels defines its kernels
+    import torch
+
+    device = torch.device("cpu" if args.tiny else "cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: run with --tiny for the CPU interpreter check")
+        return 2
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton interpreter)"
+    lines = [f"gpu_check on {name}: N={cfg['tokens']}, heads {cfg['heads']}, n_keys {cfg['n_keys']}, "
+             f"top-{cfg['topk']}, key_dim {cfg['key_dim']}, D {cfg['dim']}, T {cfg['update_rows']}", ""]
+    lines += run(cfg, device, args.repeats or (1 if args.tiny else 20))
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.exit(main())
