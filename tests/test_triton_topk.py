@@ -29,7 +29,7 @@ def _assert_same_selection(query, keys, topk):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(37, 2, 16, 12, 5), (5, 1, 34, 7, 7), (18, 1, 32, 20, 16)])
+@pytest.mark.parametrize("shape", [(37, 2, 16, 12, 5), (5, 1, 34, 7, 7), (18, 1, 32, 20, 16), (17, 1, 8, 5, 1)])
 def test_ties_resolve_as_the_reference(dtype, shape):
     n, heads, key_dim, n_keys, topk = shape
     query, keys = _integer_inputs(n, heads, key_dim, n_keys, dtype)
