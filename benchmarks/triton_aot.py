@@ -25,10 +25,6 @@ import sys
 import tempfile
 import time
 
-# The kernels must be compiled, not interpreted: set before triton.jit decorators run.
-os.environ["TRITON_INTERPRET"] = "0"
-os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
-
 TARGETS = {"sm_90": 90, "sm_80": 80}
 DTYPES = ("fp32", "bf16")
 # Per-SM limits: registers, max resident warps, max resident blocks, shared memory per SM
@@ -173,6 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=PAPER["tokens"])
     parser.add_argument("--kernel", action="append", help="only this kernel (repeatable)")
     args = parser.parse_args(argv)
+    if "smf_kernels" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        parser.error("run as a script: smf_kernels was imported with the Triton interpreter on")
+    # The kernels must be compiled, not interpreted: set before triton.jit decorators run
+    # (smf_kernels is imported only in the compile workers, which inherit this environment).
+    os.environ["TRITON_INTERPRET"] = "0"
+    os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
     reason = ptxas_unavailable_reason()
     if reason:
         print(f"skipped: {reason}")
