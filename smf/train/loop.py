@@ -162,6 +162,8 @@ def _train(config: RunConfig, world: World) -> dict:
         logger.info("resumed from %s at step %d of %d", checkpoint_path, step, total_steps)
     else:
         torch.manual_seed(config.seed + world.rank)  # dropout differs across ranks
+        if world.is_main:
+            truncate_log(log_path, 0)  # rows of an earlier attempt killed before its first checkpoint
     stop = total_steps if config.max_steps is None else min(config.max_steps, total_steps)
     logger.info("%d examples, %d steps per epoch, %d epochs, %d accumulation steps x %d processes",
                 len(features), plan.steps_per_epoch, config.epochs, plan.accumulation_steps, world.size)
