@@ -191,7 +191,7 @@ def test_weighted_gather_matches_the_reference_forward_and_backward(backend, cas
     else:
         weights = _layout(weights, case["weights_layout"])
     values = _layout(values, case["values_layout"]).requires_grad_()
-    weights = weights.detach().requires_grad_() if weights.is_leaf else weights.detach().requires_grad_()
+    weights = weights.detach().requires_grad_()
     counts = torch.randint(0, 3, (case["m"],)) if case["counting"] else None
     counts_before = None if counts is None else counts.clone()
     rows = case["rows"]
@@ -339,6 +339,38 @@ def test_controller_steps_update_only_selected_read_rows(backend, data):
             if mode == "row_sparse":  # dense_masked: AdamW's decay and momentum move every row, as in the paper's code
                 changed = (memory.values.detach() != before[name]).any(dim=1).nonzero().flatten()
                 assert bool(torch.isin(changed, selected[name]).all()), name
+
+
+# ------------------------------------------------------- the extension checks its own inputs
+def test_ext_entry_points_reject_what_the_kernels_would_misread():
+    """Called directly (past smf_kernels.ops), the extension raises instead of touching bad memory.
+    Runs in the ext child only: without these checks some calls would crash."""
+    if not IN_CHILD:
+        pytest.skip("runs in the child of test_ext_cases_in_a_subprocess")
+    from smf_kernels.kernels.ext_impl import _ext
+
+    values, indices, weights = torch.randn(5, 3), torch.randint(0, 5, (4, 2)), torch.rand(4, 2)
+    grad_out = torch.randn(4, 3)
+    calls = [
+        (lambda: _ext.topk_forward(torch.randn(2, 2, 4), torch.randn(2, 2, 3, 2), 4), "topk"),
+        (lambda: _ext.topk_forward(torch.randn(2, 2, 4), torch.randn(2, 2, 3, 3), 1), "keys"),
+        (lambda: _ext.topk_forward(torch.randn(2, 2, 4), torch.randn(2, 2, 3, 2).double(), 1), "keys"),
+        (lambda: _ext.gather_forward(values, indices + 5, weights, None, None), "indices"),
+        (lambda: _ext.gather_forward(values, indices, weights[:3], None, None), "weights"),
+        (lambda: _ext.gather_forward(values, indices.int(), weights, None, None), "indices"),
+        (lambda: _ext.gather_forward(values, indices, weights, torch.zeros(4, dtype=torch.long), None), "counts"),
+        (lambda: _ext.gather_forward(values, indices, weights, torch.zeros(5, dtype=torch.long),
+                                     torch.ones(3, dtype=torch.bool)), "valid"),
+        (lambda: _ext.gather_backward_weights(grad_out[:3], values, indices), "grad_out"),
+        (lambda: _ext.gather_backward_weights(grad_out, values, indices - 1), "indices"),
+        (lambda: _ext.gather_backward_values(grad_out, indices, weights, 4, None), "indices"),
+        (lambda: _ext.gather_backward_values(grad_out, indices, weights, 5, torch.tensor([7])), "update_rows"),
+        (lambda: _ext.gather_backward_values(grad_out, indices, weights, 5, torch.tensor([1, 1])), "update_rows"),
+        (lambda: _ext.gather_backward_values(grad_out, indices, weights, -1, None), "num_rows"),
+    ]
+    for call, name in calls:
+        with pytest.raises(RuntimeError, match=name):
+            call()
 
 
 # ------------------------------------------------------------------------ the ext in a child
