@@ -140,7 +140,10 @@ def claim_output_dir(output_dir: Path, world: World) -> Iterator[None]:
         yield
     except BaseException:
         if world.is_main:
-            _undo(output_dir, created_dir, before, old_run_config)
+            try:
+                _undo(output_dir, created_dir, before, old_run_config)
+            except OSError:  # never hide the run's own error behind a cleanup error
+                logger.exception("the run failed and cleaning up %s failed too", output_dir)
         raise
     finally:
         if fd is not None:
