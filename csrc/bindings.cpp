@@ -77,8 +77,7 @@ void check_index_range(const at::Tensor& t, const char* name, int64_t upper) {
               "), got values in [", *low, ", ", *high, "]");
 }
 
-// The gather's (values, indices, weights) triple: values (M, D), indices (N, L) int64 in [0, M),
-// weights (N, L) float, one device. A null values is skipped (the value backward has no values).
+// The gather's reads: indices (N, L) int64 in [0, num_rows) and weights (N, L) float, on one device.
 void check_reads(const at::Tensor& indices, const at::Tensor& weights, int64_t num_rows) {
   check_rank(indices, "indices", 2, "(N, L)");
   check_dtype(indices, "indices", at::kLong);
