@@ -1,9 +1,13 @@
-// Python bindings: torch tensors in, kernel launches out. Arguments arrive validated
-// by smf_kernels.ops (shapes, dtypes, index ranges); here they are made contiguous,
-// float16 is run through float32, and the call goes to the CPU or CUDA kernels.
+// Python bindings: torch tensors in, kernel launches out. smf_kernels.ops validates
+// arguments for its users, but the extension never trusts its inputs: every entry point
+// first checks what the kernels rely on (ranks, shapes, dtypes, devices and, for CPU
+// tensors, index ranges; CUDA index ranges are asserted on the device by smf_kernels.ops),
+// then makes tensors contiguous, runs float16 through float32 and calls the kernels.
 // On CPU, float32 top-k runs fused in the kernels (scores and selection a block of tokens at a time);
 // float64 gets its sub-key scores from at::bmm (MKL) and the kernel selects.
 #include <torch/extension.h>
+
+#include <algorithm>
 
 #include "cpu_kernels.h"
 #ifdef SMF_WITH_CUDA
@@ -39,6 +43,61 @@ at::ScalarType accumulation_type(const at::Tensor& t) {
   return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
+// ---- Input validation: a bad call raises (a Python RuntimeError naming the argument) before any
+// kernel touches memory.
+void check_rank(const at::Tensor& t, const char* name, int64_t ndim, const char* shape_doc) {
+  TORCH_CHECK(t.defined(), "smf_kernels ext: ", name, " must be a tensor of shape ", shape_doc);
+  TORCH_CHECK(t.dim() == ndim, "smf_kernels ext: ", name, " must have shape ", shape_doc, " (", ndim,
+              " dims), got ", t.sizes());
+}
+
+void check_float(const at::Tensor& t, const char* name) {
+  const at::ScalarType type = t.scalar_type();
+  TORCH_CHECK(type == at::kFloat || type == at::kDouble || type == at::kBFloat16 || type == at::kHalf,
+              "smf_kernels ext: ", name, " must be float32, float64, bfloat16 or float16, got ", type);
+}
+
+void check_dtype(const at::Tensor& t, const char* name, at::ScalarType expected) {
+  TORCH_CHECK(t.scalar_type() == expected, "smf_kernels ext: ", name, " must have dtype ", expected, ", got ",
+              t.scalar_type());
+}
+
+void check_device(const at::Tensor& t, const char* name, const at::Tensor& reference, const char* reference_name) {
+  TORCH_CHECK(t.device() == reference.device(), "smf_kernels ext: ", name, " is on ", t.device(), " but ",
+              reference_name, " is on ", reference.device());
+}
+
+// Every entry of the int64 tensor t lies in [0, upper). Checked on the host for CPU tensors.
+void check_index_range(const at::Tensor& t, const char* name, int64_t upper) {
+  if (t.numel() == 0 || !t.is_cpu()) return;
+  const at::Tensor c = t.contiguous();
+  const int64_t* p = c.const_data_ptr<int64_t>();
+  const auto [low, high] = std::minmax_element(p, p + c.numel());
+  TORCH_CHECK(*low >= 0 && *high < upper, "smf_kernels ext: ", name, " must lie in [0, ", upper,
+              "), got values in [", *low, ", ", *high, "]");
+}
+
+// The gather's reads: indices (N, L) int64 in [0, num_rows) and weights (N, L) float, on one device.
+void check_reads(const at::Tensor& indices, const at::Tensor& weights, int64_t num_rows) {
+  check_rank(indices, "indices", 2, "(N, L)");
+  check_dtype(indices, "indices", at::kLong);
+  check_rank(weights, "weights", 2, "(N, L)");
+  check_float(weights, "weights");
+  TORCH_CHECK(weights.sizes() == indices.sizes(), "smf_kernels ext: weights must have the shape of indices ",
+              indices.sizes(), ", got ", weights.sizes());
+  check_device(weights, "weights", indices, "indices");
+  check_index_range(indices, "indices", num_rows);
+}
+
+void check_grad_out(const at::Tensor& grad_out, const at::Tensor& indices, int64_t dim) {
+  check_rank(grad_out, "grad_out", 2, "(N, D)");
+  check_float(grad_out, "grad_out");
+  TORCH_CHECK(grad_out.size(0) == indices.size(0) && grad_out.size(1) == dim,
+              "smf_kernels ext: grad_out must have shape (N, D) = (", indices.size(0), ", ", dim, "), got ",
+              grad_out.sizes());
+  check_device(grad_out, "grad_out", indices, "indices");
+}
+
 #ifdef SMF_WITH_CUDA
 // Runs cpu_call (it may use `threads`) or, for a CUDA tensor, cuda_call (it may use
 // `stream`, the current stream of the tensor's device) and checks its launch status.
@@ -62,6 +121,17 @@ at::ScalarType accumulation_type(const at::Tensor& t) {
 #endif
 
 std::tuple<at::Tensor, at::Tensor> topk_forward(const at::Tensor& query, const at::Tensor& keys, int64_t topk) {
+  check_rank(query, "query", 3, "(N, heads, key_dim)");
+  check_float(query, "query");
+  check_rank(keys, "keys", 4, "(heads, 2, n_keys, key_dim // 2)");
+  check_dtype(keys, "keys", query.scalar_type());
+  check_device(keys, "keys", query, "query");
+  TORCH_CHECK(query.size(2) % 2 == 0, "smf_kernels ext: query's key_dim must be even, got ", query.size(2));
+  TORCH_CHECK(keys.size(0) == query.size(1) && keys.size(1) == 2 && keys.size(3) == query.size(2) / 2,
+              "smf_kernels ext: keys must have shape (heads, 2, n_keys, key_dim // 2) = (", query.size(1), ", 2, n_keys, ",
+              query.size(2) / 2, "), got ", keys.sizes());
+  TORCH_CHECK(topk >= 1 && topk <= keys.size(2), "smf_kernels ext: topk must lie in [1, n_keys=", keys.size(2),
+              "], got ", topk);
   const int64_t num_tokens = query.size(0), heads = query.size(1), key_dim = query.size(2), n_keys = keys.size(2);
   const at::ScalarType acc = accumulation_type(query);
   at::Tensor scores = at::empty({num_tokens, heads, topk}, query.options().dtype(acc));
@@ -99,6 +169,25 @@ std::tuple<at::Tensor, at::Tensor> topk_forward(const at::Tensor& query, const a
 
 at::Tensor gather_forward(const at::Tensor& values_in, const at::Tensor& indices_in, const at::Tensor& weights_in,
                           std::optional<at::Tensor> counts_in, std::optional<at::Tensor> valid_in) {
+  check_rank(values_in, "values", 2, "(M, D)");
+  check_float(values_in, "values");
+  check_device(indices_in, "indices", values_in, "values");
+  check_reads(indices_in, weights_in, values_in.size(0));
+  if (counts_in.has_value()) {
+    check_rank(*counts_in, "counts", 1, "(M,)");
+    check_dtype(*counts_in, "counts", at::kLong);
+    TORCH_CHECK(counts_in->size(0) == values_in.size(0), "smf_kernels ext: counts must have shape (M,) = (",
+                values_in.size(0), ",), got ", counts_in->sizes());
+    check_device(*counts_in, "counts", values_in, "values");
+  }
+  if (valid_in.has_value()) {
+    TORCH_CHECK(counts_in.has_value(), "smf_kernels ext: valid needs counts");
+    check_rank(*valid_in, "valid", 1, "(N,)");
+    check_dtype(*valid_in, "valid", at::kBool);
+    TORCH_CHECK(valid_in->size(0) == indices_in.size(0), "smf_kernels ext: valid must have shape (N,) = (",
+                indices_in.size(0), ",), got ", valid_in->sizes());
+    check_device(*valid_in, "valid", values_in, "values");
+  }
   const at::Tensor values = kernel_input(values_in), indices = indices_in.contiguous();
   const at::Tensor weights = weights_in.to(accumulation_type(values)).contiguous();
   // counts is updated in place: a non-contiguous one is updated through a copy.
@@ -122,6 +211,13 @@ at::Tensor gather_forward(const at::Tensor& values_in, const at::Tensor& indices
 
 at::Tensor gather_backward_weights(const at::Tensor& grad_out_in, const at::Tensor& values_in,
                                    const at::Tensor& indices_in) {
+  check_rank(values_in, "values", 2, "(M, D)");
+  check_float(values_in, "values");
+  check_device(indices_in, "indices", values_in, "values");
+  check_rank(indices_in, "indices", 2, "(N, L)");
+  check_dtype(indices_in, "indices", at::kLong);
+  check_index_range(indices_in, "indices", values_in.size(0));
+  check_grad_out(grad_out_in, indices_in, values_in.size(1));
   at::Tensor values = kernel_input(values_in), grad_out = kernel_input(grad_out_in);
   if (grad_out.scalar_type() != values.scalar_type()) {  // mixed dtypes: both in values' accumulation dtype
     const at::ScalarType common = accumulation_type(values);
@@ -145,6 +241,25 @@ at::Tensor gather_backward_weights(const at::Tensor& grad_out_in, const at::Tens
 at::Tensor gather_backward_values(const at::Tensor& grad_out_in, const at::Tensor& indices_in,
                                   const at::Tensor& weights_in, int64_t num_rows,
                                   std::optional<at::Tensor> update_rows_in) {
+  TORCH_CHECK(num_rows >= 0, "smf_kernels ext: num_rows must be >= 0, got ", num_rows);
+  check_reads(indices_in, weights_in, num_rows);
+  check_rank(grad_out_in, "grad_out", 2, "(N, D)");
+  check_grad_out(grad_out_in, indices_in, grad_out_in.size(1));
+  if (update_rows_in.has_value()) {
+    const at::Tensor& rows = *update_rows_in;
+    check_rank(rows, "update_rows", 1, "(T,)");
+    check_dtype(rows, "update_rows", at::kLong);
+    check_device(rows, "update_rows", indices_in, "indices");
+    check_index_range(rows, "update_rows", num_rows);
+    if (rows.is_cpu() && rows.numel() > 1) {
+      const at::Tensor sorted = std::get<0>(rows.sort());
+      TORCH_CHECK(!sorted.narrow(0, 1, rows.numel() - 1).eq(sorted.narrow(0, 0, rows.numel() - 1)).any().item<bool>(),
+                  "smf_kernels ext: update_rows must hold distinct rows");
+    }
+    // No row selected: an empty gradient (the kernels take a null update_rows for "dense").
+    if (rows.numel() == 0)
+      return at::zeros({0, grad_out_in.size(1)}, grad_out_in.options().dtype(accumulation_type(grad_out_in)));
+  }
   const at::Tensor grad_out = kernel_input(grad_out_in), indices = indices_in.contiguous();
   const at::Tensor weights = weights_in.to(accumulation_type(grad_out)).contiguous();
   const at::Tensor update_rows = update_rows_in.has_value() ? update_rows_in->contiguous() : at::Tensor();

@@ -5,6 +5,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -51,16 +52,24 @@ inline void store(float value, BFloat16* out) {
   out->bits = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-// Top `k` of s[0..n), sorted descending; on ties the lower index comes first.
+// The ranking every backend follows (smf_kernels.reference.ranked_topk): torch.topk's
+// order made total, NaN above +inf above every finite value above -inf. ranks_above(a, b):
+// a comes strictly before b (equal scores, NaNs included, keep the lower index first).
+template <typename A>
+inline bool ranks_above(A a, A b) {
+  return a > b || (a != a && b == b);
+}
+
+// Top `k` of s[0..n), sorted descending under ranks_above; on ties the lower index comes first.
 // Insertion into a sorted list: the general path.
 template <typename A>
 void insertion_topk(const A* s, int64_t n, int64_t k, A* top_values, int64_t* top_indices) {
   int64_t filled = 0;
   for (int64_t j = 0; j < n; ++j) {
     const A v = s[j];
-    if (filled == k && !(v > top_values[k - 1])) continue;
+    if (filled == k && !ranks_above(v, top_values[k - 1])) continue;
     int64_t pos = filled < k ? filled++ : k - 1;
-    for (; pos > 0 && v > top_values[pos - 1]; --pos) {
+    for (; pos > 0 && ranks_above(v, top_values[pos - 1]); --pos) {
       top_values[pos] = top_values[pos - 1];
       top_indices[pos] = top_indices[pos - 1];
     }
@@ -87,12 +96,14 @@ void select_topk(const A* s, int64_t n, int64_t k, A* top_values, int64_t* top_i
   A t = group_max[0];
   for (int64_t g = 1; g < k; ++g) t = std::min(t, group_max[g]);
   int64_t count = 0;
+  bool nan = false;
   for (int64_t j = 0; j < n; ++j) {
     candidates[count] = j;
     candidate_values[count] = s[j];
     count += s[j] >= t;
+    nan |= s[j] != s[j];
   }
-  if (count < k) {  // NaNs compare false with t
+  if (nan || count < k) {  // NaNs rank first but compare false with t: rank everything
     insertion_topk(s, n, k, top_values, top_indices);
     return;
   }
@@ -100,12 +111,26 @@ void select_topk(const A* s, int64_t n, int64_t k, A* top_values, int64_t* top_i
   for (int64_t r = 0; r < k; ++r) top_indices[r] = candidates[top_indices[r]];
 }
 
-// Top `k` sums a[i] + b[j] of two descending lists of length k, by a frontier
+// Top `k` sums a[i] + b[j] of two lists of length k sorted by ranks_above, by a frontier
 // walk: row i's next candidate is b[next[i]]. next[] never increases with i, so
-// rows past the first untouched one are dominated and not scanned.
+// rows past the first untouched one are dominated and not scanned. Equal sums: the
+// lower candidate id i * k + j first. A non-finite a or b breaks the walk's premise
+// (inf + -inf is NaN, which ranks first), so then all k * k sums are ranked, in
+// candidate-id order, as the reference does.
 template <typename A>
 void merge_topk(const A* a, const int64_t* a_index, const A* b, const int64_t* b_index, int64_t k, int64_t n_keys,
                 int64_t* next, A* scores, int64_t* indices) {
+  bool finite = true;
+  for (int64_t i = 0; i < k; ++i) finite = finite && std::isfinite(a[i]) && std::isfinite(b[i]);
+  if (!finite) {
+    std::vector<A> sums(k * k);
+    std::vector<int64_t> best(k);
+    for (int64_t i = 0; i < k; ++i)
+      for (int64_t j = 0; j < k; ++j) sums[i * k + j] = a[i] + b[j];
+    insertion_topk(sums.data(), k * k, k, scores, best.data());
+    for (int64_t r = 0; r < k; ++r) indices[r] = a_index[best[r] / k] * n_keys + b_index[best[r] % k];
+    return;
+  }
   std::fill(next, next + k, 0);
   for (int64_t r = 0; r < k; ++r) {
     int64_t best = -1;
@@ -113,7 +138,7 @@ void merge_topk(const A* a, const int64_t* a_index, const A* b, const int64_t* b
     for (int64_t i = 0; i < k; ++i) {
       if (next[i] == k) continue;
       const A score = a[i] + b[next[i]];
-      if (best < 0 || score > best_score) {
+      if (best < 0 || ranks_above(score, best_score)) {
         best = i;
         best_score = score;
       }

@@ -140,7 +140,7 @@ def test_killed_and_resumed_run_ends_bit_identical_to_a_straight_run(tmp_path, m
     result = train(tiny_run_config(tmp_path / "killed", "train", recipe, resume=True, **overrides))
     assert result["step"] == 4
 
-    done = [torch.load(tmp_path / run / f"{recipe}-run" / CHECKPOINT_FILE, weights_only=False)
+    done = [torch.load(tmp_path / run / f"{recipe}-run" / CHECKPOINT_FILE, weights_only=True)
             for run in ("straight", "killed")]
     assert done[0]["step"] == done[1]["step"] == 4
     assert done[0]["trainable"].keys() == done[1]["trainable"].keys()

@@ -7,11 +7,13 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from smf.model.attach import attach_memories, memory_blocks
-from smf.model.block import MemoryBlock
+from smf.model.block import MODES, MemoryBlock
+from smf_kernels import ProductKeyMemory
 
 logger = logging.getLogger(__name__)
 
@@ -83,34 +85,72 @@ def save_memory_adapter(model: nn.Module, directory: str | Path) -> Path:
 
 
 def read_adapter_config(directory: str | Path) -> dict:
-    """The json written by :func:`save_memory_adapter`."""
+    """The json written by :func:`save_memory_adapter`; ValueError if it is not one."""
     path = Path(directory) / ADAPTER_CONFIG
     if not path.is_file():
         raise FileNotFoundError(f"no memory adapter in {str(directory)!r}: {ADAPTER_CONFIG} is missing")
-    return json.loads(path.read_text())
+    try:
+        config = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is not a memory adapter config (not valid JSON: {err})") from err
+    if (not isinstance(config, dict) or not isinstance(config.get("layers"), list)
+            or not isinstance(config.get("memory_kwargs"), dict) or config.get("mode") not in MODES):
+        raise ValueError(f"{path} is not a memory adapter config: expected a JSON object with 'mode' in {MODES}, "
+                         "a 'layers' list and a 'memory_kwargs' object")
+    return config
+
+
+def _read_adapter_tensors(directory: Path, config: dict, d_model: int) -> dict[str, torch.Tensor]:
+    """The adapter's tensors, checked against the names, shapes and dtypes its config implies
+    (ValueError otherwise), before anything is attached to a model."""
+    path = directory / ADAPTER_WEIGHTS
+    if not path.is_file():
+        raise FileNotFoundError(f"no memory adapter in {str(directory)!r}: {ADAPTER_WEIGHTS} is missing")
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise ValueError(f"{path} is not a readable safetensors file (truncated or corrupt?): {err}") from err
+    try:
+        with torch.device("meta"):
+            shapes = {name: (t.shape, t.dtype)
+                      for name, t in ProductKeyMemory(d_model, **config["memory_kwargs"]).state_dict().items()}
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{directory / ADAPTER_CONFIG}: invalid memory_kwargs {config['memory_kwargs']}: {err}") \
+            from err
+    expected = {}
+    for index in config["layers"]:
+        expected.update({f"layers.{index}.memory.{name}": spec for name, spec in shapes.items()})
+        if config["mode"] != "replacement":
+            expected[f"layers.{index}.alpha"] = (torch.Size([]), torch.float32)
+    if set(tensors) != set(expected):
+        missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+        raise ValueError(f"{path} does not match its config (mode {config['mode']!r}, layers {config['layers']}): "
+                         f"missing {missing}, unexpected {unexpected}")
+    for name, (shape, dtype) in expected.items():
+        if tensors[name].shape != shape or tensors[name].dtype != dtype:
+            raise ValueError(f"{path}: {name} must be {tuple(shape)} {dtype} for this config (d_model={d_model}), "
+                             f"got {tuple(tensors[name].shape)} {tensors[name].dtype}")
+    return tensors
 
 
 def load_memory_adapter(model: nn.Module, directory: str | Path, backend: str | None = None) -> list[MemoryBlock]:
-    """Attach the memories saved in ``directory`` to ``model`` (a base model without memories)."""
+    """Attach the memories saved in ``directory`` to ``model`` (a base model without memories).
+
+    The files are read and checked first (names, shapes, dtypes): a missing, truncated, corrupt or
+    mismatched adapter raises (FileNotFoundError / ValueError) and leaves ``model`` unchanged.
+    """
+    directory = Path(directory)
     config = read_adapter_config(directory)
+    tensors = _read_adapter_tensors(directory, config, model.config.hidden_size)
     blocks = attach_memories(model, layers=config["layers"], mode=config["mode"], backend=backend,
                              **config["memory_kwargs"])
-    tensors = load_file(str(Path(directory) / ADAPTER_WEIGHTS))
-    expected = set()
     for block in blocks:
         prefix = f"layers.{block.layer_index}."
         state = {k[len(prefix) + len("memory."):]: v for k, v in tensors.items() if k.startswith(prefix + "memory.")}
         block.memory.load_state_dict(state, strict=True)
-        expected.update(prefix + "memory." + k for k in state)
         if block.alpha is not None:
-            if prefix + "alpha" not in tensors:
-                raise KeyError(f"{ADAPTER_WEIGHTS} lacks {prefix}alpha needed by mode {block.mode!r}")
             with torch.no_grad():
                 block.alpha.copy_(tensors[prefix + "alpha"])
-            expected.add(prefix + "alpha")
-    unexpected = sorted(set(tensors) - expected)
-    if unexpected:
-        raise KeyError(f"{ADAPTER_WEIGHTS} has tensors for no attached memory: {unexpected}")
     return blocks
 
 

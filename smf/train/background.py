@@ -17,8 +17,9 @@ import torch
 from smf.train.artifacts import RUN_CONFIG, write_run_config
 from smf.train.config import ConfigError, RunConfig
 from smf.train.data import background_features
-from smf.train.distributed import barrier, setup_distributed
+from smf.train.distributed import World, barrier, setup_distributed
 from smf.train.recipes import BACKGROUND_FILE, load_model_with_adapter
+from smf.train.run_dir import claim_output_dir
 from smf_kernels.sparse import SparseMemoryController
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,11 @@ def collect_background(config: RunConfig) -> Path:
     check_held_out_split(config)
     world = setup_distributed(config.device)
     output_dir = Path(config.output_dir)
+    with claim_output_dir(output_dir, world):
+        return _collect(config, world, output_dir)
+
+
+def _collect(config: RunConfig, world: World, output_dir: Path) -> Path:
     model, tokenizer = load_model_with_adapter(config, world.device)
     controller = SparseMemoryController(model)
     features = background_features(config, tokenizer)[world.rank::world.size]
@@ -60,7 +66,6 @@ def collect_background(config: RunConfig) -> Path:
     stats = controller.collect_background(batches)
     path = output_dir / BACKGROUND_FILE
     if world.is_main:
-        output_dir.mkdir(parents=True, exist_ok=True)
         write_run_config(output_dir, config.to_dict())
         tmp = path.with_name(path.name + ".tmp")
         stats.save(tmp)

@@ -6,11 +6,17 @@ numpy and torch (CPU and CUDA) of every rank, and the step (which fixes the data
 :mod:`smf.train.data`). Frozen parameters are rebuilt from the base model / adapter on resume.
 The file is written to a temporary name, synced and renamed over the old one, so a crash while
 saving leaves the previous checkpoint intact.
+
+Loading never unpickles arbitrary objects: ``torch.load(weights_only=True)`` accepts only tensors,
+containers and plain values (so the numpy RNG state is stored as a tensor), and a file that is not
+such a checkpoint (crafted, truncated, random, or written for another model) raises ConfigError
+before the model, optimizer or RNGs are touched.
 """
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 from pathlib import Path
 
@@ -25,14 +31,20 @@ LOG_FILE = "train_log.jsonl"
 
 
 def rng_state() -> dict:
-    """RNG states of python, numpy, torch CPU and (when available) every CUDA device of this process."""
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+    """RNG states of python, numpy, torch CPU and (when available) every CUDA device of this process,
+    as tensors and plain values (loadable with weights_only=True)."""
+    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    numpy_state = {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                   "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)}
+    return {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    numpy_state = state["numpy"]
+    np.random.set_state((numpy_state["kind"], numpy_state["keys"].numpy().astype(np.uint32), numpy_state["pos"],
+                         numpy_state["has_gauss"], numpy_state["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -56,10 +68,30 @@ def save_checkpoint(path: Path, *, step: int, model: nn.Module, optimizer: torch
                  "scheduler": scheduler.state_dict(), "rng": rng_states, "options": run_options}, path)
 
 
+def _read_checkpoint(path: Path) -> dict:
+    """The checkpoint's contents, loaded without unpickling arbitrary objects; ConfigError if the file
+    is not a checkpoint of :func:`save_checkpoint`'s layout."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, AttributeError, TypeError,
+            KeyError, IndexError) as err:
+        raise ConfigError(f"{path} is not a loadable training checkpoint (truncated, corrupt, from an older "
+                          f"version, or holding objects other than tensors and plain values): {err}") from err
+    fields = {"step": int, "trainable": dict, "optimizer": dict, "scheduler": dict, "rng": list, "options": dict}
+    if not isinstance(state, dict) or any(not isinstance(state.get(k), t) for k, t in fields.items()):
+        raise ConfigError(f"{path} is not a training checkpoint: expected a dict with fields {sorted(fields)}")
+    if not all(isinstance(t, torch.Tensor) for t in state["trainable"].values()):
+        raise ConfigError(f"{path} is not a training checkpoint: 'trainable' must map names to tensors")
+    return state
+
+
 def load_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, rank: int,
                     world_size: int) -> int:
-    """Restore everything saved by :func:`save_checkpoint` (this rank's RNG); returns the step."""
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    """Restore everything saved by :func:`save_checkpoint` (this rank's RNG); returns the step.
+
+    Everything is checked before the model is touched: on ConfigError the model is unchanged.
+    """
+    state = _read_checkpoint(path)
     if len(state["rng"]) != world_size:
         raise ConfigError(f"{path} was written by {len(state['rng'])} processes; resume with the same number, "
                           f"not {world_size}")
@@ -67,12 +99,20 @@ def load_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim.Opti
     if set(params) != set(state["trainable"]):
         raise ConfigError(f"{path} holds other trainable parameters than this run's model; was it written by "
                           "another recipe or configuration?")
+    for name, param in params.items():
+        saved = state["trainable"][name]
+        if saved.shape != param.shape or saved.dtype != param.dtype:
+            raise ConfigError(f"{path}: parameter {name} is {tuple(saved.shape)} {saved.dtype} in the checkpoint "
+                              f"but {tuple(param.shape)} {param.dtype} in this run's model")
+    try:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"][rank])
+    except (KeyError, ValueError, TypeError, IndexError, RuntimeError) as err:
+        raise ConfigError(f"{path}: its optimizer, scheduler or RNG state does not fit this run: {err}") from err
     with torch.no_grad():
         for name, param in params.items():
             param.copy_(state["trainable"][name])
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    set_rng_state(state["rng"][rank])
     return int(state["step"])
 
 

@@ -28,6 +28,7 @@ from smf.train.config import ConfigError, RunConfig
 from smf.train.data import StepPlan, collate, target_tokens, training_features
 from smf.train.distributed import World, all_reduce_sum, barrier, gather_objects, setup_distributed
 from smf.train.recipes import TrainingSetup, build_setup
+from smf.train.run_dir import claim_output_dir
 
 logger = logging.getLogger(__name__)
 
@@ -124,14 +125,21 @@ def _prepare_output_dir(config: RunConfig, world: World) -> Path:
                           "or choose a new directory")
     barrier(world)  # every rank has checked before rank 0 writes anything
     if world.is_main:
-        output_dir.mkdir(parents=True, exist_ok=True)
         write_run_config(output_dir, config.to_dict())
     return output_dir
 
 
 def train(config: RunConfig) -> dict:
-    """Train ``config.recipe`` (a resolved RunConfig); returns {"step", "total_steps", "final_dir" or None}."""
+    """Train ``config.recipe`` (a resolved RunConfig); returns {"step", "total_steps", "final_dir" or None}.
+
+    The output directory is locked for the run and cleaned up if it fails (:mod:`smf.train.run_dir`).
+    """
     world = setup_distributed(config.device)
+    with claim_output_dir(Path(config.output_dir), world):
+        return _train(config, world)
+
+
+def _train(config: RunConfig, world: World) -> dict:
     output_dir = _prepare_output_dir(config, world)
     logger.info("run options: %s", json.dumps(config.to_dict()))
     seed_everything(config.seed)  # the same on every rank: fresh memories / LoRA weights agree
@@ -154,6 +162,8 @@ def train(config: RunConfig) -> dict:
         logger.info("resumed from %s at step %d of %d", checkpoint_path, step, total_steps)
     else:
         torch.manual_seed(config.seed + world.rank)  # dropout differs across ranks
+        if world.is_main:
+            truncate_log(log_path, 0)  # rows of an earlier attempt killed before its first checkpoint
     stop = total_steps if config.max_steps is None else min(config.max_steps, total_steps)
     logger.info("%d examples, %d steps per epoch, %d epochs, %d accumulation steps x %d processes",
                 len(features), plan.steps_per_epoch, config.epochs, plan.accumulation_steps, world.size)

@@ -54,17 +54,26 @@ def gather_forward(values, indices, weights, counts, valid):
     return out
 
 
+def _reads_a_row_twice(indices: torch.Tensor) -> bool:
+    """Whether some token (row of indices (N, L)) holds one row id more than once."""
+    if indices.shape[1] < 2:
+        return False
+    ordered = indices.sort(dim=1).values
+    return bool((ordered[:, 1:] == ordered[:, :-1]).any())
+
+
 def gather_backward_weights(grad_out, values, indices):
     """grad_w[n, l] = values[indices[n, l]] . grad_out[n].
 
     CPU: one sampled dense-dense product (SDDMM) over the (N, M) read pattern:
     each entry is its own dot product (deterministic), and the (N, L, D) gathered
-    rows are never materialised. Elsewhere: gathered rows times grad_out, a chunk
-    of tokens at a time.
+    rows are never materialised. The CSR pattern cannot hold one (token, row) pair
+    twice, so where a token reads a row more than once (heads share the value table),
+    and elsewhere than on CPU: gathered rows times grad_out, a chunk of tokens at a time.
     """
     num_tokens, per_token = indices.shape
     dtype = _accumulation_dtype(values.dtype)
-    if values.device.type == "cpu":
+    if values.device.type == "cpu" and not _reads_a_row_twice(indices):
         crow = torch.arange(0, num_tokens * per_token + 1, per_token)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")

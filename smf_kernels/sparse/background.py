@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from smf_kernels._checks import check_tensor
@@ -97,22 +97,40 @@ class BackgroundStats:
 
     @classmethod
     def load(cls, path: str | Path, memories: Mapping[str, ProductKeyMemory] | None = None) -> "BackgroundStats":
-        """Load statistics saved by :meth:`save`; with ``memories``, also :meth:`check_matches` them."""
-        with safe_open(str(path), framework="pt") as handle:
-            metadata = handle.metadata() or {}
+        """Load statistics saved by :meth:`save`; with ``memories``, also :meth:`check_matches` them.
+
+        Only safetensors and JSON are parsed (no pickle). A missing file raises FileNotFoundError;
+        a truncated, corrupt or inconsistent one ValueError naming the problem.
+        """
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"no background statistics file at {str(path)!r}")
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                metadata = handle.metadata() or {}
+            tensors = load_file(str(path))
+        except (SafetensorError, OSError, ValueError) as err:
+            raise ValueError(f"{path} is not a readable safetensors file (truncated or corrupt?): {err}") from err
         if FORMAT_KEY not in metadata:
             raise ValueError(f"{path} is not a background statistics file (no {FORMAT_KEY!r} metadata)")
-        header = json.loads(metadata[FORMAT_KEY])
-        if header.get("version") != FORMAT_VERSION:
-            raise ValueError(f"{path} has background statistics version {header.get('version')}, "
-                             f"expected {FORMAT_VERSION}")
-        tensors = load_file(str(path))
-        layers = header["layers"]
+        try:
+            header = json.loads(metadata[FORMAT_KEY])
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: its {FORMAT_KEY!r} metadata is not valid JSON: {err}") from err
+        if not isinstance(header, dict) or header.get("version") != FORMAT_VERSION:
+            version = header.get("version") if isinstance(header, dict) else None
+            raise ValueError(f"{path} has background statistics version {version}, expected {FORMAT_VERSION}")
+        layers = header.get("layers")
+        if (not isinstance(layers, dict) or not layers
+                or not all(_is_layer_header(layer) for layer in layers.values())):
+            raise ValueError(f"{path}: 'layers' must map each layer name to {{'config': {{'n_keys': int, ...}}, "
+                             "'num_batches': int >= 0}")
         stats = cls({name: layer["config"] for name, layer in layers.items()})
         for name, layer in layers.items():
             stats.num_batches[name] = int(layer["num_batches"])
             for field in ("doc_freq", "reads"):
-                tensor = tensors[f"{name}.{field}"]
+                tensor = tensors.get(f"{name}.{field}")
+                if tensor is None:
+                    raise ValueError(f"{path} lacks the tensor {name}.{field}")
                 if tensor.dtype != torch.int64 or tensor.shape != stats.reads[name].shape:
                     raise ValueError(f"{path}: {name}.{field} must be (M,) = {tuple(stats.reads[name].shape)} "
                                      f"int64, got {tuple(tensor.shape)} {tensor.dtype}")
@@ -120,3 +138,11 @@ class BackgroundStats:
         if memories is not None:
             stats.check_matches(memories)
         return stats
+
+
+def _is_layer_header(layer: object) -> bool:
+    def non_negative_int(value: object) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    return (isinstance(layer, dict) and isinstance(layer.get("config"), dict)
+            and non_negative_int(layer["config"].get("n_keys")) and non_negative_int(layer.get("num_batches")))
