@@ -1,8 +1,9 @@
 """Product-key memories inside a Qwen-2 causal LM: placement, freezing per recipe, adapters."""
-from smf.model.attach import PAPER_LAYERS, attach_memories, decoder_stack, memory_blocks
+from smf.model.attach import LAYOUTS, PAPER_LAYERS, attach_memories, decoder_stack, memory_blocks
 from smf.model.block import MODES, MemoryBlock
 from smf.model.checkpoint import (
     DEFAULT_MODEL,
+    from_pretrained,
     load_base_model,
     load_memory_adapter,
     load_model_with_memories,
@@ -14,6 +15,7 @@ from smf.model.freezing import LORA_TARGETS, STAGES, apply_lora, configure_train
 
 __all__ = [
     "DEFAULT_MODEL",
+    "LAYOUTS",
     "LORA_TARGETS",
     "MODES",
     "MemoryBlock",
@@ -24,6 +26,7 @@ __all__ = [
     "configure_trainable",
     "count_parameters",
     "decoder_stack",
+    "from_pretrained",
     "load_base_model",
     "load_memory_adapter",
     "load_model_with_memories",

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from smf.model.attach import attach_memories, memory_blocks
+from smf.model.attach import CONFIG_KEY, attach_memories, memory_blocks
 from smf.model.block import MemoryBlock
 
 logger = logging.getLogger(__name__)
@@ -126,3 +126,51 @@ def load_model_with_memories(base_name_or_path: str | None, adapter_dir: str | P
     model = load_base_model(base_name_or_path, dtype=dtype, device=device)
     load_memory_adapter(model, adapter_dir, backend=backend)
     return model.eval()
+
+
+def _load_saved_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a ``save_pretrained`` directory (one safetensors file or an indexed set of shards)."""
+    single = directory / "model.safetensors"
+    index = directory / "model.safetensors.index.json"
+    if single.is_file():
+        return load_file(str(single))
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return {key: value for shard in shards for key, value in load_file(str(directory / shard)).items()}
+    raise FileNotFoundError(f"no model.safetensors(.index.json) in {str(directory)!r}; save with "
+                            "model.save_pretrained(directory) (safetensors, the default)")
+
+
+def from_pretrained(directory: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                    backend: str | None = None, **kwargs) -> nn.Module:
+    """A causal LM saved by ``model.save_pretrained(directory)``, with its memories, in eval mode.
+
+    ``save_pretrained`` of a model with memories writes ``config.smf_memories`` (layers, mode,
+    memory sizes, layout) and the memory weights. This builds the architecture from the saved
+    config, attaches the recorded memories (fp32, ``backend``), then loads every saved tensor
+    strictly (tied weights excepted). ``kwargs`` go to ``AutoModelForCausalLM.from_config``
+    (e.g. ``attn_implementation``). A directory without ``smf_memories`` loads as a plain model.
+
+    A plain ``AutoModelForCausalLM.from_pretrained(directory)`` does not know the memories: it
+    reports their keys as UNEXPECTED (and, in replacement mode, the MLPs they replaced as
+    MISSING) and returns a model without them; load such directories with this function.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    directory = Path(directory)
+    config = AutoConfig.from_pretrained(directory)
+    spec = getattr(config, CONFIG_KEY, None)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
+    if spec:
+        attach_memories(model, layers=spec["layers"], mode=spec["mode"], layers_path=spec.get("layers_path"),
+                        mlp_attr=spec.get("mlp_attr"), backend=backend, **spec["memory_kwargs"])
+    missing, unexpected = model.load_state_dict(_load_saved_tensors(directory), strict=False)
+    model.tie_weights()
+    loaded = {id(p) for name, p in model.named_parameters(remove_duplicate=False) if name not in missing}
+    untied = [name for name in missing if id(model.get_parameter(name)) not in loaded]
+    if unexpected or untied:
+        raise KeyError(f"{str(directory)!r} does not match its config's architecture (memories: {spec}): "
+                       f"unexpected tensors {sorted(unexpected)}, missing tensors {sorted(untied)}")
+    logger.info("loaded %s from %s%s", type(model).__name__, directory,
+                f" with {spec['mode']} memories at layers {spec['layers']}" if spec else " (no memories)")
+    return model.to(device).eval()
