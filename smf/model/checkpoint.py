@@ -146,31 +146,35 @@ def from_pretrained(directory: str | Path, *, dtype: torch.dtype = torch.float32
     """A causal LM saved by ``model.save_pretrained(directory)``, with its memories, in eval mode.
 
     ``save_pretrained`` of a model with memories writes ``config.smf_memories`` (layers, mode,
-    memory sizes, layout) and the memory weights. This builds the architecture from the saved
-    config, attaches the recorded memories (fp32, ``backend``), then loads every saved tensor
-    strictly (tied weights excepted). ``kwargs`` go to ``AutoModelForCausalLM.from_config``
-    (e.g. ``attn_implementation``). A directory without ``smf_memories`` loads as a plain model.
+    memory sizes, layout) and the memory weights. This loads the base model with
+    ``AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)`` (its report of the
+    memory layers' keys is silenced), attaches the recorded memories (fp32, ``backend``) and
+    loads every tensor of the memory layers strictly. A directory without ``smf_memories``
+    loads as a plain model.
 
-    A plain ``AutoModelForCausalLM.from_pretrained(directory)`` does not know the memories: it
-    reports their keys as UNEXPECTED (and, in replacement mode, the MLPs they replaced as
-    MISSING) and returns a model without them; load such directories with this function.
+    A plain ``AutoModelForCausalLM.from_pretrained(directory)`` does not know the memories: its
+    load report warns that their keys are UNEXPECTED (and, in replacement mode, that the MLPs
+    they replaced are MISSING) and it returns a model without them.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     directory = Path(directory)
-    config = AutoConfig.from_pretrained(directory)
-    spec = getattr(config, CONFIG_KEY, None)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
+    spec = getattr(AutoConfig.from_pretrained(directory), CONFIG_KEY, None)
+    verbosity = hf_logging.get_verbosity()
     if spec:
-        attach_memories(model, layers=spec["layers"], mode=spec["mode"], layers_path=spec.get("layers_path"),
-                        mlp_attr=spec.get("mlp_attr"), backend=backend, **spec["memory_kwargs"])
-    missing, unexpected = model.load_state_dict(_load_saved_tensors(directory), strict=False)
-    model.tie_weights()
-    loaded = {id(p) for name, p in model.named_parameters(remove_duplicate=False) if name not in missing}
-    untied = [name for name in missing if id(model.get_parameter(name)) not in loaded]
-    if unexpected or untied:
-        raise KeyError(f"{str(directory)!r} does not match its config's architecture (memories: {spec}): "
-                       f"unexpected tensors {sorted(unexpected)}, missing tensors {sorted(untied)}")
-    logger.info("loaded %s from %s%s", type(model).__name__, directory,
-                f" with {spec['mode']} memories at layers {spec['layers']}" if spec else " (no memories)")
+        hf_logging.set_verbosity_error()  # the report would list the memory layers, loaded below
+    try:
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    if spec:
+        blocks = attach_memories(model, layers=spec["layers"], mode=spec["mode"], layers_path=spec["layers_path"],
+                                 mlp_attr=spec["mlp_attr"], backend=backend, **spec["memory_kwargs"])
+        tensors = _load_saved_tensors(directory)
+        for block in blocks:
+            prefix = f"{spec['layers_path']}.{block.layer_index}.{spec['mlp_attr']}."
+            state = {key[len(prefix):]: value for key, value in tensors.items() if key.startswith(prefix)}
+            block.load_state_dict(state, strict=True)
+        logger.info("loaded %s memories at layers %s from %s", spec["mode"], spec["layers"], directory)
     return model.to(device).eval()
