@@ -11,12 +11,13 @@ from smf.model.checkpoint import (
     read_adapter_config,
     save_memory_adapter,
 )
-from smf.model.freezing import LORA_TARGETS, STAGES, apply_lora, configure_trainable, count_parameters
+from smf.model.freezing import LORA_TARGET_REGEX, LORA_TARGETS, STAGES, apply_lora, configure_trainable, count_parameters
 
 __all__ = [
     "DEFAULT_MODEL",
     "LAYOUTS",
     "LORA_TARGETS",
+    "LORA_TARGET_REGEX",
     "MODES",
     "MemoryBlock",
     "PAPER_LAYERS",
