@@ -1,5 +1,5 @@
 """Product-key memories inside a Qwen-2 causal LM: placement, freezing per recipe, adapters."""
-from smf.model.attach import LAYOUTS, PAPER_LAYERS, attach_memories, decoder_stack, memory_blocks
+from smf.model.attach import LAYOUTS, PAPER_LAYERS, attach_memories, decoder_layers, decoder_stack, memory_blocks
 from smf.model.block import MODES, MemoryBlock
 from smf.model.checkpoint import (
     DEFAULT_MODEL,
@@ -26,6 +26,7 @@ __all__ = [
     "attach_memories",
     "configure_trainable",
     "count_parameters",
+    "decoder_layers",
     "decoder_stack",
     "from_pretrained",
     "load_base_model",

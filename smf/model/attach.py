@@ -32,14 +32,23 @@ def _layout(model: nn.Module, layers_path: str | None, mlp_attr: str | None) -> 
     return layers_path or default_path, mlp_attr or default_attr
 
 
-def decoder_stack(model: nn.Module, layers_path: str | None = None, mlp_attr: str | None = None
-                  ) -> tuple[nn.Module, nn.ModuleList]:
-    """(module holding the decoder layers, the layers) of a decoder-only LM.
+def decoder_stack(model: nn.Module, layers_path: str | None = None, mlp_attr: str | None = None) -> nn.Module:
+    """The module holding the decoder layers (``model.model`` for Qwen-2; see :func:`decoder_layers`)."""
+    return _find_layers(model, layers_path, mlp_attr)[0]
 
-    ``layers_path`` is the dotted path of the ``nn.ModuleList`` of decoder layers and
-    ``mlp_attr`` the feed-forward attribute of each layer; by default ``model.layers`` and
-    ``mlp``, or the entry of :data:`LAYOUTS` for the model's ``config.model_type``.
+
+def decoder_layers(model: nn.Module, layers_path: str | None = None, mlp_attr: str | None = None) -> nn.ModuleList:
+    """The ``nn.ModuleList`` of decoder layers of a decoder-only LM.
+
+    ``layers_path`` is the dotted path of that list and ``mlp_attr`` the feed-forward attribute
+    of each layer; by default ``model.layers`` and ``mlp``, or the entry of :data:`LAYOUTS` for
+    the model's ``config.model_type``. Raises ValueError naming both arguments if not found.
     """
+    return _find_layers(model, layers_path, mlp_attr)[1]
+
+
+def _find_layers(model: nn.Module, layers_path: str | None, mlp_attr: str | None) -> tuple[nn.Module, nn.ModuleList]:
+    """(module holding the decoder layers, the layers); arguments as :func:`decoder_layers`."""
     layers_path, mlp_attr = _layout(model, layers_path, mlp_attr)
     holder, _, list_name = layers_path.rpartition(".")
     try:
@@ -80,7 +89,7 @@ def attach_memories(model: nn.Module, layers=PAPER_LAYERS, mode: str = "additive
         model: a decoder-only causal LM, e.g. ``Qwen2ForCausalLM``; ``model.model.layers[i].mlp``
             is replaced by a :class:`MemoryBlock`, created on that layer's device.
         layers_path, mlp_attr: where the decoder layers and their feed-forward module are, for
-            other layouts (see :func:`decoder_stack`; GPT-2 and GPT-NeoX are known).
+            other layouts (see :func:`decoder_layers`; GPT-2 and GPT-NeoX are known).
         layers: 0-based decoder layer indices (paper: 6, 12, 18).
         mode: ``"replacement"``, ``"additive"`` or ``"additive_s"`` (see :class:`MemoryBlock`).
         alpha_init: initial scalar of the memory branch in additive modes (paper: 0.01).
@@ -98,15 +107,15 @@ def attach_memories(model: nn.Module, layers=PAPER_LAYERS, mode: str = "additive
     if "d_model" in memory_kwargs:
         raise ValueError("d_model is taken from model.config.hidden_size; do not pass it")
     layers_path, mlp_attr = _layout(model, layers_path, mlp_attr)
-    stack, decoder_layers = decoder_stack(model, layers_path, mlp_attr)
+    stack, layer_list = _find_layers(model, layers_path, mlp_attr)
     if memory_blocks(model):
         raise ValueError(f"model already has memories at layers {[b.layer_index for b in memory_blocks(model)]}")
-    layers = _check_layers(layers, len(decoder_layers))
+    layers = _check_layers(layers, len(layer_list))
     d_model = model.config.get_text_config().hidden_size
 
     blocks = []
     for index in layers:
-        layer = decoder_layers[index]
+        layer = layer_list[index]
         device = next(layer.parameters()).device
         with torch.device(device):
             memory = ProductKeyMemory(d_model, **memory_kwargs).float()
