@@ -51,8 +51,10 @@ def triton_interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def unavailable_reason(name: str, device: torch.device) -> str | None:
-    """None if backend ``name`` can run on ``device``, else a human-readable reason."""
+def unavailable_reason(name: str, device: torch.device | str) -> str | None:
+    """None if backend ``name`` can run on ``device`` (a torch.device or a string such as "cpu"),
+    else a human-readable reason."""
+    device = torch.device(device)
     if name not in BACKENDS:
         return f"unknown backend {name!r}; expected one of {BACKENDS}"
     module, reason = _load(name)

@@ -111,9 +111,17 @@ class ProductKeyMemory(nn.Module):
             nn.init.zeros_(proj.bias)
 
     def set_read_counting(self, enabled: bool) -> None:
+        """Turn read counting on or off for later forwards.
+
+        While on, every forward adds 1 to ``read_counts[slot]`` for each (token, head, k) read of
+        a valid token (``valid_mask`` True, or every token without a mask), in the same pass as
+        the gather. Counts accumulate across forwards until :meth:`reset_read_counts`. A forward
+        re-run by activation checkpointing would count its tokens again.
+        """
         self.count_reads = bool(enabled)
 
     def reset_read_counts(self) -> None:
+        """Zero the ``read_counts`` buffer (n_keys**2,) int64 in place (it keeps its device)."""
         self.read_counts.zero_()
 
     def set_update_rows(self, rows: torch.Tensor | DeferredRows | str | None) -> None:

@@ -145,7 +145,8 @@ def test_custom_op_gradcheck_float64_and_opcheck():
     assert torch.autograd.gradcheck(fn, (values, weights))
     counts = torch.zeros(9, dtype=torch.int64)
     ops = torch.ops.smf_kernels
-    torch.library.opcheck(ops.weighted_gather_forward.default,
+    torch.library.opcheck(ops.weighted_gather_forward.default, (values.detach(), indices, weights.detach(), "torch"))
+    torch.library.opcheck(ops.weighted_gather_forward_counted.default,
                           (values.detach(), indices, weights.detach(), counts, None, "torch"))
     grad = torch.randn(4, 5, dtype=torch.float64)
     for update_rows in (None, torch.tensor([1, 4])):

@@ -1,6 +1,8 @@
-"""Insert product-key memories into a Qwen-2-style causal LM (SPEC §2)."""
+"""Insert product-key memories into a decoder-only causal LM (SPEC §2): Qwen-2 and any model with
+``model.layers[i].mlp``, GPT-2 / GPT-NeoX by table, other layouts by naming them."""
 from __future__ import annotations
 
+import inspect
 import logging
 
 import torch
@@ -14,14 +16,54 @@ logger = logging.getLogger(__name__)
 PAPER_LAYERS = (6, 12, 18)
 
 
-def decoder_stack(model: nn.Module) -> nn.Module:
-    """The module holding the decoder layers (``model.model``, whose ``layers[i]`` have ``.mlp``)."""
-    stack = getattr(model, "model", None)
-    layers = getattr(stack, "layers", None)
-    if not isinstance(layers, nn.ModuleList) or not all(hasattr(layer, "mlp") for layer in layers):
-        raise ValueError(f"expected a causal LM whose decoder layers model.model.layers[i] have .mlp "
-                         f"(e.g. Qwen2ForCausalLM); got {type(model).__name__}")
-    return stack
+# Where the decoder layers and their feed-forward module live, by ``config.model_type``, for
+# architectures that do not use the common ``model.layers[i].mlp`` (Llama, Mistral, Qwen-2/3, Gemma-2, ...).
+LAYOUTS = {
+    "gpt2": ("transformer.h", "mlp"),
+    "gpt_neox": ("gpt_neox.layers", "mlp"),
+}
+DEFAULT_LAYOUT = ("model.layers", "mlp")
+CONFIG_KEY = "smf_memories"  # model.config attribute recording the attached memories
+
+
+def _layout(model: nn.Module, layers_path: str | None, mlp_attr: str | None) -> tuple[str, str]:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    default_path, default_attr = LAYOUTS.get(model_type, DEFAULT_LAYOUT)
+    return layers_path or default_path, mlp_attr or default_attr
+
+
+def decoder_stack(model: nn.Module, layers_path: str | None = None, mlp_attr: str | None = None) -> nn.Module:
+    """The module holding the decoder layers (``model.model`` for Qwen-2; see :func:`decoder_layers`)."""
+    return _find_layers(model, layers_path, mlp_attr)[0]
+
+
+def decoder_layers(model: nn.Module, layers_path: str | None = None, mlp_attr: str | None = None) -> nn.ModuleList:
+    """The ``nn.ModuleList`` of decoder layers of a decoder-only LM.
+
+    ``layers_path`` is the dotted path of that list and ``mlp_attr`` the feed-forward attribute
+    of each layer; by default ``model.layers`` and ``mlp``, or the entry of :data:`LAYOUTS` for
+    the model's ``config.model_type``. Raises ValueError naming both arguments if not found.
+    """
+    return _find_layers(model, layers_path, mlp_attr)[1]
+
+
+def _find_layers(model: nn.Module, layers_path: str | None, mlp_attr: str | None) -> tuple[nn.Module, nn.ModuleList]:
+    """(module holding the decoder layers, the layers); arguments as :func:`decoder_layers`."""
+    layers_path, mlp_attr = _layout(model, layers_path, mlp_attr)
+    holder, _, list_name = layers_path.rpartition(".")
+    try:
+        stack = model.get_submodule(holder) if holder else model
+    except AttributeError:
+        stack = None
+    layers = getattr(stack, list_name, None)
+    if not isinstance(layers, nn.ModuleList) or not all(isinstance(getattr(layer, mlp_attr, None), nn.Module)
+                                                        for layer in layers):
+        raise ValueError(
+            f"could not find decoder layers {layers_path}[i].{mlp_attr} in {type(model).__name__}; name them "
+            f"with attach_memories(..., layers_path=..., mlp_attr=...), e.g. layers_path='transformer.h', "
+            f"mlp_attr='mlp' for GPT-2"
+        )
+    return stack, layers
 
 
 def memory_blocks(model: nn.Module) -> list[MemoryBlock]:
@@ -38,50 +80,69 @@ def _check_layers(layers, num_layers: int) -> tuple[int, ...]:
     return tuple(sorted(layers))
 
 
-def attach_memories(model: nn.Module, layers=PAPER_LAYERS, mode: str = "additive", alpha_init: float = 0.01,
+def attach_memories(model: nn.Module, layers=PAPER_LAYERS, mode: str = "additive", alpha_init: float = 0.01, *,
+                    layers_path: str | None = None, mlp_attr: str | None = None,
                     **memory_kwargs) -> list[MemoryBlock]:
     """Put a fresh fp32 ProductKeyMemory at each of ``layers`` of ``model`` (in place).
 
     Args:
-        model: e.g. ``Qwen2ForCausalLM``; ``model.model.layers[i].mlp`` is replaced by a
-            :class:`MemoryBlock`, created on that layer's device.
+        model: a decoder-only causal LM, e.g. ``Qwen2ForCausalLM``; ``model.model.layers[i].mlp``
+            is replaced by a :class:`MemoryBlock`, created on that layer's device.
+        layers_path, mlp_attr: where the decoder layers and their feed-forward module are, for
+            other layouts (see :func:`decoder_layers`; GPT-2 and GPT-NeoX are known).
         layers: 0-based decoder layer indices (paper: 6, 12, 18).
         mode: ``"replacement"``, ``"additive"`` or ``"additive_s"`` (see :class:`MemoryBlock`).
         alpha_init: initial scalar of the memory branch in additive modes (paper: 0.01).
         **memory_kwargs: ProductKeyMemory arguments (n_keys, heads, topk, key_dim, value_dim,
             backend); unset ones keep the paper defaults. ``d_model`` is the model's hidden size.
 
-    Also installs hooks on ``model.model`` that hand each call's ``attention_mask`` to the
-    blocks for the duration of that call (so padding is not counted as reads).
+    Also installs hooks on the module holding the layers (``model.model``) that hand each call's
+    ``attention_mask`` to the blocks for the duration of that call (so padding is not counted as
+    reads), and records the memories in ``model.config.smf_memories`` (saved by
+    ``save_pretrained``; :func:`smf.model.from_pretrained` reads it back).
     Returns the blocks, by layer index.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if "d_model" in memory_kwargs:
         raise ValueError("d_model is taken from model.config.hidden_size; do not pass it")
-    stack = decoder_stack(model)
+    layers_path, mlp_attr = _layout(model, layers_path, mlp_attr)
+    stack, layer_list = _find_layers(model, layers_path, mlp_attr)
     if memory_blocks(model):
         raise ValueError(f"model already has memories at layers {[b.layer_index for b in memory_blocks(model)]}")
-    layers = _check_layers(layers, len(stack.layers))
-    d_model = model.config.hidden_size
+    layers = _check_layers(layers, len(layer_list))
+    d_model = model.config.get_text_config().hidden_size
 
     blocks = []
     for index in layers:
-        layer = stack.layers[index]
+        layer = layer_list[index]
         device = next(layer.parameters()).device
         with torch.device(device):
             memory = ProductKeyMemory(d_model, **memory_kwargs).float()
-        mlp = None if mode == "replacement" else layer.mlp
-        layer.mlp = MemoryBlock(memory, mlp, mode, index, alpha_init=alpha_init)
-        blocks.append(layer.mlp)
+        mlp = None if mode == "replacement" else getattr(layer, mlp_attr)
+        block = MemoryBlock(memory, mlp, mode, index, alpha_init=alpha_init)
+        block.set_owner(layer)
+        setattr(layer, mlp_attr, block)
+        blocks.append(block)
     _install_mask_hooks(stack, blocks)
+    sizes = memory.config()
+    sizes.pop("d_model")
+    setattr(model.config, CONFIG_KEY, {"layers": list(layers), "mode": mode, "memory_kwargs": sizes,
+                                       "layers_path": layers_path, "mlp_attr": mlp_attr})
     logger.info("attached %s memories at layers %s (%s each)", mode, layers, blocks[0].memory.extra_repr())
     return blocks
 
 
 def _install_mask_hooks(stack: nn.Module, blocks: list[MemoryBlock]) -> None:
+    signature = inspect.signature(stack.forward)
+
     def stash_mask(module, args, kwargs):
-        mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+        mask = kwargs.get("attention_mask")
+        if mask is None and args:
+            try:
+                mask = signature.bind_partial(*args).arguments.get("attention_mask")
+            except TypeError:
+                mask = None
         for block in blocks:
             block.attention_mask = mask
 

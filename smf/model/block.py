@@ -18,7 +18,9 @@ class MemoryBlock(nn.Module):
       (see :func:`smf.model.configure_trainable`).
 
     The memory and ``alpha`` are fp32 whatever the base model's dtype: ``h`` is cast to fp32
-    for the memory and the memory branch is cast back to ``h``'s dtype.
+    for the memory and the memory branch is cast back to ``h``'s dtype. ``model.to(dtype)``,
+    ``.half()`` and ``.bfloat16()`` convert the original MLP but leave the memory and ``alpha``
+    in float32 (devices still move).
 
     Padding: the owning model's pre-forward hook (installed by
     :func:`smf.model.attach_memories`) stores the call's 2-D ``attention_mask``
@@ -26,7 +28,9 @@ class MemoryBlock(nn.Module):
     When the memory counts reads, the last ``seq`` columns of that mask become its
     ``valid_mask``, so padded positions are not counted. No mask means all positions valid.
     Activation checkpointing re-runs this forward during backward, after the mask is cleared,
-    so read counts would be added twice (and padding counted): count reads without it.
+    so read counts would be added twice (and padding counted): a forward that counts reads
+    while the owning decoder layer (``owner``, set by :func:`smf.model.attach_memories`) has
+    Hugging Face gradient checkpointing on raises RuntimeError.
     """
 
     def __init__(self, memory: ProductKeyMemory, mlp: nn.Module | None, mode: str, layer_index: int,
@@ -45,6 +49,33 @@ class MemoryBlock(nn.Module):
         else:
             self.alpha = nn.Parameter(torch.tensor(float(alpha_init), device=memory.values.device))
         self.attention_mask: torch.Tensor | None = None
+        self._owner: list[nn.Module] = []  # a list, so the decoder layer is not registered as a submodule
+
+    def set_owner(self, layer: nn.Module) -> None:
+        """Record the decoder layer this block sits in (to see whether it is gradient-checkpointed)."""
+        self._owner = [layer]
+
+    def _checkpointed(self) -> bool:
+        layer = self._owner[0] if self._owner else None
+        return layer is not None and bool(getattr(layer, "gradient_checkpointing", False)) and layer.training
+
+    def _apply(self, fn, recurse=True):
+        """Like nn.Module._apply, but the memory and alpha keep their floating dtype (fp32)."""
+        def keep_dtype(tensor):
+            out = fn(tensor)
+            if tensor.is_floating_point() and out.dtype != tensor.dtype:
+                return tensor.to(device=out.device)
+            return out
+
+        mlp = self._modules.get("mlp")
+        if mlp is not None and recurse:
+            mlp._apply(fn, recurse)
+        self._modules["mlp"] = None  # hidden from nn.Module._apply, which would convert it again
+        try:
+            super()._apply(keep_dtype, recurse)
+        finally:
+            self._modules["mlp"] = mlp
+        return self
 
     def valid_mask(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Bool (batch, seq) of real (non-padding) positions for ``hidden`` (batch, seq, d), or None."""
@@ -62,6 +93,13 @@ class MemoryBlock(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (batch, seq, d_model) -> (batch, seq, d_model) in hidden's dtype."""
+        if self.memory.count_reads and torch.is_grad_enabled() and self._checkpointed():
+            raise RuntimeError(
+                f"memory at layer {self.layer_index} counts reads while gradient checkpointing is on: the "
+                "backward would re-run this forward and count every read twice. Call "
+                "model.gradient_checkpointing_disable() while reads are counted (SMF training, background "
+                "statistics)."
+            )
         valid = self.valid_mask(hidden) if self.memory.count_reads else None
         read = self.memory(hidden.to(self.memory.values.dtype), valid_mask=valid)
         if self.mlp is None:

@@ -11,6 +11,9 @@ logger = logging.getLogger(__name__)
 
 STAGES = ("retrofit", "sparse", "full")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# peft ``target_modules`` (a regex, matched with re.fullmatch against module names): the LORA_TARGETS
+# of the decoder layers, never a module inside a product-key memory (whose gate_proj shares the name).
+LORA_TARGET_REGEX = r"^(?!.*\.memory\.).*\.(" + "|".join(LORA_TARGETS) + r")$"
 
 
 def count_parameters(model: nn.Module) -> dict[str, int]:
@@ -56,14 +59,15 @@ def configure_trainable(model: nn.Module, stage: str) -> dict[str, int]:
 def apply_lora(model: nn.Module, r: int = 16, alpha: int = 32, dropout: float = 0.05) -> nn.Module:
     """LoRA baseline (SPEC §3): peft adapters on the seven projections of every decoder layer.
 
-    Returns the peft model (base weights frozen by peft). Refuses models with memories, whose
-    ``gate_proj``/``out_proj`` names would otherwise collide with the targets.
+    Returns the peft model (base weights frozen by peft). On a model with memories the adapters
+    go on the decoder layers' projections (including the original MLP inside an additive
+    :class:`MemoryBlock`) and never inside a memory: the targets are :data:`LORA_TARGET_REGEX`,
+    since a plain list of names would also match the memory's own ``gate_proj``. The memory
+    parameters are frozen with the rest of the base model.
     """
     from peft import LoraConfig, get_peft_model
 
-    if memory_blocks(model):
-        raise ValueError("apply_lora expects a model without memories (the LoRA baseline)")
-    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(LORA_TARGETS),
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=LORA_TARGET_REGEX,
                         bias="none", task_type="CAUSAL_LM")
     peft_model = get_peft_model(model, config)
     counts = count_parameters(peft_model)

@@ -20,7 +20,7 @@ from smf.model import (
     apply_lora,
     attach_memories,
     configure_trainable,
-    decoder_stack,
+    decoder_layers,
     load_memory_adapter,
     read_adapter_config,
 )
@@ -67,7 +67,7 @@ def resolve_background_file(path: str) -> Path:
 
 
 def _check_layers(model: nn.Module, layers) -> None:
-    num_layers = len(decoder_stack(model).layers)
+    num_layers = len(decoder_layers(model))
     beyond = [index for index in layers if index >= num_layers]
     if beyond:
         raise ConfigError(f"--layers {list(layers)}: indices {beyond} are beyond the model, which has {num_layers} "

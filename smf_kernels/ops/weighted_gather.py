@@ -17,20 +17,37 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-@torch.library.custom_op("smf_kernels::weighted_gather_forward", mutates_args=("counts",))
+@torch.library.custom_op("smf_kernels::weighted_gather_forward", mutates_args=())
 def _forward(
+    values: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, backend: str
+) -> torch.Tensor:
+    """The gather without a read histogram (a pure op: Inductor can schedule it freely)."""
+    with no_autocast(values.device):
+        return implementation(backend).gather_forward(values, indices, weights, None, None)
+
+
+@_forward.register_fake
+def _(values, indices, weights, backend):
+    return values.new_empty(indices.shape[0], values.shape[1])
+
+
+# A separate op for counting: an op declaring a mutated argument that may be None is
+# rejected by Inductor's functionalization, so the mutated ``counts`` is always a tensor here.
+@torch.library.custom_op("smf_kernels::weighted_gather_forward_counted", mutates_args=("counts",))
+def _forward_counted(
     values: torch.Tensor,
     indices: torch.Tensor,
     weights: torch.Tensor,
-    counts: torch.Tensor | None,
+    counts: torch.Tensor,
     valid: torch.Tensor | None,
     backend: str,
 ) -> torch.Tensor:
+    """The gather adding every read of a valid token to ``counts`` (M,) in place."""
     with no_autocast(values.device):
         return implementation(backend).gather_forward(values, indices, weights, counts, valid)
 
 
-@_forward.register_fake
+@_forward_counted.register_fake
 def _(values, indices, weights, counts, valid, backend):
     return values.new_empty(indices.shape[0], values.shape[1])
 
@@ -93,7 +110,9 @@ class _WeightedGather(torch.autograd.Function):
         ctx.deferred = update_rows if isinstance(update_rows, DeferredRows) else None
         ctx.save_for_backward(values, indices, weights, None if ctx.deferred is not None else update_rows)
         ctx.backend = backend
-        return _forward(values, indices, weights, counts, valid, backend)
+        if counts is None:
+            return _forward(values, indices, weights, backend)
+        return _forward_counted(values, indices, weights, counts, valid, backend)
 
     @staticmethod
     def backward(ctx, grad_out):

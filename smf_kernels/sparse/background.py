@@ -86,6 +86,12 @@ class BackgroundStats:
                 )
 
     def save(self, path: str | Path) -> None:
+        """Write the statistics to a safetensors file at ``path`` (overwritten if it exists).
+
+        Tensors ``{layer}.doc_freq`` and ``{layer}.reads``, (n_keys**2,) int64 each; the
+        safetensors metadata holds the format version and, per layer, the memory config and the
+        number of batches counted. Read back with :meth:`load`.
+        """
         tensors = {}
         for name in self.configs:
             tensors[f"{name}.doc_freq"] = self.doc_freq[name].contiguous()

@@ -252,9 +252,43 @@ class SparseMemoryController:
             selected[name] = select_top_rows(scores, counts[name], self.rows_per_step)
         return selected
 
+    @property
+    def in_step(self) -> bool:
+        """True between :meth:`begin_step` and the end of the step (:meth:`restrict_gradients` or
+        :meth:`finish_step`)."""
+        return self._in_step
+
+    def restrict_gradients(self) -> dict[str, torch.Tensor]:
+        """End the step's forwards and backwards: select rows from the step's counts and restrict
+        every memory's value gradient to them, without touching the optimizer.
+
+        After this, ``values.grad`` holds exactly the selected rows (a coalesced sparse COO
+        tensor in mode "row_sparse", a masked dense tensor in "dense_masked"), averaged over
+        ranks; read counting and update rows are off and the counts are zeroed. The caller then
+        clips (:func:`~smf_kernels.sparse.clip_grad_norm_`), steps and zeroes the gradients itself,
+        e.g. inside another training loop (:class:`smf_kernels.hf.SparseMemoryTrainer`).
+
+        Returns:
+            layer name -> (T',) int64 selected rows (ascending), T' = min(T, #read).
+        """
+        if not self._in_step:
+            raise RuntimeError("the step was not begun: call begin_step() before its forwards")
+        if self._deferred is not None and self._selected is None:
+            raise RuntimeError("begin_step(select_before_backward=True) needs select_rows() before the backward")
+        self._end_step()
+        selected = self._selected if self._selected is not None else self._select(self._step_counts())
+        for name, memory in self.memories.items():
+            if self.mode == "row_sparse":
+                self._restrict_sparse_grad(memory.values, selected[name])
+            else:
+                self._restrict_dense_grad(memory.values, selected[name])
+        for memory in self.memories.values():
+            memory.reset_read_counts()
+        return selected
+
     def finish_step(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None
                     ) -> dict[str, torch.Tensor]:
-        """Select rows from the step's counts, restrict value gradients to them, step and reset.
+        """:meth:`restrict_gradients`, then clip, step and zero the gradients.
 
         Clips all gradients of ``optimizer``'s parameters to ``max_grad_norm``
         (sparse-aware) when given, calls ``optimizer.step()`` and
@@ -265,21 +299,11 @@ class SparseMemoryController:
         """
         if not self._in_step:
             raise RuntimeError("finish_step() called without begin_step()")
-        if self._deferred is not None and self._selected is None:
-            raise RuntimeError("begin_step(select_before_backward=True) needs select_rows() before the backward")
-        self._end_step()
-        selected = self._selected if self._selected is not None else self._select(self._step_counts())
-        for name, memory in self.memories.items():
-            if self.mode == "row_sparse":
-                self._restrict_sparse_grad(memory.values, selected[name])
-            else:
-                self._restrict_dense_grad(memory.values, selected[name])
+        selected = self.restrict_gradients()
         if max_grad_norm is not None:
             clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        for memory in self.memories.values():
-            memory.reset_read_counts()
         return selected
 
     def _end_step(self) -> None:

@@ -1,0 +1,119 @@
+"""Sparse Memory Finetuning inside the Hugging Face ``transformers.Trainer`` loop.
+
+:class:`SparseMemoryTrainer` is a ``Trainer`` whose optimizer steps are SMF steps driven by a
+:class:`~smf_kernels.sparse.SparseMemoryController`: the Trainer keeps its own loop (gradient
+accumulation, LR schedulers, logging, checkpoints, ``resume_from_checkpoint``); the controller
+picks each step's rows and restricts the memory value gradients to them. Example (README,
+"Training with the Hugging Face Trainer")::
+
+    controller = SparseMemoryController(model, rule="tfidf", rows_per_step=512)
+    controller.collect_background(background_batches)
+    trainer = SparseMemoryTrainer(model=model, args=TrainingArguments(...), train_dataset=data,
+                                  controller=controller)
+    trainer.train()
+
+Needs ``transformers`` (not a dependency of smf_kernels).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch
+from transformers import Trainer, TrainerCallback
+
+from smf_kernels.sparse.clipping import clip_grad_norm_
+from smf_kernels.sparse.controller import SparseMemoryController
+from smf_kernels.sparse.row_sparse_adamw import RowSparseAdamW
+
+logger = logging.getLogger(__name__)
+
+
+class _RestoreSparseGradients(TrainerCallback):
+    """Hands the restricted sparse value gradients back just before the optimizer steps."""
+
+    def __init__(self, trainer: "SparseMemoryTrainer") -> None:
+        self.trainer = trainer
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        for param, grad in self.trainer._held_gradients.items():
+            param.grad = grad
+        self.trainer._held_gradients = {}
+
+
+class SparseMemoryTrainer(Trainer):
+    """``transformers.Trainer`` training the memories of a model with Sparse Memory Finetuning.
+
+    Args:
+        *args, **kwargs: as ``transformers.Trainer``. The model's trainable parameters should be
+            the memory values (plus, e.g., the additive_s ``alpha``; see
+            ``smf.model.configure_trainable(model, "sparse")``).
+        controller: a :class:`SparseMemoryController` over the same model, with its background
+            statistics set (``collect_background`` / ``set_background``).
+
+    Per optimizer step: the first micro-batch's ``training_step`` calls
+    ``controller.begin_step()``; after the last micro-batch's backward,
+    ``controller.restrict_gradients()`` selects the step's rows (from the reads of every
+    micro-batch of the step) and restricts the value gradients to them; then all gradients are
+    clipped to ``args.max_grad_norm`` with the sparse-aware
+    :func:`~smf_kernels.sparse.clip_grad_norm_` and the Trainer steps its optimizer and scheduler.
+    The Trainer's own clipping is switched off (``self.args.max_grad_norm`` is 0 in the copy of
+    the arguments this trainer keeps; the value given is ``self.sparse_max_grad_norm``) and the
+    logged ``grad_norm`` is the sparse-aware total norm before clipping.
+
+    Without ``optimizers=``, mode "row_sparse" builds a :class:`RowSparseAdamW` from the
+    arguments (learning_rate, adam betas / epsilon, weight_decay); mode "dense_masked" keeps the
+    Trainer's default optimizer. ``last_selected_rows`` holds the rows of the latest step
+    (layer name -> (T',) int64). fp16 mixed precision (a gradient scaler) is not supported; use
+    bf16 or fp32. Checkpoints are the Trainer's: the controller holds no training state.
+    """
+
+    def __init__(self, *args, controller: SparseMemoryController, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if not isinstance(controller, SparseMemoryController):
+            raise TypeError(f"controller must be a SparseMemoryController, got {type(controller).__name__}")
+        if self.args.fp16:
+            raise ValueError("SparseMemoryTrainer does not support fp16 (its gradient scaler); use bf16 or fp32")
+        self.controller = controller
+        self.sparse_max_grad_norm = self.args.max_grad_norm
+        self.args = copy.copy(self.args)
+        self.args.max_grad_norm = 0.0  # clipping happens in training_step, where sparse gradients are understood
+        self.last_selected_rows: dict[str, torch.Tensor] = {}
+        self._held_gradients: dict[torch.nn.Parameter, torch.Tensor] = {}
+        self._sparse_grad_norm: float | None = None
+        self.add_callback(_RestoreSparseGradients(self))
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is None and self.controller.mode == "row_sparse":
+            params = [p for p in (model or self.model).parameters() if p.requires_grad]
+            self.optimizer = RowSparseAdamW(params, lr=self.args.learning_rate,
+                                            betas=(self.args.adam_beta1, self.args.adam_beta2),
+                                            eps=self.args.adam_epsilon, weight_decay=self.args.weight_decay)
+            return self.optimizer
+        return super().create_optimizer(model)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if not self.controller.in_step:
+            self.controller.begin_step()
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self.accelerator.sync_gradients:  # the step's last micro-batch: the Trainer steps next
+            self._end_smf_step()
+        return loss
+
+    def _end_smf_step(self) -> None:
+        self.last_selected_rows = self.controller.restrict_gradients()
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        max_norm = self.sparse_max_grad_norm if self.sparse_max_grad_norm and self.sparse_max_grad_norm > 0 \
+            else float("inf")
+        self._sparse_grad_norm = float(clip_grad_norm_(params, max_norm))
+        # torch's clip_grad_norm_ (which the Trainer calls for its grad_norm) cannot read sparse gradients:
+        # hold them until the optimizer step (_RestoreSparseGradients).
+        self._held_gradients = {p: p.grad for p in self.controller.value_parameters()
+                                if p.grad is not None and p.grad.is_sparse}
+        for param in self._held_gradients:
+            param.grad = None
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "grad_norm" in logs and self._sparse_grad_norm is not None:
+            logs["grad_norm"] = self._sparse_grad_norm
+        super().log(logs, start_time)

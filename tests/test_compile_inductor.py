@@ -1,0 +1,97 @@
+"""torch.compile with the default backend (Inductor), fullgraph, forward and backward, against eager.
+
+Inductor compiles C++ on CPU, so the models are tiny and few. The sparse-rows path does not
+compile as one graph (a sparse COO gradient cannot be traced); its breaks are counted here.
+"""
+import pytest
+import torch
+from transformers import Qwen2ForCausalLM
+
+from helpers import rel_err
+from smf.model import attach_memories, memory_blocks
+from smf.tiny import TINY_MEMORY_KWARGS, tiny_config
+from smf_kernels import ProductKeyMemory
+from smf_kernels.ops import weighted_gather
+
+SMALL = dict(n_keys=8, heads=2, topk=3, key_dim=18)  # 64 slots, halves of 9
+
+
+def test_weighted_gather_compiles_with_inductor():
+    values = torch.randn(50, 24, requires_grad=True)
+    indices = torch.randint(0, 50, (7, 5))
+    weights = torch.softmax(torch.randn(7, 5), -1).requires_grad_(True)
+    out = torch.compile(lambda: weighted_gather(values, indices, weights), fullgraph=True)()
+    out.square().sum().backward()
+    grads = values.grad.clone(), weights.grad.clone()
+    values.grad = weights.grad = None
+    eager = weighted_gather(values, indices, weights)
+    eager.square().sum().backward()
+    assert rel_err(out, eager) < 1e-6
+    assert rel_err(grads[0], values.grad) < 1e-6 and rel_err(grads[1], weights.grad) < 1e-6
+
+
+@pytest.mark.parametrize("counting", [False, True])
+def test_memory_compiles_with_inductor(counting):
+    mem = ProductKeyMemory(40, **SMALL)
+    mem.set_read_counting(counting)
+    x = torch.randn(2, 6, 40)
+    valid = torch.rand(2, 6) > 0.3
+    out = torch.compile(mem, fullgraph=True)(x, valid)
+    out.square().sum().backward()
+    compiled_grads = {name: p.grad.clone() for name, p in mem.named_parameters()}
+    compiled_counts = mem.read_counts.clone()
+    mem.zero_grad(set_to_none=True)
+    mem.reset_read_counts()
+    eager = mem(x, valid)
+    eager.square().sum().backward()
+    assert rel_err(out, eager) < 1e-6
+    for name, p in mem.named_parameters():
+        assert rel_err(compiled_grads[name], p.grad) < 1e-5, name
+    assert torch.equal(compiled_counts, mem.read_counts)
+    assert compiled_counts.sum() == (int(valid.sum()) * mem.heads * mem.topk if counting else 0)
+
+
+def test_tiny_qwen2_with_memories_compiles_with_inductor():
+    config = tiny_config()
+    config.num_hidden_layers = 2
+    model = Qwen2ForCausalLM(config).eval()
+    attach_memories(model, layers=(1,), **TINY_MEMORY_KWARGS)
+    memory = memory_blocks(model)[0].memory
+    memory.set_read_counting(True)
+    ids = torch.randint(0, 256, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    logits = torch.compile(model, fullgraph=True)(input_ids=ids, attention_mask=mask).logits
+    logits.square().mean().backward()
+    compiled_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    compiled_counts = memory.read_counts.clone()
+    model.zero_grad(set_to_none=True)
+    memory.reset_read_counts()
+    eager = model(input_ids=ids, attention_mask=mask).logits
+    eager.square().mean().backward()
+    assert rel_err(logits, eager) < 1e-6
+    for name, p in model.named_parameters():
+        assert rel_err(compiled_grads[name], p.grad) < 1e-5, name
+    assert torch.equal(compiled_counts, memory.read_counts) and compiled_counts.sum() == 15 * 2 * 4
+
+
+@pytest.mark.parametrize("rows", ["tensor", "read"])
+def test_sparse_update_rows_graph_breaks_are_counted(rows):
+    """A sparse COO value gradient cannot be traced: the backward's torch.sparse_coo_tensor breaks
+    the graph, and ``"read"`` adds a data-dependent torch.unique (README, "torch.compile")."""
+    mem = ProductKeyMemory(40, **SMALL)
+    mem.set_update_rows(torch.tensor([1, 5, 9, 33]) if rows == "tensor" else "read")
+    x = torch.randn(2, 6, 40)
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(mem)(x)
+    reasons = [str(b.reason) for b in explanation.break_reasons]
+    assert all("sparse_coo_tensor" in r or "unique" in r for r in reasons), reasons
+    assert any("sparse_coo_tensor" in r for r in reasons)
+    assert any("unique" in r for r in reasons) == (rows == "read")
+    assert explanation.graph_break_count <= (4 if rows == "read" else 3)
+    out = torch.compile(mem)(x)  # still runs, in pieces, with the same sparse gradient as eager
+    out.square().sum().backward()
+    compiled_grad = mem.values.grad.coalesce()
+    mem.zero_grad(set_to_none=True)
+    mem(x).square().sum().backward()
+    assert compiled_grad.is_sparse and rel_err(compiled_grad, mem.values.grad) < 1e-6
