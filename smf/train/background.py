@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 
 # Options that decide which oasst1 pairs the retrofit trained on; the background set is what follows them.
-SPLIT_OPTIONS = ("oasst_path", "oasst_languages", "n_examples", "data_seed")
+SPLIT_OPTIONS = ("protocol", "oasst_path", "oasst_languages", "n_examples", "data_seed")
 
 
 def check_held_out_split(config: RunConfig) -> None:

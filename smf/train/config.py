@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from smf.data.protocol import DEFAULT_PROTOCOL, PROTOCOLS
 from smf.model.checkpoint import DEFAULT_MODEL
 
 RECIPES = ("retrofit", "sparse", "lora", "full")
@@ -82,6 +83,9 @@ class RunConfig:
     lora_alpha: int = _opt(32, "LoRA alpha (--recipe lora)", ("train",))
     lora_dropout: float = _opt(0.05, "LoRA dropout (--recipe lora)", ("train",))
     # data
+    protocol: str = _opt(DEFAULT_PROTOCOL, "data protocol: authors = the authors' training texts and sampling "
+                         "(smf/data/protocol.py, docs/method.md); clean = loss-masked prompts, held-out background",
+                         ALL, PROTOCOLS)
     oasst_path: str | None = _opt(None, "local oasst1 train split (jsonl/parquet/save_to_disk); default: the hub",
                                   ("retrofit", "background"))
     oasst_languages: str = _opt("en", "comma-separated oasst1 languages of the assistant replies used (e.g. en,de), "
