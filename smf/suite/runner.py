@@ -118,9 +118,9 @@ class SuiteRunner:
             return {"train": ensure_stage("train", stage_config(config, run.recipe, run.seed, layout.train_dir(run)))}
         retrofit_dir, background_dir = sparse_stage_dirs(layout, run)
         markers = {"retrofit": ensure_stage("retrofit", stage_config(config, "retrofit", run.seed, retrofit_dir,
-                                                                     mode=run.mode))}
+                                                                     mode=run.retrofit_mode))}
         markers["background"] = ensure_stage("background", stage_config(
-            config, "background", run.seed, background_dir, mode=run.mode, adapter=retrofit_dir))
+            config, "background", run.seed, background_dir, adapter=retrofit_dir))
         markers["train"] = ensure_stage("train", stage_config(
             config, "sparse", run.seed, layout.train_dir(run), mode=run.mode, rule=run.rule, adapter=retrofit_dir,
             background=background_dir))
@@ -129,7 +129,7 @@ class SuiteRunner:
     def evaluate(self, run: Run) -> tuple[dict, dict, str]:
         """(metrics, seconds per task, artefact) of ``run``'s trained model (the base model for base)."""
         if self._eval_sets is None:
-            self._eval_sets = load_eval_sets(self.config.data, self.config.eval)
+            self._eval_sets = load_eval_sets(self.config.data, self.config.eval, self.config.protocol)
         if run.recipe is None:
             model, tokenizer = load_base(self.config.model, self.device)
             artefact = self.config.model
@@ -138,7 +138,7 @@ class SuiteRunner:
             artefact = str(self.layout.train_dir(run) / FINAL_DIR)
         try:
             metrics, seconds = evaluate_model(model, tokenizer, self._eval_sets, self.config.eval,
-                                              self.layout.eval_dir(run))
+                                              self.layout.eval_dir(run), self.config.protocol)
         finally:
             del model
             gc.collect()

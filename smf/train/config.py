@@ -54,7 +54,9 @@ class RunConfig:
     model: str = _opt(DEFAULT_MODEL, "base model: hub id, local save_pretrained directory, or 'tiny'", ALL)
     recipe: str = _opt("sparse", "what to train (SPEC §3)", ("train",), TRAIN_RECIPES)
     # memories (retrofit)
-    mode: str = _opt("additive", "how memories join the layer's MLP", ("retrofit",), MEMORY_MODES)
+    mode: str | None = _opt(None, "how memories join the layer's MLP (retrofit; default additive). --recipe sparse: "
+                            "default the adapter's mode; additive+s on an additive adapter also trains alpha (the "
+                            "paper's +S starts from the additive retrofit)", ("retrofit", "train"), MEMORY_MODES)
     layers: list[int] = _opt((6, 12, 18), "0-based decoder layers that get a memory", ("retrofit",))
     n_keys: int = _opt(128, "sub-keys per half (slots = n_keys**2)", ("retrofit",))
     heads: int = _opt(4, "memory query heads", ("retrofit",))
@@ -125,6 +127,8 @@ class RunConfig:
     def resolved(self, recipe: str) -> "RunConfig":
         """A copy with ``recipe`` set and the recipe's paper defaults filled in where options are None."""
         config = dataclasses.replace(self, recipe=recipe)
+        if recipe == "retrofit" and config.mode is None:
+            config.mode = "additive"
         if recipe in RECIPES:
             config.lr = RECIPE_LR[recipe] if config.lr is None else config.lr
             config.epochs = RECIPE_EPOCHS[recipe] if config.epochs is None else config.epochs

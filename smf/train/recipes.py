@@ -22,6 +22,7 @@ from smf.model import (
     configure_trainable,
     decoder_stack,
     load_memory_adapter,
+    memory_blocks,
     read_adapter_config,
 )
 from smf.train.artifacts import FINAL_DIR, load_base
@@ -87,6 +88,20 @@ def load_model_with_adapter(config: RunConfig, device: torch.device) -> tuple[nn
     return model.to(device), tokenizer
 
 
+def set_sparse_mode(model: nn.Module, mode: str | None) -> None:
+    """Finetune the adapter's memories in ``mode`` (None: the adapter's own). The only change allowed is
+    additive -> additive+s (alpha trains too), how the paper's +S starts from the additive retrofit."""
+    blocks = memory_blocks(model)
+    saved = blocks[0].mode
+    if mode is None or MODE_NAMES[mode] == saved:
+        return
+    if MODE_NAMES[mode] != "additive_s" or saved != "additive":
+        raise ConfigError(f"--mode {mode} cannot finetune an adapter retrofitted in mode {saved!r}; only an additive "
+                          "adapter can be finetuned as additive+s (omit --mode to keep the adapter's mode)")
+    for block in blocks:
+        block.mode = "additive_s"
+
+
 def _adamw(params, config: RunConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
 
@@ -108,6 +123,7 @@ def build_setup(config: RunConfig, world: World) -> TrainingSetup:
         counts = configure_trainable(model, "retrofit")
     elif recipe == "sparse":
         model, tokenizer = load_model_with_adapter(config, world.device)
+        set_sparse_mode(model, config.mode)
         counts = configure_trainable(model, "sparse")
         mode = "row_sparse" if config.optimizer == "row-sparse" else "dense_masked"
         controller = SparseMemoryController(model, rule=config.rule, rows_per_step=config.rows_per_step, mode=mode)
