@@ -20,7 +20,7 @@ TRAIN_RECIPES = ("sparse", "lora", "full")
 MEMORY_MODES = ("replacement", "additive", "additive+s")
 RULES = ("tfidf", "kl")
 SPARSE_BACKWARDS = ("selected-rows", "read-rows")
-SPARSE_OPTIMIZERS = ("row-sparse", "dense-masked")
+SPARSE_OPTIMIZERS = ("row-sparse", "dense-masked", "authors")
 BF16_CHOICES = ("auto", "on", "off")
 PRESETS = ("tiny",)
 TINY_MODEL = "tiny"
@@ -72,8 +72,9 @@ class RunConfig:
     rule: str = _opt("tfidf", "slot scoring rule (--recipe sparse)", ("train",), RULES)
     rows_per_step: int = _opt(512, "T: value rows trained per layer per step (--recipe sparse)", ("train",))
     optimizer: str = _opt("row-sparse", "row-sparse: only selected rows and their AdamW state move (default); "
-                          "dense-masked: the original masked-gradient AdamW, kept for comparison (--recipe sparse)",
-                          ("train",), SPARSE_OPTIMIZERS)
+                          "dense-masked: one selection per step, masked dense gradient, torch AdamW; authors: the "
+                          "authors' update, rows selected per micro-batch counting padding, each backward masked, "
+                          "dense AdamW (one process only) (--recipe sparse)", ("train",), SPARSE_OPTIMIZERS)
     sparse_backward: str = _opt("selected-rows", "selected-rows: rows are chosen before any backward of the step "
                                 "(under gradient accumulation after a no-grad counting forward over its micro-batches), "
                                 "so each backward writes only the T selected rows; read-rows: each backward writes "

@@ -3,7 +3,8 @@
 - ``retrofit``: fresh memories at ``layers``; every memory parameter (+ alpha) trains; AdamW.
 - ``sparse``: memories from the retrofit adapter; only value rows picked each step by the
   :class:`SparseMemoryController` train (+ alpha in mode additive+s); :class:`RowSparseAdamW`
-  (or, ``--optimizer dense-masked``, masked dense gradients with torch AdamW for comparison).
+  (or, ``--optimizer dense-masked``, masked dense gradients with torch AdamW for comparison;
+  ``--optimizer authors``, the authors' update, :class:`AuthorsSparseUpdate`).
 - ``lora``: peft LoRA on the seven projections; AdamW.
 - ``full``: every base parameter; AdamW.
 """
@@ -28,7 +29,7 @@ from smf.model import (
 from smf.train.artifacts import FINAL_DIR, load_base
 from smf.train.config import ConfigError, RunConfig
 from smf.train.distributed import World
-from smf_kernels.sparse import BackgroundStats, RowSparseAdamW, SparseMemoryController
+from smf_kernels.sparse import AuthorsSparseUpdate, BackgroundStats, RowSparseAdamW, SparseMemoryController
 
 logger = logging.getLogger(__name__)
 
@@ -39,12 +40,14 @@ MODE_NAMES = {"replacement": "replacement", "additive": "additive", "additive+s"
 @dataclass
 class TrainingSetup:
     """What the trainer needs from a recipe. ``model`` is the unwrapped model; ``controller`` is set
-    for the sparse recipe only (it then runs the optimizer step)."""
+    for the sparse recipe only (it then runs the optimizer step and fills ``step_rows``)."""
 
     model: nn.Module
     tokenizer: object
     optimizer: torch.optim.Optimizer
-    controller: SparseMemoryController | None
+    controller: SparseMemoryController | AuthorsSparseUpdate | None
+    # The rows each memory layer selected in the last sparse step (layer -> (T,) int64), set by the trainer.
+    step_rows: dict | None = None
 
     def trainable_parameters(self) -> dict[str, nn.Parameter]:
         return {name: p for name, p in self.model.named_parameters() if p.requires_grad}
@@ -125,8 +128,15 @@ def build_setup(config: RunConfig, world: World) -> TrainingSetup:
         model, tokenizer = load_model_with_adapter(config, world.device)
         set_sparse_mode(model, config.mode)
         counts = configure_trainable(model, "sparse")
-        mode = "row_sparse" if config.optimizer == "row-sparse" else "dense_masked"
-        controller = SparseMemoryController(model, rule=config.rule, rows_per_step=config.rows_per_step, mode=mode)
+        if config.optimizer == "authors":
+            if world.size > 1:
+                raise ConfigError("--optimizer authors runs in one process (the authors' single-GPU update); "
+                                  "drop torchrun or choose row-sparse")
+            controller = AuthorsSparseUpdate(model, rule=config.rule, rows_per_step=config.rows_per_step)
+        else:
+            mode = "row_sparse" if config.optimizer == "row-sparse" else "dense_masked"
+            controller = SparseMemoryController(model, rule=config.rule, rows_per_step=config.rows_per_step,
+                                                mode=mode)
         try:
             controller.set_background(BackgroundStats.load(resolve_background_file(config.background),
                                                            controller.memories))
