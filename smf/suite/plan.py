@@ -33,14 +33,17 @@ IGNORED_OPTIONS = ("output_dir", "adapter", "background", "resume", "save_every"
 
 @dataclass(frozen=True)
 class Run:
-    """One cell of Table 1: a condition (see :data:`smf.report.CONDITIONS`) trained with one seed."""
+    """One cell of Table 1: a condition (see :data:`smf.report.CONDITIONS`) trained with one seed; or,
+    with ``update="authors"``, a sparse condition of the update ablation."""
 
     condition: str
     seed: int
+    update: str = "exact"
 
     @property
     def name(self) -> str:
-        return f"{self.condition}-seed{self.seed}"
+        suffix = "-authors-update" if self.update == "authors" else ""
+        return f"{self.condition}{suffix}-seed{self.seed}"
 
     @property
     def recipe(self) -> str | None:
@@ -68,8 +71,11 @@ class Run:
 
 
 def plan_runs(config: SuiteConfig) -> list[Run]:
-    """Every run of the suite, seed by seed (a partial suite has whole seeds done first)."""
-    return [Run(condition, seed) for seed in config.seeds for condition in config.conditions]
+    """Every run of the suite, seed by seed (a partial suite has whole seeds done first): the Table 1
+    conditions, then the ``authors_update`` ablation runs of that seed."""
+    return [run for seed in config.seeds
+            for run in [Run(c, seed) for c in config.conditions] + [Run(c, seed, "authors")
+                                                                    for c in config.authors_update]]
 
 
 @dataclass(frozen=True)
@@ -107,12 +113,13 @@ def _options_for(command: str, options: dict) -> dict:
 
 
 def stage_config(config: SuiteConfig, stage: str, seed: int, output_dir: Path, *, mode: str | None = None,
-                 rule: str | None = None, adapter: Path | None = None, background: Path | None = None) -> RunConfig:
+                 rule: str | None = None, adapter: Path | None = None, background: Path | None = None,
+                 optimizer: str | None = None) -> RunConfig:
     """The resolved trainer options of one stage (retrofit, background, sparse, lora, full).
 
     Options: ``train`` < ``stages.{stage}`` < what the suite sets (model, device, data, seed, mode,
-    rule, directories). The background stage also inherits ``stages.retrofit`` (its examples must
-    be drawn exactly as the retrofit's were, to avoid them).
+    rule, directories; ``optimizer`` "authors" for the update ablation). The background stage also
+    inherits ``stages.retrofit`` (its examples must be drawn exactly as the retrofit's were).
     """
     command = STAGE_COMMANDS[stage]
     inherited = config.stages.get("retrofit", {}) if stage == "background" else {}
@@ -120,7 +127,8 @@ def stage_config(config: SuiteConfig, stage: str, seed: int, output_dir: Path, *
     suite_set = {"output_dir": str(output_dir), "model": config.model, "device": config.device, "seed": seed,
                  "protocol": config.protocol,
                  "oasst_path": config.data.oasst, "medmcqa_path": config.data.medmcqa_train, "recipe": stage,
-                 "mode": mode, "rule": rule, "adapter": None if adapter is None else str(adapter),
+                 "mode": mode, "rule": rule, "optimizer": optimizer,
+                 "adapter": None if adapter is None else str(adapter),
                  "background": None if background is None else str(background)}
     suite_set = {name: value for name, value in suite_set.items()
                  if value is not None or name in ("oasst_path", "medmcqa_path")}
@@ -162,6 +170,7 @@ def run_hash(config: SuiteConfig, run: Run) -> str:
                                                                       ("retrofit", "background", "sparse"))
     return _digest({
         "model": config.model, "condition": run.condition, "seed": run.seed, "protocol": config.protocol,
+        "update": run.update,
         "train_data": [config.data.oasst, config.data.medmcqa_train] if stages else [],
         "stages": {stage: {name: value for name, value in {**config.train, **config.stages.get(stage, {})}.items()
                            if name not in IGNORED_OPTIONS} for stage in stages},
