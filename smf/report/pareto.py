@@ -58,6 +58,28 @@ def _clamp_accuracy_axis(get_limits, set_limits) -> None:
     set_limits(max(low, 0.0), min(high, 1.0))
 
 
+def _place_labels(figure, axis) -> None:
+    """Move each baseline label to the first of its four candidate spots (beside the ends of its x error
+    bar, above or below) whose box crosses no error bar and no marker of the panel; keep the first spot
+    when none is clear."""
+    from matplotlib.transforms import Bbox
+
+    renderer = figure.canvas.get_renderer()
+    obstacles = [Bbox(axis.transData.transform(segment)).padded(1.5) for collection in axis.collections
+                 for segment in collection.get_segments()]
+    for line in axis.lines:  # markers (and the frontier's vertices)
+        if line.get_marker() not in (None, "None", ""):
+            obstacles += [Bbox.from_bounds(px - 6, py - 6, 12, 12)
+                          for px, py in axis.transData.transform(line.get_xydata())]
+    for label in [text for text in axis.texts if hasattr(text, "anchors")]:
+        for xy, (dx, dy), ha, va in [*label.anchors, label.anchors[0]]:  # the last try is the fallback
+            label.xy, label.xyann = xy, (dx, dy + (label.stack if dy > 0 else -label.stack))
+            label.set_ha(ha)
+            label.set_va(va)
+            if not any(label.get_window_extent(renderer).overlaps(box) for box in obstacles):
+                break
+
+
 def _draw_panel(axis, summaries: Sequence[Summary], x_metric: str, maximize_x: bool, model: str | None) -> None:
     points = [s for s in summaries if s.stats["medmcqa_acc"] is not None and s.stats[x_metric] is not None]
     labelled = [s for s in points if SELECTION_RULES.get(s.condition) is None]
@@ -70,10 +92,13 @@ def _draw_panel(axis, summaries: Sequence[Summary], x_metric: str, maximize_x: b
         marker = RULE_MARKERS[rule] if rule else BASELINE_MARKERS[summary.condition]
         axis.errorbar(x, y, xerr=x_std, yerr=y_std, fmt=marker, color=colour, markersize=9, capsize=3,
                       markeredgecolor="black", markeredgewidth=0.6, zorder=3)
-        if rule is None:  # anchored at the end of the x error bar: clear of both bars
-            axis.annotate(display_name(summary.condition, model), (x + x_std, y), textcoords="offset points",
-                          xytext=(6, 5 + 11 * stacked[summary.condition]), ha="left", va="bottom", fontsize=9,
-                          color=colour, zorder=4)
+        if rule is None:  # first placed beside the end of the x error bar; _place_labels moves it if needed
+            label = axis.annotate(display_name(summary.condition, model), (x + x_std, y), textcoords="offset points",
+                                  xytext=(6, 5 + 11 * stacked[summary.condition]), ha="left", va="bottom",
+                                  fontsize=9, color=colour, zorder=4)
+            label.anchors = [((x + x_std, y), (6, 5), "left", "bottom"), ((x + x_std, y), (6, -5), "left", "top"),
+                             ((x - x_std, y), (-6, 5), "right", "bottom"), ((x - x_std, y), (-6, -5), "right", "top")]
+            label.stack = 11 * stacked[summary.condition]
     if points:
         xs = [s.stats[x_metric][0] for s in points]
         ys = [s.stats["medmcqa_acc"][0] for s in points]
@@ -90,10 +115,9 @@ def _draw_panel(axis, summaries: Sequence[Summary], x_metric: str, maximize_x: b
         _clamp_accuracy_axis(axis.get_xlim, axis.set_xlim)
 
 
-def plot_pareto(summaries: Sequence[Summary], path_stem: str | Path, *, title: str | None = None,
-                model: str | None = None) -> list[Path]:
-    """Draw both panels and write ``{path_stem}.png`` and ``{path_stem}.pdf``; returns the two paths.
-    ``model`` names the base point after the model used."""
+def draw_pareto(summaries: Sequence[Summary], *, title: str | None = None, model: str | None = None):
+    """The two-panel figure (a matplotlib Figure; close it with ``plt.close``). ``model`` names the base
+    point after the model used."""
     if not summaries:
         raise ValueError("summaries must hold at least one condition")
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 5.2))
@@ -114,6 +138,16 @@ def plot_pareto(summaries: Sequence[Summary], path_stem: str | Path, *, title: s
     if title:
         figure.suptitle(title)
     figure.tight_layout(rect=(0, 0.1, 1, 1))
+    figure.canvas.draw()  # final limits and text sizes, then labels go where they cross nothing
+    for axis in (left, right):
+        _place_labels(figure, axis)
+    return figure
+
+
+def plot_pareto(summaries: Sequence[Summary], path_stem: str | Path, *, title: str | None = None,
+                model: str | None = None) -> list[Path]:
+    """:func:`draw_pareto` written to ``{path_stem}.png`` and ``{path_stem}.pdf``; returns the two paths."""
+    figure = draw_pareto(summaries, title=title, model=model)
     path_stem = Path(path_stem)
     path_stem.parent.mkdir(parents=True, exist_ok=True)
     paths = [path_stem.with_suffix(".png"), path_stem.with_suffix(".pdf")]
