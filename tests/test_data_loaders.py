@@ -50,7 +50,8 @@ def test_medmcqa_prompt_and_continuations():
                "opc": "Thiamine", "opd": "Folate", "cop": 1}
     assert medmcqa.format_prompt(example, "clean") == (
         "Question: Which vitamin is fat soluble?\nA. Vitamin C\nB. Vitamin K\nC. Thiamine\nD. Folate\nAnswer:")
-    assert medmcqa.option_continuations(example, "clean") == [" A. Vitamin C", " B. Vitamin K", " C. Thiamine", " D. Folate"]
+    assert medmcqa.option_continuations(example, "clean") == [" A. Vitamin C", " B. Vitamin K", " C. Thiamine",
+                                                              " D. Folate"]
     assert medmcqa.format_example(example, "clean") == {"prompt": medmcqa.format_prompt(example, "clean"),
                                                         "target": " B. Vitamin K"}
     for row in load_medmcqa(path=MEDMCQA_TRAIN):

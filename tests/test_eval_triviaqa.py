@@ -73,7 +73,8 @@ def test_accuracy_and_outputs_with_scripted_answers(tmp_path):
                triviaqa_prompt({"question": "Who wrote Hamlet?"}): " Marlowe",
                triviaqa_prompt({"question": "Largest ocean on Earth, by area?"}): " the pacific"}
     model = ScriptedGenerator(tokenizer, replies)
-    accuracy = evaluate_triviaqa(model, tokenizer, examples, batch_size=2, protocol="clean", output_path=tmp_path / "t.jsonl")
+    accuracy = evaluate_triviaqa(model, tokenizer, examples, batch_size=2, protocol="clean",
+                                 output_path=tmp_path / "t.jsonl")
     assert accuracy == pytest.approx(2 / 3)
     records = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
     assert records == [{"id": "tq0", "prediction": " Paris, France.", "correct": True},

@@ -57,8 +57,8 @@ def test_windows_match_per_window_reference_and_batching_does_not_matter(tmp_pat
     window, stride = 64, 24
     one_by_one = evaluate_wikitext(model, tokenizer, rows, window=window, stride=stride, windows_per_batch=1,
                                    protocol="clean")
-    batched = evaluate_wikitext(model, tokenizer, rows, window=window, stride=stride, windows_per_batch=5, protocol="clean",
-                                output_path=tmp_path / "w.jsonl")
+    batched = evaluate_wikitext(model, tokenizer, rows, window=window, stride=stride, windows_per_batch=5,
+                                protocol="clean", output_path=tmp_path / "w.jsonl")
     assert batched == pytest.approx(one_by_one, rel=1e-5)
     # Reference: each window alone, NLL of its scored tokens.
     total = 0.0

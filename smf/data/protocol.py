@@ -82,14 +82,16 @@ AUTHORS = Protocol(
     name="authors", plain_text_training=True, oasst_response_only=True, medmcqa_exam_text=True,
     subset_rule="first-n-of-shuffle", background_pool=20_000, strip_fields=False,
     medmcqa_header="Medical exam question:\n", medmcqa_joint_tokenization=True,
-    wikitext_config="wikitext-103-v1", wikitext_lines=1000, wikitext_special_tokens=False, wikitext_length_weighted_first_window=True,
+    wikitext_config="wikitext-103-v1", wikitext_lines=1000, wikitext_special_tokens=False,
+    wikitext_length_weighted_first_window=True,
     triviaqa_model_generation_config=True, triviaqa_normalizer="authors", triviaqa_alias_fields=("aliases",),
 )
 CLEAN = Protocol(
     name="clean", plain_text_training=False, oasst_response_only=False, medmcqa_exam_text=False,
     subset_rule="random", background_pool=None, strip_fields=True,
     medmcqa_header="", medmcqa_joint_tokenization=False,
-    wikitext_config="wikitext-103-raw-v1", wikitext_lines=None, wikitext_special_tokens=True, wikitext_length_weighted_first_window=False,
+    wikitext_config="wikitext-103-raw-v1", wikitext_lines=None, wikitext_special_tokens=True,
+    wikitext_length_weighted_first_window=False,
     triviaqa_model_generation_config=False, triviaqa_normalizer="squad",
     triviaqa_alias_fields=("aliases", "normalized_aliases"),
 )

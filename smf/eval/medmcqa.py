@@ -96,7 +96,8 @@ def evaluate_medmcqa(
     """Accuracy on the first ``limit`` single-answer examples (MedMCQA schema: question, opa-opd, cop;
     a list of dicts or a ``datasets.Dataset``).
 
-    Prompt, continuations and tokenisation follow ``protocol``. All four options of ``questions_per_batch`` questions go through the model as one padded
+    Prompt, continuations and tokenisation follow ``protocol``. All four options of
+    ``questions_per_batch`` questions go through the model as one padded
     batch. With ``output_path``, writes one JSON line per question: id, scores (mean
     log-likelihood per option, A-D), prediction (0-3), cop, correct.
     """

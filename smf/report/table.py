@@ -109,7 +109,8 @@ def _formatted_grid(summaries, include_paper, bold, plus_minus, up, down, missin
 
 def to_markdown(summaries: Sequence[Summary], *, include_paper: bool = False, model: str | None = None) -> str:
     """GitHub-flavoured Markdown table; bold as ``**mean**``."""
-    header, body = _formatted_grid(summaries, include_paper, lambda text: f"**{text}**", " ± ", "↑", "↓", "—", model)
+    header, body = _formatted_grid(summaries, include_paper, lambda text: f"**{text}**", " ± ", "↑", "↓", "—",
+                                   model)
     lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(["---"] + ["---:"] * (len(header) - 1)) + " |"]
     lines += ["| " + " | ".join(row) + " |" for row in body]
     return "\n".join(lines) + "\n"

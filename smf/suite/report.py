@@ -4,8 +4,8 @@ the parameter accounting of the configured model, and the status of every planne
 Files written into the suite directory: ``table1.md``, ``table1.csv``, ``table1.tex``,
 ``pareto.png``, ``pareto.pdf``, ``accounting.md``, ``accounting.json``, ``suite_status.md``,
 ``suite_status.json``, and with ``authors_update`` runs ``ablation_update.md`` / ``.json`` (this
-project's exact sparse update against the authors', see :func:`update_ablation`). The paper's numbers stand beside ours only when the suite's model is the
-paper's (``Qwen/Qwen2.5-0.5B-Instruct``).
+project's exact sparse update against the authors', see :func:`update_ablation`). The paper's
+numbers stand beside ours only when the suite's model is the paper's (``Qwen/Qwen2.5-0.5B-Instruct``).
 """
 from __future__ import annotations
 
