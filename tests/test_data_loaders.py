@@ -48,12 +48,14 @@ def test_medmcqa_single_only_filters_multi_choice():
 def test_medmcqa_prompt_and_continuations():
     example = {"question": "Which vitamin is fat soluble? ", "opa": "Vitamin C", "opb": " Vitamin K",
                "opc": "Thiamine", "opd": "Folate", "cop": 1}
-    assert medmcqa.format_prompt(example) == (
+    assert medmcqa.format_prompt(example, "clean") == (
         "Question: Which vitamin is fat soluble?\nA. Vitamin C\nB. Vitamin K\nC. Thiamine\nD. Folate\nAnswer:")
-    assert medmcqa.option_continuations(example) == [" A. Vitamin C", " B. Vitamin K", " C. Thiamine", " D. Folate"]
-    assert medmcqa.format_example(example) == {"prompt": medmcqa.format_prompt(example), "target": " B. Vitamin K"}
+    assert medmcqa.option_continuations(example, "clean") == [" A. Vitamin C", " B. Vitamin K", " C. Thiamine",
+                                                              " D. Folate"]
+    assert medmcqa.format_example(example, "clean") == {"prompt": medmcqa.format_prompt(example, "clean"),
+                                                        "target": " B. Vitamin K"}
     for row in load_medmcqa(path=MEDMCQA_TRAIN):
-        target = medmcqa.format_example(row)["target"]
+        target = medmcqa.format_example(row, "clean")["target"]
         assert target == f" {'ABCD'[row['cop']]}. {row[('opa', 'opb', 'opc', 'opd')[row['cop']]].strip()}"
     with pytest.raises(ValueError, match=r"'cop' must be an int in \[0, 3\]"):
         medmcqa.format_example({**example, "cop": 4})

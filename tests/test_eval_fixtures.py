@@ -41,7 +41,7 @@ def test_evaluations_run_on_fixture_schemas(memory_model, tmp_path):
     assert accuracy == sum(r["correct"] for r in records) / len(records)
 
     wikitext = load("wikitext103_test.jsonl").select(range(12))
-    perplexity = evaluate_wikitext(memory_model, tokenizer, wikitext, window=96, stride=40,
+    perplexity = evaluate_wikitext(memory_model, tokenizer, wikitext, window=96, stride=40, protocol="clean",
                                    output_path=tmp_path / "w.jsonl")
     windows = lines(tmp_path / "w.jsonl")
     assert 1 < perplexity < 10 * len(tokenizer) and len(windows) > 2
@@ -57,8 +57,9 @@ def test_evaluations_run_on_fixture_schemas(memory_model, tmp_path):
 def test_fixture_answers_are_matched_by_their_own_values():
     for example in load("triviaqa_validation.jsonl"):
         answer = example["answer"]
-        assert is_correct(f" I think it is {answer['value']}.", answer)
-        assert not is_correct(" xyzzy", answer)
+        for protocol in ("authors", "clean"):
+            assert is_correct(f" I think it is {answer['value']}.", answer, protocol)
+            assert not is_correct(" xyzzy", answer, protocol)
 
 
 def test_memory_model_left_padded_generation_equals_one_by_one(memory_model, tmp_path):

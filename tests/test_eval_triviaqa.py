@@ -23,8 +23,8 @@ from smf.tiny import tiny_model, tiny_tokenizer
     ("", ""),
 ])
 def test_normalize_answer(text, expected):
-    assert normalize_answer(text) == expected
-    assert normalize_answer(expected) == expected
+    assert normalize_answer(text, "clean") == expected
+    assert normalize_answer(expected, "clean") == expected
 
 
 def answer(aliases, normalized=()):
@@ -34,13 +34,13 @@ def answer(aliases, normalized=()):
 
 
 def test_alias_substring_matching():
-    assert is_correct(" It was the Beatles, of course.", answer(["The Beatles"]))
-    assert is_correct(" Jean-Paul Sartre wrote it", answer(["Jean-Paul Sartre"], ["jean paul sartre"]))
-    assert is_correct(" It was the U.S.A.", answer(["USA"]))
+    assert is_correct(" It was the Beatles, of course.", answer(["The Beatles"]), "clean")
+    assert is_correct(" Jean-Paul Sartre wrote it", answer(["Jean-Paul Sartre"], ["jean paul sartre"]), "clean")
+    assert is_correct(" It was the U.S.A.", answer(["USA"]), "clean")
     assert is_correct(" Paris\nQuestion: and Rome?", answer(["paris"]))  # the full generation is kept
-    assert not is_correct(" London", answer(["Paris", "Paris, France"], ["paris", "paris france"]))
+    assert not is_correct(" London", answer(["Paris", "Paris, France"], ["paris", "paris france"]), "clean")
     # An alias that normalises to nothing must not match everything.
-    assert not is_correct(" London", answer(["The", "!!"]))
+    assert not is_correct(" London", answer(["The", "!!"]), "clean")
 
 
 class ScriptedGenerator(nn.Module):
@@ -73,13 +73,14 @@ def test_accuracy_and_outputs_with_scripted_answers(tmp_path):
                triviaqa_prompt({"question": "Who wrote Hamlet?"}): " Marlowe",
                triviaqa_prompt({"question": "Largest ocean on Earth, by area?"}): " the pacific"}
     model = ScriptedGenerator(tokenizer, replies)
-    accuracy = evaluate_triviaqa(model, tokenizer, examples, batch_size=2, output_path=tmp_path / "t.jsonl")
+    accuracy = evaluate_triviaqa(model, tokenizer, examples, batch_size=2, protocol="clean",
+                                 output_path=tmp_path / "t.jsonl")
     assert accuracy == pytest.approx(2 / 3)
     records = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
     assert records == [{"id": "tq0", "prediction": " Paris, France.", "correct": True},
                        {"id": "tq1", "prediction": " Marlowe", "correct": False},
                        {"id": "tq2", "prediction": " the pacific", "correct": True}]
-    assert evaluate_triviaqa(model, tokenizer, examples, limit=1) == 1.0
+    assert evaluate_triviaqa(model, tokenizer, examples, limit=1, protocol="clean") == 1.0
 
 
 def test_left_padded_batch_generates_what_each_prompt_generates_alone(tmp_path):

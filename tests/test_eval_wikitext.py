@@ -46,7 +46,7 @@ def test_text_shorter_than_window_equals_full_sequence_nll():
     rows = random_rows(6)
     token_ids = torch.tensor(tokenizer("\n\n".join(r["text"] for r in rows))["input_ids"])
     assert len(token_ids) < 512
-    got = evaluate_wikitext(model, tokenizer, rows, window=512, stride=256)
+    got = evaluate_wikitext(model, tokenizer, rows, window=512, stride=256, protocol="clean")
     assert got == pytest.approx(full_sequence_perplexity(model, token_ids), rel=1e-5)
 
 
@@ -55,9 +55,10 @@ def test_windows_match_per_window_reference_and_batching_does_not_matter(tmp_pat
     rows = random_rows(12, seed=1)
     token_ids = torch.tensor(tokenizer("\n\n".join(r["text"] for r in rows))["input_ids"])
     window, stride = 64, 24
-    one_by_one = evaluate_wikitext(model, tokenizer, rows, window=window, stride=stride, windows_per_batch=1)
+    one_by_one = evaluate_wikitext(model, tokenizer, rows, window=window, stride=stride, windows_per_batch=1,
+                                   protocol="clean")
     batched = evaluate_wikitext(model, tokenizer, rows, window=window, stride=stride, windows_per_batch=5,
-                                output_path=tmp_path / "w.jsonl")
+                                protocol="clean", output_path=tmp_path / "w.jsonl")
     assert batched == pytest.approx(one_by_one, rel=1e-5)
     # Reference: each window alone, NLL of its scored tokens.
     total = 0.0

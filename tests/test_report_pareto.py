@@ -36,3 +36,35 @@ def test_figure_files_written(tmp_path):
     assert [p.name for p in paths] == ["pareto.png", "pareto.pdf"]
     assert paths[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and paths[1].read_bytes()[:5] == b"%PDF-"
     assert all(p.stat().st_size > 10_000 for p in paths)
+
+
+def test_accuracy_axes_stay_non_negative_labels_clear_error_bars_baselines_in_legend():
+    import matplotlib.pyplot as plt
+    from matplotlib.transforms import Bbox
+
+    from smf.report.pareto import draw_pareto
+
+    # Near-zero accuracies with wide spreads: error bars and margins would reach below 0.
+    summaries = [Summary("base", 2, {"medmcqa_acc": (0.02, 0.03), "wikitext_ppl": (40.0, 5.0),
+                                     "triviaqa_acc": (0.0, 0.0)}),
+                 Summary("lora", 2, {"medmcqa_acc": (0.05, 0.04), "wikitext_ppl": (38.0, 6.0),
+                                     "triviaqa_acc": (0.01, 0.02)}),
+                 Summary("additive-kl", 2, {"medmcqa_acc": (0.03, 0.01), "wikitext_ppl": (39.0, 1.0),
+                                            "triviaqa_acc": (0.005, 0.01)})]
+    figure = draw_pareto(summaries, model="tiny")
+    figure.canvas.draw()
+    renderer = figure.canvas.get_renderer()
+    left, right = figure.axes
+    assert left.get_ylim()[0] >= 0 and right.get_ylim()[0] >= 0 and right.get_xlim()[0] >= 0
+    for axis in (left, right):
+        labels = [text for text in axis.texts if text.get_text()]
+        assert {text.get_text() for text in labels} == {"Base (tiny)", "LoRA"}
+        bars = [Bbox(axis.transData.transform(segment)).padded(1) for collection in axis.collections
+                for segment in collection.get_segments()]  # every error bar, in pixels
+        assert len(bars) == 2 * len(summaries)
+        for text in labels:
+            box = text.get_window_extent(renderer)
+            assert not any(box.overlaps(bar) for bar in bars), text.get_text()
+    legend = [text.get_text() for text in figure.legends[0].get_texts()]
+    assert "Base (tiny)" in legend and "LoRA" in legend
+    plt.close(figure)

@@ -88,3 +88,13 @@ def test_paper_summaries_and_report_files(tmp_path):
     paths = write_report(random_records(), tmp_path, include_paper=True)
     assert sorted(p.name for p in paths) == ["pareto.pdf", "pareto.png", "table1.csv", "table1.md", "table1.tex"]
     assert all(p.stat().st_size > 0 for p in paths)
+
+
+def test_no_bold_when_every_value_of_a_column_ties_and_base_row_names_the_model():
+    records = [{"condition": c, "seed": 0, "medmcqa_acc": 0.25, "wikitext_ppl": 13.0 + i, "triviaqa_acc": 0.0}
+               for i, c in enumerate(["base", "lora", "full"])]
+    lines = to_markdown(summarize(records), model="tiny").splitlines()
+    assert lines[2] == "| Base (tiny) | 0.250 ± 0.000 | **13.000** ± 0.000 | 0.000 ± 0.000 | 1 |"
+    assert "**" not in lines[3] + lines[4]
+    assert "Base (Qwen2.5-1.5B)" in to_csv(summarize(records), model="Qwen/Qwen2.5-1.5B")
+    assert "Base Qwen" in to_latex(summarize(records), model="Qwen/Qwen2.5-0.5B-Instruct")

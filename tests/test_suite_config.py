@@ -70,6 +70,11 @@ def test_relative_paths_and_yaml_numbers(tmp_path, monkeypatch):
     ({"seeds": [0, 0]}, "seeds must be a non-empty list of distinct non-negative ints"),
     ({"model": "./no-such-model"}, "model: no such directory"),
     ({"train": {"preset": "tiny", "global_batch_size": 6}}, "--global-batch-size 6 is not a multiple"),
+    ({"protocol": "paper"}, "protocol must be one of authors, clean; got 'paper'"),
+    ({"train": {"protocol": "clean"}}, "train: option 'protocol' is set by the suite"),
+    ({"authors_update": ["lora"]}, "authors_update: 'lora' is not a sparse condition of this suite"),
+    ({"conditions": ["base", "additive-kl"], "authors_update": ["additive-tfidf"]},
+     "authors_update: 'additive-tfidf' is not a sparse condition of this suite; choose from additive-kl"),
 ])
 def test_bad_config_raises_one_clear_error(tmp_path, overrides, message):
     path = _write(tmp_path, **overrides)
@@ -100,6 +105,27 @@ def test_dry_run_lists_the_plan_and_runs_nothing(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert cli.main(["suite", "--config", "tiny", "--dry-run"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 2 * len(CONDITIONS)
-    assert lines[0].split() == ["base-seed0", "to", "do"] and lines[-1].split()[0] == "full-seed1"
+    assert len(lines) == 2 * (len(CONDITIONS) + 1)  # + the authors'-update run of additive-kl per seed
+    assert lines[0].split() == ["base-seed0", "to", "do"] and lines[-1].split()[0] == "additive-kl-authors-update-seed1"
     assert not (tmp_path / "runs").exists()
+
+
+def test_additive_s_plans_the_additive_retrofit_and_the_ablation_its_own_train_dir(tmp_path):
+    from smf.suite.plan import Run, SuiteLayout, plan_runs, sparse_stage_dirs, stage_config
+
+    path = _write(tmp_path, conditions=["additive-kl", "additive+s-kl", "replacement-kl"],
+                  authors_update=["additive+s-kl"], protocol="clean")
+    suite = load_suite_config(str(path))
+    layout = SuiteLayout(suite.output_dir)
+    runs = plan_runs(suite)
+    assert [run.name for run in runs] == ["replacement-kl-seed0", "additive-kl-seed0", "additive+s-kl-seed0",
+                                          "additive+s-kl-authors-update-seed0"]
+    dirs = {run.name: sparse_stage_dirs(layout, run) for run in runs}
+    assert dirs["additive+s-kl-seed0"] == dirs["additive-kl-seed0"] == dirs["additive+s-kl-authors-update-seed0"]
+    assert dirs["replacement-kl-seed0"][0].name == "replacement-seed0"
+    ablation = runs[3]
+    sparse = stage_config(suite, "sparse", 0, layout.train_dir(ablation), mode=ablation.mode, rule=ablation.rule,
+                          adapter=tmp_path, background=tmp_path, optimizer="authors")
+    assert (sparse.mode, sparse.optimizer, sparse.protocol) == ("additive+s", "authors", "clean")
+    assert layout.train_dir(ablation).name == "additive+s-kl-authors-update-seed0"
+    assert Run("additive+s-kl", 0).retrofit_mode == "additive"

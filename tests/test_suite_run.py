@@ -1,5 +1,6 @@
-"""The tiny suite end to end (reduced: one seed, five conditions, one or two epochs, few eval examples):
-results files, Table 1, the figure, the accounting, the status; one retrofit shared by the two rules;
+"""The tiny suite end to end (reduced: one seed, six conditions and one authors'-update run, one or two
+epochs, few eval examples): results files, Table 1, the figure, the accounting, the status, the update
+ablation; one retrofit shared by the two rules and by additive+S;
 skipping finished runs; resuming a run killed mid-training or mid-evaluation; `smf eval` reproducing
 the suite's numbers from each kind of artefact."""
 import csv
@@ -21,16 +22,17 @@ from smf.train import loop
 from smf.train.config import ConfigError
 
 FIXTURES = Path(__file__).parent / "fixtures"
-CONDITIONS = ["base", "additive-kl", "additive-tfidf", "lora", "full"]
+CONDITIONS = ["base", "additive-kl", "additive-tfidf", "additive+s-kl", "lora", "full"]
 
 
 def _config_file(directory: Path, output_dir: Path, conditions, **eval_overrides) -> Path:
     raw = {
         "name": "tiny-test", "model": "tiny", "output_dir": str(output_dir), "seeds": [0],
-        "conditions": conditions, "device": "cpu",
+        "conditions": conditions, "device": "cpu", "protocol": "authors",
+        "authors_update": ["additive-kl"] if "additive-kl" in conditions else [],
         "data": {"oasst": str(FIXTURES / "oasst1_train.jsonl"), "medmcqa_train": str(FIXTURES / "medmcqa_train.jsonl"),
                  "medmcqa_validation": str(FIXTURES / "medmcqa_validation.jsonl"),
-                 "wikitext": str(FIXTURES / "wikitext103_test.jsonl"),
+                 "wikitext": str(FIXTURES / "wikitext103_v1_test.jsonl"),
                  "triviaqa": str(FIXTURES / "triviaqa_validation.jsonl")},
         "train": {"preset": "tiny", "epochs": 1, "save_every": 1},
         "stages": {"lora": {"epochs": 2}},
@@ -72,12 +74,13 @@ def _results(suite_dir: Path) -> dict[str, dict]:
 
 def test_suite_writes_results_table_figure_accounting_status(suite):
     _, suite_dir, trained = suite
-    # One retrofit (and one background collection) serves both selection rules of the mode and seed.
+    # One retrofit (and one background collection) serves both selection rules, additive+S and the ablation.
     assert [str(p) for p in trained] == ["retrofit/additive-seed0", "background/additive-seed0",
-                                         "train/additive-kl-seed0",
-                                         "train/additive-tfidf-seed0", "train/lora-seed0", "train/full-seed0"]
+                                         "train/additive-kl-seed0", "train/additive-tfidf-seed0",
+                                         "train/additive+s-kl-seed0", "train/lora-seed0", "train/full-seed0",
+                                         "train/additive-kl-authors-update-seed0"]
     results = _results(suite_dir)
-    assert set(results) == {f"{c}-seed0" for c in CONDITIONS}
+    assert set(results) == {f"{c}-seed0" for c in CONDITIONS} | {"additive-kl-authors-update-seed0"}
     for name, record in results.items():
         assert {"condition", "seed", "metrics", "timing", "config_hash", "artefact"} <= set(record)
         assert set(record["metrics"]) == {"medmcqa_acc", "wikitext_ppl", "triviaqa_acc"}
@@ -98,12 +101,13 @@ def test_suite_writes_results_table_figure_accounting_status(suite):
     # Table 1: one row per condition, our numbers (one seed: mean = the run's number), no paper columns.
     with open(suite_dir / "table1.csv") as handle:
         rows = {row["condition"]: row for row in csv.DictReader(handle)}
-    assert list(rows) == CONDITIONS and "paper_medmcqa_acc_mean" not in rows["base"]
+    assert list(rows) == CONDITIONS and "paper_medmcqa_acc_mean" not in rows["base"]  # no ablation row
     for condition in CONDITIONS:
         for metric, value in results[f"{condition}-seed0"]["metrics"].items():
             assert float(rows[condition][f"{metric}_mean"]) == pytest.approx(value, rel=1e-12)
     markdown = (suite_dir / "table1.md").read_text()
-    assert "| Base Qwen |" in markdown and "| Additive sparse (KL) |" in markdown and "(paper)" not in markdown
+    assert "| Base (tiny) |" in markdown and "| Additive sparse (KL) |" in markdown and "(paper)" not in markdown
+    assert "Base Qwen" not in markdown
     assert "\\begin{tabular}" in (suite_dir / "table1.tex").read_text()
     assert (suite_dir / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (suite_dir / "pareto.pdf").read_bytes()[:5] == b"%PDF-"
@@ -114,7 +118,15 @@ def test_suite_writes_results_table_figure_accounting_status(suite):
     assert accounting["Additive memory"]["values"] == 3 * 16 ** 2 * 64  # 3 layers x 256 slots x d_model
     assert accounting["Additive memory"]["updated_per_step"] == 3 * 32 * 64  # T = 32 rows per layer
     status = (suite_dir / "suite_status.md").read_text()
-    assert "5 of 5 runs done" in status and status.count("| done |") == 5
+    assert "7 of 7 runs done" in status and status.count("| done |") == 7 and "protocol `authors`" in status
+
+    # The update ablation: exact vs authors' update of additive-kl, with rows moved outside the selection.
+    ablation = {row["update"]: row for row in json.loads((suite_dir / "ablation_update.json").read_text())}
+    assert set(ablation) == {"exact", "authors"} and all(row["condition"] == "additive-kl" for row in ablation.values())
+    assert ablation["exact"]["rows_moved_outside"] == 0 and ablation["authors"]["rows_moved_outside"] > 0
+    authors_run = results["additive-kl-authors-update-seed0"]
+    assert ablation["authors"]["metrics"]["wikitext_ppl"][0] == pytest.approx(authors_run["metrics"]["wikitext_ppl"])
+    assert "| Additive sparse (KL) | authors' | 1 |" in (suite_dir / "ablation_update.md").read_text()
 
 
 def test_second_run_trains_and_evaluates_nothing(suite, monkeypatch):

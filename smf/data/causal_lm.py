@@ -29,13 +29,26 @@ def tokenize_example(tokenizer, prompt: str, target: str, max_length: int = 1024
     return {"input_ids": input_ids, "labels": labels}
 
 
+def tokenize_text(tokenizer, text: str, max_length: int = 1024) -> dict:
+    """{"input_ids", "labels"} for a plain text trained on every token: the tokenizer's own encoding
+    (its usual special tokens, no eos appended) cut at ``max_length``; labels = input_ids (the
+    authors' protocol, their smf_rebuild/datasets.py:105-111)."""
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+        raise ValueError(f"max_length must be a positive int, got {max_length!r}")
+    input_ids = tokenizer(text)["input_ids"][:max_length]
+    return {"input_ids": input_ids, "labels": list(input_ids)}
+
+
 def tokenize_examples(tokenizer, examples: list[dict], max_length: int = 1024) -> list[dict]:
-    """:func:`tokenize_example` over dicts with "prompt" and "target". Examples whose prompt fills
-    all of ``max_length`` (nothing left to train on) are dropped, and the number dropped logged."""
-    tokenized = [tokenize_example(tokenizer, ex["prompt"], ex["target"], max_length) for ex in examples]
-    kept = [ex for ex in tokenized if any(label != IGNORE_INDEX for label in ex["labels"])]
+    """:func:`tokenize_example` over dicts with "prompt" and "target", :func:`tokenize_text` over dicts
+    with "text". Examples left with nothing to train on (a prompt filling ``max_length``; a text of
+    <= 1 token, as the authors drop) are dropped, and the number dropped logged."""
+    tokenized = [tokenize_text(tokenizer, ex["text"], max_length) if "text" in ex
+                 else tokenize_example(tokenizer, ex["prompt"], ex["target"], max_length) for ex in examples]
+    kept = [ex for ex in tokenized
+            if len(ex["input_ids"]) > 1 and any(label != IGNORE_INDEX for label in ex["labels"][1:])]
     if len(kept) < len(tokenized):
-        logger.warning("dropped %d of %d examples whose prompt fills max_length=%d",
+        logger.warning("dropped %d of %d examples with nothing to train on at max_length=%d",
                        len(tokenized) - len(kept), len(tokenized), max_length)
     return kept
 

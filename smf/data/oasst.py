@@ -1,6 +1,10 @@
-"""OpenAssistant oasst1: assistant responses with their prompts, for retrofit and background statistics.
+"""OpenAssistant oasst1: assistant responses, for retrofit and background statistics.
 
-A training pair is an assistant message that is not deleted, in one of ``languages`` (default
+Protocol ``authors`` (:func:`response_texts`, :func:`authors_retrofit_and_background`): the text of
+each English assistant message ranked 0 or 1 with at least 50 characters, alone (no prompt, no chat
+template); the background examples are drawn from the same pool (see :mod:`smf.data.protocol`).
+
+Protocol ``clean``: a training pair is an assistant message that is not deleted, in one of ``languages`` (default
 English), with non-empty text, whose parent is a non-deleted prompter message; prompt = the
 parent's text, target = the assistant's text. Every ranked sibling is kept (rank is not used;
 it is often null).
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import logging
 
+from smf.data.protocol import AUTHORS_OASST_MIN_CHARS, AUTHORS_OASST_RANKS, first_n_of_shuffle
 from smf.data.sources import load_split, shuffled
 
 logger = logging.getLogger(__name__)
@@ -43,6 +48,31 @@ def assistant_pairs(messages, languages: tuple[str, ...] | None = ("en",)) -> li
         pairs.append({"message_id": row["message_id"], "message_tree_id": row["message_tree_id"],
                       "lang": row["lang"], "rank": row["rank"], "prompt": parent["text"], "target": row["text"]})
     return pairs
+
+
+def response_texts(messages) -> list[dict]:
+    """The authors' oasst1 examples, in message order: {"message_id", "text"} of every message with
+    lang "en", role "assistant", rank 0 or 1 and at least 50 characters of text (deleted messages
+    are not dropped; the authors' smf_rebuild/datasets.py:30-42)."""
+    rows = messages.to_list() if hasattr(messages, "to_list") else list(messages)
+    return [{"message_id": row["message_id"], "text": row["text"]} for row in rows
+            if row.get("lang") == "en" and row.get("role") == "assistant" and row.get("rank") in AUTHORS_OASST_RANKS
+            and len(row.get("text") or "") >= AUTHORS_OASST_MIN_CHARS]
+
+
+def authors_retrofit_and_background(texts: list[dict], n_retrofit: int, n_background: int, pool: int,
+                                    seed: int) -> tuple[list[dict], list[dict]]:
+    """(retrofit, background) the authors' way: retrofit = :func:`first_n_of_shuffle` (texts, n_retrofit,
+    seed); background = the first ``n_background`` of the same draw of size ``pool``. Both come from one
+    pool, so the background examples are retrofit examples too (by design in that protocol)."""
+    for name, value in (("n_retrofit", n_retrofit), ("n_background", n_background), ("pool", pool)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    retrofit = list(first_n_of_shuffle(texts, n_retrofit, seed))
+    background = list(first_n_of_shuffle(texts, pool, seed))[:n_background]
+    if len(background) < n_background:
+        logger.warning("only %d oasst1 texts for %d background examples; using all", len(background), n_background)
+    return retrofit, background
 
 
 def retrofit_and_background(pairs: list[dict], n_retrofit: int = 50_000, n_background: int = 2_000,

@@ -2,10 +2,14 @@
 
 Each option is scored as the continuation ``" {label}. {option}"`` of the question prompt; both
 come from :mod:`smf.data.medmcqa`, the one definition shared with training.
-Tokenisation at the boundary: the prompt is tokenised on its own (with the tokenizer's usual
-special tokens) and each continuation on its own (no special tokens), and the two id lists are
-concatenated. The scored tokens are therefore exactly ``tokenizer(continuation)``, the same for
-every prompt, and a merge across the boundary can never move tokens between prompt and option.
+Tokenisation at the boundary depends on the protocol (:mod:`smf.data.protocol`):
+
+- ``clean``: the prompt is tokenised on its own (with the tokenizer's usual special tokens) and
+  each continuation on its own (no special tokens), and the two id lists are concatenated. The
+  scored tokens are exactly ``tokenizer(continuation)``, the same for every prompt.
+- ``authors``: prompt + continuation tokenised as one string without special tokens; the first
+  ``len(tokenizer(prompt))`` positions are the context, the rest is scored (their
+  smf_rebuild/eval_tasks.py:53-58), so a merge across the boundary moves a token into the score.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from smf.data.medmcqa import LABELS, format_prompt, option_continuations
+from smf.data.protocol import DEFAULT_PROTOCOL, Protocol, get_protocol
 from smf.eval.common import batched, evaluating, model_device, pad_batch, pad_token_id, write_jsonl
 
 logger = logging.getLogger(__name__)
@@ -32,12 +37,20 @@ def single_answer_slice(examples: Iterable[dict], limit: int | None = 1000) -> l
     return list(itertools.islice(single, limit))
 
 
-def encode_options(tokenizer, example: dict) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, continuation ids) for each of the four options, tokenised separately."""
-    prompt_ids = tokenizer(format_prompt(example))["input_ids"]
+def encode_options(tokenizer, example: dict, protocol: str | Protocol = DEFAULT_PROTOCOL
+                   ) -> list[tuple[list[int], list[int]]]:
+    """(context ids, continuation ids) for each of the four options (see the module docstring)."""
+    protocol = get_protocol(protocol)
+    prompt = format_prompt(example, protocol)
+    joint = protocol.medmcqa_joint_tokenization
+    prompt_ids = tokenizer(prompt, add_special_tokens=not joint)["input_ids"]
     encoded = []
-    for continuation in option_continuations(example):
-        continuation_ids = tokenizer(continuation, add_special_tokens=False)["input_ids"]
+    for continuation in option_continuations(example, protocol):
+        if joint:
+            full_ids = tokenizer(prompt + continuation, add_special_tokens=False)["input_ids"]
+            prompt_ids, continuation_ids = full_ids[:len(prompt_ids)], full_ids[len(prompt_ids):]
+        else:
+            continuation_ids = tokenizer(continuation, add_special_tokens=False)["input_ids"]
         if not prompt_ids or not continuation_ids:
             raise ValueError(f"example {example.get('id')!r}: prompt and continuation must tokenise to >= 1 token")
         encoded.append((list(prompt_ids), list(continuation_ids)))
@@ -78,11 +91,13 @@ def evaluate_medmcqa(
     limit: int | None = 1000,
     questions_per_batch: int = 8,
     output_path: str | Path | None = None,
+    protocol: str | Protocol = DEFAULT_PROTOCOL,
 ) -> float:
     """Accuracy on the first ``limit`` single-answer examples (MedMCQA schema: question, opa-opd, cop;
     a list of dicts or a ``datasets.Dataset``).
 
-    All four options of ``questions_per_batch`` questions go through the model as one padded
+    Prompt, continuations and tokenisation follow ``protocol``. All four options of
+    ``questions_per_batch`` questions go through the model as one padded
     batch. With ``output_path``, writes one JSON line per question: id, scores (mean
     log-likelihood per option, A-D), prediction (0-3), cop, correct.
     """
@@ -96,7 +111,7 @@ def evaluate_medmcqa(
     records = []
     with evaluating(model):
         for batch in tqdm(list(batched(questions, questions_per_batch)), desc="MedMCQA", unit="batch"):
-            pairs = [pair for example in batch for pair in encode_options(tokenizer, example)]
+            pairs = [pair for example in batch for pair in encode_options(tokenizer, example, protocol)]
             scores = mean_continuation_logprobs(model, pairs, pad_id).view(len(batch), len(LABELS))
             for example, option_scores in zip(batch, scores):
                 prediction = int(option_scores.argmax())

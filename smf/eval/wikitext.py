@@ -1,10 +1,14 @@
 """WikiText perplexity (SPEC §6): sliding-window NLL over the concatenated test split.
 
-The rows' ``text`` fields are joined with ``"\\n\\n"`` and tokenised once. Windows of ``window``
+The protocol's lines (:func:`smf.data.eval_sets.wikitext_lines`) are joined with ``"\\n\\n"`` and
+tokenised once (without special tokens in the ``authors`` protocol, as their eval_tasks.py:127). Windows of ``window``
 tokens start every ``stride`` tokens; the first window scores all of its tokens (except token 0,
 which nothing predicts), each later window only the tokens after the previous window's end. So
 every token after the first is predicted exactly once, with at least ``window - stride`` tokens
-of context once the text is long enough (the recipe of the HF perplexity guide).
+of context once the text is long enough (the recipe of the HF perplexity guide). ``clean``:
+perplexity = exp(total NLL / tokens scored). ``authors``: each window's mean NLL weighted by
+``end - previous end``, i.e. the first window's mean counts ``end`` times though it scores
+``end - 1`` tokens (their eval_tasks.py:136-148); later windows are the same in both.
 """
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from smf.data.eval_sets import wikitext_lines
+from smf.data.protocol import DEFAULT_PROTOCOL, Protocol, get_protocol
 from smf.eval.common import batched, evaluating, model_device, pad_batch, pad_token_id, write_jsonl
 
 logger = logging.getLogger(__name__)
@@ -78,18 +84,21 @@ def evaluate_wikitext(
     stride: int = 512,
     windows_per_batch: int = 8,
     output_path: str | Path | None = None,
+    protocol: str | Protocol = DEFAULT_PROTOCOL,
 ) -> float:
-    """Perplexity ``exp(mean NLL)`` of the rows' concatenated ``text`` (WikiText schema; a list of
-    dicts or a ``datasets.Dataset``).
+    """Perplexity of the protocol's lines of ``rows`` (WikiText schema; a list of dicts or a
+    ``datasets.Dataset``), see the module docstring.
 
     With ``output_path``, writes one JSON line per window: window, begin, end, scored (number
     of tokens scored), nll_sum.
     """
-    texts = [row["text"] for row in rows]
+    protocol = get_protocol(protocol)
+    texts = wikitext_lines(rows, protocol)
     if not texts:
-        raise ValueError("rows must hold at least one {'text': ...} row")
+        raise ValueError("rows must hold at least one {'text': ...} row (non-empty in the authors' protocol)")
     text = "\n\n".join(texts)
-    token_ids = torch.as_tensor(tokenizer(text)["input_ids"], dtype=torch.int64)
+    token_ids = torch.as_tensor(tokenizer(text, add_special_tokens=protocol.wikitext_special_tokens)["input_ids"],
+                                dtype=torch.int64)
     windows = sliding_windows(len(token_ids), window, stride)
     pad_id = pad_token_id(tokenizer)
     nll_sums = []
@@ -98,7 +107,12 @@ def evaluate_wikitext(
             nll_sums.append(window_nll_sums(model, token_ids, batch, pad_id))
     nll_sums = torch.cat(nll_sums)
     scored = sum(end - first_target for _, end, first_target in windows)  # == len(token_ids) - 1
-    perplexity = math.exp(nll_sums.sum().item() / scored)
+    if protocol.wikitext_length_weighted_first_window:
+        begin, end, first_target = windows[0]
+        first_weight = end / (end - first_target)  # the authors' loss x target_len, target_len = end
+        perplexity = math.exp((nll_sums.sum().item() + (first_weight - 1) * nll_sums[0].item()) / len(token_ids))
+    else:
+        perplexity = math.exp(nll_sums.sum().item() / scored)
     logger.info("WikiText perplexity %.4f over %d scored tokens in %d windows", perplexity, scored, len(windows))
     if output_path is not None:
         write_jsonl(output_path, ({"window": i, "begin": begin, "end": end, "scored": end - first_target,

@@ -22,6 +22,14 @@ DISPLAY_NAMES = {
 }
 CONDITIONS = tuple(DISPLAY_NAMES)
 
+
+def display_name(condition: str, model: str | None = None) -> str:
+    """The row name of ``condition``; the base row names the model actually used ("Base Qwen" for the
+    paper's model or when ``model`` is None, else "Base (model)")."""
+    if condition == "base" and model is not None and model != PAPER_MODEL_ID:
+        return f"Base ({model.rstrip('/').rsplit('/', 1)[-1]})"
+    return DISPLAY_NAMES[condition]
+
 # Method family (colour in the figure) and slot-selection rule (marker; None for non-sparse).
 FAMILIES = {"base": "Base", "replacement-kl": "Replacement", "replacement-tfidf": "Replacement",
             "additive-kl": "Additive", "additive-tfidf": "Additive", "additive+s-kl": "Additive +S",

@@ -3,8 +3,10 @@
 A result record is one finished run: ``{"condition": one of CONDITIONS, "seed": int,
 "medmcqa_acc": float, "wikitext_ppl": float, "triviaqa_acc": float}``; a metric may be missing
 or None (not evaluated). The spread is the SAMPLE standard deviation over the seeds that
-measured the metric (n - 1 in the denominator), 0 for a single seed; "Seeds" counts runs. In every column the best mean (highest accuracy, lowest
-perplexity) is bold; ties are all bold. With ``include_paper`` the paper's numbers (SPEC §7)
+measured the metric (n - 1 in the denominator), 0 for a single seed; "Seeds" counts runs. In
+every column the best mean (highest accuracy, lowest perplexity) is bold; ties for best are all
+bold, but a column whose values all tie has no bold. ``model`` names the base row after the model
+used (:func:`smf.report.paper_results.display_name`). With ``include_paper`` the paper's numbers (SPEC §7)
 stand beside ours, column by column; use it when the runs used the paper's model.
 """
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from smf.report.paper_results import (CONDITIONS, DISPLAY_NAMES, HIGHER_IS_BETTER, METRIC_TITLES, METRICS,
-                                      PAPER_TABLE1)
+                                      PAPER_TABLE1, display_name)
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,7 @@ def _columns(summaries: Sequence[Summary], include_paper: bool) -> list[tuple[st
 
 def _best_rows(cells: Sequence[tuple[float, float] | None], metric: str) -> set[int]:
     means = [cell[0] for cell in cells if cell is not None]
-    if not means:
+    if len(set(means)) < 2:  # nothing measured, or every value ties: no best to mark
         return set()
     best = max(means) if HIGHER_IS_BETTER[metric] else min(means)
     return {row for row, cell in enumerate(cells) if cell is not None and cell[0] == best}
@@ -87,11 +89,11 @@ def _header(source: str, metric: str, up: str, down: str) -> str:
     return f"{METRIC_TITLES[metric]} {arrow}" + (" (paper)" if source == "paper" else "")
 
 
-def _formatted_grid(summaries, include_paper, bold, plus_minus, up, down, missing):
+def _formatted_grid(summaries, include_paper, bold, plus_minus, up, down, missing, model):
     """Header row and body rows of display strings, shared by Markdown and LaTeX."""
     columns = _columns(summaries, include_paper)
     header = ["Method", *(_header(source, metric, up, down) for source, metric, _ in columns), "Seeds"]
-    body = [[DISPLAY_NAMES[summary.condition]] for summary in summaries]
+    body = [[display_name(summary.condition, model)] for summary in summaries]
     for _, metric, cells in columns:
         best = _best_rows(cells, metric)
         for row, cell in enumerate(cells):
@@ -105,18 +107,19 @@ def _formatted_grid(summaries, include_paper, bold, plus_minus, up, down, missin
     return header, body
 
 
-def to_markdown(summaries: Sequence[Summary], *, include_paper: bool = False) -> str:
+def to_markdown(summaries: Sequence[Summary], *, include_paper: bool = False, model: str | None = None) -> str:
     """GitHub-flavoured Markdown table; bold as ``**mean**``."""
-    header, body = _formatted_grid(summaries, include_paper, lambda text: f"**{text}**", " ± ", "↑", "↓", "—")
+    header, body = _formatted_grid(summaries, include_paper, lambda text: f"**{text}**", " ± ", "↑", "↓", "—",
+                                   model)
     lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(["---"] + ["---:"] * (len(header) - 1)) + " |"]
     lines += ["| " + " | ".join(row) + " |" for row in body]
     return "\n".join(lines) + "\n"
 
 
-def to_latex(summaries: Sequence[Summary], *, include_paper: bool = False) -> str:
+def to_latex(summaries: Sequence[Summary], *, include_paper: bool = False, model: str | None = None) -> str:
     """A booktabs ``tabular`` like the paper's Table 1; bold as ``\\textbf{mean}``."""
     header, body = _formatted_grid(summaries, include_paper, lambda text: f"\\textbf{{{text}}}", " $\\pm$ ",
-                                   "$\\uparrow$", "$\\downarrow$", "--")
+                                   "$\\uparrow$", "$\\downarrow$", "--", model)
     escape = lambda text: text.replace("&", "\\&").replace("%", "\\%").replace("_", "\\_")  # noqa: E731
     lines = ["\\begin{tabular}{l" + "c" * (len(header) - 1) + "}", "\\toprule",
              " & ".join(header) + " \\\\", "\\midrule"]
@@ -125,7 +128,7 @@ def to_latex(summaries: Sequence[Summary], *, include_paper: bool = False) -> st
     return "\n".join(lines) + "\n"
 
 
-def to_csv(summaries: Sequence[Summary], *, include_paper: bool = False) -> str:
+def to_csv(summaries: Sequence[Summary], *, include_paper: bool = False, model: str | None = None) -> str:
     """Machine-readable CSV: condition, method, seeds, then ``{metric}_mean`` / ``{metric}_std``
     (and ``paper_{metric}_mean`` / ``paper_{metric}_std``) at full precision; empty when missing."""
     columns = _columns(summaries, include_paper)
@@ -135,5 +138,5 @@ def to_csv(summaries: Sequence[Summary], *, include_paper: bool = False) -> str:
     writer.writerow(["condition", "method", "seeds", *(f"{name}_{part}" for name in names for part in ("mean", "std"))])
     for row, summary in enumerate(summaries):
         cells = [cell for _, _, column in columns for cell in ((column[row] or ("", "")))]
-        writer.writerow([summary.condition, DISPLAY_NAMES[summary.condition], summary.n_seeds, *cells])
+        writer.writerow([summary.condition, display_name(summary.condition, model), summary.n_seeds, *cells])
     return buffer.getvalue()

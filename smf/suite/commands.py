@@ -7,6 +7,7 @@ import json
 import logging
 from pathlib import Path
 
+from smf.data.protocol import DEFAULT_PROTOCOL, PROTOCOLS
 from smf.report import CONDITIONS, PAPER_MODEL_ID
 from smf.suite.config import TASKS, DataPaths, EvalSettings, load_suite_config
 
@@ -75,7 +76,10 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tasks", type=_comma_list, metavar="LIST",
                         help=f"comma-separated tasks from {', '.join(TASKS)} (default: all, or the --config's)")
     parser.add_argument("--config", metavar="NAME_OR_FILE",
-                        help="take data paths and evaluation settings from this suite config (e.g. tiny)")
+                        help="take data paths, protocol and evaluation settings from this suite config (e.g. tiny)")
+    parser.add_argument("--protocol", choices=PROTOCOLS,
+                        help=f"evaluation protocol (smf/data/protocol.py; default: the --config's, else "
+                             f"{DEFAULT_PROTOCOL})")
     for task, help_text in (("medmcqa", "MedMCQA validation"), ("wikitext", "WikiText-103 test"),
                             ("triviaqa", "TriviaQA rc.nocontext validation")):
         parser.add_argument(f"--{task}-path", metavar="PATH",
@@ -91,14 +95,16 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
                              "--adapter, else ./smf-eval)")
 
 
-def _eval_inputs(args: argparse.Namespace) -> tuple[DataPaths, EvalSettings]:
-    """Data paths and settings: paper defaults < --config < flags."""
+def _eval_inputs(args: argparse.Namespace) -> tuple[DataPaths, EvalSettings, str]:
+    """Data paths, settings and protocol: paper defaults < --config < flags."""
     from smf.suite.config import parse_suite_config
 
     base = {"model": args.model, "output_dir": ".", "seeds": [0], "conditions": ["base"]}
     if args.config is not None:
         saved = load_suite_config(args.config).to_dict()
-        base.update(data=saved["data"], eval=saved["eval"])
+        base.update(data=saved["data"], eval=saved["eval"], protocol=saved["protocol"])
+    if args.protocol is not None:
+        base["protocol"] = args.protocol
     data = dict(base.get("data", {}))
     for task, key in (("medmcqa", "medmcqa_validation"), ("wikitext", "wikitext"), ("triviaqa", "triviaqa")):
         if getattr(args, f"{task}_path") is not None:
@@ -109,7 +115,7 @@ def _eval_inputs(args: argparse.Namespace) -> tuple[DataPaths, EvalSettings]:
         if value is not None:
             settings[key] = value
     parsed = parse_suite_config({**base, "data": data, "eval": settings}, Path.cwd(), source="smf eval")
-    return parsed.data, parsed.eval
+    return parsed.data, parsed.eval, parsed.protocol
 
 
 def run_eval_command(args: argparse.Namespace) -> int:
@@ -117,14 +123,16 @@ def run_eval_command(args: argparse.Namespace) -> int:
     from smf.suite.runner import write_json_atomic
     from smf.train.distributed import pick_device
 
-    data, settings = _eval_inputs(args)
+    data, settings, protocol = _eval_inputs(args)
     if args.output_dir is not None:
         output_dir = Path(args.output_dir)
     else:
         output_dir = Path(args.adapter) / "eval" if args.adapter is not None else Path("smf-eval")
     model, tokenizer = load_for_eval(args.model, args.adapter, pick_device(args.device), backend=args.backend)
-    metrics, seconds = evaluate_model(model, tokenizer, load_eval_sets(data, settings), settings, output_dir)
-    summary = {"model": args.model, "adapter": args.adapter, "metrics": metrics, "eval_s": seconds,
+    metrics, seconds = evaluate_model(model, tokenizer, load_eval_sets(data, settings, protocol), settings,
+                                      output_dir, protocol)
+    summary = {"model": args.model, "adapter": args.adapter, "protocol": protocol, "metrics": metrics,
+               "eval_s": seconds,
                "settings": {**dataclasses.asdict(settings), "tasks": list(settings.tasks)}}
     write_json_atomic(output_dir / "metrics.json", summary)
     print(json.dumps(metrics, indent=2))

@@ -8,12 +8,15 @@ Schema (keys may be spelled with ``-`` or ``_``)::
     output_dir: runs/suite-tiny      # the suite directory
     seeds: [0, 1]
     conditions: [base, replacement-kl, ...]   # default: all nine of Table 1
+    authors_update: [additive-kl]    # sparse conditions also run with the authors' update (the ablation
+                                     # table of `smf report`); default none
     device: auto                     # torch device for training and evaluation
+    protocol: authors                # data and eval protocol (smf/data/protocol.py): authors (default) | clean
     data:                            # local copies in the hub schema; null or absent = the hub
       oasst: ...                     # oasst1 train (retrofit + background)
       medmcqa_train: ...
       medmcqa_validation: ...
-      wikitext: ...                  # wikitext-103-raw-v1 test
+      wikitext: ...                  # wikitext-103-v1 test (protocol authors) or -raw-v1 (clean)
       triviaqa: ...                  # trivia_qa rc.nocontext validation
     train: {...}                     # options of smf retrofit/background/train shared by every stage
     stages:                          # per-stage overrides of ``train``
@@ -30,7 +33,7 @@ working directory); ``output_dir`` resolves against the current working director
 output flag. ``model`` counts as a local path only when it starts with ``.``, ``/`` or ``~``.
 
 Options the suite sets itself per run (seed, mode, rule, recipe, output/adapter/background
-directories, resume, model, device, data paths) may not appear in ``train`` or ``stages``.
+directories, resume, model, device, protocol, data paths) may not appear in ``train`` or ``stages``.
 """
 from __future__ import annotations
 
@@ -38,7 +41,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from smf.report.paper_results import CONDITIONS
+from smf.data.protocol import DEFAULT_PROTOCOL, PROTOCOLS
+from smf.report.paper_results import CONDITIONS, SELECTION_RULES
 from smf.train.config import FIELDS, ConfigError, build_config
 from smf.train.config import coerce_option, parse_config_file
 
@@ -46,14 +50,16 @@ CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 SHIPPED_PREFIX = "suite_"
 
 TASKS = ("medmcqa", "wikitext", "triviaqa")
+SPARSE_CONDITIONS = tuple(SELECTION_RULES)
 STAGES = ("retrofit", "background", "sparse", "lora", "full")
 STAGE_COMMANDS = {"retrofit": "retrofit", "background": "background", "sparse": "train", "lora": "train",
                   "full": "train"}
 DATA_KEYS = ("oasst", "medmcqa_train", "medmcqa_validation", "wikitext", "triviaqa")
-TOP_KEYS = ("name", "model", "output_dir", "seeds", "conditions", "device", "data", "train", "stages", "eval")
+TOP_KEYS = ("name", "model", "output_dir", "seeds", "conditions", "authors_update", "device", "protocol", "data",
+            "train", "stages", "eval")
 # RunConfig options the suite fills in per run; a config may not set them.
 SUITE_OWNED = ("output_dir", "adapter", "background", "recipe", "mode", "rule", "seed", "resume", "max_steps",
-               "model", "device", "oasst_path", "medmcqa_path")
+               "model", "device", "protocol", "oasst_path", "medmcqa_path")
 TRAIN_KEYS = tuple(name for name in FIELDS if name not in SUITE_OWNED)
 
 
@@ -95,7 +101,9 @@ class SuiteConfig:
     output_dir: Path
     seeds: tuple[int, ...]
     conditions: tuple[str, ...]
+    authors_update: tuple[str, ...] = ()
     device: str = "auto"
+    protocol: str = DEFAULT_PROTOCOL
     data: DataPaths = field(default_factory=DataPaths)
     train: dict = field(default_factory=dict)
     stages: dict = field(default_factory=dict)
@@ -104,7 +112,8 @@ class SuiteConfig:
     def to_dict(self) -> dict:
         """JSON-ready form; :func:`suite_config_from_dict` reads it back."""
         return {"name": self.name, "model": self.model, "output_dir": str(self.output_dir),
-                "seeds": list(self.seeds), "conditions": list(self.conditions), "device": self.device,
+                "seeds": list(self.seeds), "conditions": list(self.conditions),
+                "authors_update": list(self.authors_update), "device": self.device, "protocol": self.protocol,
                 "data": dataclasses.asdict(self.data), "train": dict(self.train),
                 "stages": {stage: dict(options) for stage, options in self.stages.items()},
                 "eval": {**dataclasses.asdict(self.eval), "tasks": list(self.eval.tasks)}}
@@ -164,6 +173,18 @@ def _parse_conditions(value) -> tuple[str, ...]:
     if not conditions or len(set(conditions)) != len(conditions):
         raise ConfigError(f"conditions must be a non-empty list of distinct conditions, got {value!r}")
     return tuple(c for c in CONDITIONS if c in conditions)  # the paper's order
+
+
+def _parse_authors_update(value, conditions: tuple[str, ...]) -> tuple[str, ...]:
+    chosen = value if isinstance(value, (list, tuple)) else [value]
+    sparse = [c for c in conditions if c in SPARSE_CONDITIONS]
+    for condition in chosen:
+        if condition not in sparse:
+            raise ConfigError(f"authors_update: {condition!r} is not a sparse condition of this suite; choose from "
+                              f"{', '.join(sparse) or '(none: add a sparse condition to conditions)'}")
+    if len(set(chosen)) != len(chosen):
+        raise ConfigError(f"authors_update must list distinct conditions, got {value!r}")
+    return tuple(c for c in conditions if c in chosen)
 
 
 def _parse_train_options(raw, where: str, valid) -> dict:
@@ -229,13 +250,19 @@ def parse_suite_config(raw, base_dir: Path, *, source: str = "config", check_pat
     device = raw.get("device", "auto")
     if not isinstance(device, str):
         raise ConfigError(f"device must be a string such as auto, cpu or cuda, got {device!r}")
+    conditions = _parse_conditions(raw.get("conditions", list(CONDITIONS)))
+    protocol = raw.get("protocol", DEFAULT_PROTOCOL)
+    if protocol not in PROTOCOLS:
+        raise ConfigError(f"{source}: protocol must be one of {', '.join(PROTOCOLS)}; got {protocol!r}")
     config = SuiteConfig(
         name=str(raw.get("name", Path(source).stem)),
         model=_resolve_model(raw["model"], base_dir, check_paths),
         output_dir=Path(str(raw["output_dir"])).expanduser().resolve(),
         seeds=_parse_seeds(raw["seeds"]),
-        conditions=_parse_conditions(raw.get("conditions", list(CONDITIONS))),
+        conditions=conditions,
+        authors_update=_parse_authors_update(raw.get("authors_update", []), conditions),
         device=device,
+        protocol=protocol,
         data=DataPaths(**{key: _resolve_input_path(value, base_dir, f"data.{key}", check_paths)
                           for key, value in data.items()}),
         train=_parse_train_options(raw.get("train"), "train", TRAIN_KEYS),

@@ -19,20 +19,20 @@ from smf.train.config import ConfigError
 METRIC_OF_TASK = {"medmcqa": "medmcqa_acc", "wikitext": "wikitext_ppl", "triviaqa": "triviaqa_acc"}
 
 
-def load_eval_sets(data: DataPaths, settings: EvalSettings) -> dict[str, object]:
-    """The rows of each task in ``settings.tasks``: MedMCQA validation, WikiText-103 test, TriviaQA
-    validation (first ``triviaqa_examples``), from ``data``'s local files or the hub."""
+def load_eval_sets(data: DataPaths, settings: EvalSettings, protocol: str) -> dict[str, object]:
+    """The rows of each task in ``settings.tasks``: MedMCQA validation, WikiText-103 test (the protocol's
+    config), TriviaQA validation (first ``triviaqa_examples``), from ``data``'s local files or the hub."""
     loaders = {
         "medmcqa": lambda: load_medmcqa("validation", path=data.medmcqa_validation),
-        "wikitext": lambda: load_wikitext("test", path=data.wikitext),
+        "wikitext": lambda: load_wikitext("test", path=data.wikitext, protocol=protocol),
         "triviaqa": lambda: load_triviaqa("validation", path=data.triviaqa, n=settings.triviaqa_examples),
     }
     return {task: loaders[task]() for task in settings.tasks}
 
 
 def evaluate_model(model: nn.Module, tokenizer, eval_sets: dict[str, object], settings: EvalSettings,
-                   output_dir: str | Path) -> tuple[dict[str, float], dict[str, float]]:
-    """Run each task of ``eval_sets``; per-example lines go to ``{output_dir}/{task}.jsonl``.
+                   output_dir: str | Path, protocol: str) -> tuple[dict[str, float], dict[str, float]]:
+    """Run each task of ``eval_sets`` under ``protocol``; per-example lines go to ``{output_dir}/{task}.jsonl``.
 
     Returns (metrics by metric key, seconds by task).
     """
@@ -40,13 +40,13 @@ def evaluate_model(model: nn.Module, tokenizer, eval_sets: dict[str, object], se
     runners = {
         "medmcqa": lambda rows, path: evaluate_medmcqa(
             model, tokenizer, rows, limit=settings.medmcqa_examples,
-            questions_per_batch=settings.medmcqa_questions_per_batch, output_path=path),
+            questions_per_batch=settings.medmcqa_questions_per_batch, output_path=path, protocol=protocol),
         "wikitext": lambda rows, path: evaluate_wikitext(
             model, tokenizer, rows, window=settings.wikitext_window, stride=settings.wikitext_stride,
-            windows_per_batch=settings.wikitext_windows_per_batch, output_path=path),
+            windows_per_batch=settings.wikitext_windows_per_batch, output_path=path, protocol=protocol),
         "triviaqa": lambda rows, path: evaluate_triviaqa(
             model, tokenizer, rows, limit=settings.triviaqa_examples, batch_size=settings.triviaqa_batch_size,
-            max_new_tokens=settings.triviaqa_max_new_tokens, output_path=path),
+            max_new_tokens=settings.triviaqa_max_new_tokens, output_path=path, protocol=protocol),
     }
     metrics, seconds = {}, {}
     for task, rows in eval_sets.items():

@@ -10,9 +10,11 @@ Directory layout of a suite (``output_dir``)::
     eval/{condition}-seed{s}/{task}.jsonl  per-example evaluation output
     results/{condition}-seed{s}.json       one finished run (written last, atomically)
 
-The retrofit is done once per (mode, seed): the seed drives the fresh memories' initialisation,
-so each seed of a sparse condition starts from its own retrofit, and the KL and TF-IDF runs of a
-mode and seed share it (and its background statistics), differing only in the selection rule.
+The retrofit is done once per (mode family, seed): the seed drives the fresh memories'
+initialisation, so each seed of a sparse condition starts from its own retrofit. The families are
+replacement and additive: additive+s starts from the additive retrofit of the same seed (as in the
+paper and the authors' slurm/train_med_additive_sparse_values_scale.sh), and the KL and TF-IDF
+runs of a family and seed share it and its background statistics.
 """
 from __future__ import annotations
 
@@ -31,14 +33,17 @@ IGNORED_OPTIONS = ("output_dir", "adapter", "background", "resume", "save_every"
 
 @dataclass(frozen=True)
 class Run:
-    """One cell of Table 1: a condition (see :data:`smf.report.CONDITIONS`) trained with one seed."""
+    """One cell of Table 1: a condition (see :data:`smf.report.CONDITIONS`) trained with one seed; or,
+    with ``update="authors"``, a sparse condition of the update ablation."""
 
     condition: str
     seed: int
+    update: str = "exact"
 
     @property
     def name(self) -> str:
-        return f"{self.condition}-seed{self.seed}"
+        suffix = "-authors-update" if self.update == "authors" else ""
+        return f"{self.condition}{suffix}-seed{self.seed}"
 
     @property
     def recipe(self) -> str | None:
@@ -53,6 +58,11 @@ class Run:
         return self.condition.rsplit("-", 1)[0] if self.recipe == "sparse" else None
 
     @property
+    def retrofit_mode(self) -> str | None:
+        """Mode of the retrofit a sparse condition starts from (additive for additive+s), else None."""
+        return {"additive+s": "additive"}.get(self.mode, self.mode)
+
+    @property
     def rule(self) -> str | None:
         """Selection rule of a sparse condition (kl, tfidf), else None."""
         if self.recipe != "sparse":
@@ -61,8 +71,11 @@ class Run:
 
 
 def plan_runs(config: SuiteConfig) -> list[Run]:
-    """Every run of the suite, seed by seed (a partial suite has whole seeds done first)."""
-    return [Run(condition, seed) for seed in config.seeds for condition in config.conditions]
+    """Every run of the suite, seed by seed (a partial suite has whole seeds done first): the Table 1
+    conditions, then the ``authors_update`` ablation runs of that seed."""
+    return [run for seed in config.seeds
+            for run in [Run(c, seed) for c in config.conditions] + [Run(c, seed, "authors")
+                                                                    for c in config.authors_update]]
 
 
 @dataclass(frozen=True)
@@ -100,19 +113,22 @@ def _options_for(command: str, options: dict) -> dict:
 
 
 def stage_config(config: SuiteConfig, stage: str, seed: int, output_dir: Path, *, mode: str | None = None,
-                 rule: str | None = None, adapter: Path | None = None, background: Path | None = None) -> RunConfig:
+                 rule: str | None = None, adapter: Path | None = None, background: Path | None = None,
+                 optimizer: str | None = None) -> RunConfig:
     """The resolved trainer options of one stage (retrofit, background, sparse, lora, full).
 
     Options: ``train`` < ``stages.{stage}`` < what the suite sets (model, device, data, seed, mode,
-    rule, directories). The background stage also inherits ``stages.retrofit`` (its examples must
-    be drawn exactly as the retrofit's were, to avoid them).
+    rule, directories; ``optimizer`` "authors" for the update ablation). The background stage also
+    inherits ``stages.retrofit`` (its examples must be drawn exactly as the retrofit's were).
     """
     command = STAGE_COMMANDS[stage]
     inherited = config.stages.get("retrofit", {}) if stage == "background" else {}
     options = {**config.train, **inherited, **config.stages.get(stage, {})}
     suite_set = {"output_dir": str(output_dir), "model": config.model, "device": config.device, "seed": seed,
+                 "protocol": config.protocol,
                  "oasst_path": config.data.oasst, "medmcqa_path": config.data.medmcqa_train, "recipe": stage,
-                 "mode": mode, "rule": rule, "adapter": None if adapter is None else str(adapter),
+                 "mode": mode, "rule": rule, "optimizer": optimizer,
+                 "adapter": None if adapter is None else str(adapter),
                  "background": None if background is None else str(background)}
     suite_set = {name: value for name, value in suite_set.items()
                  if value is not None or name in ("oasst_path", "medmcqa_path")}
@@ -127,7 +143,7 @@ def stage_settings(config: SuiteConfig, stage: str) -> RunConfig:
     if command not in ("retrofit", "train"):
         raise ValueError(f"stage must be one of retrofit, sparse, lora, full; got {stage!r}")
     options = _options_for(command, {**config.train, **config.stages.get(stage, {})})
-    given = {"output_dir": str(config.output_dir), "model": config.model}
+    given = {"output_dir": str(config.output_dir), "model": config.model, "protocol": config.protocol}
     if command == "train":
         given["recipe"] = "lora"
     return build_config(command, options, given).resolved(stage)
@@ -135,7 +151,7 @@ def stage_settings(config: SuiteConfig, stage: str) -> RunConfig:
 
 def sparse_stage_dirs(layout: SuiteLayout, run: Run) -> tuple[Path, Path]:
     """(retrofit directory, background directory) that the sparse ``run`` trains from."""
-    return layout.retrofit_dir(run.mode, run.seed), layout.background_dir(run.mode, run.seed)
+    return layout.retrofit_dir(run.retrofit_mode, run.seed), layout.background_dir(run.retrofit_mode, run.seed)
 
 
 def _digest(obj) -> str:
@@ -153,7 +169,8 @@ def run_hash(config: SuiteConfig, run: Run) -> str:
     stages = {"base": (), "lora": ("lora",), "full": ("full",)}.get(run.condition,
                                                                       ("retrofit", "background", "sparse"))
     return _digest({
-        "model": config.model, "condition": run.condition, "seed": run.seed,
+        "model": config.model, "condition": run.condition, "seed": run.seed, "protocol": config.protocol,
+        "update": run.update,
         "train_data": [config.data.oasst, config.data.medmcqa_train] if stages else [],
         "stages": {stage: {name: value for name, value in {**config.train, **config.stages.get(stage, {})}.items()
                            if name not in IGNORED_OPTIONS} for stage in stages},

@@ -3,8 +3,9 @@ the parameter accounting of the configured model, and the status of every planne
 
 Files written into the suite directory: ``table1.md``, ``table1.csv``, ``table1.tex``,
 ``pareto.png``, ``pareto.pdf``, ``accounting.md``, ``accounting.json``, ``suite_status.md``,
-``suite_status.json``. The paper's numbers stand beside ours only when the suite's model is the
-paper's (``Qwen/Qwen2.5-0.5B-Instruct``).
+``suite_status.json``, and with ``authors_update`` runs ``ablation_update.md`` / ``.json`` (this
+project's exact sparse update against the authors', see :func:`update_ablation`). The paper's
+numbers stand beside ours only when the suite's model is the paper's (``Qwen/Qwen2.5-0.5B-Instruct``).
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import logging
 from pathlib import Path
 
 from smf.report import PAPER_MODEL_ID, accounting_markdown, paper_qwen_config, parameter_accounting, write_report
-from smf.report.paper_results import DISPLAY_NAMES, METRIC_TITLES, METRICS
+from smf.report.paper_results import HIGHER_IS_BETTER, METRIC_TITLES, METRICS, display_name
+from smf.report.table import summarize
 from smf.suite.config import SuiteConfig, suite_config_from_dict
 from smf.suite.plan import SuiteLayout, plan_runs, run_hash, stage_settings
 from smf.train.config import TINY_MODEL, ConfigError
@@ -45,9 +47,56 @@ def collect_results(layout: SuiteLayout, config: SuiteConfig) -> list[dict]:
     return results
 
 
-def table_records(results: list[dict]) -> list[dict]:
-    """Results files -> the records of :mod:`smf.report.table`."""
-    return [{"condition": r["condition"], "seed": r["seed"], **r["metrics"]} for r in results]
+def table_records(results: list[dict], update: str = "exact") -> list[dict]:
+    """Results files of runs with sparse ``update`` ("exact": Table 1; "authors": the ablation runs) ->
+    the records of :mod:`smf.report.table`."""
+    return [{"condition": r["condition"], "seed": r["seed"], **r["metrics"]} for r in results
+            if r.get("update", "exact") == update]
+
+
+UPDATE_NAMES = {"exact": "exact (this project)", "authors": "authors'"}
+
+
+def update_ablation(results: list[dict], conditions) -> list[dict]:
+    """One row per (condition, update) of the ablation: mean ± std of the three metrics over seeds, and
+    the mean per optimizer step of value rows selected and of rows moved outside the selection."""
+    rows = []
+    for condition in conditions:
+        for update in ("exact", "authors"):
+            runs = [r for r in results if r["condition"] == condition and r.get("update", "exact") == update]
+            if not runs:
+                continue
+            (summary,) = summarize(table_records(runs, update))
+            steps = [r["sparse_steps"] for r in runs if r.get("sparse_steps")]
+            rows.append({"condition": condition, "update": update, "seeds": len(runs), "metrics": summary.stats,
+                         "selected_rows": sum(s["selected_rows"] for s in steps) / len(steps) if steps else None,
+                         "rows_moved_outside": sum(s["rows_moved_outside"] for s in steps) / len(steps)
+                         if steps else None})
+    return rows
+
+
+def write_update_ablation(config: SuiteConfig, results: list[dict], out_dir: Path) -> list[Path]:
+    """``ablation_update.md`` / ``.json``: :func:`update_ablation` of the suite's ``authors_update`` conditions."""
+    rows = update_ablation(results, config.authors_update)
+    arrows = {metric: "↑" if HIGHER_IS_BETTER[metric] else "↓" for metric in METRICS}
+    lines = ["# Sparse update ablation: this project's exact update vs the authors'\n",
+             "Exact: rows chosen once per optimizer step from all its micro-batches (padding not counted), "
+             "only they move (row-sparse AdamW). Authors': rows chosen per micro-batch (padding counted), each "
+             "backward masked, dense AdamW, whose momentum keeps moving earlier rows. Rows are summed over the "
+             "memory layers and averaged over steps and seeds.\n",
+             "| Method | Update | Seeds | " + " | ".join(f"{METRIC_TITLES[m]} {arrows[m]}" for m in METRICS)
+             + " | Rows selected / step | Rows moved outside the selection / step |",
+             "| --- | --- | ---: | " + " | ".join("---:" for _ in METRICS) + " | ---: | ---: |"]
+    for row in rows:
+        cells = [("—" if row["metrics"][m] is None else f"{row['metrics'][m][0]:.3f} ± {row['metrics'][m][1]:.3f}")
+                 for m in METRICS]
+        lines.append(f"| {display_name(row['condition'], config.model)} | {UPDATE_NAMES[row['update']]} | "
+                     f"{row['seeds']} | " + " | ".join(cells) + f" | {_cell(row['selected_rows'], 1)} | "
+                     f"{_cell(row['rows_moved_outside'], 1)} |")
+    md_path, json_path = out_dir / "ablation_update.md", out_dir / "ablation_update.json"
+    md_path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    json_path.write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
+    return [md_path, json_path]
 
 
 def model_architecture(model: str):
@@ -90,7 +139,8 @@ def _status_rows(config: SuiteConfig, layout: SuiteLayout, failed: dict[str, str
     rows = []
     for run in plan_runs(config):
         path = layout.results_path(run)
-        row = {"condition": run.condition, "seed": run.seed, "status": "pending", "metrics": {}, "train_s": None,
+        row = {"condition": run.condition, "update": run.update, "seed": run.seed, "status": "pending", "metrics": {},
+               "train_s": None,
                "eval_s": None, "results": None}
         if path.is_file():
             results = json.loads(path.read_text())
@@ -116,13 +166,16 @@ def write_status(config: SuiteConfig, root: Path, failed: dict[str, str] | None 
     rows = _status_rows(config, layout, failed or {})
     done = sum(row["status"] == "done" for row in rows)
     lines = [f"# Suite `{config.name}`: {done} of {len(rows)} runs done\n",
-             f"Model `{config.model}`, seeds {list(config.seeds)}, directory `{layout.root}`.\n",
+             f"Model `{config.model}`, protocol `{config.protocol}`, seeds {list(config.seeds)}, directory "
+             f"`{layout.root}`.\n",
              "| Method | Seed | Status | " + " | ".join(METRIC_TITLES[m] for m in METRICS)
              + " | Train s | Eval s | Results |",
              "| --- | ---: | --- | " + " | ".join("---:" for _ in METRICS) + " | ---: | ---: | --- |"]
     for row in rows:
         metrics = " | ".join(_cell(row["metrics"].get(metric)) for metric in METRICS)
-        lines.append(f"| {DISPLAY_NAMES[row['condition']]} | {row['seed']} | {row['status']} | {metrics} | "
+        method = display_name(row["condition"], config.model) + (" (authors' update)" if row["update"] == "authors"
+                                                                 else "")
+        lines.append(f"| {method} | {row['seed']} | {row['status']} | {metrics} | "
                      f"{_cell(row['train_s'], 1)} | {_cell(row['eval_s'], 1)} | {row['results'] or '—'} |")
     md_path, json_path = layout.root / "suite_status.md", layout.root / "suite_status.json"
     md_path.write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -139,7 +192,9 @@ def write_suite_report(suite_dir: str | Path) -> list[Path]:
     if not results:
         raise ConfigError(f"--suite-dir {str(suite_dir)!r} holds no finished run (results/*.json) to report")
     include_paper = config.model == PAPER_MODEL_ID
-    paths = write_report(table_records(results), layout.root, include_paper=include_paper)
+    paths = write_report(table_records(results), layout.root, include_paper=include_paper, model=config.model)
+    if config.authors_update:
+        paths += write_update_ablation(config, results, layout.root)
     paths += write_accounting(config, layout.root)
     paths += write_status(config, layout.root)
     logger.info("report of %d runs written to %s", len(results), layout.root)

@@ -32,7 +32,7 @@ from smf.suite.plan import (Run, SuiteLayout, options_fingerprint, plan_runs, ru
 from smf.suite.report import write_status
 from smf.train.artifacts import FINAL_DIR, RUN_CONFIG, load_base, load_trained_model
 from smf.train.background import collect_background
-from smf.train.checkpoint import CHECKPOINT_FILE
+from smf.train.checkpoint import CHECKPOINT_FILE, LOG_FILE
 from smf.train.config import ConfigError, RunConfig
 from smf.train.distributed import pick_device
 from smf.train.loop import train
@@ -61,6 +61,15 @@ def read_results(path: Path, expected_hash: str) -> dict:
                           f"{results.get('config_hash')} != {expected_hash}); delete it to recompute that run, "
                           "or use another output_dir")
     return results
+
+
+def sparse_step_stats(train_dir: Path) -> dict:
+    """Mean per optimizer step of a sparse run's train_log.jsonl: rows selected (all layers) and value
+    rows that moved without being selected (all layers)."""
+    records = [json.loads(line) for line in (train_dir / LOG_FILE).read_text().splitlines() if line.strip()]
+    return {"steps": len(records),
+            "selected_rows": sum(r["selected_rows"] for r in records) / max(len(records), 1),
+            "rows_moved_outside": sum(r["rows_moved_outside"] for r in records) / max(len(records), 1)}
 
 
 def ensure_stage(kind: str, config: RunConfig) -> dict:
@@ -118,18 +127,18 @@ class SuiteRunner:
             return {"train": ensure_stage("train", stage_config(config, run.recipe, run.seed, layout.train_dir(run)))}
         retrofit_dir, background_dir = sparse_stage_dirs(layout, run)
         markers = {"retrofit": ensure_stage("retrofit", stage_config(config, "retrofit", run.seed, retrofit_dir,
-                                                                     mode=run.mode))}
+                                                                     mode=run.retrofit_mode))}
         markers["background"] = ensure_stage("background", stage_config(
-            config, "background", run.seed, background_dir, mode=run.mode, adapter=retrofit_dir))
+            config, "background", run.seed, background_dir, adapter=retrofit_dir))
         markers["train"] = ensure_stage("train", stage_config(
             config, "sparse", run.seed, layout.train_dir(run), mode=run.mode, rule=run.rule, adapter=retrofit_dir,
-            background=background_dir))
+            background=background_dir, optimizer="authors" if run.update == "authors" else None))
         return markers
 
     def evaluate(self, run: Run) -> tuple[dict, dict, str]:
         """(metrics, seconds per task, artefact) of ``run``'s trained model (the base model for base)."""
         if self._eval_sets is None:
-            self._eval_sets = load_eval_sets(self.config.data, self.config.eval)
+            self._eval_sets = load_eval_sets(self.config.data, self.config.eval, self.config.protocol)
         if run.recipe is None:
             model, tokenizer = load_base(self.config.model, self.device)
             artefact = self.config.model
@@ -138,7 +147,7 @@ class SuiteRunner:
             artefact = str(self.layout.train_dir(run) / FINAL_DIR)
         try:
             metrics, seconds = evaluate_model(model, tokenizer, self._eval_sets, self.config.eval,
-                                              self.layout.eval_dir(run))
+                                              self.layout.eval_dir(run), self.config.protocol)
         finally:
             del model
             gc.collect()
@@ -156,7 +165,8 @@ class SuiteRunner:
         markers = self.train_stages(run)
         metrics, eval_seconds, artefact = self.evaluate(run)
         results = {
-            "condition": run.condition, "seed": run.seed, "metrics": metrics,
+            "condition": run.condition, "seed": run.seed, "update": run.update, "metrics": metrics,
+            "sparse_steps": sparse_step_stats(self.layout.train_dir(run)) if run.recipe == "sparse" else None,
             "timing": {**{f"{kind}_s": marker["seconds"] for kind, marker in markers.items()},
                        "eval_s": eval_seconds, "wall_s": round(time.perf_counter() - started, 3)},
             "config_hash": expected_hash, "artefact": artefact, "model": self.config.model,

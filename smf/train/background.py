@@ -1,7 +1,9 @@
 """``smf background``: background read statistics of the retrofit memories (SPEC §4).
 
 The model (base + retrofit adapter) runs in eval mode over ``n_background`` single-example
-oasst1 batches (held out from the retrofit examples, see :func:`smf.data.retrofit_and_background`);
+oasst1 batches (protocol ``clean``: held out from the retrofit examples, see
+:func:`smf.data.retrofit_and_background`; ``authors``: drawn from the same pool, see
+:func:`smf.data.authors_retrofit_and_background`);
 the :class:`SparseMemoryController` counts reads and the statistics are written to
 ``{output_dir}/background.safetensors``. Under torchrun each rank counts its share of the
 examples and the counts are summed.
@@ -25,13 +27,13 @@ from smf_kernels.sparse import SparseMemoryController
 logger = logging.getLogger(__name__)
 
 
-# Options that decide which oasst1 pairs the retrofit trained on; the background set is what follows them.
-SPLIT_OPTIONS = ("oasst_path", "oasst_languages", "n_examples", "data_seed")
+# Options that decide which oasst1 examples the retrofit trained on; the background set is drawn relative to them.
+SPLIT_OPTIONS = ("protocol", "oasst_path", "oasst_languages", "n_examples", "data_seed")
 
 
 def check_held_out_split(config: RunConfig) -> None:
     """Raise ConfigError if the retrofit run behind ``config.adapter`` drew its examples with other
-    options than ``config`` (its background examples would then overlap the retrofit's)."""
+    options than ``config`` (the background examples would then not be the protocol's)."""
     adapter = Path(config.adapter)
     run_config = next((d / RUN_CONFIG for d in (adapter, adapter.parent) if (d / RUN_CONFIG).is_file()), None)
     if run_config is None:

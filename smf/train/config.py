@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from smf.data.protocol import DEFAULT_PROTOCOL, PROTOCOLS
 from smf.model.checkpoint import DEFAULT_MODEL
 
 RECIPES = ("retrofit", "sparse", "lora", "full")
@@ -19,7 +20,7 @@ TRAIN_RECIPES = ("sparse", "lora", "full")
 MEMORY_MODES = ("replacement", "additive", "additive+s")
 RULES = ("tfidf", "kl")
 SPARSE_BACKWARDS = ("selected-rows", "read-rows")
-SPARSE_OPTIMIZERS = ("row-sparse", "dense-masked")
+SPARSE_OPTIMIZERS = ("row-sparse", "dense-masked", "authors")
 BF16_CHOICES = ("auto", "on", "off")
 PRESETS = ("tiny",)
 TINY_MODEL = "tiny"
@@ -53,7 +54,9 @@ class RunConfig:
     model: str = _opt(DEFAULT_MODEL, "base model: hub id, local save_pretrained directory, or 'tiny'", ALL)
     recipe: str = _opt("sparse", "what to train (SPEC §3)", ("train",), TRAIN_RECIPES)
     # memories (retrofit)
-    mode: str = _opt("additive", "how memories join the layer's MLP", ("retrofit",), MEMORY_MODES)
+    mode: str | None = _opt(None, "how memories join the layer's MLP (retrofit; default additive). --recipe sparse: "
+                            "default the adapter's mode; additive+s on an additive adapter also trains alpha (the "
+                            "paper's +S starts from the additive retrofit)", ("retrofit", "train"), MEMORY_MODES)
     layers: list[int] = _opt((6, 12, 18), "0-based decoder layers that get a memory", ("retrofit",))
     n_keys: int = _opt(128, "sub-keys per half (slots = n_keys**2)", ("retrofit",))
     heads: int = _opt(4, "memory query heads", ("retrofit",))
@@ -69,8 +72,9 @@ class RunConfig:
     rule: str = _opt("tfidf", "slot scoring rule (--recipe sparse)", ("train",), RULES)
     rows_per_step: int = _opt(512, "T: value rows trained per layer per step (--recipe sparse)", ("train",))
     optimizer: str = _opt("row-sparse", "row-sparse: only selected rows and their AdamW state move (default); "
-                          "dense-masked: the original masked-gradient AdamW, kept for comparison (--recipe sparse)",
-                          ("train",), SPARSE_OPTIMIZERS)
+                          "dense-masked: one selection per step, masked dense gradient, torch AdamW; authors: the "
+                          "authors' update, rows selected per micro-batch counting padding, each backward masked, "
+                          "dense AdamW (one process only) (--recipe sparse)", ("train",), SPARSE_OPTIMIZERS)
     sparse_backward: str = _opt("selected-rows", "selected-rows: rows are chosen before any backward of the step "
                                 "(under gradient accumulation after a no-grad counting forward over its micro-batches), "
                                 "so each backward writes only the T selected rows; read-rows: each backward writes "
@@ -82,6 +86,9 @@ class RunConfig:
     lora_alpha: int = _opt(32, "LoRA alpha (--recipe lora)", ("train",))
     lora_dropout: float = _opt(0.05, "LoRA dropout (--recipe lora)", ("train",))
     # data
+    protocol: str = _opt(DEFAULT_PROTOCOL, "data protocol: authors = the authors' training texts and sampling "
+                         "(smf/data/protocol.py, docs/method.md); clean = loss-masked prompts, held-out background",
+                         ALL, PROTOCOLS)
     oasst_path: str | None = _opt(None, "local oasst1 train split (jsonl/parquet/save_to_disk); default: the hub",
                                   ("retrofit", "background"))
     oasst_languages: str = _opt("en", "comma-separated oasst1 languages of the assistant replies used (e.g. en,de), "
@@ -121,6 +128,8 @@ class RunConfig:
     def resolved(self, recipe: str) -> "RunConfig":
         """A copy with ``recipe`` set and the recipe's paper defaults filled in where options are None."""
         config = dataclasses.replace(self, recipe=recipe)
+        if recipe == "retrofit" and config.mode is None:
+            config.mode = "additive"
         if recipe in RECIPES:
             config.lr = RECIPE_LR[recipe] if config.lr is None else config.lr
             config.epochs = RECIPE_EPOCHS[recipe] if config.epochs is None else config.epochs

@@ -18,8 +18,11 @@ from smf.data import (
     IGNORE_INDEX,
     CausalLMCollator,
     assistant_pairs,
-    load_medmcqa,
+    authors_retrofit_and_background,
+    get_protocol,
     load_oasst1,
+    load_training_rows,
+    response_texts,
     retrofit_and_background,
     tokenize_examples,
 )
@@ -29,11 +32,17 @@ from smf.train.config import ConfigError, RunConfig
 logger = logging.getLogger(__name__)
 
 
-def _oasst_split(config: RunConfig, tokenizer) -> tuple[list[dict], list[dict]]:
+def _oasst_split(config: RunConfig, tokenizer, n_background: int) -> tuple[list[dict], list[dict]]:
+    """(retrofit, background) oasst1 examples of ``config.protocol`` (see :mod:`smf.data.protocol`)."""
+    protocol = get_protocol(config.protocol)
+    messages = load_oasst1(path=config.oasst_path)
+    if protocol.oasst_response_only:
+        return authors_retrofit_and_background(response_texts(messages), config.n_examples, n_background,
+                                               protocol.background_pool, config.data_seed)
     languages = None if config.oasst_languages == "all" else tuple(config.oasst_languages.split(","))
-    pairs = assistant_pairs(load_oasst1(path=config.oasst_path), languages=languages)
-    retrofit, background = retrofit_and_background(pairs, n_retrofit=config.n_examples,
-                                                   n_background=config.n_background, seed=config.data_seed)
+    pairs = assistant_pairs(messages, languages=languages)
+    retrofit, background = retrofit_and_background(pairs, n_retrofit=config.n_examples, n_background=n_background,
+                                                   seed=config.data_seed)
     return ([oasst.format_example(pair, tokenizer) for pair in retrofit],
             [oasst.format_example(pair, tokenizer) for pair in background])
 
@@ -41,18 +50,19 @@ def _oasst_split(config: RunConfig, tokenizer) -> tuple[list[dict], list[dict]]:
 def training_features(config: RunConfig, tokenizer) -> list[dict]:
     """Tokenised {"input_ids", "labels"} of the recipe's training set (oasst1 for retrofit, else MedMCQA)."""
     if config.recipe == "retrofit":
-        examples, _ = _oasst_split(config, tokenizer)
+        examples, _ = _oasst_split(config, tokenizer, n_background=0)  # no background set drawn, none checked
     else:
-        rows = load_medmcqa("train", path=config.medmcqa_path, n=config.n_examples, seed=config.data_seed)
-        examples = [medmcqa.format_example(row) for row in rows]
+        rows = load_training_rows(config.medmcqa_path, config.n_examples, config.data_seed, config.protocol)
+        examples = [medmcqa.format_example(row, config.protocol) for row in rows]
     features = tokenize_examples(tokenizer, examples, max_length=config.max_length)
-    logger.info("%s: %d training examples", config.recipe, len(features))
+    logger.info("%s: %d training examples (protocol %s)", config.recipe, len(features), config.protocol)
     return features
 
 
 def background_features(config: RunConfig, tokenizer) -> list[dict]:
-    """Tokenised background examples (oasst1 pairs after the first ``n_examples`` retrofit pairs)."""
-    _, examples = _oasst_split(config, tokenizer)
+    """Tokenised background examples: ``clean``: the oasst1 pairs after the first ``n_examples`` retrofit
+    pairs; ``authors``: the first ``n_background`` of the authors' draw from the same pool."""
+    _, examples = _oasst_split(config, tokenizer, config.n_background)
     return tokenize_examples(tokenizer, examples, max_length=config.max_length)
 
 

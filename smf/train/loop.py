@@ -29,6 +29,7 @@ from smf.train.data import StepPlan, collate, target_tokens, training_features
 from smf.train.distributed import World, all_reduce_sum, barrier, gather_objects, setup_distributed
 from smf.train.recipes import TrainingSetup, build_setup
 from smf.train.run_dir import claim_output_dir
+from smf_kernels.sparse import AuthorsSparseUpdate, rows_moved_outside
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,8 @@ def run_step(wrapped: nn.Module, setup: TrainingSetup, scheduler, micro_batches:
     use_autocast = autocast_enabled(config.bf16, world.device)
     scale = world.size / num_tokens
     controller = setup.controller
+    if isinstance(controller, AuthorsSparseUpdate):
+        return _run_authors_step(setup, scheduler, micro_batches, scale, config, use_autocast, world)
     # Sparse steps pick their rows before the backward when they can (SPEC §5: the backward then
     # writes only the T selected value rows): at once for a step of one micro-batch; under
     # accumulation after a no-grad forward over every micro-batch that only counts reads.
@@ -105,12 +108,36 @@ def run_step(wrapped: nn.Module, setup: TrainingSetup, scheduler, micro_batches:
             (loss * scale).backward()
         loss_sum += loss.detach()
     if controller is not None:
-        controller.finish_step(setup.optimizer, max_grad_norm=config.max_grad_norm)
+        setup.step_rows = controller.finish_step(setup.optimizer, max_grad_norm=config.max_grad_norm)
     else:
         params = [p for group in setup.optimizer.param_groups for p in group["params"]]
         torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
         setup.optimizer.step()
         setup.optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    return loss_sum
+
+
+def _memory_values(setup: TrainingSetup) -> dict[str, torch.Tensor] | None:
+    """A copy of every memory's (M, D) values for a sparse recipe (to count rows moved), else None."""
+    if setup.controller is None:
+        return None
+    return {name: memory.values.detach().clone() for name, memory in setup.controller.memories.items()}
+
+
+def _run_authors_step(setup: TrainingSetup, scheduler, micro_batches: list[dict], scale: float, config: RunConfig,
+                      use_autocast: bool, world: World) -> torch.Tensor:
+    """One step of the authors' update (single process): rows chosen after each micro-batch's forward."""
+    controller = setup.controller
+    controller.begin_step()
+    loss_sum = torch.zeros((), device=world.device)
+    for batch in micro_batches:
+        with torch.autocast(world.device.type, dtype=torch.bfloat16, enabled=use_autocast):
+            loss = summed_token_loss(setup.model, batch)
+        controller.after_forward()
+        (loss * scale).backward()
+        loss_sum += loss.detach()
+    setup.step_rows = controller.finish_step(setup.optimizer, max_grad_norm=config.max_grad_norm)
     scheduler.step()
     return loss_sum
 
@@ -177,14 +204,21 @@ def _train(config: RunConfig, world: World) -> dict:
         seen_tokens = sum(len(features[i]["input_ids"]) for i in indices)
         lr = scheduler.get_last_lr()[0]
         micro_batches = [collate(features, chunk, collator, world.device) for chunk in plan.micro_batches(step)]
+        values_before = _memory_values(setup)
         loss_sum = run_step(wrapped, setup, scheduler, micro_batches, num_tokens, config, world)
+        sparse_log = {}
+        if values_before is not None:  # sparse: how many rows the step selected, and moved without selecting
+            sparse_log = {"selected_rows": sum(int(rows.numel()) for rows in setup.step_rows.values()),
+                          "rows_moved_outside": rows_moved_outside(values_before, _memory_values(setup),
+                                                                   setup.step_rows)}
         loss = all_reduce_sum(loss_sum, world).item() / num_tokens
         step += 1
         elapsed = time.perf_counter() - started
         if world.is_main:
             with log_path.open("a") as handle:
                 handle.write(json.dumps({"step": step, "epoch": (step - 1) // plan.steps_per_epoch, "loss": loss,
-                                         "lr": lr, "tokens": seen_tokens, "seconds": round(elapsed, 4)}) + "\n")
+                                         "lr": lr, "tokens": seen_tokens, "seconds": round(elapsed, 4),
+                                         **sparse_log}) + "\n")
             progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{seen_tokens / elapsed:.0f}")
             progress.update(1)
         if step % config.save_every == 0 or step == stop:

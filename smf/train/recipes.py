@@ -3,7 +3,8 @@
 - ``retrofit``: fresh memories at ``layers``; every memory parameter (+ alpha) trains; AdamW.
 - ``sparse``: memories from the retrofit adapter; only value rows picked each step by the
   :class:`SparseMemoryController` train (+ alpha in mode additive+s); :class:`RowSparseAdamW`
-  (or, ``--optimizer dense-masked``, masked dense gradients with torch AdamW for comparison).
+  (or, ``--optimizer dense-masked``, masked dense gradients with torch AdamW for comparison;
+  ``--optimizer authors``, the authors' update, :class:`AuthorsSparseUpdate`).
 - ``lora``: peft LoRA on the seven projections; AdamW.
 - ``full``: every base parameter; AdamW.
 """
@@ -22,12 +23,13 @@ from smf.model import (
     configure_trainable,
     decoder_layers,
     load_memory_adapter,
+    memory_blocks,
     read_adapter_config,
 )
 from smf.train.artifacts import FINAL_DIR, load_base
 from smf.train.config import ConfigError, RunConfig
 from smf.train.distributed import World
-from smf_kernels.sparse import BackgroundStats, RowSparseAdamW, SparseMemoryController
+from smf_kernels.sparse import AuthorsSparseUpdate, BackgroundStats, RowSparseAdamW, SparseMemoryController
 
 logger = logging.getLogger(__name__)
 
@@ -38,12 +40,14 @@ MODE_NAMES = {"replacement": "replacement", "additive": "additive", "additive+s"
 @dataclass
 class TrainingSetup:
     """What the trainer needs from a recipe. ``model`` is the unwrapped model; ``controller`` is set
-    for the sparse recipe only (it then runs the optimizer step)."""
+    for the sparse recipe only (it then runs the optimizer step and fills ``step_rows``)."""
 
     model: nn.Module
     tokenizer: object
     optimizer: torch.optim.Optimizer
-    controller: SparseMemoryController | None
+    controller: SparseMemoryController | AuthorsSparseUpdate | None
+    # The rows each memory layer selected in the last sparse step (layer -> (T,) int64), set by the trainer.
+    step_rows: dict | None = None
 
     def trainable_parameters(self) -> dict[str, nn.Parameter]:
         return {name: p for name, p in self.model.named_parameters() if p.requires_grad}
@@ -87,6 +91,20 @@ def load_model_with_adapter(config: RunConfig, device: torch.device) -> tuple[nn
     return model.to(device), tokenizer
 
 
+def set_sparse_mode(model: nn.Module, mode: str | None) -> None:
+    """Finetune the adapter's memories in ``mode`` (None: the adapter's own). The only change allowed is
+    additive -> additive+s (alpha trains too), how the paper's +S starts from the additive retrofit."""
+    blocks = memory_blocks(model)
+    saved = blocks[0].mode
+    if mode is None or MODE_NAMES[mode] == saved:
+        return
+    if MODE_NAMES[mode] != "additive_s" or saved != "additive":
+        raise ConfigError(f"--mode {mode} cannot finetune an adapter retrofitted in mode {saved!r}; only an additive "
+                          "adapter can be finetuned as additive+s (omit --mode to keep the adapter's mode)")
+    for block in blocks:
+        block.mode = "additive_s"
+
+
 def _adamw(params, config: RunConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
 
@@ -108,9 +126,17 @@ def build_setup(config: RunConfig, world: World) -> TrainingSetup:
         counts = configure_trainable(model, "retrofit")
     elif recipe == "sparse":
         model, tokenizer = load_model_with_adapter(config, world.device)
+        set_sparse_mode(model, config.mode)
         counts = configure_trainable(model, "sparse")
-        mode = "row_sparse" if config.optimizer == "row-sparse" else "dense_masked"
-        controller = SparseMemoryController(model, rule=config.rule, rows_per_step=config.rows_per_step, mode=mode)
+        if config.optimizer == "authors":
+            if world.size > 1:
+                raise ConfigError("--optimizer authors runs in one process (the authors' single-GPU update); "
+                                  "drop torchrun or choose row-sparse")
+            controller = AuthorsSparseUpdate(model, rule=config.rule, rows_per_step=config.rows_per_step)
+        else:
+            mode = "row_sparse" if config.optimizer == "row-sparse" else "dense_masked"
+            controller = SparseMemoryController(model, rule=config.rule, rows_per_step=config.rows_per_step,
+                                                mode=mode)
         try:
             controller.set_background(BackgroundStats.load(resolve_background_file(config.background),
                                                            controller.memories))

@@ -30,7 +30,11 @@ Usage (stage 2; only the memory values, plus e.g. a +S scale, are trainable)::
 Under DDP, exclude ``controller.ddp_ignored_names()`` from DDP before wrapping
 (see :mod:`smf_kernels.sparse.controller`). The controller holds no state that
 changes during training (resume = same background file + optimizer state_dict).
+
+:class:`AuthorsSparseUpdate` reproduces the authors' update (per-micro-batch selection counting
+padding, masked dense gradient, dense AdamW) for the ablation against the exact one.
 """
+from smf_kernels.sparse.authors_update import AuthorsSparseUpdate, rows_moved_outside
 from smf_kernels.sparse.background import BackgroundStats
 from smf_kernels.sparse.clipping import clip_grad_norm_
 from smf_kernels.sparse.controller import SparseMemoryController
@@ -39,12 +43,14 @@ from smf_kernels.sparse.row_sparse_adamw import RowSparseAdamW
 from smf_kernels.sparse.selection import kl_scores, score_slots, select_top_rows, tfidf_scores
 
 __all__ = [
+    "AuthorsSparseUpdate",
     "BackgroundStats",
     "RowSparseAdamW",
     "SparseMemoryController",
     "clip_grad_norm_",
     "kl_scores",
     "mask_grad_rows_",
+    "rows_moved_outside",
     "score_slots",
     "select_top_rows",
     "tfidf_scores",
