@@ -175,6 +175,38 @@ at::Tensor gather_backward_values(const at::Tensor& grad_out_in, const at::Tenso
   return grad;
 }
 
+// Both gradients of the gather in one pass (CPU): (grad_values (M or T, D), grad_weights (N, L)),
+// acc dtype; a gradient not needed comes back with 0 rows.
+std::tuple<at::Tensor, at::Tensor> gather_backward(const at::Tensor& grad_out_in, const at::Tensor& values_in,
+                                                   const at::Tensor& indices_in, const at::Tensor& weights_in,
+                                                   std::optional<at::Tensor> update_rows_in, bool need_values,
+                                                   bool need_weights) {
+  TORCH_CHECK(values_in.is_cpu() && grad_out_in.is_cpu(), "smf_kernels ext: the fused gather_backward runs on CPU; got ",
+              values_in.device());
+  at::Tensor values = kernel_input(values_in), grad_out = kernel_input(grad_out_in);
+  if (grad_out.scalar_type() != values.scalar_type()) {  // mixed dtypes: both in values' accumulation dtype
+    const at::ScalarType common = accumulation_type(values);
+    values = values.to(common);
+    grad_out = grad_out.to(common);
+  }
+  const at::ScalarType acc = accumulation_type(values);
+  const at::Tensor indices = indices_in.contiguous(), weights = weights_in.to(acc).contiguous();
+  const at::Tensor update_rows = update_rows_in.has_value() ? update_rows_in->contiguous() : at::Tensor();
+  const int64_t num_tokens = indices.size(0), per_token = indices.size(1), dim = values.size(1);
+  const int64_t out_rows = update_rows.defined() ? update_rows.numel() : values.size(0);
+  at::Tensor grad_values = at::empty({need_values ? out_rows : 0, dim}, values.options().dtype(acc));
+  at::Tensor grad_weights = at::empty({need_weights ? num_tokens : 0, per_token}, values.options().dtype(acc));
+  if (!need_values && !need_weights) return {grad_values, grad_weights};
+  smf::cpu::gather_backward(kernel_dtype(values), grad_out.const_data_ptr(), values.const_data_ptr(),
+                            indices.const_data_ptr<int64_t>(), weights.const_data_ptr(),
+                            update_rows.defined() ? update_rows.const_data_ptr<int64_t>() : nullptr,
+                            update_rows.defined() ? update_rows.numel() : 0,
+                            need_values ? grad_values.data_ptr() : nullptr,
+                            need_weights ? grad_weights.data_ptr() : nullptr, values.size(0), num_tokens, per_token,
+                            dim, at::get_num_threads());
+  return {grad_values, grad_weights};
+}
+
 #define SMF_STRINGIFY(x) #x
 #define SMF_EXPAND_STRINGIFY(x) SMF_STRINGIFY(x)
 
@@ -194,6 +226,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("indices"), py::arg("weights"), py::arg("counts"), py::arg("valid"));
   m.def("gather_backward_weights", &gather_backward_weights, "grad of weights (N, L) acc", py::arg("grad_out"),
         py::arg("values"), py::arg("indices"));
+  m.def("gather_backward", &gather_backward, "(grad of values (M or T, D), grad of weights (N, L)), acc; CPU",
+        py::arg("grad_out"), py::arg("values"), py::arg("indices"), py::arg("weights"), py::arg("update_rows"),
+        py::arg("need_values"), py::arg("need_weights"));
   m.def("gather_backward_values", &gather_backward_values, "grad of values (M or T, D) acc", py::arg("grad_out"),
         py::arg("indices"), py::arg("weights"), py::arg("num_rows"), py::arg("update_rows"));
 }

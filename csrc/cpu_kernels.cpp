@@ -488,6 +488,72 @@ void gather_backward_values_impl(const T* grad_out, const int64_t* indices, cons
   }
 }
 
+// Both gradients in one pass over the reads grouped by table row: row r's values stay in
+// L1 while each of its reads loads grad_out[n] once, for the dot product of the weight
+// gradient and for the row's value gradient. Values are read once in all, not once per read.
+template <typename T>
+void gather_backward_impl(const T* grad_out, const T* values, const int64_t* indices,
+                          const typename Accumulate<T>::type* weights, const int64_t* update_rows,
+                          int64_t num_update_rows, typename Accumulate<T>::type* grad_values,
+                          typename Accumulate<T>::type* grad_weights, int64_t num_rows, int64_t num_tokens,
+                          int64_t per_token, int64_t dim, int threads) {
+  using A = typename Accumulate<T>::type;
+  const int64_t reads = num_tokens * per_token;
+  const bool sparse = update_rows != nullptr;
+  // Output row of each table row (-1: no value gradient).
+  std::vector<int64_t> row_slot;
+  if (sparse) {
+    row_slot.assign(num_rows, -1);
+    for (int64_t t = 0; t < num_update_rows; ++t) row_slot[update_rows[t]] = t;
+  }
+  // Reads of a row that needs no work are left out of the sort.
+  auto wanted = [&](int64_t row) { return grad_weights != nullptr || !sparse || row_slot[row] >= 0; };
+  // Counting sort of the reads by table row, stable in read order.
+  std::vector<int64_t> begin(num_rows + 1, 0);
+  for (int64_t read = 0; read < reads; ++read)
+    if (wanted(indices[read])) ++begin[indices[read] + 1];
+  for (int64_t r = 0; r < num_rows; ++r) begin[r + 1] += begin[r];
+  std::vector<int64_t> order(begin[num_rows]);
+  {
+    std::vector<int64_t> cursor(begin.begin(), begin.end() - 1);
+    for (int64_t read = 0; read < reads; ++read)
+      if (wanted(indices[read])) order[cursor[indices[read]]++] = read;
+  }
+  const int64_t total = begin[num_rows];
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 64)
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const int64_t slot = grad_values == nullptr ? -1 : (sparse ? row_slot[r] : r);
+    A* out = slot >= 0 ? grad_values + slot * dim : nullptr;
+    if (out != nullptr) std::fill(out, out + dim, A(0));
+    const T* row = values + r * dim;
+    for (int64_t p = begin[r]; p < begin[r + 1]; ++p) {
+      if (p + kPrefetchReads < total) prefetch(grad_out + (order[p + kPrefetchReads] / per_token) * dim, dim * sizeof(T));
+      const int64_t read = order[p];
+      const T* g = grad_out + (read / per_token) * dim;
+      if (grad_weights != nullptr && out != nullptr) {
+        const A w = weights[read];
+        A dot = 0;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < dim; ++d) {
+          const A gd = load(g[d]);
+          dot += load(row[d]) * gd;
+          out[d] += w * gd;
+        }
+        grad_weights[read] = dot;
+      } else if (grad_weights != nullptr) {
+        A dot = 0;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < dim; ++d) dot += load(row[d]) * load(g[d]);
+        grad_weights[read] = dot;
+      } else if (out != nullptr) {
+        const A w = weights[read];
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) out[d] += w * load(g[d]);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 #define SMF_CPU_DISPATCH(dtype, ...)                 \
@@ -576,6 +642,18 @@ void gather_backward_values(DType dtype, const void* grad_out, const int64_t* in
                               static_cast<const typename Accumulate<T>::type*>(weights), update_rows, num_update_rows,
                               static_cast<typename Accumulate<T>::type*>(grad), num_rows, num_tokens, per_token, dim,
                               threads));
+}
+
+void gather_backward(DType dtype, const void* grad_out, const void* values, const int64_t* indices,
+                     const void* weights, const int64_t* update_rows, int64_t num_update_rows, void* grad_values,
+                     void* grad_weights, int64_t num_rows, int64_t num_tokens, int64_t per_token, int64_t dim,
+                     int threads) {
+  SMF_CPU_DISPATCH(dtype, gather_backward_impl(
+                              static_cast<const T*>(grad_out), static_cast<const T*>(values), indices,
+                              static_cast<const typename Accumulate<T>::type*>(weights), update_rows, num_update_rows,
+                              static_cast<typename Accumulate<T>::type*>(grad_values),
+                              static_cast<typename Accumulate<T>::type*>(grad_weights), num_rows, num_tokens,
+                              per_token, dim, threads));
 }
 
 }  // namespace smf::cpu

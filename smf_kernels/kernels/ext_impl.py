@@ -47,5 +47,8 @@ def gather_backward_values(grad_out, indices, weights, num_rows, update_rows, de
 
 
 def gather_backward(grad_out, values, indices, weights, update_rows, deterministic, need_values, need_weights):
+    """CPU: both gradients in one pass over the reads grouped by row. CUDA: the two kernels."""
+    if values.device.type == "cpu":
+        return _ext.gather_backward(grad_out, values, indices, weights, update_rows, need_values, need_weights)
     return backward_in_two_passes(sys.modules[__name__], grad_out, values, indices, weights, update_rows,
                                   deterministic, need_values, need_weights)
