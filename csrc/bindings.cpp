@@ -207,6 +207,29 @@ std::tuple<at::Tensor, at::Tensor> gather_backward(const at::Tensor& grad_out_in
   return {grad_values, grad_weights};
 }
 
+// Backward of the top-k (CPU): (grad_query (N, H, key_dim), grad_keys (H, 2, n_keys, key_dim / 2)),
+// acc dtype; a gradient not needed comes back with 0 elements.
+std::tuple<at::Tensor, at::Tensor> topk_backward(const at::Tensor& grad_scores_in, const at::Tensor& query_in,
+                                                 const at::Tensor& keys_in, const at::Tensor& indices_in,
+                                                 bool need_query, bool need_keys) {
+  TORCH_CHECK(query_in.is_cpu(), "smf_kernels ext: the fused topk_backward runs on CPU; got ", query_in.device());
+  const at::Tensor query = kernel_input(query_in), keys = kernel_input(keys_in).to(query.scalar_type());
+  const at::ScalarType acc = accumulation_type(query);
+  const at::Tensor grad_scores = grad_scores_in.to(acc).contiguous(), indices = indices_in.contiguous();
+  const int64_t num_tokens = query.size(0), heads = query.size(1), key_dim = query.size(2);
+  const int64_t n_keys = keys.size(2), topk = indices.size(2);
+  at::Tensor grad_query = need_query ? at::empty(query.sizes(), query.options().dtype(acc))
+                                     : at::empty({0}, query.options().dtype(acc));
+  at::Tensor grad_keys = need_keys ? at::empty(keys.sizes(), keys.options().dtype(acc))
+                                   : at::empty({0}, keys.options().dtype(acc));
+  if (!need_query && !need_keys) return {grad_query, grad_keys};
+  smf::cpu::topk_backward(kernel_dtype(query), grad_scores.const_data_ptr(), query.const_data_ptr(),
+                          keys.const_data_ptr(), indices.const_data_ptr<int64_t>(),
+                          need_query ? grad_query.data_ptr() : nullptr, need_keys ? grad_keys.data_ptr() : nullptr,
+                          num_tokens, heads, key_dim / 2, n_keys, topk, at::get_num_threads());
+  return {grad_query, grad_keys};
+}
+
 #define SMF_STRINGIFY(x) #x
 #define SMF_EXPAND_STRINGIFY(x) SMF_STRINGIFY(x)
 
@@ -226,6 +249,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("indices"), py::arg("weights"), py::arg("counts"), py::arg("valid"));
   m.def("gather_backward_weights", &gather_backward_weights, "grad of weights (N, L) acc", py::arg("grad_out"),
         py::arg("values"), py::arg("indices"));
+  m.def("topk_backward", &topk_backward, "(grad of query (N, H, key_dim), grad of keys), acc; CPU",
+        py::arg("grad_scores"), py::arg("query"), py::arg("keys"), py::arg("indices"), py::arg("need_query"),
+        py::arg("need_keys"));
   m.def("gather_backward", &gather_backward, "(grad of values (M or T, D), grad of weights (N, L)), acc; CPU",
         py::arg("grad_out"), py::arg("values"), py::arg("indices"), py::arg("weights"), py::arg("update_rows"),
         py::arg("need_values"), py::arg("need_weights"));

@@ -554,6 +554,66 @@ void gather_backward_impl(const T* grad_out, const T* values, const int64_t* ind
   }
 }
 
+// Gradients of the top-k scores with respect to query and keys, reading only the k
+// sub-keys of each pair (no dense (N, H, n_keys) buffers). grad_query rows are owned by
+// tokens; grad_keys rows by (head, half, sub-key), each summed over its (token, rank)
+// pairs in order after a counting sort, so results do not depend on the thread count.
+template <typename T>
+void topk_backward_impl(const typename Accumulate<T>::type* grad_scores, const T* query, const T* keys,
+                        const int64_t* indices, typename Accumulate<T>::type* grad_query,
+                        typename Accumulate<T>::type* grad_keys, int64_t num_tokens, int64_t heads, int64_t half,
+                        int64_t n_keys, int64_t topk, int threads) {
+  using A = typename Accumulate<T>::type;
+  const int64_t key_dim = 2 * half;
+  auto sub_key = [&](int64_t slot, int64_t c) { return c == 0 ? slot / n_keys : slot % n_keys; };
+  if (grad_query != nullptr) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t nh = 0; nh < num_tokens * heads; ++nh) {
+      const int64_t h = nh % heads;
+      for (int64_t c = 0; c < 2; ++c) {
+        A* out = grad_query + nh * key_dim + c * half;
+        std::fill(out, out + half, A(0));
+        for (int64_t r = 0; r < topk; ++r) {
+          const A g = grad_scores[nh * topk + r];
+          const T* key = keys + ((h * 2 + c) * n_keys + sub_key(indices[nh * topk + r], c)) * half;
+#pragma omp simd
+          for (int64_t d = 0; d < half; ++d) out[d] += g * load(key[d]);
+        }
+      }
+    }
+  }
+  if (grad_keys == nullptr) return;
+  // For each (head, half): the (token, rank) pairs grouped by sub-key, in pair order.
+  const int64_t pairs = num_tokens * topk, groups = heads * 2;
+  std::vector<int64_t> begin(groups * (n_keys + 1), 0), order(groups * pairs);
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t hc = 0; hc < groups; ++hc) {
+    const int64_t h = hc / 2, c = hc % 2;
+    int64_t* first = begin.data() + hc * (n_keys + 1);
+    for (int64_t n = 0; n < num_tokens; ++n)
+      for (int64_t r = 0; r < topk; ++r) ++first[sub_key(indices[(n * heads + h) * topk + r], c) + 1];
+    for (int64_t j = 0; j < n_keys; ++j) first[j + 1] += first[j];
+    std::vector<int64_t> cursor(first, first + n_keys);
+    for (int64_t n = 0; n < num_tokens; ++n)
+      for (int64_t r = 0; r < topk; ++r)
+        order[hc * pairs + cursor[sub_key(indices[(n * heads + h) * topk + r], c)]++] = n * topk + r;
+  }
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 4)
+  for (int64_t row = 0; row < groups * n_keys; ++row) {
+    const int64_t hc = row / n_keys, j = row % n_keys, h = hc / 2, c = hc % 2;
+    A* out = grad_keys + row * half;
+    std::fill(out, out + half, A(0));
+    const int64_t* first = begin.data() + hc * (n_keys + 1);
+    for (int64_t p = first[j]; p < first[j + 1]; ++p) {
+      const int64_t pair = order[hc * pairs + p], n = pair / topk, r = pair % topk;
+      const A g = grad_scores[(n * heads + h) * topk + r];
+      const T* q = query + (n * heads + h) * key_dim + c * half;
+#pragma omp simd
+      for (int64_t d = 0; d < half; ++d) out[d] += g * load(q[d]);
+    }
+  }
+}
+
 }  // namespace
 
 #define SMF_CPU_DISPATCH(dtype, ...)                 \
@@ -654,6 +714,16 @@ void gather_backward(DType dtype, const void* grad_out, const void* values, cons
                               static_cast<typename Accumulate<T>::type*>(grad_values),
                               static_cast<typename Accumulate<T>::type*>(grad_weights), num_rows, num_tokens,
                               per_token, dim, threads));
+}
+
+void topk_backward(DType dtype, const void* grad_scores, const void* query, const void* keys, const int64_t* indices,
+                   void* grad_query, void* grad_keys, int64_t num_tokens, int64_t heads, int64_t half, int64_t n_keys,
+                   int64_t topk, int threads) {
+  SMF_CPU_DISPATCH(dtype, topk_backward_impl(static_cast<const typename Accumulate<T>::type*>(grad_scores),
+                                             static_cast<const T*>(query), static_cast<const T*>(keys), indices,
+                                             static_cast<typename Accumulate<T>::type*>(grad_query),
+                                             static_cast<typename Accumulate<T>::type*>(grad_keys), num_tokens, heads,
+                                             half, n_keys, topk, threads));
 }
 
 }  // namespace smf::cpu

@@ -207,3 +207,35 @@ def test_fused_backward_gives_each_gradient_asked_for(dtype, sparse, need):
         assert rel_err(got_values, want_values) < tol
     if need[1]:
         assert rel_err(got_weights, want_weights) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("need", [(True, True), (True, False), (False, True)])
+def test_fused_topk_backward_matches_reference(dtype, need):
+    query = torch.randn(37, 3, 24).to(dtype).requires_grad_(need[0])
+    keys = (torch.rand(3, 2, 10, 12) * 2 - 1).to(dtype).requires_grad_(need[1])
+    scores, slots = product_key_topk(query, keys, 5, backend="ext")
+    grad = torch.randn(scores.shape, dtype=torch.float64)
+    wanted = [t for t, n in zip((query, keys), need) if n]
+    got = torch.autograd.grad(scores, wanted, grad.to(scores.dtype))
+    q, k = query.detach().double().requires_grad_(), keys.detach().double().requires_grad_()
+    n_keys, half = 10, 12
+    i, j = slots // n_keys, slots % n_keys
+    heads = torch.arange(3).view(1, -1, 1).expand_as(i)
+    # the chosen slots' scores as a function of query and keys, differentiated in float64
+    ref_scores = ((q[..., :half].unsqueeze(2) * k[heads, 0, i]).sum(-1)
+                  + (q[..., half:].unsqueeze(2) * k[heads, 1, j]).sum(-1))
+    want = [w for w, n in zip(torch.autograd.grad(ref_scores, (q, k), grad), need) if n]
+    tol = 1e-12 if dtype == torch.float64 else 1e-5  # exact inputs, sums in fp32
+    for g, w, t in zip(got, want, wanted):
+        assert g.dtype == t.dtype and g.shape == t.shape
+        assert rel_err(g, w) < (tol if dtype != torch.bfloat16 else 1e-2)
+
+
+def test_topk_backward_op_passes_opcheck():
+    query, keys = torch.randn(9, 2, 8), torch.rand(2, 2, 6, 4)
+    _, slots = product_key_topk(query, keys, 3, backend="ext")
+    grad = torch.randn(9, 2, 3)
+    for need in ((True, True), (True, False), (False, True)):
+        torch.library.opcheck(torch.ops.smf_kernels.product_key_topk_backward,
+                              (grad, query, keys, slots, "ext", *need))

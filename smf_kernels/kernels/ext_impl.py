@@ -34,6 +34,13 @@ def topk_forward(query, keys, topk):
     return scores, indices
 
 
+def topk_backward(grad_scores, query, keys, indices, need_query, need_keys):
+    """CPU: the gradients from the k chosen sub-keys only (no dense (N, H, n_keys) buffers); None elsewhere."""
+    if query.device.type != "cpu":
+        return None
+    return _ext.topk_backward(grad_scores, query, keys, indices, need_query, need_keys)
+
+
 def gather_forward(values, indices, weights, counts, valid):
     return _ext.gather_forward(values, indices, weights, counts, valid)
 
