@@ -53,3 +53,22 @@ def test_backward_equals_autograd_through_embedding_bag(dtype, need):
         0, indices.flatten(), (weights.double().unsqueeze(-1) * grad_out.double().unsqueeze(1)).flatten(0, 1))
     if need[0]:
         assert rel_err(got_values, reference) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_topk_with_infinite_scores_equals_reference():
+    query = torch.randn(29, 2, 12)
+    keys = torch.rand(2, 2, 11, 6) * 2 - 1
+    keys[0, 0, 3, 0] = float("inf")  # +inf and NaN (inf - inf) sub-key scores, -inf sums
+    keys[1, 1, 5, 2] = -float("inf")
+    scores, slots = torch_impl.topk_forward(query, keys, 7)
+    want_scores, want_slots = product_key_topk_reference(query, keys, 7)
+    assert torch.equal(slots, want_slots)
+    assert torch.equal(scores.nan_to_num(), want_scores.nan_to_num())
+
+
+def test_topk_of_finite_scores_uses_only_undominated_pairs():
+    first, second = torch_impl._undominated_pairs(16, "cpu")
+    assert first.numel() == sum(16 // r for r in range(1, 17))  # 50 of the 256 pairs
+    assert torch.all(first[1:] * 16 + second[1:] > first[:-1] * 16 + second[:-1])  # candidate-id order
+    query, keys = torch.randn(300, 4, 32), torch.rand(4, 2, 40, 16) * 2 - 1
+    assert torch.equal(torch_impl.topk_forward(query, keys, 16)[1], product_key_topk_reference(query, keys, 16)[1])

@@ -35,25 +35,36 @@ def _token_chunks(num_tokens: int, per_token: int):
 def ranked_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`smf_kernels.reference.ranked_topk` (NaN first, ties to the lower column) at torch.topk's speed.
 
-    torch.topk picks the right set whenever no score outside it equals the k-th
-    (and no NaN is in the row); only the order among equal scores inside it is
-    unspecified, fixed here by a stable sort of the k picked (column order, then
-    score). Rows where the set itself depends on tie-breaking go through the
-    reference's full stable sort. scores (..., C) -> values, int64 columns (..., k).
+    torch.topk's answer is the reference's whenever its k + 1 best scores are
+    distinct and not NaN (a tie, inside the k or at the k-th place, is the only
+    place torch.topk may order differently); rows with a tie or a NaN go through
+    the reference's stable sort. scores (..., C) -> values, int64 columns (..., k).
     """
-    values, columns = scores.topk(k, dim=-1)
-    columns, order = columns.sort(dim=-1)
-    values, order = values.gather(-1, order).sort(dim=-1, descending=True, stable=True)
-    columns = columns.gather(-1, order)
-    ambiguous = ((scores >= values[..., -1:]).sum(-1) > k) | values[..., 0].isnan()
+    width = min(k + 1, scores.shape[-1])
+    values, columns = scores.topk(width, dim=-1)
+    ambiguous = (values[..., 1:] == values[..., :-1]).any(-1) | values[..., 0].isnan()
+    values, columns = values[..., :k].contiguous(), columns[..., :k].contiguous()
     if ambiguous.any():
         rows = ambiguous.nonzero(as_tuple=True)
         values[rows], columns[rows] = _stable_ranked_topk(scores[rows], k)
     return values, columns
 
 
+def _undominated_pairs(topk: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ranks (ia, ib) with (ia + 1) * (ib + 1) <= topk, in candidate-id order (ia * topk + ib).
+
+    With both halves' scores sorted, pair (ia, ib) is outranked by the (ia + 1) * (ib + 1) - 1
+    pairs (i <= ia, j <= ib): at least topk when (ia + 1) * (ib + 1) > topk, so only these
+    ~topk * ln(topk) pairs can be among the best topk (for finite scores).
+    """
+    pairs = [(i, j) for i in range(topk) for j in range(topk) if (i + 1) * (j + 1) <= topk]
+    return torch.tensor(pairs, dtype=torch.int64, device=device).unbind(1)
+
+
 def topk_forward(query: torch.Tensor, keys: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The authors' lookup: two einsums and three top-k, in fp32 (fp64 stays fp64: the reference's sort)."""
+    """The authors' lookup: two einsums and top-k of each half, then the top-k of their sums, in fp32
+    (fp64 stays fp64: the reference's sort). The sums are taken only over the pairs that can win
+    (:func:`_undominated_pairs`) unless a half has a non-finite score; the result is the same."""
     if query.dtype == torch.float64:
         with torch.no_grad():
             return product_key_topk_reference(query, keys, topk)
@@ -61,9 +72,14 @@ def topk_forward(query: torch.Tensor, keys: torch.Tensor, topk: int) -> tuple[to
     q, k = query.float(), keys.float()
     a, i = ranked_topk(torch.einsum("nhd,hkd->nhk", q[..., :half], k[:, 0]), topk)
     b, j = ranked_topk(torch.einsum("nhd,hkd->nhk", q[..., half:], k[:, 1]), topk)
-    scores, flat = ranked_topk((a.unsqueeze(-1) + b.unsqueeze(-2)).flatten(-2), topk)  # c = ia * topk + ib
-    first = i.gather(-1, torch.div(flat, topk, rounding_mode="floor"))
-    return scores, first * n_keys + j.gather(-1, flat % topk)
+    if bool(a.isfinite().all() and b.isfinite().all()):
+        first, second = _undominated_pairs(topk, query.device)
+        scores, best = ranked_topk(a[..., first] + b[..., second], topk)
+        ia, ib = first[best], second[best]
+    else:  # every candidate c = ia * topk + ib
+        scores, best = ranked_topk((a.unsqueeze(-1) + b.unsqueeze(-2)).flatten(-2), topk)
+        ia, ib = torch.div(best, topk, rounding_mode="floor"), best % topk
+    return scores, i.gather(-1, ia) * n_keys + j.gather(-1, ib)
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
