@@ -7,9 +7,10 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -358,6 +359,42 @@ inline void prefetch(const void* start, int64_t bytes) {
   for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset);
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// 8 floats from 8 float32 or bfloat16 values.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+// AVX2 tile: 14 ymm accumulators (112 floats) stay in registers, next to the broadcast
+// weight and one temporary; the generic loop's 256-wide array spills without AVX-512.
+constexpr int kAvx2Vectors = 14;
+constexpr int64_t kAvx2Tile = 8 * kAvx2Vectors;
+
+// out[d0 .. d0 + 112) of one token; prefetches this tile of the read kPrefetchReads ahead
+// (past the token's last read: the next token's reads, at the next tile or the first).
+template <typename T>
+inline void gather_tile_avx2(const T* values, const int64_t* token_indices, const float* token_weights,
+                             int64_t per_token, int64_t reads_left, int64_t dim, int64_t d0, float* sum) {
+  __m256 acc[kAvx2Vectors];
+  for (int v = 0; v < kAvx2Vectors; ++v) acc[v] = _mm256_setzero_ps();
+  const int64_t next_d0 = d0 + 2 * kAvx2Tile <= dim ? d0 + kAvx2Tile : 0;
+  for (int64_t l = 0; l < per_token; ++l) {
+    const int64_t ahead = l + kPrefetchReads;
+    if (ahead < per_token)
+      prefetch(values + token_indices[ahead] * dim + d0, kAvx2Tile * sizeof(T));
+    else if (ahead < reads_left)
+      prefetch(values + token_indices[ahead - (next_d0 != 0 ? per_token : 0)] * dim + next_d0,
+               kAvx2Tile * sizeof(T));
+    const __m256 w = _mm256_set1_ps(token_weights[l]);
+    const T* row = values + token_indices[l] * dim + d0;
+    for (int v = 0; v < kAvx2Vectors; ++v) acc[v] = _mm256_fmadd_ps(w, load8(row + 8 * v), acc[v]);
+  }
+  for (int v = 0; v < kAvx2Vectors; ++v) _mm256_storeu_ps(sum + 8 * v, acc[v]);
+}
+#endif
+
 template <typename T>
 void gather_forward_impl(const T* values, const int64_t* indices, const typename Accumulate<T>::type* weights,
                          int64_t* counts, const bool* valid, T* out, int64_t num_rows, int64_t num_tokens,
@@ -376,7 +413,18 @@ void gather_forward_impl(const T* values, const int64_t* indices, const typename
   for (int64_t n = 0; n < num_tokens; ++n) {
     const int64_t* token_indices = indices + n * per_token;
     const A* token_weights = weights + n * per_token;
-    for (int64_t d0 = 0; d0 < dim; d0 += kTile) {
+    int64_t d_start = 0;  // columns before it were done by a vector path
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+    if constexpr (!std::is_same_v<T, double>) {
+      alignas(32) float sum[kAvx2Tile];
+      const int64_t reads_left = (num_tokens - n) * per_token;
+      for (; d_start + kAvx2Tile <= dim; d_start += kAvx2Tile) {
+        gather_tile_avx2(values, token_indices, token_weights, per_token, reads_left, dim, d_start, sum);
+        for (int64_t i = 0; i < kAvx2Tile; ++i) store(sum[i], out + n * dim + d_start + i);
+      }
+    }
+#endif
+    for (int64_t d0 = d_start; d0 < dim; d0 += kTile) {
       const int64_t width = std::min(kTile, dim - d0);
       // Read l + kPrefetchReads of this tile, or the start of the next tile / token.
       const bool last_tile = d0 + kTile >= dim;
