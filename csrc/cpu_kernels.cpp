@@ -612,8 +612,16 @@ void topk_backward_impl(const typename Accumulate<T>::type* grad_scores, const T
                         typename Accumulate<T>::type* grad_keys, int64_t num_tokens, int64_t heads, int64_t half,
                         int64_t n_keys, int64_t topk, int threads) {
   using A = typename Accumulate<T>::type;
-  const int64_t key_dim = 2 * half;
-  auto sub_key = [&](int64_t slot, int64_t c) { return c == 0 ? slot / n_keys : slot % n_keys; };
+  const int64_t key_dim = 2 * half, slots = num_tokens * heads * topk;
+  // sub[c * slots + s]: slot s's sub-key in half c (one division per slot, not per use).
+  std::vector<int32_t> sub(2 * slots);
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t p = 0; p < slots; ++p) {
+    const int64_t i = indices[p] / n_keys;
+    sub[p] = static_cast<int32_t>(i);
+    sub[slots + p] = static_cast<int32_t>(indices[p] - i * n_keys);
+  }
+  auto sub_key = [&](int64_t p, int64_t c) { return static_cast<int64_t>(sub[c * slots + p]); };
   if (grad_query != nullptr) {
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t nh = 0; nh < num_tokens * heads; ++nh) {
@@ -623,7 +631,7 @@ void topk_backward_impl(const typename Accumulate<T>::type* grad_scores, const T
         std::fill(out, out + half, A(0));
         for (int64_t r = 0; r < topk; ++r) {
           const A g = grad_scores[nh * topk + r];
-          const T* key = keys + ((h * 2 + c) * n_keys + sub_key(indices[nh * topk + r], c)) * half;
+          const T* key = keys + ((h * 2 + c) * n_keys + sub_key(nh * topk + r, c)) * half;
 #pragma omp simd
           for (int64_t d = 0; d < half; ++d) out[d] += g * load(key[d]);
         }
@@ -639,12 +647,12 @@ void topk_backward_impl(const typename Accumulate<T>::type* grad_scores, const T
     const int64_t h = hc / 2, c = hc % 2;
     int64_t* first = begin.data() + hc * (n_keys + 1);
     for (int64_t n = 0; n < num_tokens; ++n)
-      for (int64_t r = 0; r < topk; ++r) ++first[sub_key(indices[(n * heads + h) * topk + r], c) + 1];
+      for (int64_t r = 0; r < topk; ++r) ++first[sub_key((n * heads + h) * topk + r, c) + 1];
     for (int64_t j = 0; j < n_keys; ++j) first[j + 1] += first[j];
     std::vector<int64_t> cursor(first, first + n_keys);
     for (int64_t n = 0; n < num_tokens; ++n)
       for (int64_t r = 0; r < topk; ++r)
-        order[hc * pairs + cursor[sub_key(indices[(n * heads + h) * topk + r], c)]++] = n * topk + r;
+        order[hc * pairs + cursor[sub_key((n * heads + h) * topk + r, c)]++] = n * topk + r;
   }
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 4)
   for (int64_t row = 0; row < groups * n_keys; ++row) {
@@ -652,8 +660,11 @@ void topk_backward_impl(const typename Accumulate<T>::type* grad_scores, const T
     A* out = grad_keys + row * half;
     std::fill(out, out + half, A(0));
     const int64_t* first = begin.data() + hc * (n_keys + 1);
+    const int64_t* group_order = order.data() + hc * pairs;
     for (int64_t p = first[j]; p < first[j + 1]; ++p) {
-      const int64_t pair = order[hc * pairs + p], n = pair / topk, r = pair % topk;
+      if (p + kPrefetchReads < first[j + 1])
+        prefetch(query + ((group_order[p + kPrefetchReads] / topk) * heads + h) * key_dim + c * half, half * sizeof(T));
+      const int64_t pair = group_order[p], n = pair / topk, r = pair % topk;
       const A g = grad_scores[(n * heads + h) * topk + r];
       const T* q = query + (n * heads + h) * key_dim + c * half;
 #pragma omp simd
