@@ -49,12 +49,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="backends to time (default: all available on the device; torch is always timed)")
     p.add_argument("--tiny", action="store_true", help="a tiny configuration (for the Triton interpreter on CPU)")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per op (default: 10, 3 with --tiny)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch (and extension) CPU threads (default: torch's default)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = p.parse_args(argv)
     if args.tokens is not None and args.tokens < 1:
         p.error("--tokens must be >= 1")
     if args.layer_tokens is not None and args.layer_tokens < 1:
         p.error("--layer-tokens must be >= 1")
+    if args.threads is not None and args.threads < 1:
+        p.error("--threads must be >= 1")
     if args.update_rows < 1:
         p.error("--update-rows must be >= 1")
     return args
@@ -156,6 +160,8 @@ def benchmark(args: argparse.Namespace) -> dict:
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     cfg = TINY if args.tiny else PAPER
     tokens = args.tokens or (64 if args.tiny else 4096)
     layer_tokens = args.layer_tokens or (64 if args.tiny else 2048)
