@@ -9,6 +9,9 @@ For each backend it times (median of --repeats runs after warm-up):
   gather+hist     weighted_gather forward, counting reads into a histogram
   dense bwd       weighted_gather backward: dense (M, D) value grad + weight grad
   sparse bwd      weighted_gather backward with update_rows (T rows) + weight grad
+  core fwd+bwd    the memory core, forward and backward: lookup, softmax, gather with
+                  histogram, dense value grad, weight grad, top-k backward (query and keys)
+  core sparse     the same with the value grad restricted to update_rows (T rows)
   layer fwd+bwd   ProductKeyMemory forward and backward (dense value grad), --layer-tokens
                   tokens; backend "authors" is the authors' layer formulation (see
                   AuthorsMemoryLayer) at the same size and dtype
@@ -184,6 +187,7 @@ def benchmark(args: argparse.Namespace) -> dict:
     grad_out = torch.randn(tokens, dim, generator=gen).to(device, dtype)
     counts = torch.zeros(num_slots, dtype=torch.int64, device=device)
     rows = torch.randperm(num_slots, generator=gen)[:update_rows].to(device)
+    core_query, core_keys = query.detach().requires_grad_(True), keys.detach().requires_grad_(True)
     x = torch.randn(layer_tokens, cfg["value_dim"], generator=gen).to(device, dtype)
     layer_args = dict(n_keys=cfg["n_keys"], heads=cfg["heads"], topk=cfg["topk"], key_dim=cfg["key_dim"])
 
@@ -205,9 +209,19 @@ def benchmark(args: argparse.Namespace) -> dict:
             out = weighted_gather(values, indices, weights, update_rows=rows if sparse else None, backend=name)
             return lambda: torch.autograd.grad(out, (values, weights), grad_out, retain_graph=True)
 
+        def core(sparse: bool):
+            def run():
+                scores, found = product_key_topk(core_query, core_keys, cfg["topk"], backend=name)
+                read = weighted_gather(values, found.view(tokens, per_token),
+                                       torch.softmax(scores, -1).view(tokens, per_token), counts=counts,
+                                       update_rows=rows if sparse else None, backend=name)
+                torch.autograd.grad(read, (values, core_query, core_keys), grad_out)
+            return run
+
         layer = ProductKeyMemory(cfg["value_dim"], **layer_args, backend=name).to(device, dtype)
         return {"lookup": lookup, "gather+hist": gather_hist, "dense bwd": backward(False),
-                "sparse bwd": backward(True), "layer fwd+bwd": step(layer)}
+                "sparse bwd": backward(True), "core fwd+bwd": core(False), "core sparse": core(True),
+                "layer fwd+bwd": step(layer)}
 
     per_backend = {name: ops_of(name) for name in backends}
     authors = authors_layer_class()(cfg["value_dim"], value_dim=cfg["value_dim"], **layer_args).to(device, dtype)
@@ -255,7 +269,7 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-_OP_ORDER = ["lookup", "gather+hist", "dense bwd", "sparse bwd", "layer fwd+bwd"]
+_OP_ORDER = ["lookup", "gather+hist", "dense bwd", "sparse bwd", "core fwd+bwd", "core sparse", "layer fwd+bwd"]
 
 
 def prepare_extension(args: argparse.Namespace) -> None:
