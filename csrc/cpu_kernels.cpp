@@ -578,22 +578,15 @@ void gather_backward_impl(const T* grad_out, const T* values, const int64_t* ind
       if (p + kPrefetchReads < total) prefetch(grad_out + (order[p + kPrefetchReads] / per_token) * dim, dim * sizeof(T));
       const int64_t read = order[p];
       const T* g = grad_out + (read / per_token) * dim;
-      if (grad_weights != nullptr && out != nullptr) {
-        const A w = weights[read];
-        A dot = 0;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < dim; ++d) {
-          const A gd = load(g[d]);
-          dot += load(row[d]) * gd;
-          out[d] += w * gd;
-        }
-        grad_weights[read] = dot;
-      } else if (grad_weights != nullptr) {
+      // The dot product has one loop whatever the row needs, so a weight gradient does not
+      // depend on which rows get a value gradient (update_rows).
+      if (grad_weights != nullptr) {
         A dot = 0;
 #pragma omp simd reduction(+ : dot)
         for (int64_t d = 0; d < dim; ++d) dot += load(row[d]) * load(g[d]);
         grad_weights[read] = dot;
-      } else if (out != nullptr) {
+      }
+      if (out != nullptr) {  // grad_out[n] is in L1 now
         const A w = weights[read];
 #pragma omp simd
         for (int64_t d = 0; d < dim; ++d) out[d] += w * load(g[d]);

@@ -239,3 +239,13 @@ def test_topk_backward_op_passes_opcheck():
     for need in ((True, True), (True, False), (False, True)):
         torch.library.opcheck(torch.ops.smf_kernels.product_key_topk_backward,
                               (grad, query, keys, slots, "ext", *need))
+
+
+def test_fused_backward_weight_grad_does_not_depend_on_update_rows():
+    from smf_kernels.kernels import ext_impl
+
+    values, indices, weights = gather_inputs((300, 130, 21, 12), torch.float32)
+    grad_out = torch.randn(21, 130)
+    runs = [ext_impl.gather_backward(grad_out, values, indices, weights, rows, True, True, True)[1]
+            for rows in (None, indices.flatten().unique(), torch.tensor([3, 50]))]
+    assert all(torch.equal(run, runs[0]) for run in runs[1:])
