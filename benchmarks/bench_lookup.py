@@ -1,6 +1,6 @@
 """Benchmark the memory-layer ops on every available backend, at the paper's configuration.
 
-    python benchmarks/bench_lookup.py                  # CPU, paper config, 4096 tokens
+    python benchmarks/bench_lookup.py                  # CPU, paper config, 4096 tokens (layer: 2048)
     python benchmarks/bench_lookup.py --device cuda --tokens 16384 --dtype bfloat16
     python benchmarks/bench_lookup.py --tiny --backends torch triton   # Triton interpreter on CPU
 
@@ -9,10 +9,19 @@ For each backend it times (median of --repeats runs after warm-up):
   gather+hist     weighted_gather forward, counting reads into a histogram
   dense bwd       weighted_gather backward: dense (M, D) value grad + weight grad
   sparse bwd      weighted_gather backward with update_rows (T rows) + weight grad
-  layer fwd+bwd   ProductKeyMemory forward and backward (dense value grad)
+  core fwd+bwd    the memory core, forward and backward: lookup, softmax, gather with
+                  histogram, dense value grad, weight grad, top-k backward (query and keys)
+  core sparse     the same with the value grad restricted to update_rows (T rows)
+  layer fwd+bwd   ProductKeyMemory forward and backward (dense value grad), --layer-tokens
+                  tokens; backend "authors" is the authors' layer formulation (see
+                  AuthorsMemoryLayer) at the same size and dtype
 and prints median time, effective GB/s (the bytes the op must move, see
-``_bytes_moved``) and the speed-up over the torch backend measured in the same run.
-``--json PATH`` also writes every number. Needs no GPU and no download.
+``_bytes_moved``), the speed-up over the torch backend and, for the layer, over
+the authors' layer. Backends alternate within every repetition, so each ratio
+compares runs taken side by side. On CPU the compiled extension is built on
+first use (once, cached; see smf_kernels.build_ext) so that the table shows it;
+without a compiler the table has the torch rows. ``--json PATH`` also writes
+every number. Needs no GPU and no download.
 """
 from __future__ import annotations
 
@@ -33,7 +42,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     p.add_argument("--tokens", type=int, default=None,
-                   help="tokens per batch (default: 4096 at paper size, 64 with --tiny)")
+                   help="tokens per batch of the ops (default: 4096 at paper size, 64 with --tiny)")
+    p.add_argument("--layer-tokens", type=int, default=None,
+                   help="tokens per batch of the layer rows (default: 2048 at paper size, 64 with --tiny)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="dtype of query, keys and values (accumulation is always fp32)")
     p.add_argument("--update-rows", type=int, default=512, help="T: rows kept by the sparse backward")
@@ -41,10 +52,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="backends to time (default: all available on the device; torch is always timed)")
     p.add_argument("--tiny", action="store_true", help="a tiny configuration (for the Triton interpreter on CPU)")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per op (default: 10, 3 with --tiny)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch (and extension) CPU threads (default: torch's default)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = p.parse_args(argv)
     if args.tokens is not None and args.tokens < 1:
         p.error("--tokens must be >= 1")
+    if args.layer_tokens is not None and args.layer_tokens < 1:
+        p.error("--layer-tokens must be >= 1")
+    if args.threads is not None and args.threads < 1:
+        p.error("--threads must be >= 1")
     if args.update_rows < 1:
         p.error("--update-rows must be >= 1")
     return args
@@ -67,23 +84,73 @@ def _bytes_moved(op: str, cfg: dict, tokens: int, itemsize: int, update_rows: in
 
 
 def _timer(device):
+    """time_once(fn) -> seconds of one call (CUDA synchronised)."""
     import torch
 
-    def run(fn, repeats: int, warmup: int = 2) -> float:
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(repeats):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
+    def time_once(fn) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
 
-    return run
+    return time_once
+
+
+def _time_side_by_side(fns: dict, repeats: int, time_once, warmup: int = 2) -> dict:
+    """Median seconds of each of ``fns`` (name -> callable), the calls alternating within every repetition."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            times[name].append(time_once(fn))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def authors_layer_class():
+    """The authors' memory layer, written here from the published algorithm (Berges et al. 2024;
+    Sparse Memory Finetuning) as plain PyTorch in the input dtype: a query projection with bias,
+    the product-key lookup as two einsums and three torch.topk, softmax in fp32 cast back,
+    F.embedding_bag with per-sample weights, and the SwiGLU value projection
+    ``value_proj(read * silu(swiglu_proj(x)))``. The baseline of the "vs authors" column."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class AuthorsMemoryLayer(nn.Module):
+        def __init__(self, d_model, n_keys, heads, topk, key_dim, value_dim):
+            super().__init__()
+            self.n_keys, self.heads, self.topk, self.key_dim = n_keys, heads, topk, key_dim
+            self.query_proj = nn.Linear(d_model, heads * key_dim, bias=True)
+            self.keys = nn.Parameter(torch.rand(heads, 2, n_keys, key_dim // 2) * 2 - 1)
+            self.values = nn.Parameter(torch.randn(n_keys * n_keys, value_dim) * value_dim ** -0.5)
+            self.swiglu_proj = nn.Linear(d_model, value_dim, bias=True)
+            self.value_proj = nn.Linear(value_dim, d_model, bias=True)
+
+        def lookup(self, query):  # (N, H, key_dim) -> scores, slots (N, H, topk)
+            half, k = self.key_dim // 2, self.topk
+            s1 = torch.einsum("nhd,hkd->nhk", query[..., :half], self.keys[:, 0])
+            s2 = torch.einsum("nhd,hkd->nhk", query[..., half:], self.keys[:, 1])
+            s1, i1 = s1.topk(k, dim=-1)
+            s2, i2 = s2.topk(k, dim=-1)
+            pairs = (s1.unsqueeze(-1) + s2.unsqueeze(-2)).flatten(-2)
+            scores, best = pairs.topk(k, dim=-1)
+            first = i1.gather(-1, torch.div(best, k, rounding_mode="floor"))
+            return scores, first * self.n_keys + i2.gather(-1, best % k)
+
+        def forward(self, x):
+            n = x.shape[0]
+            scores, slots = self.lookup(self.query_proj(x).view(n, self.heads, self.key_dim))
+            weights = F.softmax(scores.float(), dim=-1).type_as(scores)
+            read = F.embedding_bag(slots.view(n, -1), self.values, per_sample_weights=weights.view(n, -1),
+                                   mode="sum")
+            return self.value_proj(read * F.silu(self.swiglu_proj(x)))
+
+    return AuthorsMemoryLayer
 
 
 def benchmark(args: argparse.Namespace) -> dict:
@@ -96,8 +163,11 @@ def benchmark(args: argparse.Namespace) -> dict:
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     cfg = TINY if args.tiny else PAPER
     tokens = args.tokens or (64 if args.tiny else 4096)
+    layer_tokens = args.layer_tokens or (64 if args.tiny else 2048)
     repeats = args.repeats or (3 if args.tiny else 10)
     backends = args.backends or available_backends(device)
     backends = ["torch"] + [b for b in backends if b != "torch"]
@@ -105,7 +175,7 @@ def benchmark(args: argparse.Namespace) -> dict:
         resolve_backend(name, device)  # clear error now if one cannot run
     num_slots, dim, per_token = cfg["n_keys"] ** 2, cfg["value_dim"], cfg["heads"] * cfg["topk"]
     update_rows = min(args.update_rows, num_slots)
-    timer = _timer(device)
+    time_once = _timer(device)
 
     gen = torch.Generator(device="cpu").manual_seed(0)
     query = torch.randn(tokens, cfg["heads"], cfg["key_dim"], generator=gen).to(device, dtype)
@@ -117,10 +187,17 @@ def benchmark(args: argparse.Namespace) -> dict:
     grad_out = torch.randn(tokens, dim, generator=gen).to(device, dtype)
     counts = torch.zeros(num_slots, dtype=torch.int64, device=device)
     rows = torch.randperm(num_slots, generator=gen)[:update_rows].to(device)
-    x = torch.randn(tokens, cfg["value_dim"], generator=gen).to(device, dtype)
+    core_query, core_keys = query.detach().requires_grad_(True), keys.detach().requires_grad_(True)
+    x = torch.randn(layer_tokens, cfg["value_dim"], generator=gen).to(device, dtype)
+    layer_args = dict(n_keys=cfg["n_keys"], heads=cfg["heads"], topk=cfg["topk"], key_dim=cfg["key_dim"])
 
-    results = []
-    for name in backends:
+    def step(layer):
+        def run():
+            layer.zero_grad(set_to_none=True)
+            layer(x).float().square().mean().backward()
+        return run
+
+    def ops_of(name):
         def lookup():
             product_key_topk(query, keys, cfg["topk"], backend=name)
 
@@ -132,25 +209,38 @@ def benchmark(args: argparse.Namespace) -> dict:
             out = weighted_gather(values, indices, weights, update_rows=rows if sparse else None, backend=name)
             return lambda: torch.autograd.grad(out, (values, weights), grad_out, retain_graph=True)
 
-        layer = ProductKeyMemory(cfg["value_dim"], n_keys=cfg["n_keys"], heads=cfg["heads"], topk=cfg["topk"],
-                                 key_dim=cfg["key_dim"], backend=name).to(device, dtype)
+        def core(sparse: bool):
+            def run():
+                scores, found = product_key_topk(core_query, core_keys, cfg["topk"], backend=name)
+                read = weighted_gather(values, found.view(tokens, per_token),
+                                       torch.softmax(scores, -1).view(tokens, per_token), counts=counts,
+                                       update_rows=rows if sparse else None, backend=name)
+                torch.autograd.grad(read, (values, core_query, core_keys), grad_out)
+            return run
 
-        def layer_step():
-            layer.zero_grad(set_to_none=True)
-            layer(x).float().square().mean().backward()
+        layer = ProductKeyMemory(cfg["value_dim"], **layer_args, backend=name).to(device, dtype)
+        return {"lookup": lookup, "gather+hist": gather_hist, "dense bwd": backward(False),
+                "sparse bwd": backward(True), "core fwd+bwd": core(False), "core sparse": core(True),
+                "layer fwd+bwd": step(layer)}
 
-        ops = [("lookup", lookup), ("gather+hist", gather_hist), ("dense bwd", backward(False)),
-               ("sparse bwd", backward(True)), ("layer fwd+bwd", layer_step)]
-        for op, fn in ops:
-            seconds = timer(fn, repeats)
+    per_backend = {name: ops_of(name) for name in backends}
+    authors = authors_layer_class()(cfg["value_dim"], value_dim=cfg["value_dim"], **layer_args).to(device, dtype)
+    results = []
+    for op in _OP_ORDER:
+        fns = {name: per_backend[name][op] for name in backends}
+        if op == "layer fwd+bwd":
+            fns["authors"] = step(authors)
+        for name, seconds in _time_side_by_side(fns, repeats, time_once).items():
             moved = _bytes_moved(op, cfg, tokens, values.element_size(), update_rows)
             results.append({"op": op, "backend": name, "median_ms": seconds * 1e3,
                             "gb_per_s": moved / seconds / 1e9 if moved else None, "bytes": moved})
     base = {r["op"]: r["median_ms"] for r in results if r["backend"] == "torch"}
+    authors_ms = next(r["median_ms"] for r in results if r["backend"] == "authors")
     for r in results:
         r["speedup_vs_torch"] = base[r["op"]] / r["median_ms"]
+        r["speedup_vs_authors"] = authors_ms / r["median_ms"] if r["op"] == "layer fwd+bwd" else None
     return {
-        "config": {**cfg, "tokens": tokens, "update_rows": update_rows, "dtype": args.dtype,
+        "config": {**cfg, "tokens": tokens, "layer_tokens": layer_tokens, "update_rows": update_rows, "dtype": args.dtype,
                    "device": str(device), "repeats": repeats},
         "machine": {"device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
                     else platform.processor() or platform.machine(),
@@ -163,25 +253,54 @@ def benchmark(args: argparse.Namespace) -> dict:
 def format_table(report: dict) -> str:
     c = report["config"]
     lines = [
-        f"smf-kernels lookup benchmark: {c['tokens']} tokens, n_keys={c['n_keys']} heads={c['heads']} "
+        f"smf-kernels lookup benchmark: {c['tokens']} tokens (layer {c['layer_tokens']}), n_keys={c['n_keys']} heads={c['heads']} "
         f"topk={c['topk']} key_dim={c['key_dim']} D={c['value_dim']} T={c['update_rows']} {c['dtype']} "
         f"on {c['device']} ({report['machine']['device_name']}, {report['machine']['threads']} threads)",
         "",
-        f"| {'op':<14} | {'backend':<7} | {'median ms':>10} | {'GB/s':>7} | {'vs torch':>8} |",
-        f"|{'-' * 16}|{'-' * 9}|{'-' * 12}|{'-' * 9}|{'-' * 10}|",
+        f"| {'op':<14} | {'backend':<7} | {'median ms':>10} | {'GB/s':>7} | {'vs torch':>8} | {'vs authors':>10} |",
+        f"|{'-' * 16}|{'-' * 9}|{'-' * 12}|{'-' * 9}|{'-' * 10}|{'-' * 12}|",
     ]
-    for r in sorted(report["results"], key=lambda r: (_OP_ORDER.index(r["op"]), r["backend"] != "torch")):
+    first = {"authors": 0, "torch": 1}
+    for r in sorted(report["results"], key=lambda r: (_OP_ORDER.index(r["op"]), first.get(r["backend"], 2))):
         gbs = f"{r['gb_per_s']:.2f}" if r["gb_per_s"] is not None else "-"
+        authors = f"{r['speedup_vs_authors']:.2f}x" if r["speedup_vs_authors"] is not None else "-"
         lines.append(f"| {r['op']:<14} | {r['backend']:<7} | {r['median_ms']:>10.3f} | {gbs:>7} | "
-                     f"{r['speedup_vs_torch']:>7.2f}x |")
+                     f"{r['speedup_vs_torch']:>7.2f}x | {authors:>10} |")
     return "\n".join(lines)
 
 
-_OP_ORDER = ["lookup", "gather+hist", "dense bwd", "sparse bwd", "layer fwd+bwd"]
+_OP_ORDER = ["lookup", "gather+hist", "dense bwd", "sparse bwd", "core fwd+bwd", "core sparse", "layer fwd+bwd"]
+
+
+def prepare_extension(args: argparse.Namespace) -> None:
+    """On CPU, build the compiled extension on first use (once; cached) so that the table shows the
+    ``ext`` rows; if it cannot be built, say why (the table then has the torch rows)."""
+    if args.device != "cpu" or (args.backends and "ext" not in args.backends):
+        return
+    import torch
+
+    from smf_kernels import backends, build_ext
+
+    if backends.unavailable_reason("ext", torch.device("cpu")) is None:
+        return
+    missing = build_ext.missing_build_tools()
+    digest = build_ext.source_hash()
+    if missing or digest is None:
+        why = f"this machine lacks {' and '.join(missing)}" if missing else "its sources (csrc/) are not here"
+        print(f"note: the compiled extension (backend 'ext') cannot be built: {why}; "
+              "the table shows the torch rows only", flush=True)
+        return
+    print(f"building the smf_kernels CPU extension for the 'ext' rows (first run only, about a minute; "
+          f"cached in {build_ext.build_dir(digest)}) ...", flush=True)
+    os.environ[build_ext.BUILD_ENV_VAR] = "1"
+    backends.refresh()
+    reason = backends.unavailable_reason("ext", torch.device("cpu"))
+    print("built." if reason is None else f"note: {reason}; the table shows the torch rows only", flush=True)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    prepare_extension(args)
     if args.device == "cpu" and args.backends and "triton" in args.backends:
         # Triton on CPU runs only through its interpreter, enabled before kernels are defined.
         os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -290,6 +290,61 @@ at::Tensor gather_backward_values(const at::Tensor& grad_out_in, const at::Tenso
   return grad;
 }
 
+// Both gradients of the gather in one pass (CPU): (grad_values (M or T, D), grad_weights (N, L)),
+// acc dtype; a gradient not needed comes back with 0 rows.
+std::tuple<at::Tensor, at::Tensor> gather_backward(const at::Tensor& grad_out_in, const at::Tensor& values_in,
+                                                   const at::Tensor& indices_in, const at::Tensor& weights_in,
+                                                   std::optional<at::Tensor> update_rows_in, bool need_values,
+                                                   bool need_weights) {
+  TORCH_CHECK(values_in.is_cpu() && grad_out_in.is_cpu(), "smf_kernels ext: the fused gather_backward runs on CPU; got ",
+              values_in.device());
+  at::Tensor values = kernel_input(values_in), grad_out = kernel_input(grad_out_in);
+  if (grad_out.scalar_type() != values.scalar_type()) {  // mixed dtypes: both in values' accumulation dtype
+    const at::ScalarType common = accumulation_type(values);
+    values = values.to(common);
+    grad_out = grad_out.to(common);
+  }
+  const at::ScalarType acc = accumulation_type(values);
+  const at::Tensor indices = indices_in.contiguous(), weights = weights_in.to(acc).contiguous();
+  const at::Tensor update_rows = update_rows_in.has_value() ? update_rows_in->contiguous() : at::Tensor();
+  const int64_t num_tokens = indices.size(0), per_token = indices.size(1), dim = values.size(1);
+  const int64_t out_rows = update_rows.defined() ? update_rows.numel() : values.size(0);
+  at::Tensor grad_values = at::empty({need_values ? out_rows : 0, dim}, values.options().dtype(acc));
+  at::Tensor grad_weights = at::empty({need_weights ? num_tokens : 0, per_token}, values.options().dtype(acc));
+  if (!need_values && !need_weights) return {grad_values, grad_weights};
+  smf::cpu::gather_backward(kernel_dtype(values), grad_out.const_data_ptr(), values.const_data_ptr(),
+                            indices.const_data_ptr<int64_t>(), weights.const_data_ptr(),
+                            update_rows.defined() ? update_rows.const_data_ptr<int64_t>() : nullptr,
+                            update_rows.defined() ? update_rows.numel() : 0,
+                            need_values ? grad_values.data_ptr() : nullptr,
+                            need_weights ? grad_weights.data_ptr() : nullptr, values.size(0), num_tokens, per_token,
+                            dim, at::get_num_threads());
+  return {grad_values, grad_weights};
+}
+
+// Backward of the top-k (CPU): (grad_query (N, H, key_dim), grad_keys (H, 2, n_keys, key_dim / 2)),
+// acc dtype; a gradient not needed comes back with 0 elements.
+std::tuple<at::Tensor, at::Tensor> topk_backward(const at::Tensor& grad_scores_in, const at::Tensor& query_in,
+                                                 const at::Tensor& keys_in, const at::Tensor& indices_in,
+                                                 bool need_query, bool need_keys) {
+  TORCH_CHECK(query_in.is_cpu(), "smf_kernels ext: the fused topk_backward runs on CPU; got ", query_in.device());
+  const at::Tensor query = kernel_input(query_in), keys = kernel_input(keys_in).to(query.scalar_type());
+  const at::ScalarType acc = accumulation_type(query);
+  const at::Tensor grad_scores = grad_scores_in.to(acc).contiguous(), indices = indices_in.contiguous();
+  const int64_t num_tokens = query.size(0), heads = query.size(1), key_dim = query.size(2);
+  const int64_t n_keys = keys.size(2), topk = indices.size(2);
+  at::Tensor grad_query = need_query ? at::empty(query.sizes(), query.options().dtype(acc))
+                                     : at::empty({0}, query.options().dtype(acc));
+  at::Tensor grad_keys = need_keys ? at::empty(keys.sizes(), keys.options().dtype(acc))
+                                   : at::empty({0}, keys.options().dtype(acc));
+  if (!need_query && !need_keys) return {grad_query, grad_keys};
+  smf::cpu::topk_backward(kernel_dtype(query), grad_scores.const_data_ptr(), query.const_data_ptr(),
+                          keys.const_data_ptr(), indices.const_data_ptr<int64_t>(),
+                          need_query ? grad_query.data_ptr() : nullptr, need_keys ? grad_keys.data_ptr() : nullptr,
+                          num_tokens, heads, key_dim / 2, n_keys, topk, at::get_num_threads());
+  return {grad_query, grad_keys};
+}
+
 #define SMF_STRINGIFY(x) #x
 #define SMF_EXPAND_STRINGIFY(x) SMF_STRINGIFY(x)
 
@@ -309,6 +364,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("indices"), py::arg("weights"), py::arg("counts"), py::arg("valid"));
   m.def("gather_backward_weights", &gather_backward_weights, "grad of weights (N, L) acc", py::arg("grad_out"),
         py::arg("values"), py::arg("indices"));
+  m.def("topk_backward", &topk_backward, "(grad of query (N, H, key_dim), grad of keys), acc; CPU",
+        py::arg("grad_scores"), py::arg("query"), py::arg("keys"), py::arg("indices"), py::arg("need_query"),
+        py::arg("need_keys"));
+  m.def("gather_backward", &gather_backward, "(grad of values (M or T, D), grad of weights (N, L)), acc; CPU",
+        py::arg("grad_out"), py::arg("values"), py::arg("indices"), py::arg("weights"), py::arg("update_rows"),
+        py::arg("need_values"), py::arg("need_weights"));
   m.def("gather_backward_values", &gather_backward_values, "grad of values (M or T, D) acc", py::arg("grad_out"),
         py::arg("indices"), py::arg("weights"), py::arg("num_rows"), py::arg("update_rows"));
 }

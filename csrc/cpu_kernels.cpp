@@ -8,9 +8,10 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -383,6 +384,42 @@ inline void prefetch(const void* start, int64_t bytes) {
   for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset);
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// 8 floats from 8 float32 or bfloat16 values.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+// AVX2 tile: 14 ymm accumulators (112 floats) stay in registers, next to the broadcast
+// weight and one temporary; the generic loop's 256-wide array spills without AVX-512.
+constexpr int kAvx2Vectors = 14;
+constexpr int64_t kAvx2Tile = 8 * kAvx2Vectors;
+
+// out[d0 .. d0 + 112) of one token; prefetches this tile of the read kPrefetchReads ahead
+// (past the token's last read: the next token's reads, at the next tile or the first).
+template <typename T>
+inline void gather_tile_avx2(const T* values, const int64_t* token_indices, const float* token_weights,
+                             int64_t per_token, int64_t reads_left, int64_t dim, int64_t d0, float* sum) {
+  __m256 acc[kAvx2Vectors];
+  for (int v = 0; v < kAvx2Vectors; ++v) acc[v] = _mm256_setzero_ps();
+  const int64_t next_d0 = d0 + 2 * kAvx2Tile <= dim ? d0 + kAvx2Tile : 0;
+  for (int64_t l = 0; l < per_token; ++l) {
+    const int64_t ahead = l + kPrefetchReads;
+    if (ahead < per_token)
+      prefetch(values + token_indices[ahead] * dim + d0, kAvx2Tile * sizeof(T));
+    else if (ahead < reads_left)
+      prefetch(values + token_indices[ahead - (next_d0 != 0 ? per_token : 0)] * dim + next_d0,
+               kAvx2Tile * sizeof(T));
+    const __m256 w = _mm256_set1_ps(token_weights[l]);
+    const T* row = values + token_indices[l] * dim + d0;
+    for (int v = 0; v < kAvx2Vectors; ++v) acc[v] = _mm256_fmadd_ps(w, load8(row + 8 * v), acc[v]);
+  }
+  for (int v = 0; v < kAvx2Vectors; ++v) _mm256_storeu_ps(sum + 8 * v, acc[v]);
+}
+#endif
+
 template <typename T>
 void gather_forward_impl(const T* values, const int64_t* indices, const typename Accumulate<T>::type* weights,
                          int64_t* counts, const bool* valid, T* out, int64_t num_rows, int64_t num_tokens,
@@ -401,7 +438,18 @@ void gather_forward_impl(const T* values, const int64_t* indices, const typename
   for (int64_t n = 0; n < num_tokens; ++n) {
     const int64_t* token_indices = indices + n * per_token;
     const A* token_weights = weights + n * per_token;
-    for (int64_t d0 = 0; d0 < dim; d0 += kTile) {
+    int64_t d_start = 0;  // columns before it were done by a vector path
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+    if constexpr (!std::is_same_v<T, double>) {
+      alignas(32) float sum[kAvx2Tile];
+      const int64_t reads_left = (num_tokens - n) * per_token;
+      for (; d_start + kAvx2Tile <= dim; d_start += kAvx2Tile) {
+        gather_tile_avx2(values, token_indices, token_weights, per_token, reads_left, dim, d_start, sum);
+        for (int64_t i = 0; i < kAvx2Tile; ++i) store(sum[i], out + n * dim + d_start + i);
+      }
+    }
+#endif
+    for (int64_t d0 = d_start; d0 < dim; d0 += kTile) {
       const int64_t width = std::min(kTile, dim - d0);
       // Read l + kPrefetchReads of this tile, or the start of the next tile / token.
       const bool last_tile = d0 + kTile >= dim;
@@ -513,6 +561,136 @@ void gather_backward_values_impl(const T* grad_out, const int64_t* indices, cons
   }
 }
 
+// Both gradients in one pass over the reads grouped by table row: row r's values stay in
+// L1 while each of its reads loads grad_out[n] once, for the dot product of the weight
+// gradient and for the row's value gradient. Values are read once in all, not once per read.
+template <typename T>
+void gather_backward_impl(const T* grad_out, const T* values, const int64_t* indices,
+                          const typename Accumulate<T>::type* weights, const int64_t* update_rows,
+                          int64_t num_update_rows, typename Accumulate<T>::type* grad_values,
+                          typename Accumulate<T>::type* grad_weights, int64_t num_rows, int64_t num_tokens,
+                          int64_t per_token, int64_t dim, int threads) {
+  using A = typename Accumulate<T>::type;
+  const int64_t reads = num_tokens * per_token;
+  const bool sparse = update_rows != nullptr;
+  // Output row of each table row (-1: no value gradient).
+  std::vector<int64_t> row_slot;
+  if (sparse) {
+    row_slot.assign(num_rows, -1);
+    for (int64_t t = 0; t < num_update_rows; ++t) row_slot[update_rows[t]] = t;
+  }
+  // Reads of a row that needs no work are left out of the sort.
+  auto wanted = [&](int64_t row) { return grad_weights != nullptr || !sparse || row_slot[row] >= 0; };
+  // Counting sort of the reads by table row, stable in read order.
+  std::vector<int64_t> begin(num_rows + 1, 0);
+  for (int64_t read = 0; read < reads; ++read)
+    if (wanted(indices[read])) ++begin[indices[read] + 1];
+  for (int64_t r = 0; r < num_rows; ++r) begin[r + 1] += begin[r];
+  std::vector<int64_t> order(begin[num_rows]);
+  {
+    std::vector<int64_t> cursor(begin.begin(), begin.end() - 1);
+    for (int64_t read = 0; read < reads; ++read)
+      if (wanted(indices[read])) order[cursor[indices[read]]++] = read;
+  }
+  const int64_t total = begin[num_rows];
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 64)
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const int64_t slot = grad_values == nullptr ? -1 : (sparse ? row_slot[r] : r);
+    A* out = slot >= 0 ? grad_values + slot * dim : nullptr;
+    if (out != nullptr) std::fill(out, out + dim, A(0));
+    const T* row = values + r * dim;
+    for (int64_t p = begin[r]; p < begin[r + 1]; ++p) {
+      if (p + kPrefetchReads < total) prefetch(grad_out + (order[p + kPrefetchReads] / per_token) * dim, dim * sizeof(T));
+      const int64_t read = order[p];
+      const T* g = grad_out + (read / per_token) * dim;
+      // The dot product has one loop whatever the row needs, so a weight gradient does not
+      // depend on which rows get a value gradient (update_rows).
+      if (grad_weights != nullptr) {
+        A dot = 0;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < dim; ++d) dot += load(row[d]) * load(g[d]);
+        grad_weights[read] = dot;
+      }
+      if (out != nullptr) {  // grad_out[n] is in L1 now
+        const A w = weights[read];
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) out[d] += w * load(g[d]);
+      }
+    }
+  }
+}
+
+// Gradients of the top-k scores with respect to query and keys, reading only the k
+// sub-keys of each pair (no dense (N, H, n_keys) buffers). grad_query rows are owned by
+// tokens; grad_keys rows by (head, half, sub-key), each summed over its (token, rank)
+// pairs in order after a counting sort, so results do not depend on the thread count.
+template <typename T>
+void topk_backward_impl(const typename Accumulate<T>::type* grad_scores, const T* query, const T* keys,
+                        const int64_t* indices, typename Accumulate<T>::type* grad_query,
+                        typename Accumulate<T>::type* grad_keys, int64_t num_tokens, int64_t heads, int64_t half,
+                        int64_t n_keys, int64_t topk, int threads) {
+  using A = typename Accumulate<T>::type;
+  const int64_t key_dim = 2 * half, slots = num_tokens * heads * topk;
+  // sub[c * slots + s]: slot s's sub-key in half c (one division per slot, not per use).
+  std::vector<int32_t> sub(2 * slots);
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t p = 0; p < slots; ++p) {
+    const int64_t i = indices[p] / n_keys;
+    sub[p] = static_cast<int32_t>(i);
+    sub[slots + p] = static_cast<int32_t>(indices[p] - i * n_keys);
+  }
+  auto sub_key = [&](int64_t p, int64_t c) { return static_cast<int64_t>(sub[c * slots + p]); };
+  if (grad_query != nullptr) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t nh = 0; nh < num_tokens * heads; ++nh) {
+      const int64_t h = nh % heads;
+      for (int64_t c = 0; c < 2; ++c) {
+        A* out = grad_query + nh * key_dim + c * half;
+        std::fill(out, out + half, A(0));
+        for (int64_t r = 0; r < topk; ++r) {
+          const A g = grad_scores[nh * topk + r];
+          const T* key = keys + ((h * 2 + c) * n_keys + sub_key(nh * topk + r, c)) * half;
+#pragma omp simd
+          for (int64_t d = 0; d < half; ++d) out[d] += g * load(key[d]);
+        }
+      }
+    }
+  }
+  if (grad_keys == nullptr) return;
+  // For each (head, half): the (token, rank) pairs grouped by sub-key, in pair order.
+  const int64_t pairs = num_tokens * topk, groups = heads * 2;
+  std::vector<int64_t> begin(groups * (n_keys + 1), 0), order(groups * pairs);
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t hc = 0; hc < groups; ++hc) {
+    const int64_t h = hc / 2, c = hc % 2;
+    int64_t* first = begin.data() + hc * (n_keys + 1);
+    for (int64_t n = 0; n < num_tokens; ++n)
+      for (int64_t r = 0; r < topk; ++r) ++first[sub_key((n * heads + h) * topk + r, c) + 1];
+    for (int64_t j = 0; j < n_keys; ++j) first[j + 1] += first[j];
+    std::vector<int64_t> cursor(first, first + n_keys);
+    for (int64_t n = 0; n < num_tokens; ++n)
+      for (int64_t r = 0; r < topk; ++r)
+        order[hc * pairs + cursor[sub_key((n * heads + h) * topk + r, c)]++] = n * topk + r;
+  }
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 4)
+  for (int64_t row = 0; row < groups * n_keys; ++row) {
+    const int64_t hc = row / n_keys, j = row % n_keys, h = hc / 2, c = hc % 2;
+    A* out = grad_keys + row * half;
+    std::fill(out, out + half, A(0));
+    const int64_t* first = begin.data() + hc * (n_keys + 1);
+    const int64_t* group_order = order.data() + hc * pairs;
+    for (int64_t p = first[j]; p < first[j + 1]; ++p) {
+      if (p + kPrefetchReads < first[j + 1])
+        prefetch(query + ((group_order[p + kPrefetchReads] / topk) * heads + h) * key_dim + c * half, half * sizeof(T));
+      const int64_t pair = group_order[p], n = pair / topk, r = pair % topk;
+      const A g = grad_scores[(n * heads + h) * topk + r];
+      const T* q = query + (n * heads + h) * key_dim + c * half;
+#pragma omp simd
+      for (int64_t d = 0; d < half; ++d) out[d] += g * load(q[d]);
+    }
+  }
+}
+
 }  // namespace
 
 #define SMF_CPU_DISPATCH(dtype, ...)                 \
@@ -601,6 +779,28 @@ void gather_backward_values(DType dtype, const void* grad_out, const int64_t* in
                               static_cast<const typename Accumulate<T>::type*>(weights), update_rows, num_update_rows,
                               static_cast<typename Accumulate<T>::type*>(grad), num_rows, num_tokens, per_token, dim,
                               threads));
+}
+
+void gather_backward(DType dtype, const void* grad_out, const void* values, const int64_t* indices,
+                     const void* weights, const int64_t* update_rows, int64_t num_update_rows, void* grad_values,
+                     void* grad_weights, int64_t num_rows, int64_t num_tokens, int64_t per_token, int64_t dim,
+                     int threads) {
+  SMF_CPU_DISPATCH(dtype, gather_backward_impl(
+                              static_cast<const T*>(grad_out), static_cast<const T*>(values), indices,
+                              static_cast<const typename Accumulate<T>::type*>(weights), update_rows, num_update_rows,
+                              static_cast<typename Accumulate<T>::type*>(grad_values),
+                              static_cast<typename Accumulate<T>::type*>(grad_weights), num_rows, num_tokens,
+                              per_token, dim, threads));
+}
+
+void topk_backward(DType dtype, const void* grad_scores, const void* query, const void* keys, const int64_t* indices,
+                   void* grad_query, void* grad_keys, int64_t num_tokens, int64_t heads, int64_t half, int64_t n_keys,
+                   int64_t topk, int threads) {
+  SMF_CPU_DISPATCH(dtype, topk_backward_impl(static_cast<const typename Accumulate<T>::type*>(grad_scores),
+                                             static_cast<const T*>(query), static_cast<const T*>(keys), indices,
+                                             static_cast<typename Accumulate<T>::type*>(grad_query),
+                                             static_cast<typename Accumulate<T>::type*>(grad_keys), num_tokens, heads,
+                                             half, n_keys, topk, threads));
 }
 
 }  // namespace smf::cpu

@@ -46,4 +46,22 @@ void gather_backward_values(DType dtype, const void* grad_out, const int64_t* in
                             const int64_t* update_rows, int64_t num_update_rows, void* grad, int64_t num_rows,
                             int64_t num_tokens, int64_t per_token, int64_t dim, int threads);
 
+// Both gradients of the gather in one pass over the reads grouped by table row:
+// grad_weights (N, L) acc as gather_backward_weights, grad_values (R, D) acc as
+// gather_backward_values; either output may be null (not computed). Each row's reads
+// are summed in token order and each weight gradient is one dot product, so the
+// results do not depend on the thread count.
+void gather_backward(DType dtype, const void* grad_out, const void* values, const int64_t* indices,
+                     const void* weights, const int64_t* update_rows, int64_t num_update_rows, void* grad_values,
+                     void* grad_weights, int64_t num_rows, int64_t num_tokens, int64_t per_token, int64_t dim,
+                     int threads);
+
+// Backward of the product-key top-k: grad_query (N, H, 2 * half) acc and grad_keys
+// (H, 2, n_keys, half) acc from grad_scores (N, H, topk) acc, reading only the sub-keys
+// of the chosen slots (indices (N, H, topk), slot = i * n_keys + j); query and keys of
+// `dtype`. Either output may be null (not computed). Thread-count independent.
+void topk_backward(DType dtype, const void* grad_scores, const void* query, const void* keys, const int64_t* indices,
+                   void* grad_query, void* grad_keys, int64_t num_tokens, int64_t heads, int64_t half, int64_t n_keys,
+                   int64_t topk, int threads);
+
 }  // namespace smf::cpu

@@ -24,6 +24,7 @@ import importlib.util
 import logging
 import os
 import platform
+import shutil
 from pathlib import Path
 from types import ModuleType
 
@@ -86,6 +87,19 @@ def _import_library(path: Path) -> ModuleType:
 def _built_library(directory: Path) -> Path | None:
     matches = sorted(directory.glob(f"{MODULE_NAME}*.so"))
     return matches[0] if matches else None
+
+
+def missing_build_tools() -> list[str]:
+    """The tools a CPU build needs and this machine lacks: the C++ compiler ($CXX or c++) and ninja."""
+    compiler = os.environ.get("CXX") or "c++"
+    missing = [] if shutil.which(compiler) else [f"a C++ compiler ({compiler})"]
+    try:
+        from torch.utils import cpp_extension
+
+        cpp_extension.verify_ninja_availability()
+    except RuntimeError:
+        missing.append("ninja (pip install ninja)")
+    return missing
 
 
 def build(verbose: bool = False) -> ModuleType:

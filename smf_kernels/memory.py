@@ -1,6 +1,7 @@
 """ProductKeyMemory: the product-key memory layer of SPEC §1 as an nn.Module."""
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -10,6 +11,22 @@ from torch import nn
 from smf_kernels._checks import no_autocast
 from smf_kernels.ops import DeferredRows, product_key_topk, weighted_gather
 
+
+@functools.lru_cache(maxsize=None)
+def _cpu_lacks_fast_low_precision_gemm() -> bool:
+    """True on CPUs without AVX-512 (torch reports AVX2 or less), where a bf16 / fp16 GEMM runs
+    a slow fallback: measured ~60x slower than fp32 for (2048 x 896) @ (896 x 896) on AVX2."""
+    return torch.backends.cpu.get_cpu_capability() not in ("AVX512",)
+
+
+def _linear(proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """proj(x); a low-precision CPU projection runs in fp32 where the CPU has no fast
+    bf16 / fp16 GEMM (the result is rounded back to x's dtype; gradients flow through the casts)."""
+    if (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
+            and _cpu_lacks_fast_low_precision_gemm()):
+        bias = None if proj.bias is None else proj.bias.float()
+        return F.linear(x.float(), proj.weight.float(), bias).to(x.dtype)
+    return proj(x)
 
 
 class _RowsReadBy(DeferredRows):
@@ -32,6 +49,7 @@ class _RowsReadBy(DeferredRows):
     @rows.setter
     def rows(self, value: torch.Tensor | None) -> None:
         self._rows = value
+
 
 class ProductKeyMemory(nn.Module):
     """Product-key memory layer (Lample et al. 2019; Berges et al. 2024).
@@ -147,7 +165,8 @@ class ProductKeyMemory(nn.Module):
         not depend on it (background statistics and training would disagree on the slots).
         """
         with no_autocast(x.device):
-            query = self.query_proj(x.to(self.query_proj.weight.dtype)).view(x.shape[0], self.heads, self.key_dim)
+            query = _linear(self.query_proj, x.to(self.query_proj.weight.dtype)).view(x.shape[0], self.heads,
+                                                                                       self.key_dim)
             return product_key_topk(query.to(self.keys.dtype), self.keys, self.topk, backend=self.backend)
 
     def forward(self, x: torch.Tensor, valid_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -177,8 +196,8 @@ class ProductKeyMemory(nn.Module):
             update_rows=update_rows,
             backend=self.backend,
         )
-        gate = F.silu(self.gate_proj(flat))
-        out = self.out_proj(read.to(gate.dtype) * gate)
+        gate = F.silu(_linear(self.gate_proj, flat))
+        out = _linear(self.out_proj, read.to(gate.dtype) * gate)
         return out.view(*x.shape[:-1], self.d_model)
 
     def extra_repr(self) -> str:

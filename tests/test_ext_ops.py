@@ -180,3 +180,72 @@ def test_memory_layer_matches_torch_backend():
     ref.square().sum().backward()
     for (name, p), q in zip(layer.named_parameters(), twin.parameters()):
         assert rel_err(p.grad, q.grad) < 1e-4, name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("sparse", [False, True])
+@pytest.mark.parametrize("need", [(True, True), (True, False), (False, True)])
+def test_fused_backward_gives_each_gradient_asked_for(dtype, sparse, need):
+    from smf_kernels.kernels import ext_impl  # imported once the fixture has built the extension
+
+    values, indices, weights = gather_inputs((300, 130, 21, 12), dtype)
+    indices[0, :3] = 7  # one token reading the same row three times
+    update_rows = indices.flatten().unique()[::2].contiguous() if sparse else None
+    grad_out = torch.randn(21, 130).to(dtype)
+    got_values, got_weights = ext_impl.gather_backward(grad_out, values, indices, weights, update_rows, True, *need)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    table, per_sample = values.double().requires_grad_(), weights.double().requires_grad_()
+    want_values, want_weights = torch.autograd.grad(
+        weighted_gather_reference(table, indices, per_sample), (table, per_sample), grad_out.double())
+    if sparse:
+        want_values = want_values[update_rows]
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-5, torch.float64: 1e-12}[dtype]  # exact inputs, acc sums
+    assert got_values.dtype == got_weights.dtype == acc
+    assert got_values.shape[0] == (want_values.shape[0] if need[0] else 0)
+    assert got_weights.shape[0] == (21 if need[1] else 0)
+    if need[0]:
+        assert rel_err(got_values, want_values) < tol
+    if need[1]:
+        assert rel_err(got_weights, want_weights) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("need", [(True, True), (True, False), (False, True)])
+def test_fused_topk_backward_matches_reference(dtype, need):
+    query = torch.randn(37, 3, 24).to(dtype).requires_grad_(need[0])
+    keys = (torch.rand(3, 2, 10, 12) * 2 - 1).to(dtype).requires_grad_(need[1])
+    scores, slots = product_key_topk(query, keys, 5, backend="ext")
+    grad = torch.randn(scores.shape, dtype=torch.float64)
+    wanted = [t for t, n in zip((query, keys), need) if n]
+    got = torch.autograd.grad(scores, wanted, grad.to(scores.dtype))
+    q, k = query.detach().double().requires_grad_(), keys.detach().double().requires_grad_()
+    n_keys, half = 10, 12
+    i, j = slots // n_keys, slots % n_keys
+    heads = torch.arange(3).view(1, -1, 1).expand_as(i)
+    # the chosen slots' scores as a function of query and keys, differentiated in float64
+    ref_scores = ((q[..., :half].unsqueeze(2) * k[heads, 0, i]).sum(-1)
+                  + (q[..., half:].unsqueeze(2) * k[heads, 1, j]).sum(-1))
+    want = [w for w, n in zip(torch.autograd.grad(ref_scores, (q, k), grad), need) if n]
+    tol = 1e-12 if dtype == torch.float64 else 1e-5  # exact inputs, sums in fp32
+    for g, w, t in zip(got, want, wanted):
+        assert g.dtype == t.dtype and g.shape == t.shape
+        assert rel_err(g, w) < (tol if dtype != torch.bfloat16 else 1e-2)
+
+
+def test_topk_backward_op_passes_opcheck():
+    query, keys = torch.randn(9, 2, 8), torch.rand(2, 2, 6, 4)
+    _, slots = product_key_topk(query, keys, 3, backend="ext")
+    grad = torch.randn(9, 2, 3)
+    for need in ((True, True), (True, False), (False, True)):
+        torch.library.opcheck(torch.ops.smf_kernels.product_key_topk_backward,
+                              (grad, query, keys, slots, "ext", *need))
+
+
+def test_fused_backward_weight_grad_does_not_depend_on_update_rows():
+    from smf_kernels.kernels import ext_impl
+
+    values, indices, weights = gather_inputs((300, 130, 21, 12), torch.float32)
+    grad_out = torch.randn(21, 130)
+    runs = [ext_impl.gather_backward(grad_out, values, indices, weights, rows, True, True, True)[1]
+            for rows in (None, indices.flatten().unique(), torch.tensor([3, 50]))]
+    assert all(torch.equal(run, runs[0]) for run in runs[1:])

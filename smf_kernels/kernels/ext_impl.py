@@ -34,6 +34,13 @@ def topk_forward(query, keys, topk):
     return scores, indices
 
 
+def topk_backward(grad_scores, query, keys, indices, need_query, need_keys):
+    """CPU: the gradients from the k chosen sub-keys only (no dense (N, H, n_keys) buffers); None elsewhere."""
+    if query.device.type != "cpu":
+        return None
+    return _ext.topk_backward(grad_scores, query, keys, indices, need_query, need_keys)
+
+
 def gather_forward(values, indices, weights, counts, valid):
     return _ext.gather_forward(values, indices, weights, counts, valid)
 
@@ -47,5 +54,8 @@ def gather_backward_values(grad_out, indices, weights, num_rows, update_rows, de
 
 
 def gather_backward(grad_out, values, indices, weights, update_rows, deterministic, need_values, need_weights):
+    """CPU: both gradients in one pass over the reads grouped by row. CUDA: the two kernels."""
+    if values.device.type == "cpu":
+        return _ext.gather_backward(grad_out, values, indices, weights, update_rows, need_values, need_weights)
     return backward_in_two_passes(sys.modules[__name__], grad_out, values, indices, weights, update_rows,
                                   deterministic, need_values, need_weights)

@@ -1,20 +1,22 @@
-"""The ``torch`` backend: plain PyTorch on any device, memory-bounded by chunking.
+"""The ``torch`` backend: plain PyTorch on any device, the baseline of every "vs torch" figure.
 
-Same semantics as :mod:`smf_kernels.reference`, but without autograd and with
-the (N, L, D) gathered-row tensors built a chunk of tokens at a time.
+Each op is computed the way the authors' pure-PyTorch layer computes it, so that
+the baseline is fair: the lookup is einsum + torch.topk (made to follow the
+reference's ranking exactly, see :func:`ranked_topk`), the gather is
+``F.embedding_bag`` with per-sample weights in the input dtype, and its dense
+backward is embedding_bag's own. The row-sparse value gradient (which the
+authors' code does not have) is one CSR product that never builds the (M, D)
+dense gradient. Same semantics as :mod:`smf_kernels.reference`, without autograd.
 """
 from __future__ import annotations
-
-import sys
 
 import warnings
 
 import torch
-
-from smf_kernels.kernels import backward_in_two_passes
 import torch.nn.functional as F
 
 from smf_kernels.reference import product_key_topk_reference
+from smf_kernels.reference import ranked_topk as _stable_ranked_topk
 
 # Upper bound on elements of a temporary (chunk, L, D) tensor: 16M fp32 = 64 MiB.
 _CHUNK_ELEMENTS = 1 << 24
@@ -30,9 +32,54 @@ def _token_chunks(num_tokens: int, per_token: int):
         yield slice(start, min(num_tokens, start + step))
 
 
+def ranked_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`smf_kernels.reference.ranked_topk` (NaN first, ties to the lower column) at torch.topk's speed.
+
+    torch.topk's answer is the reference's whenever its k + 1 best scores are
+    distinct and not NaN (a tie, inside the k or at the k-th place, is the only
+    place torch.topk may order differently); rows with a tie or a NaN go through
+    the reference's stable sort. scores (..., C) -> values, int64 columns (..., k).
+    """
+    width = min(k + 1, scores.shape[-1])
+    values, columns = scores.topk(width, dim=-1)
+    ambiguous = (values[..., 1:] == values[..., :-1]).any(-1) | values[..., 0].isnan()
+    values, columns = values[..., :k].contiguous(), columns[..., :k].contiguous()
+    if ambiguous.any():
+        rows = ambiguous.nonzero(as_tuple=True)
+        values[rows], columns[rows] = _stable_ranked_topk(scores[rows], k)
+    return values, columns
+
+
+def _undominated_pairs(topk: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ranks (ia, ib) with (ia + 1) * (ib + 1) <= topk, in candidate-id order (ia * topk + ib).
+
+    With both halves' scores sorted, pair (ia, ib) is outranked by the (ia + 1) * (ib + 1) - 1
+    pairs (i <= ia, j <= ib): at least topk when (ia + 1) * (ib + 1) > topk, so only these
+    ~topk * ln(topk) pairs can be among the best topk (for finite scores).
+    """
+    pairs = [(i, j) for i in range(topk) for j in range(topk) if (i + 1) * (j + 1) <= topk]
+    return torch.tensor(pairs, dtype=torch.int64, device=device).unbind(1)
+
+
 def topk_forward(query: torch.Tensor, keys: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    with torch.no_grad():
-        return product_key_topk_reference(query, keys, topk)
+    """The authors' lookup: two einsums and top-k of each half, then the top-k of their sums, in fp32
+    (fp64 stays fp64: the reference's sort). The sums are taken only over the pairs that can win
+    (:func:`_undominated_pairs`) unless a half has a non-finite score; the result is the same."""
+    if query.dtype == torch.float64:
+        with torch.no_grad():
+            return product_key_topk_reference(query, keys, topk)
+    n_keys, half = keys.shape[2], keys.shape[3]
+    q, k = query.float(), keys.float()
+    a, i = ranked_topk(torch.einsum("nhd,hkd->nhk", q[..., :half], k[:, 0]), topk)
+    b, j = ranked_topk(torch.einsum("nhd,hkd->nhk", q[..., half:], k[:, 1]), topk)
+    if bool(a.isfinite().all() and b.isfinite().all()):
+        first, second = _undominated_pairs(topk, query.device)
+        scores, best = ranked_topk(a[..., first] + b[..., second], topk)
+        ia, ib = first[best], second[best]
+    else:  # every candidate c = ia * topk + ib
+        scores, best = ranked_topk((a.unsqueeze(-1) + b.unsqueeze(-2)).flatten(-2), topk)
+        ia, ib = torch.div(best, topk, rounding_mode="floor"), best % topk
+    return scores, i.gather(-1, ia) * n_keys + j.gather(-1, ib)
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -40,17 +87,11 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def gather_forward(values, indices, weights, counts, valid):
-    num_tokens, per_token = indices.shape
-    if values.dtype in (torch.float32, torch.float64):
-        out = F.embedding_bag(indices, values, per_sample_weights=weights.to(values.dtype), mode="sum")
-    else:  # low precision: gather rows and accumulate in fp32, a chunk at a time
-        out = values.new_empty(num_tokens, values.shape[1])
-        for part in _token_chunks(num_tokens, per_token * values.shape[1]):
-            rows = values[indices[part]].float()  # (chunk, L, D)
-            out[part] = torch.bmm(weights[part].float().unsqueeze(1), rows).squeeze(1).to(values.dtype)
+    """The authors' gather: F.embedding_bag in values' dtype; the histogram by bincount."""
+    out = F.embedding_bag(indices, values, per_sample_weights=weights.to(values.dtype), mode="sum")
     if counts is not None:
-        ones = torch.ones_like(indices) if valid is None else valid.to(torch.int64).unsqueeze(1).expand_as(indices)
-        counts.index_put_((indices.flatten(),), ones.flatten(), accumulate=True)
+        read = indices if valid is None else indices[valid]
+        counts += torch.bincount(read.flatten(), minlength=counts.numel())
     return out
 
 
@@ -135,6 +176,42 @@ def gather_backward_values(grad_out, indices, weights, num_rows, update_rows, de
     return _sum_reads_by_target(grad_out, weights, targets, selected + 1)[:selected]
 
 
+def _embedding_bag_backward(grad_out, values, indices, weights, need_values, need_weights):
+    """Both dense gradients in values' dtype, by the ATen functions F.embedding_bag's autograd
+    calls (called directly: a custom op's body runs below autograd). Either may be None."""
+    num_tokens, per_token = indices.shape
+    flat = indices.reshape(-1)
+    grad_out = grad_out.to(values.dtype)
+    bag_of_read = torch.arange(num_tokens, device=indices.device).repeat_interleave(per_token)
+    grad_values = grad_weights = None
+    if need_values:
+        bag_size = torch.full((num_tokens,), per_token, dtype=torch.int64, device=indices.device)
+        grad_values = torch.ops.aten._embedding_bag_dense_backward(
+            grad_out, flat, bag_of_read, bag_size, flat.new_empty(0), values.shape[0], False, 0,
+            weights.reshape(-1).to(values.dtype), -1)
+    if need_weights:
+        offsets = torch.arange(0, num_tokens * per_token, per_token, device=indices.device)
+        grad_weights = torch.ops.aten._embedding_bag_per_sample_weights_backward(
+            grad_out, values, flat, offsets, bag_of_read, 0, -1).view(num_tokens, per_token)
+    return grad_values, grad_weights
+
+
 def gather_backward(grad_out, values, indices, weights, update_rows, deterministic, need_values, need_weights):
-    return backward_in_two_passes(sys.modules[__name__], grad_out, values, indices, weights, update_rows,
-                                  deterministic, need_values, need_weights)
+    """Dense gradients from embedding_bag's backward (on CPU always; elsewhere unless deterministic,
+    its CUDA value gradient using atomics); the row-sparse value gradient from one CSR product."""
+    dtype = _accumulation_dtype(values.dtype)
+    by_bag = values.device.type == "cpu" or not deterministic
+    bag_values = by_bag and need_values and update_rows is None
+    bag_weights = by_bag and need_weights
+    grad_values = grad_out.new_empty(0, values.shape[1], dtype=dtype)
+    grad_weights = grad_out.new_empty(0, indices.shape[1], dtype=dtype)
+    if bag_values or bag_weights:
+        from_values, from_weights = _embedding_bag_backward(grad_out, values, indices, weights, bag_values,
+                                                            bag_weights)
+        grad_values = from_values.to(dtype) if bag_values else grad_values
+        grad_weights = from_weights.to(dtype) if bag_weights else grad_weights
+    if need_values and not bag_values:
+        grad_values = gather_backward_values(grad_out, indices, weights, values.shape[0], update_rows, deterministic)
+    if need_weights and not bag_weights:
+        grad_weights = gather_backward_weights(grad_out, values, indices)
+    return grad_values, grad_weights

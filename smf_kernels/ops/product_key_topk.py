@@ -36,33 +36,66 @@ def _sub_key_grad(grad_scores: torch.Tensor, sub_index: torch.Tensor, n_keys: in
     return dense.view(num_tokens, heads, n_keys)
 
 
+def _backward_by_dense_sub_key_grads(grad_scores, query, keys, indices, need_query, need_keys):
+    """Any backend: the sub-key gradients scattered into dense (N, H, n_keys) tensors, then einsums."""
+    n_keys, half = keys.shape[2], keys.shape[3]
+    dtype = grad_scores.dtype
+    g1 = _sub_key_grad(grad_scores, torch.div(indices, n_keys, rounding_mode="floor"), n_keys)
+    g2 = _sub_key_grad(grad_scores, indices % n_keys, n_keys)
+    grad_query = grad_keys = query.new_empty(0, dtype=dtype)
+    if need_query:
+        k = keys.to(dtype)
+        grad_query = torch.cat(
+            [torch.einsum("nhk,hkd->nhd", g1, k[:, 0]), torch.einsum("nhk,hkd->nhd", g2, k[:, 1])], dim=-1)
+    if need_keys:
+        q = query.to(dtype)
+        grad_keys = torch.stack(
+            [torch.einsum("nhk,nhd->hkd", g1, q[..., :half]), torch.einsum("nhk,nhd->hkd", g2, q[..., half:])], dim=1)
+    return grad_query, grad_keys
+
+
+@torch.library.custom_op("smf_kernels::product_key_topk_backward", mutates_args=())
+def _topk_backward(
+    grad_scores: torch.Tensor,
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    indices: torch.Tensor,
+    backend: str,
+    need_query: bool,
+    need_keys: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad_query (N, H, key_dim), grad_keys (H, 2, n_keys, key_dim // 2)) in the scores' dtype;
+    a gradient not needed comes back empty (0 elements). A backend with a ``topk_backward``
+    computes them itself (it returns None where it does not apply)."""
+    with no_autocast(query.device):
+        grad_scores = grad_scores.to(_scores_dtype(query.dtype)).contiguous()
+        fused = getattr(implementation(backend), "topk_backward", None)
+        result = fused(grad_scores, query, keys, indices, need_query, need_keys) if fused is not None else None
+        if result is None:
+            result = _backward_by_dense_sub_key_grads(grad_scores, query, keys, indices, need_query, need_keys)
+        return result
+
+
+@_topk_backward.register_fake
+def _(grad_scores, query, keys, indices, backend, need_query, need_keys):
+    dtype = _scores_dtype(query.dtype)
+    return (query.new_empty(query.shape if need_query else (0,), dtype=dtype),
+            keys.new_empty(keys.shape if need_keys else (0,), dtype=dtype))
+
+
 def _setup_context(ctx, inputs, output):
-    query, keys, _, _ = inputs
+    query, keys, _, backend = inputs
     _, indices = output
     ctx.save_for_backward(query, keys, indices)
+    ctx.backend = backend
 
 
 def _backward(ctx, grad_scores, _grad_indices):
     query, keys, indices = ctx.saved_tensors
-    n_keys, half = keys.shape[2], keys.shape[3]
-    dtype = _scores_dtype(query.dtype)
-    grad_query = grad_keys = None
-    with no_autocast(query.device):
-        grad_scores = grad_scores.to(dtype)
-        g1 = _sub_key_grad(grad_scores, torch.div(indices, n_keys, rounding_mode="floor"), n_keys)
-        g2 = _sub_key_grad(grad_scores, indices % n_keys, n_keys)
-        if ctx.needs_input_grad[0]:
-            k = keys.to(dtype)
-            grad_query = torch.cat(
-                [torch.einsum("nhk,hkd->nhd", g1, k[:, 0]), torch.einsum("nhk,hkd->nhd", g2, k[:, 1])], dim=-1
-            ).to(query.dtype)
-        if ctx.needs_input_grad[1]:
-            q = query.to(dtype)
-            grad_keys = torch.stack(
-                [torch.einsum("nhk,nhd->hkd", g1, q[..., :half]), torch.einsum("nhk,nhd->hkd", g2, q[..., half:])],
-                dim=1,
-            ).to(keys.dtype)
-    return grad_query, grad_keys, None, None
+    need_query, need_keys = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    grad_query, grad_keys = _topk_backward(grad_scores, query, keys, indices, ctx.backend, need_query, need_keys)
+    return (grad_query.to(query.dtype) if need_query else None, grad_keys.to(keys.dtype) if need_keys else None,
+            None, None)
 
 
 _product_key_topk.register_autograd(_backward, setup_context=_setup_context)
