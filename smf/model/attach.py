@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from smf.model.block import MODES, MemoryBlock
+from smf.model.hf_auto import base_model_type, memory_config_class
 from smf_kernels import ProductKeyMemory
 
 logger = logging.getLogger(__name__)
@@ -27,7 +28,7 @@ CONFIG_KEY = "smf_memories"  # model.config attribute recording the attached mem
 
 
 def _layout(model: nn.Module, layers_path: str | None, mlp_attr: str | None) -> tuple[str, str]:
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    model_type = base_model_type(getattr(model, "config", None))
     default_path, default_attr = LAYOUTS.get(model_type, DEFAULT_LAYOUT)
     return layers_path or default_path, mlp_attr or default_attr
 
@@ -98,8 +99,10 @@ def attach_memories(model: nn.Module, layers=PAPER_LAYERS, mode: str = "additive
 
     Also installs hooks on the module holding the layers (``model.model``) that hand each call's
     ``attention_mask`` to the blocks for the duration of that call (so padding is not counted as
-    reads), and records the memories in ``model.config.smf_memories`` (saved by
-    ``save_pretrained``; :func:`smf.model.from_pretrained` reads it back).
+    reads), and records the memories in ``model.config.smf_memories``; ``model.config`` becomes
+    a config of type ``f"{model_type}_smf_memories"`` (:mod:`smf.model.hf_auto`), so that the
+    directory of ``save_pretrained`` loads with its memories once smf is imported and fails to
+    load without it.
     Returns the blocks, by layer index.
     """
     if mode not in MODES:
@@ -129,6 +132,7 @@ def attach_memories(model: nn.Module, layers=PAPER_LAYERS, mode: str = "additive
     sizes.pop("d_model")
     setattr(model.config, CONFIG_KEY, {"layers": list(layers), "mode": mode, "memory_kwargs": sizes,
                                        "layers_path": layers_path, "mlp_attr": mlp_attr})
+    model.config.__class__ = memory_config_class(type(model.config))
     logger.info("attached %s memories at layers %s (%s each)", mode, layers, blocks[0].memory.extra_repr())
     return blocks
 
