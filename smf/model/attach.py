@@ -114,6 +114,7 @@ def attach_memories(model: nn.Module, layers=PAPER_LAYERS, mode: str = "additive
     if memory_blocks(model):
         raise ValueError(f"model already has memories at layers {[b.layer_index for b in memory_blocks(model)]}")
     layers = _check_layers(layers, len(layer_list))
+    config_class = memory_config_class(type(model.config)) if model.config.model_type else None
     d_model = model.config.get_text_config().hidden_size
 
     blocks = []
@@ -132,7 +133,11 @@ def attach_memories(model: nn.Module, layers=PAPER_LAYERS, mode: str = "additive
     sizes.pop("d_model")
     setattr(model.config, CONFIG_KEY, {"layers": list(layers), "mode": mode, "memory_kwargs": sizes,
                                        "layers_path": layers_path, "mlp_attr": mlp_attr})
-    model.config.__class__ = memory_config_class(type(model.config))
+    if config_class is None:
+        logger.warning("%s has no model_type, so save_pretrained cannot mark the memories in config.json; save them "
+                       "with smf.model.save_memory_adapter", type(model.config).__name__)
+    else:
+        model.config.__class__ = config_class
     logger.info("attached %s memories at layers %s (%s each)", mode, layers, blocks[0].memory.extra_repr())
     return blocks
 
