@@ -79,3 +79,14 @@ def test_from_pretrained_without_memories_is_a_plain_model(tmp_path):
     ids = torch.randint(0, 256, (1, 5))
     loaded = from_pretrained(tmp_path)
     assert not memory_blocks(loaded) and torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_from_pretrained_of_an_older_save_fails_naming_the_fix(tmp_path):
+    """A config.json with smf_memories under the base model_type (before memory types existed)."""
+    model = tiny_model()
+    attach_memories(model, (2,), "additive", **TINY_MEMORY_KWARGS)
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "qwen2"}))
+    with pytest.raises(ValueError, match="records smf_memories under model_type 'qwen2'.*'qwen2_smf_memories'"):
+        from_pretrained(tmp_path)
