@@ -47,7 +47,10 @@ def test_plain_auto_from_pretrained_loads_the_memories(tmp_path):
     """After ``import smf.model`` a plain AutoModelForCausalLM load returns the memories; the
     tokenizer saved beside them still loads with AutoTokenizer."""
     model = tiny_model()
+    base_config = model.config
     attach_memories(model, (2,), "replacement", **TINY_MEMORY_KWARGS)
+    assert type(base_config).model_type == "qwen2" and not hasattr(base_config, "smf_memories")  # caller's, untouched
+    assert model.model.config is model.config and model.model.layers[0].self_attn.config is model.config
     _trained_looking(model)
     model.save_pretrained(tmp_path)
     tiny_tokenizer().save_pretrained(tmp_path)

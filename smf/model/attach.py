@@ -2,6 +2,7 @@
 ``model.layers[i].mlp``, GPT-2 / GPT-NeoX by table, other layouts by naming them."""
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 
@@ -131,15 +132,28 @@ def attach_memories(model: nn.Module, layers=PAPER_LAYERS, mode: str = "additive
     _install_mask_hooks(stack, blocks)
     sizes = memory.config()
     sizes.pop("d_model")
-    setattr(model.config, CONFIG_KEY, {"layers": list(layers), "mode": mode, "memory_kwargs": sizes,
-                                       "layers_path": layers_path, "mlp_attr": mlp_attr})
     if config_class is None:
         logger.warning("%s has no model_type, so save_pretrained cannot mark the memories in config.json; save them "
                        "with smf.model.save_memory_adapter", type(model.config).__name__)
     else:
-        model.config.__class__ = config_class
+        _own_config(model, config_class)
+    setattr(model.config, CONFIG_KEY, {"layers": list(layers), "mode": mode, "memory_kwargs": sizes,
+                                       "layers_path": layers_path, "mlp_attr": mlp_attr})
     logger.info("attached %s memories at layers %s (%s each)", mode, layers, blocks[0].memory.extra_repr())
     return blocks
+
+
+def _own_config(model: nn.Module, config_class: type) -> None:
+    """Give ``model`` (and each submodule sharing its config) a copy of its config of class
+    ``config_class``, leaving the caller's config object (e.g. one passed to ``from_config``) as it was."""
+    old = model.config
+    if type(old) is config_class:
+        return
+    new = copy.deepcopy(old)
+    new.__class__ = config_class
+    for module in model.modules():
+        if getattr(module, "config", None) is old:
+            module.config = new
 
 
 def _install_mask_hooks(stack: nn.Module, blocks: list[MemoryBlock]) -> None:
