@@ -40,6 +40,9 @@ def test_attach_count_train_and_reload(arch, tmp_path):
     reloaded = from_pretrained(tmp_path)
     assert [b.layer_index for b in memory_blocks(reloaded)] == [1]
     assert torch.equal(reloaded(input_ids=ids, attention_mask=mask).logits, model(input_ids=ids, attention_mask=mask).logits)
+    plain = tf.AutoModelForCausalLM.from_pretrained(tmp_path).eval()  # smf is imported: the memories come too
+    assert [b.layer_index for b in memory_blocks(plain)] == [1]
+    assert torch.equal(plain(input_ids=ids, attention_mask=mask).logits, model(input_ids=ids, attention_mask=mask).logits)
 
 
 def test_unknown_layout_fails_naming_the_override():

@@ -1,12 +1,15 @@
-"""save_pretrained of a model with memories records them; smf.model.from_pretrained restores them."""
-import logging
+"""save_pretrained of a model with memories records them; smf.model.from_pretrained and, once smf is
+imported, a plain AutoModelForCausalLM.from_pretrained restore them."""
+import json
+import subprocess
+import sys
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from smf.model import attach_memories, from_pretrained, memory_blocks
-from smf.tiny import TINY_MEMORY_KWARGS, tiny_model
+from smf.tiny import TINY_MEMORY_KWARGS, tiny_model, tiny_tokenizer
 
 
 def _trained_looking(model):
@@ -40,22 +43,37 @@ def test_save_pretrained_then_from_pretrained_keeps_memories(tmp_path, mode):
     assert torch.equal(memory_blocks(loaded_bf16)[0].memory.values, memory_blocks(model)[0].memory.values)
 
 
-def test_plain_auto_from_pretrained_names_the_memories(tmp_path):
-    """Plain transformers does not know the memories; its load report must name them (it warns)."""
+def test_plain_auto_from_pretrained_loads_the_memories(tmp_path):
+    """After ``import smf.model`` a plain AutoModelForCausalLM load returns the memories; the
+    tokenizer saved beside them still loads with AutoTokenizer."""
     model = tiny_model()
+    base_config = model.config
     attach_memories(model, (2,), "replacement", **TINY_MEMORY_KWARGS)
+    assert type(base_config).model_type == "qwen2" and not hasattr(base_config, "smf_memories")  # caller's, untouched
+    assert model.model.config is model.config and model.model.layers[0].self_attn.config is model.config
+    _trained_looking(model)
     model.save_pretrained(tmp_path)
-    records = []
-    handler = logging.Handler(level=logging.WARNING)
-    handler.emit = lambda record: records.append(record)
-    hf_logger = logging.getLogger("transformers")
-    hf_logger.addHandler(handler)
-    try:
-        AutoModelForCausalLM.from_pretrained(tmp_path)
-    finally:
-        hf_logger.removeHandler(handler)
-    warnings = [record.getMessage() for record in records if record.levelno >= logging.WARNING]
-    assert any("model.layers.2.mlp.memory.values" in w and "UNEXPECTED" in w for w in warnings), warnings
+    tiny_tokenizer().save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "qwen2_smf_memories"
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert [b.layer_index for b in memory_blocks(loaded)] == [2] and memory_blocks(loaded)[0].mode == "replacement"
+    ids = torch.randint(0, 256, (2, 7))
+    assert torch.equal(loaded(ids).logits, model(ids).logits)
+    assert AutoTokenizer.from_pretrained(tmp_path)("ab").input_ids == [97, 98]
+
+
+def test_plain_auto_from_pretrained_without_smf_fails_naming_the_memories(tmp_path):
+    model = tiny_model()
+    attach_memories(model, (2,), "additive", **TINY_MEMORY_KWARGS)
+    model.save_pretrained(tmp_path)
+    script = ("import sys\nfrom transformers import AutoModelForCausalLM\n"
+              "try:\n    AutoModelForCausalLM.from_pretrained(sys.argv[1])\n"
+              "except ValueError as err:\n    print('ERROR', err)\n"
+              "assert not any(name.split('.')[0] == 'smf' for name in sys.modules)\n")
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
+                            timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "ERROR" in result.stdout and "qwen2_smf_memories" in result.stdout, result.stdout
 
 
 def test_from_pretrained_without_memories_is_a_plain_model(tmp_path):
@@ -64,3 +82,14 @@ def test_from_pretrained_without_memories_is_a_plain_model(tmp_path):
     ids = torch.randint(0, 256, (1, 5))
     loaded = from_pretrained(tmp_path)
     assert not memory_blocks(loaded) and torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_from_pretrained_of_an_older_save_fails_naming_the_fix(tmp_path):
+    """A config.json with smf_memories under the base model_type (before memory types existed)."""
+    model = tiny_model()
+    attach_memories(model, (2,), "additive", **TINY_MEMORY_KWARGS)
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "qwen2"}))
+    with pytest.raises(ValueError, match="records smf_memories under model_type 'qwen2'.*'qwen2_smf_memories'"):
+        from_pretrained(tmp_path)

@@ -2,6 +2,7 @@
 ``model.layers[i].mlp``, GPT-2 / GPT-NeoX by table, other layouts by naming them."""
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 
@@ -9,6 +10,7 @@ import torch
 from torch import nn
 
 from smf.model.block import MODES, MemoryBlock
+from smf.model.hf_auto import base_model_type, memory_config_class
 from smf_kernels import ProductKeyMemory
 
 logger = logging.getLogger(__name__)
@@ -27,7 +29,7 @@ CONFIG_KEY = "smf_memories"  # model.config attribute recording the attached mem
 
 
 def _layout(model: nn.Module, layers_path: str | None, mlp_attr: str | None) -> tuple[str, str]:
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    model_type = base_model_type(getattr(model, "config", None))
     default_path, default_attr = LAYOUTS.get(model_type, DEFAULT_LAYOUT)
     return layers_path or default_path, mlp_attr or default_attr
 
@@ -98,8 +100,10 @@ def attach_memories(model: nn.Module, layers=PAPER_LAYERS, mode: str = "additive
 
     Also installs hooks on the module holding the layers (``model.model``) that hand each call's
     ``attention_mask`` to the blocks for the duration of that call (so padding is not counted as
-    reads), and records the memories in ``model.config.smf_memories`` (saved by
-    ``save_pretrained``; :func:`smf.model.from_pretrained` reads it back).
+    reads), and records the memories in ``model.config.smf_memories``; ``model.config`` becomes
+    a config of type ``f"{model_type}_smf_memories"`` (:mod:`smf.model.hf_auto`), so that the
+    directory of ``save_pretrained`` loads with its memories once smf is imported and fails to
+    load without it.
     Returns the blocks, by layer index.
     """
     if mode not in MODES:
@@ -111,6 +115,7 @@ def attach_memories(model: nn.Module, layers=PAPER_LAYERS, mode: str = "additive
     if memory_blocks(model):
         raise ValueError(f"model already has memories at layers {[b.layer_index for b in memory_blocks(model)]}")
     layers = _check_layers(layers, len(layer_list))
+    config_class = memory_config_class(type(model.config)) if model.config.model_type else None
     d_model = model.config.get_text_config().hidden_size
 
     blocks = []
@@ -127,10 +132,28 @@ def attach_memories(model: nn.Module, layers=PAPER_LAYERS, mode: str = "additive
     _install_mask_hooks(stack, blocks)
     sizes = memory.config()
     sizes.pop("d_model")
+    if config_class is None:
+        logger.warning("%s has no model_type, so save_pretrained cannot mark the memories in config.json; save them "
+                       "with smf.model.save_memory_adapter", type(model.config).__name__)
+    else:
+        _own_config(model, config_class)
     setattr(model.config, CONFIG_KEY, {"layers": list(layers), "mode": mode, "memory_kwargs": sizes,
                                        "layers_path": layers_path, "mlp_attr": mlp_attr})
     logger.info("attached %s memories at layers %s (%s each)", mode, layers, blocks[0].memory.extra_repr())
     return blocks
+
+
+def _own_config(model: nn.Module, config_class: type) -> None:
+    """Give ``model`` (and each submodule sharing its config) a copy of its config of class
+    ``config_class``, leaving the caller's config object (e.g. one passed to ``from_config``) as it was."""
+    old = model.config
+    if type(old) is config_class:
+        return
+    new = copy.deepcopy(old)
+    new.__class__ = config_class
+    for module in model.modules():
+        if getattr(module, "config", None) is old:
+            module.config = new
 
 
 def _install_mask_hooks(stack: nn.Module, blocks: list[MemoryBlock]) -> None:

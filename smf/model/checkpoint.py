@@ -13,6 +13,7 @@ from torch import nn
 
 from smf.model.attach import CONFIG_KEY, attach_memories, memory_blocks
 from smf.model.block import MODES, MemoryBlock
+from smf.model.hf_auto import SUFFIX, register_memory_type
 from smf_kernels import ProductKeyMemory
 
 logger = logging.getLogger(__name__)
@@ -168,53 +169,31 @@ def load_model_with_memories(base_name_or_path: str | None, adapter_dir: str | P
     return model.eval()
 
 
-def _load_saved_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a ``save_pretrained`` directory (one safetensors file or an indexed set of shards)."""
-    single = directory / "model.safetensors"
-    index = directory / "model.safetensors.index.json"
-    if single.is_file():
-        return load_file(str(single))
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return {key: value for shard in shards for key, value in load_file(str(directory / shard)).items()}
-    raise FileNotFoundError(f"no model.safetensors(.index.json) in {str(directory)!r}; save with "
-                            "model.save_pretrained(directory) (safetensors, the default)")
-
-
 def from_pretrained(directory: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                     backend: str | None = None, **kwargs) -> nn.Module:
     """A causal LM saved by ``model.save_pretrained(directory)``, with its memories, in eval mode.
 
-    ``save_pretrained`` of a model with memories writes ``config.smf_memories`` (layers, mode,
-    memory sizes, layout) and the memory weights. This loads the base model with
-    ``AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)`` (its report of the
-    memory layers' keys is silenced), attaches the recorded memories (fp32, ``backend``) and
-    loads every tensor of the memory layers strictly. A directory without ``smf_memories``
-    loads as a plain model.
-
-    A plain ``AutoModelForCausalLM.from_pretrained(directory)`` does not know the memories: its
-    load report warns that their keys are UNEXPECTED (and, in replacement mode, that the MLPs
-    they replaced are MISSING) and it returns a model without them.
+    ``save_pretrained`` of a model with memories writes the model type
+    ``f"{base}_smf_memories"``, ``config.smf_memories`` (layers, mode, memory sizes, layout) and
+    the memory weights. This registers that type (:mod:`smf.model.hf_auto`) and returns
+    ``AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)``: the base model
+    with the recorded memories (fp32) attached and loaded, their kernels on ``backend``. A
+    directory without memories loads as a plain model. A plain ``AutoModelForCausalLM`` load
+    gives the same model once :mod:`smf.model` is imported, and fails without it.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
+    from transformers import AutoModelForCausalLM, PreTrainedConfig
 
-    directory = Path(directory)
-    spec = getattr(AutoConfig.from_pretrained(directory), CONFIG_KEY, None)
-    verbosity = hf_logging.get_verbosity()
-    if spec:
-        hf_logging.set_verbosity_error()  # the report would list the memory layers, loaded below
-    try:
-        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)
-    finally:
-        hf_logging.set_verbosity(verbosity)
-    if spec:
-        blocks = attach_memories(model, layers=spec["layers"], mode=spec["mode"], layers_path=spec["layers_path"],
-                                 mlp_attr=spec["mlp_attr"], backend=backend, **spec["memory_kwargs"])
-        tensors = _load_saved_tensors(directory)
-        for block in blocks:
-            prefix = f"{spec['layers_path']}.{block.layer_index}.{spec['mlp_attr']}."
-            state = {key[len(prefix):]: value for key, value in tensors.items() if key.startswith(prefix)}
-            block.load_state_dict(state, strict=True)
-        logger.info("loaded %s memories at layers %s from %s", spec["mode"], spec["layers"], directory)
+    config, _ = PreTrainedConfig.get_config_dict(directory)
+    model_type = config.get("model_type", "")
+    if model_type.endswith(SUFFIX):
+        register_memory_type(model_type)
+    elif config.get(CONFIG_KEY):
+        raise ValueError(f"{directory}: config.json records {CONFIG_KEY} under model_type {model_type!r} (saved by an "
+                         f"older smf); set its model_type to {model_type + SUFFIX!r} to load it with its memories")
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)
+    for block in memory_blocks(model):
+        block.memory.backend = backend
+    if model_type.endswith(SUFFIX):
+        logger.info("loaded %s memories at layers %s from %s", config[CONFIG_KEY]["mode"],
+                    config[CONFIG_KEY]["layers"], directory)
     return model.to(device).eval()
