@@ -1,5 +1,6 @@
 """SparseMemoryController end to end: sparse gradients only, per-step selection under gradient
 accumulation and under torch.distributed (gloo, 2 processes), and the dense-masked leak."""
+import datetime
 import pytest
 import torch
 import torch.distributed as dist
@@ -196,7 +197,8 @@ NUM_STEPS, WORLD = 2, 2
 
 
 def _distributed_worker(rank, init_file, out_dir):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(minutes=3))  # a stuck peer fails, not hangs
     try:
         torch.manual_seed(0)
         model = TinyModel()

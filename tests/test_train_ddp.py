@@ -1,6 +1,7 @@
 """Data parallelism through the trainer: 2 gloo processes with micro-batch m each end with the same
 weights as 1 process with micro-batch 2m and the same global batch (sparse +S: controller-synchronised
 selection plus DDP on alpha; full: plain DDP)."""
+import datetime
 import pytest
 import torch
 import torch.distributed as dist
@@ -41,7 +42,8 @@ def write_adapter_and_background(directory):
 
 def _worker(rank, init_file, root, adapter):
     torch.set_num_threads(1)  # two processes share the cores (torchrun sets OMP_NUM_THREADS=1 likewise)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(minutes=3))  # a stuck peer fails, not hangs
     try:
         for recipe in RECIPES:
             train(run_config(root, recipe, micro_batch_size=1, adapter=adapter))
