@@ -79,8 +79,8 @@ def launch_plans(dtype_name: str, config: dict) -> dict:
                                                                       rows, True, True)[0],
         "gather_backward (sparse rows)": triton_gather.plan_gather_backward(grad_out, values, indices, weights,
                                                                             slots, selected, True, True)[0],
-        "gather_backward_weights (deterministic)": triton_gather.plan_gather_backward_weights(
-            grad_out, values, indices)[0],
+        "gather_backward (weights only, deterministic)": triton_gather.plan_gather_backward(
+            grad_out, values, indices, weights, None, 0, False, True)[0],
         "segment_rows (deterministic, sparse)": triton_gather.plan_segment_rows(grad_out, indices, weights, slots,
                                                                                 selected)[0],
     }

@@ -13,7 +13,8 @@ benchmarks/triton_aot.py compiles for sm_90 / sm_80.
   dW[n,l] = V[idx[n,l]] . dOut[n] (kept in registers across the column tiles)
   and dV[target] += w[n,l] * dOut[n] (relaxed fp32 atomics), where target = idx
   (dense) or slot_of_row[idx] (sparse; -1 = not selected, skipped).
-* gather_backward_weights_kernel: dW alone (the deterministic path's half).
+  With NEED_VALUES off it computes dW alone, without atomics: the deterministic
+  path's weight gradient.
 * segment_rows_kernel: the deterministic dV. Reads sorted by target form one
   segment per output row, found by binary search (no host sync, grid sized by
   the output rows); each is summed in a fixed order and written once; reads of
@@ -96,30 +97,6 @@ def gather_backward_kernel(
                               mask=keep[:, None] & (cols[None, :] < D), sem="relaxed")
     if NEED_WEIGHTS:
         tl.store(gw_ptr + rows[:, None] * stride_gw + ls, grad_w, mask=row_mask[:, None] & (ls < L))
-
-
-@triton.jit
-def gather_backward_weights_kernel(
-    v_ptr, idx_ptr, g_ptr, gw_ptr,
-    N, L, D, stride_v, stride_idx, stride_g, stride_gw,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
-):
-    """dW alone: the grad_out tile is loaded once per column tile and used for all L reads."""
-    pid_n = tl.program_id(0)
-    rows = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    row_mask = rows < N
-    ls = tl.arange(0, BLOCK_L)[None, :]
-    grad_w = tl.zeros((BLOCK_N, BLOCK_L), dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        cols = d0 + tl.arange(0, BLOCK_D)
-        tile_mask = row_mask[:, None] & (cols[None, :] < D)
-        g = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=tile_mask, other=0.0).to(tl.float32)
-        for l in range(0, L):
-            idx = tl.load(idx_ptr + rows * stride_idx + l, mask=row_mask, other=0)
-            v = tl.load(v_ptr + idx[:, None] * stride_v + cols[None, :], mask=tile_mask, other=0.0)
-            part = tl.sum(v.to(tl.float32) * g, axis=1)
-            grad_w = tl.where(ls == l, grad_w + part[:, None], grad_w)
-    tl.store(gw_ptr + rows[:, None] * stride_gw + ls, grad_w, mask=row_mask[:, None] & (ls < L))
 
 
 @triton.jit
@@ -243,22 +220,6 @@ def plan_gather_backward(grad_out, values, indices, weights, slots, out_rows, ne
     return plan, (grad_values, grad_weights)
 
 
-def plan_gather_backward_weights(grad_out, values, indices):
-    """(plan, grad_weights fp32 (N, L))."""
-    values, indices, grad_out = values.contiguous(), indices.contiguous(), grad_out.contiguous()
-    num_tokens, per_token = indices.shape
-    dim = values.shape[1]
-    grad_weights = torch.empty(num_tokens, per_token, dtype=torch.float32, device=values.device)
-    config = backward_tile_config(dim)
-    plan = LaunchPlan(
-        gather_backward_weights_kernel, (triton.cdiv(num_tokens, config["BLOCK_N"]),),
-        (values, indices, grad_out, grad_weights,
-         num_tokens, per_token, dim, values.stride(0), indices.stride(0), grad_out.stride(0), grad_weights.stride(0)),
-        dict(BLOCK_L=_block_l(per_token), **config),
-    )
-    return plan, grad_weights
-
-
 def plan_segment_rows(grad_out, indices, weights, slots, out_rows, block_r: int = 16):
     """(plan, grad_values fp32 (out_rows, D)): the deterministic value gradient, sorted by target row.
 
@@ -288,8 +249,8 @@ def gather_backward(grad_out, values, indices, weights, slots, out_rows, determi
                     need_weights):
     """(grad_values fp32 (out_rows or 0, D), grad_weights fp32 (N or 0, L)).
 
-    Default: one fused pass with atomics. Deterministic: dW by its own kernel
-    (no atomics) and dV by sorted segments, each row summed in a fixed order.
+    Default: one fused pass with atomics. Deterministic: dW by the same kernel with
+    NEED_VALUES off (no atomics) and dV by sorted segments, each row summed in a fixed order.
     """
     num_tokens = indices.shape[0]
     if not deterministic:
@@ -308,7 +269,8 @@ def gather_backward(grad_out, values, indices, weights, slots, out_rows, determi
         elif out_rows > 0:
             plan.launch()
     if need_weights:
-        plan, grad_weights = plan_gather_backward_weights(grad_out, values, indices)
+        plan, (_, grad_weights) = plan_gather_backward(grad_out, values, indices, weights, None, 0,
+                                                        need_values=False, need_weights=True)
         if num_tokens > 0:
             plan.launch()
     return grad_values, grad_weights
