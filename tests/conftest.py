@@ -1,9 +1,15 @@
-"""Test-wide environment. Must run before any module defines a @triton.jit kernel."""
+"""Test-wide environment. Must run before any module defines a @triton.jit kernel.
+
+``SMF_TEST_DEVICE=cuda pytest tests/test_weighted_gather.py ...`` runs the kernel tests on a GPU:
+tensors the tests create land there (torch's default device) and Triton compiles for it.
+"""
 import os
 
+TEST_DEVICE = os.environ.get("SMF_TEST_DEVICE", "cpu")
 # Triton kernels run on CPU only through the interpreter; it must be enabled
 # before triton.jit decorators execute (i.e. before smf_kernels is imported).
-os.environ.setdefault("TRITON_INTERPRET", "1")
+if TEST_DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 # No network here: make every Hugging Face hub call fail at once instead of
 # hanging ~47 s per call.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -15,6 +21,9 @@ import logging  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+if TEST_DEVICE != "cpu":
+    torch.set_default_device(TEST_DEVICE)
 
 
 def pytest_sessionstart(session):

@@ -7,9 +7,9 @@ from smf_kernels.backends import unavailable_reason
 
 
 def backends_under_test() -> list[str]:
-    """torch, triton (interpreter on CPU) and ext when it is built."""
+    """torch, triton (interpreter on CPU) and ext when it is built, on the test device."""
     names = ["torch", "triton", "ext"]
-    return [n for n in names if unavailable_reason(n, torch.device("cpu")) is None]
+    return [n for n in names if unavailable_reason(n, torch.get_default_device()) is None]
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

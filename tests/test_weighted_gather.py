@@ -156,6 +156,8 @@ def test_custom_op_gradcheck_float64_and_opcheck():
                                    need_values, need_weights))
 
 
+@pytest.mark.skipif(torch.get_default_device().type != "cpu",
+                    reason="off CPU the range check is a device-side assertion, which ends the CUDA context")
 def test_out_of_range_indices_raise():
     values, indices, weights = gather_inputs(SHAPES[0], torch.float32)
     indices[3, 2] = values.shape[0]

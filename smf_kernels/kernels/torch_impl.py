@@ -202,7 +202,8 @@ def gather_backward(grad_out, values, indices, weights, update_rows, determinist
     dtype = _accumulation_dtype(values.dtype)
     by_bag = values.device.type == "cpu" or not deterministic
     bag_values = by_bag and need_values and update_rows is None
-    bag_weights = by_bag and need_weights
+    # ATen's CUDA per-sample-weights backward has no bfloat16 kernel (torch 2.11).
+    bag_weights = by_bag and need_weights and (values.device.type == "cpu" or values.dtype != torch.bfloat16)
     grad_values = grad_out.new_empty(0, values.shape[1], dtype=dtype)
     grad_weights = grad_out.new_empty(0, indices.shape[1], dtype=dtype)
     if bag_values or bag_weights:
