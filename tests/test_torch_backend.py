@@ -34,6 +34,8 @@ def test_topk_with_tied_sub_keys_equals_reference(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("need", [(True, True), (True, False), (False, True)])
 def test_backward_equals_autograd_through_embedding_bag(dtype, need):
+    if dtype == torch.bfloat16 and torch.get_default_device().type != "cpu":
+        pytest.skip("ATen has no CUDA bf16 per-sample-weights backward to compare with")
     values = torch.randn(40, 130).to(dtype)
     indices = torch.randint(0, 40, (17, 12))
     indices[0, :3] = 5  # one token reading the same row three times
@@ -72,3 +74,19 @@ def test_topk_of_finite_scores_uses_only_undominated_pairs():
     assert torch.all(first[1:] * 16 + second[1:] > first[:-1] * 16 + second[:-1])  # candidate-id order
     query, keys = torch.randn(300, 4, 32), torch.rand(4, 2, 40, 16) * 2 - 1
     assert torch.equal(torch_impl.topk_forward(query, keys, 16)[1], product_key_topk_reference(query, keys, 16)[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embedding_bag_backward_restricted_to_update_rows(dtype):
+    """The path off-CPU sparse value gradients take: embedding_bag's backward over reads remapped to
+    their slot in update_rows (unselected reads into a dropped scratch row)."""
+    values = torch.randn(40, 130).to(dtype)
+    indices = torch.randint(0, 40, (17, 12))
+    weights = torch.softmax(torch.randn(17, 12), -1)
+    grad_out = torch.randn(17, 130).to(dtype)
+    rows = torch.randperm(40)[:9].sort().values
+    got, _ = torch_impl._embedding_bag_backward(grad_out, values, indices, weights, True, False, rows)
+    dense = torch.zeros(40, 130, dtype=torch.float64).index_add_(
+        0, indices.flatten(), (weights.double().unsqueeze(-1) * grad_out.double().unsqueeze(1)).flatten(0, 1))
+    assert got.shape == (9, 130)
+    assert rel_err(got, dense[rows]) < (1e-6 if dtype == torch.float32 else 1e-2)

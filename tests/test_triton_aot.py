@@ -52,3 +52,31 @@ def test_every_kernel_compiles_within_budget(tmp_path):
             assert r["spill_bytes"] == 0, f"{r['kernel']} {r['dtype']} spills {r['spill_bytes']} B on sm_90"
             assert r["occupancy"] >= 0.25, f"{r['kernel']} {r['dtype']}: occupancy {r['occupancy']:.0%} on sm_90"
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+SMALL_TOPK_COMPILE = """
+import json, sys
+sys.path.insert(0, "benchmarks")
+import triton_aot
+out = []
+for n_keys, topk in ((20, 5), (8, 1), (7, 7)):
+    config = dict(tokens=37, heads=2, n_keys=n_keys, topk=topk, key_dim=32, dim=96, selected_rows=8)
+    record = triton_aot.compile_one(("product_key_topk", "sm_90", "fp32", config))
+    out.append(dict(topk=topk, ok=record["ok"], error=record.get("error"), warps=record["num_warps"]))
+print(json.dumps(out))
+"""
+
+
+def test_topk_kernel_compiles_for_small_topk(tmp_path):
+    """Top-k below 16 makes a (BLOCK_M, K_P) tile smaller than the warps; Triton then cannot lower
+    tl.gather along K_P (a compiler assertion first seen on an H100), unless warps are capped."""
+    reason = triton_aot.ptxas_unavailable_reason()
+    if reason:
+        pytest.skip(f"cannot compile ahead of time: {reason}")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="0", TRITON_DUMP_PTXAS_LOG="1",
+               TRITON_CACHE_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", SMALL_TOPK_COMPILE], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert all(r["ok"] for r in records), records

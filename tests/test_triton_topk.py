@@ -20,9 +20,9 @@ def _integer_inputs(n, heads, key_dim, n_keys, dtype):
 
 
 def _assert_same_selection(query, keys, topk):
-    scores, slots = triton_topk.product_key_topk(query, keys, topk)
-    # the reference in the kernels' own fp32 (exact for these inputs; fp32 overflow included)
-    ref_scores, ref_slots = product_key_topk_reference(query.float(), keys.float(), topk)
+    scores, slots = (t.cpu() for t in triton_topk.product_key_topk(query, keys, topk))
+    # the reference in the kernels' own fp32 (exact for these inputs; fp32 overflow included), on CPU
+    ref_scores, ref_slots = product_key_topk_reference(query.float().cpu(), keys.float().cpu(), topk)
     assert slots.min() >= 0 and slots.max() < keys.shape[2] ** 2, "slot ids must stay in range"
     assert torch.equal(slots, ref_slots), (slots != ref_slots).nonzero()[:5]
     torch.testing.assert_close(scores, ref_scores, equal_nan=True, rtol=0, atol=0)

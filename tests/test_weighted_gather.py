@@ -189,6 +189,8 @@ def test_out_of_range_indices_raise():
     ],
 )
 def test_bad_arguments_raise(change, error, match):
+    if match == "distinct" and torch.get_default_device().type != "cpu":
+        pytest.skip("off CPU the distinct-rows check is a device-side assertion, which ends the CUDA context")
     values, indices, weights = gather_inputs(SHAPES[0], torch.float32)
     args = dict(values=values, indices=indices, weights=weights)
     args.update(change)

@@ -176,19 +176,27 @@ def gather_backward_values(grad_out, indices, weights, num_rows, update_rows, de
     return _sum_reads_by_target(grad_out, weights, targets, selected + 1)[:selected]
 
 
-def _embedding_bag_backward(grad_out, values, indices, weights, need_values, need_weights):
-    """Both dense gradients in values' dtype, by the ATen functions F.embedding_bag's autograd
-    calls (called directly: a custom op's body runs below autograd). Either may be None."""
+def _embedding_bag_backward(grad_out, values, indices, weights, need_values, need_weights, update_rows=None):
+    """Both gradients in values' dtype, by the ATen functions F.embedding_bag's autograd calls
+    (called directly: a custom op's body runs below autograd). Either may be None. With
+    ``update_rows`` (T,) the value gradient is (T, D): rows update_rows only."""
     num_tokens, per_token = indices.shape
     flat = indices.reshape(-1)
     grad_out = grad_out.to(values.dtype)
     bag_of_read = torch.arange(num_tokens, device=indices.device).repeat_interleave(per_token)
     grad_values = grad_weights = None
     if need_values:
+        targets, out_rows = flat, values.shape[0]
+        if update_rows is not None:  # reads of unselected rows land in one scratch row past the end
+            selected = update_rows.numel()
+            slots = row_to_slot_map(update_rows, values.shape[0])[flat]
+            targets, out_rows = torch.where(slots >= 0, slots, selected), selected + 1
         bag_size = torch.full((num_tokens,), per_token, dtype=torch.int64, device=indices.device)
         grad_values = torch.ops.aten._embedding_bag_dense_backward(
-            grad_out, flat, bag_of_read, bag_size, flat.new_empty(0), values.shape[0], False, 0,
+            grad_out, targets, bag_of_read, bag_size, flat.new_empty(0), out_rows, False, 0,
             weights.reshape(-1).to(values.dtype), -1)
+        if update_rows is not None:
+            grad_values = grad_values[:-1]
     if need_weights:
         offsets = torch.arange(0, num_tokens * per_token, per_token, device=indices.device)
         grad_weights = torch.ops.aten._embedding_bag_per_sample_weights_backward(
@@ -197,18 +205,20 @@ def _embedding_bag_backward(grad_out, values, indices, weights, need_values, nee
 
 
 def gather_backward(grad_out, values, indices, weights, update_rows, deterministic, need_values, need_weights):
-    """Dense gradients from embedding_bag's backward (on CPU always; elsewhere unless deterministic,
-    its CUDA value gradient using atomics); the row-sparse value gradient from one CSR product."""
+    """Gradients from embedding_bag's backward (on CPU always; elsewhere unless deterministic, its
+    CUDA value gradient using atomics); on CPU the row-sparse value gradient from one CSR product."""
     dtype = _accumulation_dtype(values.dtype)
     by_bag = values.device.type == "cpu" or not deterministic
-    bag_values = by_bag and need_values and update_rows is None
+    # The sparse value gradient too, off CPU (index_put_ took 0.7 s at the paper size on an H100);
+    # on CPU the CSR product below is the faster one.
+    bag_values = by_bag and need_values and (update_rows is None or values.device.type != "cpu")
     # ATen's CUDA per-sample-weights backward has no bfloat16 kernel (torch 2.11).
     bag_weights = by_bag and need_weights and (values.device.type == "cpu" or values.dtype != torch.bfloat16)
     grad_values = grad_out.new_empty(0, values.shape[1], dtype=dtype)
     grad_weights = grad_out.new_empty(0, indices.shape[1], dtype=dtype)
     if bag_values or bag_weights:
         from_values, from_weights = _embedding_bag_backward(grad_out, values, indices, weights, bag_values,
-                                                            bag_weights)
+                                                            bag_weights, update_rows)
         grad_values = from_values.to(dtype) if bag_values else grad_values
         grad_weights = from_weights.to(dtype) if bag_weights else grad_weights
     if need_values and not bag_values:

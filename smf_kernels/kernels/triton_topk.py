@@ -231,13 +231,19 @@ def _candidate_pairs(topk: int, k_pad: int, device: torch.device) -> torch.Tenso
     return torch.tensor(pairs, dtype=torch.int32, device=device)
 
 
-def topk_block_config(half: int, dtype: torch.dtype) -> dict:
+def topk_block_config(half: int, k_pad: int, dtype: torch.dtype) -> dict:
     """Block sizes and warps for the top-k kernel, chosen with benchmarks/triton_aot.py at the paper
     shape (no spills, >= 25% estimated occupancy on sm_90): fp32 runs its dot on the FMA path, whose
-    operand slices cost registers, so it takes thin 16-wide slices and 8 warps."""
-    if dtype == torch.float32:
-        return {"BLOCK_M": 16, "BLOCK_D": 16, "num_warps": 8}
-    return {"BLOCK_M": 16, "BLOCK_D": min(32, _pow2_at_least(half, 16)), "num_warps": 4}
+    operand slices cost registers, so it takes thin 16-wide slices and 8 warps.
+
+    Warps are capped at one per 32 elements of a (BLOCK_M, K_P) top-k tile: with more, Triton lays
+    warps across the K_P axis and cannot lower tl.gather along it (a compiler assertion in Triton
+    3.6 and 3.7, seen on an H100 for top-k < 16)."""
+    block_m = 16
+    warps = 8 if dtype == torch.float32 else 4
+    warps = max(1, min(warps, block_m * k_pad // 32))
+    block_d = 16 if dtype == torch.float32 else min(32, _pow2_at_least(half, 16))
+    return {"BLOCK_M": block_m, "BLOCK_D": block_d, "num_warps": warps}
 
 
 def plan_product_key_topk(query: torch.Tensor, keys: torch.Tensor, topk: int) -> tuple[LaunchPlan, tuple]:
@@ -248,9 +254,9 @@ def plan_product_key_topk(query: torch.Tensor, keys: torch.Tensor, topk: int) ->
     n_keys, half = keys.shape[2], keys.shape[3]
     scores = torch.empty(num_tokens, heads, topk, dtype=torch.float32, device=query.device)
     slots = torch.empty(num_tokens, heads, topk, dtype=torch.int64, device=query.device)
-    config = topk_block_config(half, query.dtype)
-    block_m = config["BLOCK_M"]
     k_pad = _pow2_at_least(topk, 1)
+    config = topk_block_config(half, k_pad, query.dtype)
+    block_m = config["BLOCK_M"]
     pairs = _candidate_pairs(topk, k_pad, query.device)
     plan = LaunchPlan(
         product_key_topk_kernel, (triton.cdiv(num_tokens, block_m), heads),
