@@ -53,8 +53,9 @@ def launch_plans(dtype_name: str, config: dict) -> dict:
     """{name: LaunchPlan} for every kernel the ops launch at ``config``, on meta tensors."""
     import torch
 
-    from smf_kernels.kernels import triton_gather, triton_topk
-    from smf_kernels.kernels.torch_impl import row_to_slot_map
+    from smf_kernels._rows import row_to_slot_map
+    from smf_kernels.triton_kernels import gather as triton_gather
+    from smf_kernels.triton_kernels import topk as triton_topk
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     meta = dict(device="meta")

@@ -1,7 +1,6 @@
 """Argument validation shared by the public ops: clear errors, nothing clamped."""
 from __future__ import annotations
 
-import contextlib
 
 import torch
 
@@ -115,11 +114,3 @@ def check_gather_args(
     if update_rows is not None:
         check_index_range("update_rows", update_rows, num_rows)
         check_distinct("update_rows", update_rows)
-
-
-def no_autocast(device: torch.device):
-    """Context in which autocast is off for ``device``: op implementations pick their own precision
-    (under autocast an inner matmul would silently return bf16 where a kernel expects fp32)."""
-    if device.type in ("cpu", "cuda"):
-        return torch.autocast(device_type=device.type, enabled=False)
-    return contextlib.nullcontext()

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from smf_kernels._checks import no_autocast
+from smf_kernels._precision import no_autocast
 from smf_kernels.ops import DeferredRows, product_key_topk, weighted_gather
 
 
@@ -29,8 +30,20 @@ def _linear(proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return proj(x)
 
 
+class RowsRead:
+    """The update rows "whatever each forward reads": pass :data:`ROWS_READ` to
+    :meth:`ProductKeyMemory.set_update_rows`, and each forward's value gradient holds exactly the
+    distinct slots that forward read (all tokens, padding included)."""
+
+    def __repr__(self) -> str:
+        return "ROWS_READ"
+
+
+ROWS_READ = RowsRead()
+
+
 class _RowsReadBy(DeferredRows):
-    """``update_rows="read"``: the distinct slots a forward read, found only when the backward asks.
+    """:data:`ROWS_READ` for one forward: the distinct slots it read, found only when the backward asks.
 
     The forward makes no host sync; the backward's ``torch.unique`` (which sizes the
     sparse gradient) makes the one a data-dependent row count needs.
@@ -108,7 +121,7 @@ class ProductKeyMemory(nn.Module):
         self.out_proj = nn.Linear(value_dim, d_model, bias=True)
         self.register_buffer("read_counts", torch.zeros(self.num_slots, dtype=torch.int64), persistent=False)
         self.count_reads = False
-        self.update_rows: torch.Tensor | DeferredRows | str | None = None
+        self.update_rows: torch.Tensor | DeferredRows | RowsRead | None = None
         self.reset_parameters()
 
     def config(self) -> dict:
@@ -142,20 +155,25 @@ class ProductKeyMemory(nn.Module):
         """Zero the ``read_counts`` buffer (n_keys**2,) int64 in place (it keeps its device)."""
         self.read_counts.zero_()
 
-    def set_update_rows(self, rows: torch.Tensor | DeferredRows | str | None) -> None:
+    def set_update_rows(self, rows: torch.Tensor | DeferredRows | RowsRead | None) -> None:
         """Restrict the value gradient of later forwards to some rows.
 
-        rows: a (T,) int64 tensor of distinct slot ids; ``"read"``, the distinct
-        slots each forward reads (all tokens, padding included); a
+        rows: a (T,) int64 tensor of distinct slot ids; :data:`ROWS_READ`, the
+        distinct slots each forward reads (all tokens, padding included); a
         :class:`~smf_kernels.ops.DeferredRows` filled between forward and
-        backward; or None for a dense gradient.
+        backward; or None for a dense gradient. (The string ``"read"`` still
+        means ROWS_READ, with a DeprecationWarning.)
         """
+        if isinstance(rows, str) and rows == "read":
+            warnings.warn('set_update_rows("read") is deprecated; pass smf_kernels.ROWS_READ',
+                          DeprecationWarning, stacklevel=2)
+            rows = ROWS_READ
         if isinstance(rows, torch.Tensor):
             if rows.dim() != 1 or rows.dtype != torch.int64:
                 raise ValueError("rows must be a 1-D int64 tensor of distinct slot ids")
             rows = rows.to(self.values.device)
-        elif not (rows is None or rows == "read" or isinstance(rows, DeferredRows)):
-            raise ValueError(f"rows must be a 1-D int64 tensor, 'read', a DeferredRows or None, got {rows!r}")
+        elif not (rows is None or isinstance(rows, (RowsRead, DeferredRows))):
+            raise ValueError(f"rows must be a 1-D int64 tensor, ROWS_READ, a DeferredRows or None, got {rows!r}")
         self.update_rows = rows
 
     def lookup(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,7 +204,7 @@ class ProductKeyMemory(nn.Module):
         weights = torch.softmax(scores.float(), dim=-1)
         num_tokens, per_token = flat.shape[0], self.heads * self.topk
         counting = self.count_reads
-        update_rows = _RowsReadBy(indices) if isinstance(self.update_rows, str) else self.update_rows
+        update_rows = _RowsReadBy(indices) if isinstance(self.update_rows, RowsRead) else self.update_rows
         read = weighted_gather(
             self.values,
             indices.view(num_tokens, per_token),

@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import torch
 
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 for low-precision inputs, fp64 stays fp64."""
-    return torch.promote_types(dtype, torch.float32)
+from smf_kernels._precision import accumulation_dtype
 
 
 def ranked_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,7 +34,7 @@ def product_key_topk_reference(
     so NaN and infinite scores rank as torch.topk ranks them and ties resolve
     to the lower sub-key / candidate id (candidate id = ia * topk + ib).
     """
-    dtype = _compute_dtype(query.dtype)
+    dtype = accumulation_dtype(query.dtype)
     n_keys = keys.shape[2]
     half = keys.shape[3]
     q = query.to(dtype)
@@ -67,7 +64,7 @@ def weighted_gather_reference(
     counts: optional (M,) int64, incremented in place by one per (token, slot)
     read of every token whose valid[n] is True (all tokens when valid is None).
     """
-    dtype = _compute_dtype(values.dtype)
+    dtype = accumulation_dtype(values.dtype)
     rows = values[indices].to(dtype)  # (N, L, D)
     out = (weights.to(dtype).unsqueeze(-1) * rows).sum(dim=1)
     if counts is not None:

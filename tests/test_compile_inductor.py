@@ -10,7 +10,7 @@ from transformers import Qwen2ForCausalLM
 from helpers import rel_err
 from smf.model import attach_memories, memory_blocks
 from smf.tiny import TINY_MEMORY_KWARGS, tiny_config
-from smf_kernels import ProductKeyMemory
+from smf_kernels import ROWS_READ, ProductKeyMemory
 from smf_kernels.ops import weighted_gather
 
 SMALL = dict(n_keys=8, heads=2, topk=3, key_dim=18)  # 64 slots, halves of 9
@@ -81,7 +81,7 @@ def test_sparse_update_rows_graph_breaks_are_counted(rows):
     the graph, and ``"read"`` breaks at the data-dependent torch.unique that finds its rows in the
     backward (README, "torch.compile")."""
     mem = ProductKeyMemory(40, **SMALL)
-    mem.set_update_rows(torch.tensor([1, 5, 9, 33]) if rows == "tensor" else "read")
+    mem.set_update_rows(torch.tensor([1, 5, 9, 33]) if rows == "tensor" else ROWS_READ)
     x = torch.randn(2, 6, 40)
     torch._dynamo.reset()
     explanation = torch._dynamo.explain(mem)(x)

@@ -43,7 +43,7 @@ def test_unbuilt_extension_says_how_to_build(empty_cache, monkeypatch):
     with pytest.raises(ImportError, match="python -m smf_kernels.build_ext"):
         build_ext.load_extension()
     # ... and the backend registry reports that reason for "ext".
-    monkeypatch.delitem(sys.modules, "smf_kernels.kernels.ext_impl", raising=False)
+    monkeypatch.delitem(sys.modules, "smf_kernels.backends.ext_impl", raising=False)
     backends.refresh()
     try:
         reason = backends.unavailable_reason("ext", torch.device("cpu"))

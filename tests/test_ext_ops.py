@@ -188,7 +188,7 @@ def test_memory_layer_matches_torch_backend():
 @pytest.mark.parametrize("sparse", [False, True])
 @pytest.mark.parametrize("need", [(True, True), (True, False), (False, True)])
 def test_fused_backward_gives_each_gradient_asked_for(dtype, sparse, need):
-    from smf_kernels.kernels import ext_impl  # imported once the fixture has built the extension
+    from smf_kernels.backends import ext_impl  # imported once the fixture has built the extension
 
     values, indices, weights = gather_inputs((300, 130, 21, 12), dtype)
     indices[0, :3] = 7  # one token reading the same row three times
@@ -244,7 +244,7 @@ def test_topk_backward_op_passes_opcheck():
 
 
 def test_fused_backward_weight_grad_does_not_depend_on_update_rows():
-    from smf_kernels.kernels import ext_impl
+    from smf_kernels.backends import ext_impl
 
     values, indices, weights = gather_inputs((300, 130, 21, 12), torch.float32)
     grad_out = torch.randn(21, 130)

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from smf_kernels import ProductKeyMemory
+from smf_kernels import ROWS_READ, ProductKeyMemory
 from smf_kernels.backends import implementation, unavailable_reason
 from smf_kernels.ops import DeferredRows, product_key_topk, weighted_gather
 from smf_kernels.reference import product_key_topk_reference, weighted_gather_reference
@@ -280,7 +280,7 @@ def test_product_key_memory_forward_backward_under_each_update_rows_choice(backe
     rows = torch.tensor(sorted(data.draw(st.sets(st.integers(0, n_keys ** 2 - 1)))), dtype=torch.int64)
     rows = rows[:0] if choice == "empty" else rows
     deferred = DeferredRows()
-    memory.set_update_rows({"dense": None, "read": "read", "tensor": rows, "empty": rows, "deferred": deferred}[choice])
+    memory.set_update_rows({"dense": None, "read": ROWS_READ, "tensor": rows, "empty": rows, "deferred": deferred}[choice])
     memory.set_read_counting(True)
     x = torch.randn(batch, seq, d_model)
     valid = torch.rand(batch, seq) < data.draw(st.sampled_from([0.0, 0.5, 1.0]), label="valid fraction")
@@ -356,7 +356,7 @@ def test_ext_entry_points_reject_what_the_kernels_would_misread():
     Runs in the ext child only: without these checks some calls would crash."""
     if not IN_CHILD:
         pytest.skip("runs in the child of test_ext_cases_in_a_subprocess")
-    from smf_kernels.kernels.ext_impl import _ext
+    from smf_kernels.backends.ext_impl import _ext
 
     values, indices, weights = torch.randn(5, 3), torch.randint(0, 5, (4, 2)), torch.rand(4, 2)
     grad_out = torch.randn(4, 3)
@@ -409,7 +409,7 @@ assert v.grad.is_sparse and v.grad._nnz() == 0 and w.grad.shape == (2, 2)
 """,
     "read_rows_of_an_empty_batch": """
 m = ProductKeyMemory(d_model=8, n_keys=4, heads=2, topk=2, key_dim=8, backend=B)
-m.set_update_rows("read")
+m.set_update_rows(ROWS_READ)
 x = torch.randn(2, 0, 8, requires_grad=True)
 m(x).sum().backward()
 assert x.grad.shape == (2, 0, 8)
@@ -439,7 +439,7 @@ assert m.values.grad.shape == (4, 8)
 }
 
 
-_REGRESSION_PRELUDE = ("import torch\nfrom torch import nn\nfrom smf_kernels import ProductKeyMemory\n"
+_REGRESSION_PRELUDE = ("import torch\nfrom torch import nn\nfrom smf_kernels import ROWS_READ, ProductKeyMemory\n"
                        "from smf_kernels.ops import weighted_gather\n"
                        "from smf_kernels.sparse import BackgroundStats, RowSparseAdamW, SparseMemoryController\n")
 

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import backends_under_test, rel_err
-from smf_kernels import ProductKeyMemory
+from smf_kernels import ROWS_READ, ProductKeyMemory
 from smf_kernels.reference import product_key_topk_reference, weighted_gather_reference
 
 BACKENDS = backends_under_test()
@@ -127,9 +127,12 @@ def test_update_rows_read_and_deferred_modes():
     x = torch.randn(5, 40)
     _, slots = mem.lookup(x)
     dense = torch.autograd.grad(mem(x).square().sum(), mem.values)[0]
-    mem.set_update_rows("read")
+    mem.set_update_rows(ROWS_READ)
     grad = torch.autograd.grad(mem(x).square().sum(), mem.values)[0]
     assert torch.equal(grad.indices()[0], slots.unique())
+    with pytest.warns(DeprecationWarning, match="ROWS_READ"):
+        mem.set_update_rows("read")
+    assert mem.update_rows is ROWS_READ
     assert rel_err(grad.to_dense(), dense) < 1e-6, "every read row is kept: equal to the dense gradient"
 
     deferred = DeferredRows()
@@ -144,7 +147,7 @@ def test_update_rows_read_and_deferred_modes():
     mem.set_update_rows(unset)
     with pytest.raises(RuntimeError, match="were not set before the backward"):
         torch.autograd.grad(mem(x).sum(), mem.values)
-    with pytest.raises(ValueError, match="'read', a DeferredRows or None"):
+    with pytest.raises(ValueError, match="ROWS_READ, a DeferredRows or None"):
         mem.set_update_rows("all")
 
 

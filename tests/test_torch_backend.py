@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from helpers import rel_err
-from smf_kernels.kernels import torch_impl
+from smf_kernels.backends import torch_impl
 from smf_kernels.reference import product_key_topk_reference, ranked_topk
 
 

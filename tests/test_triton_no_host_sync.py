@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from smf_kernels.backends import implementation
-from smf_kernels.memory import ProductKeyMemory
+from smf_kernels.memory import ROWS_READ, ProductKeyMemory
 
 SYNCING = ("nonzero", "unique", "local_scalar_dense", "masked_", "item", "is_nonzero", "equal",
            "repeat_interleave", "bincount", "histc", "argwhere", "where.default_1arg")
@@ -81,7 +81,7 @@ def test_recorder_sees_a_syncing_op():
 
 def test_memory_forward_with_read_rows_calls_no_unique():
     mem = ProductKeyMemory(d_model=32, n_keys=8, heads=2, topk=3, key_dim=16, value_dim=24, backend="triton")
-    mem.set_update_rows("read")
+    mem.set_update_rows(ROWS_READ)
     x = torch.randn(2, 5, 32)
     with _RecordOps() as rec:
         mem(x)

@@ -7,7 +7,7 @@ resolved to the lower sub-key / candidate id. Runs under the interpreter on CPU.
 import pytest
 import torch
 
-from smf_kernels.kernels import triton_topk
+from smf_kernels.triton_kernels import topk as triton_topk
 from smf_kernels.reference import product_key_topk_reference
 
 INF, NAN = float("inf"), float("nan")

@@ -3,12 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from smf_kernels._checks import check_topk_args, no_autocast
+from smf_kernels._checks import check_topk_args
+from smf_kernels._precision import accumulation_dtype, no_autocast
 from smf_kernels.backends import implementation, resolve_backend
-
-
-def _scores_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
 
 
 @torch.library.custom_op("smf_kernels::product_key_topk", mutates_args=())
@@ -20,7 +17,7 @@ def _product_key_topk(query: torch.Tensor, keys: torch.Tensor, topk: int, backen
 @_product_key_topk.register_fake
 def _(query, keys, topk, backend):
     shape = (query.shape[0], query.shape[1], topk)
-    return query.new_empty(shape, dtype=_scores_dtype(query.dtype)), query.new_empty(shape, dtype=torch.int64)
+    return query.new_empty(shape, dtype=accumulation_dtype(query.dtype)), query.new_empty(shape, dtype=torch.int64)
 
 
 def _sub_key_grad(grad_scores: torch.Tensor, sub_index: torch.Tensor, n_keys: int) -> torch.Tensor:
@@ -68,7 +65,7 @@ def _topk_backward(
     a gradient not needed comes back empty (0 elements). A backend with a ``topk_backward``
     computes them itself (it returns None where it does not apply)."""
     with no_autocast(query.device):
-        grad_scores = grad_scores.to(_scores_dtype(query.dtype)).contiguous()
+        grad_scores = grad_scores.to(accumulation_dtype(query.dtype)).contiguous()
         fused = getattr(implementation(backend), "topk_backward", None)
         result = fused(grad_scores, query, keys, indices, need_query, need_keys) if fused is not None else None
         if result is None:
@@ -78,7 +75,7 @@ def _topk_backward(
 
 @_topk_backward.register_fake
 def _(grad_scores, query, keys, indices, backend, need_query, need_keys):
-    dtype = _scores_dtype(query.dtype)
+    dtype = accumulation_dtype(query.dtype)
     return (query.new_empty(query.shape if need_query else (0,), dtype=dtype),
             keys.new_empty(keys.shape if need_keys else (0,), dtype=dtype))
 

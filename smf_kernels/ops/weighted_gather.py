@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from smf_kernels._checks import check_gather_args, check_tensor, no_autocast
+from smf_kernels._checks import check_gather_args, check_tensor
+from smf_kernels._precision import accumulation_dtype, no_autocast
 from smf_kernels.backends import implementation, resolve_backend
-
-
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
 
 
 @torch.library.custom_op("smf_kernels::weighted_gather_forward", mutates_args=())
@@ -78,7 +75,7 @@ def _backward(
 
 @_backward.register_fake
 def _(grad_out, values, indices, weights, update_rows, backend, deterministic, need_values, need_weights):
-    dtype = _accumulation_dtype(values.dtype)
+    dtype = accumulation_dtype(values.dtype)
     rows = (values.shape[0] if update_rows is None else update_rows.shape[0]) if need_values else 0
     grad_values = grad_out.new_empty(rows, values.shape[1], dtype=dtype)
     grad_weights = grad_out.new_empty(indices.shape[0] if need_weights else 0, indices.shape[1], dtype=dtype)

@@ -4,7 +4,7 @@ holding :class:`ProductKeyMemory` layers.
 How one optimizer step works (mode "row_sparse", the default):
 
 1. ``begin_step()`` zeroes every memory's ``read_counts``, turns read counting
-   on, and sets each memory's update rows to ``"read"``: every forward routes
+   on, and sets each memory's update rows to ``ROWS_READ``: every forward routes
    the value gradient to the distinct slots it reads (``torch.unique``, one host
    sync per micro-batch and layer). So every backward writes a compact sparse
    COO gradient holding just the rows the micro-batch read — never a dense
@@ -61,7 +61,8 @@ import torch.distributed as dist
 from torch import nn
 from tqdm.auto import tqdm
 
-from smf_kernels.memory import ProductKeyMemory
+from smf_kernels._rows import row_to_slot_map
+from smf_kernels.memory import ROWS_READ, ProductKeyMemory
 from smf_kernels.ops import DeferredRows
 from smf_kernels.sparse.background import BackgroundStats
 from smf_kernels.sparse.clipping import clip_grad_norm_
@@ -221,7 +222,7 @@ class SparseMemoryController:
             memory.reset_read_counts()
             memory.set_read_counting(True)
             if self.mode == "row_sparse":
-                memory.set_update_rows(self._deferred[name] if self._deferred else "read")
+                memory.set_update_rows(self._deferred[name] if self._deferred else ROWS_READ)
                 self._hooks.append(memory.values.register_post_accumulate_grad_hook(_coalesce_grad))
             else:
                 memory.set_update_rows(None)
@@ -331,9 +332,7 @@ class SparseMemoryController:
         num_rows, dim = values.shape
         compact = torch.zeros(rows.numel(), dim, dtype=values.dtype, device=values.device)
         if grad is not None:
-            slot_of_row = torch.full((num_rows,), -1, dtype=torch.int64, device=values.device)
-            slot_of_row[rows] = torch.arange(rows.numel(), device=values.device)
-            slots = slot_of_row[grad._indices()[0]]  # _indices/_values: also valid when uncoalesced
+            slots = row_to_slot_map(rows, num_rows)[grad._indices()[0]]  # _indices/_values: also valid when uncoalesced
             hits = (slots >= 0).nonzero().squeeze(1)  # host sync; only selected rows' entries are added
             compact.index_add_(0, slots[hits], grad._values().index_select(0, hits))
         world = self._world()

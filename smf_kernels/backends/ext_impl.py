@@ -13,7 +13,7 @@ import sys
 import torch
 
 from smf_kernels.build_ext import load_extension
-from smf_kernels.kernels import backward_in_two_passes
+from smf_kernels.backends.two_pass import backward_in_two_passes
 
 _ext = load_extension()
 

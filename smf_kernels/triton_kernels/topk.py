@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import constexpr_function
 
-from smf_kernels.kernels.launch import LaunchPlan
+from smf_kernels.triton_kernels.launch import LaunchPlan
 
 
 
@@ -227,7 +227,7 @@ def _candidate_pairs(topk: int, k_pad: int, device: torch.device) -> torch.Tenso
     """(C_P,) int32 packed ranks ia * k_pad + ib of the pairs with (ia+1)(ib+1) <= topk, padded with -1
     to a power of two; built once per (topk, device), so a launch copies nothing from the host."""
     pairs = [ia * k_pad + ib for ia in range(topk) for ib in range(topk) if (ia + 1) * (ib + 1) <= topk]
-    pairs += [-1] * (_pow2_at_least(len(pairs), 16) - len(pairs))
+    pairs += [-1] * (_pow2_at_least(len(pairs), 16) - len(pairs))  # >= 16 wide: the widths the AOT report and tests cover
     return torch.tensor(pairs, dtype=torch.int32, device=device)
 
 
@@ -239,7 +239,7 @@ def topk_block_config(half: int, k_pad: int, dtype: torch.dtype) -> dict:
     Warps are capped at one per 32 elements of a (BLOCK_M, K_P) top-k tile: with more, Triton lays
     warps across the K_P axis and cannot lower tl.gather along it (a compiler assertion in Triton
     3.6 and 3.7, seen on an H100 for top-k < 16)."""
-    block_m = 16
+    block_m = 16  # tl.dot's smallest M, and the block the AOT budgets (no spills, 25%) were met at
     warps = 8 if dtype == torch.float32 else 4
     warps = max(1, min(warps, block_m * k_pad // 32))
     block_d = 16 if dtype == torch.float32 else min(32, _pow2_at_least(half, 16))
@@ -263,7 +263,7 @@ def plan_product_key_topk(query: torch.Tensor, keys: torch.Tensor, topk: int) ->
         (query, keys, pairs, scores, slots, num_tokens, n_keys,
          query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
          scores.stride(0), scores.stride(1)),
-        dict(HALF=half, BLOCK_D=config["BLOCK_D"], NK_P=_pow2_at_least(n_keys, 16),
+        dict(HALF=half, BLOCK_D=config["BLOCK_D"], NK_P=_pow2_at_least(n_keys, 16),  # tl.dot's N >= 16
              TOPK=topk, K_P=k_pad, C_P=pairs.numel(), BLOCK_M=block_m, IEEE=query.dtype == torch.float32 or query.device.type == "cpu",
              num_warps=config["num_warps"]),
     )

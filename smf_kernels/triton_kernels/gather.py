@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from smf_kernels.kernels.launch import LaunchPlan
+from smf_kernels.triton_kernels.launch import LaunchPlan
 
 
 @triton.jit
@@ -143,6 +143,8 @@ def segment_rows_kernel(
 
 
 def _block_d(dim: int) -> int:
+    # 128 fp32 columns = one 512-byte row segment: four full 128-byte lines per load, and the
+    # segment kernel's (16, 128) fp32 accumulator stays in registers over 4 warps.
     return min(128, triton.next_power_of_2(dim))
 
 
@@ -162,6 +164,8 @@ def backward_tile_config(dim: int) -> dict:
 
 
 def _block_l(per_token: int) -> int:
+    # tl.arange needs a power of two. At least 2: a width-1 read axis (heads = topk = 1) is a shape
+    # neither the tests nor the AOT report cover, and padding it costs one masked lane.
     return max(2, triton.next_power_of_2(per_token))
 
 
@@ -223,6 +227,9 @@ def plan_gather_backward(grad_out, values, indices, weights, slots, out_rows, ne
 def plan_segment_rows(grad_out, indices, weights, slots, out_rows, block_r: int = 16):
     """(plan, grad_values fp32 (out_rows, D)): the deterministic value gradient, sorted by target row.
 
+    block_r = 16 output rows per program: each program binary-searches its rows' segments once, and
+    16 x 128 fp32 accumulators over 4 warps is 16 registers a thread (no spills in the AOT report).
+
     Only device-side torch ops (sort, gather, where) precede the launch: no host sync.
     """
     num_tokens, per_token = indices.shape
@@ -240,6 +247,7 @@ def plan_segment_rows(grad_out, indices, weights, slots, out_rows, block_r: int 
         segment_rows_kernel, (triton.cdiv(out_rows, block_r), triton.cdiv(dim, block_d)),
         (grad_out, weights.contiguous().reshape(-1), order, sorted_targets, dst,
          out_rows, reads, per_token, dim, grad_out.stride(0)),
+        # SEARCH_STEPS: enough halvings to binary-search any of the `reads` sorted targets.
         dict(BLOCK_R=block_r, BLOCK_D=block_d, SEARCH_STEPS=max(1, reads.bit_length()), num_warps=4),
     )
     return plan, dst

@@ -15,6 +15,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from smf_kernels._precision import accumulation_dtype
+from smf_kernels._rows import row_to_slot_map
 from smf_kernels.reference import product_key_topk_reference
 from smf_kernels.reference import ranked_topk as _stable_ranked_topk
 
@@ -82,10 +84,6 @@ def topk_forward(query: torch.Tensor, keys: torch.Tensor, topk: int) -> tuple[to
     return scores, i.gather(-1, ia) * n_keys + j.gather(-1, ib)
 
 
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
-
-
 def gather_forward(values, indices, weights, counts, valid):
     """The authors' gather: F.embedding_bag in values' dtype; the histogram by bincount."""
     out = F.embedding_bag(indices, values, per_sample_weights=weights.to(values.dtype), mode="sum")
@@ -113,7 +111,7 @@ def gather_backward_weights(grad_out, values, indices):
     and elsewhere than on CPU: gathered rows times grad_out, a chunk of tokens at a time.
     """
     num_tokens, per_token = indices.shape
-    dtype = _accumulation_dtype(values.dtype)
+    dtype = accumulation_dtype(values.dtype)
     if values.device.type == "cpu" and not _reads_a_row_twice(indices):
         crow = torch.arange(0, num_tokens * per_token + 1, per_token)
         with warnings.catch_warnings():
@@ -129,13 +127,6 @@ def gather_backward_weights(grad_out, values, indices):
     return grad_weights
 
 
-def row_to_slot_map(update_rows: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """(num_rows,) int64 map: slot t for row update_rows[t], -1 for every other row."""
-    slots = torch.full((num_rows,), -1, dtype=torch.int64, device=update_rows.device)
-    slots[update_rows] = torch.arange(update_rows.numel(), device=update_rows.device)
-    return slots
-
-
 def _sum_reads_by_target(grad_out, weights, targets, out_rows):
     """fp32 (out_rows, D): row t = sum of w[n, l] * grad_out[n] over reads with targets[n * L + l] == t.
 
@@ -145,7 +136,7 @@ def _sum_reads_by_target(grad_out, weights, targets, out_rows):
     """
     num_tokens, per_token = weights.shape
     dim = grad_out.shape[1]
-    grad_out = grad_out.to(_accumulation_dtype(grad_out.dtype))
+    grad_out = grad_out.to(accumulation_dtype(grad_out.dtype))
     flat_weights = weights.reshape(-1).to(grad_out.dtype)
     if grad_out.device.type == "cpu":
         order = targets.argsort(stable=True)
@@ -207,7 +198,7 @@ def _embedding_bag_backward(grad_out, values, indices, weights, need_values, nee
 def gather_backward(grad_out, values, indices, weights, update_rows, deterministic, need_values, need_weights):
     """Gradients from embedding_bag's backward (on CPU always; elsewhere unless deterministic, its
     CUDA value gradient using atomics); on CPU the row-sparse value gradient from one CSR product."""
-    dtype = _accumulation_dtype(values.dtype)
+    dtype = accumulation_dtype(values.dtype)
     by_bag = values.device.type == "cpu" or not deterministic
     # The sparse value gradient too, off CPU (index_put_ took 0.7 s at the paper size on an H100);
     # on CPU the CSR product below is the faster one.

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import torch
 
-from smf_kernels.backends import triton_interpreter_enabled
-from smf_kernels.kernels import triton_gather, triton_topk
-from smf_kernels.kernels.torch_impl import row_to_slot_map
+from smf_kernels._precision import accumulation_dtype
+from smf_kernels._rows import row_to_slot_map
+from smf_kernels.triton_kernels import gather as triton_gather
+from smf_kernels.triton_kernels import interpreter_enabled
+from smf_kernels.triton_kernels import topk as triton_topk
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -13,7 +15,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def unavailable_reason(device: torch.device) -> str | None:
     if device.type == "cuda":
         return None
-    if device.type == "cpu" and triton_interpreter_enabled():
+    if device.type == "cpu" and interpreter_enabled():
         return None
     return ("Triton kernels need CUDA tensors (or, on CPU, the Triton interpreter: set "
             "TRITON_INTERPRET=1 before importing smf_kernels)")
@@ -46,5 +48,5 @@ def gather_backward(grad_out, values, indices, weights, update_rows, determinist
     out_rows = values.shape[0] if update_rows is None else update_rows.numel()
     grad_values, grad_weights = triton_gather.gather_backward(
         grad_out, values, indices, weights, slots, out_rows, deterministic, need_values, need_weights)
-    dtype = torch.promote_types(values.dtype, torch.float32)
+    dtype = accumulation_dtype(values.dtype)
     return grad_values.to(dtype), grad_weights.to(dtype)

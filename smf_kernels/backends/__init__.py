@@ -10,6 +10,20 @@ Backends:
 variable, else the fastest available backend for the tensors' device (CUDA:
 triton, then ext, then torch; CPU: ext, then torch). Asking for a backend that
 cannot run raises :class:`BackendUnavailableError` saying why.
+
+Each adapter module here (``torch_impl``, ``triton_impl``, ``ext_impl``) exposes the
+same functions; :mod:`smf_kernels.ops` validates arguments and dispatches to them.
+The raw Triton kernels live apart, in :mod:`smf_kernels.triton_kernels`, and the C++
+/ CUDA ones in ``csrc/``; adapters import kernels, never this registry.
+
+    unavailable_reason(device) -> str | None
+    topk_forward(query, keys, topk) -> (scores fp32 (N,H,k), indices int64 (N,H,k))
+    gather_forward(values, indices, weights, counts, valid) -> out (N, D), values' dtype
+    gather_backward(grad_out, values, indices, weights, update_rows, deterministic,
+                    need_values, need_weights)
+        -> (grad_values, grad_weights), both fp32 (fp64 for fp64):
+           grad_values (M, D) if update_rows is None else (T, D), row t for update_rows[t];
+           grad_weights (N, L); a gradient not needed has 0 rows.
 """
 from __future__ import annotations
 
@@ -32,9 +46,9 @@ class BackendUnavailableError(RuntimeError):
 def _load(name: str) -> tuple[ModuleType | None, str]:
     """Import a backend's implementation module; return (module, reason-if-missing)."""
     module_name = {
-        "torch": "smf_kernels.kernels.torch_impl",
-        "triton": "smf_kernels.kernels.triton_impl",
-        "ext": "smf_kernels.kernels.ext_impl",
+        "torch": "smf_kernels.backends.torch_impl",
+        "triton": "smf_kernels.backends.triton_impl",
+        "ext": "smf_kernels.backends.ext_impl",
     }[name]
     try:
         return importlib.import_module(module_name), ""
@@ -45,10 +59,6 @@ def _load(name: str) -> tuple[ModuleType | None, str]:
 def refresh() -> None:
     """Forget cached import results, e.g. after building the compiled extension in this process."""
     _load.cache_clear()
-
-
-def triton_interpreter_enabled() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def unavailable_reason(name: str, device: torch.device | str) -> str | None:
