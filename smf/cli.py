@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 
-from smf.train.config import ConfigError
+from smf.errors import ConfigError
 
 COMMAND_MODULES = ("smf.train.commands", "smf.suite.commands")
 

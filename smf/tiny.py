@@ -15,6 +15,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from smf.vocabulary import TINY_MEMORY_KWARGS, TINY_MEMORY_LAYERS  # noqa: F401  (the preset's memory sizes)
+
 PAD_TOKEN = "<|endoftext|>"
 EOS_TOKEN = "<|im_end|>"
 SPECIAL_TOKENS = (PAD_TOKEN, "<|im_start|>", EOS_TOKEN)
@@ -26,9 +28,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-
-TINY_MEMORY_LAYERS = (2, 4, 6)
-TINY_MEMORY_KWARGS = {"n_keys": 16, "heads": 2, "topk": 4, "key_dim": 32}
 
 
 def _byte_alphabet() -> list[str]:

@@ -5,9 +5,10 @@ import pytest
 import yaml
 
 from smf import cli
-from smf.report import CONDITIONS, PAPER_MODEL_ID
+from smf.report import CONDITIONS
 from smf.suite.config import TRAIN_KEYS, load_suite_config
-from smf.train.config import ConfigError
+from smf.errors import ConfigError
+from smf.vocabulary import DEFAULT_MODEL
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -35,7 +36,7 @@ def _write(tmp_path: Path, **overrides) -> Path:
 def test_shipped_configs_load_by_name(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     paper = load_suite_config("paper")
-    assert paper.model == PAPER_MODEL_ID and paper.seeds == (0, 1, 2) and paper.conditions == CONDITIONS
+    assert paper.model == DEFAULT_MODEL and paper.seeds == (0, 1, 2) and paper.conditions == CONDITIONS
     assert (paper.eval.medmcqa_examples, paper.eval.triviaqa_examples) == (1000, 1000)
     assert paper.train["rows_per_step"] == 512 and paper.train["layers"] == [6, 12, 18]
     tiny = load_suite_config("tiny")

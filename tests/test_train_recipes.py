@@ -7,14 +7,13 @@ import torch
 
 import smf.train.loop as loop
 from smf.model import attach_memories, save_memory_adapter
-from smf.tiny import tiny_model
+from smf.tiny import TINY_MEMORY_KWARGS as TINY_MEMORY, TINY_MEMORY_LAYERS, tiny_model
 from smf.train import build_config, train
 from smf.train.checkpoint import CHECKPOINT_FILE, LOG_FILE
 from smf.train.distributed import World
 from smf.train.recipes import build_setup
 from smf_kernels.sparse import BackgroundStats, SparseMemoryController
 
-TINY_MEMORY = {"n_keys": 16, "heads": 2, "topk": 4, "key_dim": 32}  # the tiny preset's sizes
 WIDTH, INTERMEDIATE, LAYERS, KV_WIDTH = 64, 128, 8, 32  # tiny Qwen-2: hidden, MLP, layers, 2 KV heads x 16
 
 
@@ -31,7 +30,7 @@ def tiny_run_config(tmp_path, command, recipe, **overrides):
 def write_adapter_and_background(directory, mode):
     """An untrained memory adapter of ``mode`` at the tiny preset's layers, and empty background stats."""
     model = tiny_model()
-    attach_memories(model, (2, 4, 6), {"additive+s": "additive_s"}.get(mode, mode), **TINY_MEMORY)
+    attach_memories(model, TINY_MEMORY_LAYERS, mode, **TINY_MEMORY)
     model.config._name_or_path = "tiny"
     save_memory_adapter(model, directory / "final")
     stats = BackgroundStats.for_memories(SparseMemoryController(model).memories)

@@ -14,11 +14,11 @@ from torch import nn
 from smf.model.attach import CONFIG_KEY, attach_memories, memory_blocks
 from smf.model.block import MODES, MemoryBlock
 from smf.model.hf_auto import SUFFIX, register_memory_type
+from smf.vocabulary import DEFAULT_MODEL, canonical
 from smf_kernels import ProductKeyMemory
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 ADAPTER_WEIGHTS = "memory_adapter.safetensors"
 ADAPTER_CONFIG = "memory_adapter.json"
 
@@ -94,6 +94,8 @@ def read_adapter_config(directory: str | Path) -> dict:
         config = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"{path} is not a memory adapter config (not valid JSON: {err})") from err
+    if isinstance(config, dict):
+        config["mode"] = canonical(config.get("mode"), f"{path}: mode")  # adapters written before the rename
     if (not isinstance(config, dict) or not isinstance(config.get("layers"), list)
             or not isinstance(config.get("memory_kwargs"), dict) or config.get("mode") not in MODES):
         raise ValueError(f"{path} is not a memory adapter config: expected a JSON object with 'mode' in {MODES}, "

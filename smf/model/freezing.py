@@ -27,7 +27,7 @@ def configure_trainable(model: nn.Module, stage: str) -> dict[str, int]:
 
     - ``retrofit``: every memory parameter (query, keys, values, gate, out; alpha in additive
       modes) trains, everything else is frozen.
-    - ``sparse``: only memory values train (plus alpha in mode ``additive_s``); which value rows
+    - ``sparse``: only memory values train (plus alpha in mode ``additive+s``); which value rows
       move each step is the trainer's business (ProductKeyMemory.set_update_rows).
     - ``full``: every parameter of a model without memories trains (full-finetune baseline).
     """
@@ -49,7 +49,7 @@ def configure_trainable(model: nn.Module, stage: str) -> dict[str, int]:
                 block.memory.requires_grad_(True)
             else:
                 block.memory.values.requires_grad_(True)
-            if block.alpha is not None and (stage == "retrofit" or block.mode == "additive_s"):
+            if block.alpha is not None and (stage == "retrofit" or block.mode == "additive+s"):
                 block.alpha.requires_grad_(True)
     counts = count_parameters(model)
     logger.info("stage %s: %d of %d parameters trainable", stage, counts["trainable"], counts["total"])

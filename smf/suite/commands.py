@@ -8,8 +8,8 @@ import logging
 from pathlib import Path
 
 from smf.data.protocol import DEFAULT_PROTOCOL, PROTOCOLS
-from smf.report import CONDITIONS, PAPER_MODEL_ID
-from smf.suite.config import TASKS, DataPaths, EvalSettings, load_suite_config
+from smf.vocabulary import CONDITIONS, DEFAULT_MODEL, TASKS
+from smf.suite.config import DataPaths, EvalSettings, load_suite_config
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +68,8 @@ def run_report_command(args: argparse.Namespace) -> int:
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = EvalSettings()
-    parser.add_argument("--model", default=PAPER_MODEL_ID,
-                        help=f"base model: hub id, local directory or 'tiny' (default: {PAPER_MODEL_ID})")
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"base model: hub id, local directory or 'tiny' (default: {DEFAULT_MODEL})")
     parser.add_argument("--adapter", metavar="DIR",
                         help="what to evaluate on top of --model: a training run directory, a memory adapter, a "
                              "peft LoRA adapter, or a full-finetune model directory (default: the base model)")

@@ -42,15 +42,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from smf.data.protocol import DEFAULT_PROTOCOL, PROTOCOLS
-from smf.report.paper_results import CONDITIONS, SELECTION_RULES
-from smf.train.config import FIELDS, ConfigError, build_config
+from smf.vocabulary import CONDITIONS, SPARSE_CONDITIONS, TASKS
+from smf.errors import ConfigError
+from smf.train.config import FIELDS, build_config
 from smf.train.config import coerce_option, parse_config_file
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 SHIPPED_PREFIX = "suite_"
 
-TASKS = ("medmcqa", "wikitext", "triviaqa")
-SPARSE_CONDITIONS = tuple(SELECTION_RULES)
 STAGES = ("retrofit", "background", "sparse", "lora", "full")
 STAGE_COMMANDS = {"retrofit": "retrofit", "background": "background", "sparse": "train", "lora": "train",
                   "full": "train"}

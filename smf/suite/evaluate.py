@@ -14,7 +14,7 @@ from smf.data import load_medmcqa, load_triviaqa, load_wikitext
 from smf.eval import evaluate_medmcqa, evaluate_triviaqa, evaluate_wikitext
 from smf.suite.config import DataPaths, EvalSettings
 from smf.train.artifacts import FINAL_DIR, RUN_CONFIG, load_base, load_trained_model
-from smf.train.config import ConfigError
+from smf.errors import ConfigError
 
 METRIC_OF_TASK = {"medmcqa": "medmcqa_acc", "wikitext": "wikitext_ppl", "triviaqa": "triviaqa_acc"}
 

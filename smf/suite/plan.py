@@ -25,6 +25,7 @@ from pathlib import Path
 
 from smf.suite.config import STAGE_COMMANDS, SuiteConfig
 from smf.train.config import FIELDS, RunConfig, build_config
+from smf.vocabulary import FINGERPRINT_SPELLINGS, RETROFIT_MODE, split_condition
 
 SUITE_CONFIG_FILE = "suite_config.json"
 # Options that say where a stage lives and runs, whether it resumed and how often it saved, not what it computes.
@@ -55,19 +56,17 @@ class Run:
     @property
     def mode(self) -> str | None:
         """Memory mode of a sparse condition (replacement, additive, additive+s), else None."""
-        return self.condition.rsplit("-", 1)[0] if self.recipe == "sparse" else None
+        return split_condition(self.condition)[0] if self.recipe == "sparse" else None
 
     @property
     def retrofit_mode(self) -> str | None:
         """Mode of the retrofit a sparse condition starts from (additive for additive+s), else None."""
-        return {"additive+s": "additive"}.get(self.mode, self.mode)
+        return RETROFIT_MODE.get(self.mode)
 
     @property
     def rule(self) -> str | None:
         """Selection rule of a sparse condition (kl, tfidf), else None."""
-        if self.recipe != "sparse":
-            return None
-        return self.condition.rsplit("-", 1)[1]
+        return split_condition(self.condition)[1] if self.recipe == "sparse" else None
 
 
 def plan_runs(config: SuiteConfig) -> list[Run]:
@@ -155,7 +154,12 @@ def sparse_stage_dirs(layout: SuiteLayout, run: Run) -> tuple[Path, Path]:
 
 
 def _digest(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    """16 hex digits of ``obj``'s JSON; renamed option values are hashed in their old spelling
+    (:data:`smf.vocabulary.FINGERPRINT_SPELLINGS`), so suite directories written before a rename still match."""
+    text = json.dumps(obj, sort_keys=True, default=str)
+    for new, old in FINGERPRINT_SPELLINGS.items():
+        text = text.replace(json.dumps(new), json.dumps(old))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def options_fingerprint(options: dict) -> str:

@@ -14,12 +14,13 @@ import json
 import logging
 from pathlib import Path
 
-from smf.report import PAPER_MODEL_ID, accounting_markdown, paper_qwen_config, parameter_accounting, write_report
+from smf.report import accounting_markdown, paper_qwen_config, parameter_accounting, write_report
 from smf.report.paper_results import HIGHER_IS_BETTER, METRIC_TITLES, METRICS, display_name
 from smf.report.table import summarize
 from smf.suite.config import SuiteConfig, suite_config_from_dict
 from smf.suite.plan import SuiteLayout, plan_runs, run_hash, stage_settings
-from smf.train.config import TINY_MODEL, ConfigError
+from smf.errors import ConfigError
+from smf.vocabulary import DEFAULT_MODEL, TINY_MODEL
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ def model_architecture(model: str):
         from smf.tiny import tiny_config
 
         return tiny_config()
-    if model == PAPER_MODEL_ID:
+    if model == DEFAULT_MODEL:
         return paper_qwen_config()
     from transformers import AutoConfig
 
@@ -191,7 +192,7 @@ def write_suite_report(suite_dir: str | Path) -> list[Path]:
     results = collect_results(layout, config)
     if not results:
         raise ConfigError(f"--suite-dir {str(suite_dir)!r} holds no finished run (results/*.json) to report")
-    include_paper = config.model == PAPER_MODEL_ID
+    include_paper = config.model == DEFAULT_MODEL
     paths = write_report(table_records(results), layout.root, include_paper=include_paper, model=config.model)
     if config.authors_update:
         paths += write_update_ablation(config, results, layout.root)

@@ -33,7 +33,8 @@ from smf.suite.report import write_status
 from smf.train.artifacts import FINAL_DIR, RUN_CONFIG, load_base, load_trained_model
 from smf.train.background import collect_background
 from smf.train.checkpoint import CHECKPOINT_FILE, LOG_FILE
-from smf.train.config import ConfigError, RunConfig
+from smf.errors import ConfigError
+from smf.train.config import RunConfig
 from smf.train.distributed import pick_device
 from smf.train.loop import train
 

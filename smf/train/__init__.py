@@ -5,7 +5,8 @@ Command line: ``smf retrofit``, ``smf background``, ``smf train --recipe ...`` (
 """
 from smf.train.artifacts import load_base, load_trained_model
 from smf.train.background import collect_background
-from smf.train.config import ConfigError, RunConfig, build_config, read_config_file
+from smf.errors import ConfigError
+from smf.train.config import RunConfig, build_config, read_config_file
 from smf.train.loop import train
 
 __all__ = ["ConfigError", "RunConfig", "build_config", "collect_background", "load_base", "load_trained_model",

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from smf.model import load_base_model, load_memory_adapter, load_tokenizer
-from smf.train.config import TINY_MODEL, ConfigError
+from smf.errors import ConfigError
+from smf.vocabulary import TINY_MODEL
 
 logger = logging.getLogger(__name__)
 

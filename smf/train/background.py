@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from smf.train.artifacts import RUN_CONFIG, write_run_config
-from smf.train.config import ConfigError, RunConfig
+from smf.errors import ConfigError
+from smf.train.config import RunConfig
 from smf.train.data import background_features
 from smf.train.distributed import World, barrier, setup_distributed
 from smf.train.recipes import BACKGROUND_FILE, load_model_with_adapter

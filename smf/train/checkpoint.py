@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from smf.train.config import ConfigError
+from smf.errors import ConfigError
 
 CHECKPOINT_FILE = "checkpoint.pt"
 LOG_FILE = "train_log.jsonl"

@@ -9,6 +9,7 @@ import argparse
 import logging
 
 from smf.train.config import FIELDS, RECIPE_LR, RunConfig, build_config, field_type, read_config_file
+from smf.vocabulary import canonical
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +31,10 @@ def _bool_flag(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def _choice(flag: str):
+    return lambda text: canonical(text, flag)
+
+
 def add_run_options(parser: argparse.ArgumentParser, command: str) -> None:
     """Add ``--config`` and one flag per option of ``command``; unset flags stay out of the namespace."""
     parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
@@ -48,7 +53,8 @@ def add_run_options(parser: argparse.ArgumentParser, command: str) -> None:
             parser.add_argument(flag, type=int, nargs="+", metavar="INDEX", default=argparse.SUPPRESS,
                                 help=help_text)
         else:
-            parser.add_argument(flag, type=_bool_flag if kind is bool else kind, choices=choices,
+            parser.add_argument(flag, type=_bool_flag if kind is bool else _choice(flag) if choices else kind,
+                                choices=choices,
                                 metavar=None if choices else name.upper(), default=argparse.SUPPRESS,
                                 help=help_text)
 

@@ -13,17 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from smf.data.protocol import DEFAULT_PROTOCOL, PROTOCOLS
-from smf.model.checkpoint import DEFAULT_MODEL
+from smf.errors import ConfigError
+from smf.vocabulary import (DEFAULT_MODEL, MEMORY_MODES, RECIPES, RULES, SPARSE_BACKWARDS, SPARSE_OPTIMIZERS,
+                            TINY_MEMORY_KWARGS, TINY_MEMORY_LAYERS, TINY_MODEL, TRAIN_RECIPES, canonical, check_layers)
 
-RECIPES = ("retrofit", "sparse", "lora", "full")
-TRAIN_RECIPES = ("sparse", "lora", "full")
-MEMORY_MODES = ("replacement", "additive", "additive+s")
-RULES = ("tfidf", "kl")
-SPARSE_BACKWARDS = ("selected-rows", "read-rows")
-SPARSE_OPTIMIZERS = ("row-sparse", "dense-masked", "authors")
 BF16_CHOICES = ("auto", "on", "off")
 PRESETS = ("tiny",)
-TINY_MODEL = "tiny"
 
 # Paper defaults that depend on the recipe (SPEC §3).
 RECIPE_LR = {"retrofit": 5e-4, "sparse": 5e-4, "lora": 2e-4, "full": 5e-5}
@@ -31,10 +26,6 @@ RECIPE_EPOCHS = {"retrofit": 2, "sparse": 3, "lora": 3, "full": 3}
 RECIPE_EXAMPLES = {"retrofit": 50_000, "sparse": 60_000, "lora": 60_000, "full": 60_000}
 
 FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures"
-
-
-class ConfigError(ValueError):
-    """A bad option value, path or combination; the CLI prints it as one line and exits with code 2."""
 
 
 def _opt(default, help: str, commands: tuple[str, ...], choices: tuple | None = None):
@@ -71,8 +62,8 @@ class RunConfig:
                                   "directory (required for --recipe sparse)", ("train",))
     rule: str = _opt("tfidf", "slot scoring rule (--recipe sparse)", ("train",), RULES)
     rows_per_step: int = _opt(512, "T: value rows trained per layer per step (--recipe sparse)", ("train",))
-    optimizer: str = _opt("row-sparse", "row-sparse: only selected rows and their AdamW state move (default); "
-                          "dense-masked: one selection per step, masked dense gradient, torch AdamW; authors: the "
+    optimizer: str = _opt("row_sparse", "row_sparse: only selected rows and their AdamW state move (default); "
+                          "dense_masked: one selection per step, masked dense gradient, torch AdamW; authors: the "
                           "authors' update, rows selected per micro-batch counting padding, each backward masked, "
                           "dense AdamW (one process only) (--recipe sparse)", ("train",), SPARSE_OPTIMIZERS)
     sparse_backward: str = _opt("selected-rows", "selected-rows: rows are chosen before any backward of the step "
@@ -148,8 +139,8 @@ FIELDS = {f.name: f for f in dataclasses.fields(RunConfig)}
 
 TINY_PRESET = {
     "model": TINY_MODEL,
-    "layers": [2, 4, 6],
-    "n_keys": 16, "heads": 2, "topk": 4, "key_dim": 32,
+    "layers": list(TINY_MEMORY_LAYERS),
+    **TINY_MEMORY_KWARGS,
     "oasst_path": str(FIXTURES / "oasst1_train.jsonl"),
     "medmcqa_path": str(FIXTURES / "medmcqa_train.jsonl"),
     "rows_per_step": 32,
@@ -177,6 +168,7 @@ def field_type(name: str):
 def coerce_option(name: str, value, source: str):
     """``value`` from a config file as option ``name``'s type; ConfigError naming ``source`` otherwise."""
     kind = field_type(name)
+    value = canonical(value, f"{source}: option {name!r}")
     if value is None:
         if FIELDS[name].default is not None:
             raise ConfigError(f"{source}: option {name!r} cannot be null")
@@ -252,7 +244,7 @@ def build_config(command: str, file_options: dict, cli_options: dict) -> RunConf
         raise ConfigError(f"--preset must be one of {PRESETS}, got {preset!r}")
     options.update(file_options)
     options.update(cli_options)
-    config = RunConfig(**options)
+    config = RunConfig(**{name: canonical(value, f"--{name.replace('_', '-')}") for name, value in options.items()})
     validate(config, command)
     return config
 
@@ -296,10 +288,7 @@ def validate(config: RunConfig, command: str) -> None:
         raise ConfigError(f"--topk {config.topk} must be <= --n-keys {config.n_keys}")
     if config.key_dim % 2:
         raise ConfigError(f"--key-dim must be even (it is split into two halves), got {config.key_dim}")
-    if not config.layers:
-        raise ConfigError("--layers needs at least one layer index")
-    if any(index < 0 for index in config.layers) or len(set(config.layers)) != len(config.layers):
-        raise ConfigError(f"--layers must be distinct non-negative indices, got {list(config.layers)}")
+    check_layers(config.layers, argument="--layers")
     if config.global_batch_size % config.micro_batch_size:
         raise ConfigError(f"--global-batch-size {config.global_batch_size} is not a multiple of "
                           f"--micro-batch-size {config.micro_batch_size}")

@@ -3,7 +3,7 @@
 - ``retrofit``: fresh memories at ``layers``; every memory parameter (+ alpha) trains; AdamW.
 - ``sparse``: memories from the retrofit adapter; only value rows picked each step by the
   :class:`SparseMemoryController` train (+ alpha in mode additive+s); :class:`RowSparseAdamW`
-  (or, ``--optimizer dense-masked``, masked dense gradients with torch AdamW for comparison;
+  (or, ``--optimizer dense_masked``, masked dense gradients with torch AdamW for comparison;
   ``--optimizer authors``, the authors' update, :class:`AuthorsSparseUpdate`).
 - ``lora``: peft LoRA on the seven projections; AdamW.
 - ``full``: every base parameter; AdamW.
@@ -27,14 +27,15 @@ from smf.model import (
     read_adapter_config,
 )
 from smf.train.artifacts import FINAL_DIR, load_base
-from smf.train.config import ConfigError, RunConfig
+from smf.errors import ConfigError
+from smf.train.config import RunConfig
+from smf.vocabulary import check_layers
 from smf.train.distributed import World
 from smf_kernels.sparse import AuthorsSparseUpdate, BackgroundStats, RowSparseAdamW, SparseMemoryController
 
 logger = logging.getLogger(__name__)
 
 BACKGROUND_FILE = "background.safetensors"
-MODE_NAMES = {"replacement": "replacement", "additive": "additive", "additive+s": "additive_s"}
 
 
 @dataclass
@@ -70,14 +71,6 @@ def resolve_background_file(path: str) -> Path:
     return candidate
 
 
-def _check_layers(model: nn.Module, layers) -> None:
-    num_layers = len(decoder_layers(model))
-    beyond = [index for index in layers if index >= num_layers]
-    if beyond:
-        raise ConfigError(f"--layers {list(layers)}: indices {beyond} are beyond the model, which has {num_layers} "
-                          f"decoder layers (valid: 0..{num_layers - 1})")
-
-
 def load_model_with_adapter(config: RunConfig, device: torch.device) -> tuple[nn.Module, object]:
     """Base model (``config.model``) with the retrofit adapter's memories attached."""
     adapter_dir = resolve_adapter_dir(config.adapter)
@@ -86,7 +79,7 @@ def load_model_with_adapter(config: RunConfig, device: torch.device) -> tuple[nn
         raise ConfigError(f"--adapter was trained on base model {adapter['base_model']!r} but --model is "
                           f"{config.model!r}; pass --model {adapter['base_model']}")
     model, tokenizer = load_base(config.model, device)
-    _check_layers(model, adapter["layers"])
+    check_layers(adapter["layers"], len(decoder_layers(model)), argument="the adapter's layers")
     load_memory_adapter(model, adapter_dir, backend=config.backend)
     return model.to(device), tokenizer
 
@@ -96,13 +89,13 @@ def set_sparse_mode(model: nn.Module, mode: str | None) -> None:
     additive -> additive+s (alpha trains too), how the paper's +S starts from the additive retrofit."""
     blocks = memory_blocks(model)
     saved = blocks[0].mode
-    if mode is None or MODE_NAMES[mode] == saved:
+    if mode is None or mode == saved:
         return
-    if MODE_NAMES[mode] != "additive_s" or saved != "additive":
+    if mode != "additive+s" or saved != "additive":
         raise ConfigError(f"--mode {mode} cannot finetune an adapter retrofitted in mode {saved!r}; only an additive "
                           "adapter can be finetuned as additive+s (omit --mode to keep the adapter's mode)")
     for block in blocks:
-        block.mode = "additive_s"
+        block.mode = mode
 
 
 def _adamw(params, config: RunConfig) -> torch.optim.Optimizer:
@@ -118,8 +111,8 @@ def build_setup(config: RunConfig, world: World) -> TrainingSetup:
     recipe, controller = config.recipe, None
     if recipe == "retrofit":
         model, tokenizer = load_base(config.model, world.device)
-        _check_layers(model, config.layers)
-        attach_memories(model, config.layers, MODE_NAMES[config.mode], alpha_init=config.alpha_init,
+        check_layers(config.layers, len(decoder_layers(model)), argument="--layers")
+        attach_memories(model, config.layers, config.mode, alpha_init=config.alpha_init,
                         n_keys=config.n_keys, heads=config.heads, topk=config.topk, key_dim=config.key_dim,
                         backend=config.backend)
         model.to(world.device)
@@ -131,12 +124,11 @@ def build_setup(config: RunConfig, world: World) -> TrainingSetup:
         if config.optimizer == "authors":
             if world.size > 1:
                 raise ConfigError("--optimizer authors runs in one process (the authors' single-GPU update); "
-                                  "drop torchrun or choose row-sparse")
+                                  "drop torchrun or choose row_sparse")
             controller = AuthorsSparseUpdate(model, rule=config.rule, rows_per_step=config.rows_per_step)
         else:
-            mode = "row_sparse" if config.optimizer == "row-sparse" else "dense_masked"
             controller = SparseMemoryController(model, rule=config.rule, rows_per_step=config.rows_per_step,
-                                                mode=mode)
+                                                mode=config.optimizer)
         try:
             controller.set_background(BackgroundStats.load(resolve_background_file(config.background),
                                                            controller.memories))
@@ -153,7 +145,7 @@ def build_setup(config: RunConfig, world: World) -> TrainingSetup:
     else:
         raise ConfigError(f"--recipe must be one of retrofit, sparse, lora, full; got {recipe!r}")
     trainable = [p for p in model.parameters() if p.requires_grad]
-    if recipe == "sparse" and config.optimizer == "row-sparse":
+    if recipe == "sparse" and config.optimizer == "row_sparse":
         optimizer = RowSparseAdamW(trainable, lr=config.lr, weight_decay=config.weight_decay)
     else:
         optimizer = _adamw(trainable, config)
