@@ -15,7 +15,10 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from smf.vocabulary import TINY_MEMORY_KWARGS, TINY_MEMORY_LAYERS  # noqa: F401  (the preset's memory sizes)
+from smf.vocabulary import TINY_MEMORY_KWARGS, TINY_MEMORY_LAYERS
+
+__all__ = ["EOS_TOKEN", "PAD_TOKEN", "TINY_MEMORY_KWARGS", "TINY_MEMORY_LAYERS", "save_tiny_pretrained", "tiny_config",
+           "tiny_model", "tiny_tokenizer"]
 
 PAD_TOKEN = "<|endoftext|>"
 EOS_TOKEN = "<|im_end|>"

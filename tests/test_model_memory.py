@@ -12,8 +12,8 @@ from smf.model import (
     attach_memories,
     configure_trainable,
     count_parameters,
-    load_base_model,
-    load_model_with_memories,
+    load_base,
+    load_with_adapter,
     memory_blocks,
     save_memory_adapter,
 )
@@ -164,7 +164,7 @@ def test_lora_targets_the_seven_projections_with_paper_count():
 @pytest.mark.parametrize("mode", ["replacement", "additive+s"])
 def test_adapter_round_trip_gives_identical_logits(tmp_path, mode):
     base_dir = save_tiny_pretrained(tmp_path / "base")
-    model = load_base_model(str(base_dir))
+    model, _ = load_base(str(base_dir))
     blocks = attach_memories(model, TINY_MEMORY_LAYERS, mode, **TINY_MEMORY_KWARGS)
     with torch.no_grad():  # move every saved tensor away from its init
         for block in blocks:
@@ -180,8 +180,8 @@ def test_adapter_round_trip_gives_identical_logits(tmp_path, mode):
     assert config["memory_kwargs"] == {**TINY_MEMORY_KWARGS, "value_dim": 64}
     assert config["base_model"] == str(base_dir)
 
-    reloaded = load_model_with_memories(None, tmp_path / "adapter")
-    assert torch.equal(load_model_with_memories(str(base_dir), tmp_path / "adapter")(ids).logits, ref)
+    reloaded, _ = load_with_adapter(None, tmp_path / "adapter")  # the base model the adapter records
+    assert torch.equal(load_with_adapter(str(base_dir), tmp_path / "adapter")[0](ids).logits, ref)
     assert torch.equal(reloaded(ids).logits, ref)
 
 

@@ -1,7 +1,7 @@
 """The nine conditions of the paper, their display names, and the paper's Table 1 (SPEC §7)."""
 from __future__ import annotations
 
-from smf.vocabulary import CONDITIONS, DEFAULT_MODEL
+from smf.vocabulary import DEFAULT_MODEL
 
 PAPER_MODEL_ID = DEFAULT_MODEL  # the name smf.report has always exported
 

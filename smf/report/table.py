@@ -18,8 +18,9 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from smf.report.paper_results import (CONDITIONS, DISPLAY_NAMES, HIGHER_IS_BETTER, METRIC_TITLES, METRICS,
+from smf.report.paper_results import (DISPLAY_NAMES, HIGHER_IS_BETTER, METRIC_TITLES, METRICS,
                                       PAPER_TABLE1, display_name)
+from smf.vocabulary import CONDITIONS
 
 
 @dataclass(frozen=True)

@@ -119,8 +119,9 @@ def _eval_inputs(args: argparse.Namespace) -> tuple[DataPaths, EvalSettings, str
 
 
 def run_eval_command(args: argparse.Namespace) -> int:
-    from smf.suite.evaluate import evaluate_model, load_eval_sets, load_for_eval
-    from smf.suite.runner import write_json_atomic
+    from smf.model.loading import load_model
+    from smf.suite.evaluate import evaluate_model, load_eval_sets
+    from smf.files import write_json_atomic
     from smf.train.distributed import pick_device
 
     data, settings, protocol = _eval_inputs(args)
@@ -128,7 +129,7 @@ def run_eval_command(args: argparse.Namespace) -> int:
         output_dir = Path(args.output_dir)
     else:
         output_dir = Path(args.adapter) / "eval" if args.adapter is not None else Path("smf-eval")
-    model, tokenizer = load_for_eval(args.model, args.adapter, pick_device(args.device), backend=args.backend)
+    model, tokenizer = load_model(args.model, args.adapter, pick_device(args.device), backend=args.backend)
     metrics, seconds = evaluate_model(model, tokenizer, load_eval_sets(data, settings, protocol), settings,
                                       output_dir, protocol)
     summary = {"model": args.model, "adapter": args.adapter, "protocol": protocol, "metrics": metrics,
@@ -140,12 +141,19 @@ def run_eval_command(args: argparse.Namespace) -> int:
     return 0
 
 
-# name -> (one-line help, add_arguments, run); smf.cli registers these.
+# name -> one-line help; smf.cli registers these with add_arguments and run.
 COMMANDS = {
-    "suite": ("run Table 1: base + the eight trained conditions across seeds, evaluated, resumable",
-              add_suite_arguments, run_suite_command),
-    "report": ("Table 1 (md/csv/tex), Pareto figure, parameter accounting and status of a suite directory",
-               add_report_arguments, run_report_command),
-    "eval": ("MedMCQA / WikiText / TriviaQA of a base model, memory adapter, LoRA adapter or finetuned model",
-             add_eval_arguments, run_eval_command),
+    "suite": "run Table 1: base + the eight trained conditions across seeds, evaluated, resumable",
+    "report": "Table 1 (md/csv/tex), Pareto figure, parameter accounting and status of a suite directory",
+    "eval": "MedMCQA / WikiText / TriviaQA of a base model, memory adapter, LoRA adapter or finetuned model",
 }
+_ARGUMENTS = {"suite": add_suite_arguments, "report": add_report_arguments, "eval": add_eval_arguments}
+_RUN = {"suite": run_suite_command, "report": run_report_command, "eval": run_eval_command}
+
+
+def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+    _ARGUMENTS[command](parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    return _RUN[args.command](args)

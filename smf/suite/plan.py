@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from smf.suite.config import STAGE_COMMANDS, SuiteConfig
-from smf.train.config import FIELDS, RunConfig, build_config
+from smf.options import only
+from smf.train.config import RunConfig, build_config
 from smf.vocabulary import FINGERPRINT_SPELLINGS, RETROFIT_MODE, split_condition
 
 SUITE_CONFIG_FILE = "suite_config.json"
@@ -34,7 +35,7 @@ IGNORED_OPTIONS = ("output_dir", "adapter", "background", "resume", "save_every"
 
 @dataclass(frozen=True)
 class Run:
-    """One cell of Table 1: a condition (see :data:`smf.report.CONDITIONS`) trained with one seed; or,
+    """One cell of Table 1: a condition (see :data:`smf.vocabulary.CONDITIONS`) trained with one seed; or,
     with ``update="authors"``, a sparse condition of the update ablation."""
 
     condition: str
@@ -107,10 +108,6 @@ class SuiteLayout:
         return self.results_dir / f"{run.name}.json"
 
 
-def _options_for(command: str, options: dict) -> dict:
-    return {name: value for name, value in options.items() if command in FIELDS[name].metadata["commands"]}
-
-
 def stage_config(config: SuiteConfig, stage: str, seed: int, output_dir: Path, *, mode: str | None = None,
                  rule: str | None = None, adapter: Path | None = None, background: Path | None = None,
                  optimizer: str | None = None) -> RunConfig:
@@ -131,7 +128,7 @@ def stage_config(config: SuiteConfig, stage: str, seed: int, output_dir: Path, *
                  "background": None if background is None else str(background)}
     suite_set = {name: value for name, value in suite_set.items()
                  if value is not None or name in ("oasst_path", "medmcqa_path")}
-    run_config = build_config(command, _options_for(command, options), _options_for(command, suite_set))
+    run_config = build_config(command, only(RunConfig, command, options), only(RunConfig, command, suite_set))
     return run_config.resolved(stage if command == "train" else command)
 
 
@@ -141,7 +138,7 @@ def stage_settings(config: SuiteConfig, stage: str) -> RunConfig:
     command = STAGE_COMMANDS[stage]
     if command not in ("retrofit", "train"):
         raise ValueError(f"stage must be one of retrofit, sparse, lora, full; got {stage!r}")
-    options = _options_for(command, {**config.train, **config.stages.get(stage, {})})
+    options = only(RunConfig, command, {**config.train, **config.stages.get(stage, {})})
     given = {"output_dir": str(config.output_dir), "model": config.model, "protocol": config.protocol}
     if command == "train":
         given["recipe"] = "lora"

@@ -17,20 +17,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from smf.model import (
-    apply_lora,
-    attach_memories,
-    configure_trainable,
-    decoder_layers,
-    load_memory_adapter,
-    memory_blocks,
-    read_adapter_config,
-)
-from smf.train.artifacts import FINAL_DIR, load_base
 from smf.errors import ConfigError
+from smf.model import apply_lora, attach_memories, configure_trainable, decoder_layers, memory_blocks
+from smf.model.loading import load_base, load_with_adapter
 from smf.train.config import RunConfig
-from smf.vocabulary import check_layers
 from smf.train.distributed import World
+from smf.vocabulary import check_layers
 from smf_kernels.sparse import AuthorsSparseUpdate, BackgroundStats, RowSparseAdamW, SparseMemoryController
 
 logger = logging.getLogger(__name__)
@@ -54,34 +46,12 @@ class TrainingSetup:
         return {name: p for name, p in self.model.named_parameters() if p.requires_grad}
 
 
-def resolve_adapter_dir(path: str) -> Path:
-    """The folder holding memory_adapter.json: ``path`` itself or a retrofit run's final/ folder."""
-    for candidate in (Path(path) / FINAL_DIR, Path(path)):
-        if (candidate / "memory_adapter.json").is_file():
-            return candidate
-    raise ConfigError(f"--adapter {path!r} holds no memory adapter (memory_adapter.json), neither directly nor "
-                      f"in {FINAL_DIR}/; pass a finished retrofit run directory")
-
-
 def resolve_background_file(path: str) -> Path:
     """``path`` itself, or ``path``/background.safetensors when ``path`` is a directory."""
     candidate = Path(path) / BACKGROUND_FILE if Path(path).is_dir() else Path(path)
     if not candidate.is_file():
         raise ConfigError(f"--background {path!r}: no background statistics file ({BACKGROUND_FILE}) there")
     return candidate
-
-
-def load_model_with_adapter(config: RunConfig, device: torch.device) -> tuple[nn.Module, object]:
-    """Base model (``config.model``) with the retrofit adapter's memories attached."""
-    adapter_dir = resolve_adapter_dir(config.adapter)
-    adapter = read_adapter_config(adapter_dir)
-    if adapter.get("base_model") and adapter["base_model"] != config.model:
-        raise ConfigError(f"--adapter was trained on base model {adapter['base_model']!r} but --model is "
-                          f"{config.model!r}; pass --model {adapter['base_model']}")
-    model, tokenizer = load_base(config.model, device)
-    check_layers(adapter["layers"], len(decoder_layers(model)), argument="the adapter's layers")
-    load_memory_adapter(model, adapter_dir, backend=config.backend)
-    return model.to(device), tokenizer
 
 
 def set_sparse_mode(model: nn.Module, mode: str | None) -> None:
@@ -118,7 +88,7 @@ def build_setup(config: RunConfig, world: World) -> TrainingSetup:
         model.to(world.device)
         counts = configure_trainable(model, "retrofit")
     elif recipe == "sparse":
-        model, tokenizer = load_model_with_adapter(config, world.device)
+        model, tokenizer = load_with_adapter(config.model, config.adapter, world.device, config.backend)
         set_sparse_mode(model, config.mode)
         counts = configure_trainable(model, "sparse")
         if config.optimizer == "authors":
