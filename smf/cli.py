@@ -14,10 +14,12 @@ import os
 import sys
 
 from smf.errors import ConfigError
-from smf.suite import commands as suite_commands
+from smf.eval import command as eval_command
+from smf.report import command as report_command
+from smf.suite import commands as suite_command
 from smf.train import commands as train_commands
 
-COMMAND_MODULES = (train_commands, suite_commands)
+COMMAND_MODULES = (train_commands, suite_command, report_command, eval_command)
 
 
 class _ArgumentParser(argparse.ArgumentParser):

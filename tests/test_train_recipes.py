@@ -12,6 +12,7 @@ from smf.train import build_config, train
 from smf.train.checkpoint import CHECKPOINT_FILE, LOG_FILE
 from smf.train.distributed import World
 from smf.train.recipes import build_setup
+from smf.train.steps import SparseStep
 from smf_kernels.sparse import BackgroundStats, SparseMemoryController
 
 WIDTH, INTERMEDIATE, LAYERS, KV_WIDTH = 64, 128, 8, 32  # tiny Qwen-2: hidden, MLP, layers, 2 KV heads x 16
@@ -84,7 +85,7 @@ def test_recipe_trains_exactly_the_spec_parameters(tmp_path, recipe, mode):
         found = {next(part for part in name.split(".") if part in kinds or part in ("values", "alpha"))
                  for name in trainable}
         assert found == kinds
-    assert (setup.controller is not None) == (recipe == "sparse")
+    assert isinstance(setup.step, SparseStep) == (recipe == "sparse")
 
 
 def read_log(run_dir):

@@ -5,7 +5,7 @@ Top-level keys (``-`` or ``_``): ``name``, ``model`` (hub id, local directory or
 trained with the authors' update), ``device``, ``protocol`` (smf/data/protocol.py), ``data`` (local
 copies of the datasets in the hub schema; null or absent = the hub), ``train`` (options of the
 trainer shared by every stage), ``stages`` (per-stage overrides of ``train``) and ``eval``
-(:class:`EvalSettings`). ``smf/configs/suite_paper.yaml`` sets every key.
+(:class:`smf.eval.settings.EvalSettings`). ``smf/configs/suite_paper.yaml`` sets every key.
 
 Relative paths: ``data`` paths and a local ``model`` directory resolve against the folder of the
 config file (so a config and its data move together); ``output_dir`` against the working directory.
@@ -18,11 +18,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from smf.data.paths import DataPaths
 from smf.data.protocol import DEFAULT_PROTOCOL, PROTOCOLS
 from smf.errors import ConfigError
+from smf.eval.settings import EvalSettings
 from smf.options import check, coerce, mapping, option, read_file, takes
 from smf.train.config import OPTIONS, RunConfig, build_config
-from smf.vocabulary import CONDITIONS, SPARSE_CONDITIONS, TASKS
+from smf.vocabulary import CONDITIONS, SPARSE_CONDITIONS
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 SHIPPED_PREFIX = "suite_"
@@ -34,34 +36,6 @@ STAGE_COMMANDS = {"retrofit": "retrofit", "background": "background", "sparse": 
 SUITE_OWNED = ("output_dir", "adapter", "background", "recipe", "mode", "rule", "seed", "resume", "max_steps",
                "model", "device", "protocol", "oasst_path", "medmcqa_path")
 TRAIN_KEYS = tuple(name for name in OPTIONS if name not in SUITE_OWNED)
-POS = "positive"
-
-
-@dataclass(frozen=True)
-class EvalSettings:
-    """How each evaluation runs (docs/method.md#evaluation); the defaults are the paper's."""
-
-    tasks: tuple[str, ...] = option(TASKS, "tasks to evaluate", choices=TASKS)
-    medmcqa_examples: int = option(1000, "first N single-answer validation questions", bound=POS)
-    triviaqa_examples: int = option(1000, "first N validation questions", bound=POS)
-    wikitext_window: int = option(1024, "tokens per perplexity window", bound=POS)
-    wikitext_stride: int = option(512, "tokens between window starts", bound=POS)
-    triviaqa_max_new_tokens: int = option(32, "greedy answer length", bound=POS)
-    medmcqa_questions_per_batch: int = option(8, "questions scored per forward", bound=POS)
-    wikitext_windows_per_batch: int = option(8, "windows scored per forward", bound=POS)
-    triviaqa_batch_size: int = option(32, "questions decoded per generate call (1: the authors' exact decoding)",
-                                      bound=POS)
-
-
-@dataclass(frozen=True)
-class DataPaths:
-    """Local dataset files (absolute), or None for the public hub dataset."""
-
-    oasst: str | None = None
-    medmcqa_train: str | None = None
-    medmcqa_validation: str | None = None
-    wikitext: str | None = None
-    triviaqa: str | None = None
 
 
 @dataclass(frozen=True)

@@ -24,16 +24,16 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from smf.errors import ConfigError
+from smf.eval.tasks import evaluate_model, load_eval_sets
+from smf.files import write_json_atomic
+from smf.model.loading import FINAL_DIR, RUN_CONFIG, load_model
 from smf.suite.config import SuiteConfig
-from smf.suite.evaluate import evaluate_model, load_eval_sets
 from smf.suite.plan import (Run, SuiteLayout, options_fingerprint, plan_runs, run_hash, sparse_stage_dirs,
                             stage_config)
-from smf.suite.report import write_status
-from smf.model.loading import FINAL_DIR, RUN_CONFIG, load_model
+from smf.suite.status import write_status
 from smf.train.background import collect_background
 from smf.train.checkpoint import CHECKPOINT_FILE, LOG_FILE
-from smf.errors import ConfigError
-from smf.files import write_json_atomic
 from smf.train.config import RunConfig
 from smf.train.distributed import pick_device
 from smf.train.loop import train

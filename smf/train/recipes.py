@@ -22,6 +22,7 @@ from smf.model import apply_lora, attach_memories, configure_trainable, decoder_
 from smf.model.loading import load_base, load_with_adapter
 from smf.train.config import RunConfig
 from smf.train.distributed import World
+from smf.train.steps import AuthorsStep, DenseStep, SparseStep, StepHooks, bf16_autocast
 from smf.vocabulary import check_layers
 from smf_kernels.sparse import AuthorsSparseUpdate, BackgroundStats, RowSparseAdamW, SparseMemoryController
 
@@ -32,15 +33,13 @@ BACKGROUND_FILE = "background.safetensors"
 
 @dataclass
 class TrainingSetup:
-    """What the trainer needs from a recipe. ``model`` is the unwrapped model; ``controller`` is set
-    for the sparse recipe only (it then runs the optimizer step and fills ``step_rows``)."""
+    """What the trainer needs from a recipe: the unwrapped model, its tokenizer and optimizer, and what the
+    recipe does around each step's forwards, backwards and optimizer step (:mod:`smf.train.steps`)."""
 
     model: nn.Module
     tokenizer: object
     optimizer: torch.optim.Optimizer
-    controller: SparseMemoryController | AuthorsSparseUpdate | None
-    # The rows each memory layer selected in the last sparse step (layer -> (T,) int64), set by the trainer.
-    step_rows: dict | None = None
+    step: StepHooks
 
     def trainable_parameters(self) -> dict[str, nn.Parameter]:
         return {name: p for name, p in self.model.named_parameters() if p.requires_grad}
@@ -78,7 +77,7 @@ def build_setup(config: RunConfig, world: World) -> TrainingSetup:
     Uses torch's global RNG (seeded by the caller identically on every rank) to initialise
     fresh memories and LoRA weights.
     """
-    recipe, controller = config.recipe, None
+    recipe, step = config.recipe, DenseStep()
     if recipe == "retrofit":
         model, tokenizer = load_base(config.model, world.device)
         check_layers(config.layers, len(decoder_layers(model)), argument="--layers")
@@ -95,10 +94,12 @@ def build_setup(config: RunConfig, world: World) -> TrainingSetup:
             if world.size > 1:
                 raise ConfigError("--optimizer authors runs in one process (the authors' single-GPU update); "
                                   "drop torchrun or choose row_sparse")
-            controller = AuthorsSparseUpdate(model, rule=config.rule, rows_per_step=config.rows_per_step)
+            step = AuthorsStep(AuthorsSparseUpdate(model, rule=config.rule, rows_per_step=config.rows_per_step))
         else:
-            controller = SparseMemoryController(model, rule=config.rule, rows_per_step=config.rows_per_step,
-                                                mode=config.optimizer)
+            step = SparseStep(SparseMemoryController(model, rule=config.rule, rows_per_step=config.rows_per_step,
+                                                     mode=config.optimizer),
+                              config.sparse_backward, bf16_autocast(config.bf16, world.device))
+        controller = step.controller
         try:
             controller.set_background(BackgroundStats.load(resolve_background_file(config.background),
                                                            controller.memories))
@@ -121,4 +122,4 @@ def build_setup(config: RunConfig, world: World) -> TrainingSetup:
         optimizer = _adamw(trainable, config)
     logger.info("recipe %s: %d of %d parameters trainable (%s)", recipe, counts["trainable"], counts["total"],
                 type(optimizer).__name__)
-    return TrainingSetup(model, tokenizer, optimizer, controller)
+    return TrainingSetup(model, tokenizer, optimizer, step)

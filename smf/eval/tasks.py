@@ -1,4 +1,4 @@
-"""Evaluate one model on the three probes of SPEC §6.
+"""Evaluate one model on the three tasks of docs/method.md#evaluation, as the suite and ``smf eval`` do.
 
 Metric keys (those of a Table 1 record): ``medmcqa_acc``, ``wikitext_ppl``, ``triviaqa_acc``.
 """
@@ -10,8 +10,11 @@ from pathlib import Path
 from torch import nn
 
 from smf.data import load_medmcqa, load_triviaqa, load_wikitext
-from smf.eval import evaluate_medmcqa, evaluate_triviaqa, evaluate_wikitext
-from smf.suite.config import DataPaths, EvalSettings
+from smf.eval.medmcqa import evaluate_medmcqa
+from smf.eval.triviaqa import evaluate_triviaqa
+from smf.eval.wikitext import evaluate_wikitext
+from smf.data.paths import DataPaths
+from smf.eval.settings import EvalSettings
 
 METRIC_OF_TASK = {"medmcqa": "medmcqa_acc", "wikitext": "wikitext_ppl", "triviaqa": "triviaqa_acc"}
 
