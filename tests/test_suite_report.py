@@ -1,6 +1,7 @@
 """`smf report` on a suite directory of the paper's configuration (results written here, no training):
 paper columns beside ours, mean ± sample std per condition, accounting of Qwen-2.5-0.5B built on
-the meta device (SPEC §1, §9 numbers), status of finished and pending runs."""
+the meta device (docs/method.md#the-memory-layer, #public-datasets-and-the-fixtures numbers), status of finished
+and pending runs."""
 import csv
 import json
 import random
@@ -63,8 +64,8 @@ def test_report_of_paper_suite(paper_suite, capsys):
     assert rows["lora"]["seeds"] == "2" and rows["full"]["seeds"] == "3"
     assert "MedMCQA acc ↑ (paper)" in (suite_dir / "table1.md").read_text()
 
-    # SPEC §1 / §9: three memories of 17,337,088 (values 14,680,064 each), LoRA 366,592 per layer x 24,
-    # 3 x 512 x 896 value parameters per stage-2 step.
+    # docs/method.md#the-memory-layer, #public-datasets-and-the-fixtures: three memories of 17,337,088 (values
+    # 14,680,064 each), LoRA 366,592 per layer x 24, 3 x 512 x 896 value parameters per stage-2 step.
     accounting = {row["method"]: row for row in json.loads((suite_dir / "accounting.json").read_text())}
     assert accounting["LoRA"]["stored"] == 366_592 * 24
     assert accounting["Additive memory"]["values"] == 3 * 14_680_064

@@ -1,5 +1,5 @@
-"""The trainer on the tiny preset: per-recipe parameter freezing (SPEC §3), each recipe lowers its
-loss on a repeated batch, and a run killed mid-way then resumed ends bit-identical to a straight run."""
+"""The trainer on the tiny preset: per-recipe parameter freezing (docs/method.md#two-stage-training), each recipe
+lowers its loss on a repeated batch, and a run killed mid-way then resumed ends bit-identical to a straight run."""
 import json
 
 import pytest

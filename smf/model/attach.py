@@ -1,4 +1,5 @@
-"""Insert product-key memories into a decoder-only causal LM (SPEC §2): Qwen-2 and any model with
+"""Insert product-key memories into a decoder-only causal LM (docs/method.md#placement-in-qwen-2): Qwen-2 and
+any model with
 ``model.layers[i].mlp``, GPT-2 / GPT-NeoX by table, other layouts by naming them."""
 from __future__ import annotations
 

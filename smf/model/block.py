@@ -1,4 +1,5 @@
-"""MemoryBlock: a decoder layer's feed-forward slot holding a product-key memory (SPEC §2)."""
+"""MemoryBlock: a decoder layer's feed-forward slot holding a product-key memory
+(docs/method.md#placement-in-qwen-2)."""
 from __future__ import annotations
 
 import torch

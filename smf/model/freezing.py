@@ -1,4 +1,4 @@
-"""Which parameters each training recipe trains (SPEC §3)."""
+"""Which parameters each training recipe trains (docs/method.md#two-stage-training)."""
 from __future__ import annotations
 
 import logging
@@ -57,7 +57,7 @@ def configure_trainable(model: nn.Module, stage: str) -> dict[str, int]:
 
 
 def apply_lora(model: nn.Module, r: int = 16, alpha: int = 32, dropout: float = 0.05) -> nn.Module:
-    """LoRA baseline (SPEC §3): peft adapters on the seven projections of every decoder layer.
+    """LoRA baseline (docs/method.md#two-stage-training): peft adapters on the seven projections of every decoder layer.
 
     Returns the peft model (base weights frozen by peft). On a model with memories the adapters
     go on the decoder layers' projections (including the original MLP inside an additive

@@ -28,7 +28,8 @@ MODE_NAMES = {"replacement": "Replacement memory", "additive": "Additive memory"
 
 
 def paper_qwen_config() -> Qwen2Config:
-    """Qwen-2.5-0.5B-Instruct's architecture (SPEC §9), for accounting without downloading weights."""
+    """Qwen-2.5-0.5B-Instruct's architecture (docs/method.md#public-datasets-and-the-fixtures), for accounting
+    without downloading weights."""
     return Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                        num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, rms_norm_eps=1e-6,
                        max_position_embeddings=32768)

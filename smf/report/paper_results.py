@@ -1,4 +1,4 @@
-"""The nine conditions of the paper, their display names, and the paper's Table 1 (SPEC §7)."""
+"""The nine conditions of the paper, their display names, and the paper's Table 1 (docs/method.md#paper-results)."""
 from __future__ import annotations
 
 from smf.vocabulary import DEFAULT_MODEL

@@ -1,4 +1,4 @@
-"""``smf background``: background read statistics of the retrofit memories (SPEC §4).
+"""``smf background``: background read statistics of the retrofit memories (docs/method.md#slot-selection).
 
 The model (base + retrofit adapter) runs in eval mode over ``n_background`` single-example
 oasst1 batches (protocol ``clean``: held out from the retrofit examples, see

@@ -1,4 +1,4 @@
-"""The four training recipes of SPEC §3: which model, which parameters train, which optimizer.
+"""The four training recipes of docs/method.md#two-stage-training: which model, which parameters train, which optimizer.
 
 - ``retrofit``: fresh memories at ``layers``; every memory parameter (+ alpha) trains; AdamW.
 - ``sparse``: memories from the retrofit adapter; only value rows picked each step by the
