@@ -23,8 +23,8 @@ BOUNDS = {"positive": (lambda v: v > 0, "> 0"), "non-negative": (lambda v: v >= 
 
 def option(default, help: str, commands: tuple[str, ...] = (), *, choices: tuple | None = None,
            bound: str | None = None, path: str | None = None):
-    """A dataclass field with its metadata; ``bound``: a key of :data:`BOUNDS`; ``path``: "file" or "dir"
-    (a path that must exist when given)."""
+    """A dataclass field with its metadata; ``bound``: a key of :data:`BOUNDS`; ``path``: "any" or "dir", a
+    path (or directory) that must exist when given."""
     return dataclasses.field(default=default, metadata={"help": help, "commands": commands, "choices": choices,
                                                         "bound": bound, "path": path})
 
@@ -63,8 +63,6 @@ def _scalar(kind: type, value, where: str):
             raise ConfigError(wrong) from None
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if kind is Path and isinstance(value, str):
-        return Path(value)
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise ConfigError(wrong)
     return value
@@ -157,10 +155,6 @@ def _text_to(cls, name: str):
     kind, _ = _kind(cls, name)
 
     def parse(text: str):
-        if kind is bool:
-            if text.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-                return text.lower() in ("1", "true", "yes", "on")
-            raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
         return canonical(kind(text), flag(name))
 
     parse.__name__ = kind.__name__  # argparse names the type in its "invalid int value" errors
@@ -176,7 +170,7 @@ def add_flags(parser: argparse.ArgumentParser, cls, command: str) -> None:
         shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else default
         help_text = f"{meta['help']} (default: {'none' if shown is None else shown})"
         kind, container = _kind(cls, name)
-        if kind is bool:
+        if kind is bool:  # a switch: --resume
             parser.add_argument(flag(name), action="store_true", default=argparse.SUPPRESS, help=help_text)
         else:
             parser.add_argument(flag(name), type=_text_to(cls, name), nargs="+" if container else None,

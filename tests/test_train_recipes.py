@@ -207,7 +207,7 @@ def test_sparse_backward_selected_rows_equals_read_rows_under_accumulation(tmp_p
 
 
 def test_background_refuses_a_split_that_is_not_the_retrofit_runs(tmp_path):
-    from smf.train.artifacts import RUN_CONFIG
+    from smf.model.loading import RUN_CONFIG
     from smf.train.background import check_held_out_split
     from smf.train.config import ConfigError
 

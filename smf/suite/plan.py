@@ -23,8 +23,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from smf.suite.config import STAGE_COMMANDS, SuiteConfig
 from smf.options import only
+from smf.suite.config import STAGE_COMMANDS, SuiteConfig
 from smf.train.config import RunConfig, build_config
 from smf.vocabulary import FINGERPRINT_SPELLINGS, RETROFIT_MODE, split_condition
 

@@ -11,9 +11,7 @@ from torch import nn
 
 from smf.files import write_json_atomic
 from smf.model import save_memory_adapter
-from smf.model.loading import FINAL_DIR, RUN_CONFIG
-
-__all__ = ["FINAL_DIR", "RUN_CONFIG", "save_final", "write_run_config"]
+from smf.model.loading import RUN_CONFIG
 
 
 def write_run_config(output_dir: Path, options: dict) -> None:

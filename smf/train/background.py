@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from smf.model.loading import RUN_CONFIG, load_with_adapter
-from smf.train.artifacts import write_run_config
 from smf.errors import ConfigError
 from smf.files import write_atomic
+from smf.model.loading import RUN_CONFIG, load_with_adapter
+from smf.train.artifacts import write_run_config
 from smf.train.config import RunConfig
 from smf.train.data import background_features
 from smf.train.distributed import World, barrier, setup_distributed

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from smf.data.protocol import DEFAULT_PROTOCOL, PROTOCOLS
 from smf.errors import ConfigError
-from smf.options import check, coerce, mapping, only, option, read_file
+from smf.options import check, coerce, flag, mapping, only, option, read_file
 from smf.vocabulary import (DEFAULT_MODEL, MEMORY_MODES, RECIPES, RULES, SPARSE_BACKWARDS, SPARSE_OPTIMIZERS,
                             TINY_MEMORY_KWARGS, TINY_MEMORY_LAYERS, TINY_MODEL, TRAIN_RECIPES, canonical, check_layers)
 
@@ -165,7 +165,7 @@ def build_config(command: str, file_options: dict, cli_options: dict) -> RunConf
     options = only(RunConfig, command, TINY_PRESET) if preset == "tiny" else {}
     options.update(file_options)
     options.update(cli_options)
-    config = RunConfig(**{name: canonical(value, f"--{name.replace('_', '-')}") for name, value in options.items()})
+    config = RunConfig(**{name: canonical(value, flag(name)) for name, value in options.items()})
     validate(config, command)
     return config
 

@@ -22,9 +22,10 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from smf.data import IGNORE_INDEX, CausalLMCollator
-from smf.train.artifacts import FINAL_DIR, save_final, write_run_config
-from smf.train.checkpoint import CHECKPOINT_FILE, LOG_FILE, load_checkpoint, rng_state, save_checkpoint, truncate_log
 from smf.errors import ConfigError
+from smf.model.loading import FINAL_DIR
+from smf.train.artifacts import save_final, write_run_config
+from smf.train.checkpoint import CHECKPOINT_FILE, LOG_FILE, load_checkpoint, rng_state, save_checkpoint, truncate_log
 from smf.train.config import RunConfig
 from smf.train.data import StepPlan, collate, target_tokens, training_features
 from smf.train.distributed import World, all_reduce_sum, barrier, gather_objects, setup_distributed

@@ -18,12 +18,11 @@ import torch
 from torch import nn
 
 from smf.errors import ConfigError
-from smf.model import apply_lora, attach_memories, configure_trainable, decoder_layers, memory_blocks
+from smf.model import apply_lora, attach_memories, configure_trainable, memory_blocks
 from smf.model.loading import load_base, load_with_adapter
 from smf.train.config import RunConfig
 from smf.train.distributed import World
 from smf.train.steps import AuthorsStep, DenseStep, SparseStep, StepHooks, bf16_autocast
-from smf.vocabulary import check_layers
 from smf_kernels.sparse import AuthorsSparseUpdate, BackgroundStats, RowSparseAdamW, SparseMemoryController
 
 logger = logging.getLogger(__name__)
@@ -80,7 +79,6 @@ def build_setup(config: RunConfig, world: World) -> TrainingSetup:
     recipe, step = config.recipe, DenseStep()
     if recipe == "retrofit":
         model, tokenizer = load_base(config.model, world.device)
-        check_layers(config.layers, len(decoder_layers(model)), argument="--layers")
         attach_memories(model, config.layers, config.mode, alpha_init=config.alpha_init,
                         n_keys=config.n_keys, heads=config.heads, topk=config.topk, key_dim=config.key_dim,
                         backend=config.backend)
