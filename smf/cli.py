@@ -1,8 +1,7 @@
 """The ``smf`` command line: one subcommand per experiment step.
 
-Subcommands come from modules listed in :data:`COMMAND_MODULES`; each module defines
-``COMMANDS = {name: (help, add_arguments(parser), run(args) -> exit code)}``. To add
-subcommands (e.g. ``eval``, ``suite``, ``report``), append your module to COMMAND_MODULES.
+Subcommands come from the modules in :data:`COMMAND_MODULES`; each defines ``COMMANDS = {name: one-line
+help}``, ``add_arguments(parser, name)`` and ``run(args) -> exit code``. To add subcommands, add a module.
 
 Bad input (a ConfigError: missing path, unknown mode, layer beyond the model, ...) prints one
 line ``smf <command>: error: ...`` and exits with code 2, without a traceback.
@@ -10,14 +9,17 @@ line ``smf <command>: error: ...`` and exits with code 2, without a traceback.
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import os
 import sys
 
-from smf.train.config import ConfigError
+from smf.errors import ConfigError
+from smf.eval import command as eval_command
+from smf.report import command as report_command
+from smf.suite import commands as suite_command
+from smf.train import commands as train_commands
 
-COMMAND_MODULES = ("smf.train.commands", "smf.suite.commands")
+COMMAND_MODULES = (train_commands, suite_command, report_command, eval_command)
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -32,11 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                         help="logging level (default: INFO)")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_ArgumentParser)
-    for module_name in COMMAND_MODULES:
-        for name, (help_text, add_arguments, run) in importlib.import_module(module_name).COMMANDS.items():
+    for module in COMMAND_MODULES:
+        for name, help_text in module.COMMANDS.items():
             sub = subparsers.add_parser(name, help=help_text, description=help_text)
-            add_arguments(sub)
-            sub.set_defaults(run=run)
+            module.add_arguments(sub, name)
+            sub.set_defaults(run=module.run)
     return parser
 
 

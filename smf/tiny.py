@@ -15,6 +15,11 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from smf.vocabulary import TINY_MEMORY_KWARGS, TINY_MEMORY_LAYERS
+
+__all__ = ["EOS_TOKEN", "PAD_TOKEN", "TINY_MEMORY_KWARGS", "TINY_MEMORY_LAYERS", "save_tiny_pretrained", "tiny_config",
+           "tiny_model", "tiny_tokenizer"]
+
 PAD_TOKEN = "<|endoftext|>"
 EOS_TOKEN = "<|im_end|>"
 SPECIAL_TOKENS = (PAD_TOKEN, "<|im_start|>", EOS_TOKEN)
@@ -26,9 +31,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-
-TINY_MEMORY_LAYERS = (2, 4, 6)
-TINY_MEMORY_KWARGS = {"n_keys": 16, "heads": 2, "topk": 4, "key_dim": 32}
 
 
 def _byte_alphabet() -> list[str]:

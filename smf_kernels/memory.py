@@ -1,4 +1,4 @@
-"""ProductKeyMemory: the product-key memory layer of SPEC §1 as an nn.Module."""
+"""ProductKeyMemory: the product-key memory layer of docs/method.md#the-memory-layer as an nn.Module."""
 from __future__ import annotations
 
 import functools
@@ -131,7 +131,7 @@ class ProductKeyMemory(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Initialise as SPEC §1."""
+        """Initialise as docs/method.md#the-memory-layer."""
         nn.init.xavier_uniform_(self.query_proj.weight)
         nn.init.zeros_(self.query_proj.bias)
         bound = 1.0 / math.sqrt(self.key_dim)

@@ -1,7 +1,7 @@
 """Plain-PyTorch reference of every op: the oracle the fast paths are tested against.
 
 Written for clarity, not speed; fully differentiable through autograd (so
-``torch.autograd.gradcheck`` runs on it in float64). Semantics: SPEC §1.
+``torch.autograd.gradcheck`` runs on it in float64). Semantics: docs/method.md#the-memory-layer.
 """
 from __future__ import annotations
 

@@ -8,7 +8,8 @@ import pytest
 
 from smf.cli import build_parser, main
 from smf.train.commands import COMMANDS, config_from_args
-from smf.train.config import FIELDS, RunConfig, build_config, read_config_file
+from smf.options import takes
+from smf.train.config import RunConfig, build_config, read_config_file
 
 CONFIGS = Path(__file__).resolve().parents[1] / "smf" / "configs"
 
@@ -19,7 +20,7 @@ def test_help_lists_every_option_with_its_default(command, capsys):
         main([command, "--help"])
     assert exit_info.value.code == 0
     text = " ".join(capsys.readouterr().out.split())  # undo argparse's line wrapping
-    options = [name for name, spec in FIELDS.items() if command in spec.metadata["commands"]]
+    options = takes(RunConfig, command)
     assert options and "--config FILE" in text
     for name in options:
         flag = "--" + name.replace("_", "-")
@@ -70,7 +71,7 @@ def run_main(argv, capsys):
     (["retrofit", "--mode", "bogus", "--output-dir", "{d}"], "argument --mode: invalid choice: 'bogus'"),
     (["train", "--recipe", "dpo", "--output-dir", "{d}"], "argument --recipe: invalid choice: 'dpo'"),
     (["retrofit", "--config", "{d}/bad_mode.yaml"], "--mode must be one of replacement, additive, additive+s"),
-    (["retrofit", "--config", "{d}/unknown_key.yaml"], "unknown option 'learning_rate'"),
+    (["retrofit", "--config", "{d}/unknown_key.yaml"], "unknown key 'learning_rate'"),
     (["retrofit", "--config", "{d}/missing.yaml", "--output-dir", "{d}"], "--config: no such file"),
     (["retrofit", "--preset", "tiny", "--layers", "2", "9", "--output-dir", "{d}/run"],
      "indices [9] are beyond the model, which has 8 decoder layers"),

@@ -16,7 +16,7 @@ from smf.tiny import tiny_model, tiny_tokenizer
     ("Jean-Paul Sartre", "jeanpaul sartre"),
     ("“Quoted” — dash…", "quoted dash"),
     ("Anne and Theo ate an apple", "anne and theo ate apple"),
-    ("U.S.A.", "usa"),  # punctuation is dropped (SPEC §6), not turned into spaces
+    ("U.S.A.", "usa"),  # punctuation is dropped (docs/method.md#evaluation), not turned into spaces
     ("rock_and_roll", "rockandroll"),
     ("THE END", "end"),
     ("$100", "100"),

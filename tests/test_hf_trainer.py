@@ -51,7 +51,7 @@ class RowChecker(TrainerCallback):
 def _model_and_controller(background=None):
     model = tiny_model()
     torch.manual_seed(0)
-    attach_memories(model, TINY_MEMORY_LAYERS, "additive_s", **TINY_MEMORY_KWARGS)
+    attach_memories(model, TINY_MEMORY_LAYERS, "additive+s", **TINY_MEMORY_KWARGS)
     configure_trainable(model, "sparse")
     controller = SparseMemoryController(model, rule="tfidf", rows_per_step=ROWS_PER_STEP, background=background)
     if background is None:

@@ -12,7 +12,7 @@ SMALL = dict(n_keys=12, heads=2, topk=4, key_dim=20)  # awkward: 144 slots, halv
 
 
 def _reference_forward(mem: ProductKeyMemory, x: torch.Tensor) -> torch.Tensor:
-    """SPEC §1 steps 1-6 written out with the reference ops."""
+    """docs/method.md#the-memory-layer steps 1-6 written out with the reference ops."""
     flat = x.reshape(-1, mem.d_model)
     q = mem.query_proj(flat).view(-1, mem.heads, mem.key_dim)
     scores, slots = product_key_topk_reference(q, mem.keys, mem.topk)

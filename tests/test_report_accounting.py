@@ -1,4 +1,5 @@
-"""Parameter accounting at the paper's Qwen-2.5-0.5B config equals SPEC §9 / the paper's appendix."""
+"""Parameter accounting at the paper's Qwen-2.5-0.5B config equals docs/method.md#public-datasets-and-the-fixtures
+/ the paper's appendix."""
 import pytest
 from torch import nn
 

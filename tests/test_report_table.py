@@ -6,7 +6,8 @@ import statistics
 
 import pytest
 
-from smf.report.paper_results import CONDITIONS, DISPLAY_NAMES, PAPER_TABLE1
+from smf.report.paper_results import DISPLAY_NAMES, PAPER_TABLE1
+from smf.vocabulary import CONDITIONS
 from smf.report.table import paper_summaries, summarize, to_csv, to_latex, to_markdown
 from smf.report.write import write_report
 

@@ -127,7 +127,7 @@ def test_a_bad_adapter_fails_clearly_and_leaves_the_model_unchanged(tmp_path, da
     elif damage == "bad_json":
         config.write_text(config.read_text()[:20])
     else:  # additive mode needs alpha
-        config.write_text(config.read_text().replace('"additive"', '"additive_s"'))
+        config.write_text(config.read_text().replace('"additive"', '"additive+s"'))
         from safetensors.torch import load_file, save_file
         tensors = load_file(str(weights))
         del tensors["layers.1.alpha"]

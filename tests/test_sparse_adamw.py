@@ -112,7 +112,8 @@ def test_row_step_counts_of_a_bf16_table_survive_a_state_dict_round_trip():
 
 
 def test_dense_masked_adamw_leaks_into_unselected_rows_row_sparse_does_not():
-    """Rows selected in step 1 only: masked-gradient AdamW keeps moving them afterwards (SPEC §5)."""
+    """Rows selected in step 1 only: masked-gradient AdamW keeps moving them afterwards
+    (docs/method.md#what-sparse-means)."""
     start = torch.randn(16, 6)
     masked, lazy = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
     masked_opt, lazy_opt = torch.optim.AdamW([masked], **HYPER), RowSparseAdamW([lazy], **HYPER)

@@ -5,9 +5,11 @@ import pytest
 import yaml
 
 from smf import cli
-from smf.report import CONDITIONS, PAPER_MODEL_ID
+from smf.report import CONDITIONS
 from smf.suite.config import TRAIN_KEYS, load_suite_config
-from smf.train.config import ConfigError
+from smf.train.config import TINY_DATA
+from smf.errors import ConfigError
+from smf.vocabulary import DEFAULT_MODEL
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -35,13 +37,14 @@ def _write(tmp_path: Path, **overrides) -> Path:
 def test_shipped_configs_load_by_name(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     paper = load_suite_config("paper")
-    assert paper.model == PAPER_MODEL_ID and paper.seeds == (0, 1, 2) and paper.conditions == CONDITIONS
+    assert paper.model == DEFAULT_MODEL and paper.seeds == (0, 1, 2) and paper.conditions == CONDITIONS
     assert (paper.eval.medmcqa_examples, paper.eval.triviaqa_examples) == (1000, 1000)
     assert paper.train["rows_per_step"] == 512 and paper.train["layers"] == [6, 12, 18]
     tiny = load_suite_config("tiny")
     assert tiny.model == "tiny" and tiny.seeds == (0, 1) and tiny.conditions == CONDITIONS
-    # Data resolve against the config file's folder (smf/configs), the output against the working directory.
-    assert Path(tiny.data.medmcqa_validation) == (FIXTURES / "medmcqa_validation.jsonl").resolve()
+    # Data resolve against the config file's folder (smf/configs: the package data), the output against the
+    # working directory.
+    assert Path(tiny.data.medmcqa_validation) == TINY_DATA / "medmcqa_validation.jsonl"
     assert tiny.output_dir == (tmp_path / "runs" / "suite-tiny").resolve()
 
 
@@ -58,14 +61,14 @@ def test_relative_paths_and_yaml_numbers(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("overrides, message", [
     ({"epochs": 3}, "unknown key 'epochs'; valid keys: name, model, output_dir, seeds"),
-    ({"conditions": ["base", "sparse-kl"]}, "unknown condition 'sparse-kl'; valid conditions: base, replacement-kl"),
+    ({"conditions": ["base", "sparse-kl"]}, "conditions: 'sparse-kl' is not one of base, replacement-kl"),
     ({"train": {"learning_rate": 1e-3}}, "train: unknown key 'learning_rate'; valid keys: preset, layers"),
     ({"train": {"seed": 1}}, "train: option 'seed' is set by the suite"),
     ({"stages": {"lora": {"n_keys": 8}}}, "stages.lora: option 'n_keys' does not apply to this stage; valid"),
     ({"stages": {"sparse2": {}}}, "stages: unknown key 'sparse2'; valid keys: retrofit, background, sparse, lora"),
     ({"data": {"wikitext": "../data/missing.jsonl"}}, "data.wikitext: no such file or directory"),
     ({"data": {"medmcqa": "x"}}, "data: unknown key 'medmcqa'; valid keys: oasst, medmcqa_train"),
-    ({"eval": {"tasks": ["medmcqa", "mmlu"]}}, "eval.tasks must be a non-empty list drawn from medmcqa"),
+    ({"eval": {"tasks": ["medmcqa", "mmlu"]}}, "eval.tasks: 'mmlu' is not one of medmcqa, wikitext, triviaqa"),
     ({"eval": {"wikitext_stride": 1024, "wikitext_window": 512}}, "eval.wikitext_stride (1024) must be smaller"),
     ({"seeds": [0, 0]}, "seeds must be a non-empty list of distinct non-negative ints"),
     ({"model": "./no-such-model"}, "model: no such directory"),
@@ -92,7 +95,7 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):
     bad = _write(tmp_path, conditions=["base", "dense"])
     assert cli.main(["suite", "--config", str(bad)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("smf suite: error: unknown condition 'dense'") and err.count("\n") == 1
+    assert err.startswith("smf suite: error: conditions: 'dense' is not one of base") and err.count("\n") == 1
     assert cli.main(["suite", "--config", "no-such-config"]) == 2
     assert "shipped: paper, tiny" in capsys.readouterr().err
     assert cli.main(["report", "--suite-dir", str(tmp_path / "nowhere")]) == 2

@@ -1,6 +1,7 @@
 """`smf report` on a suite directory of the paper's configuration (results written here, no training):
 paper columns beside ours, mean ± sample std per condition, accounting of Qwen-2.5-0.5B built on
-the meta device (SPEC §1, §9 numbers), status of finished and pending runs."""
+the meta device (docs/method.md#the-memory-layer, #public-datasets-and-the-fixtures numbers), status of finished
+and pending runs."""
 import csv
 import json
 import random
@@ -12,7 +13,7 @@ from smf import cli
 from smf.report import CONDITIONS, PAPER_TABLE1
 from smf.suite.config import load_suite_config
 from smf.suite.plan import SuiteLayout, plan_runs, run_hash
-from smf.suite.runner import write_json_atomic
+from smf.files import write_json_atomic
 
 METRICS = ("medmcqa_acc", "wikitext_ppl", "triviaqa_acc")
 
@@ -63,8 +64,8 @@ def test_report_of_paper_suite(paper_suite, capsys):
     assert rows["lora"]["seeds"] == "2" and rows["full"]["seeds"] == "3"
     assert "MedMCQA acc ↑ (paper)" in (suite_dir / "table1.md").read_text()
 
-    # SPEC §1 / §9: three memories of 17,337,088 (values 14,680,064 each), LoRA 366,592 per layer x 24,
-    # 3 x 512 x 896 value parameters per stage-2 step.
+    # docs/method.md#the-memory-layer, #public-datasets-and-the-fixtures: three memories of 17,337,088 (values
+    # 14,680,064 each), LoRA 366,592 per layer x 24, 3 x 512 x 896 value parameters per stage-2 step.
     accounting = {row["method"]: row for row in json.loads((suite_dir / "accounting.json").read_text())}
     assert accounting["LoRA"]["stored"] == 366_592 * 24
     assert accounting["Additive memory"]["values"] == 3 * 14_680_064
@@ -101,3 +102,11 @@ def test_report_skips_results_left_by_another_config(paper_suite):
     assert lora["seeds"] == "2", lora  # seeds 0 and 1; the two leftovers are skipped
     expected = statistics.mean(written[f"lora-seed{seed}"]["medmcqa_acc"] for seed in (0, 1))
     assert float(lora["medmcqa_acc_mean"]) == pytest.approx(expected)
+
+
+def test_report_has_one_home_and_the_old_name_still_works():
+    import smf.suite
+    from smf.report.suite_dir import write_suite_report
+
+    with pytest.deprecated_call(match="use smf.report.suite_dir.write_suite_report"):
+        assert smf.suite.write_suite_report is write_suite_report

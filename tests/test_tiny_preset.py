@@ -52,3 +52,18 @@ def test_tiny_model_is_seeded_and_reloads_by_path(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)
     assert tokenizer("héllo<|im_end|>").input_ids == list("héllo".encode()) + [258]
     assert tokenizer.pad_token_id == 256 and tokenizer.chat_template is not None
+
+
+def test_preset_data_ship_with_the_package_and_are_the_test_fixtures():
+    """--preset tiny and `smf suite --config tiny` read smf/assets/tiny (package data), never tests/; those
+    files are the fixtures of the same names (make_fixtures.py writes both)."""
+    from pathlib import Path
+
+    from smf.suite.config import load_suite_config
+    from smf.train.config import TINY_DATA, TINY_PRESET
+
+    fixtures = Path(__file__).parent / "fixtures"
+    suite = load_suite_config("tiny")
+    paths = [TINY_PRESET["oasst_path"], TINY_PRESET["medmcqa_path"], *vars(suite.data).values()]
+    for path in map(Path, paths):
+        assert path.parent == TINY_DATA and path.read_bytes() == (fixtures / path.name).read_bytes(), path

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from smf.model import attach_memories, save_memory_adapter
-from smf.tiny import tiny_model
+from smf.tiny import TINY_MEMORY_KWARGS, TINY_MEMORY_LAYERS, tiny_model
 from smf.train import build_config, train
 from smf.train.checkpoint import CHECKPOINT_FILE
 from smf_kernels.sparse import BackgroundStats, SparseMemoryController
@@ -29,7 +29,7 @@ def run_config(root, recipe, micro_batch_size, adapter):
 
 def write_adapter_and_background(directory):
     model = tiny_model()
-    attach_memories(model, (2, 4, 6), "additive_s", n_keys=16, heads=2, topk=4, key_dim=32)
+    attach_memories(model, TINY_MEMORY_LAYERS, "additive+s", **TINY_MEMORY_KWARGS)
     model.config._name_or_path = "tiny"
     save_memory_adapter(model, directory)
     stats = BackgroundStats.for_memories(SparseMemoryController(model).memories)

@@ -1,5 +1,5 @@
-"""The trainer on the tiny preset: per-recipe parameter freezing (SPEC §3), each recipe lowers its
-loss on a repeated batch, and a run killed mid-way then resumed ends bit-identical to a straight run."""
+"""The trainer on the tiny preset: per-recipe parameter freezing (docs/method.md#two-stage-training), each recipe
+lowers its loss on a repeated batch, and a run killed mid-way then resumed ends bit-identical to a straight run."""
 import json
 
 import pytest
@@ -7,14 +7,14 @@ import torch
 
 import smf.train.loop as loop
 from smf.model import attach_memories, save_memory_adapter
-from smf.tiny import tiny_model
+from smf.tiny import TINY_MEMORY_KWARGS as TINY_MEMORY, TINY_MEMORY_LAYERS, tiny_model
 from smf.train import build_config, train
 from smf.train.checkpoint import CHECKPOINT_FILE, LOG_FILE
 from smf.train.distributed import World
 from smf.train.recipes import build_setup
+from smf.train.steps import SparseStep
 from smf_kernels.sparse import BackgroundStats, SparseMemoryController
 
-TINY_MEMORY = {"n_keys": 16, "heads": 2, "topk": 4, "key_dim": 32}  # the tiny preset's sizes
 WIDTH, INTERMEDIATE, LAYERS, KV_WIDTH = 64, 128, 8, 32  # tiny Qwen-2: hidden, MLP, layers, 2 KV heads x 16
 
 
@@ -31,7 +31,7 @@ def tiny_run_config(tmp_path, command, recipe, **overrides):
 def write_adapter_and_background(directory, mode):
     """An untrained memory adapter of ``mode`` at the tiny preset's layers, and empty background stats."""
     model = tiny_model()
-    attach_memories(model, (2, 4, 6), {"additive+s": "additive_s"}.get(mode, mode), **TINY_MEMORY)
+    attach_memories(model, TINY_MEMORY_LAYERS, mode, **TINY_MEMORY)
     model.config._name_or_path = "tiny"
     save_memory_adapter(model, directory / "final")
     stats = BackgroundStats.for_memories(SparseMemoryController(model).memories)
@@ -85,7 +85,7 @@ def test_recipe_trains_exactly_the_spec_parameters(tmp_path, recipe, mode):
         found = {next(part for part in name.split(".") if part in kinds or part in ("values", "alpha"))
                  for name in trainable}
         assert found == kinds
-    assert (setup.controller is not None) == (recipe == "sparse")
+    assert isinstance(setup.step, SparseStep) == (recipe == "sparse")
 
 
 def read_log(run_dir):
@@ -207,7 +207,7 @@ def test_sparse_backward_selected_rows_equals_read_rows_under_accumulation(tmp_p
 
 
 def test_background_refuses_a_split_that_is_not_the_retrofit_runs(tmp_path):
-    from smf.train.artifacts import RUN_CONFIG
+    from smf.model.loading import RUN_CONFIG
     from smf.train.background import check_held_out_split
     from smf.train.config import ConfigError
 

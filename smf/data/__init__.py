@@ -1,5 +1,6 @@
 """Data for the SMF experiments: loaders (hub ids by default, local paths for fixtures), prompt
-formatting, and tokenisation for causal-LM training (SPEC §3, §6, §9)."""
+formatting, and tokenisation for causal-LM training (docs/method.md#two-stage-training, #evaluation,
+#public-datasets-and-the-fixtures)."""
 from smf.data.causal_lm import IGNORE_INDEX, CausalLMCollator, tokenize_example, tokenize_examples, tokenize_text
 from smf.data.eval_sets import load_triviaqa, load_wikitext, triviaqa_prompt
 from smf.data.medmcqa import load_medmcqa, load_training_rows

@@ -1,4 +1,4 @@
-"""WikiText-103 and TriviaQA rows for the forgetting evaluations (SPEC §6); metrics live elsewhere."""
+"""WikiText-103 and TriviaQA rows for the forgetting evaluations (docs/method.md#evaluation); metrics live elsewhere."""
 from __future__ import annotations
 
 from smf.data.protocol import DEFAULT_PROTOCOL, Protocol, get_protocol
@@ -30,6 +30,7 @@ def load_triviaqa(split: str = "validation", path=None, n: int | None = None, se
 
 
 def triviaqa_prompt(example: dict, protocol: str | Protocol = DEFAULT_PROTOCOL) -> str:
-    """``Question: {question}\\nAnswer:`` (SPEC §6); the question stripped in the ``clean`` protocol only."""
+    """``Question: {question}\\nAnswer:`` (docs/method.md#evaluation); the question stripped in the ``clean``
+    protocol only."""
     question = example["question"].strip() if get_protocol(protocol).strip_fields else example["question"]
     return f"Question: {question}\nAnswer:"

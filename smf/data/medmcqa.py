@@ -1,4 +1,5 @@
-"""MedMCQA (openlifescienceai/medmcqa): loading, and THE formats shared by training and eval (SPEC §6).
+"""MedMCQA (openlifescienceai/medmcqa): loading, and THE formats shared by training and eval
+(docs/method.md#evaluation).
 
 Evaluation prompt (``header`` is the protocol's, "Medical exam question:\\n" for the authors')::
 

@@ -9,7 +9,8 @@ English), with non-empty text, whose parent is a non-deleted prompter message; p
 parent's text, target = the assistant's text. Every ranked sibling is kept (rank is not used;
 it is often null).
 
-Sizes (SPEC §3-4): 50,000 pairs for retrofit and 2,000 for background statistics. The English
+Sizes (docs/method.md#two-stage-training, #slot-selection): 50,000 pairs for retrofit and 2,000 for
+background statistics. The English
 train split likely has fewer than 52,000 such pairs; :func:`retrofit_and_background` then keeps
 as many retrofit pairs as possible and makes the background set disjoint from them only as far as
 the leftovers allow (see there).

@@ -6,7 +6,8 @@ Two protocols (``--protocol`` of the training commands, ``protocol:`` of a suite
 - ``authors`` (default): what the authors' public code (github.com/prakharg55/SMF-ICML, paths
   below are in that repository, lines as of its published HEAD) does, so that Table 1 numbers
   are comparable with the paper's.
-- ``clean``: this project's earlier choices (SPEC §3, §6): loss-masked prompts, held-out
+- ``clean``: this project's earlier choices (docs/method.md#two-stage-training, #evaluation): loss-masked
+  prompts, held-out
   background set, whole WikiText-103 raw test split, greedy decoding without repetition penalty.
 
 The loaders (:mod:`smf.data`), the training data (:mod:`smf.train.data`) and the evaluations

@@ -1,4 +1,4 @@
-"""MedMCQA accuracy (SPEC §6): pick the option whose continuation has the highest mean log-likelihood.
+"""MedMCQA accuracy (docs/method.md#evaluation): pick the option whose continuation has the highest mean log-likelihood.
 
 Each option is scored as the continuation ``" {label}. {option}"`` of the question prompt; both
 come from :mod:`smf.data.medmcqa`, the one definition shared with training.

@@ -1,7 +1,7 @@
-"""TriviaQA accuracy (SPEC §6): greedy answers, alias-substring match after normalisation.
+"""TriviaQA accuracy (docs/method.md#evaluation): greedy answers, alias-substring match after normalisation.
 
 The prediction is the whole greedy continuation (up to 32 new tokens, stopping early only at
-an end-of-sequence token); it is NOT cut at the first newline, as SPEC §6 and the paper match
+an end-of-sequence token); it is NOT cut at the first newline, as docs/method.md#evaluation and the paper match
 aliases against the normalised prediction as generated. A question counts as correct when any
 normalised alias of the protocol's answer fields is a non-empty substring of the normalised
 prediction. Per protocol (:mod:`smf.data.protocol`):
@@ -56,7 +56,8 @@ def normalize_answer_authors(text: str) -> str:
 
 
 def normalize_answer_squad(text: str) -> str:
-    """SPEC §6: lower-case, drop punctuation (ASCII and Unicode), drop the words a/an/the, collapse spaces.
+    """docs/method.md#evaluation: lower-case, drop punctuation (ASCII and Unicode), drop the words a/an/the,
+    collapse spaces.
 
     Punctuation vanishes ("jean-paul" -> "jeanpaul", "U.S.A." -> "usa"), as in the common SQuAD-style
     normaliser, not replaced by a space as in TriviaQA's own; the raw ``aliases`` are normalised the
@@ -70,7 +71,7 @@ def is_correct(prediction: str, answer: dict, protocol: str | Protocol = DEFAULT
     """Whether any normalised alias (of the protocol's answer fields) is a substring of the normalised prediction.
 
     Aliases that normalise to the empty string (e.g. "The") are ignored: the empty string would
-    match every prediction. The match is on characters, as SPEC §6 states, not on whole words:
+    match every prediction. The match is on characters, as docs/method.md#evaluation states, not on whole words:
     alias "2" matches the prediction "1234".
     """
     protocol = get_protocol(protocol)

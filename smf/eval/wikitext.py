@@ -1,4 +1,4 @@
-"""WikiText perplexity (SPEC §6): sliding-window NLL over the concatenated test split.
+"""WikiText perplexity (docs/method.md#evaluation): sliding-window NLL over the concatenated test split.
 
 The protocol's lines (:func:`smf.data.eval_sets.wikitext_lines`) are joined with ``"\\n\\n"`` and
 tokenised once (without special tokens in the ``authors`` protocol, as their eval_tasks.py:127). Windows of ``window``

@@ -1,17 +1,19 @@
-"""Product-key memories inside a Qwen-2 causal LM: placement, freezing per recipe, adapters."""
+"""Product-key memories inside a Qwen-2 causal LM: placement, freezing per recipe, adapters, loading."""
+from smf.model.adapter import load_memory_adapter, read_adapter_config, save_memory_adapter
 from smf.model.attach import LAYOUTS, PAPER_LAYERS, attach_memories, decoder_layers, decoder_stack, memory_blocks
 from smf.model.block import MODES, MemoryBlock
-from smf.model.checkpoint import (
-    DEFAULT_MODEL,
-    from_pretrained,
-    load_base_model,
-    load_memory_adapter,
-    load_model_with_memories,
-    load_tokenizer,
-    read_adapter_config,
-    save_memory_adapter,
-)
 from smf.model.freezing import LORA_TARGET_REGEX, LORA_TARGETS, STAGES, apply_lora, configure_trainable, count_parameters
+from smf.model.loading import (
+    from_pretrained,
+    load_base,
+    load_base_model,
+    load_model,
+    load_model_with_memories,
+    load_run,
+    load_tokenizer,
+    load_with_adapter,
+)
+from smf.vocabulary import DEFAULT_MODEL
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -29,10 +31,14 @@ __all__ = [
     "decoder_layers",
     "decoder_stack",
     "from_pretrained",
+    "load_base",
     "load_base_model",
     "load_memory_adapter",
+    "load_model",
     "load_model_with_memories",
+    "load_run",
     "load_tokenizer",
+    "load_with_adapter",
     "memory_blocks",
     "read_adapter_config",
     "save_memory_adapter",

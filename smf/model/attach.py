@@ -1,4 +1,5 @@
-"""Insert product-key memories into a decoder-only causal LM (SPEC §2): Qwen-2 and any model with
+"""Insert product-key memories into a decoder-only causal LM (docs/method.md#placement-in-qwen-2): Qwen-2 and
+any model with
 ``model.layers[i].mlp``, GPT-2 / GPT-NeoX by table, other layouts by naming them."""
 from __future__ import annotations
 
@@ -11,11 +12,10 @@ from torch import nn
 
 from smf.model.block import MODES, MemoryBlock
 from smf.model.hf_auto import base_model_type, memory_config_class
+from smf.vocabulary import PAPER_LAYERS, canonical, check_layers
 from smf_kernels import ProductKeyMemory
 
 logger = logging.getLogger(__name__)
-
-PAPER_LAYERS = (6, 12, 18)
 
 
 # Where the decoder layers and their feed-forward module live, by ``config.model_type``, for
@@ -73,15 +73,6 @@ def memory_blocks(model: nn.Module) -> list[MemoryBlock]:
     return sorted((m for m in model.modules() if isinstance(m, MemoryBlock)), key=lambda b: b.layer_index)
 
 
-def _check_layers(layers, num_layers: int) -> tuple[int, ...]:
-    layers = tuple(layers)
-    valid = all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers for i in layers)
-    if not layers or not valid or len(set(layers)) != len(layers):
-        raise ValueError(f"layers must be distinct indices in [0, {num_layers - 1}] (the model has {num_layers} "
-                         f"decoder layers), got {layers}")
-    return tuple(sorted(layers))
-
-
 def attach_memories(model: nn.Module, layers=PAPER_LAYERS, mode: str = "additive", alpha_init: float = 0.01, *,
                     layers_path: str | None = None, mlp_attr: str | None = None,
                     **memory_kwargs) -> list[MemoryBlock]:
@@ -93,7 +84,8 @@ def attach_memories(model: nn.Module, layers=PAPER_LAYERS, mode: str = "additive
         layers_path, mlp_attr: where the decoder layers and their feed-forward module are, for
             other layouts (see :func:`decoder_layers`; GPT-2 and GPT-NeoX are known).
         layers: 0-based decoder layer indices (paper: 6, 12, 18).
-        mode: ``"replacement"``, ``"additive"`` or ``"additive_s"`` (see :class:`MemoryBlock`).
+        mode: ``"replacement"``, ``"additive"`` or ``"additive+s"`` (see :class:`MemoryBlock`; the old
+            spelling ``"additive_s"`` is read with a DeprecationWarning).
         alpha_init: initial scalar of the memory branch in additive modes (paper: 0.01).
         **memory_kwargs: ProductKeyMemory arguments (n_keys, heads, topk, key_dim, value_dim,
             backend); unset ones keep the paper defaults. ``d_model`` is the model's hidden size.
@@ -106,6 +98,7 @@ def attach_memories(model: nn.Module, layers=PAPER_LAYERS, mode: str = "additive
     load without it.
     Returns the blocks, by layer index.
     """
+    mode = canonical(mode, "mode")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if "d_model" in memory_kwargs:
@@ -114,7 +107,7 @@ def attach_memories(model: nn.Module, layers=PAPER_LAYERS, mode: str = "additive
     stack, layer_list = _find_layers(model, layers_path, mlp_attr)
     if memory_blocks(model):
         raise ValueError(f"model already has memories at layers {[b.layer_index for b in memory_blocks(model)]}")
-    layers = _check_layers(layers, len(layer_list))
+    layers = tuple(sorted(check_layers(layers, len(layer_list))))
     config_class = memory_config_class(type(model.config)) if model.config.model_type else None
     d_model = model.config.get_text_config().hidden_size
 

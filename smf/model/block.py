@@ -1,19 +1,20 @@
-"""MemoryBlock: a decoder layer's feed-forward slot holding a product-key memory (SPEC §2)."""
+"""MemoryBlock: a decoder layer's feed-forward slot holding a product-key memory
+(docs/method.md#placement-in-qwen-2)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from smf.vocabulary import MEMORY_MODES as MODES
+from smf.vocabulary import canonical
 from smf_kernels import ProductKeyMemory
-
-MODES = ("replacement", "additive", "additive_s")
 
 
 class MemoryBlock(nn.Module):
     """Stands in for ``layer.mlp`` of one decoder layer.
 
     - ``replacement``: ``out = mem(h)``; the original MLP is dropped.
-    - ``additive`` / ``additive_s``: ``out = mlp(h) + alpha * mem(h)``, ``alpha`` a scalar
+    - ``additive`` / ``additive+s``: ``out = mlp(h) + alpha * mem(h)``, ``alpha`` a scalar
       parameter; the two modes differ only in whether sparse training trains ``alpha``
       (see :func:`smf.model.configure_trainable`).
 
@@ -36,6 +37,7 @@ class MemoryBlock(nn.Module):
     def __init__(self, memory: ProductKeyMemory, mlp: nn.Module | None, mode: str, layer_index: int,
                  alpha_init: float = 0.01) -> None:
         super().__init__()
+        mode = canonical(mode, "mode")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if (mlp is None) != (mode == "replacement"):

@@ -1,4 +1,4 @@
-"""Which parameters each training recipe trains (SPEC §3)."""
+"""Which parameters each training recipe trains (docs/method.md#two-stage-training)."""
 from __future__ import annotations
 
 import logging
@@ -27,7 +27,7 @@ def configure_trainable(model: nn.Module, stage: str) -> dict[str, int]:
 
     - ``retrofit``: every memory parameter (query, keys, values, gate, out; alpha in additive
       modes) trains, everything else is frozen.
-    - ``sparse``: only memory values train (plus alpha in mode ``additive_s``); which value rows
+    - ``sparse``: only memory values train (plus alpha in mode ``additive+s``); which value rows
       move each step is the trainer's business (ProductKeyMemory.set_update_rows).
     - ``full``: every parameter of a model without memories trains (full-finetune baseline).
     """
@@ -49,7 +49,7 @@ def configure_trainable(model: nn.Module, stage: str) -> dict[str, int]:
                 block.memory.requires_grad_(True)
             else:
                 block.memory.values.requires_grad_(True)
-            if block.alpha is not None and (stage == "retrofit" or block.mode == "additive_s"):
+            if block.alpha is not None and (stage == "retrofit" or block.mode == "additive+s"):
                 block.alpha.requires_grad_(True)
     counts = count_parameters(model)
     logger.info("stage %s: %d of %d parameters trainable", stage, counts["trainable"], counts["total"])
@@ -57,7 +57,7 @@ def configure_trainable(model: nn.Module, stage: str) -> dict[str, int]:
 
 
 def apply_lora(model: nn.Module, r: int = 16, alpha: int = 32, dropout: float = 0.05) -> nn.Module:
-    """LoRA baseline (SPEC §3): peft adapters on the seven projections of every decoder layer.
+    """LoRA baseline (docs/method.md#two-stage-training): peft adapters on the seven projections of every decoder layer.
 
     Returns the peft model (base weights frozen by peft). On a model with memories the adapters
     go on the decoder layers' projections (including the original MLP inside an additive

@@ -24,11 +24,12 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, Qwen2Config
 
 from smf.model import LORA_TARGETS, PAPER_LAYERS, attach_memories, count_parameters
 
-MODE_NAMES = {"replacement": "Replacement memory", "additive": "Additive memory", "additive_s": "Additive memory +S"}
+MODE_NAMES = {"replacement": "Replacement memory", "additive": "Additive memory", "additive+s": "Additive memory +S"}
 
 
 def paper_qwen_config() -> Qwen2Config:
-    """Qwen-2.5-0.5B-Instruct's architecture (SPEC §9), for accounting without downloading weights."""
+    """Qwen-2.5-0.5B-Instruct's architecture (docs/method.md#public-datasets-and-the-fixtures), for accounting
+    without downloading weights."""
     return Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                        num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, rms_norm_eps=1e-6,
                        max_position_embeddings=32768)
@@ -74,7 +75,7 @@ def memory_row(config: PretrainedConfig, mode: str, layers: Sequence[int], rows_
     memory = sum(p.numel() for block in blocks for p in block.memory.parameters())
     scalars = sum(block.alpha.numel() for block in blocks if block.alpha is not None)
     values = sum(block.memory.values.numel() for block in blocks)
-    trained_scalars = scalars if mode == "additive_s" else 0
+    trained_scalars = scalars if mode == "additive+s" else 0
     per_step = sum(min(rows_per_step, b.memory.num_slots) * b.memory.value_dim for b in blocks) + trained_scalars
     return AccountingRow(
         method=MODE_NAMES[mode], stored=memory + scalars, values=values,

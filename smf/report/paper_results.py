@@ -1,14 +1,16 @@
-"""The nine conditions of the paper, their display names, and the paper's Table 1 (SPEC §7)."""
+"""The nine conditions of the paper, their display names, and the paper's Table 1 (docs/method.md#paper-results)."""
 from __future__ import annotations
 
-PAPER_MODEL_ID = "Qwen/Qwen2.5-0.5B-Instruct"
+from smf.vocabulary import DEFAULT_MODEL
+
+PAPER_MODEL_ID = DEFAULT_MODEL  # the name smf.report has always exported
 
 # Metric keys of a result record, and whether higher is better.
 METRICS = ("medmcqa_acc", "wikitext_ppl", "triviaqa_acc")
 HIGHER_IS_BETTER = {"medmcqa_acc": True, "wikitext_ppl": False, "triviaqa_acc": True}
 METRIC_TITLES = {"medmcqa_acc": "MedMCQA acc", "wikitext_ppl": "WikiText PPL", "triviaqa_acc": "TriviaQA acc"}
 
-# Condition name -> display name, in the paper's table order.
+# Condition name (smf.vocabulary.CONDITIONS) -> display name, in the paper's table order.
 DISPLAY_NAMES = {
     "base": "Base Qwen",
     "replacement-kl": "Replacement sparse (KL)",
@@ -20,13 +22,12 @@ DISPLAY_NAMES = {
     "lora": "LoRA",
     "full": "Full finetune",
 }
-CONDITIONS = tuple(DISPLAY_NAMES)
 
 
 def display_name(condition: str, model: str | None = None) -> str:
     """The row name of ``condition``; the base row names the model actually used ("Base Qwen" for the
     paper's model or when ``model`` is None, else "Base (model)")."""
-    if condition == "base" and model is not None and model != PAPER_MODEL_ID:
+    if condition == "base" and model is not None and model != DEFAULT_MODEL:
         return f"Base ({model.rstrip('/').rsplit('/', 1)[-1]})"
     return DISPLAY_NAMES[condition]
 

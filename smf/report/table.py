@@ -6,7 +6,8 @@ or None (not evaluated). The spread is the SAMPLE standard deviation over the se
 measured the metric (n - 1 in the denominator), 0 for a single seed; "Seeds" counts runs. In
 every column the best mean (highest accuracy, lowest perplexity) is bold; ties for best are all
 bold, but a column whose values all tie has no bold. ``model`` names the base row after the model
-used (:func:`smf.report.paper_results.display_name`). With ``include_paper`` the paper's numbers (SPEC §7)
+used (:func:`smf.report.paper_results.display_name`). With ``include_paper`` the paper's numbers
+(docs/method.md#paper-results)
 stand beside ours, column by column; use it when the runs used the paper's model.
 """
 from __future__ import annotations
@@ -18,8 +19,9 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from smf.report.paper_results import (CONDITIONS, DISPLAY_NAMES, HIGHER_IS_BETTER, METRIC_TITLES, METRICS,
+from smf.report.paper_results import (DISPLAY_NAMES, HIGHER_IS_BETTER, METRIC_TITLES, METRICS,
                                       PAPER_TABLE1, display_name)
+from smf.vocabulary import CONDITIONS
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,23 @@
 """The experiment suite: Table 1 of the paper (base + eight trained conditions x seeds), resumable.
 
 ``config`` (the suite YAML schema), ``plan`` (runs, stages, directory layout), ``runner`` (train,
-evaluate, record, skip finished runs), ``evaluate`` (the three probes on one model), ``report``
-(Table 1, figure, accounting, status) and ``commands`` (``smf suite``, ``smf report``, ``smf eval``).
+evaluate, record, skip finished runs), ``status`` (done / failed / pending runs) and ``commands``
+(``smf suite``). What a suite directory reports is :mod:`smf.report.suite_dir`; the evaluation of one
+model is :mod:`smf.eval.tasks`.
 """
+import warnings
+
 from smf.suite.config import EvalSettings, SuiteConfig, load_suite_config
-from smf.suite.report import write_suite_report
 from smf.suite.runner import SuiteRunner, run_suite
 
-__all__ = ["EvalSettings", "SuiteConfig", "SuiteRunner", "load_suite_config", "run_suite", "write_suite_report"]
+__all__ = ["EvalSettings", "SuiteConfig", "SuiteRunner", "load_suite_config", "run_suite"]
+
+
+def __getattr__(name: str):
+    if name == "write_suite_report":  # moved to smf.report with the rest of the report
+        warnings.warn("smf.suite.write_suite_report is deprecated; use smf.report.suite_dir.write_suite_report",
+                      DeprecationWarning, stacklevel=2)
+        from smf.report.suite_dir import write_suite_report
+
+        return write_suite_report
+    raise AttributeError(f"module 'smf.suite' has no attribute {name!r}")

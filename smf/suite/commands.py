@@ -1,24 +1,17 @@
-"""The ``smf suite``, ``smf report`` and ``smf eval`` subcommands (registered by :mod:`smf.cli`)."""
+"""``smf suite``: run (or finish) the suite of a config, or list its runs (registered by :mod:`smf.cli`)."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
-import logging
-from pathlib import Path
 
-from smf.data.protocol import DEFAULT_PROTOCOL, PROTOCOLS
-from smf.report import CONDITIONS, PAPER_MODEL_ID
-from smf.suite.config import TASKS, DataPaths, EvalSettings, load_suite_config
-
-logger = logging.getLogger(__name__)
+from smf.suite.config import load_suite_config
+from smf.vocabulary import CONDITIONS
 
 
 def _comma_list(text: str) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
-def add_suite_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser, command: str = "suite") -> None:
     parser.add_argument("--config", required=True, metavar="NAME_OR_FILE",
                         help="suite config: a YAML/JSON file or a shipped name (tiny, paper); relative data "
                              "paths in it resolve against the file's folder")
@@ -32,9 +25,9 @@ def add_suite_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-report", action="store_true", help="skip `smf report` at the end")
 
 
-def run_suite_command(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
+    from smf.report.suite_dir import write_suite_report
     from smf.suite.plan import SuiteLayout, plan_runs
-    from smf.suite.report import write_suite_report
     from smf.suite.runner import run_suite
 
     overrides = {key: value for key, value in (("output_dir", args.output_dir), ("seeds", args.seeds),
@@ -43,9 +36,9 @@ def run_suite_command(args: argparse.Namespace) -> int:
     config = load_suite_config(args.config, overrides)
     if args.dry_run:
         layout = SuiteLayout(config.output_dir)
-        for run in plan_runs(config):
-            done = "done" if layout.results_path(run).is_file() else "to do"
-            print(f"{run.name:<24} {done}")
+        for planned in plan_runs(config):
+            done = "done" if layout.results_path(planned).is_file() else "to do"
+            print(f"{planned.name:<24} {done}")
         return 0
     run_suite(config)
     if not args.no_report:
@@ -54,98 +47,5 @@ def run_suite_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_report_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--suite-dir", required=True, metavar="DIR", help="directory written by `smf suite`")
-
-
-def run_report_command(args: argparse.Namespace) -> int:
-    from smf.suite.report import write_suite_report
-
-    for path in write_suite_report(args.suite_dir):
-        print(path)
-    return 0
-
-
-def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = EvalSettings()
-    parser.add_argument("--model", default=PAPER_MODEL_ID,
-                        help=f"base model: hub id, local directory or 'tiny' (default: {PAPER_MODEL_ID})")
-    parser.add_argument("--adapter", metavar="DIR",
-                        help="what to evaluate on top of --model: a training run directory, a memory adapter, a "
-                             "peft LoRA adapter, or a full-finetune model directory (default: the base model)")
-    parser.add_argument("--tasks", type=_comma_list, metavar="LIST",
-                        help=f"comma-separated tasks from {', '.join(TASKS)} (default: all, or the --config's)")
-    parser.add_argument("--config", metavar="NAME_OR_FILE",
-                        help="take data paths, protocol and evaluation settings from this suite config (e.g. tiny)")
-    parser.add_argument("--protocol", choices=PROTOCOLS,
-                        help=f"evaluation protocol (smf/data/protocol.py; default: the --config's, else "
-                             f"{DEFAULT_PROTOCOL})")
-    for task, help_text in (("medmcqa", "MedMCQA validation"), ("wikitext", "WikiText-103 test"),
-                            ("triviaqa", "TriviaQA rc.nocontext validation")):
-        parser.add_argument(f"--{task}-path", metavar="PATH",
-                            help=f"local {help_text} split in the hub schema (default: the --config's, else the hub)")
-    parser.add_argument("--medmcqa-examples", type=int, metavar="N",
-                        help=f"first N single-answer questions (default: {defaults.medmcqa_examples})")
-    parser.add_argument("--triviaqa-examples", type=int, metavar="N",
-                        help=f"first N questions (default: {defaults.triviaqa_examples})")
-    parser.add_argument("--device", default="auto", help="torch device (default: auto)")
-    parser.add_argument("--backend", help="memory kernel backend (torch, triton, ext; default: automatic)")
-    parser.add_argument("--output-dir", metavar="DIR",
-                        help="where metrics.json and the per-example jsonl files go (default: eval/ inside "
-                             "--adapter, else ./smf-eval)")
-
-
-def _eval_inputs(args: argparse.Namespace) -> tuple[DataPaths, EvalSettings, str]:
-    """Data paths, settings and protocol: paper defaults < --config < flags."""
-    from smf.suite.config import parse_suite_config
-
-    base = {"model": args.model, "output_dir": ".", "seeds": [0], "conditions": ["base"]}
-    if args.config is not None:
-        saved = load_suite_config(args.config).to_dict()
-        base.update(data=saved["data"], eval=saved["eval"], protocol=saved["protocol"])
-    if args.protocol is not None:
-        base["protocol"] = args.protocol
-    data = dict(base.get("data", {}))
-    for task, key in (("medmcqa", "medmcqa_validation"), ("wikitext", "wikitext"), ("triviaqa", "triviaqa")):
-        if getattr(args, f"{task}_path") is not None:
-            data[key] = getattr(args, f"{task}_path")
-    settings = dict(base.get("eval", {}))
-    for key, value in (("tasks", args.tasks), ("medmcqa_examples", args.medmcqa_examples),
-                       ("triviaqa_examples", args.triviaqa_examples)):
-        if value is not None:
-            settings[key] = value
-    parsed = parse_suite_config({**base, "data": data, "eval": settings}, Path.cwd(), source="smf eval")
-    return parsed.data, parsed.eval, parsed.protocol
-
-
-def run_eval_command(args: argparse.Namespace) -> int:
-    from smf.suite.evaluate import evaluate_model, load_eval_sets, load_for_eval
-    from smf.suite.runner import write_json_atomic
-    from smf.train.distributed import pick_device
-
-    data, settings, protocol = _eval_inputs(args)
-    if args.output_dir is not None:
-        output_dir = Path(args.output_dir)
-    else:
-        output_dir = Path(args.adapter) / "eval" if args.adapter is not None else Path("smf-eval")
-    model, tokenizer = load_for_eval(args.model, args.adapter, pick_device(args.device), backend=args.backend)
-    metrics, seconds = evaluate_model(model, tokenizer, load_eval_sets(data, settings, protocol), settings,
-                                      output_dir, protocol)
-    summary = {"model": args.model, "adapter": args.adapter, "protocol": protocol, "metrics": metrics,
-               "eval_s": seconds,
-               "settings": {**dataclasses.asdict(settings), "tasks": list(settings.tasks)}}
-    write_json_atomic(output_dir / "metrics.json", summary)
-    print(json.dumps(metrics, indent=2))
-    logger.info("metrics and per-example files written to %s", output_dir)
-    return 0
-
-
-# name -> (one-line help, add_arguments, run); smf.cli registers these.
-COMMANDS = {
-    "suite": ("run Table 1: base + the eight trained conditions across seeds, evaluated, resumable",
-              add_suite_arguments, run_suite_command),
-    "report": ("Table 1 (md/csv/tex), Pareto figure, parameter accounting and status of a suite directory",
-               add_report_arguments, run_report_command),
-    "eval": ("MedMCQA / WikiText / TriviaQA of a base model, memory adapter, LoRA adapter or finetuned model",
-             add_eval_arguments, run_eval_command),
-}
+# name -> one-line help; smf.cli registers it with add_arguments and run.
+COMMANDS = {"suite": "run Table 1: base + the eight trained conditions across seeds, evaluated, resumable"}

@@ -23,8 +23,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from smf.options import only
 from smf.suite.config import STAGE_COMMANDS, SuiteConfig
-from smf.train.config import FIELDS, RunConfig, build_config
+from smf.train.config import RunConfig, build_config
+from smf.vocabulary import FINGERPRINT_SPELLINGS, RETROFIT_MODE, split_condition
 
 SUITE_CONFIG_FILE = "suite_config.json"
 # Options that say where a stage lives and runs, whether it resumed and how often it saved, not what it computes.
@@ -33,7 +35,7 @@ IGNORED_OPTIONS = ("output_dir", "adapter", "background", "resume", "save_every"
 
 @dataclass(frozen=True)
 class Run:
-    """One cell of Table 1: a condition (see :data:`smf.report.CONDITIONS`) trained with one seed; or,
+    """One cell of Table 1: a condition (see :data:`smf.vocabulary.CONDITIONS`) trained with one seed; or,
     with ``update="authors"``, a sparse condition of the update ablation."""
 
     condition: str
@@ -55,19 +57,17 @@ class Run:
     @property
     def mode(self) -> str | None:
         """Memory mode of a sparse condition (replacement, additive, additive+s), else None."""
-        return self.condition.rsplit("-", 1)[0] if self.recipe == "sparse" else None
+        return split_condition(self.condition)[0] if self.recipe == "sparse" else None
 
     @property
     def retrofit_mode(self) -> str | None:
         """Mode of the retrofit a sparse condition starts from (additive for additive+s), else None."""
-        return {"additive+s": "additive"}.get(self.mode, self.mode)
+        return RETROFIT_MODE.get(self.mode)
 
     @property
     def rule(self) -> str | None:
         """Selection rule of a sparse condition (kl, tfidf), else None."""
-        if self.recipe != "sparse":
-            return None
-        return self.condition.rsplit("-", 1)[1]
+        return split_condition(self.condition)[1] if self.recipe == "sparse" else None
 
 
 def plan_runs(config: SuiteConfig) -> list[Run]:
@@ -108,10 +108,6 @@ class SuiteLayout:
         return self.results_dir / f"{run.name}.json"
 
 
-def _options_for(command: str, options: dict) -> dict:
-    return {name: value for name, value in options.items() if command in FIELDS[name].metadata["commands"]}
-
-
 def stage_config(config: SuiteConfig, stage: str, seed: int, output_dir: Path, *, mode: str | None = None,
                  rule: str | None = None, adapter: Path | None = None, background: Path | None = None,
                  optimizer: str | None = None) -> RunConfig:
@@ -132,7 +128,7 @@ def stage_config(config: SuiteConfig, stage: str, seed: int, output_dir: Path, *
                  "background": None if background is None else str(background)}
     suite_set = {name: value for name, value in suite_set.items()
                  if value is not None or name in ("oasst_path", "medmcqa_path")}
-    run_config = build_config(command, _options_for(command, options), _options_for(command, suite_set))
+    run_config = build_config(command, only(RunConfig, command, options), only(RunConfig, command, suite_set))
     return run_config.resolved(stage if command == "train" else command)
 
 
@@ -142,7 +138,7 @@ def stage_settings(config: SuiteConfig, stage: str) -> RunConfig:
     command = STAGE_COMMANDS[stage]
     if command not in ("retrofit", "train"):
         raise ValueError(f"stage must be one of retrofit, sparse, lora, full; got {stage!r}")
-    options = _options_for(command, {**config.train, **config.stages.get(stage, {})})
+    options = only(RunConfig, command, {**config.train, **config.stages.get(stage, {})})
     given = {"output_dir": str(config.output_dir), "model": config.model, "protocol": config.protocol}
     if command == "train":
         given["recipe"] = "lora"
@@ -155,7 +151,12 @@ def sparse_stage_dirs(layout: SuiteLayout, run: Run) -> tuple[Path, Path]:
 
 
 def _digest(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    """16 hex digits of ``obj``'s JSON; renamed option values are hashed in their old spelling
+    (:data:`smf.vocabulary.FINGERPRINT_SPELLINGS`), so suite directories written before a rename still match."""
+    text = json.dumps(obj, sort_keys=True, default=str)
+    for new, old in FINGERPRINT_SPELLINGS.items():
+        text = text.replace(json.dumps(new), json.dumps(old))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def options_fingerprint(options: dict) -> str:

@@ -18,39 +18,29 @@ import datetime
 import gc
 import json
 import logging
-import os
 import time
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+from smf.errors import ConfigError
+from smf.eval.tasks import evaluate_model, load_eval_sets
+from smf.files import write_json_atomic
+from smf.model.loading import FINAL_DIR, RUN_CONFIG, load_model
 from smf.suite.config import SuiteConfig
-from smf.suite.evaluate import evaluate_model, load_eval_sets
 from smf.suite.plan import (Run, SuiteLayout, options_fingerprint, plan_runs, run_hash, sparse_stage_dirs,
                             stage_config)
-from smf.suite.report import write_status
-from smf.train.artifacts import FINAL_DIR, RUN_CONFIG, load_base, load_trained_model
+from smf.suite.status import write_status
 from smf.train.background import collect_background
 from smf.train.checkpoint import CHECKPOINT_FILE, LOG_FILE
-from smf.train.config import ConfigError, RunConfig
+from smf.train.config import RunConfig
 from smf.train.distributed import pick_device
 from smf.train.loop import train
 
 logger = logging.getLogger(__name__)
 
 STAGE_MARKER = "suite_stage.json"
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    """Write ``obj`` as JSON to ``path`` via a synced temporary file and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(json.dumps(obj, indent=2) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
 
 
 def read_results(path: Path, expected_hash: str) -> dict:
@@ -139,12 +129,9 @@ class SuiteRunner:
         """(metrics, seconds per task, artefact) of ``run``'s trained model (the base model for base)."""
         if self._eval_sets is None:
             self._eval_sets = load_eval_sets(self.config.data, self.config.eval, self.config.protocol)
-        if run.recipe is None:
-            model, tokenizer = load_base(self.config.model, self.device)
-            artefact = self.config.model
-        else:
-            model, tokenizer = load_trained_model(self.layout.train_dir(run), self.device)
-            artefact = str(self.layout.train_dir(run) / FINAL_DIR)
+        run_dir = None if run.recipe is None else self.layout.train_dir(run)
+        model, tokenizer = load_model(self.config.model, run_dir, self.device)
+        artefact = self.config.model if run_dir is None else str(run_dir / FINAL_DIR)
         try:
             metrics, seconds = evaluate_model(model, tokenizer, self._eval_sets, self.config.eval,
                                               self.layout.eval_dir(run), self.config.protocol)

@@ -1,4 +1,4 @@
-"""``smf background``: background read statistics of the retrofit memories (SPEC §4).
+"""``smf background``: background read statistics of the retrofit memories (docs/method.md#slot-selection).
 
 The model (base + retrofit adapter) runs in eval mode over ``n_background`` single-example
 oasst1 batches (protocol ``clean``: held out from the retrofit examples, see
@@ -16,11 +16,14 @@ from pathlib import Path
 
 import torch
 
-from smf.train.artifacts import RUN_CONFIG, write_run_config
-from smf.train.config import ConfigError, RunConfig
+from smf.errors import ConfigError
+from smf.files import write_atomic
+from smf.model.loading import RUN_CONFIG, load_with_adapter
+from smf.train.artifacts import write_run_config
+from smf.train.config import RunConfig
 from smf.train.data import background_features
 from smf.train.distributed import World, barrier, setup_distributed
-from smf.train.recipes import BACKGROUND_FILE, load_model_with_adapter
+from smf.train.recipes import BACKGROUND_FILE
 from smf.train.run_dir import claim_output_dir
 from smf_kernels.sparse import SparseMemoryController
 
@@ -59,7 +62,7 @@ def collect_background(config: RunConfig) -> Path:
 
 
 def _collect(config: RunConfig, world: World, output_dir: Path) -> Path:
-    model, tokenizer = load_model_with_adapter(config, world.device)
+    model, tokenizer = load_with_adapter(config.model, config.adapter, world.device, config.backend)
     controller = SparseMemoryController(model)
     features = background_features(config, tokenizer)[world.rank::world.size]
     batches = [{"input_ids": torch.tensor([f["input_ids"]], device=world.device),
@@ -69,9 +72,7 @@ def _collect(config: RunConfig, world: World, output_dir: Path) -> Path:
     path = output_dir / BACKGROUND_FILE
     if world.is_main:
         write_run_config(output_dir, config.to_dict())
-        tmp = path.with_name(path.name + ".tmp")
-        stats.save(tmp)
-        tmp.replace(path)
+        write_atomic(path, stats.save)
         logger.info("background statistics of %d batches written to %s", next(iter(stats.num_batches.values())),
                     path)
     barrier(world)

@@ -15,7 +15,6 @@ before the model, optimizer or RNGs are touched.
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import random
 from pathlib import Path
@@ -24,7 +23,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from smf.train.config import ConfigError
+from smf.errors import ConfigError
+from smf.files import write_atomic, write_text_atomic
 
 CHECKPOINT_FILE = "checkpoint.pt"
 LOG_FILE = "train_log.jsonl"
@@ -51,21 +51,21 @@ def set_rng_state(state: dict) -> None:
 
 
 def atomic_save(obj, path: Path) -> None:
-    """torch.save to ``path`` via a synced temporary file and a rename."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as handle:
-        torch.save(obj, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    """``torch.save(obj)`` to ``path``, atomically (:func:`smf.files.write_atomic`)."""
+    def save(tmp: Path) -> None:
+        with open(tmp, "wb") as handle:
+            torch.save(obj, handle)
+
+    write_atomic(path, save)
 
 
 def save_checkpoint(path: Path, *, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
                     rng_states: list[dict], run_options: dict) -> None:
     """Write the checkpoint (see module docstring); ``rng_states`` holds one entry per rank."""
     trainable = {name: p.detach().cpu().clone() for name, p in model.named_parameters() if p.requires_grad}
-    atomic_save({"step": step, "trainable": trainable, "optimizer": optimizer.state_dict(),
-                 "scheduler": scheduler.state_dict(), "rng": rng_states, "options": run_options}, path)
+    state = {"step": step, "trainable": trainable, "optimizer": optimizer.state_dict(),
+             "scheduler": scheduler.state_dict(), "rng": rng_states, "options": run_options}
+    atomic_save(state, path)
 
 
 def _read_checkpoint(path: Path) -> dict:
@@ -122,6 +122,4 @@ def truncate_log(path: Path, step: int) -> None:
         return
     rows = [line for line in path.read_text().splitlines() if line.strip()]
     kept = [line for line in rows if json.loads(line)["step"] <= step]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(line + "\n" for line in kept))

@@ -27,7 +27,8 @@ from smf.data import (
     tokenize_examples,
 )
 from smf.data import medmcqa, oasst
-from smf.train.config import ConfigError, RunConfig
+from smf.errors import ConfigError
+from smf.train.config import RunConfig
 
 logger = logging.getLogger(__name__)
 

@@ -22,14 +22,16 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from smf.data import IGNORE_INDEX, CausalLMCollator
-from smf.train.artifacts import FINAL_DIR, save_final, write_run_config
+from smf.errors import ConfigError
+from smf.model.loading import FINAL_DIR
+from smf.train.artifacts import save_final, write_run_config
 from smf.train.checkpoint import CHECKPOINT_FILE, LOG_FILE, load_checkpoint, rng_state, save_checkpoint, truncate_log
-from smf.train.config import ConfigError, RunConfig
+from smf.train.config import RunConfig
 from smf.train.data import StepPlan, collate, target_tokens, training_features
 from smf.train.distributed import World, all_reduce_sum, barrier, gather_objects, setup_distributed
 from smf.train.recipes import TrainingSetup, build_setup
 from smf.train.run_dir import claim_output_dir
-from smf_kernels.sparse import AuthorsSparseUpdate, rows_moved_outside
+from smf.train.steps import bf16_autocast
 
 logger = logging.getLogger(__name__)
 
@@ -38,13 +40,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def autocast_enabled(setting: str, device: torch.device) -> bool:
-    """bf16 autocast: 'on', 'off', or 'auto' = on for a CUDA device that supports bf16."""
-    if setting == "auto":
-        return device.type == "cuda" and torch.cuda.is_bf16_supported()
-    return setting == "on"
 
 
 def cosine_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int):
@@ -64,10 +59,10 @@ def summed_token_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch
 
 
 def _wrap_for_ddp(setup: TrainingSetup, world: World) -> nn.Module:
-    """DDP over the parameters DDP should reduce; the sparse controller reduces the memory values itself."""
+    """DDP over the parameters DDP should reduce (not those the recipe's step reduces itself)."""
     if world.size == 1:
         return setup.model
-    ignored = setup.controller.ddp_ignored_names() if setup.controller is not None else []
+    ignored = setup.step.ddp_ignored_names()
     if not any(p.requires_grad for name, p in setup.model.named_parameters() if name not in ignored):
         return setup.model  # only memory values train: nothing left for DDP
     nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(setup.model, ignored)
@@ -77,67 +72,23 @@ def _wrap_for_ddp(setup: TrainingSetup, world: World) -> nn.Module:
 
 def run_step(wrapped: nn.Module, setup: TrainingSetup, scheduler, micro_batches: list[dict], num_tokens: int,
              config: RunConfig, world: World) -> torch.Tensor:
-    """One optimizer step over this rank's micro-batches; returns this rank's summed token loss."""
-    use_autocast = autocast_enabled(config.bf16, world.device)
+    """One optimizer step over this rank's micro-batches, the recipe's hooks (:mod:`smf.train.steps`) around
+    its forwards and backwards; returns this rank's summed token loss (0-d)."""
+    autocast = bf16_autocast(config.bf16, world.device)
     scale = world.size / num_tokens
-    controller = setup.controller
-    if isinstance(controller, AuthorsSparseUpdate):
-        return _run_authors_step(setup, scheduler, micro_batches, scale, config, use_autocast, world)
-    # Sparse steps pick their rows before the backward when they can (SPEC §5: the backward then
-    # writes only the T selected value rows): at once for a step of one micro-batch; under
-    # accumulation after a no-grad forward over every micro-batch that only counts reads.
-    select_first = controller is not None and (
-        len(micro_batches) == 1 or (config.sparse_backward == "selected-rows" and controller.mode == "row_sparse"))
-    if controller is not None:
-        controller.begin_step(select_before_backward=select_first)
-    if select_first and len(micro_batches) > 1:
-        with torch.no_grad(), torch.autocast(world.device.type, dtype=torch.bfloat16, enabled=use_autocast):
-            for batch in micro_batches:
-                setup.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-        controller.select_rows()
+    setup.step.begin_step(setup.model, micro_batches)
     loss_sum = torch.zeros((), device=world.device)
     for index, batch in enumerate(micro_batches):
         last = index == len(micro_batches) - 1
         no_sync = wrapped.no_sync() if isinstance(wrapped, nn.parallel.DistributedDataParallel) and not last \
             else contextlib.nullcontext()
         with no_sync:
-            with torch.autocast(world.device.type, dtype=torch.bfloat16, enabled=use_autocast):
+            with autocast():
                 loss = summed_token_loss(wrapped, batch)
-            if select_first and len(micro_batches) == 1:
-                controller.select_rows()
+            setup.step.after_forward()
             (loss * scale).backward()
         loss_sum += loss.detach()
-    if controller is not None:
-        setup.step_rows = controller.finish_step(setup.optimizer, max_grad_norm=config.max_grad_norm)
-    else:
-        params = [p for group in setup.optimizer.param_groups for p in group["params"]]
-        torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
-        setup.optimizer.step()
-        setup.optimizer.zero_grad(set_to_none=True)
-    scheduler.step()
-    return loss_sum
-
-
-def _memory_values(setup: TrainingSetup) -> dict[str, torch.Tensor] | None:
-    """A copy of every memory's (M, D) values for a sparse recipe (to count rows moved), else None."""
-    if setup.controller is None:
-        return None
-    return {name: memory.values.detach().clone() for name, memory in setup.controller.memories.items()}
-
-
-def _run_authors_step(setup: TrainingSetup, scheduler, micro_batches: list[dict], scale: float, config: RunConfig,
-                      use_autocast: bool, world: World) -> torch.Tensor:
-    """One step of the authors' update (single process): rows chosen after each micro-batch's forward."""
-    controller = setup.controller
-    controller.begin_step()
-    loss_sum = torch.zeros((), device=world.device)
-    for batch in micro_batches:
-        with torch.autocast(world.device.type, dtype=torch.bfloat16, enabled=use_autocast):
-            loss = summed_token_loss(setup.model, batch)
-        controller.after_forward()
-        (loss * scale).backward()
-        loss_sum += loss.detach()
-    setup.step_rows = controller.finish_step(setup.optimizer, max_grad_norm=config.max_grad_norm)
+    setup.step.finish_step(setup.optimizer, config.max_grad_norm)
     scheduler.step()
     return loss_sum
 
@@ -204,13 +155,7 @@ def _train(config: RunConfig, world: World) -> dict:
         seen_tokens = sum(len(features[i]["input_ids"]) for i in indices)
         lr = scheduler.get_last_lr()[0]
         micro_batches = [collate(features, chunk, collator, world.device) for chunk in plan.micro_batches(step)]
-        values_before = _memory_values(setup)
         loss_sum = run_step(wrapped, setup, scheduler, micro_batches, num_tokens, config, world)
-        sparse_log = {}
-        if values_before is not None:  # sparse: how many rows the step selected, and moved without selecting
-            sparse_log = {"selected_rows": sum(int(rows.numel()) for rows in setup.step_rows.values()),
-                          "rows_moved_outside": rows_moved_outside(values_before, _memory_values(setup),
-                                                                   setup.step_rows)}
         loss = all_reduce_sum(loss_sum, world).item() / num_tokens
         step += 1
         elapsed = time.perf_counter() - started
@@ -218,7 +163,7 @@ def _train(config: RunConfig, world: World) -> dict:
             with log_path.open("a") as handle:
                 handle.write(json.dumps({"step": step, "epoch": (step - 1) // plan.steps_per_epoch, "loss": loss,
                                          "lr": lr, "tokens": seen_tokens, "seconds": round(elapsed, 4),
-                                         **sparse_log}) + "\n")
+                                         **setup.step.step_log()}) + "\n")
             progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{seen_tokens / elapsed:.0f}")
             progress.update(1)
         if step % config.save_every == 0 or step == stop:

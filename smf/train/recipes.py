@@ -1,9 +1,9 @@
-"""The four training recipes of SPEC §3: which model, which parameters train, which optimizer.
+"""The four training recipes of docs/method.md#two-stage-training: which model, which parameters train, which optimizer.
 
 - ``retrofit``: fresh memories at ``layers``; every memory parameter (+ alpha) trains; AdamW.
 - ``sparse``: memories from the retrofit adapter; only value rows picked each step by the
   :class:`SparseMemoryController` train (+ alpha in mode additive+s); :class:`RowSparseAdamW`
-  (or, ``--optimizer dense-masked``, masked dense gradients with torch AdamW for comparison;
+  (or, ``--optimizer dense_masked``, masked dense gradients with torch AdamW for comparison;
   ``--optimizer authors``, the authors' update, :class:`AuthorsSparseUpdate`).
 - ``lora``: peft LoRA on the seven projections; AdamW.
 - ``full``: every base parameter; AdamW.
@@ -17,49 +17,31 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from smf.model import (
-    apply_lora,
-    attach_memories,
-    configure_trainable,
-    decoder_layers,
-    load_memory_adapter,
-    memory_blocks,
-    read_adapter_config,
-)
-from smf.train.artifacts import FINAL_DIR, load_base
-from smf.train.config import ConfigError, RunConfig
+from smf.errors import ConfigError
+from smf.model import apply_lora, attach_memories, configure_trainable, memory_blocks
+from smf.model.loading import load_base, load_with_adapter
+from smf.train.config import RunConfig
 from smf.train.distributed import World
+from smf.train.steps import AuthorsStep, DenseStep, SparseStep, StepHooks, bf16_autocast
 from smf_kernels.sparse import AuthorsSparseUpdate, BackgroundStats, RowSparseAdamW, SparseMemoryController
 
 logger = logging.getLogger(__name__)
 
 BACKGROUND_FILE = "background.safetensors"
-MODE_NAMES = {"replacement": "replacement", "additive": "additive", "additive+s": "additive_s"}
 
 
 @dataclass
 class TrainingSetup:
-    """What the trainer needs from a recipe. ``model`` is the unwrapped model; ``controller`` is set
-    for the sparse recipe only (it then runs the optimizer step and fills ``step_rows``)."""
+    """What the trainer needs from a recipe: the unwrapped model, its tokenizer and optimizer, and what the
+    recipe does around each step's forwards, backwards and optimizer step (:mod:`smf.train.steps`)."""
 
     model: nn.Module
     tokenizer: object
     optimizer: torch.optim.Optimizer
-    controller: SparseMemoryController | AuthorsSparseUpdate | None
-    # The rows each memory layer selected in the last sparse step (layer -> (T,) int64), set by the trainer.
-    step_rows: dict | None = None
+    step: StepHooks
 
     def trainable_parameters(self) -> dict[str, nn.Parameter]:
         return {name: p for name, p in self.model.named_parameters() if p.requires_grad}
-
-
-def resolve_adapter_dir(path: str) -> Path:
-    """The folder holding memory_adapter.json: ``path`` itself or a retrofit run's final/ folder."""
-    for candidate in (Path(path) / FINAL_DIR, Path(path)):
-        if (candidate / "memory_adapter.json").is_file():
-            return candidate
-    raise ConfigError(f"--adapter {path!r} holds no memory adapter (memory_adapter.json), neither directly nor "
-                      f"in {FINAL_DIR}/; pass a finished retrofit run directory")
 
 
 def resolve_background_file(path: str) -> Path:
@@ -70,39 +52,18 @@ def resolve_background_file(path: str) -> Path:
     return candidate
 
 
-def _check_layers(model: nn.Module, layers) -> None:
-    num_layers = len(decoder_layers(model))
-    beyond = [index for index in layers if index >= num_layers]
-    if beyond:
-        raise ConfigError(f"--layers {list(layers)}: indices {beyond} are beyond the model, which has {num_layers} "
-                          f"decoder layers (valid: 0..{num_layers - 1})")
-
-
-def load_model_with_adapter(config: RunConfig, device: torch.device) -> tuple[nn.Module, object]:
-    """Base model (``config.model``) with the retrofit adapter's memories attached."""
-    adapter_dir = resolve_adapter_dir(config.adapter)
-    adapter = read_adapter_config(adapter_dir)
-    if adapter.get("base_model") and adapter["base_model"] != config.model:
-        raise ConfigError(f"--adapter was trained on base model {adapter['base_model']!r} but --model is "
-                          f"{config.model!r}; pass --model {adapter['base_model']}")
-    model, tokenizer = load_base(config.model, device)
-    _check_layers(model, adapter["layers"])
-    load_memory_adapter(model, adapter_dir, backend=config.backend)
-    return model.to(device), tokenizer
-
-
 def set_sparse_mode(model: nn.Module, mode: str | None) -> None:
     """Finetune the adapter's memories in ``mode`` (None: the adapter's own). The only change allowed is
     additive -> additive+s (alpha trains too), how the paper's +S starts from the additive retrofit."""
     blocks = memory_blocks(model)
     saved = blocks[0].mode
-    if mode is None or MODE_NAMES[mode] == saved:
+    if mode is None or mode == saved:
         return
-    if MODE_NAMES[mode] != "additive_s" or saved != "additive":
+    if mode != "additive+s" or saved != "additive":
         raise ConfigError(f"--mode {mode} cannot finetune an adapter retrofitted in mode {saved!r}; only an additive "
                           "adapter can be finetuned as additive+s (omit --mode to keep the adapter's mode)")
     for block in blocks:
-        block.mode = "additive_s"
+        block.mode = mode
 
 
 def _adamw(params, config: RunConfig) -> torch.optim.Optimizer:
@@ -115,28 +76,28 @@ def build_setup(config: RunConfig, world: World) -> TrainingSetup:
     Uses torch's global RNG (seeded by the caller identically on every rank) to initialise
     fresh memories and LoRA weights.
     """
-    recipe, controller = config.recipe, None
+    recipe, step = config.recipe, DenseStep()
     if recipe == "retrofit":
         model, tokenizer = load_base(config.model, world.device)
-        _check_layers(model, config.layers)
-        attach_memories(model, config.layers, MODE_NAMES[config.mode], alpha_init=config.alpha_init,
+        attach_memories(model, config.layers, config.mode, alpha_init=config.alpha_init,
                         n_keys=config.n_keys, heads=config.heads, topk=config.topk, key_dim=config.key_dim,
                         backend=config.backend)
         model.to(world.device)
         counts = configure_trainable(model, "retrofit")
     elif recipe == "sparse":
-        model, tokenizer = load_model_with_adapter(config, world.device)
+        model, tokenizer = load_with_adapter(config.model, config.adapter, world.device, config.backend)
         set_sparse_mode(model, config.mode)
         counts = configure_trainable(model, "sparse")
         if config.optimizer == "authors":
             if world.size > 1:
                 raise ConfigError("--optimizer authors runs in one process (the authors' single-GPU update); "
-                                  "drop torchrun or choose row-sparse")
-            controller = AuthorsSparseUpdate(model, rule=config.rule, rows_per_step=config.rows_per_step)
+                                  "drop torchrun or choose row_sparse")
+            step = AuthorsStep(AuthorsSparseUpdate(model, rule=config.rule, rows_per_step=config.rows_per_step))
         else:
-            mode = "row_sparse" if config.optimizer == "row-sparse" else "dense_masked"
-            controller = SparseMemoryController(model, rule=config.rule, rows_per_step=config.rows_per_step,
-                                                mode=mode)
+            step = SparseStep(SparseMemoryController(model, rule=config.rule, rows_per_step=config.rows_per_step,
+                                                     mode=config.optimizer),
+                              config.sparse_backward, bf16_autocast(config.bf16, world.device))
+        controller = step.controller
         try:
             controller.set_background(BackgroundStats.load(resolve_background_file(config.background),
                                                            controller.memories))
@@ -153,10 +114,10 @@ def build_setup(config: RunConfig, world: World) -> TrainingSetup:
     else:
         raise ConfigError(f"--recipe must be one of retrofit, sparse, lora, full; got {recipe!r}")
     trainable = [p for p in model.parameters() if p.requires_grad]
-    if recipe == "sparse" and config.optimizer == "row-sparse":
+    if recipe == "sparse" and config.optimizer == "row_sparse":
         optimizer = RowSparseAdamW(trainable, lr=config.lr, weight_decay=config.weight_decay)
     else:
         optimizer = _adamw(trainable, config)
     logger.info("recipe %s: %d of %d parameters trainable (%s)", recipe, counts["trainable"], counts["total"],
                 type(optimizer).__name__)
-    return TrainingSetup(model, tokenizer, optimizer, controller)
+    return TrainingSetup(model, tokenizer, optimizer, step)

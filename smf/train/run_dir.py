@@ -27,9 +27,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from smf.train.artifacts import RUN_CONFIG
+from smf.errors import ConfigError
+from smf.model.loading import RUN_CONFIG
 from smf.train.checkpoint import CHECKPOINT_FILE
-from smf.train.config import ConfigError
 from smf.train.distributed import World, gather_objects
 
 logger = logging.getLogger(__name__)

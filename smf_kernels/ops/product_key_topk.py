@@ -1,4 +1,4 @@
-"""Product-key top-k lookup (SPEC §1 steps 2-3) as a differentiable custom op."""
+"""Product-key top-k lookup (docs/method.md#the-memory-layer steps 2-3) as a differentiable custom op."""
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,4 @@
-"""Weighted gather with read histogram (SPEC §1 steps 5 and read counts) and its
+"""Weighted gather with read histogram (docs/method.md#the-memory-layer steps 5 and read counts) and its
 dense / row-sparse backward, as custom ops tied together by an autograd.Function.
 
 The forward op mutates ``counts``; torch.library does not attach autograd to

@@ -1,6 +1,6 @@
 """Sparse Memory Finetuning machinery: background statistics, slot selection,
 row-sparse AdamW and a controller tying them to any model with ProductKeyMemory
-layers (SPEC §4, §5).
+layers (docs/method.md#slot-selection, #what-sparse-means).
 
 Usage (stage 2; only the memory values, plus e.g. a +S scale, are trainable)::
 

@@ -1,4 +1,4 @@
-"""Background read statistics of each memory layer (SPEC §4), saved with safetensors.
+"""Background read statistics of each memory layer (docs/method.md#slot-selection), saved with safetensors.
 
 Per layer: ``N`` background batches seen, the document frequency ``df(i)``
 (batches in which slot ``i`` was read at least once) and the token-level read

@@ -90,7 +90,7 @@ class SparseMemoryController:
     Args:
         model: any nn.Module; its ProductKeyMemory submodules are found with
             ``named_modules()`` and named by module path.
-        rule: "tfidf" or "kl" (SPEC §4).
+        rule: "tfidf" or "kl" (docs/method.md#slot-selection).
         rows_per_step: T, rows selected per layer per optimizer step.
         background: statistics for these memories (or collect them later with
             :meth:`collect_background`, or assign with :meth:`set_background`).

@@ -1,4 +1,4 @@
-"""Row-sparse ("lazy") AdamW: only the rows present in a sparse gradient move (SPEC §5).
+"""Row-sparse ("lazy") AdamW: only the rows present in a sparse gradient move (docs/method.md#what-sparse-means).
 
 For a parameter whose gradient is a sparse COO tensor (e.g. the memory values
 with ``set_update_rows``), a step updates only the gradient's rows R:

@@ -1,4 +1,4 @@
-"""Slot scoring and top-T row selection (SPEC §4), pure functions on tensors.
+"""Slot scoring and top-T row selection (docs/method.md#slot-selection), pure functions on tensors.
 
 All functions run on the tensors' device. Scores are computed in float64 so that
 slots with equal statistics get exactly equal scores; ties are broken by the
@@ -63,7 +63,7 @@ def kl_scores(counts: torch.Tensor, reads: torch.Tensor, eps: float = KL_EPS) ->
     Args:
         counts: (M,) int64 reads of each slot in the optimizer step's batch.
         reads: (M,) int64 total background reads b(i) of each slot.
-        eps: the epsilon of SPEC §4 (1e-8).
+        eps: the epsilon of docs/method.md#slot-selection (1e-8).
 
     Returns:
         (M,) float64 scores.

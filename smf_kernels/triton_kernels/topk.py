@@ -1,4 +1,4 @@
-"""Triton kernel: fused product-key top-k (SPEC §1 steps 2-3), exact under the ranking rule.
+"""Triton kernel: fused product-key top-k (docs/method.md#the-memory-layer steps 2-3), exact under the ranking rule.
 
 One program handles BLOCK_M tokens of one head:
 

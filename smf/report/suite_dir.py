@@ -14,12 +14,14 @@ import json
 import logging
 from pathlib import Path
 
-from smf.report import PAPER_MODEL_ID, accounting_markdown, paper_qwen_config, parameter_accounting, write_report
+from smf.report import accounting_markdown, paper_qwen_config, parameter_accounting, write_report
 from smf.report.paper_results import HIGHER_IS_BETTER, METRIC_TITLES, METRICS, display_name
 from smf.report.table import summarize
 from smf.suite.config import SuiteConfig, suite_config_from_dict
 from smf.suite.plan import SuiteLayout, plan_runs, run_hash, stage_settings
-from smf.train.config import TINY_MODEL, ConfigError
+from smf.suite.status import cell, write_status
+from smf.errors import ConfigError
+from smf.vocabulary import DEFAULT_MODEL, TINY_MODEL
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +93,8 @@ def write_update_ablation(config: SuiteConfig, results: list[dict], out_dir: Pat
         cells = [("—" if row["metrics"][m] is None else f"{row['metrics'][m][0]:.3f} ± {row['metrics'][m][1]:.3f}")
                  for m in METRICS]
         lines.append(f"| {display_name(row['condition'], config.model)} | {UPDATE_NAMES[row['update']]} | "
-                     f"{row['seeds']} | " + " | ".join(cells) + f" | {_cell(row['selected_rows'], 1)} | "
-                     f"{_cell(row['rows_moved_outside'], 1)} |")
+                     f"{row['seeds']} | " + " | ".join(cells) + f" | {cell(row['selected_rows'], 1)} | "
+                     f"{cell(row['rows_moved_outside'], 1)} |")
     md_path, json_path = out_dir / "ablation_update.md", out_dir / "ablation_update.json"
     md_path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     json_path.write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
@@ -106,7 +108,7 @@ def model_architecture(model: str):
         from smf.tiny import tiny_config
 
         return tiny_config()
-    if model == PAPER_MODEL_ID:
+    if model == DEFAULT_MODEL:
         return paper_qwen_config()
     from transformers import AutoConfig
 
@@ -135,54 +137,6 @@ def write_accounting(config: SuiteConfig, out_dir: Path) -> list[Path]:
     return [md_path, json_path]
 
 
-def _status_rows(config: SuiteConfig, layout: SuiteLayout, failed: dict[str, str]) -> list[dict]:
-    rows = []
-    for run in plan_runs(config):
-        path = layout.results_path(run)
-        row = {"condition": run.condition, "update": run.update, "seed": run.seed, "status": "pending", "metrics": {},
-               "train_s": None,
-               "eval_s": None, "results": None}
-        if path.is_file():
-            results = json.loads(path.read_text())
-            timing = results["timing"]
-            stages = [v for k, v in timing.items() if k in ("retrofit_s", "background_s", "train_s")]
-            row.update(status="done", metrics=results["metrics"], results=str(path.relative_to(layout.root)),
-                       train_s=sum(stages) if stages else None, eval_s=sum(timing["eval_s"].values()))
-        elif run.name in failed:
-            row["status"] = f"failed: {failed[run.name]}"
-        rows.append(row)
-    return rows
-
-
-def _cell(value, digits: int = 3) -> str:
-    return "—" if value is None else f"{value:.{digits}f}"
-
-
-def write_status(config: SuiteConfig, root: Path, failed: dict[str, str] | None = None) -> list[Path]:
-    """``suite_status.md`` / ``.json``: every planned run, done / failed / pending, with its metrics and
-    seconds (training counts the shared retrofit and background stages in full for each run that uses them).
-    ``root``: the suite directory; ``failed``: run name -> error of runs that raised."""
-    layout = SuiteLayout(Path(root))
-    rows = _status_rows(config, layout, failed or {})
-    done = sum(row["status"] == "done" for row in rows)
-    lines = [f"# Suite `{config.name}`: {done} of {len(rows)} runs done\n",
-             f"Model `{config.model}`, protocol `{config.protocol}`, seeds {list(config.seeds)}, directory "
-             f"`{layout.root}`.\n",
-             "| Method | Seed | Status | " + " | ".join(METRIC_TITLES[m] for m in METRICS)
-             + " | Train s | Eval s | Results |",
-             "| --- | ---: | --- | " + " | ".join("---:" for _ in METRICS) + " | ---: | ---: | --- |"]
-    for row in rows:
-        metrics = " | ".join(_cell(row["metrics"].get(metric)) for metric in METRICS)
-        method = display_name(row["condition"], config.model) + (" (authors' update)" if row["update"] == "authors"
-                                                                 else "")
-        lines.append(f"| {method} | {row['seed']} | {row['status']} | {metrics} | "
-                     f"{_cell(row['train_s'], 1)} | {_cell(row['eval_s'], 1)} | {row['results'] or '—'} |")
-    md_path, json_path = layout.root / "suite_status.md", layout.root / "suite_status.json"
-    md_path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    json_path.write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
-    return [md_path, json_path]
-
-
 def write_suite_report(suite_dir: str | Path) -> list[Path]:
     """Table 1, the Pareto figure, the accounting and the status of the suite in ``suite_dir``; returns
     the paths written."""
@@ -191,7 +145,7 @@ def write_suite_report(suite_dir: str | Path) -> list[Path]:
     results = collect_results(layout, config)
     if not results:
         raise ConfigError(f"--suite-dir {str(suite_dir)!r} holds no finished run (results/*.json) to report")
-    include_paper = config.model == PAPER_MODEL_ID
+    include_paper = config.model == DEFAULT_MODEL
     paths = write_report(table_records(results), layout.root, include_paper=include_paper, model=config.model)
     if config.authors_update:
         paths += write_update_ablation(config, results, layout.root)

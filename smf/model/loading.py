@@ -1,0 +1,200 @@
+"""Every way to load a model, in one place, for training, evaluation and the suite.
+
+- :func:`load_base`: a base model by name: a hub id, a local ``save_pretrained`` directory, or
+  ``'tiny'`` (:mod:`smf.tiny`);
+- :func:`load_with_adapter`: a base model with a memory adapter (:mod:`smf.model.adapter`) attached;
+- :func:`load_run`: the ``final/`` artefact of a finished training run (memory adapter, peft LoRA
+  adapter or fully finetuned model, by the run's recipe);
+- :func:`load_model`: whichever of these a directory holds (``smf eval``, the suite);
+- :func:`from_pretrained`: a ``save_pretrained`` directory of a model with memories.
+
+Every loader returns the model in eval mode (fp32 unless asked otherwise) with its tokenizer, and
+raises ConfigError naming the argument when a name or directory holds nothing it can load.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from smf.errors import ConfigError
+from smf.model.adapter import ADAPTER_CONFIG, load_memory_adapter, read_adapter_config
+from smf.model.attach import CONFIG_KEY, memory_blocks
+from smf.model.hf_auto import SUFFIX, register_memory_type
+from smf.vocabulary import DEFAULT_MODEL, TINY_MODEL
+
+logger = logging.getLogger(__name__)
+
+# A training run directory (written by smf.train): its resolved options, and its artefact once finished.
+RUN_CONFIG = "run_config.json"
+FINAL_DIR = "final"
+
+
+def _cannot_load(name: str, err: Exception) -> ConfigError:
+    offline = os.environ.get("HF_HUB_OFFLINE", "0")
+    cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return ConfigError(f"model {name!r} cannot be loaded: it is not a local directory and is not in the Hugging "
+                       f"Face hub cache (HF_HUB_OFFLINE={offline}); download it where there is network access "
+                       f"(`huggingface-cli download {name}`), or pass a local save_pretrained directory or "
+                       f"'{TINY_MODEL}' ({cause})")
+
+
+def load_tokenizer(name_or_path: str = DEFAULT_MODEL):
+    """The tokenizer stored with ``name_or_path`` (a hub id or a local directory)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name_or_path)
+    except OSError as err:
+        raise _cannot_load(name_or_path, err) from err
+
+
+def load_base(name: str = DEFAULT_MODEL, device: torch.device | str = "cpu",
+              dtype: torch.dtype = torch.float32) -> tuple[nn.Module, object]:
+    """(causal LM in eval mode, tokenizer) for a hub id, a local directory, or 'tiny' (seed 0)."""
+    if name == TINY_MODEL:
+        from smf.tiny import tiny_model, tiny_tokenizer
+
+        model = tiny_model(seed=0)
+        model.config._name_or_path = TINY_MODEL  # recorded in adapters, so they name their base
+        return model.to(device=device, dtype=dtype).eval(), tiny_tokenizer()
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+    except OSError as err:
+        raise _cannot_load(name, err) from err
+    return model.to(device).eval(), load_tokenizer(name)
+
+
+def adapter_dir(path: str | Path) -> Path:
+    """The folder holding a memory adapter: ``path`` itself or the ``final/`` folder of a retrofit run."""
+    for candidate in (Path(path) / FINAL_DIR, Path(path)):
+        if (candidate / ADAPTER_CONFIG).is_file():
+            return candidate
+    raise ConfigError(f"--adapter {str(path)!r} holds no memory adapter ({ADAPTER_CONFIG}), neither directly nor "
+                      f"in {FINAL_DIR}/; pass a finished retrofit run directory")
+
+
+def load_with_adapter(base: str | None, adapter: str | Path, device: torch.device | str = "cpu",
+                      backend: str | None = None) -> tuple[nn.Module, object]:
+    """(base model with the memory adapter's memories attached, tokenizer).
+
+    ``adapter``: an adapter folder or a retrofit run directory. ``base``: the base model, which must be
+    the one the adapter was trained on; None uses the one the adapter records.
+    """
+    directory = adapter_dir(adapter)
+    recorded = read_adapter_config(directory).get("base_model")
+    if base is None and not recorded:
+        raise ConfigError(f"the adapter in {str(directory)!r} records no base model; pass --model")
+    if base is not None and recorded and recorded != base:
+        raise ConfigError(f"--adapter was trained on base model {recorded!r} but --model is {base!r}; "
+                          f"pass --model {recorded}")
+    model, tokenizer = load_base(base or recorded, device)
+    load_memory_adapter(model, directory, backend=backend)
+    return model.to(device).eval(), tokenizer
+
+
+def load_run(run_dir: str | Path, device: torch.device | str = "cpu",
+             backend: str | None = None) -> tuple[nn.Module, object]:
+    """(model in eval mode, tokenizer) from the ``final/`` artefact of a finished training run."""
+    run_dir = Path(run_dir)
+    final = run_dir / FINAL_DIR
+    if not (run_dir / RUN_CONFIG).is_file() or not final.is_dir():
+        raise ConfigError(f"{str(run_dir)!r} is not a finished training run (needs {RUN_CONFIG} and {FINAL_DIR}/)")
+    options = json.loads((run_dir / RUN_CONFIG).read_text())
+    if options["recipe"] == "full":
+        return load_base(str(final), device)
+    if options["recipe"] == "lora":
+        return _load_peft(options["model"], final, device)
+    return load_with_adapter(options["model"], final, device, backend)
+
+
+def _load_peft(base: str, adapter: Path, device: torch.device | str) -> tuple[nn.Module, object]:
+    from peft import PeftModel
+
+    model, tokenizer = load_base(base, device)
+    return PeftModel.from_pretrained(model, adapter).to(device).eval(), tokenizer
+
+
+def load_model(model: str, adapter: str | Path | None = None, device: torch.device | str = "cpu",
+               backend: str | None = None) -> tuple[nn.Module, object]:
+    """(model in eval mode, tokenizer): ``model`` (a base model, see :func:`load_base`) with what
+    ``adapter`` holds on top, recognised by its files:
+
+    - a training run directory (``run_config.json`` and ``final/``): :func:`load_run`, on the base
+      model the run recorded;
+    - a memory adapter (``memory_adapter.json``): :func:`load_with_adapter`;
+    - a peft LoRA adapter (``adapter_config.json``): LoRA on ``model``;
+    - a transformers model directory (``config.json``): a fully finetuned model (``model`` unused).
+    """
+    if adapter is None:
+        return load_base(model, device)
+    adapter = Path(adapter)
+    if not adapter.is_dir():
+        raise ConfigError(f"--adapter: no such directory {str(adapter)!r}")
+    if (adapter / RUN_CONFIG).is_file() and (adapter / FINAL_DIR).is_dir():
+        return load_run(adapter, device, backend)
+    if (adapter / ADAPTER_CONFIG).is_file():
+        return load_with_adapter(model, adapter, device, backend)
+    if (adapter / "adapter_config.json").is_file():
+        return _load_peft(model, adapter, device)
+    if (adapter / "config.json").is_file():
+        return load_base(str(adapter), device)
+    raise ConfigError(f"--adapter {str(adapter)!r} is none of: a training run directory ({RUN_CONFIG} + "
+                      f"{FINAL_DIR}/), a memory adapter ({ADAPTER_CONFIG}), a peft LoRA adapter "
+                      "(adapter_config.json), a finetuned model (config.json)")
+
+
+def from_pretrained(directory: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                    backend: str | None = None, **kwargs) -> nn.Module:
+    """A causal LM saved by ``model.save_pretrained(directory)``, with its memories, in eval mode.
+
+    ``save_pretrained`` of a model with memories writes the model type
+    ``f"{base}_smf_memories"``, ``config.smf_memories`` (layers, mode, memory sizes, layout) and
+    the memory weights. This registers that type (:mod:`smf.model.hf_auto`) and returns
+    ``AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)``: the base model
+    with the recorded memories (fp32) attached and loaded, their kernels on ``backend``. A
+    directory without memories loads as a plain model. A plain ``AutoModelForCausalLM`` load
+    gives the same model once :mod:`smf.model` is imported, and fails without it.
+    """
+    from transformers import AutoModelForCausalLM, PreTrainedConfig
+
+    config, _ = PreTrainedConfig.get_config_dict(directory)
+    model_type = config.get("model_type", "")
+    if model_type.endswith(SUFFIX):
+        register_memory_type(model_type)
+    elif config.get(CONFIG_KEY):
+        raise ValueError(f"{directory}: config.json records {CONFIG_KEY} under model_type {model_type!r} (saved by an "
+                         f"older smf); set its model_type to {model_type + SUFFIX!r} to load it with its memories")
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)
+    for block in memory_blocks(model):
+        block.memory.backend = backend
+    if model_type.endswith(SUFFIX):
+        logger.info("loaded %s memories at layers %s from %s", config[CONFIG_KEY]["mode"],
+                    config[CONFIG_KEY]["layers"], directory)
+    return model.to(device).eval()
+
+
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(f"{old} is deprecated; use smf.model.{new}", DeprecationWarning, stacklevel=3)
+
+
+def load_base_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32,
+                    device: str | torch.device = "cpu") -> nn.Module:
+    """Deprecated: ``load_base(name_or_path, device, dtype)[0]``."""
+    _deprecated("load_base_model", "load_base(...)[0]")
+    return load_base(name_or_path, device, dtype)[0]
+
+
+def load_model_with_memories(base_name_or_path: str | None, adapter_dir: str | Path,
+                             dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                             backend: str | None = None) -> nn.Module:
+    """Deprecated: ``load_with_adapter(base_name_or_path, adapter_dir, device, backend)[0]``."""
+    _deprecated("load_model_with_memories", "load_with_adapter(...)[0]")
+    return load_with_adapter(base_name_or_path, adapter_dir, device, backend)[0].to(dtype)

@@ -1,0 +1,78 @@
+"""The words of the experiments, each spelled once: recipes, memory modes, selection rules, sparse
+optimizers, conditions, tasks, the default model and the tiny preset's sizes.
+
+Command line, config files, code and reports all use these spellings. Spellings an earlier version
+accepted from users are still read, with a deprecation warning (:func:`canonical`).
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+
+from smf.errors import ConfigError
+from smf_kernels.sparse.selection import RULES
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"  # the paper's base model
+TINY_MODEL = "tiny"  # :mod:`smf.tiny`, built in code
+
+RECIPES = ("retrofit", "sparse", "lora", "full")
+TRAIN_RECIPES = ("sparse", "lora", "full")  # what ``smf train --recipe`` takes
+MEMORY_MODES = ("replacement", "additive", "additive+s")  # +S: alpha trains in the sparse stage too
+RETROFIT_MODE = {"replacement": "replacement", "additive": "additive", "additive+s": "additive"}
+# RULES, imported above from smf_kernels: the slot scoring rules ("tfidf", "kl").
+SPARSE_OPTIMIZERS = ("row_sparse", "dense_masked", "authors")
+SPARSE_BACKWARDS = ("selected-rows", "read-rows")
+TASKS = ("medmcqa", "wikitext", "triviaqa")
+
+# Table 1 of the paper: the base model, sparse finetuning as f"{mode}-{rule}", and the two baselines.
+SPARSE_CONDITIONS = tuple(f"{mode}-{rule}" for mode in MEMORY_MODES for rule in sorted(RULES))  # kl, tfidf
+CONDITIONS = ("base", *SPARSE_CONDITIONS, "lora", "full")
+
+PAPER_LAYERS = (6, 12, 18)
+TINY_MEMORY_LAYERS = (2, 4, 6)
+TINY_MEMORY_KWARGS = {"n_keys": 16, "heads": 2, "topk": 4, "key_dim": 32}
+
+# Old spelling -> the one spelling (memory mode, sparse optimizer).
+DEPRECATED_SPELLINGS = {"additive_s": "additive+s", "row-sparse": "row_sparse", "dense-masked": "dense_masked"}
+# What the suite's fingerprints hash instead (smf.suite.plan), so that directories written before the renames match.
+FINGERPRINT_SPELLINGS = {"row_sparse": "row-sparse", "dense_masked": "dense-masked"}
+
+__all__ = ["CONDITIONS", "DEFAULT_MODEL", "MEMORY_MODES", "RECIPES", "RULES", "SPARSE_CONDITIONS",
+           "SPARSE_OPTIMIZERS", "TASKS", "TINY_MODEL", "canonical", "check_layers", "split_condition"]
+
+
+def canonical(value, argument: str):
+    """``value`` in its one spelling; an old spelling of ``argument`` is mapped with a DeprecationWarning
+    (and a logged warning, which the command line shows)."""
+    if not isinstance(value, str) or value not in DEPRECATED_SPELLINGS:
+        return value
+    new = DEPRECATED_SPELLINGS[value]
+    message = f"{argument} {value!r} is deprecated; use {new!r}"
+    warnings.warn(message, DeprecationWarning, stacklevel=2)
+    logger.warning(message)
+    return new
+
+
+def split_condition(condition: str) -> tuple[str, str]:
+    """(memory mode, rule) of a sparse condition, e.g. ``additive+s-kl`` -> (``additive+s``, ``kl``)."""
+    if condition not in SPARSE_CONDITIONS:
+        raise ConfigError(f"condition must be one of {', '.join(SPARSE_CONDITIONS)}; got {condition!r}")
+    mode, rule = condition.rsplit("-", 1)
+    return mode, rule
+
+
+def check_layers(layers, num_layers: int | None = None, argument: str = "layers") -> tuple[int, ...]:
+    """The memory layer indices as a tuple, checked: distinct ints >= 0, and < ``num_layers`` (the model's
+    decoder layers) when given. Raises ConfigError (a ValueError) naming ``argument`` otherwise."""
+    layers = tuple(layers) if isinstance(layers, (list, tuple)) else (layers,)
+    if not layers or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
+        raise ConfigError(f"{argument} must be a non-empty list of int indices, got {list(layers)}")
+    if any(index < 0 for index in layers) or len(set(layers)) != len(layers):
+        raise ConfigError(f"{argument} must be distinct non-negative indices, got {list(layers)}")
+    beyond = [index for index in layers if num_layers is not None and index >= num_layers]
+    if beyond:
+        raise ConfigError(f"{argument} {list(layers)}: indices {beyond} are beyond the model, which has "
+                         f"{num_layers} decoder layers (valid: [0, {num_layers - 1}])")
+    return layers
