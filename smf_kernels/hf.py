@@ -46,7 +46,7 @@ class SparseMemoryTrainer(Trainer):
 
     Args:
         *args, **kwargs: as ``transformers.Trainer``. The model's trainable parameters should be
-            the memory values (plus, e.g., the additive_s ``alpha``; see
+            the memory values (plus, e.g., the additive+s ``alpha``; see
             ``smf.model.configure_trainable(model, "sparse")``).
         controller: a :class:`SparseMemoryController` over the same model, with its background
             statistics set (``collect_background`` / ``set_background``).

@@ -2,7 +2,8 @@
 from smf.model.adapter import load_memory_adapter, read_adapter_config, save_memory_adapter
 from smf.model.attach import LAYOUTS, PAPER_LAYERS, attach_memories, decoder_layers, decoder_stack, memory_blocks
 from smf.model.block import MODES, MemoryBlock
-from smf.model.freezing import LORA_TARGET_REGEX, LORA_TARGETS, STAGES, apply_lora, configure_trainable, count_parameters
+from smf.model.freezing import (LORA_TARGET_REGEX, LORA_TARGETS, STAGES, apply_lora, configure_trainable,
+                                count_parameters)
 from smf.model.loading import (
     from_pretrained,
     load_base,

@@ -9,7 +9,8 @@ from smf_kernels.backends import implementation, resolve_backend
 
 
 @torch.library.custom_op("smf_kernels::product_key_topk", mutates_args=())
-def _product_key_topk(query: torch.Tensor, keys: torch.Tensor, topk: int, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _product_key_topk(query: torch.Tensor, keys: torch.Tensor, topk: int,
+                      backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     with no_autocast(query.device):  # the kernels choose their own precision
         return implementation(backend).topk_forward(query, keys, topk)
 

@@ -1,4 +1,5 @@
-"""The authors' sparse update, kept as an ablation of this project's exact update (docs/method.md#what-sparse-means, #the-protocol-setting).
+"""The authors' sparse update, kept as an ablation of this project's exact update
+(docs/method.md#what-sparse-means, #the-protocol-setting).
 
 What the authors' code (github.com/prakharg55/SMF-ICML, ``smf_rebuild/sparse_memory.py`` and
 ``trainer_utils.py``) does, per micro-batch of an optimizer step:

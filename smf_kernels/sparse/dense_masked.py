@@ -4,8 +4,9 @@ The original code lets the values receive a dense (M, D) gradient, multiplies it
 by the selected-row mask (a backward hook) and steps a standard
 torch.optim.AdamW. Only selected rows receive gradient, but AdamW still moves
 every row with non-zero momentum and applies weight decay to all rows, so rows
-that are not selected in a step change anyway (docs/method.md#what-sparse-means, #pitfalls-of-earlier-implementations). Use this mode only
-to measure that leak; the default is :class:`RowSparseAdamW` on sparse gradients.
+that are not selected in a step change anyway (docs/method.md#what-sparse-means,
+#pitfalls-of-earlier-implementations). Use this mode only to measure that leak;
+the default is :class:`RowSparseAdamW` on sparse gradients.
 
 The mask is applied to the step's accumulated gradient, after the step's rows
 are known (a hook during backward cannot know them under gradient

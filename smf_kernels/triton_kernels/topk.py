@@ -227,7 +227,8 @@ def _candidate_pairs(topk: int, k_pad: int, device: torch.device) -> torch.Tenso
     """(C_P,) int32 packed ranks ia * k_pad + ib of the pairs with (ia+1)(ib+1) <= topk, padded with -1
     to a power of two; built once per (topk, device), so a launch copies nothing from the host."""
     pairs = [ia * k_pad + ib for ia in range(topk) for ib in range(topk) if (ia + 1) * (ib + 1) <= topk]
-    pairs += [-1] * (_pow2_at_least(len(pairs), 16) - len(pairs))  # >= 16 wide: the widths the AOT report and tests cover
+    # >= 16 wide: the widths the AOT report and tests cover
+    pairs += [-1] * (_pow2_at_least(len(pairs), 16) - len(pairs))
     return torch.tensor(pairs, dtype=torch.int32, device=device)
 
 
@@ -263,8 +264,10 @@ def plan_product_key_topk(query: torch.Tensor, keys: torch.Tensor, topk: int) ->
         (query, keys, pairs, scores, slots, num_tokens, n_keys,
          query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
          scores.stride(0), scores.stride(1)),
-        dict(HALF=half, BLOCK_D=config["BLOCK_D"], NK_P=_pow2_at_least(n_keys, 16),  # tl.dot's N >= 16
-             TOPK=topk, K_P=k_pad, C_P=pairs.numel(), BLOCK_M=block_m, IEEE=query.dtype == torch.float32 or query.device.type == "cpu",
+        # NK_P >= 16: tl.dot's smallest N
+        dict(HALF=half, BLOCK_D=config["BLOCK_D"], NK_P=_pow2_at_least(n_keys, 16),
+             TOPK=topk, K_P=k_pad, C_P=pairs.numel(), BLOCK_M=block_m,
+             IEEE=query.dtype == torch.float32 or query.device.type == "cpu",
              num_warps=config["num_warps"]),
     )
     return plan, (scores, slots)
