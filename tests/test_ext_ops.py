@@ -81,6 +81,17 @@ def test_gather_forward_matches_reference(shape, dtype):
     assert rel_err(out, ref) < TOL.get(dtype, 1e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_forward_over_a_table_larger_than_the_cache_budget(dtype):
+    """A 40,000-row table: the AVX2 forward sweeps the tokens once per 112-column group (two groups
+    and a scalar remainder of 6 columns at D = 230), so its slice stays in L3."""
+    values, indices, weights = gather_inputs((40_000, 230, 37, 8), dtype)
+    counts = torch.zeros(40_000, dtype=torch.int64)
+    out = weighted_gather(values, indices, weights, counts=counts, backend="ext")
+    assert rel_err(out, weighted_gather_reference(values.double(), indices, weights.double())) < TOL[dtype]
+    assert torch.equal(counts, torch.bincount(indices.flatten(), minlength=40_000))
+
+
 def test_gather_accepts_non_contiguous_inputs():
     values = torch.randn(96, 50).t()  # (50, 96), strided
     indices = torch.randint(0, 50, (37, 16))[:, ::2]
