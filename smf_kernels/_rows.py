@@ -12,3 +12,18 @@ def row_to_slot_map(update_rows: torch.Tensor, num_rows: int) -> torch.Tensor:
     slots = torch.full((num_rows,), -1, dtype=torch.int64, device=update_rows.device)
     slots[update_rows] = torch.arange(update_rows.numel(), device=update_rows.device)
     return slots
+
+
+def read_targets(flat_indices: torch.Tensor, update_rows: torch.Tensor | None,
+                 num_rows: int) -> tuple[torch.Tensor, int]:
+    """(targets, out_rows): the output row of each read (flat_indices, (R,) int64 row ids).
+
+    Dense (update_rows None): the row itself, out of num_rows. Sparse: the read's slot in
+    update_rows, with every read of an unselected row sent to one scratch row T past the end
+    (out_rows = T + 1; the caller drops it), since a mask would need a host sync on accelerators.
+    """
+    if update_rows is None:
+        return flat_indices, num_rows
+    selected = update_rows.numel()
+    slots = row_to_slot_map(update_rows, num_rows)[flat_indices]
+    return torch.where(slots >= 0, slots, selected), selected + 1

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from smf_kernels._precision import accumulation_dtype
-from smf_kernels._rows import row_to_slot_map
+from smf_kernels._rows import read_targets
 from smf_kernels.reference import product_key_topk_reference
 from smf_kernels.reference import ranked_topk as _stable_ranked_topk
 
@@ -156,15 +156,9 @@ def _sum_reads_by_target(grad_out, weights, targets, out_rows):
 
 
 def gather_backward_values(grad_out, indices, weights, num_rows, update_rows, deterministic):
-    targets = indices.reshape(-1)
-    if update_rows is None:
-        return _sum_reads_by_target(grad_out, weights, targets, num_rows)
-    # Sparse: reads of unselected rows land in one scratch row past the end,
-    # dropped on return (a mask would need a host sync on accelerators).
-    selected = update_rows.numel()
-    slots = row_to_slot_map(update_rows, num_rows)[targets]
-    targets = torch.where(slots >= 0, slots, selected)
-    return _sum_reads_by_target(grad_out, weights, targets, selected + 1)[:selected]
+    targets, out_rows = read_targets(indices.reshape(-1), update_rows, num_rows)
+    grad = _sum_reads_by_target(grad_out, weights, targets, out_rows)
+    return grad if update_rows is None else grad[:-1]
 
 
 def _embedding_bag_backward(grad_out, values, indices, weights, need_values, need_weights, update_rows=None):
@@ -177,11 +171,7 @@ def _embedding_bag_backward(grad_out, values, indices, weights, need_values, nee
     bag_of_read = torch.arange(num_tokens, device=indices.device).repeat_interleave(per_token)
     grad_values = grad_weights = None
     if need_values:
-        targets, out_rows = flat, values.shape[0]
-        if update_rows is not None:  # reads of unselected rows land in one scratch row past the end
-            selected = update_rows.numel()
-            slots = row_to_slot_map(update_rows, values.shape[0])[flat]
-            targets, out_rows = torch.where(slots >= 0, slots, selected), selected + 1
+        targets, out_rows = read_targets(flat, update_rows, values.shape[0])
         bag_size = torch.full((num_tokens,), per_token, dtype=torch.int64, device=indices.device)
         grad_values = torch.ops.aten._embedding_bag_dense_backward(
             grad_out, targets, bag_of_read, bag_size, flat.new_empty(0), out_rows, False, 0,
