@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from smf_kernels._precision import accumulation_dtype
+
 
 class RowSparseAdamW(torch.optim.Optimizer):
     """AdamW that updates only the rows of sparse COO gradients (see module docstring).
@@ -100,7 +102,7 @@ class RowSparseAdamW(torch.optim.Optimizer):
         state["exp_avg_sq"].index_copy_(0, rows, exp_avg_sq)
 
         steps = row_step.to(torch.float64)
-        factor_dtype = torch.promote_types(param.dtype, torch.float32)  # never round the factors to bf16
+        factor_dtype = accumulation_dtype(param.dtype)  # never round the factors to bf16
         step_size = (lr / (1 - torch.pow(beta1, steps))).to(factor_dtype).unsqueeze(1)  # (R, 1)
         bias_correction2_sqrt = (1 - torch.pow(beta2, steps)).sqrt().to(factor_dtype).unsqueeze(1)
         denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
