@@ -1,6 +1,7 @@
 """SparseMemoryController end to end: sparse gradients only, per-step selection under gradient
 accumulation and under torch.distributed (gloo, 2 processes), and the dense-masked leak."""
 import datetime
+import gc
 import pytest
 import torch
 import torch.distributed as dist
@@ -200,27 +201,36 @@ def _distributed_worker(rank, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(minutes=3))  # a stuck peer fails, not hangs
     try:
-        torch.manual_seed(0)
-        model = TinyModel()
-        controller = SparseMemoryController(model, rule="kl", rows_per_step=ROWS)
-        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-            model, controller.ddp_ignored_names())
-        wrapped = nn.parallel.DistributedDataParallel(model)
-        # each rank counts half of the background; the controller sums them across ranks
-        controller.collect_background(background_batches()[rank::WORLD], forward=forward_background)
-        optimizer = RowSparseAdamW([model.memory.values, model.alpha], lr=1e-2)
-        selected = []
-        for tokens, targets, valid in make_steps(NUM_STEPS, sequences=8):
-            normaliser = valid.sum() / WORLD  # DDP averages over ranks: the global token mean results
-            half = slice(rank * 4, rank * 4 + 4)
-            controller.begin_step()
-            for chunk in zip(tokens[half].chunk(2), targets[half].chunk(2), valid[half].chunk(2)):
-                micro_loss(wrapped, *chunk, normaliser).backward()
-            selected.append(controller.finish_step(optimizer, max_grad_norm=1.0)["memory"])
-        torch.save({"selected": selected, "values": model.memory.values.detach(), "alpha": model.alpha.detach(),
-                    "background": controller.background.reads["memory"]}, f"{out_dir}/rank{rank}.pt")
+        _train_one_rank(rank, out_dir)
+        # DDP's reducer holds the process group. Freed after destroy_process_group (when the
+        # worker's locals went), ~ProcessGroupGloo once deadlocked on a mutex (py-spy, 2-core VM):
+        # both ranks finish, then the reducer goes, then the group.
+        dist.barrier()
+        gc.collect()
     finally:
         dist.destroy_process_group()
+
+
+def _train_one_rank(rank, out_dir):
+    torch.manual_seed(0)
+    model = TinyModel()
+    controller = SparseMemoryController(model, rule="kl", rows_per_step=ROWS)
+    nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+        model, controller.ddp_ignored_names())
+    wrapped = nn.parallel.DistributedDataParallel(model)
+    # each rank counts half of the background; the controller sums them across ranks
+    controller.collect_background(background_batches()[rank::WORLD], forward=forward_background)
+    optimizer = RowSparseAdamW([model.memory.values, model.alpha], lr=1e-2)
+    selected = []
+    for tokens, targets, valid in make_steps(NUM_STEPS, sequences=8):
+        normaliser = valid.sum() / WORLD  # DDP averages over ranks: the global token mean results
+        half = slice(rank * 4, rank * 4 + 4)
+        controller.begin_step()
+        for chunk in zip(tokens[half].chunk(2), targets[half].chunk(2), valid[half].chunk(2)):
+            micro_loss(wrapped, *chunk, normaliser).backward()
+        selected.append(controller.finish_step(optimizer, max_grad_norm=1.0)["memory"])
+    torch.save({"selected": selected, "values": model.memory.values.detach(), "alpha": model.alpha.detach(),
+                "background": controller.background.reads["memory"]}, f"{out_dir}/rank{rank}.pt")
 
 
 def test_two_gloo_ranks_select_the_same_rows_and_match_one_process_with_the_whole_batch(tmp_path):

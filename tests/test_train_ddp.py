@@ -2,6 +2,7 @@
 weights as 1 process with micro-batch 2m and the same global batch (sparse +S: controller-synchronised
 selection plus DDP on alpha; full: plain DDP)."""
 import datetime
+import gc
 import pytest
 import torch
 import torch.distributed as dist
@@ -47,6 +48,8 @@ def _worker(rank, init_file, root, adapter):
     try:
         for recipe in RECIPES:
             train(run_config(root, recipe, micro_batch_size=1, adapter=adapter))
+        dist.barrier()
+        gc.collect()  # DDP reducers before their process group (see test_sparse_controller.py)
     finally:
         dist.destroy_process_group()
 
