@@ -9,12 +9,8 @@
 
 #include <algorithm>
 
-#if defined(__linux__)
-#include <sys/mman.h>
-#include <unistd.h>
-#endif
-
 #include "cpu_kernels.h"
+#include "cpu_output_pool.h"
 #ifdef SMF_WITH_CUDA
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -24,27 +20,6 @@
 #endif
 
 namespace {
-
-// A CPU output of at least this many bytes asks the kernel for transparent huge pages: each call
-// gets fresh memory from mmap, and a 58 MB fp32 value gradient in 4 KB pages costs ~14,000 page
-// faults (torch.zeros of it took 24 ms on the project's VM, a quarter of the dense backward).
-constexpr int64_t kHugePageMinBytes = int64_t(4) << 20;
-
-// at::empty(sizes, options), on Linux with madvise(MADV_HUGEPAGE) over its page-aligned span when
-// large; a hint only: where THP is off or the call fails, the pages are ordinary ones.
-at::Tensor empty_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
-  at::Tensor out = at::empty(sizes, options);
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  const int64_t bytes = out.numel() * static_cast<int64_t>(out.element_size());
-  if (out.device().is_cpu() && bytes >= kHugePageMinBytes) {
-    const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
-    const uintptr_t start = (reinterpret_cast<uintptr_t>(out.data_ptr()) + page - 1) / page * page;
-    const uintptr_t end = (reinterpret_cast<uintptr_t>(out.data_ptr()) + bytes) / page * page;
-    if (end > start) madvise(reinterpret_cast<void*>(start), end - start, MADV_HUGEPAGE);
-  }
-#endif
-  return out;
-}
 
 // Half precision has no kernels of its own: it runs as float32.
 at::Tensor kernel_input(const at::Tensor& t) {
@@ -227,7 +202,7 @@ at::Tensor gather_forward(const at::Tensor& values_in, const at::Tensor& indices
   int64_t* counts_ptr = counts.defined() ? counts.data_ptr<int64_t>() : nullptr;
   const bool* valid_ptr = valid.defined() ? valid.const_data_ptr<bool>() : nullptr;
   const int64_t num_tokens = indices.size(0), per_token = indices.size(1), dim = values.size(1);
-  at::Tensor out = empty_output({num_tokens, dim}, values.options());
+  at::Tensor out = smf::cpu::pooled_empty({num_tokens, dim}, values.options());
   const smf::DType dtype = kernel_dtype(values);
   SMF_RUN(values,
           smf::cpu::gather_forward(dtype, values.const_data_ptr(), indices.const_data_ptr<int64_t>(),
@@ -298,7 +273,7 @@ at::Tensor gather_backward_values(const at::Tensor& grad_out_in, const at::Tenso
   const int64_t num_update_rows = update_rows.defined() ? update_rows.numel() : 0;
   const int64_t out_rows = update_rows.defined() ? num_update_rows : num_rows;
   const int64_t num_tokens = indices.size(0), per_token = indices.size(1), dim = grad_out.size(1);
-  at::Tensor grad = empty_output({out_rows, dim}, grad_out.options().dtype(accumulation_type(grad_out)));
+  at::Tensor grad = smf::cpu::pooled_empty({out_rows, dim}, grad_out.options().dtype(accumulation_type(grad_out)));
   const smf::DType dtype = kernel_dtype(grad_out);
 #ifdef SMF_WITH_CUDA
   at::Tensor workspace;
@@ -340,7 +315,7 @@ std::tuple<at::Tensor, at::Tensor> gather_backward(const at::Tensor& grad_out_in
   const at::Tensor update_rows = update_rows_in.has_value() ? update_rows_in->contiguous() : at::Tensor();
   const int64_t num_tokens = indices.size(0), per_token = indices.size(1), dim = values.size(1);
   const int64_t out_rows = update_rows.defined() ? update_rows.numel() : values.size(0);
-  at::Tensor grad_values = empty_output({need_values ? out_rows : 0, dim}, values.options().dtype(acc));
+  at::Tensor grad_values = smf::cpu::pooled_empty({need_values ? out_rows : 0, dim}, values.options().dtype(acc));
   at::Tensor grad_weights = at::empty({need_weights ? num_tokens : 0, per_token}, values.options().dtype(acc));
   if (!need_values && !need_weights) return {grad_values, grad_weights};
   smf::cpu::gather_backward(kernel_dtype(values), grad_out.const_data_ptr(), values.const_data_ptr(),
@@ -348,8 +323,8 @@ std::tuple<at::Tensor, at::Tensor> gather_backward(const at::Tensor& grad_out_in
                             update_rows.defined() ? update_rows.const_data_ptr<int64_t>() : nullptr,
                             update_rows.defined() ? update_rows.numel() : 0,
                             need_values ? grad_values.data_ptr() : nullptr,
-                            need_weights ? grad_weights.data_ptr() : nullptr, values.size(0), num_tokens, per_token,
-                            dim, at::get_num_threads());
+                            need_weights ? grad_weights.data_ptr() : nullptr,
+                            values.size(0), num_tokens, per_token, dim, at::get_num_threads());
   return {grad_values, grad_weights};
 }
 
@@ -364,7 +339,7 @@ std::tuple<at::Tensor, at::Tensor> topk_backward(const at::Tensor& grad_scores_i
   const at::Tensor grad_scores = grad_scores_in.to(acc).contiguous(), indices = indices_in.contiguous();
   const int64_t num_tokens = query.size(0), heads = query.size(1), key_dim = query.size(2);
   const int64_t n_keys = keys.size(2), topk = indices.size(2);
-  at::Tensor grad_query = need_query ? empty_output(query.sizes(), query.options().dtype(acc))
+  at::Tensor grad_query = need_query ? smf::cpu::pooled_empty(query.sizes(), query.options().dtype(acc))
                                      : at::empty({0}, query.options().dtype(acc));
   at::Tensor grad_keys = need_keys ? at::empty(keys.sizes(), keys.options().dtype(acc))
                                    : at::empty({0}, keys.options().dtype(acc));
@@ -403,4 +378,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("need_values"), py::arg("need_weights"));
   m.def("gather_backward_values", &gather_backward_values, "grad of values (M or T, D) acc", py::arg("grad_out"),
         py::arg("indices"), py::arg("weights"), py::arg("num_rows"), py::arg("update_rows"));
+  m.def("release_idle_outputs", &smf::cpu::release_idle_outputs,
+        "return the cached blocks of freed large CPU outputs to the system; the bytes released");
 }

@@ -33,7 +33,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent.parent / "csrc"
-CPU_SOURCES = ("bindings.cpp", "cpu_kernels.cpp")
+CPU_SOURCES = ("bindings.cpp", "cpu_kernels.cpp", "cpu_output_pool.cpp")
 CUDA_SOURCES = ("cuda_kernels.cu",)
 BUILD_ENV_VAR = "SMF_KERNELS_BUILD_EXT"
 DIR_ENV_VAR = "SMF_KERNELS_EXT_DIR"
