@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -696,10 +697,16 @@ void gather_backward_impl(const T* grad_out, const T* values, const int64_t* ind
   }
 }
 
+// Tokens per chunk of the top-k backward's key gradient, and the most chunks (each holds a
+// copy of the key gradient, zeroed and added up again): 4 chunks, 2 MB of copies at N = 4096 and
+// the paper's shape, enough to keep a few threads busy on a pass that takes milliseconds.
+constexpr int64_t kKeyGradChunkTokens = 1024;
+constexpr int64_t kKeyGradMaxChunks = 8;
+
 // Gradients of the top-k scores with respect to query and keys, reading only the k
 // sub-keys of each pair (no dense (N, H, n_keys) buffers). grad_query rows are owned by
-// tokens; grad_keys rows by (head, half, sub-key), each summed over its (token, rank)
-// pairs in order after a counting sort, so results do not depend on the thread count.
+// tokens; grad_keys is summed per chunk of tokens in token order, then over the chunks in
+// order, so results do not depend on the thread count.
 template <typename T>
 void topk_backward_impl(const typename Accumulate<T>::type* grad_scores, const T* query, const T* keys,
                         const int64_t* indices, typename Accumulate<T>::type* grad_query,
@@ -733,37 +740,38 @@ void topk_backward_impl(const typename Accumulate<T>::type* grad_scores, const T
     }
   }
   if (grad_keys == nullptr) return;
-  // For each (head, half): the (token, rank) pairs grouped by sub-key, in pair order.
-  const int64_t pairs = num_tokens * topk, groups = heads * 2;
-  std::vector<int64_t> begin(groups * (n_keys + 1), 0), order(groups * pairs);
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t hc = 0; hc < groups; ++hc) {
-    const int64_t h = hc / 2, c = hc % 2;
-    int64_t* first = begin.data() + hc * (n_keys + 1);
-    for (int64_t n = 0; n < num_tokens; ++n)
-      for (int64_t r = 0; r < topk; ++r) ++first[sub_key((n * heads + h) * topk + r, c) + 1];
-    for (int64_t j = 0; j < n_keys; ++j) first[j + 1] += first[j];
-    std::vector<int64_t> cursor(first, first + n_keys);
-    for (int64_t n = 0; n < num_tokens; ++n)
-      for (int64_t r = 0; r < topk; ++r)
-        order[hc * pairs + cursor[sub_key((n * heads + h) * topk + r, c)]++] = n * topk + r;
-  }
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 4)
-  for (int64_t row = 0; row < groups * n_keys; ++row) {
-    const int64_t hc = row / n_keys, j = row % n_keys, h = hc / 2, c = hc % 2;
-    A* out = grad_keys + row * half;
-    std::fill(out, out + half, A(0));
-    const int64_t* first = begin.data() + hc * (n_keys + 1);
-    const int64_t* group_order = order.data() + hc * pairs;
-    for (int64_t p = first[j]; p < first[j + 1]; ++p) {
-      if (p + kPrefetchReads < first[j + 1])
-        prefetch(query + ((group_order[p + kPrefetchReads] / topk) * heads + h) * key_dim + c * half, half * sizeof(T));
-      const int64_t pair = group_order[p], n = pair / topk, r = pair % topk;
-      const A g = grad_scores[(n * heads + h) * topk + r];
-      const T* q = query + (n * heads + h) * key_dim + c * half;
+  // Each chunk of tokens sums its pairs into its own copy of grad_keys (512 KB at the paper's
+  // shape, about L2), reading the query once in order; the copies are then added in chunk order.
+  // Grouping the pairs by sub-key instead read a query half-row at random per pair (268 MB from
+  // L3 at N = 4096). Chunks depend on N only, so results do not depend on the thread count.
+  const int64_t key_elems = heads * 2 * n_keys * half;
+  const int64_t chunks = std::clamp<int64_t>(num_tokens / kKeyGradChunkTokens, 1, kKeyGradMaxChunks);
+  const int64_t chunk_tokens = (num_tokens + chunks - 1) / chunks;
+  std::unique_ptr<A[]> partial(new A[chunks * key_elems]);
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+  for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+    A* part = partial.get() + chunk * key_elems;
+    std::fill(part, part + key_elems, A(0));  // by the thread that sums into it
+    for (int64_t n = chunk * chunk_tokens; n < std::min(num_tokens, (chunk + 1) * chunk_tokens); ++n) {
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t nh = n * heads + h;
+        for (int64_t c = 0; c < 2; ++c) {
+          const T* q = query + nh * key_dim + c * half;
+          for (int64_t r = 0; r < topk; ++r) {
+            const A g = grad_scores[nh * topk + r];
+            A* out = part + ((h * 2 + c) * n_keys + sub_key(nh * topk + r, c)) * half;
 #pragma omp simd
-      for (int64_t d = 0; d < half; ++d) out[d] += g * load(q[d]);
+            for (int64_t d = 0; d < half; ++d) out[d] += g * load(q[d]);
+          }
+        }
+      }
     }
+  }
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t e = 0; e < key_elems; ++e) {
+    A sum = 0;
+    for (int64_t chunk = 0; chunk < chunks; ++chunk) sum += partial[chunk * key_elems + e];
+    grad_keys[e] = sum;
   }
 }
 

@@ -287,3 +287,28 @@ def test_large_outputs_reuse_freed_blocks_without_stale_values(ext):
     assert rel_err(grad, want) < 1e-5
     del out, grad
     assert ext.release_idle_outputs() >= 2 * 4 * 2100 * 500
+
+
+def test_topk_key_gradient_over_several_token_chunks_is_exact_and_thread_independent():
+    """N = 2500: the key gradient is summed in two chunks of 1250 tokens, then over the chunks."""
+    query = torch.randn(2500, 2, 24, dtype=torch.float64)
+    keys = torch.rand(2, 2, 10, 12, dtype=torch.float64) * 2 - 1
+    _, slots = product_key_topk(query, keys, 4, backend="ext")
+    grad = torch.randn(2500, 2, 4, dtype=torch.float64)
+    q, k = query.clone().requires_grad_(), keys.clone().requires_grad_()
+    i, j = slots // 10, slots % 10
+    heads = torch.arange(2).view(1, -1, 1).expand_as(i)
+    ref_scores = (q[..., :12].unsqueeze(2) * k[heads, 0, i]).sum(-1) + (q[..., 12:].unsqueeze(2) * k[heads, 1, j]).sum(-1)
+    want = torch.autograd.grad(ref_scores, k, grad)[0]
+    threads = torch.get_num_threads()
+    got = []
+    try:
+        for num_threads in (threads, 1):
+            torch.set_num_threads(num_threads)
+            k = keys.clone().requires_grad_()
+            scores, _ = product_key_topk(query, k, 4, backend="ext")
+            got.append(torch.autograd.grad(scores, k, grad)[0])
+    finally:
+        torch.set_num_threads(threads)
+    assert rel_err(got[0], want) < 1e-12
+    assert torch.equal(got[0], got[1])
