@@ -64,9 +64,7 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-@functools.cache
-def _adapter(cls) -> TypeAdapter:
-    return TypeAdapter(cls)
+_adapter = functools.cache(TypeAdapter)  # one validator per config class
 
 
 def checked(cls, options: dict, name_of=flag):
@@ -101,18 +99,14 @@ def mapping(raw, where: str, valid=None) -> dict:
 
 def read_file(path: str | Path) -> dict:
     """The mapping in a YAML (or, by suffix, JSON) file; ConfigError if it is missing, unreadable or no mapping."""
+    import yaml
+
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"--config: no such file {str(path)!r}")
-    if path.suffix == ".json":
-        parse, errors = json.loads, json.JSONDecodeError
-    else:
-        import yaml
-
-        parse, errors = yaml.safe_load, yaml.YAMLError
     try:
-        raw = parse(path.read_text())
-    except errors as err:
+        raw = json.loads(path.read_text()) if path.suffix == ".json" else yaml.safe_load(path.read_text())
+    except (json.JSONDecodeError, yaml.YAMLError) as err:
         raise ConfigError(f"--config {str(path)!r} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: "
                           f"{str(err).splitlines()[0]}") from None
     if not isinstance(raw, dict):
