@@ -1,32 +1,52 @@
 """Typed options, shared by the trainer's configuration and the suite's.
 
-An option is a dataclass field made with :func:`option`: its default, help text, the commands that
-take it, and optionally its choices, a lower bound and whether it names a path. From that alone come
-the per-command filter (:func:`takes`), the checks of values read from YAML/JSON files against the
-field's type (:func:`coerce`, types from ``typing.get_type_hints``), the checks of a built config
-(:func:`check`), and one argparse flag per option with its default in the help (:func:`add_flags`).
+An option is a dataclass field made with :func:`option`: its default, help text and the commands that take it.
+Its type says what it accepts: ``Literal`` choices, pydantic's bounded types (``PositiveInt``, ...), a path that
+must exist (:data:`ExistingDir`), a list (:data:`AsList`). From that alone come the per-command filter
+(:func:`only`), the checks and coercion of values from files and flags, done by pydantic (:func:`checked`), and
+one argparse flag per option with its default in the help (:func:`add_flags`).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
-import types
 import typing
 from pathlib import Path
+from typing import Annotated
+
+from pydantic import AfterValidator, BeforeValidator, Field, TypeAdapter, ValidationError
 
 from smf.errors import ConfigError
 from smf.vocabulary import canonical
 
-BOUNDS = {"positive": (lambda v: v > 0, "> 0"), "non-negative": (lambda v: v >= 0, ">= 0")}
+
+def option(default, help: str, commands: tuple[str, ...] = ()):
+    """A dataclass field with its help text and the commands that take it."""
+    return dataclasses.field(default=default, metadata={"help": help, "commands": commands})
 
 
-def option(default, help: str, commands: tuple[str, ...] = (), *, choices: tuple | None = None,
-           bound: str | None = None, path: str | None = None):
-    """A dataclass field with its metadata; ``bound``: a key of :data:`BOUNDS`; ``path``: "any" or "dir", a
-    path (or directory) that must exist when given."""
-    return dataclasses.field(default=default, metadata={"help": help, "commands": commands, "choices": choices,
-                                                        "bound": bound, "path": path})
+def _check(test, message: str) -> AfterValidator:
+    """A validator: the value if ``test(value)``, else ValueError(``message.format(value)``)."""
+    def check(value):
+        if not test(value):
+            raise ValueError(message.format(value))
+        return value
+    return AfterValidator(check)
+
+
+ExistingPath = Annotated[str, _check(lambda path: Path(path).exists(), "no such path {!r}")]
+ExistingDir = Annotated[str, _check(lambda path: Path(path).is_dir(), "no such directory {!r}")]
+Distinct = _check(lambda values: len(set(values)) == len(values), "{} repeats a value")
+# A list option also takes one value, or a comma-separated string.
+AsList = BeforeValidator(lambda v: v.split(",") if isinstance(v, str) else v if isinstance(v, (list, tuple)) else [v])
+
+
+def choice_tuple(choices: tuple[str, ...]):
+    """The type of a non-empty tuple of distinct ``choices``, put in the choices' order."""
+    return Annotated[tuple[typing.Literal[choices], ...], AsList, Field(min_length=1), Distinct,
+                     AfterValidator(lambda values: tuple(c for c in choices if c in values))]
 
 
 def takes(cls, command: str) -> list[str]:
@@ -44,75 +64,23 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _kind(cls, name: str) -> tuple[type, type | None]:
-    """(scalar type, list or tuple or None) of option ``name`` of ``cls``: (int, list) for ``list[int] | None``."""
-    hint = typing.get_type_hints(cls)[name]
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
-    if typing.get_origin(hint) in (list, tuple):
-        return typing.get_args(hint)[0], typing.get_origin(hint)
-    return hint, None
+_adapter = functools.cache(TypeAdapter)  # one validator per config class
 
 
-def _scalar(kind: type, value, where: str):
-    wrong = f"{where} must be {'true or false' if kind is bool else 'a ' + kind.__name__}, got {value!r}"
-    if kind is float and isinstance(value, str):
-        try:
-            return float(value)  # YAML reads 5e-4 (no dot) as a string
-        except ValueError:
-            raise ConfigError(wrong) from None
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise ConfigError(wrong)
-    return value
-
-
-def coerce(cls, name: str, value, where: str):
-    """``value`` (as read from a file) as option ``name`` of ``cls``; ConfigError naming ``where`` otherwise.
-
-    A list option takes a list (or one value; a comma-separated string for a list of strings); its values
-    must be distinct, and values drawn from the option's choices are put in the choices' order.
-    """
-    spec = {f.name: f for f in dataclasses.fields(cls)}[name]
-    value = canonical(value, where)
-    if value is None:
-        if spec.default is not None:
-            raise ConfigError(f"{where} cannot be null")
-        return None
-    kind, container = _kind(cls, name)
-    if container is None:
-        return _scalar(kind, value, where)
-    if isinstance(value, str) and kind is str:
-        value = value.split(",")
-    values = [_scalar(kind, canonical(v, where), where) for v in (value if isinstance(value, (list, tuple)) else
-                                                                  [value])]
-    choices, bound = spec.metadata.get("choices"), spec.metadata.get("bound")
-    if choices:
-        for v in values:
-            if v not in choices:
-                raise ConfigError(f"{where}: {v!r} is not one of {', '.join(choices)}")
-        values = [c for c in choices if c in values]
-    if not values or len(set(values)) != len(values) or (bound and not all(BOUNDS[bound][0](v) for v in values)):
-        raise ConfigError(f"{where} must be a non-empty list of distinct {bound + ' ' if bound else ''}"
-                          f"{kind.__name__}s, got {value!r}")
-    return container(values)
-
-
-def check(config, name_of=flag) -> None:
-    """Raise ConfigError for a value of ``config`` outside its option's choices or bound, or a path option
-    naming nothing; errors name the option as ``name_of(name)``."""
-    for spec in dataclasses.fields(config):
-        value, meta = getattr(config, spec.name), spec.metadata
-        if value is None or not meta:
-            continue
-        if meta["choices"] and not isinstance(value, (list, tuple)) and value not in meta["choices"]:
-            raise ConfigError(f"{name_of(spec.name)} must be one of {', '.join(meta['choices'])}; got {value!r}")
-        if meta["bound"] and not isinstance(value, (list, tuple)) and not BOUNDS[meta["bound"]][0](value):
-            raise ConfigError(f"{name_of(spec.name)} must be {BOUNDS[meta['bound']][1]}, got {value!r}")
-        if meta["path"] and not (Path(value).is_dir() if meta["path"] == "dir" else Path(value).exists()):
-            raise ConfigError(f"{name_of(spec.name)}: no such {'directory' if meta['path'] == 'dir' else 'path'} "
-                              f"{value!r}")
+def checked(cls, options: dict, name_of=flag):
+    """``cls(**options)`` with every value checked and coerced to its field's type by pydantic (YAML's ``5e-4``, a
+    string, as a float; old spellings mapped, with a warning); a ConfigError naming the first bad option as
+    ``name_of(name)`` otherwise (``name`` dotted for a field of a nested dataclass: ``eval.tasks``)."""
+    try:
+        return _adapter(cls).validate_python({name: canonical(value, name_of(name)) for name, value in options.items()})
+    except ValidationError as err:
+        error = err.errors()[0]
+        where = name_of(".".join(part for part in error["loc"] if isinstance(part, str)))  # eval.tasks, not its index
+        if error["type"] == "missing":
+            raise ConfigError(f"{where} is required") from None
+        if error["type"] == "value_error":  # from the validators here, whose messages name the value
+            raise ConfigError(f"{where}: {error['ctx']['error']}") from None
+        raise ConfigError(f"{where}: {error['msg'][0].lower()}{error['msg'][1:]}, got {error['input']!r}") from None
 
 
 def mapping(raw, where: str, valid=None) -> dict:
@@ -131,18 +99,14 @@ def mapping(raw, where: str, valid=None) -> dict:
 
 def read_file(path: str | Path) -> dict:
     """The mapping in a YAML (or, by suffix, JSON) file; ConfigError if it is missing, unreadable or no mapping."""
+    import yaml
+
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"--config: no such file {str(path)!r}")
-    if path.suffix == ".json":
-        parse, errors = json.loads, json.JSONDecodeError
-    else:
-        import yaml
-
-        parse, errors = yaml.safe_load, yaml.YAMLError
     try:
-        raw = parse(path.read_text())
-    except errors as err:
+        raw = json.loads(path.read_text()) if path.suffix == ".json" else yaml.safe_load(path.read_text())
+    except (json.JSONDecodeError, yaml.YAMLError) as err:
         raise ConfigError(f"--config {str(path)!r} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: "
                           f"{str(err).splitlines()[0]}") from None
     if not isinstance(raw, dict):
@@ -150,29 +114,25 @@ def read_file(path: str | Path) -> dict:
     return raw
 
 
-def _text_to(cls, name: str):
-    """argparse ``type`` of option ``name``: the text as the option's scalar type (old spellings mapped)."""
-    kind, _ = _kind(cls, name)
-
-    def parse(text: str):
-        return canonical(kind(text), flag(name))
-
-    parse.__name__ = kind.__name__  # argparse names the type in its "invalid int value" errors
-    return parse
-
-
 def add_flags(parser: argparse.ArgumentParser, cls, command: str) -> None:
-    """One flag per option of ``cls`` that ``command`` takes, its default in the help; unset flags stay out of
-    the namespace (so a config file can set them)."""
-    for name in takes(cls, command):
-        spec = {f.name: f for f in dataclasses.fields(cls)}[name]
-        meta, default = spec.metadata, spec.default
+    """One flag per option of ``cls`` that ``command`` takes, its default in the help: a switch for a bool, the
+    choices of a ``Literal``, one or more values for a list; unset flags stay out of the namespace (so a config
+    file can set them)."""
+    hints = typing.get_type_hints(cls)
+    for spec in dataclasses.fields(cls):
+        if command not in spec.metadata.get("commands", ()):
+            continue
+        hint, name, default = hints[spec.name], flag(spec.name), spec.default
         shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else default
-        help_text = f"{meta['help']} (default: {'none' if shown is None else shown})"
-        kind, container = _kind(cls, name)
-        if kind is bool:  # a switch: --resume
-            parser.add_argument(flag(name), action="store_true", default=argparse.SUPPRESS, help=help_text)
-        else:
-            parser.add_argument(flag(name), type=_text_to(cls, name), nargs="+" if container else None,
-                                choices=meta["choices"], metavar=None if meta["choices"] else name.upper(),
-                                default=argparse.SUPPRESS, help=help_text)
+        kwargs = {"default": argparse.SUPPRESS, "help": f"{spec.metadata['help']} (default: "
+                                                        f"{'none' if shown is None else shown})"}
+        if hint is bool:
+            parser.add_argument(name, action="store_true", **kwargs)
+            continue
+        hint = typing.get_args(hint)[0] if type(None) in typing.get_args(hint) else hint  # X | None: X
+        nargs = "+" if typing.get_origin(hint) in (list, tuple) else None
+        hint = typing.get_args(hint)[0] if nargs else hint
+        choices = typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else None
+        # A choice is read in its one spelling before argparse checks it (old spellings mapped, with a warning).
+        parser.add_argument(name, type=functools.partial(canonical, argument=name) if choices else hint, nargs=nargs,
+                            choices=choices, metavar=None if choices else spec.name.upper(), **kwargs)

@@ -61,19 +61,20 @@ def test_relative_paths_and_yaml_numbers(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("overrides, message", [
     ({"epochs": 3}, "unknown key 'epochs'; valid keys: name, model, output_dir, seeds"),
-    ({"conditions": ["base", "sparse-kl"]}, "conditions: 'sparse-kl' is not one of base, replacement-kl"),
+    ({"conditions": ["base", "sparse-kl"]}, "conditions: input should be 'base', 'replacement-kl', 'replacement-"),
     ({"train": {"learning_rate": 1e-3}}, "train: unknown key 'learning_rate'; valid keys: preset, layers"),
     ({"train": {"seed": 1}}, "train: option 'seed' is set by the suite"),
     ({"stages": {"lora": {"n_keys": 8}}}, "stages.lora: option 'n_keys' does not apply to this stage; valid"),
     ({"stages": {"sparse2": {}}}, "stages: unknown key 'sparse2'; valid keys: retrofit, background, sparse, lora"),
     ({"data": {"wikitext": "../data/missing.jsonl"}}, "data.wikitext: no such file or directory"),
     ({"data": {"medmcqa": "x"}}, "data: unknown key 'medmcqa'; valid keys: oasst, medmcqa_train"),
-    ({"eval": {"tasks": ["medmcqa", "mmlu"]}}, "eval.tasks: 'mmlu' is not one of medmcqa, wikitext, triviaqa"),
+    ({"eval": {"tasks": ["medmcqa", "mmlu"]}},
+     "eval.tasks: input should be 'medmcqa', 'wikitext' or 'triviaqa', got 'mmlu'"),
     ({"eval": {"wikitext_stride": 1024, "wikitext_window": 512}}, "eval.wikitext_stride (1024) must be smaller"),
-    ({"seeds": [0, 0]}, "seeds must be a non-empty list of distinct non-negative ints"),
+    ({"seeds": [0, 0]}, "seeds: (0, 0) repeats a value"),
     ({"model": "./no-such-model"}, "model: no such directory"),
     ({"train": {"preset": "tiny", "global_batch_size": 6}}, "--global-batch-size 6 is not a multiple"),
-    ({"protocol": "paper"}, "protocol must be one of authors, clean; got 'paper'"),
+    ({"protocol": "paper"}, "protocol: input should be 'authors' or 'clean', got 'paper'"),
     ({"train": {"protocol": "clean"}}, "train: option 'protocol' is set by the suite"),
     ({"authors_update": ["lora"]}, "authors_update: 'lora' is not a sparse condition of this suite"),
     ({"conditions": ["base", "additive-kl"], "authors_update": ["additive-tfidf"]},
@@ -95,7 +96,8 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):
     bad = _write(tmp_path, conditions=["base", "dense"])
     assert cli.main(["suite", "--config", str(bad)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("smf suite: error: conditions: 'dense' is not one of base") and err.count("\n") == 1
+    assert err.startswith("smf suite: error: conditions: input should be 'base', ") and err.count("\n") == 1
+    assert err.rstrip().endswith("got 'dense'")
     assert cli.main(["suite", "--config", "no-such-config"]) == 2
     assert "shipped: paper, tiny" in capsys.readouterr().err
     assert cli.main(["report", "--suite-dir", str(tmp_path / "nowhere")]) == 2

@@ -30,9 +30,8 @@ def run(args: argparse.Namespace) -> int:
     from smf.suite.plan import SuiteLayout, plan_runs
     from smf.suite.runner import run_suite
 
-    overrides = {key: value for key, value in (("output_dir", args.output_dir), ("seeds", args.seeds),
-                                               ("conditions", args.conditions), ("device", args.device))
-                 if value is not None}
+    overrides = {key: getattr(args, key) for key in ("output_dir", "seeds", "conditions", "device")
+                 if getattr(args, key) is not None}
     config = load_suite_config(args.config, overrides)
     if args.dry_run:
         layout = SuiteLayout(config.output_dir)

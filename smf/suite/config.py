@@ -1,11 +1,5 @@
-"""The experiment-suite configuration, read from YAML (or JSON); every key is checked.
-
-Top-level keys (``-`` or ``_``): ``name``, ``model`` (hub id, local directory or 'tiny'), ``output_dir``,
-``seeds``, ``conditions`` (default: all nine of Table 1), ``authors_update`` (sparse conditions also
-trained with the authors' update), ``device``, ``protocol`` (smf/data/protocol.py), ``data`` (local
-copies of the datasets in the hub schema; null or absent = the hub), ``train`` (options of the
-trainer shared by every stage), ``stages`` (per-stage overrides of ``train``) and ``eval``
-(:class:`smf.eval.settings.EvalSettings`). ``smf/configs/suite_paper.yaml`` sets every key.
+"""The experiment-suite configuration, read from YAML (or JSON; keys with ``-`` or ``_``); every key is checked.
+The keys are the fields of :class:`SuiteConfig`; ``smf/configs/suite_paper.yaml`` sets every one.
 
 Relative paths: ``data`` paths and a local ``model`` directory resolve against the folder of the
 config file (so a config and its data move together); ``output_dir`` against the working directory.
@@ -14,24 +8,27 @@ sets itself per run (:data:`SUITE_OWNED`) may not appear in ``train`` or ``stage
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, Field, NonNegativeInt, ValidationInfo, field_validator
+from pydantic_core import to_jsonable_python
 
 from smf.data.paths import DataPaths
 from smf.data.protocol import DEFAULT_PROTOCOL, PROTOCOLS
 from smf.errors import ConfigError
 from smf.eval.settings import EvalSettings
-from smf.options import check, coerce, mapping, option, read_file, takes
+from smf.options import AsList, Distinct, checked, choice_tuple, mapping, read_file, takes
 from smf.train.config import OPTIONS, RunConfig, build_config
 from smf.vocabulary import CONDITIONS, SPARSE_CONDITIONS
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 SHIPPED_PREFIX = "suite_"
 
-STAGES = ("retrofit", "background", "sparse", "lora", "full")
 STAGE_COMMANDS = {"retrofit": "retrofit", "background": "background", "sparse": "train", "lora": "train",
                   "full": "train"}
+STAGES = tuple(STAGE_COMMANDS)
 # RunConfig options the suite fills in per run; a config may not set them.
 SUITE_OWNED = ("output_dir", "adapter", "background", "recipe", "mode", "rule", "seed", "resume", "max_steps",
                "model", "device", "protocol", "oasst_path", "medmcqa_path")
@@ -42,27 +39,35 @@ TRAIN_KEYS = tuple(name for name in OPTIONS if name not in SUITE_OWNED)
 class SuiteConfig:
     """A validated suite configuration (paths absolute; see the module docstring)."""
 
-    name: str
-    model: str
-    output_dir: Path
-    seeds: tuple[int, ...] = option((), "training seeds", bound="non-negative")
-    conditions: tuple[str, ...] = option(CONDITIONS, "conditions of Table 1", choices=CONDITIONS)
-    authors_update: tuple[str, ...] = option((), "sparse conditions also run with the authors' update")
-    device: str = option("auto", "torch device for training and evaluation")
-    protocol: str = option(DEFAULT_PROTOCOL, "data and evaluation protocol", choices=PROTOCOLS)
-    data: DataPaths = field(default_factory=DataPaths)
-    train: dict = field(default_factory=dict)
-    stages: dict = field(default_factory=dict)
+    name: str  # default: the config file's name
+    model: Annotated[str, Field(min_length=1)]  # hub id, local directory or 'tiny'
+    output_dir: Annotated[Path, AfterValidator(lambda path: path.expanduser().resolve())]
+    seeds: Annotated[tuple[NonNegativeInt, ...], AsList, Field(min_length=1), Distinct]
+    conditions: choice_tuple(CONDITIONS) = CONDITIONS  # default: all nine of Table 1
+    authors_update: Annotated[tuple[str, ...], AsList, Distinct] = ()  # sparse ones re-run with the authors' update
+    device: str = "auto"
+    protocol: Literal[PROTOCOLS] = DEFAULT_PROTOCOL  # smf/data/protocol.py
+    data: DataPaths = field(default_factory=DataPaths)  # local copies of the datasets in the hub schema; null: the hub
+    train: dict = field(default_factory=dict)  # options of the trainer shared by every stage
+    stages: dict = field(default_factory=dict)  # per-stage overrides of train
     eval: EvalSettings = field(default_factory=EvalSettings)
+
+    @field_validator("authors_update")
+    @classmethod
+    def _sparse_conditions_of_the_suite(cls, chosen: tuple, info: ValidationInfo) -> tuple:
+        sparse = [c for c in info.data.get("conditions", ()) if c in SPARSE_CONDITIONS]
+        for condition in chosen:
+            if condition not in sparse:
+                raise ValueError(f"{condition!r} is not a sparse condition of this suite; choose from "
+                                 f"{', '.join(sparse) or '(none: add a sparse condition to conditions)'}")
+        return tuple(c for c in sparse if c in chosen)
 
     def to_dict(self) -> dict:
         """JSON-ready form; :func:`suite_config_from_dict` reads it back."""
-        return {**dataclasses.asdict(self), "output_dir": str(self.output_dir), "seeds": list(self.seeds),
-                "conditions": list(self.conditions), "authors_update": list(self.authors_update),
-                "eval": {**dataclasses.asdict(self.eval), "tasks": list(self.eval.tasks)}}
+        return to_jsonable_python(self)
 
 
-TOP_KEYS = tuple(f.name for f in dataclasses.fields(SuiteConfig))
+TOP_KEYS = tuple(SuiteConfig.__dataclass_fields__)
 
 
 def stage_keys(stage: str) -> tuple[str, ...]:
@@ -80,18 +85,8 @@ def _train_options(raw, where: str, valid) -> dict:
             known = key in TRAIN_KEYS
             raise ConfigError(f"{where}: {'option' if known else 'unknown key'} {key!r}"
                               f"{' does not apply to this stage' if known else ''}; valid keys: {', '.join(valid)}")
-    return {name: coerce(RunConfig, name, value, f"{where}: option {name!r}") for name, value in options.items()}
-
-
-def _eval_settings(raw) -> EvalSettings:
-    options = mapping(raw, "eval", tuple(f.name for f in dataclasses.fields(EvalSettings)))
-    settings = EvalSettings(**{name: coerce(EvalSettings, name, value, f"eval.{name}")
-                               for name, value in options.items()})
-    check(settings, lambda name: f"eval.{name}")
-    if not settings.wikitext_stride < settings.wikitext_window:
-        raise ConfigError(f"eval.wikitext_stride ({settings.wikitext_stride}) must be smaller than "
-                          f"eval.wikitext_window ({settings.wikitext_window})")
-    return settings
+    config = checked(RunConfig, options, lambda name: f"{where}: option {name!r}")
+    return {name: getattr(config, name) for name in options}
 
 
 def _input_path(value, base_dir: Path, where: str, check_exists: bool, kind: str = "file or directory"):
@@ -108,38 +103,23 @@ def _input_path(value, base_dir: Path, where: str, check_exists: bool, kind: str
 def parse_suite_config(raw, base_dir: Path, *, source: str = "config", check_paths: bool = True) -> SuiteConfig:
     """Validate a config mapping (see the module docstring); relative input paths resolve against
     ``base_dir``. ``check_paths=False`` skips the checks that need the data and model on disk."""
-    raw = mapping(raw, source, TOP_KEYS)
-    for key in ("model", "output_dir", "seeds"):
-        if raw.get(key) is None:
-            raise ConfigError(f"{source}: key {key!r} is required")
-    if not isinstance(raw["model"], str) or not raw["model"]:
-        raise ConfigError(f"model must be a hub id, a local directory or 'tiny', got {raw['model']!r}")
-    local_model = raw["model"].startswith((".", "/", "~"))
-    values = {key: coerce(SuiteConfig, key, raw[key], key) for key in ("seeds", "conditions", "device", "protocol")
-              if key in raw}
-    conditions = values.get("conditions", CONDITIONS)
-    chosen = coerce(SuiteConfig, "authors_update", raw["authors_update"], "authors_update") \
-        if raw.get("authors_update") else ()
-    sparse = [c for c in conditions if c in SPARSE_CONDITIONS]
-    for condition in chosen:
-        if condition not in sparse:
-            raise ConfigError(f"authors_update: {condition!r} is not a sparse condition of this suite; choose from "
-                              f"{', '.join(sparse) or '(none: add a sparse condition to conditions)'}")
-    stages = mapping(raw.get("stages"), "stages", STAGES)
-    config = SuiteConfig(
-        **values, name=str(raw.get("name", Path(source).stem)), authors_update=tuple(c for c in sparse if c in chosen),
-        model=_input_path(raw["model"], base_dir, "model", check_paths, "directory") if local_model else raw["model"],
-        output_dir=Path(str(raw["output_dir"])).expanduser().resolve(),
-        data=DataPaths(**{key: _input_path(value, base_dir, f"data.{key}", check_paths) for key, value in
-                          mapping(raw.get("data"), "data", tuple(DataPaths.__dataclass_fields__)).items()}),
-        train=_train_options(raw.get("train"), "train", TRAIN_KEYS),
-        stages={stage: _train_options(options, f"stages.{stage}", stage_keys(stage))
-                for stage, options in stages.items()},
-        eval=_eval_settings(raw.get("eval")),
-    )
-    check(config, lambda name: f"{source}: {name}")
-    if check_paths:  # the trainer's value checks on every stage's options now, not hours into the suite
-        for stage in STAGES:  # the retrofit command's checks need no adapter: values, choices, batch sizes, paths
+    raw = {key: value for key, value in mapping(raw, source, TOP_KEYS).items() if value is not None}
+    if isinstance(raw.get("model"), str) and raw["model"].startswith((".", "/", "~")):  # a local model
+        raw["model"] = _input_path(raw["model"], base_dir, "model", check_paths, "directory")
+    config = checked(SuiteConfig, {
+        "name": Path(source).stem, **raw,
+        "data": {key: _input_path(value, base_dir, f"data.{key}", check_paths)
+                 for key, value in mapping(raw.get("data"), "data", tuple(DataPaths.__dataclass_fields__)).items()},
+        "train": _train_options(raw.get("train"), "train", TRAIN_KEYS),
+        "stages": {stage: _train_options(options, f"stages.{stage}", stage_keys(stage))
+                   for stage, options in mapping(raw.get("stages"), "stages", STAGES).items()},
+        "eval": mapping(raw.get("eval"), "eval", tuple(EvalSettings.__dataclass_fields__)),
+    }, str)
+    if not config.eval.wikitext_stride < config.eval.wikitext_window:
+        raise ConfigError(f"eval.wikitext_stride ({config.eval.wikitext_stride}) must be smaller than "
+                          f"eval.wikitext_window ({config.eval.wikitext_window})")
+    if check_paths:  # the trainer's checks of combinations (batch sizes, layers) on every stage's options now
+        for stage in STAGES:  # the retrofit command's checks need no adapter
             build_config("retrofit", {**config.train, **config.stages.get(stage, {})},
                          {"output_dir": str(config.output_dir)})
     return config
