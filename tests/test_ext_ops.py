@@ -264,14 +264,14 @@ def test_fused_backward_weight_grad_does_not_depend_on_update_rows():
     assert all(torch.equal(run, runs[0]) for run in runs[1:])
 
 
-def test_large_outputs_reuse_freed_blocks_without_stale_values(ext):
+def test_large_outputs_reuse_freed_blocks_without_stale_values():
     """Outputs of 4 MB and more come from a cache of freed blocks (csrc/cpu_output_pool.h): a block
     filled with NaN and freed is handed to the next output of its size, which must not show it."""
     from smf_kernels.backends import ext_impl
 
     values, indices, weights = gather_inputs((2500, 500, 2100, 6), torch.float32)  # out: 4.2 MB, grad: 5 MB
     grad_out = torch.randn(2100, 500)
-    ext.release_idle_outputs()
+    ext_impl.release_idle_outputs()
     first_out = weighted_gather(values, indices, weights, backend="ext")
     first_grad = ext_impl.gather_backward(grad_out, values, indices, weights, None, True, True, False)[0]
     blocks = {first_out.data_ptr(), first_grad.data_ptr()}
@@ -286,7 +286,7 @@ def test_large_outputs_reuse_freed_blocks_without_stale_values(ext):
     want = torch.autograd.grad(weighted_gather_reference(table, indices, weights.double()), table, grad_out.double())[0]
     assert rel_err(grad, want) < 1e-5
     del out, grad
-    assert ext.release_idle_outputs() >= 2 * 4 * 2100 * 500
+    assert ext_impl.release_idle_outputs() >= 2 * 4 * 2100 * 500
 
 
 def test_topk_key_gradient_over_several_token_chunks_is_exact_and_thread_independent():

@@ -29,6 +29,12 @@ def unavailable_reason(device: torch.device) -> str | None:
     return f"the compiled extension has no {device.type} kernels"
 
 
+def release_idle_outputs() -> int:
+    """Return the cached blocks of freed large CPU outputs (csrc/cpu_output_pool.h) to the system; the bytes
+    released."""
+    return _ext.release_idle_outputs()
+
+
 def topk_forward(query, keys, topk):
     scores, indices = _ext.topk_forward(query, keys, topk)
     return scores, indices
