@@ -312,3 +312,25 @@ def test_topk_key_gradient_over_several_token_chunks_is_exact_and_thread_indepen
         torch.set_num_threads(threads)
     assert rel_err(got[0], want) < 1e-12
     assert torch.equal(got[0], got[1])
+
+
+def test_fused_backward_sorts_many_reads_in_parallel_in_the_serial_order():
+    """140,800 reads: with two threads the reads are sorted by row in two parts (one per thread), which
+    must give the one-thread (one-part) order, hence bit-identical gradients, and the reference's values."""
+    from smf_kernels.backends import ext_impl
+
+    values, indices, weights = gather_inputs((300, 40, 2200, 64), torch.float32)
+    grad_out = torch.randn(2200, 40)
+    threads = torch.get_num_threads()
+    runs = []
+    try:
+        for num_threads in (max(2, threads), 1):
+            torch.set_num_threads(num_threads)
+            runs.append(ext_impl.gather_backward(grad_out, values, indices, weights, None, True, True, True))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(runs[0], runs[1]))
+    table, per_sample = values.double().requires_grad_(), weights.double().requires_grad_()
+    want = torch.autograd.grad(weighted_gather_reference(table, indices, per_sample), (table, per_sample),
+                               grad_out.double())
+    assert all(rel_err(got, w) < 1e-5 for got, w in zip(runs[0], want))
