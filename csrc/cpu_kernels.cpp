@@ -80,6 +80,45 @@ void insertion_topk(const A* s, int64_t n, int64_t k, A* top_values, int64_t* to
   }
 }
 
+#if defined(__AVX2__)
+// Largest k <= 16 of float32 scores kept sorted in 16 lanes (values lo: lanes 0-7, hi: 8-15, and
+// their indices), an insertion being vector compares and blends without branches: a score goes
+// after the kept ones >= it (equal scores keep the lower index first when indices increase), the
+// ones below move down a lane. Insertion into an array mispredicted on nearly every candidate and
+// took half of the lookup's selection time (perf, N = 4096).
+struct Top16 {
+  __m256 lo = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), hi = lo;
+  __m256i lo_index = _mm256_setzero_si256(), hi_index = lo_index;
+
+  void insert(float value, int32_t index) {
+    const __m256 v = _mm256_set1_ps(value);
+    const __m256i j = _mm256_set1_epi32(index);
+    const __m256i one_up = _mm256_setr_epi32(0, 0, 1, 2, 3, 4, 5, 6), last = _mm256_set1_epi32(7);
+    const __m256 keep_lo = _mm256_cmp_ps(lo, v, _CMP_GE_OQ), keep_hi = _mm256_cmp_ps(hi, v, _CMP_GE_OQ);
+    // Lane i's neighbour above (lane i - 1; lane 8's is lane 7); lane 0 has none, so it counts as kept.
+    const __m256 above_kept_lo = _mm256_blend_ps(_mm256_permutevar8x32_ps(keep_lo, one_up),
+                                                 _mm256_castsi256_ps(_mm256_set1_epi32(-1)), 0x01);
+    const __m256 above_kept_hi = _mm256_blend_ps(_mm256_permutevar8x32_ps(keep_hi, one_up),
+                                                 _mm256_permutevar8x32_ps(keep_lo, last), 0x01);
+    const __m256 down_lo = _mm256_permutevar8x32_ps(lo, one_up);
+    const __m256 down_hi = _mm256_blend_ps(_mm256_permutevar8x32_ps(hi, one_up), _mm256_permutevar8x32_ps(lo, last),
+                                           0x01);
+    const __m256i down_lo_index = _mm256_permutevar8x32_epi32(lo_index, one_up);
+    const __m256i down_hi_index = _mm256_blend_epi32(_mm256_permutevar8x32_epi32(hi_index, one_up),
+                                                     _mm256_permutevar8x32_epi32(lo_index, last), 0x01);
+    // kept ? itself : (neighbour above kept ? the new score : the neighbour above)
+    lo = _mm256_blendv_ps(_mm256_blendv_ps(down_lo, v, above_kept_lo), lo, keep_lo);
+    hi = _mm256_blendv_ps(_mm256_blendv_ps(down_hi, v, above_kept_hi), hi, keep_hi);
+    lo_index = blend_index(blend_index(down_lo_index, j, above_kept_lo), lo_index, keep_lo);
+    hi_index = blend_index(blend_index(down_hi_index, j, above_kept_hi), hi_index, keep_hi);
+  }
+
+  static __m256i blend_index(__m256i a, __m256i b, __m256 take_b) {
+    return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(b), take_b));
+  }
+};
+#endif
+
 // Same result as insertion_topk, faster: the k groups {j : j % k == g} each hold
 // an element >= t, the smallest group maximum, so the top k are among the
 // candidates s[j] >= t (a few times k for random scores). They are gathered
@@ -109,6 +148,26 @@ void select_topk(const A* s, int64_t n, int64_t k, A* top_values, int64_t* top_i
     insertion_topk(s, n, k, top_values, top_indices);
     return;
   }
+#if defined(__AVX2__)
+  // Candidates above -inf and k <= 16: the vector insertion (its fillers are -inf).
+  if constexpr (std::is_same_v<A, float>) {
+    if (k <= 16 && t > -std::numeric_limits<float>::infinity() && n <= std::numeric_limits<int32_t>::max()) {
+      Top16 top;
+      for (int64_t p = 0; p < count; ++p) top.insert(candidate_values[p], static_cast<int32_t>(candidates[p]));
+      alignas(32) float values[16];
+      alignas(32) int32_t indices[16];
+      _mm256_store_ps(values, top.lo);
+      _mm256_store_ps(values + 8, top.hi);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(indices), top.lo_index);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(indices + 8), top.hi_index);
+      for (int64_t r = 0; r < k; ++r) {
+        top_values[r] = values[r];
+        top_indices[r] = indices[r];
+      }
+      return;
+    }
+  }
+#endif
   insertion_topk(candidate_values, count, k, top_values, top_indices);
   for (int64_t r = 0; r < k; ++r) top_indices[r] = candidates[top_indices[r]];
 }

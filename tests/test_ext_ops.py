@@ -334,3 +334,17 @@ def test_fused_backward_sorts_many_reads_in_parallel_in_the_serial_order():
     want = torch.autograd.grad(weighted_gather_reference(table, indices, per_sample), (table, per_sample),
                                grad_out.double())
     assert all(rel_err(got, w) < 1e-5 for got, w in zip(runs[0], want))
+
+
+@pytest.mark.parametrize("topk", [1, 5, 16, 17])
+def test_topk_with_many_exact_ties_and_signed_zeros_matches_reference_exactly(topk):
+    """Small-integer sub-scores tie often (and -0.0 ties +0.0): the ranking must give the lower slot id
+    first, as the reference does. topk <= 16 takes the float32 vector insertion, 17 the general path."""
+    gen = torch.Generator().manual_seed(topk)
+    query = torch.randint(-1, 2, (300, 2, 8), generator=gen).float()
+    keys = torch.randint(-1, 2, (2, 2, 128, 4), generator=gen).float()
+    keys[0, 0, ::3] = -0.0
+    scores, indices = product_key_topk(query, keys, topk, backend="ext")
+    ref_scores, ref_indices = product_key_topk_reference(query, keys, topk)
+    assert torch.equal(indices, ref_indices)
+    assert torch.equal(scores, ref_scores.to(scores.dtype))
