@@ -669,27 +669,20 @@ void gather_backward_values_impl(const T* grad_out, const int64_t* indices, cons
 // is loaded once; kDotLanes independent partial sums keep the FMAs from waiting on each other.
 template <typename T, typename A>
 inline A backward_read(const T* row, const T* g, A w, A* out, int64_t cols) {
+  if (out == nullptr) return dot<A>(row, g, cols);  // the same lanes, in the same order
   A lanes[kDotLanes] = {};
   int64_t d = 0;
-  if (out != nullptr) {
-    for (; d + kDotLanes <= cols; d += kDotLanes) {
+  for (; d + kDotLanes <= cols; d += kDotLanes) {
 #pragma omp simd
-      for (int64_t i = 0; i < kDotLanes; ++i) {
-        const A x = load(g[d + i]);
-        lanes[i] += load(row[d + i]) * x;
-        out[d + i] += w * x;
-      }
+    for (int64_t i = 0; i < kDotLanes; ++i) {
+      const A x = load(g[d + i]);
+      lanes[i] += load(row[d + i]) * x;
+      out[d + i] += w * x;
     }
-    for (int64_t i = 0; d + i < cols; ++i) {
-      lanes[i] += load(row[d + i]) * load(g[d + i]);
-      out[d + i] += w * load(g[d + i]);
-    }
-  } else {
-    for (; d + kDotLanes <= cols; d += kDotLanes) {
-#pragma omp simd
-      for (int64_t i = 0; i < kDotLanes; ++i) lanes[i] += load(row[d + i]) * load(g[d + i]);
-    }
-    for (int64_t i = 0; d + i < cols; ++i) lanes[i] += load(row[d + i]) * load(g[d + i]);
+  }
+  for (int64_t i = 0; d + i < cols; ++i) {
+    lanes[i] += load(row[d + i]) * load(g[d + i]);
+    out[d + i] += w * load(g[d + i]);
   }
   A sum = 0;
   for (int64_t i = 0; i < kDotLanes; ++i) sum += lanes[i];

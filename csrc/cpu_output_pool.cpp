@@ -17,7 +17,7 @@ constexpr int64_t kMinPooledBytes = int64_t(4) << 20;
 // Idle bytes kept for reuse: three memory layers' fp32 value gradients at the paper's size
 // (3 x 58.7 MB) and their forward outputs, with room to spare.
 constexpr int64_t kMaxIdleBytes = int64_t(512) << 20;
-// Blocks are 2 MB aligned and sized, the transparent huge page size on x86-64 and arm64.
+// Blocks are 2 MB aligned and sized: the transparent huge page size on x86-64 (and arm64 with 4 KB pages).
 constexpr int64_t kHugePage = int64_t(2) << 20;
 
 struct Block {
