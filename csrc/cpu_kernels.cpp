@@ -715,36 +715,30 @@ void gather_backward_impl(const T* grad_out, const T* values, const int64_t* ind
   // serial sort took 6 ms at N = 4096 while the other thread waited).
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, reads / 65536));
   std::vector<int64_t> begin(num_rows + 1, 0), cursor(parts * num_rows, 0);
-  std::vector<int64_t> order, token;
-  std::vector<A> weight;
-  int64_t total = 0;
-#pragma omp parallel num_threads(threads)
-  {
-#pragma omp for schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t part = 0; part < parts; ++part) {
     int64_t* count = cursor.data() + part * num_rows;
     for (int64_t read = part * reads / parts; read < (part + 1) * reads / parts; ++read)
       if (wanted(indices[read])) ++count[indices[read]];
   }
-#pragma omp single
-  {
-    // cursor[part][r]: where part's first read of row r goes.
-    for (int64_t r = 0; r < num_rows; ++r) {
-      int64_t at = begin[r];
-      for (int64_t part = 0; part < parts; ++part) {
-        const int64_t count = cursor[part * num_rows + r];
-        cursor[part * num_rows + r] = at;
-        at += count;
-      }
-      begin[r + 1] = at;
+  // cursor[part][r]: where part's first read of row r goes.
+  for (int64_t r = 0; r < num_rows; ++r) {
+    int64_t at = begin[r];
+    for (int64_t part = 0; part < parts; ++part) {
+      const int64_t count = cursor[part * num_rows + r];
+      cursor[part * num_rows + r] = at;
+      at += count;
     }
-    total = begin[num_rows];
-    // The p-th read in row order: order[p] its index in (N, L), token[p] the row of grad_out
-    // it reads, weight[p] its weight; the pass below reads them in sequence.
-    order.resize(total);
-    token.resize(total);
-    weight.resize(total);
+    begin[r + 1] = at;
   }
+  const int64_t total = begin[num_rows];
+  // The p-th read in row order: order[p] its index in (N, L), token[p] the row of grad_out it
+  // reads, weight[p] its weight; the pass below reads them in sequence. Allocated here, outside
+  // the parallel region, so that running out of memory raises (MemoryError) instead of aborting.
+  const std::unique_ptr<int64_t[]> order(new int64_t[total]), token(new int64_t[total]);
+  const std::unique_ptr<A[]> weight(new A[total]);
+#pragma omp parallel num_threads(threads)
+  {
 #pragma omp for schedule(static)
   for (int64_t part = 0; part < parts; ++part) {
     int64_t* next = cursor.data() + part * num_rows;

@@ -51,6 +51,10 @@ class Pool {
   }
 
   void give_back(Block block) {
+    if (block.bytes > kMaxIdleBytes) {  // kept, it would only push every other block out
+      std::free(block.data);
+      return;
+    }
     std::deque<Block> released;
     {
       std::lock_guard<std::mutex> lock(mutex_);
