@@ -323,8 +323,8 @@ std::tuple<at::Tensor, at::Tensor> gather_backward(const at::Tensor& grad_out_in
                             update_rows.defined() ? update_rows.const_data_ptr<int64_t>() : nullptr,
                             update_rows.defined() ? update_rows.numel() : 0,
                             need_values ? grad_values.data_ptr() : nullptr,
-                            need_weights ? grad_weights.data_ptr() : nullptr,
-                            values.size(0), num_tokens, per_token, dim, at::get_num_threads());
+                            need_weights ? grad_weights.data_ptr() : nullptr, values.size(0), num_tokens, per_token,
+                            dim, at::get_num_threads());
   return {grad_values, grad_weights};
 }
 

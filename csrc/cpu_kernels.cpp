@@ -439,9 +439,10 @@ constexpr int64_t kTile = 256;
 // caches cost a DRAM and TLB miss each, which the hardware prefetcher cannot predict.
 constexpr int64_t kPrefetchReads = 8;
 
-// Lanes of the dot product's independent partial sums: a single vector accumulator makes
-// each fused multiply-add wait for the previous one (4-5 cycles), which held the weight
-// gradient at a fifth of the FMA throughput; 32 lanes are 4 AVX2 (2 AVX-512) registers.
+// Lanes of the dot product's independent partial sums: with a single vector accumulator each
+// fused multiply-add waits for the previous one (4-5 cycles of latency); 32 lanes are 4 AVX2
+// (2 AVX-512) registers. The same lanes in the same order in dot and backward_read, so the
+// fused and the separate weight gradients agree bit for bit.
 constexpr int64_t kDotLanes = 32;
 
 // sum over d < n of a[d] * b[d] in the accumulation type, a fixed order for every n.
