@@ -23,7 +23,7 @@ from smf.vocabulary import (DEFAULT_MODEL, MEMORY_MODES, RULES, SPARSE_BACKWARDS
 # Paper defaults of the options a recipe leaves at None (docs/method.md#two-stage-training); background: the retrofit
 # set's size, whose examples the background batches avoid.
 RECIPE_LR = {"retrofit": 5e-4, "sparse": 5e-4, "lora": 2e-4, "full": 5e-5}
-RECIPE_DEFAULTS = {"retrofit": {"mode": "additive", "lr": 5e-4, "epochs": 2, "n_examples": 50_000},
+RECIPE_DEFAULTS = {"retrofit": {"mode": "additive", "lr": RECIPE_LR["retrofit"], "epochs": 2, "n_examples": 50_000},
                    "background": {"n_examples": 50_000},
                    **{recipe: {"lr": RECIPE_LR[recipe], "epochs": 3, "n_examples": 60_000} for recipe in TRAIN_RECIPES}}
 TINY_DATA = Path(__file__).resolve().parents[1] / "assets" / "tiny"  # package data, see smf/assets/README.md
