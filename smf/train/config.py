@@ -1,9 +1,7 @@
 """The options of ``smf retrofit``, ``smf background`` and ``smf train``: one dataclass with the paper's
-defaults (docs/method.md#two-stage-training), a tiny preset for CPU runs, config files and flags.
-
-Precedence, lowest first: dataclass defaults < ``preset`` < config file < command-line flags.
-Options left at None get the paper default of the recipe (learning rate, epochs, number of
-examples) when the run starts: :meth:`RunConfig.resolved`.
+defaults (docs/method.md#two-stage-training), a tiny preset for CPU runs, and :func:`build_config`, which layers
+defaults < ``preset`` < config file < command-line flags. Options left at None get the recipe's paper default
+when the run starts (:meth:`RunConfig.resolved`).
 """
 from __future__ import annotations
 
@@ -43,10 +41,9 @@ class RunConfig:
     model: str = option(DEFAULT_MODEL, "base model: hub id, local save_pretrained directory, or 'tiny'", ALL)
     recipe: Literal[TRAIN_RECIPES] = option("sparse", "what to train (docs/method.md#two-stage-training)", TRAIN)
     # memories (retrofit)
-    mode: Literal[MEMORY_MODES] | None = option(None, "how memories join the layer's MLP (retrofit; default additive). "
-                                                "--recipe sparse: default the adapter's mode; additive+s on an "
-                                                "additive adapter also trains alpha (the paper's +S starts from the "
-                                                "additive retrofit)", FIT)
+    mode: Literal[MEMORY_MODES] | None = option(None, "how memories join the layer's MLP, default additive; --recipe "
+                                                "sparse: the adapter's, or additive+s on an additive adapter "
+                                                "(docs/method.md#placement-in-qwen-2)", FIT)
     layers: Annotated[list[int], AsList] = option((6, 12, 18), "0-based decoder layers that get a memory", RETRO)
     n_keys: PositiveInt = option(128, "sub-keys per half (slots = n_keys**2)", RETRO)
     heads: PositiveInt = option(4, "memory query heads", RETRO)
@@ -63,14 +60,13 @@ class RunConfig:
     rule: Literal[RULES] = option("tfidf", "slot scoring rule (--recipe sparse)", TRAIN)
     rows_per_step: PositiveInt = option(512, "T: value rows trained per layer per step (--recipe sparse)", TRAIN)
     optimizer: Literal[SPARSE_OPTIMIZERS] = option(
-        "row_sparse", "row_sparse: only selected rows and their AdamW state move (default); dense_masked: one "
-        "selection per step, masked dense gradient, torch AdamW; authors: the authors' update, rows selected per "
-        "micro-batch counting padding, each backward masked, dense AdamW (one process only) (--recipe sparse)", TRAIN)
+        "row_sparse", "row_sparse: only the selected rows and their AdamW state move; dense_masked: masked gradient, "
+        "dense AdamW; authors: the authors' update, one process only (--recipe sparse; "
+        "docs/method.md#the-sparse-update-exact-default-and-the-authors-ablation)", TRAIN)
     sparse_backward: Literal[SPARSE_BACKWARDS] = option(
-        "selected-rows", "selected-rows: rows are chosen before any backward of the step (under gradient accumulation "
-        "after a no-grad counting forward over its micro-batches), so each backward writes only the T selected rows; "
-        "read-rows: each backward writes every row its micro-batch read and the step keeps the selected ones (no "
-        "extra forward; nearly dense gradients at large batches) (--recipe sparse)", TRAIN)
+        "selected-rows", "selected-rows: rows are chosen first (by a no-grad counting forward under gradient "
+        "accumulation), so each backward writes only those T; read-rows: every row its micro-batch read, no extra "
+        "forward (docs/method.md#what-sparse-means) (--recipe sparse)", TRAIN)
     # LoRA
     lora_r: PositiveInt = option(16, "LoRA rank (--recipe lora)", TRAIN)
     lora_alpha: PositiveInt = option(32, "LoRA alpha (--recipe lora)", TRAIN)
@@ -158,17 +154,12 @@ def read_config_file(path: str | Path, command: str) -> dict:
 
 
 def build_config(command: str, file_options: dict, cli_options: dict) -> RunConfig:
-    """Defaults < preset (from file or flags) < file options < command-line options, validated."""
+    """Defaults < preset (from file or flags) < file options < command-line options, checked: each value by its
+    type (choices, bounds, existing paths), then combinations, the model directory and the options ``command``
+    requires (ConfigError)."""
     preset = cli_options.get("preset", file_options.get("preset"))
     options = {**(only(RunConfig, command, TINY_PRESET) if preset == "tiny" else {}), **file_options, **cli_options}
-    config = checked(RunConfig, options)  # values: their types (choices, bounds, existing paths)
-    validate(config, command)
-    return config
-
-
-def validate(config: RunConfig, command: str) -> None:
-    """Raise ConfigError for a bad combination of values, a missing model directory, or an option missing for
-    ``command``."""
+    config = checked(RunConfig, options)
     if config.output_dir is None:
         raise ConfigError("--output-dir is required")
     check_layers(config.layers, argument="--layers")
@@ -186,3 +177,4 @@ def validate(config: RunConfig, command: str) -> None:
                           f"{'background' if command == 'background' else '--recipe sparse'}")
     if sparse and config.background is None:
         raise ConfigError("--background (file from `smf background`) is required for --recipe sparse")
+    return config
