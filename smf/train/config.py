@@ -35,9 +35,8 @@ class RunConfig:
     """Options of ``smf retrofit``, ``smf background`` and ``smf train`` (see :func:`smf.options.option`)."""
 
     output_dir: str | None = option(None, "run directory: checkpoints, train_log.jsonl, final artefact (required)", ALL)
-    preset: Literal["tiny"] | None = option(None, "'tiny': tiny Qwen-2, byte tokenizer, tiny memories, the tiny data "
-                                            "shipped in smf/assets, small batches, so every recipe runs on CPU in "
-                                            "seconds", ALL)
+    preset: Literal["tiny"] | None = option(None, "'tiny': every recipe on CPU in seconds (tiny Qwen-2, byte "
+                                            "tokenizer, tiny memories, small batches, the data in smf/assets)", ALL)
     model: str = option(DEFAULT_MODEL, "base model: hub id, local save_pretrained directory, or 'tiny'", ALL)
     recipe: Literal[TRAIN_RECIPES] = option("sparse", "what to train (docs/method.md#two-stage-training)", TRAIN)
     # memories (retrofit)
@@ -72,9 +71,8 @@ class RunConfig:
     lora_alpha: PositiveInt = option(32, "LoRA alpha (--recipe lora)", TRAIN)
     lora_dropout: NonNegativeFloat = option(0.05, "LoRA dropout (--recipe lora)", TRAIN)
     # data
-    protocol: Literal[PROTOCOLS] = option(DEFAULT_PROTOCOL, "data protocol: authors = the authors' training texts and "
-                                          "sampling (smf/data/protocol.py, docs/method.md); clean = loss-masked "
-                                          "prompts, held-out background", ALL)
+    protocol: Literal[PROTOCOLS] = option(DEFAULT_PROTOCOL, "data protocol: authors = the authors' texts and sampling, "
+                                          "clean = loss-masked prompts (docs/method.md#the-protocol-setting)", ALL)
     oasst_path: ExistingPath | None = option(None, "local oasst1 train split (jsonl/parquet/save_to_disk); default: "
                                              "the hub", ("retrofit", "background"))
     oasst_languages: str = option("en", "comma-separated oasst1 languages of the assistant replies used (e.g. en,de), "
