@@ -39,8 +39,9 @@ def _check(test, message: str) -> AfterValidator:
 ExistingPath = Annotated[str, _check(lambda path: Path(path).exists(), "no such path {!r}")]
 ExistingDir = Annotated[str, _check(lambda path: Path(path).is_dir(), "no such directory {!r}")]
 Distinct = _check(lambda values: len(set(values)) == len(values), "{} repeats a value")
-# A list option also takes one value, or a comma-separated string.
-AsList = BeforeValidator(lambda v: v.split(",") if isinstance(v, str) else v if isinstance(v, (list, tuple)) else [v])
+# A list option also takes one value, or a comma-separated string (as ``smf suite --conditions`` gives).
+AsList = BeforeValidator(lambda v: [item.strip() for item in v.split(",")] if isinstance(v, str)
+                         else v if isinstance(v, (list, tuple)) else [v])
 
 
 def choice_tuple(choices: tuple[str, ...]):
@@ -119,9 +120,7 @@ def add_flags(parser: argparse.ArgumentParser, cls, command: str) -> None:
     choices of a ``Literal``, one or more values for a list; unset flags stay out of the namespace (so a config
     file can set them)."""
     hints = typing.get_type_hints(cls)
-    for spec in dataclasses.fields(cls):
-        if command not in spec.metadata.get("commands", ()):
-            continue
+    for spec in only(cls, command, {spec.name: spec for spec in dataclasses.fields(cls)}).values():
         hint, name, default = hints[spec.name], flag(spec.name), spec.default
         shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else default
         kwargs = {"default": argparse.SUPPRESS, "help": f"{spec.metadata['help']} (default: "
