@@ -16,6 +16,7 @@ import typing
 from pathlib import Path
 from typing import Annotated
 
+import yaml
 from pydantic import AfterValidator, BeforeValidator, Field, TypeAdapter, ValidationError
 
 from smf.errors import ConfigError
@@ -100,8 +101,6 @@ def mapping(raw, where: str, valid=None) -> dict:
 
 def read_file(path: str | Path) -> dict:
     """The mapping in a YAML (or, by suffix, JSON) file; ConfigError if it is missing, unreadable or no mapping."""
-    import yaml
-
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"--config: no such file {str(path)!r}")

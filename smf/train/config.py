@@ -59,13 +59,11 @@ class RunConfig:
     rule: Literal[RULES] = option("tfidf", "slot scoring rule (--recipe sparse)", TRAIN)
     rows_per_step: PositiveInt = option(512, "T: value rows trained per layer per step (--recipe sparse)", TRAIN)
     optimizer: Literal[SPARSE_OPTIMIZERS] = option(
-        "row_sparse", "row_sparse: only the selected rows and their AdamW state move; dense_masked: masked gradient, "
-        "dense AdamW; authors: the authors' update, one process only (--recipe sparse; "
-        "docs/method.md#the-sparse-update-exact-default-and-the-authors-ablation)", TRAIN)
+        "row_sparse", "row_sparse: only the selected rows and their AdamW state move (--recipe sparse); dense_masked, "
+        "authors (one process): see docs/method.md#the-sparse-update-exact-default-and-the-authors-ablation", TRAIN)
     sparse_backward: Literal[SPARSE_BACKWARDS] = option(
-        "selected-rows", "selected-rows: rows are chosen first (by a no-grad counting forward under gradient "
-        "accumulation), so each backward writes only those T; read-rows: every row its micro-batch read, no extra "
-        "forward (docs/method.md#what-sparse-means) (--recipe sparse)", TRAIN)
+        "selected-rows", "selected-rows: each backward writes only the T selected rows (found first by a no-grad "
+        "counting forward); read-rows: every row read (docs/method.md#what-sparse-means) (--recipe sparse)", TRAIN)
     # LoRA
     lora_r: PositiveInt = option(16, "LoRA rank (--recipe lora)", TRAIN)
     lora_alpha: PositiveInt = option(32, "LoRA alpha (--recipe lora)", TRAIN)
