@@ -99,8 +99,8 @@ def mapping(raw, where: str, valid=None) -> dict:
     return result
 
 
-def read_file(path: str | Path) -> dict:
-    """The mapping in a YAML (or, by suffix, JSON) file; ConfigError if it is missing, unreadable or no mapping."""
+def read_file(path: str | Path, valid=None) -> dict:
+    """The :func:`mapping` in a YAML (or, by suffix, JSON) file; ConfigError if it is missing or unreadable."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"--config: no such file {str(path)!r}")
@@ -109,9 +109,7 @@ def read_file(path: str | Path) -> dict:
     except (json.JSONDecodeError, yaml.YAMLError) as err:
         raise ConfigError(f"--config {str(path)!r} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: "
                           f"{str(err).splitlines()[0]}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"--config {str(path)!r} must hold a mapping of option names to values")
-    return raw
+    return mapping(raw, f"--config {str(path)!r}", valid)
 
 
 def add_flags(parser: argparse.ArgumentParser, cls, command: str) -> None:

@@ -129,7 +129,7 @@ def load_suite_config(name_or_path: str, overrides: dict | None = None) -> Suite
     """Read and validate a suite config file (or shipped name); ``overrides`` replace top-level keys
     (e.g. from command-line flags) before validation."""
     path = resolve_config_path(name_or_path)
-    raw = {**mapping(read_file(path), str(path)), **(overrides or {})}
+    raw = {**read_file(path), **(overrides or {})}
     return parse_suite_config(raw, path.parent, source=str(path))
 
 

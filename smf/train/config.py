@@ -14,7 +14,7 @@ from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, Pos
 
 from smf.data.protocol import DEFAULT_PROTOCOL, PROTOCOLS
 from smf.errors import ConfigError
-from smf.options import AsList, ExistingDir, ExistingPath, checked, mapping, only, option, read_file
+from smf.options import AsList, ExistingDir, ExistingPath, checked, only, option, read_file
 from smf.vocabulary import (DEFAULT_MODEL, MEMORY_MODES, RULES, SPARSE_BACKWARDS, SPARSE_OPTIMIZERS,
                             TINY_MEMORY_KWARGS, TINY_MEMORY_LAYERS, TINY_MODEL, TRAIN_RECIPES, check_layers)
 
@@ -144,7 +144,7 @@ def read_config_file(path: str | Path, command: str) -> dict:
     unknown keys raise ConfigError.
     """
     where = f"--config {str(path)!r}"
-    options = only(RunConfig, command, mapping(read_file(path), where, OPTIONS))
+    options = only(RunConfig, command, read_file(path, OPTIONS))
     config = checked(RunConfig, options, lambda name: f"{where}: option {name!r}")
     return {name: getattr(config, name) for name in options}
 
