@@ -40,9 +40,9 @@ class RunConfig:
     model: str = option(DEFAULT_MODEL, "base model: hub id, local save_pretrained directory, or 'tiny'", ALL)
     recipe: Literal[TRAIN_RECIPES] = option("sparse", "what to train (docs/method.md#two-stage-training)", TRAIN)
     # memories (retrofit)
-    mode: Literal[MEMORY_MODES] | None = option(None, "how memories join the layer's MLP, default additive; --recipe "
-                                                "sparse: the adapter's, or additive+s on an additive adapter "
-                                                "(docs/method.md#placement-in-qwen-2)", FIT)
+    mode: Literal[MEMORY_MODES] | None = option(None, "how memories join the layer's MLP (retrofit: additive by "
+                                                "default; --recipe sparse: the adapter's, or additive+s on an "
+                                                "additive adapter; docs/method.md#placement-in-qwen-2)", FIT)
     layers: Annotated[list[int], AsList] = option((6, 12, 18), "0-based decoder layers that get a memory", RETRO)
     n_keys: PositiveInt = option(128, "sub-keys per half (slots = n_keys**2)", RETRO)
     heads: PositiveInt = option(4, "memory query heads", RETRO)
