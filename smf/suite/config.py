@@ -112,23 +112,16 @@ def parse_suite_config(raw, base_dir: Path, *, source: str = "config", check_pat
     return config
 
 
-def resolve_config_path(name_or_path: str) -> Path:
-    """A config file path, or the name of a shipped one: ``tiny`` -> ``smf/configs/suite_tiny.yaml``."""
-    path = Path(name_or_path).expanduser()
-    if path.is_file():
-        return path.resolve()
-    shipped = CONFIG_DIR / f"suite_{name_or_path}.yaml"
-    if "/" not in name_or_path and shipped.is_file():
-        return shipped
-    names = sorted(p.stem.removeprefix("suite_") for p in CONFIG_DIR.glob("suite_*.yaml"))
-    raise ConfigError(f"--config {name_or_path!r}: no such file, nor a shipped suite config "
-                      f"(shipped: {', '.join(names)})")
-
-
 def load_suite_config(name_or_path: str, overrides: dict | None = None) -> SuiteConfig:
-    """Read and validate a suite config file (or shipped name); ``overrides`` replace top-level keys
-    (e.g. from command-line flags) before validation."""
-    path = resolve_config_path(name_or_path)
+    """Read and validate a suite config file, or a shipped one by name (``tiny``: ``smf/configs/suite_tiny.yaml``);
+    ``overrides`` replace top-level keys (e.g. from command-line flags) before validation."""
+    path = Path(name_or_path).expanduser().resolve()
+    if not path.is_file():
+        path = CONFIG_DIR / f"suite_{name_or_path}.yaml"
+        if "/" in name_or_path or not path.is_file():
+            names = sorted(p.stem.removeprefix("suite_") for p in CONFIG_DIR.glob("suite_*.yaml"))
+            raise ConfigError(f"--config {name_or_path!r}: no such file, nor a shipped suite config "
+                              f"(shipped: {', '.join(names)})")
     raw = {**read_file(path), **(overrides or {})}
     return parse_suite_config(raw, path.parent, source=str(path))
 
