@@ -62,8 +62,8 @@ class RunConfig:
         "row_sparse", "row_sparse: only the selected rows and their AdamW state move (--recipe sparse); dense_masked, "
         "authors (one process): see docs/method.md#the-sparse-update-exact-default-and-the-authors-ablation", TRAIN)
     sparse_backward: Literal[SPARSE_BACKWARDS] = option(
-        "selected-rows", "selected-rows: each backward writes only the T selected rows (found first by a no-grad "
-        "counting forward); read-rows: every row read (docs/method.md#what-sparse-means) (--recipe sparse)", TRAIN)
+        "selected-rows", "selected-rows: each backward writes only the T selected rows, found by a no-grad forward "
+        "first; read-rows: every row read, no extra forward (--recipe sparse; docs/method.md#what-sparse-means)", TRAIN)
     # LoRA
     lora_r: PositiveInt = option(16, "LoRA rank (--recipe lora)", TRAIN)
     lora_alpha: PositiveInt = option(32, "LoRA alpha (--recipe lora)", TRAIN)
