@@ -16,6 +16,7 @@ import typing
 from pathlib import Path
 from typing import Annotated
 
+import yaml
 from pydantic import AfterValidator, BeforeValidator, Field, TypeAdapter, ValidationError
 
 from smf.errors import ConfigError
@@ -39,8 +40,9 @@ def _check(test, message: str) -> AfterValidator:
 ExistingPath = Annotated[str, _check(lambda path: Path(path).exists(), "no such path {!r}")]
 ExistingDir = Annotated[str, _check(lambda path: Path(path).is_dir(), "no such directory {!r}")]
 Distinct = _check(lambda values: len(set(values)) == len(values), "{} repeats a value")
-# A list option also takes one value, or a comma-separated string.
-AsList = BeforeValidator(lambda v: v.split(",") if isinstance(v, str) else v if isinstance(v, (list, tuple)) else [v])
+# A list option also takes one value, or a comma-separated string (as ``smf suite --conditions`` gives).
+AsList = BeforeValidator(lambda v: [item.strip() for item in v.split(",")] if isinstance(v, str)
+                         else v if isinstance(v, (list, tuple)) else [v])
 
 
 def choice_tuple(choices: tuple[str, ...]):
@@ -97,10 +99,8 @@ def mapping(raw, where: str, valid=None) -> dict:
     return result
 
 
-def read_file(path: str | Path) -> dict:
-    """The mapping in a YAML (or, by suffix, JSON) file; ConfigError if it is missing, unreadable or no mapping."""
-    import yaml
-
+def read_file(path: str | Path, valid=None) -> dict:
+    """The :func:`mapping` in a YAML (or, by suffix, JSON) file; ConfigError if it is missing or unreadable."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"--config: no such file {str(path)!r}")
@@ -109,9 +109,7 @@ def read_file(path: str | Path) -> dict:
     except (json.JSONDecodeError, yaml.YAMLError) as err:
         raise ConfigError(f"--config {str(path)!r} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: "
                           f"{str(err).splitlines()[0]}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"--config {str(path)!r} must hold a mapping of option names to values")
-    return raw
+    return mapping(raw, f"--config {str(path)!r}", valid)
 
 
 def add_flags(parser: argparse.ArgumentParser, cls, command: str) -> None:
@@ -119,9 +117,7 @@ def add_flags(parser: argparse.ArgumentParser, cls, command: str) -> None:
     choices of a ``Literal``, one or more values for a list; unset flags stay out of the namespace (so a config
     file can set them)."""
     hints = typing.get_type_hints(cls)
-    for spec in dataclasses.fields(cls):
-        if command not in spec.metadata.get("commands", ()):
-            continue
+    for spec in only(cls, command, {spec.name: spec for spec in dataclasses.fields(cls)}).values():
         hint, name, default = hints[spec.name], flag(spec.name), spec.default
         shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else default
         kwargs = {"default": argparse.SUPPRESS, "help": f"{spec.metadata['help']} (default: "

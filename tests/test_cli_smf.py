@@ -75,6 +75,7 @@ def run_main(argv, capsys):
     (["retrofit", "--n-keys", "0", "--output-dir", "{d}"], "--n-keys: input should be greater than 0, got 0"),
     (["retrofit", "--config", "{d}/unknown_key.yaml"], "unknown key 'learning_rate'"),
     (["retrofit", "--config", "{d}/missing.yaml", "--output-dir", "{d}"], "--config: no such file"),
+    (["retrofit", "--config", "{d}/list.yaml"], "list.yaml' must be a mapping, got list"),
     (["retrofit", "--preset", "tiny", "--layers", "2", "9", "--output-dir", "{d}/run"],
      "indices [9] are beyond the model, which has 8 decoder layers"),
     (["train", "--recipe", "sparse", "--preset", "tiny", "--output-dir", "{d}"], "--adapter (the retrofit run "),
@@ -84,6 +85,7 @@ def run_main(argv, capsys):
 def test_bad_input_gives_one_line_and_exit_code_2(tmp_path, capsys, argv, message):
     (tmp_path / "bad_mode.yaml").write_text(f"mode: bogus\noutput-dir: {tmp_path}\n")
     (tmp_path / "unknown_key.yaml").write_text("learning_rate: 0.1\n")
+    (tmp_path / "list.yaml").write_text("- 1\n")
     code, err = run_main([arg.replace("{d}", str(tmp_path)) for arg in argv], capsys)
     assert code == 2
     lines = err.strip().splitlines()

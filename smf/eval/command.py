@@ -18,10 +18,6 @@ logger = logging.getLogger(__name__)
 COMMANDS = {"eval": "MedMCQA / WikiText / TriviaQA of a base model, memory adapter, LoRA adapter or finetuned model"}
 
 
-def _comma_list(text: str) -> list[str]:
-    return [item.strip() for item in text.split(",") if item.strip()]
-
-
 def add_arguments(parser: argparse.ArgumentParser, command: str = "eval") -> None:
     defaults = EvalSettings()
     parser.add_argument("--model", default=DEFAULT_MODEL,
@@ -29,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str = "eval") -> Non
     parser.add_argument("--adapter", metavar="DIR",
                         help="what to evaluate on top of --model: a training run directory, a memory adapter, a "
                              "peft LoRA adapter, or a full-finetune model directory (default: the base model)")
-    parser.add_argument("--tasks", type=_comma_list, metavar="LIST",
+    parser.add_argument("--tasks", metavar="LIST",
                         help=f"comma-separated tasks from {', '.join(TASKS)} (default: all, or the --config's)")
     parser.add_argument("--config", metavar="NAME_OR_FILE",
                         help="take data paths, protocol and evaluation settings from this suite config (e.g. tiny)")

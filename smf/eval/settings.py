@@ -23,3 +23,8 @@ class EvalSettings:
     wikitext_windows_per_batch: PositiveInt = option(8, "windows scored per forward")
     triviaqa_batch_size: PositiveInt = option(32, "questions decoded per generate call (1: the authors' exact "
                                               "decoding)")
+
+    def __post_init__(self) -> None:
+        if not self.wikitext_stride < self.wikitext_window:
+            raise ValueError(f"wikitext_stride ({self.wikitext_stride}) must be smaller than wikitext_window "
+                             f"({self.wikitext_window})")

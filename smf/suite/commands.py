@@ -7,10 +7,6 @@ from smf.suite.config import load_suite_config
 from smf.vocabulary import CONDITIONS
 
 
-def _comma_list(text: str) -> list[str]:
-    return [item.strip() for item in text.split(",") if item.strip()]
-
-
 def add_arguments(parser: argparse.ArgumentParser, command: str = "suite") -> None:
     parser.add_argument("--config", required=True, metavar="NAME_OR_FILE",
                         help="suite config: a YAML/JSON file or a shipped name (tiny, paper); relative data "
@@ -18,7 +14,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str = "suite") -> No
     parser.add_argument("--output-dir", metavar="DIR", help="suite directory (default: the config's output_dir, "
                         "relative to the current directory)")
     parser.add_argument("--seeds", type=int, nargs="+", metavar="SEED", help="override the config's seeds")
-    parser.add_argument("--conditions", type=_comma_list, metavar="LIST",
+    parser.add_argument("--conditions", metavar="LIST",
                         help=f"override the config's conditions, comma-separated, from: {', '.join(CONDITIONS)}")
     parser.add_argument("--device", help="override the config's torch device (auto, cpu, cuda, cuda:1, ...)")
     parser.add_argument("--dry-run", action="store_true", help="list the runs and whether each is done; run none")

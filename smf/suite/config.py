@@ -24,11 +24,8 @@ from smf.train.config import OPTIONS, RunConfig, build_config
 from smf.vocabulary import CONDITIONS, SPARSE_CONDITIONS
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
-SHIPPED_PREFIX = "suite_"
-
 STAGE_COMMANDS = {"retrofit": "retrofit", "background": "background", "sparse": "train", "lora": "train",
                   "full": "train"}
-STAGES = tuple(STAGE_COMMANDS)
 # RunConfig options the suite fills in per run; a config may not set them.
 SUITE_OWNED = ("output_dir", "adapter", "background", "recipe", "mode", "rule", "seed", "resume", "max_steps",
                "model", "device", "protocol", "oasst_path", "medmcqa_path")
@@ -67,24 +64,16 @@ class SuiteConfig:
         return to_jsonable_python(self)
 
 
-TOP_KEYS = tuple(SuiteConfig.__dataclass_fields__)
-
-
-def stage_keys(stage: str) -> tuple[str, ...]:
-    """The trainer options that ``train`` and ``stages.{stage}`` may set for ``stage``."""
-    return tuple(name for name in takes(RunConfig, STAGE_COMMANDS[stage]) if name in TRAIN_KEYS)
-
-
-def _train_options(raw, where: str, valid) -> dict:
+def _train_options(raw, where: str, stage: str | None = None) -> dict:
+    """The trainer options in ``train`` (``stage`` None) or ``stages.{stage}``, checked and coerced."""
+    valid = [name for name in TRAIN_KEYS if stage is None or name in takes(RunConfig, STAGE_COMMANDS[stage])]
     options = mapping(raw, where)
     for key in options:
-        if key in SUITE_OWNED:
-            raise ConfigError(f"{where}: option {key!r} is set by the suite for each run (seeds, conditions, model, "
-                              f"device and data are top-level keys); valid options here: {', '.join(valid)}")
         if key not in valid:
-            known = key in TRAIN_KEYS
-            raise ConfigError(f"{where}: {'option' if known else 'unknown key'} {key!r}"
-                              f"{' does not apply to this stage' if known else ''}; valid keys: {', '.join(valid)}")
+            why = ("is set by the suite for each run (seeds, conditions, model, device and data are top-level keys)"
+                   if key in SUITE_OWNED else "does not apply to this stage")
+            known = f"option {key!r} {why}" if key in OPTIONS else f"unknown key {key!r}"
+            raise ConfigError(f"{where}: {known}; valid keys: {', '.join(valid)}")
     config = checked(RunConfig, options, lambda name: f"{where}: option {name!r}")
     return {name: getattr(config, name) for name in options}
 
@@ -103,46 +92,37 @@ def _input_path(value, base_dir: Path, where: str, check_exists: bool, kind: str
 def parse_suite_config(raw, base_dir: Path, *, source: str = "config", check_paths: bool = True) -> SuiteConfig:
     """Validate a config mapping (see the module docstring); relative input paths resolve against
     ``base_dir``. ``check_paths=False`` skips the checks that need the data and model on disk."""
-    raw = {key: value for key, value in mapping(raw, source, TOP_KEYS).items() if value is not None}
+    raw = mapping(raw, source, SuiteConfig.__dataclass_fields__)
+    raw = {key: value for key, value in raw.items() if value is not None}
     if isinstance(raw.get("model"), str) and raw["model"].startswith((".", "/", "~")):  # a local model
         raw["model"] = _input_path(raw["model"], base_dir, "model", check_paths, "directory")
     config = checked(SuiteConfig, {
         "name": Path(source).stem, **raw,
         "data": {key: _input_path(value, base_dir, f"data.{key}", check_paths)
-                 for key, value in mapping(raw.get("data"), "data", tuple(DataPaths.__dataclass_fields__)).items()},
-        "train": _train_options(raw.get("train"), "train", TRAIN_KEYS),
-        "stages": {stage: _train_options(options, f"stages.{stage}", stage_keys(stage))
-                   for stage, options in mapping(raw.get("stages"), "stages", STAGES).items()},
-        "eval": mapping(raw.get("eval"), "eval", tuple(EvalSettings.__dataclass_fields__)),
+                 for key, value in mapping(raw.get("data"), "data", DataPaths.__dataclass_fields__).items()},
+        "train": _train_options(raw.get("train"), "train"),
+        "stages": {stage: _train_options(options, f"stages.{stage}", stage)
+                   for stage, options in mapping(raw.get("stages"), "stages", STAGE_COMMANDS).items()},
+        "eval": mapping(raw.get("eval"), "eval", EvalSettings.__dataclass_fields__),
     }, str)
-    if not config.eval.wikitext_stride < config.eval.wikitext_window:
-        raise ConfigError(f"eval.wikitext_stride ({config.eval.wikitext_stride}) must be smaller than "
-                          f"eval.wikitext_window ({config.eval.wikitext_window})")
     if check_paths:  # the trainer's checks of combinations (batch sizes, layers) on every stage's options now
-        for stage in STAGES:  # the retrofit command's checks need no adapter
+        for stage in STAGE_COMMANDS:  # the retrofit command's checks need no adapter
             build_config("retrofit", {**config.train, **config.stages.get(stage, {})},
                          {"output_dir": str(config.output_dir)})
     return config
 
 
-def resolve_config_path(name_or_path: str) -> Path:
-    """A config file path, or the name of a shipped one: ``tiny`` -> ``smf/configs/suite_tiny.yaml``."""
-    path = Path(name_or_path).expanduser()
-    if path.is_file():
-        return path.resolve()
-    shipped = CONFIG_DIR / f"{SHIPPED_PREFIX}{name_or_path}.yaml"
-    if "/" not in name_or_path and shipped.is_file():
-        return shipped
-    names = sorted(p.stem[len(SHIPPED_PREFIX):] for p in CONFIG_DIR.glob(f"{SHIPPED_PREFIX}*.yaml"))
-    raise ConfigError(f"--config {name_or_path!r}: no such file, nor a shipped suite config "
-                      f"(shipped: {', '.join(names)})")
-
-
 def load_suite_config(name_or_path: str, overrides: dict | None = None) -> SuiteConfig:
-    """Read and validate a suite config file (or shipped name); ``overrides`` replace top-level keys
-    (e.g. from command-line flags) before validation."""
-    path = resolve_config_path(name_or_path)
-    raw = {**mapping(read_file(path), str(path)), **(overrides or {})}
+    """Read and validate a suite config file, or a shipped one by name (``tiny``: ``smf/configs/suite_tiny.yaml``);
+    ``overrides`` replace top-level keys (e.g. from command-line flags) before validation."""
+    path = Path(name_or_path).expanduser().resolve()
+    if not path.is_file():
+        path = CONFIG_DIR / f"suite_{name_or_path}.yaml"
+        if "/" in name_or_path or not path.is_file():
+            names = sorted(p.stem.removeprefix("suite_") for p in CONFIG_DIR.glob("suite_*.yaml"))
+            raise ConfigError(f"--config {name_or_path!r}: no such file, nor a shipped suite config "
+                              f"(shipped: {', '.join(names)})")
+    raw = {**read_file(path), **(overrides or {})}
     return parse_suite_config(raw, path.parent, source=str(path))
 
 

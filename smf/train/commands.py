@@ -1,15 +1,11 @@
-"""The ``smf retrofit``, ``smf background`` and ``smf train`` subcommands: options and what they run.
-
-Every option of :class:`smf.train.config.RunConfig` that a command takes becomes a flag
-(``output_dir`` -> ``--output-dir``); ``--config FILE`` reads the same names from YAML/JSON.
-"""
+"""The ``smf retrofit``, ``smf background`` and ``smf train`` subcommands: their flags and what they run."""
 from __future__ import annotations
 
 import argparse
 import logging
 
 from smf.options import add_flags
-from smf.train.config import OPTIONS, RECIPE_LR, RunConfig, build_config, read_config_file
+from smf.train.config import OPTIONS, RunConfig, build_config, read_config_file
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +46,5 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
 COMMANDS = {
     "retrofit": "stage 1: attach fresh memories and train them on oasst1 (memory adapter)",
     "background": "background read statistics of the retrofit memories on held-out oasst1",
-    "train": f"stage 2 on MedMCQA: --recipe sparse (lr {RECIPE_LR['sparse']}), lora ({RECIPE_LR['lora']}) "
-             f"or full ({RECIPE_LR['full']})",
+    "train": "stage 2 on MedMCQA: --recipe sparse (from the retrofit memories), lora or full",
 }

@@ -1,9 +1,7 @@
 """The options of ``smf retrofit``, ``smf background`` and ``smf train``: one dataclass with the paper's
-defaults (docs/method.md#two-stage-training), a tiny preset for CPU runs, config files and flags.
-
-Precedence, lowest first: dataclass defaults < ``preset`` < config file < command-line flags.
-Options left at None get the paper default of the recipe (learning rate, epochs, number of
-examples) when the run starts: :meth:`RunConfig.resolved`.
+defaults (docs/method.md#two-stage-training), a tiny preset for CPU runs, and :func:`build_config`, which layers
+defaults < ``preset`` < config file < command-line flags. Options left at None get the recipe's paper default
+when the run starts (:meth:`RunConfig.resolved`).
 """
 from __future__ import annotations
 
@@ -16,7 +14,7 @@ from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, Pos
 
 from smf.data.protocol import DEFAULT_PROTOCOL, PROTOCOLS
 from smf.errors import ConfigError
-from smf.options import AsList, ExistingDir, ExistingPath, checked, mapping, only, option, read_file
+from smf.options import AsList, ExistingDir, ExistingPath, checked, only, option, read_file
 from smf.vocabulary import (DEFAULT_MODEL, MEMORY_MODES, RULES, SPARSE_BACKWARDS, SPARSE_OPTIMIZERS,
                             TINY_MEMORY_KWARGS, TINY_MEMORY_LAYERS, TINY_MODEL, TRAIN_RECIPES, check_layers)
 
@@ -37,16 +35,14 @@ class RunConfig:
     """Options of ``smf retrofit``, ``smf background`` and ``smf train`` (see :func:`smf.options.option`)."""
 
     output_dir: str | None = option(None, "run directory: checkpoints, train_log.jsonl, final artefact (required)", ALL)
-    preset: Literal["tiny"] | None = option(None, "'tiny': tiny Qwen-2, byte tokenizer, tiny memories, the tiny data "
-                                            "shipped in smf/assets, small batches, so every recipe runs on CPU in "
-                                            "seconds", ALL)
+    preset: Literal["tiny"] | None = option(None, "'tiny': every recipe on CPU in seconds (tiny Qwen-2, byte "
+                                            "tokenizer, tiny memories, small batches, the data in smf/assets)", ALL)
     model: str = option(DEFAULT_MODEL, "base model: hub id, local save_pretrained directory, or 'tiny'", ALL)
     recipe: Literal[TRAIN_RECIPES] = option("sparse", "what to train (docs/method.md#two-stage-training)", TRAIN)
     # memories (retrofit)
-    mode: Literal[MEMORY_MODES] | None = option(None, "how memories join the layer's MLP (retrofit; default additive). "
-                                                "--recipe sparse: default the adapter's mode; additive+s on an "
-                                                "additive adapter also trains alpha (the paper's +S starts from the "
-                                                "additive retrofit)", FIT)
+    mode: Literal[MEMORY_MODES] | None = option(None, "how memories join the layer's MLP (retrofit: additive by "
+                                                "default; --recipe sparse: the adapter's, or additive+s on an "
+                                                "additive adapter; docs/method.md#placement-in-qwen-2)", FIT)
     layers: Annotated[list[int], AsList] = option((6, 12, 18), "0-based decoder layers that get a memory", RETRO)
     n_keys: PositiveInt = option(128, "sub-keys per half (slots = n_keys**2)", RETRO)
     heads: PositiveInt = option(4, "memory query heads", RETRO)
@@ -63,22 +59,18 @@ class RunConfig:
     rule: Literal[RULES] = option("tfidf", "slot scoring rule (--recipe sparse)", TRAIN)
     rows_per_step: PositiveInt = option(512, "T: value rows trained per layer per step (--recipe sparse)", TRAIN)
     optimizer: Literal[SPARSE_OPTIMIZERS] = option(
-        "row_sparse", "row_sparse: only selected rows and their AdamW state move (default); dense_masked: one "
-        "selection per step, masked dense gradient, torch AdamW; authors: the authors' update, rows selected per "
-        "micro-batch counting padding, each backward masked, dense AdamW (one process only) (--recipe sparse)", TRAIN)
+        "row_sparse", "row_sparse: only the selected rows and their AdamW state move (--recipe sparse); dense_masked, "
+        "authors (one process): see docs/method.md#the-sparse-update-exact-default-and-the-authors-ablation", TRAIN)
     sparse_backward: Literal[SPARSE_BACKWARDS] = option(
-        "selected-rows", "selected-rows: rows are chosen before any backward of the step (under gradient accumulation "
-        "after a no-grad counting forward over its micro-batches), so each backward writes only the T selected rows; "
-        "read-rows: each backward writes every row its micro-batch read and the step keeps the selected ones (no "
-        "extra forward; nearly dense gradients at large batches) (--recipe sparse)", TRAIN)
+        "selected-rows", "selected-rows: each backward writes only the T selected rows, found by a no-grad forward "
+        "first; read-rows: every row read, no extra forward (--recipe sparse; docs/method.md#what-sparse-means)", TRAIN)
     # LoRA
     lora_r: PositiveInt = option(16, "LoRA rank (--recipe lora)", TRAIN)
     lora_alpha: PositiveInt = option(32, "LoRA alpha (--recipe lora)", TRAIN)
     lora_dropout: NonNegativeFloat = option(0.05, "LoRA dropout (--recipe lora)", TRAIN)
     # data
-    protocol: Literal[PROTOCOLS] = option(DEFAULT_PROTOCOL, "data protocol: authors = the authors' training texts and "
-                                          "sampling (smf/data/protocol.py, docs/method.md); clean = loss-masked "
-                                          "prompts, held-out background", ALL)
+    protocol: Literal[PROTOCOLS] = option(DEFAULT_PROTOCOL, "data protocol: authors = the authors' texts and sampling, "
+                                          "clean = loss-masked prompts (docs/method.md#the-protocol-setting)", ALL)
     oasst_path: ExistingPath | None = option(None, "local oasst1 train split (jsonl/parquet/save_to_disk); default: "
                                              "the hub", ("retrofit", "background"))
     oasst_languages: str = option("en", "comma-separated oasst1 languages of the assistant replies used (e.g. en,de), "
@@ -152,23 +144,18 @@ def read_config_file(path: str | Path, command: str) -> dict:
     unknown keys raise ConfigError.
     """
     where = f"--config {str(path)!r}"
-    options = only(RunConfig, command, mapping(read_file(path), where, OPTIONS))
+    options = only(RunConfig, command, read_file(path, OPTIONS))
     config = checked(RunConfig, options, lambda name: f"{where}: option {name!r}")
     return {name: getattr(config, name) for name in options}
 
 
 def build_config(command: str, file_options: dict, cli_options: dict) -> RunConfig:
-    """Defaults < preset (from file or flags) < file options < command-line options, validated."""
+    """Defaults < preset (from file or flags) < file options < command-line options, checked: each value by its
+    type (choices, bounds, existing paths), then combinations, the model directory and the options ``command``
+    requires (ConfigError)."""
     preset = cli_options.get("preset", file_options.get("preset"))
     options = {**(only(RunConfig, command, TINY_PRESET) if preset == "tiny" else {}), **file_options, **cli_options}
-    config = checked(RunConfig, options)  # values: their types (choices, bounds, existing paths)
-    validate(config, command)
-    return config
-
-
-def validate(config: RunConfig, command: str) -> None:
-    """Raise ConfigError for a bad combination of values, a missing model directory, or an option missing for
-    ``command``."""
+    config = checked(RunConfig, options)
     if config.output_dir is None:
         raise ConfigError("--output-dir is required")
     check_layers(config.layers, argument="--layers")
@@ -186,3 +173,4 @@ def validate(config: RunConfig, command: str) -> None:
                           f"{'background' if command == 'background' else '--recipe sparse'}")
     if sparse and config.background is None:
         raise ConfigError("--background (file from `smf background`) is required for --recipe sparse")
+    return config
