@@ -835,7 +835,7 @@ void topk_backward_impl(const typename Accumulate<T>::type* grad_scores, const T
   if (grad_query != nullptr) {
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t u = 0; u < halves; ++u) {
-      const int64_t b = ((u / 2) % heads) * 2 + u % 2;
+      const int64_t b = u % blocks;  // (head, half) of u
       A* out = grad_query + u * half;
       std::fill(out, out + half, A(0));
       for (int32_t j = 0; j < sub_count[u]; ++j) {
@@ -859,9 +859,9 @@ void topk_backward_impl(const typename Accumulate<T>::type* grad_scores, const T
   for (int64_t chunk = 0; chunk < chunks; ++chunk) {
     A* part = partial.get() + chunk * key_elems;
     std::fill(part, part + key_elems, A(0));  // by the thread that sums into it
-    for (int64_t u = 2 * heads * chunk * chunk_tokens; u < 2 * heads * std::min(num_tokens, (chunk + 1) * chunk_tokens);
-         ++u) {
-      const int64_t b = ((u / 2) % heads) * 2 + u % 2;
+    const int64_t last = std::min(num_tokens, (chunk + 1) * chunk_tokens) * blocks;
+    for (int64_t u = chunk * chunk_tokens * blocks; u < last; ++u) {
+      const int64_t b = u % blocks;  // (head, half) of u
       const T* q = query + u * half;
       for (int32_t j = 0; j < sub_count[u]; ++j) {
         const A g = sub_grad[u * topk + j];
