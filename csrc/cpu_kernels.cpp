@@ -54,6 +54,15 @@ inline void store(float value, BFloat16* out) {
   out->bits = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// 8 floats from 8 float32 or bfloat16 values.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+#endif
+
 // The ranking every backend follows (smf_kernels.reference.ranked_topk): torch.topk's
 // order made total, NaN above +inf above every finite value above -inf. ranks_above(a, b):
 // a comes strictly before b (equal scores, NaNs included, keep the lower index first).
@@ -441,13 +450,58 @@ constexpr int64_t kPrefetchReads = 8;
 
 // Lanes of the dot product's independent partial sums: with a single vector accumulator each
 // fused multiply-add waits for the previous one (4-5 cycles of latency); 32 lanes are 4 AVX2
-// (2 AVX-512) registers. The same lanes in the same order in dot and backward_read, so the
-// fused and the separate weight gradients agree bit for bit.
+// (2 AVX-512) registers.
 constexpr int64_t kDotLanes = 32;
 
-// sum over d < n of a[d] * b[d] in the accumulation type, a fixed order for every n.
+// The lanes' sum as a tree (halves added: 16 + 16, 8 + 8, ...), a fixed order.
+template <typename A>
+inline A sum_lanes(A* lanes) {
+  for (int64_t width = kDotLanes / 2; width >= 1; width /= 2)
+    for (int64_t i = 0; i < width; ++i) lanes[i] += lanes[i + width];
+  return lanes[0];
+}
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// The 32 lanes in 4 ymm registers (a loop over a lanes array keeps them on the stack).
+struct Lanes8x4 {
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+
+  template <typename X, typename Y>
+  void add(const X* a, const Y* b) {  // 32 products
+    for (int v = 0; v < 4; ++v) acc[v] = _mm256_fmadd_ps(load8(a + 8 * v), load8(b + 8 * v), acc[v]);
+  }
+  template <typename X, typename Y>
+  void add_tail(const X* a, const Y* b, int64_t count) {  // count < 32, zero-padded (0 * 0 leaves a lane as it is)
+    alignas(32) float tail_a[kDotLanes] = {}, tail_b[kDotLanes] = {};
+    for (int64_t i = 0; i < count; ++i) {
+      tail_a[i] = load(a[i]);
+      tail_b[i] = load(b[i]);
+    }
+    add(tail_a, tail_b);
+  }
+  float sum() const {  // sum_lanes' tree: lanes i + 16, i + 8, i + 4, i + 2, i + 1
+    const __m256 half = _mm256_add_ps(_mm256_add_ps(acc[0], acc[2]), _mm256_add_ps(acc[1], acc[3]));
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+  }
+};
+#endif
+
+// sum over d < n of a[d] * b[d] in the accumulation type: lane i sums the d = i mod 32, then
+// sum_lanes; a fixed order for every n, which backward_read keeps, so the fused and the separate
+// weight gradients agree bit for bit.
 template <typename A, typename X, typename Y>
 inline A dot(const X* a, const Y* b, int64_t n) {
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+  if constexpr (std::is_same_v<A, float>) {
+    Lanes8x4 lanes;
+    int64_t d = 0;
+    for (; d + kDotLanes <= n; d += kDotLanes) lanes.add(a + d, b + d);
+    if (d < n) lanes.add_tail(a + d, b + d, n - d);
+    return lanes.sum();
+  }
+#endif
   A lanes[kDotLanes] = {};
   int64_t d = 0;
   for (; d + kDotLanes <= n; d += kDotLanes) {
@@ -455,9 +509,7 @@ inline A dot(const X* a, const Y* b, int64_t n) {
     for (int64_t i = 0; i < kDotLanes; ++i) lanes[i] += load(a[d + i]) * load(b[d + i]);
   }
   for (int64_t i = 0; d + i < n; ++i) lanes[i] += load(a[d + i]) * load(b[d + i]);
-  A sum = 0;
-  for (int64_t i = 0; i < kDotLanes; ++i) sum += lanes[i];
-  return sum;
+  return sum_lanes(lanes);
 }
 
 inline void prefetch(const void* start, int64_t bytes) {
@@ -466,13 +518,6 @@ inline void prefetch(const void* start, int64_t bytes) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-// 8 floats from 8 float32 or bfloat16 values.
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const BFloat16* p) {
-  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
-}
-
 // AVX2 tile: 14 ymm accumulators (112 floats) stay in registers, next to the broadcast
 // weight and one temporary; the generic loop's 256-wide array spills without AVX-512.
 constexpr int kAvx2Vectors = 14;
@@ -665,29 +710,34 @@ void gather_backward_values_impl(const T* grad_out, const int64_t* indices, cons
   }
 }
 
-// One read of the fused backward, columns [0, cols): returns <row, g> (the weight gradient's
-// part) and adds w * g to out (when not null). One loop over 32-lane chunks serves both, so g
-// is loaded once; kDotLanes independent partial sums keep the FMAs from waiting on each other.
+// One read of the fused backward: returns <row, g> (the weight gradient's part, as dot takes it)
+// and adds w * g to out (when not null), loading g once for both.
 template <typename T, typename A>
 inline A backward_read(const T* row, const T* g, A w, A* out, int64_t cols) {
-  if (out == nullptr) return dot<A>(row, g, cols);  // the same lanes, in the same order
-  A lanes[kDotLanes] = {};
-  int64_t d = 0;
-  for (; d + kDotLanes <= cols; d += kDotLanes) {
-#pragma omp simd
-    for (int64_t i = 0; i < kDotLanes; ++i) {
-      const A x = load(g[d + i]);
-      lanes[i] += load(row[d + i]) * x;
-      out[d + i] += w * x;
+  if (out == nullptr) return dot<A>(row, g, cols);
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+  if constexpr (std::is_same_v<A, float>) {
+    Lanes8x4 lanes;
+    const __m256 wv = _mm256_set1_ps(w);
+    int64_t d = 0;
+    for (; d + kDotLanes <= cols; d += kDotLanes) {
+      for (int v = 0; v < 4; ++v) {
+        const __m256 x = load8(g + d + 8 * v);
+        lanes.acc[v] = _mm256_fmadd_ps(load8(row + d + 8 * v), x, lanes.acc[v]);
+        _mm256_storeu_ps(out + d + 8 * v, _mm256_fmadd_ps(wv, x, _mm256_loadu_ps(out + d + 8 * v)));
+      }
     }
+    if (d < cols) {
+      lanes.add_tail(row + d, g + d, cols - d);
+      for (int64_t i = d; i < cols; ++i) out[i] = std::fma(w, load(g[i]), out[i]);
+    }
+    return lanes.sum();
   }
-  for (int64_t i = 0; d + i < cols; ++i) {
-    lanes[i] += load(row[d + i]) * load(g[d + i]);
-    out[d + i] += w * load(g[d + i]);
-  }
-  A sum = 0;
-  for (int64_t i = 0; i < kDotLanes; ++i) sum += lanes[i];
-  return sum;
+#endif
+  const A dot_product = dot<A>(row, g, cols);
+#pragma omp simd
+  for (int64_t d = 0; d < cols; ++d) out[d] += w * load(g[d]);
+  return dot_product;
 }
 
 // Both gradients in one pass over the reads grouped by table row: row r's values stay in
