@@ -125,7 +125,71 @@ struct Top16 {
   static __m256i blend_index(__m256i a, __m256i b, __m256 take_b) {
     return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(b), take_b));
   }
+
+  template <typename A>
+  void write(int64_t k, A* top_values, int64_t* top_indices) const {  // the first k lanes
+    alignas(32) float values[16];
+    alignas(32) int32_t indices[16];
+    _mm256_store_ps(values, lo);
+    _mm256_store_ps(values + 8, hi);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(indices), lo_index);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(indices + 8), hi_index);
+    for (int64_t r = 0; r < k; ++r) {
+      top_values[r] = values[r];
+      top_indices[r] = indices[r];
+    }
+  }
 };
+
+// Left-packing permutations: byte i of lanes[m] is the i-th lane set in the 8-bit mask m.
+struct PackTable {
+  uint64_t lanes[256];
+  constexpr PackTable() : lanes() {
+    for (int mask = 0; mask < 256; ++mask) {
+      int at = 0;
+      for (int lane = 0; lane < 8; ++lane)
+        if (mask >> lane & 1) lanes[mask] |= static_cast<uint64_t>(lane) << (8 * at++);
+    }
+  }
+};
+constexpr PackTable kPackTable;
+
+// The candidates for the float top-k (k <= 16) of s[0..n), n a multiple of 8, in index order:
+// the scores >= t, where t is the smallest r-th largest of the 8 lane groups {j : j % 8 == g} and
+// r = ceil(k / 8), so that 8 r >= k scores are >= t and the top k are among the candidates. About
+// 31 of 128 at k = 16 on random scores (43 with the k groups' maxima of select_topk). values and
+// indices hold n + 8 (a packed store writes 8 lanes). Returns the count, or -1 where the vector
+// insertion does not apply: a NaN, or t = -inf (its fillers are -inf).
+inline int64_t top16_candidates(const float* s, int64_t n, int64_t k, float* values, int32_t* indices) {
+  const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 first = minus_inf, second = minus_inf;  // each lane's largest and second largest
+  for (int64_t j = 0; j < n; j += 8) {
+    const __m256 x = _mm256_loadu_ps(s + j);
+    second = _mm256_max_ps(second, _mm256_min_ps(first, x));
+    first = _mm256_max_ps(first, x);
+  }
+  __m256 lane_t = k > 8 ? second : first;
+  __m128 t4 = _mm_min_ps(_mm256_castps256_ps128(lane_t), _mm256_extractf128_ps(lane_t, 1));
+  t4 = _mm_min_ps(t4, _mm_movehl_ps(t4, t4));
+  const float t = _mm_cvtss_f32(_mm_min_ss(t4, _mm_movehdup_ps(t4)));
+  if (!(t > -std::numeric_limits<float>::infinity())) return -1;  // -inf, or NaN from a NaN score
+  const __m256 tv = _mm256_set1_ps(t);
+  __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i eight = _mm256_set1_epi32(8);
+  int64_t count = 0;
+  int nan = 0;
+  for (int64_t j = 0; j < n; j += 8) {
+    const __m256 x = _mm256_loadu_ps(s + j);
+    const int mask = _mm256_movemask_ps(_mm256_cmp_ps(x, tv, _CMP_GE_OQ));
+    nan |= _mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    const __m256i order = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(kPackTable.lanes[mask])));
+    _mm256_storeu_ps(values + count, _mm256_permutevar8x32_ps(x, order));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(indices + count), _mm256_permutevar8x32_epi32(index, order));
+    count += __builtin_popcount(mask);
+    index = _mm256_add_epi32(index, eight);
+  }
+  return nan ? -1 : count;
+}
 #endif
 
 // Same result as insertion_topk, faster: the k groups {j : j % k == g} each hold
@@ -163,16 +227,7 @@ void select_topk(const A* s, int64_t n, int64_t k, A* top_values, int64_t* top_i
     if (k <= 16 && t > -std::numeric_limits<float>::infinity() && n <= std::numeric_limits<int32_t>::max()) {
       Top16 top;
       for (int64_t p = 0; p < count; ++p) top.insert(candidate_values[p], static_cast<int32_t>(candidates[p]));
-      alignas(32) float values[16];
-      alignas(32) int32_t indices[16];
-      _mm256_store_ps(values, top.lo);
-      _mm256_store_ps(values + 8, top.hi);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(indices), top.lo_index);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(indices + 8), top.hi_index);
-      for (int64_t r = 0; r < k; ++r) {
-        top_values[r] = values[r];
-        top_indices[r] = indices[r];
-      }
+      top.write(k, top_values, top_indices);
       return;
     }
   }
@@ -227,12 +282,39 @@ void topk_select_impl(const A* sub_scores, A* scores, int64_t* indices, int64_t 
   {
     std::vector<A> top(2 * topk), scratch(2 * n_keys);
     std::vector<int64_t> top_index(2 * topk), next(topk), candidates(n_keys);
+#if defined(__AVX2__)
+    std::vector<float> pair_values(2 * (n_keys + 8));
+    std::vector<int32_t> pair_indices(2 * (n_keys + 8));
+#endif
 #pragma omp for schedule(static)
     for (int64_t nh = 0; nh < num_tokens * heads; ++nh) {
       const int64_t n = nh / heads, h = nh % heads;
-      for (int64_t c = 0; c < 2; ++c)
-        select_topk(sub_scores + ((h * 2 + c) * num_tokens + n) * n_keys, n_keys, topk, top.data() + c * topk,
-                    top_index.data() + c * topk, scratch.data(), candidates.data());
+      const A* half_scores[2] = {sub_scores + (h * 2 * num_tokens + n) * n_keys,
+                                 sub_scores + ((h * 2 + 1) * num_tokens + n) * n_keys};
+      bool selected = false;
+#if defined(__AVX2__)
+      // Both halves' insertions interleaved: each insertion waits on the one before it in its
+      // own list, so two lists keep the core twice as busy.
+      if constexpr (std::is_same_v<A, float>) {
+        if (topk <= 16 && n_keys % 8 == 0 && n_keys <= std::numeric_limits<int32_t>::max()) {
+          float* values[2] = {pair_values.data(), pair_values.data() + n_keys + 8};
+          int32_t* ids[2] = {pair_indices.data(), pair_indices.data() + n_keys + 8};
+          const int64_t count[2] = {top16_candidates(half_scores[0], n_keys, topk, values[0], ids[0]),
+                                    top16_candidates(half_scores[1], n_keys, topk, values[1], ids[1])};
+          if (count[0] >= 0 && count[1] >= 0) {
+            Top16 best[2];
+            for (int64_t p = 0; p < std::max(count[0], count[1]); ++p)
+              for (int c = 0; c < 2; ++c)
+                if (p < count[c]) best[c].insert(values[c][p], ids[c][p]);
+            for (int c = 0; c < 2; ++c) best[c].write(topk, top.data() + c * topk, top_index.data() + c * topk);
+            selected = true;
+          }
+        }
+      }
+#endif
+      for (int64_t c = 0; c < 2 && !selected; ++c)
+        select_topk(half_scores[c], n_keys, topk, top.data() + c * topk, top_index.data() + c * topk, scratch.data(),
+                    candidates.data());
       merge_topk(top.data(), top_index.data(), top.data() + topk, top_index.data() + topk, topk, n_keys,
                  next.data(), scores + nh * topk, indices + nh * topk);
     }
