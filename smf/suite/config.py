@@ -20,10 +20,9 @@ from smf.data.protocol import DEFAULT_PROTOCOL, PROTOCOLS
 from smf.errors import ConfigError
 from smf.eval.settings import EvalSettings
 from smf.options import AsList, Distinct, checked, choice_tuple, mapping, read_file, takes
-from smf.train.config import OPTIONS, RunConfig, build_config
+from smf.train.config import CONFIGS, OPTIONS, RunConfig, build_config
 from smf.vocabulary import CONDITIONS, SPARSE_CONDITIONS
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 STAGE_COMMANDS = {"retrofit": "retrofit", "background": "background", "sparse": "train", "lora": "train",
                   "full": "train"}
 # RunConfig options the suite fills in per run; a config may not set them.
@@ -117,9 +116,9 @@ def load_suite_config(name_or_path: str, overrides: dict | None = None) -> Suite
     ``overrides`` replace top-level keys (e.g. from command-line flags) before validation."""
     path = Path(name_or_path).expanduser().resolve()
     if not path.is_file():
-        path = CONFIG_DIR / f"suite_{name_or_path}.yaml"
+        path = CONFIGS / f"suite_{name_or_path}.yaml"
         if "/" in name_or_path or not path.is_file():
-            names = sorted(p.stem.removeprefix("suite_") for p in CONFIG_DIR.glob("suite_*.yaml"))
+            names = sorted(p.stem.removeprefix("suite_") for p in CONFIGS.glob("suite_*.yaml"))
             raise ConfigError(f"--config {name_or_path!r}: no such file, nor a shipped suite config "
                               f"(shipped: {', '.join(names)})")
     raw = {**read_file(path), **(overrides or {})}

@@ -24,7 +24,8 @@ RECIPE_LR = {"retrofit": 5e-4, "sparse": 5e-4, "lora": 2e-4, "full": 5e-5}
 RECIPE_DEFAULTS = {"retrofit": {"mode": "additive", "lr": RECIPE_LR["retrofit"], "epochs": 2, "n_examples": 50_000},
                    "background": {"n_examples": 50_000},
                    **{recipe: {"lr": RECIPE_LR[recipe], "epochs": 3, "n_examples": 60_000} for recipe in TRAIN_RECIPES}}
-TINY_DATA = Path(__file__).resolve().parents[1] / "assets" / "tiny"  # package data, see smf/assets/README.md
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"  # shipped configs and the tiny preset
+TINY_DATA = CONFIGS.parent / "assets" / "tiny"  # package data, see smf/assets/README.md
 
 ALL, FIT = ("retrofit", "background", "train"), ("retrofit", "train")
 RETRO, BG, TRAIN = ("retrofit",), ("background",), ("train",)
@@ -117,24 +118,11 @@ class RunConfig:
         return {"recipe": self.recipe, **only(RunConfig, command, dataclasses.asdict(self))}
 
 
-TINY_PRESET = {
-    "model": TINY_MODEL,
-    "layers": list(TINY_MEMORY_LAYERS),
-    **TINY_MEMORY_KWARGS,
-    "oasst_path": str(TINY_DATA / "oasst1_train.jsonl"),
-    "medmcqa_path": str(TINY_DATA / "medmcqa_train.jsonl"),
-    "rows_per_step": 32,
-    "n_examples": 20,  # of the 28 English oasst1 pairs: 20 retrofit, 8 background
-    "n_background": 8,
-    "max_length": 256,
-    "global_batch_size": 8,
-    "micro_batch_size": 4,
-    "warmup_steps": 2,
-    "save_every": 10,
-    "bf16": "off",
-    "device": "cpu",
-}
 OPTIONS = tuple(field.name for field in dataclasses.fields(RunConfig))
+# The tiny preset: the tiny model and memories of smf.vocabulary and the options in smf/configs/preset_tiny.yaml.
+TINY_PRESET = {"model": TINY_MODEL, "layers": list(TINY_MEMORY_LAYERS), **TINY_MEMORY_KWARGS, **{
+    name: str((CONFIGS / value).resolve()) if name.endswith("_path") else value
+    for name, value in read_file(CONFIGS / "preset_tiny.yaml", OPTIONS).items()}}
 
 
 def read_config_file(path: str | Path, command: str) -> dict:
