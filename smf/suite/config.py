@@ -20,11 +20,9 @@ from smf.data.protocol import DEFAULT_PROTOCOL, PROTOCOLS
 from smf.errors import ConfigError
 from smf.eval.settings import EvalSettings
 from smf.options import AsList, Distinct, checked, choice_tuple, mapping, read_file, takes
-from smf.train.config import CONFIGS, OPTIONS, RunConfig, build_config
+from smf.train.config import CONFIGS, OPTIONS, STAGE_COMMANDS, RunConfig, build_config
 from smf.vocabulary import CONDITIONS, SPARSE_CONDITIONS
 
-STAGE_COMMANDS = {"retrofit": "retrofit", "background": "background", "sparse": "train", "lora": "train",
-                  "full": "train"}
 # RunConfig options the suite fills in per run; a config may not set them.
 SUITE_OWNED = ("output_dir", "adapter", "background", "recipe", "mode", "rule", "seed", "resume", "max_steps",
                "model", "device", "protocol", "oasst_path", "medmcqa_path")

@@ -24,6 +24,8 @@ RECIPE_LR = {"retrofit": 5e-4, "sparse": 5e-4, "lora": 2e-4, "full": 5e-5}
 RECIPE_DEFAULTS = {"retrofit": {"mode": "additive", "lr": RECIPE_LR["retrofit"], "epochs": 2, "n_examples": 50_000},
                    "background": {"n_examples": 50_000},
                    **{recipe: {"lr": RECIPE_LR[recipe], "epochs": 3, "n_examples": 60_000} for recipe in TRAIN_RECIPES}}
+# The command that runs each stage, the ``recipe`` of a resolved RunConfig.
+STAGE_COMMANDS = {"retrofit": "retrofit", "background": "background", **dict.fromkeys(TRAIN_RECIPES, "train")}
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"  # shipped configs and the tiny preset
 TINY_DATA = CONFIGS.parent / "assets" / "tiny"  # package data, see smf/assets/README.md
 
@@ -114,8 +116,7 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         """The options the run's command takes (plus ``recipe``), e.g. for run_config.json."""
-        command = self.recipe if self.recipe in ("retrofit", "background") else "train"
-        return {"recipe": self.recipe, **only(RunConfig, command, dataclasses.asdict(self))}
+        return {"recipe": self.recipe, **only(RunConfig, STAGE_COMMANDS[self.recipe], dataclasses.asdict(self))}
 
 
 OPTIONS = tuple(field.name for field in dataclasses.fields(RunConfig))
