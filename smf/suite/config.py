@@ -20,7 +20,7 @@ from smf.data.protocol import DEFAULT_PROTOCOL, PROTOCOLS
 from smf.errors import ConfigError
 from smf.eval.settings import EvalSettings
 from smf.options import AsList, Distinct, checked, choice_tuple, mapping, read_file, takes
-from smf.train.config import CONFIGS, OPTIONS, STAGE_COMMANDS, RunConfig, build_config
+from smf.train.config import CONFIGS, OPTIONS, STAGE_COMMANDS, RunConfig, build_config, checked_options
 from smf.vocabulary import CONDITIONS, SPARSE_CONDITIONS
 
 # RunConfig options the suite fills in per run; a config may not set them.
@@ -71,8 +71,7 @@ def _train_options(raw, where: str, stage: str | None = None) -> dict:
                    if key in SUITE_OWNED else "does not apply to this stage")
             known = f"option {key!r} {why}" if key in OPTIONS else f"unknown key {key!r}"
             raise ConfigError(f"{where}: {known}; valid keys: {', '.join(valid)}")
-    config = checked(RunConfig, options, lambda name: f"{where}: option {name!r}")
-    return {name: getattr(config, name) for name in options}
+    return checked_options(options, where)
 
 
 def _input_path(value, base_dir: Path, where: str, check_exists: bool, kind: str = "file or directory"):

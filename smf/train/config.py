@@ -126,16 +126,16 @@ TINY_PRESET = {"model": TINY_MODEL, "layers": list(TINY_MEMORY_LAYERS), **TINY_M
     for name, value in read_file(CONFIGS / "preset_tiny.yaml", OPTIONS).items()}}
 
 
-def read_config_file(path: str | Path, command: str) -> dict:
-    """Options from a YAML or JSON file whose keys are the option names (``output-dir`` or ``output_dir``).
-
-    Keys of options that ``command`` does not take are skipped (one file can serve every command);
-    unknown keys raise ConfigError.
-    """
-    where = f"--config {str(path)!r}"
-    options = only(RunConfig, command, read_file(path, OPTIONS))
+def checked_options(options: dict, where: str) -> dict:
+    """``options`` (of RunConfig) checked and coerced to their types; ConfigError: ``{where}: option 'name': ...``."""
     config = checked(RunConfig, options, lambda name: f"{where}: option {name!r}")
     return {name: getattr(config, name) for name in options}
+
+
+def read_config_file(path: str | Path, command: str) -> dict:
+    """The options in a YAML or JSON file whose keys are option names (``output-dir`` or ``output_dir``), checked.
+    Keys of options ``command`` does not take are skipped (one file serves every command); unknown ones: ConfigError."""
+    return checked_options(only(RunConfig, command, read_file(path, OPTIONS)), f"--config {str(path)!r}")
 
 
 def build_config(command: str, file_options: dict, cli_options: dict) -> RunConfig:
