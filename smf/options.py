@@ -57,9 +57,8 @@ def takes(cls, command: str) -> list[str]:
 
 
 def only(cls, command: str, options: dict) -> dict:
-    """The entries of ``options`` that ``command`` takes."""
-    names = takes(cls, command)
-    return {name: value for name, value in options.items() if name in names}
+    """The entries of ``options`` that ``command`` takes, in declaration order."""
+    return {name: options[name] for name in takes(cls, command) if name in options}
 
 
 def flag(name: str) -> str:
