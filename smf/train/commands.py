@@ -36,9 +36,8 @@ def run(args: argparse.Namespace) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     """``--config`` and one flag per option of ``command``."""
-    parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
-                        help="YAML or JSON file of options (keys: the option names below, e.g. output-dir); "
-                             "command-line flags override it (default: none)")
+    parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help="YAML or JSON file of options "
+                        "(keys: option names below, e.g. output-dir); command-line flags override it (default: none)")
     add_flags(parser, RunConfig, command)
 
 

@@ -50,8 +50,7 @@ class RunConfig:
     n_keys: PositiveInt = option(128, "sub-keys per half (slots = n_keys**2)", RETRO)
     heads: PositiveInt = option(4, "memory query heads", RETRO)
     topk: PositiveInt = option(16, "slots read per head per token", RETRO)
-    key_dim: Annotated[int, Field(gt=0, multiple_of=2)] = option(256, "query/key width (even: it is split into two "
-                                                                 "halves)", RETRO)
+    key_dim: Annotated[int, Field(gt=0, multiple_of=2)] = option(256, "query/key width (even: split in halves)", RETRO)
     alpha_init: NonNegativeFloat = option(0.01, "initial alpha of the memory branch (additive modes)", RETRO)
     backend: str | None = option(None, "memory kernel backend (torch, triton, ext; default: automatic)", ALL)
     # sparse memory finetuning
@@ -75,10 +74,9 @@ class RunConfig:
     protocol: Literal[PROTOCOLS] = option(DEFAULT_PROTOCOL, "data protocol: authors = the authors' texts and sampling, "
                                           "clean = loss-masked prompts (docs/method.md#the-protocol-setting)", ALL)
     oasst_path: ExistingPath | None = option(None, "local oasst1 train split (jsonl/parquet/save_to_disk); default: "
-                                             "the hub", ("retrofit", "background"))
-    oasst_languages: str = option("en", "comma-separated oasst1 languages of the assistant replies used (e.g. en,de), "
-                                  "or 'all' (the paper names no filter; English-only may hold fewer than 52,000 "
-                                  "replies)", ("retrofit", "background"))
+                                             "the hub", RETRO + BG)
+    oasst_languages: str = option("en", "comma-separated languages of the oasst1 replies used (e.g. en,de), or 'all' "
+                                  "(the paper names no filter; English-only may hold under 52,000 replies)", RETRO + BG)
     medmcqa_path: ExistingPath | None = option(None, "local MedMCQA train split (jsonl/parquet/save_to_disk); "
                                                "default: the hub", TRAIN)
     n_examples: PositiveInt | None = option(None, "training examples (default: 50000 retrofit, 60000 train); "
@@ -88,17 +86,14 @@ class RunConfig:
     max_length: PositiveInt = option(1024, "tokens per example (longer ones are cut)", ALL)
     # optimisation
     epochs: PositiveInt | None = option(None, "epochs (default: 2 retrofit, 3 train)", FIT)
-    lr: PositiveFloat | None = option(None, "peak learning rate (default: 5e-4 retrofit/sparse, 2e-4 lora, 5e-5 full)",
-                                      FIT)
+    lr: PositiveFloat | None = option(None, "peak learning rate (default: 5e-4, lora 2e-4, full 5e-5)", FIT)
     weight_decay: NonNegativeFloat = option(0.0, "AdamW weight decay", FIT)
     warmup_steps: NonNegativeInt = option(100, "linear warm-up steps before the cosine decay", FIT)
     global_batch_size: PositiveInt = option(16, "examples per optimizer step, over all processes", FIT)
-    micro_batch_size: PositiveInt = option(4, "examples per forward/backward on one process (gradient accumulation "
-                                           "fills the global batch)", FIT)
+    micro_batch_size: PositiveInt = option(4, "examples per forward/backward, per process (gradient accumulation)", FIT)
     max_grad_norm: PositiveFloat = option(1.0, "global gradient-norm clip", FIT)
     seed: int = option(0, "training seed (memory init, epoch order, dropout)", FIT)
-    bf16: Literal["auto", "on", "off"] = option("auto", "bf16 autocast: auto = on for CUDA devices with bf16, off on "
-                                                "CPU", FIT)
+    bf16: Literal["auto", "on", "off"] = option("auto", "bf16 autocast (auto: on if the CUDA device has bf16)", FIT)
     device: str = option("auto", "torch device (auto: cuda if available, else cpu)", ALL)
     # checkpoints
     save_every: PositiveInt = option(500, "optimizer steps between checkpoints (one is always written at the end)", FIT)
