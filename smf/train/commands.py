@@ -2,12 +2,9 @@
 from __future__ import annotations
 
 import argparse
-import logging
 
 from smf.options import add_flags
 from smf.train.config import OPTIONS, RunConfig, build_config, read_config_file
-
-logger = logging.getLogger(__name__)
 
 
 def config_from_args(args: argparse.Namespace, command: str) -> RunConfig:
@@ -24,13 +21,11 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "background":
         from smf.train.background import collect_background
 
-        logger.info("background statistics written to %s", collect_background(config))
+        collect_background(config)
         return 0
     from smf.train.loop import train
 
-    result = train(config)
-    logger.info("%s: %d of %d steps done; final artefact: %s", config.recipe, result["step"], result["total_steps"],
-                result["final_dir"])
+    train(config)
     return 0
 
 
