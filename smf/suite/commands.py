@@ -42,5 +42,4 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-# name -> one-line help; smf.cli registers it with add_arguments and run.
 COMMANDS = {"suite": "run Table 1: base + the eight trained conditions across seeds, evaluated, resumable"}

@@ -10,8 +10,7 @@ from smf.train.config import OPTIONS, RunConfig, build_config, read_config_file
 def config_from_args(args: argparse.Namespace, command: str) -> RunConfig:
     """Defaults < preset < --config file < flags, validated (ConfigError on bad input)."""
     given = {name: value for name, value in vars(args).items() if name in OPTIONS}
-    file_options = read_config_file(args.config, command) if "config" in args else {}
-    return build_config(command, file_options, given)
+    return build_config(command, read_config_file(args.config, command) if "config" in args else {}, given)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -19,13 +18,10 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args, args.command)
     config = config.resolved(config.recipe if args.command == "train" else args.command)
     if args.command == "background":
-        from smf.train.background import collect_background
-
-        collect_background(config)
-        return 0
-    from smf.train.loop import train
-
-    train(config)
+        from smf.train.background import collect_background as run_stage
+    else:
+        from smf.train.loop import train as run_stage
+    run_stage(config)  # it logs what it wrote
     return 0
 
 
@@ -36,9 +32,6 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     add_flags(parser, RunConfig, command)
 
 
-# name -> one-line help; smf.cli registers these with add_arguments and run.
-COMMANDS = {
-    "retrofit": "stage 1: attach fresh memories and train them on oasst1 (memory adapter)",
-    "background": "background read statistics of the retrofit memories on held-out oasst1",
-    "train": "stage 2 on MedMCQA: --recipe sparse (from the retrofit memories), lora or full",
-}
+COMMANDS = {"retrofit": "stage 1: attach fresh memories and train them on oasst1 (memory adapter)",
+            "background": "background read statistics of the retrofit memories on held-out oasst1",
+            "train": "stage 2 on MedMCQA: --recipe sparse (from the retrofit memories), lora or full"}
