@@ -118,8 +118,7 @@ def load_suite_config(name_or_path: str, overrides: dict | None = None) -> Suite
             names = sorted(p.stem.removeprefix("suite_") for p in CONFIGS.glob("suite_*.yaml"))
             raise ConfigError(f"--config {name_or_path!r}: no such file, nor a shipped suite config "
                               f"(shipped: {', '.join(names)})")
-    raw = {**read_file(path), **(overrides or {})}
-    return parse_suite_config(raw, path.parent, source=str(path))
+    return parse_suite_config({**read_file(path), **(overrides or {})}, path.parent, source=str(path))
 
 
 def suite_config_from_dict(saved: dict) -> SuiteConfig:
