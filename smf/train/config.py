@@ -26,8 +26,7 @@ RECIPE_DEFAULTS = {"retrofit": {"mode": "additive", "lr": RECIPE_LR["retrofit"],
                    **{recipe: {"lr": RECIPE_LR[recipe], "epochs": 3, "n_examples": 60_000} for recipe in TRAIN_RECIPES}}
 # The command that runs each stage, the ``recipe`` of a resolved RunConfig.
 STAGE_COMMANDS = {"retrofit": "retrofit", "background": "background", **dict.fromkeys(TRAIN_RECIPES, "train")}
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"  # shipped configs and the tiny preset
-TINY_DATA = CONFIGS.parent / "assets" / "tiny"  # package data, see smf/assets/README.md
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"  # shipped configs and the tiny preset (package data)
 
 ALL, FIT = ("retrofit", "background", "train"), ("retrofit", "train")
 RETRO, BG, TRAIN = ("retrofit",), ("background",), ("train",)
