@@ -1,12 +1,10 @@
-"""The options of ``smf retrofit``, ``smf background`` and ``smf train``: one dataclass with the paper's
-defaults (docs/method.md#two-stage-training), a tiny preset for CPU runs, and :func:`build_config`, which layers
-defaults < ``preset`` < config file < command-line flags. Options left at None get the recipe's paper default
-when the run starts (:meth:`RunConfig.resolved`).
-"""
+"""The options of ``smf retrofit``, ``smf background`` and ``smf train``: one dataclass with the paper's defaults
+(docs/method.md#two-stage-training), a tiny preset for CPU runs, and :func:`build_config`, which layers defaults <
+``preset`` < config file < command-line flags. Options left at None get the recipe's paper default when the run
+starts (:meth:`RunConfig.resolved`)."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -18,8 +16,7 @@ from smf.options import AsList, ExistingDir, ExistingPath, checked, only, option
 from smf.vocabulary import (DEFAULT_MODEL, MEMORY_MODES, RULES, SPARSE_BACKWARDS, SPARSE_OPTIMIZERS,
                             TINY_MEMORY_KWARGS, TINY_MEMORY_LAYERS, TINY_MODEL, TRAIN_RECIPES, check_layers)
 
-# Paper defaults of the options a recipe leaves at None (docs/method.md#two-stage-training); background: the retrofit
-# set's size, whose examples the background batches avoid.
+# Paper defaults of the options a recipe leaves at None (docs/method.md#two-stage-training; background: see n_examples).
 RECIPE_LR = {"retrofit": 5e-4, "sparse": 5e-4, "lora": 2e-4, "full": 5e-5}
 RECIPE_DEFAULTS = {"retrofit": {"mode": "additive", "lr": RECIPE_LR["retrofit"], "epochs": 2, "n_examples": 50_000},
                    "background": {"n_examples": 50_000},
@@ -32,7 +29,7 @@ ALL, FIT = ("retrofit", "background", "train"), ("retrofit", "train")
 RETRO, BG, TRAIN = ("retrofit",), ("background",), ("train",)
 
 
-@dataclass
+@dataclasses.dataclass
 class RunConfig:
     """Options of ``smf retrofit``, ``smf background`` and ``smf train`` (see :func:`smf.options.option`)."""
 
@@ -96,8 +93,7 @@ class RunConfig:
     device: str = option("auto", "torch device (auto: cuda if available, else cpu)", ALL)
     # checkpoints
     save_every: PositiveInt = option(500, "optimizer steps between checkpoints (one is always written at the end)", FIT)
-    max_steps: PositiveInt | None = option(None, "stop after this many optimizer steps (the schedule still spans all "
-                                           "epochs; resume later with --resume)", FIT)
+    max_steps: PositiveInt | None = option(None, "stop at this step (the schedule spans all epochs; see --resume)", FIT)
     resume: bool = option(False, "continue from the checkpoint in --output-dir", FIT)
 
     def __post_init__(self) -> None:
@@ -133,9 +129,8 @@ def read_config_file(path: str | Path, command: str) -> dict:
 
 
 def build_config(command: str, file_options: dict, cli_options: dict) -> RunConfig:
-    """Defaults < preset (from file or flags) < file options < command-line options, checked: each value by its
-    type (choices, bounds, existing paths), then combinations, the model directory and the options ``command``
-    requires (ConfigError)."""
+    """Defaults < preset (from file or flags) < file options < command-line options, checked (ConfigError): each value
+    by its type (choices, bounds, existing paths), then combinations, the model directory, what ``command`` needs."""
     preset = cli_options.get("preset", file_options.get("preset"))
     options = {**(only(RunConfig, command, TINY_PRESET) if preset == "tiny" else {}), **file_options, **cli_options}
     config = checked(RunConfig, options)
