@@ -1,11 +1,10 @@
 """The experiment-suite configuration, read from YAML (or JSON; keys with ``-`` or ``_``); every key is checked.
 The keys are the fields of :class:`SuiteConfig`; ``smf/configs/suite_paper.yaml`` sets every one.
 
-Relative paths: ``data`` paths and a local ``model`` directory resolve against the folder of the
-config file (so a config and its data move together); ``output_dir`` against the working directory.
-``model`` counts as a local path only when it starts with ``.``, ``/`` or ``~``. Options the suite
-sets itself per run (:data:`SUITE_OWNED`) may not appear in ``train`` or ``stages``.
-"""
+Relative paths: ``data`` paths and a local ``model`` directory resolve against the folder of the config file (so a
+config and its data move together); ``output_dir`` against the working directory. ``model`` counts as a local path
+only when it starts with ``.``, ``/`` or ``~``. Options the suite sets itself per run (:data:`SUITE_OWNED`) may not
+appear in ``train`` or ``stages``."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -23,7 +22,6 @@ from smf.options import AsList, Distinct, checked, choice_tuple, mapping, read_f
 from smf.train.config import CONFIGS, OPTIONS, STAGE_COMMANDS, RunConfig, build_config, checked_options
 from smf.vocabulary import CONDITIONS, SPARSE_CONDITIONS
 
-# RunConfig options the suite fills in per run; a config may not set them.
 SUITE_OWNED = ("output_dir", "adapter", "background", "recipe", "mode", "rule", "seed", "resume", "max_steps",
                "model", "device", "protocol", "oasst_path", "medmcqa_path")
 TRAIN_KEYS = tuple(name for name in OPTIONS if name not in SUITE_OWNED)
