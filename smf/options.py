@@ -4,8 +4,7 @@ An option is a dataclass field made with :func:`option`: its default, help text 
 Its type says what it accepts: ``Literal`` choices, pydantic's bounded types (``PositiveInt``, ...), a path that
 must exist (:data:`ExistingDir`), a list (:data:`AsList`). From that alone come the per-command filter
 (:func:`only`), the checks and coercion of values from files and flags, done by pydantic (:func:`checked`), and
-one argparse flag per option with its default in the help (:func:`add_flags`).
-"""
+one argparse flag per option with its default in the help (:func:`add_flags`)."""
 from __future__ import annotations
 
 import argparse
@@ -57,9 +56,8 @@ def takes(cls, command: str) -> list[str]:
 
 
 def only(cls, command: str, options: dict) -> dict:
-    """The entries of ``options`` that ``command`` takes."""
-    names = takes(cls, command)
-    return {name: value for name, value in options.items() if name in names}
+    """The entries of ``options`` that ``command`` takes, in declaration order."""
+    return {name: options[name] for name in takes(cls, command) if name in options}
 
 
 def flag(name: str) -> str:
@@ -119,9 +117,8 @@ def add_flags(parser: argparse.ArgumentParser, cls, command: str) -> None:
     hints = typing.get_type_hints(cls)
     for spec in only(cls, command, {spec.name: spec for spec in dataclasses.fields(cls)}).values():
         hint, name, default = hints[spec.name], flag(spec.name), spec.default
-        shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else default
-        kwargs = {"default": argparse.SUPPRESS, "help": f"{spec.metadata['help']} (default: "
-                                                        f"{'none' if shown is None else shown})"}
+        shown = "none" if default is None else " ".join(map(str, default)) if isinstance(default, tuple) else default
+        kwargs = {"default": argparse.SUPPRESS, "help": f"{spec.metadata['help']} (default: {shown})"}
         if hint is bool:
             parser.add_argument(name, action="store_true", **kwargs)
             continue

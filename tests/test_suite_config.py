@@ -4,14 +4,15 @@ from pathlib import Path
 import pytest
 import yaml
 
+import smf
 from smf import cli
 from smf.report import CONDITIONS
 from smf.suite.config import TRAIN_KEYS, load_suite_config
-from smf.train.config import TINY_DATA
 from smf.errors import ConfigError
 from smf.vocabulary import DEFAULT_MODEL
 
 FIXTURES = Path(__file__).parent / "fixtures"
+TINY_DATA = Path(smf.__file__).resolve().parent / "assets" / "tiny"  # package data
 
 
 def _write(tmp_path: Path, **overrides) -> Path:

@@ -59,11 +59,12 @@ def test_preset_data_ship_with_the_package_and_are_the_test_fixtures():
     files are the fixtures of the same names (make_fixtures.py writes both)."""
     from pathlib import Path
 
+    import smf
     from smf.suite.config import load_suite_config
-    from smf.train.config import TINY_DATA, TINY_PRESET
+    from smf.train.config import TINY_PRESET
 
-    fixtures = Path(__file__).parent / "fixtures"
+    fixtures, tiny_data = Path(__file__).parent / "fixtures", Path(smf.__file__).resolve().parent / "assets" / "tiny"
     suite = load_suite_config("tiny")
     paths = [TINY_PRESET["oasst_path"], TINY_PRESET["medmcqa_path"], *vars(suite.data).values()]
     for path in map(Path, paths):
-        assert path.parent == TINY_DATA and path.read_bytes() == (fixtures / path.name).read_bytes(), path
+        assert path.parent == tiny_data and path.read_bytes() == (fixtures / path.name).read_bytes(), path

@@ -8,9 +8,8 @@ from smf.vocabulary import CONDITIONS
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str = "suite") -> None:
-    parser.add_argument("--config", required=True, metavar="NAME_OR_FILE",
-                        help="suite config: a YAML/JSON file or a shipped name (tiny, paper); relative data "
-                             "paths in it resolve against the file's folder")
+    parser.add_argument("--config", required=True, metavar="NAME_OR_FILE", help="suite config: a YAML/JSON file "
+                        "or a shipped name (tiny, paper); relative data paths in it resolve against the file's folder")
     parser.add_argument("--output-dir", metavar="DIR", help="suite directory (default: the config's output_dir, "
                         "relative to the current directory)")
     parser.add_argument("--seeds", type=int, nargs="+", metavar="SEED", help="override the config's seeds")
@@ -32,8 +31,7 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         layout = SuiteLayout(config.output_dir)
         for planned in plan_runs(config):
-            done = "done" if layout.results_path(planned).is_file() else "to do"
-            print(f"{planned.name:<24} {done}")
+            print(f"{planned.name:<24} {'done' if layout.results_path(planned).is_file() else 'to do'}")
         return 0
     run_suite(config)
     if not args.no_report:
@@ -42,5 +40,4 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-# name -> one-line help; smf.cli registers it with add_arguments and run.
 COMMANDS = {"suite": "run Table 1: base + the eight trained conditions across seeds, evaluated, resumable"}

@@ -1,11 +1,10 @@
 """The experiment-suite configuration, read from YAML (or JSON; keys with ``-`` or ``_``); every key is checked.
 The keys are the fields of :class:`SuiteConfig`; ``smf/configs/suite_paper.yaml`` sets every one.
 
-Relative paths: ``data`` paths and a local ``model`` directory resolve against the folder of the
-config file (so a config and its data move together); ``output_dir`` against the working directory.
-``model`` counts as a local path only when it starts with ``.``, ``/`` or ``~``. Options the suite
-sets itself per run (:data:`SUITE_OWNED`) may not appear in ``train`` or ``stages``.
-"""
+Relative paths: ``data`` paths and a local ``model`` directory resolve against the folder of the config file (so a
+config and its data move together); ``output_dir`` against the working directory. ``model`` counts as a local path
+only when it starts with ``.``, ``/`` or ``~``. Options the suite sets itself per run (:data:`SUITE_OWNED`) may not
+appear in ``train`` or ``stages``."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -20,13 +19,9 @@ from smf.data.protocol import DEFAULT_PROTOCOL, PROTOCOLS
 from smf.errors import ConfigError
 from smf.eval.settings import EvalSettings
 from smf.options import AsList, Distinct, checked, choice_tuple, mapping, read_file, takes
-from smf.train.config import OPTIONS, RunConfig, build_config
+from smf.train.config import CONFIGS, OPTIONS, STAGE_COMMANDS, RunConfig, build_config, checked_options
 from smf.vocabulary import CONDITIONS, SPARSE_CONDITIONS
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
-STAGE_COMMANDS = {"retrofit": "retrofit", "background": "background", "sparse": "train", "lora": "train",
-                  "full": "train"}
-# RunConfig options the suite fills in per run; a config may not set them.
 SUITE_OWNED = ("output_dir", "adapter", "background", "recipe", "mode", "rule", "seed", "resume", "max_steps",
                "model", "device", "protocol", "oasst_path", "medmcqa_path")
 TRAIN_KEYS = tuple(name for name in OPTIONS if name not in SUITE_OWNED)
@@ -74,8 +69,7 @@ def _train_options(raw, where: str, stage: str | None = None) -> dict:
                    if key in SUITE_OWNED else "does not apply to this stage")
             known = f"option {key!r} {why}" if key in OPTIONS else f"unknown key {key!r}"
             raise ConfigError(f"{where}: {known}; valid keys: {', '.join(valid)}")
-    config = checked(RunConfig, options, lambda name: f"{where}: option {name!r}")
-    return {name: getattr(config, name) for name in options}
+    return checked_options(options, where)
 
 
 def _input_path(value, base_dir: Path, where: str, check_exists: bool, kind: str = "file or directory"):
@@ -117,13 +111,12 @@ def load_suite_config(name_or_path: str, overrides: dict | None = None) -> Suite
     ``overrides`` replace top-level keys (e.g. from command-line flags) before validation."""
     path = Path(name_or_path).expanduser().resolve()
     if not path.is_file():
-        path = CONFIG_DIR / f"suite_{name_or_path}.yaml"
+        path = CONFIGS / f"suite_{name_or_path}.yaml"
         if "/" in name_or_path or not path.is_file():
-            names = sorted(p.stem.removeprefix("suite_") for p in CONFIG_DIR.glob("suite_*.yaml"))
+            names = sorted(p.stem.removeprefix("suite_") for p in CONFIGS.glob("suite_*.yaml"))
             raise ConfigError(f"--config {name_or_path!r}: no such file, nor a shipped suite config "
                               f"(shipped: {', '.join(names)})")
-    raw = {**read_file(path), **(overrides or {})}
-    return parse_suite_config(raw, path.parent, source=str(path))
+    return parse_suite_config({**read_file(path), **(overrides or {})}, path.parent, source=str(path))
 
 
 def suite_config_from_dict(saved: dict) -> SuiteConfig:

@@ -2,19 +2,15 @@
 from __future__ import annotations
 
 import argparse
-import logging
 
 from smf.options import add_flags
 from smf.train.config import OPTIONS, RunConfig, build_config, read_config_file
-
-logger = logging.getLogger(__name__)
 
 
 def config_from_args(args: argparse.Namespace, command: str) -> RunConfig:
     """Defaults < preset < --config file < flags, validated (ConfigError on bad input)."""
     given = {name: value for name, value in vars(args).items() if name in OPTIONS}
-    file_options = read_config_file(args.config, command) if "config" in args else {}
-    return build_config(command, file_options, given)
+    return build_config(command, read_config_file(args.config, command) if "config" in args else {}, given)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -22,29 +18,20 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args, args.command)
     config = config.resolved(config.recipe if args.command == "train" else args.command)
     if args.command == "background":
-        from smf.train.background import collect_background
-
-        logger.info("background statistics written to %s", collect_background(config))
-        return 0
-    from smf.train.loop import train
-
-    result = train(config)
-    logger.info("%s: %d of %d steps done; final artefact: %s", config.recipe, result["step"], result["total_steps"],
-                result["final_dir"])
+        from smf.train.background import collect_background as run_stage
+    else:
+        from smf.train.loop import train as run_stage
+    run_stage(config)  # it logs what it wrote
     return 0
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     """``--config`` and one flag per option of ``command``."""
-    parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
-                        help="YAML or JSON file of options (keys: the option names below, e.g. output-dir); "
-                             "command-line flags override it (default: none)")
+    parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help="YAML or JSON file of options "
+                        "(keys: option names below, e.g. output-dir); command-line flags override it (default: none)")
     add_flags(parser, RunConfig, command)
 
 
-# name -> one-line help; smf.cli registers these with add_arguments and run.
-COMMANDS = {
-    "retrofit": "stage 1: attach fresh memories and train them on oasst1 (memory adapter)",
-    "background": "background read statistics of the retrofit memories on held-out oasst1",
-    "train": "stage 2 on MedMCQA: --recipe sparse (from the retrofit memories), lora or full",
-}
+COMMANDS = {"retrofit": "stage 1: attach fresh memories and train them on oasst1 (memory adapter)",
+            "background": "background read statistics of the retrofit memories on held-out oasst1",
+            "train": "stage 2 on MedMCQA: --recipe sparse (from the retrofit memories), lora or full"}

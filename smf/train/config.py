@@ -1,12 +1,10 @@
-"""The options of ``smf retrofit``, ``smf background`` and ``smf train``: one dataclass with the paper's
-defaults (docs/method.md#two-stage-training), a tiny preset for CPU runs, and :func:`build_config`, which layers
-defaults < ``preset`` < config file < command-line flags. Options left at None get the recipe's paper default
-when the run starts (:meth:`RunConfig.resolved`).
-"""
+"""The options of ``smf retrofit``, ``smf background`` and ``smf train``: one dataclass with the paper's defaults
+(docs/method.md#two-stage-training), a tiny preset for CPU runs, and :func:`build_config`, which layers defaults <
+``preset`` < config file < command-line flags. Options left at None get the recipe's paper default when the run
+starts (:meth:`RunConfig.resolved`)."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -18,19 +16,20 @@ from smf.options import AsList, ExistingDir, ExistingPath, checked, only, option
 from smf.vocabulary import (DEFAULT_MODEL, MEMORY_MODES, RULES, SPARSE_BACKWARDS, SPARSE_OPTIMIZERS,
                             TINY_MEMORY_KWARGS, TINY_MEMORY_LAYERS, TINY_MODEL, TRAIN_RECIPES, check_layers)
 
-# Paper defaults of the options a recipe leaves at None (docs/method.md#two-stage-training); background: the retrofit
-# set's size, whose examples the background batches avoid.
+# Paper defaults of the options a recipe leaves at None (docs/method.md#two-stage-training; background: see n_examples).
 RECIPE_LR = {"retrofit": 5e-4, "sparse": 5e-4, "lora": 2e-4, "full": 5e-5}
 RECIPE_DEFAULTS = {"retrofit": {"mode": "additive", "lr": RECIPE_LR["retrofit"], "epochs": 2, "n_examples": 50_000},
                    "background": {"n_examples": 50_000},
                    **{recipe: {"lr": RECIPE_LR[recipe], "epochs": 3, "n_examples": 60_000} for recipe in TRAIN_RECIPES}}
-TINY_DATA = Path(__file__).resolve().parents[1] / "assets" / "tiny"  # package data, see smf/assets/README.md
+# The command that runs each stage, the ``recipe`` of a resolved RunConfig.
+STAGE_COMMANDS = {"retrofit": "retrofit", "background": "background", **dict.fromkeys(TRAIN_RECIPES, "train")}
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"  # shipped configs and the tiny preset (package data)
 
 ALL, FIT = ("retrofit", "background", "train"), ("retrofit", "train")
 RETRO, BG, TRAIN = ("retrofit",), ("background",), ("train",)
 
 
-@dataclass
+@dataclasses.dataclass
 class RunConfig:
     """Options of ``smf retrofit``, ``smf background`` and ``smf train`` (see :func:`smf.options.option`)."""
 
@@ -47,8 +46,7 @@ class RunConfig:
     n_keys: PositiveInt = option(128, "sub-keys per half (slots = n_keys**2)", RETRO)
     heads: PositiveInt = option(4, "memory query heads", RETRO)
     topk: PositiveInt = option(16, "slots read per head per token", RETRO)
-    key_dim: Annotated[int, Field(gt=0, multiple_of=2)] = option(256, "query/key width (even: it is split into two "
-                                                                 "halves)", RETRO)
+    key_dim: Annotated[int, Field(gt=0, multiple_of=2)] = option(256, "query/key width (even: split in halves)", RETRO)
     alpha_init: NonNegativeFloat = option(0.01, "initial alpha of the memory branch (additive modes)", RETRO)
     backend: str | None = option(None, "memory kernel backend (torch, triton, ext; default: automatic)", ALL)
     # sparse memory finetuning
@@ -72,10 +70,9 @@ class RunConfig:
     protocol: Literal[PROTOCOLS] = option(DEFAULT_PROTOCOL, "data protocol: authors = the authors' texts and sampling, "
                                           "clean = loss-masked prompts (docs/method.md#the-protocol-setting)", ALL)
     oasst_path: ExistingPath | None = option(None, "local oasst1 train split (jsonl/parquet/save_to_disk); default: "
-                                             "the hub", ("retrofit", "background"))
-    oasst_languages: str = option("en", "comma-separated oasst1 languages of the assistant replies used (e.g. en,de), "
-                                  "or 'all' (the paper names no filter; English-only may hold fewer than 52,000 "
-                                  "replies)", ("retrofit", "background"))
+                                             "the hub", RETRO + BG)
+    oasst_languages: str = option("en", "comma-separated languages of the oasst1 replies used (e.g. en,de), or 'all' "
+                                  "(the paper names no filter; English-only may hold under 52,000 replies)", RETRO + BG)
     medmcqa_path: ExistingPath | None = option(None, "local MedMCQA train split (jsonl/parquet/save_to_disk); "
                                                "default: the hub", TRAIN)
     n_examples: PositiveInt | None = option(None, "training examples (default: 50000 retrofit, 60000 train); "
@@ -85,22 +82,18 @@ class RunConfig:
     max_length: PositiveInt = option(1024, "tokens per example (longer ones are cut)", ALL)
     # optimisation
     epochs: PositiveInt | None = option(None, "epochs (default: 2 retrofit, 3 train)", FIT)
-    lr: PositiveFloat | None = option(None, "peak learning rate (default: 5e-4 retrofit/sparse, 2e-4 lora, 5e-5 full)",
-                                      FIT)
+    lr: PositiveFloat | None = option(None, "peak learning rate (default: 5e-4, lora 2e-4, full 5e-5)", FIT)
     weight_decay: NonNegativeFloat = option(0.0, "AdamW weight decay", FIT)
     warmup_steps: NonNegativeInt = option(100, "linear warm-up steps before the cosine decay", FIT)
     global_batch_size: PositiveInt = option(16, "examples per optimizer step, over all processes", FIT)
-    micro_batch_size: PositiveInt = option(4, "examples per forward/backward on one process (gradient accumulation "
-                                           "fills the global batch)", FIT)
+    micro_batch_size: PositiveInt = option(4, "examples per forward/backward, per process (gradient accumulation)", FIT)
     max_grad_norm: PositiveFloat = option(1.0, "global gradient-norm clip", FIT)
     seed: int = option(0, "training seed (memory init, epoch order, dropout)", FIT)
-    bf16: Literal["auto", "on", "off"] = option("auto", "bf16 autocast: auto = on for CUDA devices with bf16, off on "
-                                                "CPU", FIT)
+    bf16: Literal["auto", "on", "off"] = option("auto", "bf16 autocast (auto: on if the CUDA device has bf16)", FIT)
     device: str = option("auto", "torch device (auto: cuda if available, else cpu)", ALL)
     # checkpoints
     save_every: PositiveInt = option(500, "optimizer steps between checkpoints (one is always written at the end)", FIT)
-    max_steps: PositiveInt | None = option(None, "stop after this many optimizer steps (the schedule still spans all "
-                                           "epochs; resume later with --resume)", FIT)
+    max_steps: PositiveInt | None = option(None, "stop at this step (the schedule spans all epochs; see --resume)", FIT)
     resume: bool = option(False, "continue from the checkpoint in --output-dir", FIT)
 
     def __post_init__(self) -> None:
@@ -113,46 +106,31 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         """The options the run's command takes (plus ``recipe``), e.g. for run_config.json."""
-        command = self.recipe if self.recipe in ("retrofit", "background") else "train"
-        return {"recipe": self.recipe, **only(RunConfig, command, dataclasses.asdict(self))}
+        return {"recipe": self.recipe, **only(RunConfig, STAGE_COMMANDS[self.recipe], dataclasses.asdict(self))}
 
 
-TINY_PRESET = {
-    "model": TINY_MODEL,
-    "layers": list(TINY_MEMORY_LAYERS),
-    **TINY_MEMORY_KWARGS,
-    "oasst_path": str(TINY_DATA / "oasst1_train.jsonl"),
-    "medmcqa_path": str(TINY_DATA / "medmcqa_train.jsonl"),
-    "rows_per_step": 32,
-    "n_examples": 20,  # of the 28 English oasst1 pairs: 20 retrofit, 8 background
-    "n_background": 8,
-    "max_length": 256,
-    "global_batch_size": 8,
-    "micro_batch_size": 4,
-    "warmup_steps": 2,
-    "save_every": 10,
-    "bf16": "off",
-    "device": "cpu",
-}
 OPTIONS = tuple(field.name for field in dataclasses.fields(RunConfig))
+# The tiny preset: the tiny model and memories of smf.vocabulary and the options in smf/configs/preset_tiny.yaml.
+TINY_PRESET = {"model": TINY_MODEL, "layers": list(TINY_MEMORY_LAYERS), **TINY_MEMORY_KWARGS, **{
+    name: str((CONFIGS / value).resolve()) if name.endswith("_path") else value
+    for name, value in read_file(CONFIGS / "preset_tiny.yaml", OPTIONS).items()}}
 
 
-def read_config_file(path: str | Path, command: str) -> dict:
-    """Options from a YAML or JSON file whose keys are the option names (``output-dir`` or ``output_dir``).
-
-    Keys of options that ``command`` does not take are skipped (one file can serve every command);
-    unknown keys raise ConfigError.
-    """
-    where = f"--config {str(path)!r}"
-    options = only(RunConfig, command, read_file(path, OPTIONS))
+def checked_options(options: dict, where: str) -> dict:
+    """``options`` (of RunConfig) checked and coerced to their types; ConfigError: ``{where}: option 'name': ...``."""
     config = checked(RunConfig, options, lambda name: f"{where}: option {name!r}")
     return {name: getattr(config, name) for name in options}
 
 
+def read_config_file(path: str | Path, command: str) -> dict:
+    """The options in a YAML or JSON file whose keys are option names (``output-dir`` or ``output_dir``), checked.
+    Keys of options ``command`` does not take are skipped (one file serves every command); unknown ones: ConfigError."""
+    return checked_options(only(RunConfig, command, read_file(path, OPTIONS)), f"--config {str(path)!r}")
+
+
 def build_config(command: str, file_options: dict, cli_options: dict) -> RunConfig:
-    """Defaults < preset (from file or flags) < file options < command-line options, checked: each value by its
-    type (choices, bounds, existing paths), then combinations, the model directory and the options ``command``
-    requires (ConfigError)."""
+    """Defaults < preset (from file or flags) < file options < command-line options, checked (ConfigError): each value
+    by its type (choices, bounds, existing paths), then combinations, the model directory, what ``command`` needs."""
     preset = cli_options.get("preset", file_options.get("preset"))
     options = {**(only(RunConfig, command, TINY_PRESET) if preset == "tiny" else {}), **file_options, **cli_options}
     config = checked(RunConfig, options)

@@ -181,4 +181,6 @@ def _train(config: RunConfig, world: World) -> dict:
             save_final(setup.model, setup.tokenizer, config.recipe, final_dir)
             logger.info("saved the final %s artefact to %s", config.recipe, final_dir)
         barrier(world)
+    else:
+        logger.info("stopped at step %d of %d (--max-steps); --resume continues the run", step, total_steps)
     return {"step": step, "total_steps": total_steps, "final_dir": final_dir}
