@@ -351,6 +351,40 @@ std::tuple<at::Tensor, at::Tensor> topk_backward(const at::Tensor& grad_scores_i
   return {grad_query, grad_keys};
 }
 
+// silu(gate) * read and its backward (CPU): gate and read of one shape, float dtype and device.
+void check_silu_mul(const at::Tensor& gate, const at::Tensor& read) {
+  TORCH_CHECK(gate.is_cpu(), "smf_kernels ext: silu_mul runs on CPU; got ", gate.device());
+  check_float(gate, "gate");
+  check_dtype(read, "read", gate.scalar_type());
+  check_device(read, "read", gate, "gate");
+  TORCH_CHECK(read.sizes() == gate.sizes(), "smf_kernels ext: read must have the shape of gate ", gate.sizes(),
+              ", got ", read.sizes());
+}
+
+at::Tensor silu_mul_forward(const at::Tensor& gate_in, const at::Tensor& read_in) {
+  check_silu_mul(gate_in, read_in);
+  const at::Tensor gate = kernel_input(gate_in), read = kernel_input(read_in);
+  at::Tensor out = smf::cpu::pooled_empty(gate.sizes(), gate.options());
+  smf::cpu::silu_mul_forward(kernel_dtype(gate), gate.const_data_ptr(), read.const_data_ptr(), out.data_ptr(),
+                             gate.numel(), at::get_num_threads());
+  return out.to(gate_in.scalar_type());
+}
+
+std::tuple<at::Tensor, at::Tensor> silu_mul_backward(const at::Tensor& grad_in, const at::Tensor& gate_in,
+                                                     const at::Tensor& read_in) {
+  check_silu_mul(gate_in, read_in);
+  check_dtype(grad_in, "grad", gate_in.scalar_type());
+  check_device(grad_in, "grad", gate_in, "gate");
+  TORCH_CHECK(grad_in.sizes() == gate_in.sizes(), "smf_kernels ext: grad must have the shape of gate ",
+              gate_in.sizes(), ", got ", grad_in.sizes());
+  const at::Tensor grad = kernel_input(grad_in), gate = kernel_input(gate_in), read = kernel_input(read_in);
+  at::Tensor grad_gate = smf::cpu::pooled_empty(gate.sizes(), gate.options());
+  at::Tensor grad_read = smf::cpu::pooled_empty(gate.sizes(), gate.options());
+  smf::cpu::silu_mul_backward(kernel_dtype(gate), grad.const_data_ptr(), gate.const_data_ptr(), read.const_data_ptr(),
+                              grad_gate.data_ptr(), grad_read.data_ptr(), gate.numel(), at::get_num_threads());
+  return {grad_gate.to(gate_in.scalar_type()), grad_read.to(gate_in.scalar_type())};
+}
+
 #define SMF_STRINGIFY(x) #x
 #define SMF_EXPAND_STRINGIFY(x) SMF_STRINGIFY(x)
 
@@ -378,6 +412,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("need_values"), py::arg("need_weights"));
   m.def("gather_backward_values", &gather_backward_values, "grad of values (M or T, D) acc", py::arg("grad_out"),
         py::arg("indices"), py::arg("weights"), py::arg("num_rows"), py::arg("update_rows"));
+  m.def("silu_mul_forward", &silu_mul_forward, "silu(gate) * read, gate's dtype; CPU", py::arg("gate"),
+        py::arg("read"));
+  m.def("silu_mul_backward", &silu_mul_backward, "(grad of gate, grad of read), gate's dtype; CPU", py::arg("grad"),
+        py::arg("gate"), py::arg("read"));
   m.def("release_idle_outputs", &smf::cpu::release_idle_outputs,
         "return the cached blocks of freed large CPU outputs to the system; the bytes released");
 }

@@ -64,4 +64,13 @@ void topk_backward(DType dtype, const void* grad_scores, const void* query, cons
                    void* grad_query, void* grad_keys, int64_t num_tokens, int64_t heads, int64_t half, int64_t n_keys,
                    int64_t topk, int threads);
 
+// out = silu(gate) * read elementwise, silu(x) = x * sigmoid(x); n values each, all of `dtype`
+// (computed in acc, rounded once).
+void silu_mul_forward(DType dtype, const void* gate, const void* read, void* out, int64_t n, int threads);
+
+// Its backward from grad: grad_read = grad * silu(gate) and grad_gate = grad * read * sigmoid(gate)
+// * (1 + gate * (1 - sigmoid(gate))); n values each, all of `dtype`.
+void silu_mul_backward(DType dtype, const void* grad, const void* gate, const void* read, void* grad_gate,
+                       void* grad_read, int64_t n, int threads);
+
 }  // namespace smf::cpu

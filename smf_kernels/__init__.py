@@ -1,7 +1,7 @@
 """smf-kernels: kernel-backed product-key memory layers for Sparse Memory Finetuning."""
 from smf_kernels.backends import BackendUnavailableError, available_backends, resolve_backend
 from smf_kernels.memory import ROWS_READ, ProductKeyMemory
-from smf_kernels.ops import product_key_topk, weighted_gather
+from smf_kernels.ops import product_key_topk, silu_mul, weighted_gather
 
 __version__ = "0.1.0"
 
@@ -12,5 +12,6 @@ __all__ = [
     "available_backends",
     "product_key_topk",
     "resolve_backend",
+    "silu_mul",
     "weighted_gather",
 ]

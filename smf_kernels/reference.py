@@ -71,3 +71,8 @@ def weighted_gather_reference(
         read = indices if valid is None else indices[valid]
         counts += torch.bincount(read.flatten(), minlength=counts.numel()).to(counts.dtype)
     return out.to(values.dtype)
+
+
+def silu_mul_reference(gate: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * read`` (docs/method.md#the-memory-layer, step 6), ``silu(x) = x * sigmoid(x)``."""
+    return torch.nn.functional.silu(gate) * read

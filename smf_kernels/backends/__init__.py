@@ -24,6 +24,11 @@ The raw Triton kernels live apart, in :mod:`smf_kernels.triton_kernels`, and the
         -> (grad_values, grad_weights), both fp32 (fp64 for fp64):
            grad_values (M, D) if update_rows is None else (T, D), row t for update_rows[t];
            grad_weights (N, L); a gradient not needed has 0 rows.
+
+Optional (the op runs its plain-PyTorch form where a backend lacks one or returns None):
+
+    topk_backward(grad_scores, query, keys, indices, need_query, need_keys) -> (grad_query, grad_keys)
+    silu_mul_forward(gate, read) -> silu(gate) * read;  silu_mul_backward(grad, gate, read) -> (grad_gate, grad_read)
 """
 from __future__ import annotations
 

@@ -65,3 +65,13 @@ def gather_backward(grad_out, values, indices, weights, update_rows, determinist
         return _ext.gather_backward(grad_out, values, indices, weights, update_rows, need_values, need_weights)
     return backward_in_two_passes(sys.modules[__name__], grad_out, values, indices, weights, update_rows,
                                   deterministic, need_values, need_weights)
+
+
+def silu_mul_forward(gate, read):
+    """CPU: silu(gate) * read in one pass; None elsewhere (the plain composition runs)."""
+    return _ext.silu_mul_forward(gate, read) if gate.device.type == "cpu" else None
+
+
+def silu_mul_backward(grad, gate, read):
+    """CPU: (grad of gate, grad of read) in one pass; None elsewhere."""
+    return _ext.silu_mul_backward(grad, gate, read) if gate.device.type == "cpu" else None
