@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from smf_kernels._precision import no_autocast
-from smf_kernels.ops import DeferredRows, product_key_topk, weighted_gather
+from smf_kernels.ops import DeferredRows, product_key_topk, silu_mul, weighted_gather
 
 
 @functools.lru_cache(maxsize=None)
@@ -214,8 +214,8 @@ class ProductKeyMemory(nn.Module):
             update_rows=update_rows,
             backend=self.backend,
         )
-        gate = F.silu(_linear(self.gate_proj, flat))
-        out = _linear(self.out_proj, read.to(gate.dtype) * gate)
+        gate = _linear(self.gate_proj, flat)
+        out = _linear(self.out_proj, silu_mul(gate, read.to(gate.dtype), backend=self.backend))
         return out.view(*x.shape[:-1], self.d_model)
 
     def extra_repr(self) -> str:
