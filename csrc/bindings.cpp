@@ -8,6 +8,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <string>
 
 #include "cpu_kernels.h"
 #include "cpu_output_pool.h"
@@ -46,10 +47,22 @@ at::ScalarType accumulation_type(const at::Tensor& t) {
 
 // ---- Input validation: a bad call raises (a Python RuntimeError naming the argument) before any
 // kernel touches memory.
+
+// Numbers and shapes in messages are formatted by std::to_string, not by std::ostream's numeric
+// insertion: built by the g++ of the lent H100 image (torch 2.11), the extension's own copy of that
+// insertion segfaulted while formatting a message, so a bad input crashed the process instead of raising.
+std::string text(int64_t value) { return std::to_string(value); }
+
+std::string text(at::IntArrayRef sizes) {
+  std::string out = "[";
+  for (size_t i = 0; i < sizes.size(); ++i) out += (i ? ", " : "") + std::to_string(sizes[i]);
+  return out + "]";
+}
+
 void check_rank(const at::Tensor& t, const char* name, int64_t ndim, const char* shape_doc) {
   TORCH_CHECK(t.defined(), "smf_kernels ext: ", name, " must be a tensor of shape ", shape_doc);
-  TORCH_CHECK(t.dim() == ndim, "smf_kernels ext: ", name, " must have shape ", shape_doc, " (", ndim,
-              " dims), got ", t.sizes());
+  TORCH_CHECK(t.dim() == ndim, "smf_kernels ext: ", name, " must have shape ", shape_doc, " (", text(ndim),
+              " dims), got ", text(t.sizes()));
 }
 
 void check_float(const at::Tensor& t, const char* name) {
@@ -74,8 +87,8 @@ void check_index_range(const at::Tensor& t, const char* name, int64_t upper) {
   const at::Tensor c = t.contiguous();
   const int64_t* p = c.const_data_ptr<int64_t>();
   const auto [low, high] = std::minmax_element(p, p + c.numel());
-  TORCH_CHECK(*low >= 0 && *high < upper, "smf_kernels ext: ", name, " must lie in [0, ", upper,
-              "), got values in [", *low, ", ", *high, "]");
+  TORCH_CHECK(*low >= 0 && *high < upper, "smf_kernels ext: ", name, " must lie in [0, ", text(upper),
+              "), got values in [", text(*low), ", ", text(*high), "]");
 }
 
 // The gather's reads: indices (N, L) int64 in [0, num_rows) and weights (N, L) float, on one device.
@@ -85,7 +98,7 @@ void check_reads(const at::Tensor& indices, const at::Tensor& weights, int64_t n
   check_rank(weights, "weights", 2, "(N, L)");
   check_float(weights, "weights");
   TORCH_CHECK(weights.sizes() == indices.sizes(), "smf_kernels ext: weights must have the shape of indices ",
-              indices.sizes(), ", got ", weights.sizes());
+              text(indices.sizes()), ", got ", text(weights.sizes()));
   check_device(weights, "weights", indices, "indices");
   check_index_range(indices, "indices", num_rows);
 }
@@ -94,8 +107,8 @@ void check_grad_out(const at::Tensor& grad_out, const at::Tensor& indices, int64
   check_rank(grad_out, "grad_out", 2, "(N, D)");
   check_float(grad_out, "grad_out");
   TORCH_CHECK(grad_out.size(0) == indices.size(0) && grad_out.size(1) == dim,
-              "smf_kernels ext: grad_out must have shape (N, D) = (", indices.size(0), ", ", dim, "), got ",
-              grad_out.sizes());
+              "smf_kernels ext: grad_out must have shape (N, D) = (", text(indices.size(0)), ", ", text(dim),
+              "), got ", text(grad_out.sizes()));
   check_device(grad_out, "grad_out", indices, "indices");
 }
 
@@ -127,12 +140,12 @@ std::tuple<at::Tensor, at::Tensor> topk_forward(const at::Tensor& query, const a
   check_rank(keys, "keys", 4, "(heads, 2, n_keys, key_dim // 2)");
   check_dtype(keys, "keys", query.scalar_type());
   check_device(keys, "keys", query, "query");
-  TORCH_CHECK(query.size(2) % 2 == 0, "smf_kernels ext: query's key_dim must be even, got ", query.size(2));
+  TORCH_CHECK(query.size(2) % 2 == 0, "smf_kernels ext: query's key_dim must be even, got ", text(query.size(2)));
   TORCH_CHECK(keys.size(0) == query.size(1) && keys.size(1) == 2 && keys.size(3) == query.size(2) / 2,
-              "smf_kernels ext: keys must have shape (heads, 2, n_keys, key_dim // 2) = (", query.size(1), ", 2, n_keys, ",
-              query.size(2) / 2, "), got ", keys.sizes());
-  TORCH_CHECK(topk >= 1 && topk <= keys.size(2), "smf_kernels ext: topk must lie in [1, n_keys=", keys.size(2),
-              "], got ", topk);
+              "smf_kernels ext: keys must have shape (heads, 2, n_keys, key_dim // 2) = (", text(query.size(1)), ", 2, n_keys, ",
+              text(query.size(2) / 2), "), got ", text(keys.sizes()));
+  TORCH_CHECK(topk >= 1 && topk <= keys.size(2), "smf_kernels ext: topk must lie in [1, n_keys=", text(keys.size(2)),
+              "], got ", text(topk));
   const int64_t num_tokens = query.size(0), heads = query.size(1), key_dim = query.size(2), n_keys = keys.size(2);
   const at::ScalarType acc = accumulation_type(query);
   at::Tensor scores = at::empty({num_tokens, heads, topk}, query.options().dtype(acc));
@@ -183,7 +196,7 @@ at::Tensor gather_forward(const at::Tensor& values_in, const at::Tensor& indices
     check_rank(*counts_in, "counts", 1, "(M,)");
     check_dtype(*counts_in, "counts", at::kLong);
     TORCH_CHECK(counts_in->size(0) == values_in.size(0), "smf_kernels ext: counts must have shape (M,) = (",
-                values_in.size(0), ",), got ", counts_in->sizes());
+                text(values_in.size(0)), ",), got ", text(counts_in->sizes()));
     check_device(*counts_in, "counts", values_in, "values");
   }
   if (valid_in.has_value()) {
@@ -191,7 +204,7 @@ at::Tensor gather_forward(const at::Tensor& values_in, const at::Tensor& indices
     check_rank(*valid_in, "valid", 1, "(N,)");
     check_dtype(*valid_in, "valid", at::kBool);
     TORCH_CHECK(valid_in->size(0) == indices_in.size(0), "smf_kernels ext: valid must have shape (N,) = (",
-                indices_in.size(0), ",), got ", valid_in->sizes());
+                text(indices_in.size(0)), ",), got ", text(valid_in->sizes()));
     check_device(*valid_in, "valid", values_in, "values");
   }
   const at::Tensor values = kernel_input(values_in), indices = indices_in.contiguous();
@@ -247,7 +260,7 @@ at::Tensor gather_backward_weights(const at::Tensor& grad_out_in, const at::Tens
 at::Tensor gather_backward_values(const at::Tensor& grad_out_in, const at::Tensor& indices_in,
                                   const at::Tensor& weights_in, int64_t num_rows,
                                   std::optional<at::Tensor> update_rows_in) {
-  TORCH_CHECK(num_rows >= 0, "smf_kernels ext: num_rows must be >= 0, got ", num_rows);
+  TORCH_CHECK(num_rows >= 0, "smf_kernels ext: num_rows must be >= 0, got ", text(num_rows));
   check_reads(indices_in, weights_in, num_rows);
   check_rank(grad_out_in, "grad_out", 2, "(N, D)");
   check_grad_out(grad_out_in, indices_in, grad_out_in.size(1));
@@ -279,8 +292,8 @@ at::Tensor gather_backward_values(const at::Tensor& grad_out_in, const at::Tenso
   at::Tensor workspace;
   if (grad_out.is_cuda()) {
     TORCH_CHECK(num_tokens * per_token < (int64_t(1) << 31) && num_rows < (int64_t(1) << 31),
-                "smf_kernels ext: the CUDA backward indexes reads (N * L = ", num_tokens * per_token,
-                ") and rows (M = ", num_rows, ") with int32; both must be < 2**31");
+                "smf_kernels ext: the CUDA backward indexes reads (N * L = ", text(num_tokens * per_token),
+                ") and rows (M = ", text(num_rows), ") with int32; both must be < 2**31");
     const size_t bytes = smf::cuda::gather_backward_values_workspace_bytes(num_rows, out_rows, num_tokens * per_token);
     workspace = at::empty({static_cast<int64_t>(bytes)}, grad_out.options().dtype(at::kByte));
   }
@@ -357,8 +370,8 @@ void check_silu_mul(const at::Tensor& gate, const at::Tensor& read) {
   check_float(gate, "gate");
   check_dtype(read, "read", gate.scalar_type());
   check_device(read, "read", gate, "gate");
-  TORCH_CHECK(read.sizes() == gate.sizes(), "smf_kernels ext: read must have the shape of gate ", gate.sizes(),
-              ", got ", read.sizes());
+  TORCH_CHECK(read.sizes() == gate.sizes(), "smf_kernels ext: read must have the shape of gate ",
+              text(gate.sizes()), ", got ", text(read.sizes()));
 }
 
 at::Tensor silu_mul_forward(const at::Tensor& gate_in, const at::Tensor& read_in) {
@@ -376,7 +389,7 @@ std::tuple<at::Tensor, at::Tensor> silu_mul_backward(const at::Tensor& grad_in, 
   check_dtype(grad_in, "grad", gate_in.scalar_type());
   check_device(grad_in, "grad", gate_in, "gate");
   TORCH_CHECK(grad_in.sizes() == gate_in.sizes(), "smf_kernels ext: grad must have the shape of gate ",
-              gate_in.sizes(), ", got ", grad_in.sizes());
+              text(gate_in.sizes()), ", got ", text(grad_in.sizes()));
   const at::Tensor grad = kernel_input(grad_in), gate = kernel_input(gate_in), read = kernel_input(read_in);
   at::Tensor grad_gate = smf::cpu::pooled_empty(gate.sizes(), gate.options());
   at::Tensor grad_read = smf::cpu::pooled_empty(gate.sizes(), gate.options());
