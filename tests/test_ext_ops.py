@@ -276,8 +276,9 @@ def test_large_outputs_reuse_freed_blocks_without_stale_values():
     filled with NaN and freed is handed to the next output of its size, which must not show it."""
     from smf_kernels.backends import ext_impl
 
-    values, indices, weights = gather_inputs((2500, 500, 2100, 6), torch.float32)  # out: 4.2 MB, grad: 5 MB
-    grad_out = torch.randn(2100, 500)
+    with torch.device("cpu"):  # the pool is the CPU kernels' (also under SMF_TEST_DEVICE=cuda)
+        values, indices, weights = gather_inputs((2500, 500, 2100, 6), torch.float32)  # out: 4.2 MB, grad: 5 MB
+        grad_out = torch.randn(2100, 500)
     ext_impl.release_idle_outputs()
     first_out = weighted_gather(values, indices, weights, backend="ext")
     first_grad = ext_impl.gather_backward(grad_out, values, indices, weights, None, True, True, False)[0]
@@ -348,8 +349,9 @@ def test_topk_with_many_exact_ties_and_signed_zeros_matches_reference_exactly(to
     """Small-integer sub-scores tie often (and -0.0 ties +0.0): the ranking must give the lower slot id
     first, as the reference does. topk <= 16 takes the float32 vector insertion, 17 the general path."""
     gen = torch.Generator().manual_seed(topk)
-    query = torch.randint(-1, 2, (300, 2, 8), generator=gen).float()
-    keys = torch.randint(-1, 2, (2, 2, 128, 4), generator=gen).float()
+    device = torch.get_default_device()  # drawn on CPU, where the generator is, then moved
+    query = torch.randint(-1, 2, (300, 2, 8), generator=gen, device="cpu").float().to(device)
+    keys = torch.randint(-1, 2, (2, 2, 128, 4), generator=gen, device="cpu").float().to(device)
     keys[0, 0, ::3] = -0.0
     scores, indices = product_key_topk(query, keys, topk, backend="ext")
     ref_scores, ref_indices = product_key_topk_reference(query, keys, topk)

@@ -51,6 +51,9 @@ def test_topk_with_non_finite_inputs_matches_the_reference(backend, dtype, where
     _available(backend)
     if backend == "triton" and dtype == torch.float64:
         pytest.skip("the triton backend takes no float64")
+    if backend == "torch" and dtype == torch.float64 and torch.get_default_device().type == "cuda":
+        pytest.skip("the torch backend's float64 matmul on CUDA is cuBLAS's, which does not always give "
+                    "inf - inf = NaN (README, 'Non-finite scores')")
     n, heads, key_dim, topk = 37, 3, 18, 5
     query = torch.randn(n, heads, key_dim, dtype=dtype)
     keys = torch.randn(heads, 2, n_keys, key_dim // 2, dtype=dtype)
