@@ -8,7 +8,7 @@ benchmarks/triton_aot.py compiles for sm_90 / sm_80.
 * gather_forward_kernel: out[n] = sum_l w[n,l] * V[idx[n,l]]; the first column
   tile of each token block also bumps counts[idx] for valid tokens (relaxed
   integer atomics: exact and order-independent). Up to D = 1024 one tile holds
-  the whole row, so a token block loads its ids and weights once.
+  the whole row, so a token loads its ids and weights once.
 * gather_backward_kernel: one pass over each grad_out row tile gives both
   dW[n,l] = V[idx[n,l]] . dOut[n] (kept in registers across the column tiles)
   and dV[target] += w[n,l] * dOut[n] (relaxed fp32 atomics), where target = idx
@@ -149,18 +149,22 @@ def _block_d(dim: int) -> int:
 
 
 def row_tile_config(dim: int) -> dict:
-    """Column tile and tokens per program for the kernels that loop over a token's reads: the whole
-    row in one tile up to D = 1024 (so each token block loads its ids and weights once), 8K elements
-    per program over 8 warps."""
-    block_d = min(1024, triton.next_power_of_2(dim))
-    return {"BLOCK_D": block_d, "BLOCK_N": max(1, 8192 // block_d), "num_warps": 8}
+    """Column tile, tokens per program and warps of the forward: one token's whole row (up to D = 1024) per
+    program over 4 warps, so each token loads its ids and weights once. On an H100 at the paper size
+    (N = 16,384, D = 896; benchmarks/RESULTS.md, "Launch configurations") that took bf16 from 0.31 to
+    0.25 ms and fp32 from 0.68 to 0.65 ms against 8 tokens over 8 warps."""
+    return {"BLOCK_D": min(1024, triton.next_power_of_2(dim)), "BLOCK_N": 1, "num_warps": 4}
 
 
-def backward_tile_config(dim: int) -> dict:
-    """The backward kernels hold grad_out and value tiles at once: the whole row in one tile costs
-    ~200 registers (12% occupancy, AOT report), so they loop 64-wide column tiles (ids and weights
-    re-read from L1 per tile) for 16 tokens over 4 warps (44-50%)."""
-    return {"BLOCK_D": min(64, _block_d(dim)), "BLOCK_N": 16, "num_warps": 4}
+def backward_tile_config(dim: int, dtype: torch.dtype) -> dict:
+    """The backward kernels hold grad_out and value tiles at once, so they loop 256-byte column tiles
+    (64 fp32 or 128 16-bit columns; ids and weights re-read from L1 per tile) over 4 warps; the whole row in
+    one tile costs ~200 registers (12% occupancy, AOT report). Tokens per program: 32 for fp32, 16 for
+    16-bit values, the fastest measured on an H100 at the paper size for both the dense and the T-row
+    gradient (benchmarks/RESULTS.md, "Launch configurations")."""
+    if dtype == torch.float32:
+        return {"BLOCK_D": min(64, _block_d(dim)), "BLOCK_N": 32, "num_warps": 4}
+    return {"BLOCK_D": min(128, _block_d(dim)), "BLOCK_N": 16, "num_warps": 4}
 
 
 def _block_l(per_token: int) -> int:
@@ -211,7 +215,7 @@ def plan_gather_backward(grad_out, values, indices, weights, slots, out_rows, ne
     grad_values = torch.zeros(out_rows if need_values else 0, dim, dtype=torch.float32, device=values.device)
     grad_weights = torch.empty(num_tokens if need_weights else 0, per_token, dtype=torch.float32,
                                device=values.device)
-    config = backward_tile_config(dim)
+    config = backward_tile_config(dim, values.dtype)
     plan = LaunchPlan(
         gather_backward_kernel, (triton.cdiv(num_tokens, config["BLOCK_N"]),),
         (values, indices, weights, grad_out, slots if slots is not None else _dummy(indices),
