@@ -1,0 +1,183 @@
+"""One training step of each recipe on a Qwen-2.5-0.5B-shaped model: time, throughput and peak memory.
+
+The model is Qwen2ForCausalLM built from Qwen-2.5-0.5B's architecture with random
+weights (nothing is downloaded). Each recipe is set up as ``smf train`` sets it up
+(:mod:`smf.train.recipes`) and stepped by the trainer's own :func:`smf.train.loop.run_step`
+(bf16 autocast on CUDA, gradient clipping, the recipe's optimizer):
+
+  sparse    three additive memories (layers 6, 12, 18, paper size), only the top-T value
+            rows train (TF-IDF against random background counts), RowSparseAdamW
+  retrofit  the same memories, every memory parameter trains densely, AdamW
+  lora      peft LoRA r = 16 on the seven projections of every layer, AdamW
+  full      every parameter, AdamW
+
+A step is the paper's: a global batch of 16 sequences of up to 1,024 tokens as 4
+micro-batches of 4 (right-padded to random lengths between half and all of
+``--seq-len``). Reported per recipe: median step time, tokens per second, peak
+memory allocated during a step (CUDA) and trainable parameters.
+
+    python benchmarks/bench_train_step.py                     # CUDA, the paper's step
+    python benchmarks/bench_train_step.py --tiny --device cpu # the tiny model, seconds on CPU
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+RECIPES = ("sparse", "retrofit", "lora", "full")
+# Qwen/Qwen2.5-0.5B-Instruct's config.json (architecture fields).
+QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                  num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                  rms_norm_eps=1e-6, rope_theta=1_000_000.0, tie_word_embeddings=True)
+
+
+def build_model(tiny: bool):
+    """(model in fp32 on CPU, memory layers, memory sizes): Qwen-2.5-0.5B-shaped, or the tiny preset's."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from smf.vocabulary import TINY_MEMORY_KWARGS, TINY_MEMORY_LAYERS
+
+    if tiny:
+        from smf.tiny import tiny_config
+
+        return Qwen2ForCausalLM(tiny_config()), list(TINY_MEMORY_LAYERS), dict(TINY_MEMORY_KWARGS)
+    fields = dict(QWEN25_05B)
+    fields["rope_parameters"] = {"rope_type": "default", "rope_theta": fields.pop("rope_theta")}
+    return Qwen2ForCausalLM(Qwen2Config(**fields)), [6, 12, 18], dict(n_keys=128, heads=4, topk=16, key_dim=256)
+
+
+def build_setup(recipe: str, tiny: bool, device: torch.device, rows_per_step: int, backend: str | None):
+    """A :class:`smf.train.recipes.TrainingSetup` for ``recipe``, as ``smf train`` builds it from a hub model."""
+    from smf.model import apply_lora, attach_memories, configure_trainable
+    from smf.train.config import RECIPE_LR, RunConfig
+    from smf.train.recipes import TrainingSetup
+    from smf.train.steps import DenseStep, SparseStep, bf16_autocast
+    from smf_kernels.sparse import BackgroundStats, RowSparseAdamW, SparseMemoryController
+
+    model, layers, memory = build_model(tiny)
+    config = RunConfig(backend=backend, rows_per_step=rows_per_step)  # run_step reads bf16, clipping, sparse backward
+    lr = RECIPE_LR[recipe]
+    step = DenseStep()
+    if recipe in ("sparse", "retrofit"):
+        attach_memories(model, layers, "additive", alpha_init=0.01, backend=backend, **memory)
+        configure_trainable(model, recipe)
+    if recipe == "lora":
+        model = apply_lora(model, r=16, alpha=32, dropout=0.05)
+    if recipe == "full":
+        configure_trainable(model, "full")
+    model.to(device).train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if recipe == "sparse":
+        controller = SparseMemoryController(model, rule="tfidf", rows_per_step=rows_per_step, mode="row_sparse")
+        background = BackgroundStats.for_memories(controller.memories)
+        generator = torch.Generator().manual_seed(0)
+        for name, module in controller.memories.items():
+            for _ in range(4):  # four background documents with random reads
+                background.add_batch(name, torch.randint(0, 3, (module.values.shape[0],), generator=generator))
+        controller.set_background(background)
+        step = SparseStep(controller, config.sparse_backward, bf16_autocast(config.bf16, device))
+        optimizer = RowSparseAdamW(trainable, lr=lr)
+    else:
+        optimizer = torch.optim.AdamW(trainable, lr=lr)
+    return TrainingSetup(model, None, optimizer, step), config, sum(p.numel() for p in trainable)
+
+
+def micro_batches(vocab: int, count: int, size: int, seq_len: int, device: torch.device, seed: int) -> list[dict]:
+    """``count`` micro-batches of ``size`` right-padded sequences of random tokens (lengths seq_len/2..seq_len)."""
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(count):
+        ids = torch.randint(0, vocab, (size, seq_len), generator=generator)
+        lengths = torch.randint(seq_len // 2, seq_len + 1, (size,), generator=generator)
+        mask = torch.arange(seq_len)[None, :] < lengths[:, None]
+        labels = torch.where(mask, ids, -100)
+        batches.append({"input_ids": ids.to(device), "attention_mask": mask.long().to(device),
+                        "labels": labels.to(device)})
+    return batches
+
+
+def measure(recipe: str, args, device: torch.device) -> dict:
+    from smf.train.distributed import World
+    from smf.train.loop import cosine_schedule, run_step
+
+    torch.manual_seed(0)
+    setup, config, trainable = build_setup(recipe, args.tiny, device, args.rows, args.backend)
+    vocab = setup.model.config.vocab_size
+    world = World(rank=0, size=1, device=device)
+    scheduler = cosine_schedule(setup.optimizer, warmup_steps=1, total_steps=args.warmup + args.repeats + 1)
+    times, peak = [], 0
+    for index in range(args.warmup + args.repeats):
+        batches = micro_batches(vocab, args.micro_batches, args.micro_batch_size, args.seq_len, device, seed=index)
+        tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+        start = time.perf_counter()
+        run_step(setup.model, setup, scheduler, batches, tokens, config, world)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            peak = max(peak, torch.cuda.max_memory_allocated(device))
+        if index >= args.warmup:
+            times.append(time.perf_counter() - start)
+    step_s = statistics.median(times)
+    tokens = args.micro_batches * args.micro_batch_size * args.seq_len
+    result = dict(recipe=recipe, step_ms=step_s * 1e3, padded_tokens_per_s=tokens / step_s,
+                  peak_gib=peak / 2 ** 30 if device.type == "cuda" else None, trainable=trainable)
+    del setup
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def table(results: list[dict]) -> str:
+    full = next((r["step_ms"] for r in results if r["recipe"] == "full"), None)
+    lines = ["| recipe | trainable params | step ms | tokens/s (padded) | vs full | peak GiB |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in results:
+        ratio = f"{full / r['step_ms']:.2f}x" if full else "-"
+        peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
+        lines.append(f"| {r['recipe']} | {r['trainable']:,} | {r['step_ms']:.1f} | {r['padded_tokens_per_s']:,.0f} "
+                     f"| {ratio} | {peak} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
+    p.add_argument("--tiny", action="store_true", help="the tiny preset's model and memories instead of 0.5B")
+    p.add_argument("--recipes", nargs="+", choices=RECIPES, default=list(RECIPES), help="recipes to step")
+    p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step (default: 4)")
+    p.add_argument("--micro-batch-size", type=int, default=4, help="sequences per micro-batch (default: 4)")
+    p.add_argument("--seq-len", type=int, default=1024, help="padded sequence length (default: 1024)")
+    p.add_argument("--rows", type=int, default=512, help="T: value rows trained per memory per step (sparse)")
+    p.add_argument("--backend", default=None, help="memory kernel backend (default: automatic)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default: 2)")
+    p.add_argument("--repeats", type=int, default=5, help="timed steps; the median is reported (default: 5)")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device here (use --device cpu --tiny)")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    results = [measure(recipe, args, device) for recipe in args.recipes]
+    print(f"one step on {name}: {'tiny' if args.tiny else 'Qwen-2.5-0.5B-shaped'} model, {args.micro_batches} "
+          f"micro-batches of {args.micro_batch_size} x {args.seq_len} tokens, T = {args.rows}\n")
+    print(table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.exit(main())
