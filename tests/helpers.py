@@ -1,6 +1,9 @@
 """Shared test utilities for the op tests."""
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import torch
 
 from smf_kernels.backends import unavailable_reason
@@ -32,3 +35,12 @@ def gather_inputs(shape, dtype, requires_grad=False):
 
 # Relative error bounds that fit the precision of each input dtype.
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float64: 1e-12}
+
+
+def load_benchmark(name: str):
+    """benchmarks/<name>.py as a module (the benchmarks are scripts, not a package)."""
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

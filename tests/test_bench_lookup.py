@@ -1,21 +1,15 @@
 """benchmarks/bench_lookup.py: the authors' layer row, and the extension built or explained on first use."""
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
 from smf_kernels import backends, build_ext
 
-_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_lookup.py"
+from helpers import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_lookup", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_lookup")
 
 
 def test_tiny_run_times_the_authors_layer_beside_the_backends(bench):

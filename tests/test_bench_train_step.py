@@ -1,20 +1,15 @@
 """benchmarks/bench_train_step.py: each recipe set up as `smf train` sets it up, and stepped by the trainer."""
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_train_step.py"
+from helpers import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_train_step", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_train_step")
 
 
 def test_tiny_step_of_every_recipe_trains_what_the_recipe_trains(bench, tmp_path, one_thread):
