@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <deque>
 #include <mutex>
+#include <string>
 #include <utility>
 
 #if defined(__linux__)
@@ -43,7 +44,8 @@ class Pool {
       }
     }
     void* data = std::aligned_alloc(kHugePage, bytes);
-    TORCH_CHECK(data != nullptr, "smf_kernels ext: out of memory allocating ", bytes, " bytes");
+    TORCH_CHECK(data != nullptr, "smf_kernels ext: out of memory allocating ", std::to_string(bytes),
+                " bytes");  // to_string: see text() in bindings.cpp
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
     madvise(data, bytes, MADV_HUGEPAGE);  // a hint: where THP is off the pages are ordinary ones
 #endif
