@@ -116,21 +116,20 @@ def measure(recipe: str, args, device: torch.device) -> dict:
     times, peak = [], 0
     for index in range(args.warmup + args.repeats):
         batches = micro_batches(vocab, args.micro_batches, args.micro_batch_size, args.seq_len, device, seed=index)
-        tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+        real_tokens = sum(int(b["attention_mask"].sum()) for b in batches)  # the loss is averaged over these
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
-            before = torch.cuda.memory_allocated(device)
         start = time.perf_counter()
-        run_step(setup.model, setup, scheduler, batches, tokens, config, world)
+        run_step(setup.model, setup, scheduler, batches, real_tokens, config, world)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             peak = max(peak, torch.cuda.max_memory_allocated(device))
         if index >= args.warmup:
             times.append(time.perf_counter() - start)
     step_s = statistics.median(times)
-    tokens = args.micro_batches * args.micro_batch_size * args.seq_len
-    result = dict(recipe=recipe, step_ms=step_s * 1e3, padded_tokens_per_s=tokens / step_s,
+    padded_tokens = args.micro_batches * args.micro_batch_size * args.seq_len
+    result = dict(recipe=recipe, step_ms=step_s * 1e3, padded_tokens_per_s=padded_tokens / step_s,
                   peak_gib=peak / 2 ** 30 if device.type == "cuda" else None, trainable=trainable)
     del setup
     if device.type == "cuda":
