@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from smf_kernels.triton_kernels.launch import LaunchPlan
+from smf_kernels.triton_kernels.launch import LaunchPlan, cdiv, next_pow2
 
 
 @triton.jit
@@ -145,7 +145,7 @@ def segment_rows_kernel(
 def _block_d(dim: int) -> int:
     # 128 fp32 columns = one 512-byte row segment: four full 128-byte lines per load, and the
     # segment kernel's (16, 128) fp32 accumulator stays in registers over 4 warps.
-    return min(128, triton.next_power_of_2(dim))
+    return min(128, next_pow2(dim))
 
 
 def row_tile_config(dim: int) -> dict:
@@ -153,7 +153,7 @@ def row_tile_config(dim: int) -> dict:
     program over 4 warps, so each token loads its ids and weights once. On an H100 at the paper size
     (N = 16,384, D = 896; benchmarks/RESULTS.md, "Launch configurations") that took bf16 from 0.31 to
     0.25 ms and fp32 from 0.68 to 0.65 ms against 8 tokens over 8 warps."""
-    return {"BLOCK_D": min(1024, triton.next_power_of_2(dim)), "BLOCK_N": 1, "num_warps": 4}
+    return {"BLOCK_D": min(1024, next_pow2(dim)), "BLOCK_N": 1, "num_warps": 4}
 
 
 def backward_tile_config(dim: int, dtype: torch.dtype) -> dict:
@@ -170,7 +170,7 @@ def backward_tile_config(dim: int, dtype: torch.dtype) -> dict:
 def _block_l(per_token: int) -> int:
     # tl.arange needs a power of two. At least 2: a width-1 read axis (heads = topk = 1) is a shape
     # neither the tests nor the AOT report cover, and padding it costs one masked lane.
-    return max(2, triton.next_power_of_2(per_token))
+    return max(2, next_pow2(per_token))
 
 
 def _dummy(t: torch.Tensor) -> torch.Tensor:
@@ -186,7 +186,7 @@ def plan_gather_forward(values, indices, weights, counts, valid):
     config = row_tile_config(dim)
     block_n, block_d = config["BLOCK_N"], config["BLOCK_D"]
     plan = LaunchPlan(
-        gather_forward_kernel, (triton.cdiv(num_tokens, block_n), triton.cdiv(dim, block_d)),
+        gather_forward_kernel, (cdiv(num_tokens, block_n), cdiv(dim, block_d)),
         (values, indices, weights, out,
          counts if counts is not None else _dummy(indices), valid if valid is not None else _dummy(indices),
          num_tokens, per_token, dim, values.stride(0), indices.stride(0), weights.stride(0), out.stride(0)),
@@ -217,7 +217,7 @@ def plan_gather_backward(grad_out, values, indices, weights, slots, out_rows, ne
                                device=values.device)
     config = backward_tile_config(dim, values.dtype)
     plan = LaunchPlan(
-        gather_backward_kernel, (triton.cdiv(num_tokens, config["BLOCK_N"]),),
+        gather_backward_kernel, (cdiv(num_tokens, config["BLOCK_N"]),),
         (values, indices, weights, grad_out, slots if slots is not None else _dummy(indices),
          grad_values, grad_weights if need_weights else _dummy(grad_values),
          num_tokens, per_token, dim, values.stride(0), indices.stride(0), weights.stride(0), grad_out.stride(0),
@@ -248,7 +248,7 @@ def plan_segment_rows(grad_out, indices, weights, slots, out_rows, block_r: int 
     reads = targets.numel()
     block_d = _block_d(dim)
     plan = LaunchPlan(
-        segment_rows_kernel, (triton.cdiv(out_rows, block_r), triton.cdiv(dim, block_d)),
+        segment_rows_kernel, (cdiv(out_rows, block_r), cdiv(dim, block_d)),
         (grad_out, weights.contiguous().reshape(-1), order, sorted_targets, dst,
          out_rows, reads, per_token, dim, grad_out.stride(0)),
         # SEARCH_STEPS: enough halvings to binary-search any of the `reads` sorted targets.

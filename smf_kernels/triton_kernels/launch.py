@@ -9,6 +9,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+# Host-side integer helpers for grids and block sizes. triton.cdiv and triton.next_power_of_2 are
+# constexpr functions since Triton 3.5 and cost ~8 us per host call (0.04 us for these).
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
 @dataclass
 class LaunchPlan:
     kernel: object  # a @triton.jit function

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import constexpr_function
 
-from smf_kernels.triton_kernels.launch import LaunchPlan
+from smf_kernels.triton_kernels.launch import LaunchPlan, cdiv, next_pow2
 
 
 
@@ -219,7 +219,7 @@ def product_key_topk_kernel(
 
 
 def _pow2_at_least(n: int, floor: int) -> int:
-    return max(floor, triton.next_power_of_2(n))
+    return max(floor, next_pow2(n))
 
 
 @functools.lru_cache(maxsize=None)
@@ -262,7 +262,7 @@ def plan_product_key_topk(query: torch.Tensor, keys: torch.Tensor, topk: int) ->
     block_m = config["BLOCK_M"]
     pairs = _candidate_pairs(topk, k_pad, query.device)
     plan = LaunchPlan(
-        product_key_topk_kernel, (triton.cdiv(num_tokens, block_m), heads),
+        product_key_topk_kernel, (cdiv(num_tokens, block_m), heads),
         (query, keys, pairs, scores, slots, num_tokens, n_keys,
          query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
          scores.stride(0), scores.stride(1)),
