@@ -161,21 +161,20 @@ std::tuple<at::Tensor, at::Tensor> topk_forward(const at::Tensor& query, const a
   }
 #endif
   TORCH_CHECK(query.is_cpu(), "smf_kernels ext was built without CUDA kernels; got a tensor on ", query.device());
-#if defined(__AVX512F__)
-  // AVX-512: fused, the scores of a block of tokens selected while in cache. Without AVX-512 the
-  // fused kernel's score tiles and selection run scalar code, and at::bmm plus the selection below
-  // is faster: the fp32 lookup at N = 4096 on the project's AVX2 VM went from 1.6x to 1.9-2.1x torch.
-  if (acc == at::kFloat) {
+  // float32 where the kernels have vector score tiles (AVX-512, AVX2 with FMA): fused, the scores
+  // of a block of tokens selected while in cache. On the project's AVX2 VM (2 threads, N = 4096,
+  // paper shape) the fp32 lookup took 0.67-0.77x the time of at::bmm plus the selection below.
+  if (acc == at::kFloat && smf::cpu::kFusedTopkFloat) {
     const int64_t half = key_dim / 2, padded_keys = (n_keys + 15) / 16 * 16;
     const at::Tensor q = query.to(at::kFloat).contiguous();
-    at::Tensor keys_t = at::zeros({heads * 2, half, padded_keys}, query.options().dtype(at::kFloat));
-    keys_t.narrow(2, 0, n_keys).copy_(keys.to(at::kFloat).reshape({heads * 2, n_keys, half}).transpose(1, 2));
+    at::Tensor padded = at::zeros({heads * 2, padded_keys, half}, query.options().dtype(at::kFloat));
+    padded.narrow(1, 0, n_keys).copy_(keys.to(at::kFloat).reshape({heads * 2, n_keys, half}));
+    const at::Tensor keys_t = padded.reshape({heads * 2, padded_keys / 16, 16, half}).transpose(2, 3).contiguous();
     smf::cpu::topk_forward_float(q.const_data_ptr<float>(), keys_t.const_data_ptr<float>(),
                                  scores.data_ptr<float>(), indices.data_ptr<int64_t>(), num_tokens, heads, half,
                                  n_keys, padded_keys, topk, at::get_num_threads());
     return {scores, indices};
   }
-#endif
   // Sub-key scores by one batched GEMM: (2H, N, half) x (2H, half, n_keys) -> (2H, N, n_keys).
   const at::Tensor q = query.to(acc).reshape({num_tokens, heads * 2, key_dim / 2}).transpose(0, 1);
   const at::Tensor k = keys.to(acc).reshape({heads * 2, n_keys, key_dim / 2}).transpose(1, 2);

@@ -338,71 +338,32 @@ void merge_topk(const A* a, const int64_t* a_index, const A* b, const int64_t* b
   }
 }
 
-template <typename A>
-void topk_select_impl(const A* sub_scores, A* scores, int64_t* indices, int64_t num_tokens, int64_t heads,
-                      int64_t n_keys, int64_t topk, int threads) {
-#pragma omp parallel num_threads(threads)
-  {
-    std::vector<A> top(2 * topk), scratch(2 * n_keys);
-    std::vector<int64_t> top_index(2 * topk), next(topk), candidates(n_keys);
-#if defined(__AVX2__)
-    std::vector<float> pair_values(2 * (n_keys + 8));
-    std::vector<int32_t> pair_indices(2 * (n_keys + 8));
-#endif
-#pragma omp for schedule(static)
-    for (int64_t nh = 0; nh < num_tokens * heads; ++nh) {
-      const int64_t n = nh / heads, h = nh % heads;
-      const A* half_scores[2] = {sub_scores + (h * 2 * num_tokens + n) * n_keys,
-                                 sub_scores + ((h * 2 + 1) * num_tokens + n) * n_keys};
-      bool selected = false;
-#if defined(__AVX2__)
-      // Both halves' insertions interleaved: each insertion waits on the one before it in its
-      // own list, so two lists keep the core twice as busy.
-      if constexpr (std::is_same_v<A, float>) {
-        if (topk <= 16 && n_keys % 8 == 0 && n_keys <= std::numeric_limits<int32_t>::max()) {
-          float* values[2] = {pair_values.data(), pair_values.data() + n_keys + 8};
-          int32_t* ids[2] = {pair_indices.data(), pair_indices.data() + n_keys + 8};
-          const int64_t count[2] = {top16_candidates(half_scores[0], n_keys, topk, values[0], ids[0]),
-                                    top16_candidates(half_scores[1], n_keys, topk, values[1], ids[1])};
-          if (count[0] >= 0 && count[1] >= 0) {
-            Top16 best[2];
-            for (int64_t p = 0; p < std::max(count[0], count[1]); ++p)
-              for (int c = 0; c < 2; ++c)
-                if (p < count[c]) best[c].insert(values[c][p], ids[c][p]);
-            for (int c = 0; c < 2; ++c) best[c].write(topk, top.data() + c * topk, top_index.data() + c * topk);
-            selected = true;
-          }
-        }
-      }
-#endif
-      for (int64_t c = 0; c < 2 && !selected; ++c)
-        select_topk(half_scores[c], n_keys, topk, top.data() + c * topk, top_index.data() + c * topk, scratch.data(),
-                    candidates.data());
-      merge_topk(top.data(), top_index.data(), top.data() + topk, top_index.data() + topk, topk, n_keys,
-                 next.data(), scores + nh * topk, indices + nh * topk);
-    }
-  }
-}
-
-// Tokens whose sub-key scores are computed together and selected right away,
-// while they are still in L1/L2 (kTokenBlock x padded_keys fp32 per thread).
-constexpr int64_t kTokenBlock = 32;
-// Tokens per register tile of the score GEMM.
+// Tokens whose sub-key scores are computed together and selected right away, while they
+// are still in L1/L2 (2 x kTokenBlock x padded_keys fp32 per thread: 24 KB at n_keys = 128;
+// 24 to 96 tokens timed the same on the AVX2 VM).
+constexpr int64_t kTokenBlock = 24;
+// Tokens per register tile of the score GEMM: AVX-512 tiles are 4 x 64 columns, AVX2 tiles
+// 6 x 16 (12 of the 16 ymm registers accumulate).
+#if defined(__AVX512F__)
 constexpr int64_t kTileRows = 4;
+#else
+constexpr int64_t kTileRows = 6;
+#endif
+static_assert(kTokenBlock % kTileRows == 0, "a block is whole tiles");
 // Candidates above which the vector selection hands over to insertion sort.
 constexpr int64_t kMaxRankCandidates = 64;
 
 #if defined(__AVX512F__)
-// out_r[j] = q_r . kt[:, j] for 4 query rows and the 16 * V columns kt[:, 0..16V)
-// (kt is (half, padded) row-major); the 4 x V accumulators stay in registers.
+// out_r[j] = q_r . k[:, j] for 4 query rows and the 16 * V columns of V panels of kt (panel v
+// is (half, 16) row-major at kt + v * half * 16); the 4 x V accumulators stay in registers.
 template <int V>
-inline void score_tile(const float* const* q, const float* kt, int64_t half, int64_t padded, float* const* out) {
+inline void score_tile(const float* const* q, const float* kt, int64_t half, float* const* out) {
   __m512 acc[kTileRows][V];
   for (int r = 0; r < kTileRows; ++r)
     for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
   for (int64_t d = 0; d < half; ++d) {
     __m512 k[V];
-    for (int v = 0; v < V; ++v) k[v] = _mm512_loadu_ps(kt + d * padded + 16 * v);
+    for (int v = 0; v < V; ++v) k[v] = _mm512_loadu_ps(kt + (v * half + d) * 16);
     for (int r = 0; r < kTileRows; ++r) {
       const __m512 b = _mm512_set1_ps(q[r][d]);
       for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(b, k[v], acc[r][v]);
@@ -411,10 +372,33 @@ inline void score_tile(const float* const* q, const float* kt, int64_t half, int
   for (int r = 0; r < kTileRows; ++r)
     for (int v = 0; v < V; ++v) _mm512_storeu_ps(out[r] + 16 * v, acc[r][v]);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// out_r[j] = q_r . k[:, j] for kTileRows query rows and the 16 columns of the panel kt ((half, 16)
+// row-major), summed in d order as the AVX-512 tiles do; the kTileRows x 2 accumulators stay in
+// registers. Per d: 2 key loads and kTileRows broadcasts feed 12 FMAs.
+inline void score_tile(const float* const* q, const float* kt, int64_t half, float* const* out) {
+  __m256 acc[kTileRows][2];
+  for (int r = 0; r < kTileRows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < half; ++d) {
+    const __m256 k0 = _mm256_loadu_ps(kt + d * 16), k1 = _mm256_loadu_ps(kt + d * 16 + 8);
+    for (int r = 0; r < kTileRows; ++r) {
+      const __m256 b = _mm256_broadcast_ss(q[r] + d);
+      acc[r][0] = _mm256_fmadd_ps(b, k0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(b, k1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < kTileRows; ++r) {
+    _mm256_storeu_ps(out[r], acc[r][0]);
+    _mm256_storeu_ps(out[r] + 8, acc[r][1]);
+  }
+}
 #endif
 
-// Scores (rows, padded) of `rows` (a multiple of kTileRows) query rows q[r] against kt
-// (half, padded), padded a multiple of 16: out[r * padded + j] = q[r] . kt[:, j].
+// Scores (rows, padded) of `rows` (a multiple of kTileRows) query rows q[r] against the sub-keys
+// k (half, padded), padded a multiple of 16, stored as kt (padded / 16, half, 16): panels of 16
+// columns, each read in one contiguous stream (rows of k 512 bytes apart kept only 8 of L1's
+// 64 sets busy, and AVX2 tiles reading them reached 75 instead of 88 GFLOP/s on one core).
+// out[r * padded + j] = q[r] . k[:, j].
 void block_scores(const float* const* q, int64_t rows, const float* kt, int64_t half, int64_t padded, float* out) {
   for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
     const float* const* tile_q = q + r0;
@@ -424,21 +408,30 @@ void block_scores(const float* const* q, int64_t rows, const float* kt, int64_t 
       for (int64_t r = 0; r < kTileRows; ++r) tile_out[r] = out + (r0 + r) * padded + j0;
       const int64_t vectors = std::min<int64_t>(4, (padded - j0) / 16);
       switch (vectors) {
-        case 4: score_tile<4>(tile_q, kt + j0, half, padded, tile_out); break;
-        case 3: score_tile<3>(tile_q, kt + j0, half, padded, tile_out); break;
-        case 2: score_tile<2>(tile_q, kt + j0, half, padded, tile_out); break;
-        default: score_tile<1>(tile_q, kt + j0, half, padded, tile_out); break;
+        case 4: score_tile<4>(tile_q, kt + j0 * half, half, tile_out); break;
+        case 3: score_tile<3>(tile_q, kt + j0 * half, half, tile_out); break;
+        case 2: score_tile<2>(tile_q, kt + j0 * half, half, tile_out); break;
+        default: score_tile<1>(tile_q, kt + j0 * half, half, tile_out); break;
       }
       j0 += 16 * vectors;
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    for (int64_t j0 = 0; j0 < padded; j0 += 16) {
+      float* tile_out[kTileRows];
+      for (int64_t r = 0; r < kTileRows; ++r) tile_out[r] = out + (r0 + r) * padded + j0;
+      score_tile(tile_q, kt + j0 * half, half, tile_out);
     }
 #else
     for (int64_t r = 0; r < kTileRows; ++r) {
       float* row_out = out + (r0 + r) * padded;
       std::fill(row_out, row_out + padded, 0.0f);
-      for (int64_t d = 0; d < half; ++d) {
-        const float b = tile_q[r][d];
+      for (int64_t j0 = 0; j0 < padded; j0 += 16) {
+        const float* panel = kt + j0 * half;
+        for (int64_t d = 0; d < half; ++d) {
+          const float b = tile_q[r][d];
 #pragma omp simd
-        for (int64_t j = 0; j < padded; ++j) row_out[j] += b * kt[d * padded + j];
+          for (int64_t j = 0; j < 16; ++j) row_out[j0 + j] += b * panel[d * 16 + j];
+        }
       }
     }
 #endif
@@ -585,6 +578,83 @@ void select_topk_float(const float* s, int64_t n, int64_t k, float* top_values, 
   if (select_topk_vector(s, n, k, top_values, top_indices)) return;
 #endif
   select_topk(s, n, k, top_values, top_indices, scratch, candidates);
+}
+
+// Per-thread work space of select_product_topk for n_keys sub-keys, top-k and score rows
+// of `width` entries.
+template <typename A>
+struct ProductTopkBuffers {
+  std::vector<A> top, scratch;  // both halves' top k; select_topk's 2 * n_keys
+  std::vector<int64_t> top_index, next, candidates;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  std::vector<float> pair_values;  // both halves' candidates (top16_candidates)
+  std::vector<int32_t> pair_indices;
+#endif
+
+  ProductTopkBuffers(int64_t n_keys, int64_t topk, [[maybe_unused]] int64_t width)
+      : top(2 * topk), scratch(2 * n_keys), top_index(2 * topk), next(topk), candidates(n_keys)
+#if defined(__AVX2__) && !defined(__AVX512F__)
+        , pair_values(2 * (width + 8)), pair_indices(2 * (width + 8))
+#endif
+  {
+  }
+};
+
+// The top k slots of one (token, head) from its halves' sub-key scores half_scores[c][0..n_keys):
+// both halves' top k, then merge_topk into scores[0..k) and indices[0..k). Each half's row is
+// `width` long (width >= n_keys; entries past n_keys are -inf), so that the AVX2 selection can
+// read whole vectors where width is a multiple of 8.
+template <typename A>
+void select_product_topk(const A* const* half_scores, int64_t n_keys, [[maybe_unused]] int64_t width,
+                         int64_t topk, ProductTopkBuffers<A>& buffers, A* scores, int64_t* indices) {
+  A* top = buffers.top.data();
+  int64_t* top_index = buffers.top_index.data();
+  bool selected = false;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  // Both halves' insertions interleaved: each insertion waits on the one before it in its
+  // own list, so two lists keep the core twice as busy.
+  if constexpr (std::is_same_v<A, float>) {
+    if (topk <= 16 && width % 8 == 0 && width <= std::numeric_limits<int32_t>::max()) {
+      float* values[2] = {buffers.pair_values.data(), buffers.pair_values.data() + width + 8};
+      int32_t* ids[2] = {buffers.pair_indices.data(), buffers.pair_indices.data() + width + 8};
+      const int64_t count[2] = {top16_candidates(half_scores[0], width, topk, values[0], ids[0]),
+                                top16_candidates(half_scores[1], width, topk, values[1], ids[1])};
+      if (count[0] >= 0 && count[1] >= 0) {
+        Top16 best[2];
+        for (int64_t p = 0; p < std::max(count[0], count[1]); ++p)
+          for (int c = 0; c < 2; ++c)
+            if (p < count[c]) best[c].insert(values[c][p], ids[c][p]);
+        for (int c = 0; c < 2; ++c) best[c].write(topk, top + c * topk, top_index + c * topk);
+        selected = true;
+      }
+    }
+  }
+#endif
+  for (int64_t c = 0; c < 2 && !selected; ++c) {
+    if constexpr (std::is_same_v<A, float>)
+      select_topk_float(half_scores[c], n_keys, topk, top + c * topk, top_index + c * topk, buffers.scratch.data(),
+                        buffers.candidates.data());
+    else
+      select_topk(half_scores[c], n_keys, topk, top + c * topk, top_index + c * topk, buffers.scratch.data(),
+                  buffers.candidates.data());
+  }
+  merge_topk(top, top_index, top + topk, top_index + topk, topk, n_keys, buffers.next.data(), scores, indices);
+}
+
+template <typename A>
+void topk_select_impl(const A* sub_scores, A* scores, int64_t* indices, int64_t num_tokens, int64_t heads,
+                      int64_t n_keys, int64_t topk, int threads) {
+#pragma omp parallel num_threads(threads)
+  {
+    ProductTopkBuffers<A> buffers(n_keys, topk, n_keys);
+#pragma omp for schedule(static)
+    for (int64_t nh = 0; nh < num_tokens * heads; ++nh) {
+      const int64_t n = nh / heads, h = nh % heads;
+      const A* half_scores[2] = {sub_scores + (h * 2 * num_tokens + n) * n_keys,
+                                 sub_scores + ((h * 2 + 1) * num_tokens + n) * n_keys};
+      select_product_topk(half_scores, n_keys, n_keys, topk, buffers, scores + nh * topk, indices + nh * topk);
+    }
+  }
 }
 
 // Width of a D tile whose accumulators stay in registers (16 AVX-512 registers of fp32).
@@ -1201,8 +1271,9 @@ void topk_forward_float(const float* query, const float* keys_t, float* scores, 
   const int64_t blocks = (num_tokens + kTokenBlock - 1) / kTokenBlock;
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> block(kTokenBlock * padded_keys), top(kTokenBlock * 2 * topk), scratch(2 * n_keys);
-    std::vector<int64_t> top_index(kTokenBlock * 2 * topk), next(topk), candidates(n_keys);
+    // Both halves' scores of a block of tokens: half c of row r at (c * kTokenBlock + r) * padded_keys.
+    std::vector<float> block(2 * kTokenBlock * padded_keys);
+    ProductTopkBuffers<float> buffers(n_keys, topk, padded_keys);
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t n0 = b * kTokenBlock, rows = std::min(kTokenBlock, num_tokens - n0);
@@ -1213,16 +1284,20 @@ void topk_forward_float(const float* query, const float* keys_t, float* scores, 
           const float* q[kTokenBlock];
           for (int64_t r = 0; r < tiled_rows; ++r)
             q[r] = query + ((n0 + std::min(r, rows - 1)) * heads + h) * 2 * half + c * half;
-          block_scores(q, tiled_rows, keys_t + (h * 2 + c) * half * padded_keys, half, padded_keys, block.data());
-          for (int64_t r = 0; r < rows; ++r)
-            select_topk_float(block.data() + r * padded_keys, n_keys, topk, top.data() + (2 * r + c) * topk,
-                              top_index.data() + (2 * r + c) * topk, scratch.data(), candidates.data());
+          float* out = block.data() + c * kTokenBlock * padded_keys;
+          block_scores(q, tiled_rows, keys_t + (h * 2 + c) * half * padded_keys, half, padded_keys, out);
+          // The padding columns' scores (0) become -inf, never selected.
+          if (n_keys < padded_keys)
+            for (int64_t r = 0; r < rows; ++r)
+              std::fill(out + r * padded_keys + n_keys, out + (r + 1) * padded_keys,
+                        -std::numeric_limits<float>::infinity());
         }
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t nh = (n0 + r) * heads + h;
-          merge_topk(top.data() + 2 * r * topk, top_index.data() + 2 * r * topk, top.data() + (2 * r + 1) * topk,
-                     top_index.data() + (2 * r + 1) * topk, topk, n_keys, next.data(), scores + nh * topk,
-                     indices + nh * topk);
+          const float* half_scores[2] = {block.data() + r * padded_keys,
+                                         block.data() + (kTokenBlock + r) * padded_keys};
+          select_product_topk(half_scores, n_keys, padded_keys, topk, buffers, scores + nh * topk,
+                              indices + nh * topk);
         }
       }
     }

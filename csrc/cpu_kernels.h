@@ -18,11 +18,21 @@ namespace smf::cpu {
 void topk_select(DType dtype, const void* sub_scores, void* scores, int64_t* indices, int64_t num_tokens,
                  int64_t heads, int64_t n_keys, int64_t topk, int threads);
 
+// Whether topk_forward_float computes its scores in vector register tiles on this build:
+// AVX-512, or AVX2 with FMA. Without them its scalar scores are slower than at::bmm (MKL)
+// followed by topk_select.
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+constexpr bool kFusedTopkFloat = true;
+#else
+constexpr bool kFusedTopkFloat = false;
+#endif
+
 // The float32 top-k in one pass: for each block of tokens, the sub-key scores are
 // computed into a per-thread buffer and selected while still in cache. query
-// (N, H, 2 * half) fp32; keys_t (H, 2, half, padded_keys) fp32, the sub-keys
-// transposed and zero-padded to padded_keys (a multiple of 16) columns. Writes
-// scores and indices as topk_select does.
+// (N, H, 2 * half) fp32; keys_t (H, 2, padded_keys / 16, half, 16) fp32, the sub-keys
+// zero-padded to padded_keys (a multiple of 16) and transposed in panels of 16: entry
+// [h, c, p, d, l] is component d of sub-key 16 p + l. Writes scores and indices as
+// topk_select does.
 void topk_forward_float(const float* query, const float* keys_t, float* scores, int64_t* indices, int64_t num_tokens,
                         int64_t heads, int64_t half, int64_t n_keys, int64_t padded_keys, int64_t topk, int threads);
 

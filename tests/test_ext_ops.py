@@ -16,8 +16,10 @@ CPU = torch.device("cpu")
 # (M, D, N, L): D = 96 and 130 are not powers of two and not multiples of the
 # 256-wide register tile; N is not a multiple of anything.
 GATHER_SHAPES = [(50, 96, 37, 8), (300, 130, 21, 12)]
-# (N, H, key_dim, n_keys, topk): n_keys not a power of two; topk from 1 to n_keys.
-TOPK_SHAPES = [(37, 3, 24, 24, 5), (19, 2, 16, 10, 10), (23, 1, 8, 7, 1), (64, 4, 256, 128, 16)]
+# (N, H, key_dim, n_keys, topk): n_keys not a power of two; topk from 1 to n_keys. n_keys = 20
+# with topk = 16: the float32 vector selection over sub-key rows padded to 32 columns.
+TOPK_SHAPES = [(37, 3, 24, 24, 5), (19, 2, 16, 10, 10), (23, 1, 8, 7, 1), (29, 2, 40, 20, 16),
+               (64, 4, 256, 128, 16)]
 
 
 @pytest.fixture(scope="module", autouse=True)
