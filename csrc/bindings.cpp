@@ -166,11 +166,11 @@ std::tuple<at::Tensor, at::Tensor> topk_forward(const at::Tensor& query, const a
   // paper shape) the fp32 lookup took 0.67-0.77x the time of at::bmm plus the selection below.
   if (acc == at::kFloat && smf::cpu::kFusedTopkFloat) {
     const int64_t half = key_dim / 2, padded_keys = (n_keys + 15) / 16 * 16;
-    const at::Tensor q = query.to(at::kFloat).contiguous();
+    const at::Tensor q = kernel_input(query);  // bfloat16 stays: the kernel converts a block's rows
     at::Tensor padded = at::zeros({heads * 2, padded_keys, half}, query.options().dtype(at::kFloat));
     padded.narrow(1, 0, n_keys).copy_(keys.to(at::kFloat).reshape({heads * 2, n_keys, half}));
     const at::Tensor keys_t = padded.reshape({heads * 2, padded_keys / 16, 16, half}).transpose(2, 3).contiguous();
-    smf::cpu::topk_forward_float(q.const_data_ptr<float>(), keys_t.const_data_ptr<float>(),
+    smf::cpu::topk_forward_float(kernel_dtype(q), q.const_data_ptr(), keys_t.const_data_ptr<float>(),
                                  scores.data_ptr<float>(), indices.data_ptr<int64_t>(), num_tokens, heads, half,
                                  n_keys, padded_keys, topk, at::get_num_threads());
     return {scores, indices};

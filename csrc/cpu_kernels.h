@@ -29,12 +29,14 @@ constexpr bool kFusedTopkFloat = false;
 
 // The float32 top-k in one pass: for each block of tokens, the sub-key scores are
 // computed into a per-thread buffer and selected while still in cache. query
-// (N, H, 2 * half) fp32; keys_t (H, 2, padded_keys / 16, half, 16) fp32, the sub-keys
+// (N, H, 2 * half) of `dtype` (Float32 or BFloat16, whose rows are converted to fp32
+// a block at a time); keys_t (H, 2, padded_keys / 16, half, 16) fp32, the sub-keys
 // zero-padded to padded_keys (a multiple of 16) and transposed in panels of 16: entry
 // [h, c, p, d, l] is component d of sub-key 16 p + l. Writes scores and indices as
 // topk_select does.
-void topk_forward_float(const float* query, const float* keys_t, float* scores, int64_t* indices, int64_t num_tokens,
-                        int64_t heads, int64_t half, int64_t n_keys, int64_t padded_keys, int64_t topk, int threads);
+void topk_forward_float(DType dtype, const void* query, const float* keys_t, float* scores, int64_t* indices,
+                        int64_t num_tokens, int64_t heads, int64_t half, int64_t n_keys, int64_t padded_keys,
+                        int64_t topk, int threads);
 
 // out (N, D) = sum_l weights[n, l] * values[indices[n, l]]; values (M, D) and out
 // of `dtype`, weights (N, L) acc. If counts (M,) is not null, counts[indices[n, l]]
