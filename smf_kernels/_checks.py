@@ -32,9 +32,10 @@ def check_index_range(name: str, indices: torch.Tensor, upper: int) -> None:
     On CPU this raises IndexError at once. On an accelerator it is a device-side
     assertion (torch._assert_async) so the forward never syncs with the host;
     a violation aborts the next synchronising call with the message below.
-    Skipped while torch.compile traces (data-dependent checks would break the graph).
+    Called inside the custom ops' bodies (:func:`check_gather_values`), which run as they are
+    under torch.compile too, so a compiled model checks its indices as an eager one does.
     """
-    if indices.numel() == 0 or torch.compiler.is_compiling():
+    if indices.numel() == 0:
         return
     if indices.device.type == "cpu":
         low, high = int(indices.min()), int(indices.max())
@@ -47,7 +48,7 @@ def check_index_range(name: str, indices: torch.Tensor, upper: int) -> None:
 
 def check_distinct(name: str, rows: torch.Tensor) -> None:
     """Entries of the 1-D tensor ``rows``, sorted ascending, must be pairwise distinct."""
-    if rows.numel() < 2 or torch.compiler.is_compiling():
+    if rows.numel() < 2:
         return
     repeated = rows[1:] == rows[:-1]
     if rows.device.type == "cpu":
@@ -87,7 +88,8 @@ def check_gather_args(
     valid: torch.Tensor | None,
     update_rows: torch.Tensor | None,
 ) -> None:
-    """update_rows, when given, must already be sorted ascending (the distinctness check relies on it)."""
+    """Types, shapes and devices of the gather's arguments (what torch.compile can check while tracing);
+    their values are checked by :func:`check_gather_values` inside the op."""
     check_tensor("values", values, ndim=2, dtypes=FLOAT_DTYPES, shape_doc="(M, D)")
     check_tensor("indices", indices, ndim=2, dtypes=(torch.int64,), shape_doc="(N, L)")
     check_tensor("weights", weights, ndim=2, dtypes=FLOAT_DTYPES, shape_doc="(N, L)")
@@ -110,7 +112,17 @@ def check_gather_args(
         check_tensor("update_rows", update_rows, ndim=1, dtypes=(torch.int64,), shape_doc="(T,)")
     check_same_device("values", values, indices=indices, weights=weights, counts=counts, valid=valid,
                       update_rows=update_rows)
-    check_index_range("indices", indices, num_rows)
+
+
+def check_gather_values(num_rows: int, indices: torch.Tensor | None = None,
+                        update_rows: torch.Tensor | None = None) -> None:
+    """indices (N, L) and update_rows (T,), sorted ascending, in [0, num_rows); update_rows distinct.
+
+    Data-dependent, so it runs inside the custom ops' bodies: eagerly and in compiled graphs alike
+    (torch.compile does not trace a custom op's body, it calls it).
+    """
+    if indices is not None:
+        check_index_range("indices", indices, num_rows)
     if update_rows is not None:
         check_index_range("update_rows", update_rows, num_rows)
         check_distinct("update_rows", update_rows)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from smf_kernels._checks import check_gather_args, check_tensor
+from smf_kernels._checks import check_gather_args, check_gather_values, check_tensor
 from smf_kernels._precision import accumulation_dtype, no_autocast
 from smf_kernels.backends import implementation, resolve_backend
 
@@ -19,6 +19,7 @@ def _forward(
     values: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, backend: str
 ) -> torch.Tensor:
     """The gather without a read histogram (a pure op: Inductor can schedule it freely)."""
+    check_gather_values(values.shape[0], indices)
     with no_autocast(values.device):
         return implementation(backend).gather_forward(values, indices, weights, None, None)
 
@@ -40,6 +41,7 @@ def _forward_counted(
     backend: str,
 ) -> torch.Tensor:
     """The gather adding every read of a valid token to ``counts`` (M,) in place."""
+    check_gather_values(values.shape[0], indices)
     with no_autocast(values.device):
         return implementation(backend).gather_forward(values, indices, weights, counts, valid)
 
@@ -67,6 +69,7 @@ def _backward(
     grad_values (M, D) dense or (T, D) for update_rows (row t for update_rows[t]),
     grad_weights (N, L); a gradient not needed comes back with 0 rows.
     """
+    check_gather_values(values.shape[0], update_rows=update_rows)
     with no_autocast(grad_out.device):
         return implementation(backend).gather_backward(
             grad_out, values, indices, weights, update_rows, deterministic, need_values, need_weights
@@ -118,7 +121,7 @@ class _WeightedGather(torch.autograd.Function):
             update_rows = ctx.deferred.rows
             if update_rows is None:
                 raise RuntimeError("update_rows is a DeferredRows whose rows were not set before the backward")
-            check_gather_args(values, indices, weights, None, None, update_rows)
+            check_gather_args(values, indices, weights, None, None, update_rows)  # its values: in the op
         grad_out = grad_out.contiguous()
         need_values, need_weights = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
         compact, grad_weights = _backward(
@@ -173,5 +176,7 @@ def weighted_gather(
         check_tensor("update_rows", update_rows, ndim=1, dtypes=(torch.int64,), shape_doc="(T,)")
         update_rows = update_rows.sort().values  # sorted once: checked for repeats, and the COO gradient is coalesced
     check_gather_args(values, indices, weights, counts, valid, None if deferred else update_rows)
+    if update_rows is not None and not deferred and not torch.compiler.is_compiling():
+        check_gather_values(values.shape[0], update_rows=update_rows)  # at the call, not only in the backward
     name = resolve_backend(backend, values.device, torch.promote_types(values.dtype, weights.dtype))
     return _WeightedGather.apply(values, indices, weights, counts, valid, update_rows, name)

@@ -5,6 +5,10 @@ Every kernel tiles the value row in BLOCK_D columns, so any width D works
 into a ``plan_*`` function returning the :class:`LaunchPlan` it launches, which
 benchmarks/triton_aot.py compiles for sm_90 / sm_80.
 
+Every access through an id loaded from ``indices`` is masked by :func:`guards.in_range`: an
+out-of-range id reads and writes nothing and raises the launch's error flag, which the launcher
+turns into a Python error (the host-side checks do not run while torch.compile traces).
+
 * gather_forward_kernel: out[n] = sum_l w[n,l] * V[idx[n,l]]; the first column
   tile of each token block also bumps counts[idx] for valid tokens (relaxed
   integer atomics: exact and order-independent). Up to D = 1024 one tile holds
@@ -26,13 +30,14 @@ import torch
 import triton
 import triton.language as tl
 
+from smf_kernels.triton_kernels.guards import in_range, new_error_flag, raise_if_flagged
 from smf_kernels.triton_kernels.launch import LaunchPlan, cdiv, next_pow2
 
 
 @triton.jit
 def gather_forward_kernel(
-    v_ptr, idx_ptr, w_ptr, out_ptr, counts_ptr, valid_ptr,
-    N, L, D, stride_v, stride_idx, stride_w, stride_out,
+    v_ptr, idx_ptr, w_ptr, out_ptr, counts_ptr, valid_ptr, err_ptr,
+    N, L, M, D, stride_v, stride_idx, stride_w, stride_out,
     HAS_COUNTS: tl.constexpr, HAS_VALID: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
 ):
@@ -41,15 +46,16 @@ def gather_forward_kernel(
     rows = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # int64: rows * stride can pass 2**31
     row_mask = rows < N
     cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    tile_mask = row_mask[:, None] & (cols[None, :] < D)
+    col_mask = cols[None, :] < D
     acc = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     for l in range(0, L):
         idx = tl.load(idx_ptr + rows * stride_idx + l, mask=row_mask, other=0)
         w = tl.load(w_ptr + rows * stride_w + l, mask=row_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + idx[:, None] * stride_v + cols[None, :], mask=tile_mask, other=0.0)
+        read = in_range(err_ptr, idx, M, row_mask)  # an out-of-range id reads nothing and raises the flag
+        v = tl.load(v_ptr + idx[:, None] * stride_v + cols[None, :], mask=read[:, None] & col_mask, other=0.0)
         acc += w[:, None] * v.to(tl.float32)
     tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=tile_mask)
+             mask=row_mask[:, None] & col_mask)
     if HAS_COUNTS:
         if pid_d == 0:
             ls = tl.arange(0, BLOCK_L)
@@ -59,7 +65,7 @@ def gather_forward_kernel(
                 read_mask = read_mask & valid[:, None]
             idx2 = tl.load(idx_ptr + rows[:, None] * stride_idx + ls[None, :], mask=read_mask, other=0)
             ones = tl.full((BLOCK_N, BLOCK_L), 1, tl.int64)
-            tl.atomic_add(counts_ptr + idx2, ones, mask=read_mask, sem="relaxed")
+            tl.atomic_add(counts_ptr + idx2, ones, mask=in_range(err_ptr, idx2, M, read_mask), sem="relaxed")
 
 
 @triton.jit
@@ -178,28 +184,32 @@ def _dummy(t: torch.Tensor) -> torch.Tensor:
 
 
 def plan_gather_forward(values, indices, weights, counts, valid):
-    """(plan, out): the forward launch and its (N, D) output, values' dtype."""
+    """(plan, out, error_flag): the forward launch, its (N, D) output (values' dtype) and the (1,) int32
+    flag its index guards raise."""
     values, indices, weights = values.contiguous(), indices.contiguous(), weights.contiguous()
     num_tokens, per_token = indices.shape
-    dim = values.shape[1]
+    num_rows, dim = values.shape
     out = torch.empty(num_tokens, dim, dtype=values.dtype, device=values.device)
+    flag = new_error_flag(values.device)
     config = row_tile_config(dim)
     block_n, block_d = config["BLOCK_N"], config["BLOCK_D"]
     plan = LaunchPlan(
         gather_forward_kernel, (cdiv(num_tokens, block_n), cdiv(dim, block_d)),
         (values, indices, weights, out,
-         counts if counts is not None else _dummy(indices), valid if valid is not None else _dummy(indices),
-         num_tokens, per_token, dim, values.stride(0), indices.stride(0), weights.stride(0), out.stride(0)),
+         counts if counts is not None else _dummy(indices), valid if valid is not None else _dummy(indices), flag,
+         num_tokens, per_token, num_rows, dim, values.stride(0), indices.stride(0), weights.stride(0),
+         out.stride(0)),
         dict(HAS_COUNTS=counts is not None, HAS_VALID=valid is not None,
              BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_L=_block_l(per_token), num_warps=config["num_warps"]),
     )
-    return plan, out
+    return plan, out, flag
 
 
 def gather_forward(values, indices, weights, counts, valid):
-    plan, out = plan_gather_forward(values, indices, weights, counts, valid)
+    plan, out, flag = plan_gather_forward(values, indices, weights, counts, valid)
     if indices.shape[0] > 0:
         plan.launch()
+        raise_if_flagged(flag, f"indices must lie in [0, {values.shape[0]})")
     return out
 
 
