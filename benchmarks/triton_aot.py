@@ -55,6 +55,7 @@ def launch_plans(dtype_name: str, config: dict) -> dict:
 
     from smf_kernels._rows import row_to_slot_map
     from smf_kernels.triton_kernels import gather as triton_gather
+    from smf_kernels.triton_kernels import row_adamw as triton_row_adamw
     from smf_kernels.triton_kernels import topk as triton_topk
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
@@ -72,6 +73,10 @@ def launch_plans(dtype_name: str, config: dict) -> dict:
     update_rows = torch.empty(config["selected_rows"], dtype=torch.int64, **meta)
     slots = row_to_slot_map(update_rows, rows)
     selected = update_rows.numel()
+    row_step = torch.empty(rows, dtype=torch.int64, **meta)
+    grad_rows = torch.empty(selected, dim, dtype=torch.float32, **meta)
+    row_valid = torch.empty(selected, dtype=torch.bool, **meta)
+    lr, clip = torch.empty((), dtype=torch.float64, **meta), torch.empty((), dtype=torch.float32, **meta)
     return {
         "product_key_topk": triton_topk.plan_product_key_topk(query, keys, topk)[0],
         "gather_forward (counts, valid)": triton_gather.plan_gather_forward(values, indices, weights, counts,
@@ -84,6 +89,9 @@ def launch_plans(dtype_name: str, config: dict) -> dict:
             grad_out, values, indices, weights, None, 0, False, True)[0],
         "segment_rows (deterministic, sparse)": triton_gather.plan_segment_rows(grad_out, indices, weights, slots,
                                                                                 selected)[0],
+        "row_adamw (T rows, clipped)": triton_row_adamw.plan_row_adamw(
+            values, torch.empty_like(values), torch.empty_like(values), row_step, update_rows, grad_rows, row_valid,
+            lr, clip, 0.9, 0.999, 1e-8, 0.01)[0],
     }
 
 

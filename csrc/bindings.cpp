@@ -397,6 +397,61 @@ std::tuple<at::Tensor, at::Tensor> silu_mul_backward(const at::Tensor& grad_in, 
   return {grad_gate.to(gate_in.scalar_type()), grad_read.to(gate_in.scalar_type())};
 }
 
+// AdamW on rows of a table in place (CPU): param, exp_avg, exp_avg_sq (M, D) of one float dtype (not
+// float16), row_step (M,) int64, rows (T,) int64 strictly ascending in [0, M), grad (T, D) acc, valid
+// (T,) bool or None, grad_scale a number. Everything is checked before any row is touched.
+void row_adamw(at::Tensor param, at::Tensor exp_avg, at::Tensor exp_avg_sq, at::Tensor row_step,
+               const at::Tensor& rows, const at::Tensor& grad_in, std::optional<at::Tensor> valid_in, double lr,
+               double grad_scale, double beta1, double beta2, double eps, double weight_decay) {
+  TORCH_CHECK(param.is_cpu(), "smf_kernels ext: row_adamw runs on CPU; got ", param.device());
+  check_rank(param, "param", 2, "(M, D)");
+  check_float(param, "param");
+  TORCH_CHECK(param.scalar_type() != at::kHalf, "smf_kernels ext: row_adamw takes no float16 table");
+  for (const auto& [state, name] : {std::pair<const at::Tensor&, const char*>{exp_avg, "exp_avg"},
+                                    std::pair<const at::Tensor&, const char*>{exp_avg_sq, "exp_avg_sq"}}) {
+    check_dtype(state, name, param.scalar_type());
+    check_device(state, name, param, "param");
+    TORCH_CHECK(state.sizes() == param.sizes(), "smf_kernels ext: ", name, " must have param's shape ",
+                text(param.sizes()), ", got ", text(state.sizes()));
+  }
+  TORCH_CHECK(param.is_contiguous() && exp_avg.is_contiguous() && exp_avg_sq.is_contiguous() &&
+                  row_step.is_contiguous(),
+              "smf_kernels ext: row_adamw updates param and its state in place: they must be contiguous");
+  check_rank(row_step, "row_step", 1, "(M,)");
+  check_dtype(row_step, "row_step", at::kLong);
+  check_device(row_step, "row_step", param, "param");
+  TORCH_CHECK(row_step.size(0) == param.size(0), "smf_kernels ext: row_step must have shape (M,) = (",
+              text(param.size(0)), "), got ", text(row_step.sizes()));
+  check_rank(rows, "rows", 1, "(T,)");
+  check_dtype(rows, "rows", at::kLong);
+  check_device(rows, "rows", param, "param");
+  check_index_range(rows, "rows", param.size(0));
+  const at::Tensor ordered = rows.contiguous();
+  const int64_t* row_ids = ordered.const_data_ptr<int64_t>();
+  for (int64_t t = 1; t < ordered.numel(); ++t)
+    TORCH_CHECK(row_ids[t] > row_ids[t - 1], "smf_kernels ext: rows must be strictly ascending (sorted, distinct)");
+  check_rank(grad_in, "grad", 2, "(T, D)");
+  check_dtype(grad_in, "grad", accumulation_type(param));
+  check_device(grad_in, "grad", param, "param");
+  TORCH_CHECK(grad_in.size(0) == rows.numel() && grad_in.size(1) == param.size(1),
+              "smf_kernels ext: grad must have shape (T, D) = (", text(rows.numel()), ", ", text(param.size(1)),
+              "), got ", text(grad_in.sizes()));
+  at::Tensor valid;
+  if (valid_in.has_value()) {
+    valid = valid_in->contiguous();
+    check_rank(valid, "valid", 1, "(T,)");
+    check_dtype(valid, "valid", at::kBool);
+    check_device(valid, "valid", param, "param");
+    TORCH_CHECK(valid.numel() == rows.numel(), "smf_kernels ext: valid must have shape (T,) = (",
+                text(rows.numel()), "), got ", text(valid.sizes()));
+  }
+  const at::Tensor grad = grad_in.contiguous();
+  smf::cpu::row_adamw(kernel_dtype(param), param.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
+                      row_step.data_ptr<int64_t>(), row_ids, grad.const_data_ptr(),
+                      valid.defined() ? valid.const_data_ptr<bool>() : nullptr, rows.numel(), param.size(1), lr,
+                      grad_scale, beta1, beta2, eps, weight_decay, at::get_num_threads());
+}
+
 #define SMF_STRINGIFY(x) #x
 #define SMF_EXPAND_STRINGIFY(x) SMF_STRINGIFY(x)
 
@@ -428,6 +483,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("read"));
   m.def("silu_mul_backward", &silu_mul_backward, "(grad of gate, grad of read), gate's dtype; CPU", py::arg("grad"),
         py::arg("gate"), py::arg("read"));
+  m.def("row_adamw", &row_adamw, "AdamW on rows of a table, in place; CPU", py::arg("param"), py::arg("exp_avg"),
+        py::arg("exp_avg_sq"), py::arg("row_step"), py::arg("rows"), py::arg("grad"), py::arg("valid"), py::arg("lr"),
+        py::arg("grad_scale"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"));
   m.def("release_idle_outputs", &smf::cpu::release_idle_outputs,
         "return the cached blocks of freed large CPU outputs to the system; the bytes released");
 }

@@ -59,6 +59,18 @@ def check_distinct(name: str, rows: torch.Tensor) -> None:
         torch._assert_async(~repeated.any(), f"{name} must hold distinct rows")
 
 
+def check_ascending(name: str, rows: torch.Tensor) -> None:
+    """Entries of the 1-D tensor ``rows`` must be strictly ascending (sorted and distinct)."""
+    if rows.numel() < 2:
+        return
+    out_of_order = rows[1:] <= rows[:-1]
+    if rows.device.type == "cpu":
+        if bool(out_of_order.any()):
+            raise ValueError(f"{name} must be strictly ascending (sorted, distinct row ids)")
+    else:
+        torch._assert_async(~out_of_order.any(), f"{name} must be strictly ascending (sorted, distinct row ids)")
+
+
 def check_topk_args(query: torch.Tensor, keys: torch.Tensor, topk: int) -> None:
     check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES, shape_doc="(N, heads, key_dim)")
     check_tensor("keys", keys, ndim=4, dtypes=FLOAT_DTYPES, shape_doc="(heads, 2, n_keys, key_dim // 2)")

@@ -76,3 +76,28 @@ def weighted_gather_reference(
 def silu_mul_reference(gate: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * read`` (docs/method.md#the-memory-layer, step 6), ``silu(x) = x * sigmoid(x)``."""
     return torch.nn.functional.silu(gate) * read
+
+
+def row_adamw_reference(param, exp_avg, exp_avg_sq, row_step, rows, grad, *, lr, betas, eps, weight_decay,
+                        grad_scale=None, valid=None):
+    """Row-sparse AdamW (smf_kernels.ops.row_adamw_) in float64, without touching its inputs.
+
+    param, exp_avg, exp_avg_sq: (M, D); row_step: (M,) int64; rows: (T,) distinct ids; grad: (T, D).
+    Returns the new (param, exp_avg, exp_avg_sq) in float64 and row_step (M,) int64: row rows[t] moves
+    by AdamW with gradient grad[t] * grad_scale unless valid[t] is False; other rows are copied.
+    """
+    beta1, beta2 = betas
+    p, m, v = (t.detach().to(torch.float64).clone() for t in (param, exp_avg, exp_avg_sq))
+    steps = row_step.clone()
+    scale = 1.0 if grad_scale is None else float(grad_scale)
+    for t, r in enumerate(rows.tolist()):
+        if valid is not None and not bool(valid[t]):
+            continue
+        g = grad[t].to(torch.float64) * scale
+        steps[r] += 1
+        s = int(steps[r])
+        m[r] = beta1 * m[r] + (1 - beta1) * g
+        v[r] = beta2 * v[r] + (1 - beta2) * g * g
+        denom = v[r].sqrt() / (1 - beta2 ** s) ** 0.5 + eps
+        p[r] = p[r] * (1 - lr * weight_decay) - lr / (1 - beta1 ** s) * m[r] / denom
+    return p, m, v, steps

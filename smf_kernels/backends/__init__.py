@@ -29,6 +29,8 @@ Optional (the op runs its plain-PyTorch form where a backend lacks one or return
 
     topk_backward(grad_scores, query, keys, indices, need_query, need_keys) -> (grad_query, grad_keys)
     silu_mul_forward(gate, read) -> silu(gate) * read;  silu_mul_backward(grad, gate, read) -> (grad_gate, grad_read)
+    row_adamw(param, exp_avg, exp_avg_sq, row_step, rows, grad, valid, lr, grad_scale, beta1, beta2, eps,
+              weight_decay) -> None   (in place; smf_kernels.ops.row_adamw; the torch one runs elsewhere)
 """
 from __future__ import annotations
 

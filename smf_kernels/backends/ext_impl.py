@@ -13,6 +13,7 @@ import sys
 import torch
 
 from smf_kernels.build_ext import load_extension
+from smf_kernels.backends import torch_impl
 from smf_kernels.backends.two_pass import backward_in_two_passes
 
 _ext = load_extension()
@@ -75,3 +76,16 @@ def silu_mul_forward(gate, read):
 def silu_mul_backward(grad, gate, read):
     """CPU: (grad of gate, grad of read) in one pass; None elsewhere."""
     return _ext.silu_mul_backward(grad, gate, read) if gate.device.type == "cpu" else None
+
+
+def row_adamw(param, exp_avg, exp_avg_sq, row_step, rows, grad, valid, lr, grad_scale, beta1, beta2, eps,
+              weight_decay):
+    """CPU: each selected row's parameter and moments read and written once; the torch ops elsewhere, and for
+    float16 or non-contiguous tables (updated in place, they cannot go through a float32 copy)."""
+    if param.device.type != "cpu" or param.dtype == torch.float16 or not all(
+            t.is_contiguous() for t in (param, exp_avg, exp_avg_sq, row_step)):
+        return torch_impl.row_adamw(param, exp_avg, exp_avg_sq, row_step, rows, grad, valid, lr, grad_scale, beta1,
+                                    beta2, eps, weight_decay)
+    # lr and grad_scale are 0-d tensors on the CPU: reading them is not a device sync
+    _ext.row_adamw(param, exp_avg, exp_avg_sq, row_step, rows, grad, valid, float(lr),
+                   1.0 if grad_scale is None else float(grad_scale), beta1, beta2, eps, weight_decay)

@@ -207,3 +207,37 @@ def gather_backward(grad_out, values, indices, weights, update_rows, determinist
     if need_weights and not bag_weights:
         grad_weights = gather_backward_weights(grad_out, values, indices)
     return grad_values, grad_weights
+
+
+def row_adamw(param, exp_avg, exp_avg_sq, row_step, rows, grad, valid, lr, grad_scale, beta1, beta2, eps,
+              weight_decay):
+    """:class:`~smf_kernels.sparse.RowSparseAdamW`'s row update, op for op (index_select, the update in the
+    parameter's dtype with fp32 / fp64 factors, index_copy_); a row with ``valid`` False gets its old bits back."""
+    g = grad if grad_scale is None else grad * grad_scale
+    g = g.to(param.dtype)
+    old_steps = row_step.index_select(0, rows)
+    steps = old_steps + 1
+    exp_avg_rows = exp_avg.index_select(0, rows)
+    exp_avg_sq_rows = exp_avg_sq.index_select(0, rows)
+    new_exp_avg = exp_avg_rows.clone().lerp_(g, 1 - beta1)
+    new_exp_avg_sq = exp_avg_sq_rows.clone().mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    factor_dtype = accumulation_dtype(param.dtype)  # never round the factors to bf16
+    steps64 = steps.to(torch.float64)
+    step_size = (lr / (1 - torch.pow(beta1, steps64))).to(factor_dtype).unsqueeze(1)  # (T, 1)
+    bias_correction2_sqrt = (1 - torch.pow(beta2, steps64)).sqrt().to(factor_dtype).unsqueeze(1)
+    denom = (new_exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    param_rows = param.index_select(0, rows)
+    updated = param_rows.clone()
+    if weight_decay != 0:
+        updated.mul_(1 - lr * weight_decay)
+    updated.sub_(new_exp_avg / denom * step_size)
+    if valid is not None:  # rows that were not selected keep their bits
+        keep = valid.unsqueeze(1)
+        steps = torch.where(valid, steps, old_steps)
+        new_exp_avg = torch.where(keep, new_exp_avg, exp_avg_rows)
+        new_exp_avg_sq = torch.where(keep, new_exp_avg_sq, exp_avg_sq_rows)
+        updated = torch.where(keep, updated, param_rows)
+    row_step.index_copy_(0, rows, steps)
+    exp_avg.index_copy_(0, rows, new_exp_avg)
+    exp_avg_sq.index_copy_(0, rows, new_exp_avg_sq)
+    param.index_copy_(0, rows, updated)

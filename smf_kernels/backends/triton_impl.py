@@ -5,8 +5,10 @@ import torch
 
 from smf_kernels._precision import accumulation_dtype
 from smf_kernels._rows import row_to_slot_map
+from smf_kernels.backends import torch_impl
 from smf_kernels.triton_kernels import gather as triton_gather
 from smf_kernels.triton_kernels import interpreter_enabled
+from smf_kernels.triton_kernels import row_adamw as triton_row_adamw
 from smf_kernels.triton_kernels import topk as triton_topk
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -50,3 +52,14 @@ def gather_backward(grad_out, values, indices, weights, update_rows, determinist
         grad_out, values, indices, weights, slots, out_rows, deterministic, need_values, need_weights)
     dtype = accumulation_dtype(values.dtype)
     return grad_values.to(dtype), grad_weights.to(dtype)
+
+
+def row_adamw(param, exp_avg, exp_avg_sq, row_step, rows, grad, valid, lr, grad_scale, beta1, beta2, eps,
+              weight_decay):
+    """One program per row; float16 or non-contiguous tables (updated in place) take the torch ops."""
+    if param.dtype not in SUPPORTED_DTYPES or not all(t.is_contiguous() for t in (param, exp_avg, exp_avg_sq,
+                                                                                   row_step)):
+        return torch_impl.row_adamw(param, exp_avg, exp_avg_sq, row_step, rows, grad, valid, lr, grad_scale, beta1,
+                                    beta2, eps, weight_decay)
+    triton_row_adamw.row_adamw(param, exp_avg, exp_avg_sq, row_step, rows, grad, valid, lr, grad_scale, beta1,
+                               beta2, eps, weight_decay)

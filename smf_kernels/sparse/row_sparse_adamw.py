@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from smf_kernels._precision import accumulation_dtype
+from smf_kernels.ops.row_adamw import row_adamw_
 
 
 class RowSparseAdamW(torch.optim.Optimizer):
@@ -77,8 +78,31 @@ class RowSparseAdamW(torch.optim.Optimizer):
         return loss
 
     def _row_step(self, param: torch.Tensor, group: dict) -> None:
+        grad = param.grad.coalesce()
+        rows, grad_rows = grad.indices()[0], grad.values()  # (R,) ascending, (R, D)
+        self._update_rows(param, group, rows, grad_rows.to(accumulation_dtype(param.dtype)), None, None)
+
+    @torch.no_grad()
+    def step_rows(self, param: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor, *,
+                  grad_scale: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> None:
+        """The update :meth:`step` makes for a sparse gradient, from a compact one: rows ``rows`` of
+        ``param`` (one of this optimizer's parameters) and their state move, nothing else does.
+
+        Args:
+            param: an (M, D) parameter of this optimizer (its ``.grad`` is not read).
+            rows: (T,) int64 strictly ascending row ids.
+            grad: (T, D) float32 (float64 for a float64 table) gradient of those rows.
+            grad_scale: optional 0-d tensor multiplying ``grad`` first (a clipping coefficient).
+            valid: optional (T,) bool; rows with ``valid[t] == False`` are left alone.
+        """
+        group = next((g for g in self.param_groups if any(p is param for p in g["params"])), None)
+        if group is None:
+            raise ValueError("param is not a parameter of this optimizer")
+        self._update_rows(param, group, rows, grad, grad_scale, valid)
+
+    def _update_rows(self, param, group, rows, grad, grad_scale, valid) -> None:
         if param.dim() != 2:
-            raise ValueError(f"a parameter with a sparse gradient must be 2-D (M, D), got shape {tuple(param.shape)}")
+            raise ValueError(f"a parameter updated by rows must be 2-D (M, D), got shape {tuple(param.shape)}")
         state = self.state[param]
         if "step" in state:
             raise ValueError("this parameter was updated with dense gradients before; it cannot switch to sparse")
@@ -86,31 +110,9 @@ class RowSparseAdamW(torch.optim.Optimizer):
             state["row_step"] = torch.zeros(param.shape[0], dtype=torch.int64, device=param.device)
             state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        grad = param.grad.coalesce()
-        rows, grad_rows = grad.indices()[0], grad.values()  # (R,), (R, D)
-        if rows.numel() == 0:
-            return
-        lr, weight_decay, eps = group["lr"], group["weight_decay"], group["eps"]
-        beta1, beta2 = group["betas"]
-
-        row_step = state["row_step"].index_select(0, rows) + 1
-        state["row_step"].index_copy_(0, rows, row_step)
-        exp_avg = state["exp_avg"].index_select(0, rows).lerp_(grad_rows, 1 - beta1)
-        exp_avg_sq = state["exp_avg_sq"].index_select(0, rows).mul_(beta2).addcmul_(grad_rows, grad_rows,
-                                                                                     value=1 - beta2)
-        state["exp_avg"].index_copy_(0, rows, exp_avg)
-        state["exp_avg_sq"].index_copy_(0, rows, exp_avg_sq)
-
-        steps = row_step.to(torch.float64)
-        factor_dtype = accumulation_dtype(param.dtype)  # never round the factors to bf16
-        step_size = (lr / (1 - torch.pow(beta1, steps))).to(factor_dtype).unsqueeze(1)  # (R, 1)
-        bias_correction2_sqrt = (1 - torch.pow(beta2, steps)).sqrt().to(factor_dtype).unsqueeze(1)
-        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-        updated = param.index_select(0, rows)
-        if weight_decay != 0:
-            updated.mul_(1 - lr * weight_decay)
-        updated.sub_(exp_avg / denom * step_size)
-        param.index_copy_(0, rows, updated)
+        row_adamw_(param, state["exp_avg"], state["exp_avg_sq"], state["row_step"], rows, grad, lr=group["lr"],
+                   betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
+                   grad_scale=grad_scale, valid=valid)
 
     def _dense_step(self, param: torch.Tensor, group: dict) -> None:
         """torch.optim.AdamW's single-tensor update, operation for operation."""

@@ -1,0 +1,113 @@
+"""Row-sparse AdamW applied to some rows of a table in place (docs/method.md#what-sparse-means), as one op.
+
+The update :class:`~smf_kernels.sparse.RowSparseAdamW` makes from a sparse gradient, taken from a compact
+``(T, D)`` gradient of the rows ``rows`` instead: no COO tensor, no index_select / index_copy round trips
+(the ``ext`` and ``triton`` backends update each row's parameter and moments in one pass). For every
+selected row ``r = rows[t]`` (with ``valid[t]``)::
+
+    g = grad[t] * grad_scale
+    s[r] += 1
+    m[r] = m[r] + (1 - beta1) * (g - m[r])
+    v[r] = beta2 * v[r] + (1 - beta2) * g^2
+    p[r] = p[r] * (1 - lr * weight_decay) - lr / (1 - beta1^s[r]) * m[r] / (sqrt(v[r]) / sqrt(1 - beta2^s[r]) + eps)
+
+Every other row, its moments and its step count keep their bits.
+"""
+from __future__ import annotations
+
+import torch
+
+from smf_kernels._checks import FLOAT_DTYPES, check_ascending, check_index_range, check_same_device, check_tensor
+from smf_kernels._precision import accumulation_dtype, no_autocast
+from smf_kernels.backends import implementation, resolve_backend, torch_impl
+
+
+def _factor(value: torch.Tensor | float, device: torch.device) -> torch.Tensor:
+    """A 0-d float64 tensor on ``device`` (a learning rate may be a tensor, so a scheduler's change
+    is data, not a new compiled graph)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device=device, dtype=torch.float64).reshape(())
+    return torch.tensor(float(value), dtype=torch.float64, device=device)
+
+
+@torch.library.custom_op("smf_kernels::row_adamw_", mutates_args=("param", "exp_avg", "exp_avg_sq", "row_step"))
+def _row_adamw(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, row_step: torch.Tensor,
+               rows: torch.Tensor, grad: torch.Tensor, valid: torch.Tensor | None, lr: torch.Tensor,
+               grad_scale: torch.Tensor | None, beta1: float, beta2: float, eps: float, weight_decay: float,
+               backend: str) -> None:
+    if rows.numel() == 0:
+        return
+    check_index_range("rows", rows, param.shape[0])  # the values are checked here, compiled or not
+    check_ascending("rows", rows)
+    update = getattr(implementation(backend), "row_adamw", None) or torch_impl.row_adamw  # one pass, or torch ops
+    with no_autocast(param.device):
+        update(param, exp_avg, exp_avg_sq, row_step, rows, grad, valid, lr, grad_scale, beta1, beta2, eps,
+               weight_decay)
+
+
+@_row_adamw.register_fake
+def _(param, exp_avg, exp_avg_sq, row_step, rows, grad, valid, lr, grad_scale, beta1, beta2, eps, weight_decay,
+      backend):
+    return None
+
+
+def row_adamw_(
+    param: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    row_step: torch.Tensor,
+    rows: torch.Tensor,
+    grad: torch.Tensor,
+    *,
+    lr: float | torch.Tensor,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    grad_scale: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> None:
+    """AdamW on rows ``rows`` of ``param`` and its state, in place (see the module docstring).
+
+    Args:
+        param: (M, D) float table.
+        exp_avg, exp_avg_sq: (M, D) its first and second moments, param's dtype and device.
+        row_step: (M,) int64 per-row step counts.
+        rows: (T,) int64 strictly ascending row ids in [0, M).
+        grad: (T, D) gradient of those rows, row t for rows[t]; float32 (float64 for a float64 table).
+        lr: learning rate, a float or a 0-d tensor (no recompilation when a scheduler changes it).
+        betas, eps, weight_decay: as torch.optim.AdamW.
+        grad_scale: optional 0-d tensor multiplying grad first (a clipping coefficient).
+        valid: optional (T,) bool; rows with ``valid[t] == False`` are left alone (a fixed-size selection
+            padded with rows that were not read).
+        backend: "torch", "triton", "ext" or None (see :mod:`smf_kernels.backends`).
+    """
+    check_tensor("param", param, ndim=2, dtypes=FLOAT_DTYPES, shape_doc="(M, D)")
+    for name, state in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        check_tensor(name, state, ndim=2, dtypes=(param.dtype,), shape_doc="(M, D) of param's dtype")
+        if state.shape != param.shape:
+            raise ValueError(f"{name} must have param's shape {tuple(param.shape)}, got {tuple(state.shape)}")
+    check_tensor("row_step", row_step, ndim=1, dtypes=(torch.int64,), shape_doc="(M,)")
+    if row_step.shape[0] != param.shape[0]:
+        raise ValueError(f"row_step must have shape (M,) = ({param.shape[0]},), got {tuple(row_step.shape)}")
+    check_tensor("rows", rows, ndim=1, dtypes=(torch.int64,), shape_doc="(T,)")
+    dtype = accumulation_dtype(param.dtype)
+    check_tensor("grad", grad, ndim=2, dtypes=(dtype,), shape_doc=f"(T, D) {str(dtype).replace('torch.', '')}")
+    if grad.shape != (rows.shape[0], param.shape[1]):
+        raise ValueError(f"grad must have shape (T, D) = {(rows.shape[0], param.shape[1])}, got {tuple(grad.shape)}")
+    if valid is not None:
+        check_tensor("valid", valid, ndim=1, dtypes=(torch.bool,), shape_doc="(T,)")
+        if valid.shape != rows.shape:
+            raise ValueError(f"valid must have shape (T,) = {tuple(rows.shape)}, got {tuple(valid.shape)}")
+    if grad_scale is not None and (not isinstance(grad_scale, torch.Tensor) or grad_scale.numel() != 1):
+        raise ValueError("grad_scale must be a one-element tensor or None")
+    beta1, beta2 = betas
+    if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
+        raise ValueError(f"betas must lie in [0, 1), got {betas}")
+    check_same_device("param", param, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, row_step=row_step, rows=rows,
+                      grad=grad, valid=valid)
+    name = resolve_backend(backend, param.device, param.dtype)
+    scale = None if grad_scale is None else grad_scale.detach().to(device=param.device, dtype=dtype).reshape(())
+    with torch.no_grad():  # an in-place update of a leaf that requires grad, as an optimizer makes
+        _row_adamw(param, exp_avg, exp_avg_sq, row_step, rows, grad.contiguous(), valid, _factor(lr, param.device),
+                   scale, float(beta1), float(beta2), float(eps), float(weight_decay), name)

@@ -1,0 +1,120 @@
+"""smf_kernels.ops.row_adamw_: AdamW on some rows of a table, against the float64 reference, on every backend;
+every other row and its state keep their bits."""
+import pytest
+import torch
+
+from helpers import rel_err
+from smf_kernels.backends import unavailable_reason
+from smf_kernels.ops import row_adamw_
+from smf_kernels.reference import row_adamw_reference
+from smf_kernels.sparse import RowSparseAdamW
+
+DEVICE = torch.get_default_device()
+BACKENDS = [b for b in ("torch", "ext", "triton") if unavailable_reason(b, DEVICE) is None]
+HYPER = dict(lr=3e-2, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.1)
+# relative error of one step in each dtype (bf16: the state is stored in bf16)
+TOL = {torch.float32: 2e-6, torch.float64: 1e-12, torch.bfloat16: 2e-2}
+
+
+def table(m, d, dtype):
+    param = torch.randn(m, d).to(dtype)
+    exp_avg = (torch.randn(m, d) * 0.1).to(dtype)
+    exp_avg_sq = (torch.rand(m, d) * 0.1).to(dtype)
+    row_step = torch.randint(0, 5, (m,))
+    return param, exp_avg, exp_avg_sq, row_step
+
+
+def _supports(backend, dtype):
+    return not (backend == "triton" and dtype == torch.float64)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("masked", [False, True])
+def test_selected_rows_follow_adamw_and_the_others_keep_their_bits(backend, dtype, masked):
+    if not _supports(backend, dtype):
+        pytest.skip("the triton backend takes no float64")
+    m, d = 23, 37  # neither a power of two
+    state = table(m, d, dtype)
+    before = [t.clone() for t in state]
+    rows = torch.tensor([0, 3, 4, 11, 22])
+    grad = torch.randn(rows.numel(), d, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    valid = torch.tensor([True, False, True, True, False]) if masked else None
+    scale = torch.tensor(0.7)
+    row_adamw_(*state, rows, grad, **HYPER, grad_scale=scale, valid=valid, backend=backend)
+    expected = row_adamw_reference(*before, rows, grad, **HYPER, grad_scale=scale, valid=valid)
+    moved = rows if valid is None else rows[valid]
+    untouched = torch.ones(m, dtype=torch.bool)
+    untouched[moved] = False
+    for name, new, old, ref in zip(("param", "exp_avg", "exp_avg_sq", "row_step"), state, before, expected):
+        assert torch.equal(new[untouched], old[untouched]), f"{name}: a row not updated changed"
+        if name == "row_step":
+            assert torch.equal(new, ref)
+        else:
+            assert rel_err(new[moved], ref[moved]) < TOL[dtype], name
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backends_agree_over_several_steps_with_a_tensor_learning_rate(backend):
+    d = 40
+    ours, torch_state = table(30, d, torch.float32), None
+    torch_state = [t.clone() for t in ours]
+    for step in range(4):
+        rows = torch.randperm(30)[:7].sort().values
+        grad = torch.randn(7, d)
+        lr = torch.tensor(0.01 * (step + 1), dtype=torch.float64)
+        row_adamw_(*ours, rows, grad, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, backend=backend)
+        row_adamw_(*torch_state, rows, grad, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+                   backend="torch")
+    for a, b in zip(ours, torch_state):
+        assert rel_err(a.double(), b.double()) < 1e-6
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_step_rows_equals_a_step_on_the_same_sparse_gradient(backend):
+    """RowSparseAdamW.step_rows (compact gradient) and step (COO gradient) make the same update."""
+    torch.manual_seed(1)
+    a = torch.nn.Parameter(torch.randn(12, 9))
+    b = torch.nn.Parameter(a.detach().clone())
+    opt_a, opt_b = RowSparseAdamW([a], lr=0.05, weight_decay=0.1), RowSparseAdamW([b], lr=0.05, weight_decay=0.1)
+    for _ in range(3):
+        rows = torch.randperm(12)[:5].sort().values
+        grad = torch.randn(5, 9)
+        a.grad = torch.sparse_coo_tensor(rows.unsqueeze(0), grad, a.shape, check_invariants=True)
+        opt_a.step()
+        opt_b.step_rows(b, rows, grad)
+    assert torch.equal(a, b)
+    assert all(torch.equal(opt_a.state[a][k], opt_b.state[b][k]) for k in ("exp_avg", "exp_avg_sq", "row_step"))
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="off CPU a range check is a device-side assertion")
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("rows, error, match", [
+    ([3, 1], ValueError, "rows must be strictly ascending"),
+    ([1, 1], ValueError, "rows must be strictly ascending"),
+    ([2, 9], IndexError, r"rows must lie in \[0, 9\)"),
+])
+def test_bad_rows_raise_before_anything_moves(backend, rows, error, match):
+    state = table(9, 4, torch.float32)
+    before = [t.clone() for t in state]
+    with pytest.raises(error, match=match):
+        row_adamw_(*state, torch.tensor(rows), torch.randn(2, 4), **HYPER, backend=backend)
+    assert all(torch.equal(a, b) for a, b in zip(state, before))
+
+
+def test_arguments_are_checked_by_name():
+    param, exp_avg, exp_avg_sq, row_step = table(9, 4, torch.float32)
+    rows, grad = torch.tensor([1, 2]), torch.randn(2, 4)
+    cases = [
+        (dict(exp_avg=exp_avg[:, :3]), "exp_avg"), (dict(exp_avg_sq=exp_avg_sq.double()), "exp_avg_sq"),
+        (dict(row_step=row_step[:5]), "row_step"), (dict(grad=grad[:1]), "grad"), (dict(grad=grad.double()), "grad"),
+        (dict(rows=rows.int()), "rows"),
+    ]
+    for change, name in cases:
+        args = dict(param=param, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, row_step=row_step, rows=rows, grad=grad)
+        args.update(change)
+        with pytest.raises((ValueError, TypeError), match=name):
+            row_adamw_(args["param"], args["exp_avg"], args["exp_avg_sq"], args["row_step"], args["rows"], args["grad"],
+                       **HYPER)
+    with pytest.raises(ValueError, match="valid"):
+        row_adamw_(param, exp_avg, exp_avg_sq, row_step, rows, grad, **HYPER, valid=torch.ones(3, dtype=torch.bool))
