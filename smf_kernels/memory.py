@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from smf_kernels._precision import no_autocast
-from smf_kernels.ops import DeferredRows, product_key_topk, silu_mul, weighted_gather
+from smf_kernels.ops import DeferredRows, ReadLog, product_key_topk, silu_mul, weighted_gather
 
 
 @functools.lru_cache(maxsize=None)
@@ -121,7 +121,7 @@ class ProductKeyMemory(nn.Module):
         self.out_proj = nn.Linear(value_dim, d_model, bias=True)
         self.register_buffer("read_counts", torch.zeros(self.num_slots, dtype=torch.int64), persistent=False)
         self.count_reads = False
-        self.update_rows: torch.Tensor | DeferredRows | RowsRead | None = None
+        self.update_rows: torch.Tensor | DeferredRows | ReadLog | RowsRead | None = None
         self.reset_parameters()
 
     def config(self) -> dict:
@@ -155,14 +155,15 @@ class ProductKeyMemory(nn.Module):
         """Zero the ``read_counts`` buffer (n_keys**2,) int64 in place (it keeps its device)."""
         self.read_counts.zero_()
 
-    def set_update_rows(self, rows: torch.Tensor | DeferredRows | RowsRead | None) -> None:
+    def set_update_rows(self, rows: torch.Tensor | DeferredRows | ReadLog | RowsRead | None) -> None:
         """Restrict the value gradient of later forwards to some rows.
 
         rows: a (T,) int64 tensor of distinct slot ids; :data:`ROWS_READ`, the
         distinct slots each forward reads (all tokens, padding included); a
         :class:`~smf_kernels.ops.DeferredRows` filled between forward and
-        backward; or None for a dense gradient. (The string ``"read"`` still
-        means ROWS_READ, with a DeprecationWarning.)
+        backward; a :class:`~smf_kernels.ops.ReadLog`, which keeps each backward's
+        reads for a value gradient computed later; or None for a dense gradient.
+        (The string ``"read"`` still means ROWS_READ, with a DeprecationWarning.)
         """
         if isinstance(rows, str) and rows == "read":
             warnings.warn('set_update_rows("read") is deprecated; pass smf_kernels.ROWS_READ',
@@ -172,8 +173,9 @@ class ProductKeyMemory(nn.Module):
             if rows.dim() != 1 or rows.dtype != torch.int64:
                 raise ValueError("rows must be a 1-D int64 tensor of distinct slot ids")
             rows = rows.to(self.values.device)
-        elif not (rows is None or isinstance(rows, (RowsRead, DeferredRows))):
-            raise ValueError(f"rows must be a 1-D int64 tensor, ROWS_READ, a DeferredRows or None, got {rows!r}")
+        elif not (rows is None or isinstance(rows, (RowsRead, DeferredRows, ReadLog))):
+            raise ValueError(f"rows must be a 1-D int64 tensor, ROWS_READ, a DeferredRows, a ReadLog or None, "
+                             f"got {rows!r}")
         self.update_rows = rows
 
     def lookup(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -247,3 +247,86 @@ def test_two_gloo_ranks_select_the_same_rows_and_match_one_process_with_the_whol
         assert rel_err(result["values"], model.memory.values.detach()) < 1e-6
         assert abs(result["alpha"].item() - model.alpha.item()) < 1e-6
     assert torch.equal(ranks[0]["values"], ranks[1]["values"])
+
+
+# ------------------------------------------------------------------ fused update, deferred value gradients
+def _run_steps(fused, how, max_grad_norm, steps, micro_batches=2):
+    """Trains ``steps`` with the controller in ``how`` ("read": ROWS_READ, "selected": rows chosen before the
+    backward after a counting pass, "deferred": the kept reads, "in-backward": fused, applied by the backward);
+    returns (selected rows per step, values, alpha, optimizer state of the values)."""
+    torch.manual_seed(0)
+    model = TinyModel()
+    controller = SparseMemoryController(model, rule="kl", rows_per_step=ROWS, fused=fused)
+    controller.collect_background(background_batches(), forward=forward_background)
+    optimizer = RowSparseAdamW([model.memory.values, model.alpha], lr=1e-2, weight_decay=0.1)
+    selected = []
+    for tokens, targets, valid in steps:
+        chunks = list(zip(tokens.chunk(micro_batches), targets.chunk(micro_batches), valid.chunk(micro_batches)))
+        controller.begin_step(select_before_backward=how in ("selected", "in-backward"),
+                              defer_value_gradients=how == "deferred",
+                              optimizer=optimizer if how == "in-backward" else None)
+        if how in ("selected", "in-backward"):
+            with torch.no_grad():
+                for chunk in chunks:
+                    model(chunk[0], chunk[2])
+            controller.select_rows()
+        for chunk in chunks:
+            micro_loss(model, *chunk, valid.sum()).backward()
+            if how == "deferred" or (fused and how != "read"):
+                assert model.memory.values.grad is None  # no value gradient written by a backward
+        selected.append(controller.finish_step(optimizer, max_grad_norm=max_grad_norm)["memory"])
+    state = optimizer.state[model.memory.values]
+    return selected, model.memory.values.detach().clone(), model.alpha.detach().clone(), state
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, 0.05])
+@pytest.mark.parametrize("fused, how", [(True, "read"), (True, "selected"), (True, "deferred"),
+                                        (False, "deferred"), (False, "selected")])
+def test_fused_update_and_deferred_gradients_equal_the_plain_sparse_step(fused, how, max_grad_norm):
+    """Every way of getting the rows' gradient, and the fused update, make the plain step's update within fp32
+    rounding (clipping at 0.05 clips every step); unselected rows keep their bits, selections are identical."""
+    steps = make_steps(3, sequences=4)
+    rows_ref, values_ref, alpha_ref, state_ref = _run_steps(False, "read", max_grad_norm, steps)
+    rows, values, alpha, state = _run_steps(fused, how, max_grad_norm, steps)
+    assert all(torch.equal(a, b) for a, b in zip(rows, rows_ref))
+    moved = torch.cat(rows).unique()
+    still = torch.ones(values.shape[0], dtype=torch.bool)
+    still[moved] = False
+    start = _run_steps(False, "read", max_grad_norm, [])[1]
+    assert torch.equal(values[still], start[still]) and torch.equal(values_ref[still], start[still])
+    assert rel_err(values, values_ref) < 1e-6 and abs(alpha.item() - alpha_ref.item()) < 1e-6
+    assert torch.equal(state["row_step"], state_ref["row_step"])
+    assert rel_err(state["exp_avg_sq"], state_ref["exp_avg_sq"]) < 1e-5
+
+
+def test_the_backward_applies_the_fused_update_when_rows_come_first_and_nothing_clips():
+    steps = make_steps(3, sequences=4)
+    reference = _run_steps(False, "read", None, steps, micro_batches=1)
+    updated = _run_steps(True, "in-backward", None, steps, micro_batches=1)
+    assert all(torch.equal(a, b) for a, b in zip(updated[0], reference[0]))
+    assert rel_err(updated[1], reference[1]) < 1e-6
+    model, controller = fresh_setup("kl")
+    controller.fused = True
+    optimizer = RowSparseAdamW([model.memory.values], lr=1e-2)
+    controller.begin_step(select_before_backward=True, optimizer=optimizer)
+    tokens, targets, valid = steps[0]
+    loss = micro_loss(model, tokens, targets, valid, valid.sum())
+    controller.select_rows()
+    loss.backward()
+    with pytest.raises(RuntimeError, match="one micro-batch"):
+        micro_loss(model, tokens, targets, valid, valid.sum()).backward()
+    with pytest.raises(RuntimeError, match="cannot clip"):
+        controller.finish_step(optimizer, max_grad_norm=1.0)
+
+
+def test_fused_options_that_cannot_work_are_refused():
+    model, _ = fresh_setup("kl")
+    with pytest.raises(ValueError, match="row_sparse"):
+        SparseMemoryController(model, mode="dense_masked", fused=True)
+    controller = SparseMemoryController(model, rows_per_step=ROWS)
+    controller.collect_background(background_batches(), forward=forward_background)
+    optimizer = RowSparseAdamW([model.memory.values], lr=1e-2)
+    with pytest.raises(ValueError, match="fused=True"):
+        controller.begin_step(select_before_backward=True, optimizer=optimizer)
+    with pytest.raises(ValueError, match="choose one"):
+        controller.begin_step(select_before_backward=True, defer_value_gradients=True)

@@ -104,11 +104,77 @@ class DeferredRows:
         self.rows = rows.sort().values
 
 
+class CompactRows(DeferredRows):
+    """:class:`DeferredRows` whose gradient stays compact: each backward adds the (T, D) gradient of the rows
+    (float32; float64 for a float64 table) into :attr:`grad` instead of giving the values a sparse COO ``.grad``
+    (the values get no ``.grad``). After :meth:`apply_with`, the backward instead hands that gradient straight
+    to a :class:`~smf_kernels.sparse.RowSparseAdamW` (``step_rows``): the update happens inside the backward.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.grad: torch.Tensor | None = None
+        self._optimizer = None
+        self._applied = False
+
+    def apply_with(self, optimizer) -> None:
+        """Let the backward update the rows with ``optimizer`` (a RowSparseAdamW holding the values) at once,
+        instead of adding their gradient to :attr:`grad`. Only for a step of one backward: a second one
+        raises (the rows moved already, and a later forward would have read the moved rows)."""
+        self._optimizer = optimizer
+
+    def _receive(self, values: torch.Tensor, compact: torch.Tensor) -> None:
+        if self._optimizer is not None:
+            if self._applied:
+                raise RuntimeError("the rows were updated by an earlier backward of this step (apply_with): a step "
+                                   "that updates in its backward has one micro-batch")
+            self._optimizer.step_rows(values, self.rows, compact)
+            self._applied = True
+        elif self.grad is None:
+            self.grad = compact
+        else:
+            self.grad += compact
+
+
+class ReadLog:
+    """The value gradient deferred to the end of the step: pass an instance as ``update_rows`` to
+    :func:`weighted_gather` and every backward computes only the weights' gradient, keeping its reads
+    (grad_out, indices, weights) here; :meth:`rows_gradient` then sums the reads of the rows finally chosen.
+    So no backward writes a value gradient, and rows can be chosen from every micro-batch's reads without
+    running the forwards twice. The kept grad_out tensors are (N, D) per backward.
+    """
+
+    def __init__(self) -> None:
+        self.reads: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.backend: str | None = None
+
+    def _keep(self, grad_out: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, backend: str) -> None:
+        self.reads.append((grad_out, indices, weights))
+        self.backend = backend
+
+    def rows_gradient(self, values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """(T, D) gradient of ``values`` rows ``rows`` ((T,) int64 ascending, distinct) over every kept read, in
+        the accumulation dtype (float32; float64 for float64 values), summed in the order of the backwards."""
+        total = torch.zeros(rows.numel(), values.shape[1], dtype=accumulation_dtype(values.dtype),
+                            device=values.device)
+        for grad_out, indices, weights in self.reads:
+            compact, _ = _backward(grad_out, values.detach(), indices, weights, rows, self.backend,
+                                   torch.are_deterministic_algorithms_enabled(), True, False)
+            total += compact
+        return total
+
+    def clear(self) -> None:
+        """Drop the kept reads."""
+        self.reads.clear()
+
+
 class _WeightedGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, values, indices, weights, counts, valid, update_rows, backend):
         ctx.deferred = update_rows if isinstance(update_rows, DeferredRows) else None
-        ctx.save_for_backward(values, indices, weights, None if ctx.deferred is not None else update_rows)
+        ctx.log = update_rows if isinstance(update_rows, ReadLog) else None
+        by_ctx = ctx.deferred is not None or ctx.log is not None
+        ctx.save_for_backward(values, indices, weights, None if by_ctx else update_rows)
         ctx.backend = backend
         if counts is None:
             return _forward(values, indices, weights, backend)
@@ -123,13 +189,17 @@ class _WeightedGather(torch.autograd.Function):
                 raise RuntimeError("update_rows is a DeferredRows whose rows were not set before the backward")
             check_gather_args(values, indices, weights, None, None, update_rows)  # its values: in the op
         grad_out = grad_out.contiguous()
-        need_values, need_weights = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+        need_values, need_weights = ctx.needs_input_grad[0] and ctx.log is None, ctx.needs_input_grad[2]
         compact, grad_weights = _backward(
             grad_out, values, indices, weights, update_rows, ctx.backend,
             torch.are_deterministic_algorithms_enabled(), need_values, need_weights,
         )
         grad_values = None
-        if need_values:
+        if ctx.log is not None and ctx.needs_input_grad[0]:
+            ctx.log._keep(grad_out, indices, weights, ctx.backend)
+        elif isinstance(ctx.deferred, CompactRows) and need_values:
+            ctx.deferred._receive(values, compact)
+        elif need_values:
             compact = compact.to(values.dtype)
             if update_rows is None:
                 grad_values = compact
@@ -148,7 +218,7 @@ def weighted_gather(
     *,
     counts: torch.Tensor | None = None,
     valid: torch.Tensor | None = None,
-    update_rows: torch.Tensor | DeferredRows | None = None,
+    update_rows: torch.Tensor | DeferredRows | ReadLog | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """``out[n] = sum_l weights[n, l] * values[indices[n, l]]``, with a read histogram.
@@ -165,13 +235,15 @@ def weighted_gather(
             w.r.t. ``values`` is a sparse COO tensor holding only these rows
             (sorted ascending; reads of other rows get no gradient), and no dense
             (M, D) buffer is allocated. Without it the gradient is dense. A
-            :class:`DeferredRows` instead lets the rows be chosen after the forward.
+            :class:`DeferredRows` instead lets the rows be chosen after the forward
+            (a :class:`CompactRows` keeps their gradient compact, or applies it), and
+            a :class:`ReadLog` defers the value gradient past the backward.
         backend: "torch", "triton", "ext" or None (see :mod:`smf_kernels.backends`).
 
     Returns:
         (N, D) tensor in values' dtype; differentiable w.r.t. values and weights.
     """
-    deferred = isinstance(update_rows, DeferredRows)
+    deferred = isinstance(update_rows, (DeferredRows, ReadLog))
     if update_rows is not None and not deferred:
         check_tensor("update_rows", update_rows, ndim=1, dtypes=(torch.int64,), shape_doc="(T,)")
         update_rows = update_rows.sort().values  # sorted once: checked for repeats, and the COO gradient is coalesced

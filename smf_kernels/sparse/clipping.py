@@ -30,11 +30,18 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
             scaled.append(param.grad.values())
         else:
             scaled.append(param.grad)
-    if not scaled:
-        return torch.zeros(())
-    norms = torch.stack([torch.linalg.vector_norm(g.float()) for g in scaled])
-    total = torch.linalg.vector_norm(norms)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    total, coef = norm_and_clip_coefficient(scaled, max_norm)
     for g in scaled:
         g.mul_(coef.to(g.dtype))
     return total
+
+
+def norm_and_clip_coefficient(grads: list[torch.Tensor], max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(total, coefficient): the joint L2 norm of ``grads`` (a 0-d float32 tensor, 0 without grads) and the
+    factor ``min(1, max_norm / (total + 1e-6))`` that clips them to ``max_norm``, as :func:`clip_grad_norm_`
+    applies it. No host sync."""
+    if not grads:
+        return torch.zeros(()), torch.ones(())
+    norms = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
+    total = torch.linalg.vector_norm(norms)
+    return total, torch.clamp(max_norm / (total + 1e-6), max=1.0)

@@ -61,11 +61,12 @@ import torch.distributed as dist
 from torch import nn
 from tqdm.auto import tqdm
 
+from smf_kernels._precision import accumulation_dtype
 from smf_kernels._rows import row_to_slot_map
 from smf_kernels.memory import ROWS_READ, ProductKeyMemory
-from smf_kernels.ops import DeferredRows
+from smf_kernels.ops import CompactRows, DeferredRows, ReadLog
 from smf_kernels.sparse.background import BackgroundStats
-from smf_kernels.sparse.clipping import clip_grad_norm_
+from smf_kernels.sparse.clipping import clip_grad_norm_, norm_and_clip_coefficient
 from smf_kernels.sparse.dense_masked import mask_grad_rows_
 from smf_kernels.sparse.selection import RULES, score_slots, select_top_rows
 
@@ -96,13 +97,20 @@ class SparseMemoryController:
             :meth:`collect_background`, or assign with :meth:`set_background`).
         mode: "row_sparse" (sparse gradients; use :class:`RowSparseAdamW`) or
             "dense_masked" (dense masked gradients; torch.optim.AdamW).
+        fused: mode "row_sparse" only: the fused update. The values never get a ``.grad`` (no sparse COO
+            tensor): each step's (T, D) row gradients stay compact and :meth:`finish_step` hands them to the
+            :class:`RowSparseAdamW` directly (``step_rows``: one pass per row on the ext and triton backends),
+            clipped with the global norm of every gradient of the step (a two-phase update: the rows'
+            gradients are complete when the step ends, then the norm, then the update). With
+            ``begin_step(select_before_backward=True, optimizer=...)`` and no clipping, the backward
+            updates the rows itself.
         process_group: group to reduce counts and gradients over; None = the
             default group when torch.distributed is initialised with world size > 1.
     """
 
     def __init__(self, model: nn.Module, *, rule: str = "tfidf", rows_per_step: int = 512,
                  background: BackgroundStats | None = None, mode: str = "row_sparse",
-                 process_group: Any = None) -> None:
+                 process_group: Any = None, fused: bool = False) -> None:
         if rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
         if mode not in MODES:
@@ -114,13 +122,18 @@ class SparseMemoryController:
                          if isinstance(module, ProductKeyMemory)}
         if not self.memories:
             raise ValueError("model holds no ProductKeyMemory module")
-        self.rule, self.rows_per_step, self.mode = rule, rows_per_step, mode
+        if fused and mode != "row_sparse":
+            raise ValueError(f"fused=True is the fused row-sparse update: it needs mode 'row_sparse', got {mode!r}")
+        self.rule, self.rows_per_step, self.mode, self.fused = rule, rows_per_step, mode, bool(fused)
         self.process_group = process_group
         self.background: BackgroundStats | None = None
         self._hooks: list = []
         self._in_step = False
         self._deferred: dict[str, DeferredRows] | None = None
+        self._logs: dict[str, ReadLog] | None = None
         self._selected: dict[str, torch.Tensor] | None = None
+        self._row_grads: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # fused: layer -> (rows, (T, D))
+        self._updated_in_backward = False
         if background is not None:
             self.set_background(background)
 
@@ -202,30 +215,57 @@ class SparseMemoryController:
         return stats
 
     # ------------------------------------------------------------ train steps
-    def begin_step(self, *, select_before_backward: bool = False) -> None:
+    def begin_step(self, *, select_before_backward: bool = False, defer_value_gradients: bool = False,
+                   optimizer: torch.optim.Optimizer | None = None) -> None:
         """Start an optimizer step: zero counts, count reads, route value gradients.
 
-        select_before_backward: the step is a single micro-batch; call
-        :meth:`select_rows` between its forward and backward so the backward
-        writes only the selected rows.
+        select_before_backward: call :meth:`select_rows` between the step's forwards and its first
+            backward, so every backward writes only the selected rows (a step of one micro-batch, or
+            micro-batches whose reads a no-grad forward has counted first).
+        defer_value_gradients: backwards write no value gradient; they keep their reads
+            (:class:`~smf_kernels.ops.ReadLog`) and the step's end computes the selected rows' gradient
+            from them. Rows come from every micro-batch's reads without a second forward.
+        optimizer: with ``fused=True`` and ``select_before_backward``: the :class:`RowSparseAdamW`
+            that the backward updates the selected rows with, directly (the step cannot clip then).
+        Without either option, every backward writes the rows its micro-batch read (``ROWS_READ``)
+        and the step keeps the selected ones.
         """
         if self.background is None:
             raise RuntimeError("no background statistics: pass background=, call set_background() "
                                "or collect_background() first")
         if self._in_step:
             raise RuntimeError("begin_step() called twice without finish_step()")
-        self._deferred = {name: DeferredRows() for name in self.memories} if select_before_backward else None
+        if select_before_backward and defer_value_gradients:
+            raise ValueError("choose one of select_before_backward and defer_value_gradients")
+        if optimizer is not None and not (self.fused and select_before_backward):
+            raise ValueError("optimizer= updates the rows inside the backward: it needs fused=True and "
+                             "select_before_backward=True")
+        if (select_before_backward or defer_value_gradients) and self.mode != "row_sparse":
+            raise ValueError(f"select_before_backward and defer_value_gradients need mode 'row_sparse', "
+                             f"got {self.mode!r}")
+        self._deferred = None
+        if select_before_backward:
+            self._deferred = {name: CompactRows() if self.fused else DeferredRows() for name in self.memories}
+            if optimizer is not None:
+                for handle in self._deferred.values():
+                    handle.apply_with(optimizer)
+        self._logs = {name: ReadLog() for name in self.memories} if defer_value_gradients else None
+        self._updated_in_backward = optimizer is not None
         self._selected = None
+        self._row_grads = {}
         for name, memory in self.memories.items():
             if not memory.values.requires_grad:
                 raise RuntimeError(f"{name}.values does not require grad; nothing to train")
             memory.reset_read_counts()
             memory.set_read_counting(True)
-            if self.mode == "row_sparse":
-                memory.set_update_rows(self._deferred[name] if self._deferred else ROWS_READ)
-                self._hooks.append(memory.values.register_post_accumulate_grad_hook(_coalesce_grad))
-            else:
+            if self.mode == "dense_masked":
                 memory.set_update_rows(None)
+            elif self._logs is not None:
+                memory.set_update_rows(self._logs[name])
+            else:
+                memory.set_update_rows(self._deferred[name] if self._deferred is not None else ROWS_READ)
+                if not self.fused:  # sparse .grad tensors, summed over micro-batches
+                    self._hooks.append(memory.values.register_post_accumulate_grad_hook(_coalesce_grad))
         self._in_step = True
 
     def select_rows(self) -> dict[str, torch.Tensor]:
@@ -267,7 +307,9 @@ class SparseMemoryController:
         tensor in mode "row_sparse", a masked dense tensor in "dense_masked"), averaged over
         ranks; read counting and update rows are off and the counts are zeroed. The caller then
         clips (:func:`~smf_kernels.sparse.clip_grad_norm_`), steps and zeroes the gradients itself,
-        e.g. inside another training loop (:class:`smf_kernels.hf.SparseMemoryTrainer`).
+        e.g. inside another training loop (:class:`smf_kernels.hf.SparseMemoryTrainer`). With
+        ``fused=True`` the values get no ``.grad``: :attr:`row_gradients` holds each layer's rows and
+        their (T, D) gradient, for :meth:`apply_row_gradients`.
 
         Returns:
             layer name -> (T',) int64 selected rows (ascending), T' = min(T, #read).
@@ -279,13 +321,38 @@ class SparseMemoryController:
         self._end_step()
         selected = self._selected if self._selected is not None else self._select(self._step_counts())
         for name, memory in self.memories.items():
-            if self.mode == "row_sparse":
-                self._restrict_sparse_grad(memory.values, selected[name])
-            else:
+            if self.mode == "dense_masked":
                 self._restrict_dense_grad(memory.values, selected[name])
+            elif not self._updated_in_backward:
+                compact = self._average_over_ranks(self._rows_gradient(name, memory.values, selected[name]))
+                if self.fused:
+                    self._row_grads[name] = (selected[name], compact)
+                else:  # the nn.Embedding(sparse=True) convention: a coalesced COO gradient of T rows
+                    memory.values.grad = torch.sparse_coo_tensor(
+                        selected[name].unsqueeze(0), compact.to(memory.values.dtype), memory.values.shape,
+                        is_coalesced=True, check_invariants=False)
         for memory in self.memories.values():
             memory.reset_read_counts()
+        if self._logs is not None:
+            for log in self._logs.values():
+                log.clear()
         return selected
+
+    @property
+    def row_gradients(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """``fused=True``, after :meth:`restrict_gradients`: layer name -> (rows (T,) int64 ascending, their
+        gradient (T, D) float32, averaged over ranks). Empty until then, and after the update."""
+        return dict(self._row_grads)
+
+    def apply_row_gradients(self, optimizer: torch.optim.Optimizer,
+                            grad_scale: torch.Tensor | None = None) -> None:
+        """``fused=True``: update each layer's selected rows from :attr:`row_gradients` (times ``grad_scale``,
+        e.g. a clipping coefficient) with ``optimizer``, a :class:`RowSparseAdamW` holding the values."""
+        if not hasattr(optimizer, "step_rows"):
+            raise TypeError(f"the fused update needs a RowSparseAdamW (step_rows), got {type(optimizer).__name__}")
+        for name, (rows, compact) in self._row_grads.items():
+            optimizer.step_rows(self.memories[name].values, rows, compact, grad_scale=grad_scale)
+        self._row_grads = {}
 
     def finish_step(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None
                     ) -> dict[str, torch.Tensor]:
@@ -300,10 +367,26 @@ class SparseMemoryController:
         """
         if not self._in_step:
             raise RuntimeError("finish_step() called without begin_step()")
+        if self._updated_in_backward and max_grad_norm is not None:
+            raise RuntimeError("the backward already updated the rows (begin_step(optimizer=...)): the step cannot "
+                               "clip; pass max_grad_norm=None, or do not pass optimizer= to begin_step")
         selected = self.restrict_gradients()
-        if max_grad_norm is not None:
-            clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], max_grad_norm)
-        optimizer.step()
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if not self.fused:
+            if max_grad_norm is not None:
+                clip_grad_norm_(params, max_grad_norm)
+            optimizer.step()
+        else:
+            coef = None
+            if max_grad_norm is not None:  # one norm over the rows' gradients and every other gradient
+                clip_grad_norm_(params, float("inf"))  # coalesces any sparse gradient; scales nothing
+                dense = [p.grad for p in params if p.grad is not None]
+                _, coef = norm_and_clip_coefficient(dense + [g for _, g in self._row_grads.values()],
+                                                    max_grad_norm)
+                for g in dense:
+                    g.mul_(coef.to(g.dtype))
+            optimizer.step()  # the parameters with a .grad (e.g. alpha); the values have none
+            self.apply_row_gradients(optimizer, grad_scale=coef)
         optimizer.zero_grad(set_to_none=True)
         return selected
 
@@ -323,24 +406,35 @@ class SparseMemoryController:
         self._all_reduce_sum(packed)
         return dict(zip(names, packed.split([self.memories[name].num_slots for name in names])))
 
-    def _restrict_sparse_grad(self, values: nn.Parameter, rows: torch.Tensor) -> None:
-        """values.grad := sparse COO gradient holding exactly ``rows`` ((T,) sorted), averaged over ranks."""
+    def _rows_gradient(self, name: str, values: nn.Parameter, rows: torch.Tensor) -> torch.Tensor:
+        """(T, D) gradient of this rank's step for rows ``rows`` ((T,) sorted), in the accumulation dtype:
+        from the kept reads (deferred), the backwards' compact sums (selected before the backward) or the
+        sparse ``.grad`` of the rows read (ROWS_READ)."""
+        dtype = accumulation_dtype(values.dtype)
+        if self._logs is not None:
+            return self._logs[name].rows_gradient(values, rows)
+        if self._deferred is not None and isinstance(self._deferred[name], CompactRows):
+            held = self._deferred[name].grad
+            return held if held is not None else torch.zeros(rows.numel(), values.shape[1], dtype=dtype,
+                                                             device=values.device)
         grad = values.grad
         if grad is not None and not grad.is_sparse:
             raise RuntimeError("values.grad is dense in row_sparse mode; was a forward run outside "
                                "begin_step()/finish_step()?")
-        num_rows, dim = values.shape
-        compact = torch.zeros(rows.numel(), dim, dtype=values.dtype, device=values.device)
+        values.grad = None
+        compact = torch.zeros(rows.numel(), values.shape[1], dtype=dtype, device=values.device)
         if grad is not None:
-            slots = row_to_slot_map(rows, num_rows)[grad._indices()[0]]  # _indices/_values: also valid when uncoalesced
+            slots = row_to_slot_map(rows, values.shape[0])[grad._indices()[0]]  # also valid when uncoalesced
             hits = (slots >= 0).nonzero().squeeze(1)  # host sync; only selected rows' entries are added
-            compact.index_add_(0, slots[hits], grad._values().index_select(0, hits))
+            compact.index_add_(0, slots[hits], grad._values().index_select(0, hits).to(dtype))
+        return compact
+
+    def _average_over_ranks(self, compact: torch.Tensor) -> torch.Tensor:
         world = self._world()
         if world > 1:
             self._all_reduce_sum(compact)
             compact.div_(world)
-        values.grad = torch.sparse_coo_tensor(rows.unsqueeze(0), compact, values.shape, is_coalesced=True,
-                                              check_invariants=False)
+        return compact
 
     def _restrict_dense_grad(self, values: nn.Parameter, rows: torch.Tensor) -> None:
         if values.grad is None:
