@@ -54,7 +54,8 @@ def build_model(tiny: bool):
     return Qwen2ForCausalLM(Qwen2Config(**fields)), [6, 12, 18], dict(n_keys=128, heads=4, topk=16, key_dim=256)
 
 
-def build_setup(recipe: str, tiny: bool, device: torch.device, rows_per_step: int, backend: str | None):
+def build_setup(recipe: str, tiny: bool, device: torch.device, rows_per_step: int, backend: str | None,
+                sparse_backward: str = "selected-rows", fused_update: bool = False):
     """A :class:`smf.train.recipes.TrainingSetup` for ``recipe``, as ``smf train`` builds it from a hub model."""
     from smf.model import apply_lora, attach_memories, configure_trainable
     from smf.train.config import RECIPE_LR, RunConfig
@@ -63,7 +64,9 @@ def build_setup(recipe: str, tiny: bool, device: torch.device, rows_per_step: in
     from smf_kernels.sparse import BackgroundStats, RowSparseAdamW, SparseMemoryController
 
     model, layers, memory = build_model(tiny)
-    config = RunConfig(backend=backend, rows_per_step=rows_per_step)  # run_step reads bf16, clipping, sparse backward
+    # run_step reads bf16, clipping, sparse backward
+    config = RunConfig(backend=backend, rows_per_step=rows_per_step, sparse_backward=sparse_backward,
+                       fused_update=fused_update)
     lr = RECIPE_LR[recipe]
     step = DenseStep()
     if recipe in ("sparse", "retrofit"):
@@ -76,7 +79,8 @@ def build_setup(recipe: str, tiny: bool, device: torch.device, rows_per_step: in
     model.to(device).train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     if recipe == "sparse":
-        controller = SparseMemoryController(model, rule="tfidf", rows_per_step=rows_per_step, mode="row_sparse")
+        controller = SparseMemoryController(model, rule="tfidf", rows_per_step=rows_per_step, mode="row_sparse",
+                                            fused=fused_update)
         background = BackgroundStats.for_memories(controller.memories)
         generator = torch.Generator().manual_seed(0)
         for name, module in controller.memories.items():
@@ -109,7 +113,8 @@ def measure(recipe: str, args, device: torch.device) -> dict:
     from smf.train.loop import cosine_schedule, run_step
 
     torch.manual_seed(0)
-    setup, config, trainable = build_setup(recipe, args.tiny, device, args.rows, args.backend)
+    setup, config, trainable = build_setup(recipe, args.tiny, device, args.rows, args.backend, args.sparse_backward,
+                                           args.fused_update)
     vocab = setup.model.config.vocab_size
     world = World(rank=0, size=1, device=device)
     scheduler = cosine_schedule(setup.optimizer, warmup_steps=1, total_steps=args.warmup + args.repeats + 1)
@@ -159,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=1024, help="padded sequence length (default: 1024)")
     p.add_argument("--rows", type=int, default=512, help="T: value rows trained per memory per step (sparse)")
     p.add_argument("--backend", default=None, help="memory kernel backend (default: automatic)")
+    p.add_argument("--sparse-backward", default="selected-rows", choices=("selected-rows", "read-rows", "deferred"),
+                   help="how the sparse recipe's backwards meet the selected rows (smf train's option)")
+    p.add_argument("--fused-update", action="store_true", help="the sparse recipe's fused row update")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default: 2)")
     p.add_argument("--repeats", type=int, default=5, help="timed steps; the median is reported (default: 5)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")

@@ -23,7 +23,7 @@ MEMORY_MODES = ("replacement", "additive", "additive+s")  # +S: alpha trains in 
 RETROFIT_MODE = {"replacement": "replacement", "additive": "additive", "additive+s": "additive"}
 # RULES, imported above from smf_kernels: the slot scoring rules ("tfidf", "kl").
 SPARSE_OPTIMIZERS = ("row_sparse", "dense_masked", "authors")
-SPARSE_BACKWARDS = ("selected-rows", "read-rows")
+SPARSE_BACKWARDS = ("selected-rows", "read-rows", "deferred")
 TASKS = ("medmcqa", "wikitext", "triviaqa")
 
 # Table 1 of the paper: the base model, sparse finetuning as f"{mode}-{rule}", and the two baselines.

@@ -206,6 +206,23 @@ def test_sparse_backward_selected_rows_equals_read_rows_under_accumulation(tmp_p
         torch.testing.assert_close(tensor, finals[1][name], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("sparse_backward, fused_update", [("deferred", False), ("deferred", True),
+                                                           ("selected-rows", True)])
+def test_deferred_gradients_and_the_fused_update_train_the_same_weights(tmp_path, sparse_backward, fused_update):
+    """2 micro-batches per step: the deferred value gradients (no backward writes one) and the fused update (no
+    COO gradient) end where the counting pass + RowSparseAdamW.step path ends, within fp32 rounding."""
+    adapter = write_adapter_and_background(tmp_path / "adapter", "additive+s")
+    overrides = {"n_examples": 8, "global_batch_size": 4, "micro_batch_size": 2, "epochs": 1, "lr": 1e-2,
+                 "warmup_steps": 0, "adapter": str(adapter), "background": str(adapter)}
+    finals = []
+    for name, options in (("plain", {}), ("variant", dict(sparse_backward=sparse_backward,
+                                                           fused_update=fused_update))):
+        train(tiny_run_config(tmp_path / name, "train", "sparse", **options, **overrides))
+        finals.append(torch.load(tmp_path / name / "sparse-run" / CHECKPOINT_FILE, weights_only=True)["trainable"])
+    for name, tensor in finals[0].items():
+        torch.testing.assert_close(tensor, finals[1][name], rtol=1e-5, atol=1e-6)
+
+
 def test_background_refuses_a_split_that_is_not_the_retrofit_runs(tmp_path):
     from smf.model.loading import RUN_CONFIG
     from smf.train.background import check_held_out_split

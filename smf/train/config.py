@@ -61,7 +61,11 @@ class RunConfig:
         "authors (one process): see docs/method.md#the-sparse-update-exact-default-and-the-authors-ablation", TRAIN)
     sparse_backward: Literal[SPARSE_BACKWARDS] = option(
         "selected-rows", "selected-rows: each backward writes only the T selected rows, found by a no-grad forward "
-        "first; read-rows: every row read, no extra forward (--recipe sparse; docs/method.md#what-sparse-means)", TRAIN)
+        "first; read-rows: every row read, no extra forward; deferred: backwards write no value gradient, the step's "
+        "end sums the T selected rows' reads, no extra forward (--recipe sparse; docs/method.md#what-sparse-means)",
+        TRAIN)
+    fused_update: bool = option(False, "--optimizer row_sparse: the value rows' update from their compact gradients "
+                                "in one pass per row, no sparse COO gradient (docs/method.md#what-sparse-means)", TRAIN)
     # LoRA
     lora_r: PositiveInt = option(16, "LoRA rank (--recipe lora)", TRAIN)
     lora_alpha: PositiveInt = option(32, "LoRA alpha (--recipe lora)", TRAIN)

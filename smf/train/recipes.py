@@ -88,6 +88,9 @@ def build_setup(config: RunConfig, world: World) -> TrainingSetup:
         model, tokenizer = load_with_adapter(config.model, config.adapter, world.device, config.backend)
         set_sparse_mode(model, config.mode)
         counts = configure_trainable(model, "sparse")
+        if config.fused_update and config.optimizer != "row_sparse":
+            raise ConfigError(f"--fused-update is the fused row_sparse update; --optimizer {config.optimizer} has "
+                              "none (drop --fused-update or use --optimizer row_sparse)")
         if config.optimizer == "authors":
             if world.size > 1:
                 raise ConfigError("--optimizer authors runs in one process (the authors' single-GPU update); "
@@ -95,7 +98,7 @@ def build_setup(config: RunConfig, world: World) -> TrainingSetup:
             step = AuthorsStep(AuthorsSparseUpdate(model, rule=config.rule, rows_per_step=config.rows_per_step))
         else:
             step = SparseStep(SparseMemoryController(model, rule=config.rule, rows_per_step=config.rows_per_step,
-                                                     mode=config.optimizer),
+                                                     mode=config.optimizer, fused=config.fused_update),
                               config.sparse_backward, bf16_autocast(config.bf16, world.device))
         controller = step.controller
         try:

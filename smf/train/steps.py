@@ -86,7 +86,9 @@ class SparseStep(_MemoryRows):
     Rows are picked before the backward when they can be, so that the backward writes only the T selected
     value rows: at once for a step of one micro-batch; under gradient accumulation with
     ``sparse_backward="selected-rows"`` (row_sparse only) after a no-grad forward over every micro-batch
-    that only counts reads (under ``autocast``, the trainer's bf16 context).
+    that only counts reads (under ``autocast``, the trainer's bf16 context). ``"deferred"`` instead keeps
+    every backward's reads and computes the selected rows' gradients at the step's end (no second forward);
+    ``"read-rows"`` lets every backward write the rows its micro-batch read.
     """
 
     def __init__(self, controller: SparseMemoryController, sparse_backward: str, autocast) -> None:
@@ -100,8 +102,10 @@ class SparseStep(_MemoryRows):
     def begin_step(self, model: nn.Module, micro_batches: list[dict]) -> None:
         self._snapshot()
         single = len(micro_batches) == 1
-        count_first = not single and self.sparse_backward == "selected-rows" and self.controller.mode == "row_sparse"
-        self.controller.begin_step(select_before_backward=single or count_first)
+        row_sparse = self.controller.mode == "row_sparse"
+        count_first = not single and self.sparse_backward == "selected-rows" and row_sparse
+        deferred = not single and self.sparse_backward == "deferred" and row_sparse
+        self.controller.begin_step(select_before_backward=single or count_first, defer_value_gradients=deferred)
         self._select_after_forward = single
         if count_first:
             with torch.no_grad(), self.autocast():
