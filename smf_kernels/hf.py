@@ -22,7 +22,7 @@ import logging
 import torch
 from transformers import Trainer, TrainerCallback
 
-from smf_kernels.sparse.clipping import clip_grad_norm_
+from smf_kernels.sparse.clipping import clip_grad_norm_, norm_and_clip_coefficient
 from smf_kernels.sparse.controller import SparseMemoryController
 from smf_kernels.sparse.row_sparse_adamw import RowSparseAdamW
 
@@ -39,6 +39,9 @@ class _RestoreSparseGradients(TrainerCallback):
         for param, grad in self.trainer._held_gradients.items():
             param.grad = grad
         self.trainer._held_gradients = {}
+        if self.trainer.controller.fused:  # the value rows step here, at the optimizer's learning rate of this step
+            optimizer = getattr(self.trainer.optimizer, "optimizer", self.trainer.optimizer)  # accelerate's wrapper
+            self.trainer.controller.apply_row_gradients(optimizer, grad_scale=self.trainer._row_grad_scale)
 
 
 class SparseMemoryTrainer(Trainer):
@@ -61,6 +64,9 @@ class SparseMemoryTrainer(Trainer):
     the arguments this trainer keeps; the value given is ``self.sparse_max_grad_norm``) and the
     logged ``grad_norm`` is the sparse-aware total norm before clipping.
 
+    With a ``fused=True`` controller the value rows' gradients stay compact (no COO ``.grad``): their norm
+    joins the global norm, and the rows are updated right before the optimizer steps the other parameters.
+
     Without ``optimizers=``, mode "row_sparse" builds a :class:`RowSparseAdamW` from the
     arguments (learning_rate, adam betas / epsilon, weight_decay); mode "dense_masked" keeps the
     Trainer's default optimizer. ``last_selected_rows`` holds the rows of the latest step
@@ -81,6 +87,7 @@ class SparseMemoryTrainer(Trainer):
         self.last_selected_rows: dict[str, torch.Tensor] = {}
         self._held_gradients: dict[torch.nn.Parameter, torch.Tensor] = {}
         self._sparse_grad_norm: float | None = None
+        self._row_grad_scale: torch.Tensor | None = None
         self.add_callback(_RestoreSparseGradients(self))
 
     def create_optimizer(self, model=None):
@@ -105,6 +112,15 @@ class SparseMemoryTrainer(Trainer):
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         max_norm = self.sparse_max_grad_norm if self.sparse_max_grad_norm and self.sparse_max_grad_norm > 0 \
             else float("inf")
+        if self.controller.fused:  # one norm over the rows' compact gradients and every other gradient
+            clip_grad_norm_(params, float("inf"))  # coalesces any sparse gradient; scales nothing
+            dense = [p.grad for p in params if p.grad is not None]
+            compact = [grad for _, grad in self.controller.row_gradients.values()]
+            total, coef = norm_and_clip_coefficient(dense + compact, max_norm)
+            for grad in dense:
+                grad.mul_(coef.to(grad.dtype))
+            self._sparse_grad_norm, self._row_grad_scale = float(total), coef
+            return
         self._sparse_grad_norm = float(clip_grad_norm_(params, max_norm))
         # torch's clip_grad_norm_ (which the Trainer calls for its grad_norm) cannot read sparse gradients:
         # hold them until the optimizer step (_RestoreSparseGradients).

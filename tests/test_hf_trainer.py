@@ -48,12 +48,13 @@ class RowChecker(TrainerCallback):
         self.steps_checked += 1
 
 
-def _model_and_controller(background=None):
+def _model_and_controller(background=None, fused=False):
     model = tiny_model()
     torch.manual_seed(0)
     attach_memories(model, TINY_MEMORY_LAYERS, "additive+s", **TINY_MEMORY_KWARGS)
     configure_trainable(model, "sparse")
-    controller = SparseMemoryController(model, rule="tfidf", rows_per_step=ROWS_PER_STEP, background=background)
+    controller = SparseMemoryController(model, rule="tfidf", rows_per_step=ROWS_PER_STEP, background=background,
+                                        fused=fused)
     if background is None:
         docs = Sequences(4, seed=7)
         controller.collect_background([{"input_ids": docs.ids[i:i + 1]} for i in range(len(docs))])
@@ -96,6 +97,23 @@ def test_trainer_does_smf_with_accumulation_clipping_schedule_and_bit_identical_
     assert checker.steps_checked == STEPS - 2
     for name, value in _state(resumed_model).items():
         assert torch.equal(value, unbroken[name]), name
+
+
+def test_trainer_with_the_fused_update_trains_the_same_weights(tmp_path):
+    """A fused controller: no COO gradients, the rows' norm in the logged grad_norm, the same weights within
+    fp32 rounding as the plain controller's run."""
+    runs = {}
+    for fused in (False, True):
+        model, controller = _model_and_controller(fused=fused)
+        trainer, checker = _trainer(model, controller, tmp_path / f"fused-{fused}")
+        trainer.train()
+        assert checker.steps_checked == STEPS
+        norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
+        runs[fused] = (_state(model), norms)
+    (plain, plain_norms), (fused, fused_norms) = runs[False], runs[True]
+    assert fused_norms == pytest.approx(plain_norms, rel=1e-5)
+    for name, value in fused.items():
+        torch.testing.assert_close(value, plain[name], rtol=1e-5, atol=1e-6)
 
 
 def test_trainer_rejects_a_missing_controller(tmp_path):
