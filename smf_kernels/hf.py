@@ -115,7 +115,7 @@ class SparseMemoryTrainer(Trainer):
         if self.controller.fused:  # one norm over the rows' compact gradients and every other gradient
             clip_grad_norm_(params, float("inf"))  # coalesces any sparse gradient; scales nothing
             dense = [p.grad for p in params if p.grad is not None]
-            compact = [grad for _, grad in self.controller.row_gradients.values()]
+            compact = [grad for _, grad, _ in self.controller.row_gradients.values()]
             total, coef = norm_and_clip_coefficient(dense + compact, max_norm)
             for grad in dense:
                 grad.mul_(coef.to(grad.dtype))

@@ -85,6 +85,32 @@ def _(grad_out, values, indices, weights, update_rows, backend, deterministic, n
     return grad_values, grad_weights
 
 
+@torch.library.custom_op("smf_kernels::weighted_gather_backward_into", mutates_args=("sink",))
+def _backward_into(
+    grad_out: torch.Tensor,
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    weights: torch.Tensor,
+    update_rows: torch.Tensor,
+    sink: torch.Tensor,
+    backend: str,
+    deterministic: bool,
+    need_weights: bool,
+) -> torch.Tensor:
+    """The backward with the (T, D) value gradient of rows ``update_rows`` added into ``sink`` in place;
+    returns grad_weights (N, L) (0 rows if not needed)."""
+    compact, grad_weights = _backward(grad_out, values, indices, weights, update_rows, backend, deterministic, True,
+                                      need_weights)
+    sink += compact
+    return grad_weights
+
+
+@_backward_into.register_fake
+def _(grad_out, values, indices, weights, update_rows, sink, backend, deterministic, need_weights):
+    return grad_out.new_empty(indices.shape[0] if need_weights else 0, indices.shape[1],
+                              dtype=accumulation_dtype(values.dtype))
+
+
 class DeferredRows:
     """The rows of a sparse value gradient, chosen after the forward and before the backward.
 
@@ -106,16 +132,33 @@ class DeferredRows:
 
 class CompactRows(DeferredRows):
     """:class:`DeferredRows` whose gradient stays compact: each backward adds the (T, D) gradient of the rows
-    (float32; float64 for a float64 table) into :attr:`grad` instead of giving the values a sparse COO ``.grad``
-    (the values get no ``.grad``). After :meth:`apply_with`, the backward instead hands that gradient straight
-    to a :class:`~smf_kernels.sparse.RowSparseAdamW` (``step_rows``): the update happens inside the backward.
+    (float32; float64 for a float64 table) into :attr:`grad` in place, and the values get no ``.grad`` (no
+    sparse COO tensor, nothing that torch.compile cannot trace). :meth:`set` may also mark rows ``valid``:
+    a fixed-size selection padded with rows that must not move. After :meth:`apply_with` the backward instead
+    hands the gradient straight to a :class:`~smf_kernels.sparse.RowSparseAdamW` (``step_rows``): the rows
+    are updated inside the backward.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.grad: torch.Tensor | None = None
+        self.valid: torch.Tensor | None = None
         self._optimizer = None
         self._applied = False
+
+    def set(self, rows: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """rows: (T,) int64 distinct row ids; valid: optional (T,) bool, False for rows that must not move."""
+        if valid is not None and (not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool
+                                  or valid.shape != getattr(rows, "shape", None)):
+            raise ValueError("valid must be a bool tensor of the shape of rows")
+        super().set(rows)
+        self.valid = None if valid is None else valid[torch.argsort(rows)]
+
+    def rows_for_backward(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(rows (T,) ascending, valid (T,) bool or None) for the backward; RuntimeError if not chosen yet."""
+        if self.rows is None:
+            raise RuntimeError("update_rows is a CompactRows whose rows were not set before the backward")
+        return self.rows, self.valid
 
     def apply_with(self, optimizer) -> None:
         """Let the backward update the rows with ``optimizer`` (a RowSparseAdamW holding the values) at once,
@@ -123,17 +166,12 @@ class CompactRows(DeferredRows):
         raises (the rows moved already, and a later forward would have read the moved rows)."""
         self._optimizer = optimizer
 
-    def _receive(self, values: torch.Tensor, compact: torch.Tensor) -> None:
-        if self._optimizer is not None:
-            if self._applied:
-                raise RuntimeError("the rows were updated by an earlier backward of this step (apply_with): a step "
-                                   "that updates in its backward has one micro-batch")
-            self._optimizer.step_rows(values, self.rows, compact)
-            self._applied = True
-        elif self.grad is None:
-            self.grad = compact
-        else:
-            self.grad += compact
+    def _apply(self, values: torch.Tensor, rows: torch.Tensor, valid, compact: torch.Tensor) -> None:
+        if self._applied:
+            raise RuntimeError("the rows were updated by an earlier backward of this step (apply_with): a step "
+                               "that updates in its backward has one micro-batch")
+        self._optimizer.step_rows(values, rows, compact, valid=valid)
+        self._applied = True
 
 
 class ReadLog:
@@ -183,30 +221,42 @@ class _WeightedGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         values, indices, weights, update_rows = ctx.saved_tensors
-        if ctx.deferred is not None:
-            update_rows = ctx.deferred.rows
-            if update_rows is None:
-                raise RuntimeError("update_rows is a DeferredRows whose rows were not set before the backward")
-            check_gather_args(values, indices, weights, None, None, update_rows)  # its values: in the op
         grad_out = grad_out.contiguous()
-        need_values, need_weights = ctx.needs_input_grad[0] and ctx.log is None, ctx.needs_input_grad[2]
-        compact, grad_weights = _backward(
-            grad_out, values, indices, weights, update_rows, ctx.backend,
-            torch.are_deterministic_algorithms_enabled(), need_values, need_weights,
-        )
-        grad_values = None
-        if ctx.log is not None and ctx.needs_input_grad[0]:
-            ctx.log._keep(grad_out, indices, weights, ctx.backend)
-        elif isinstance(ctx.deferred, CompactRows) and need_values:
-            ctx.deferred._receive(values, compact)
-        elif need_values:
-            compact = compact.to(values.dtype)
-            if update_rows is None:
-                grad_values = compact
-            else:  # the nn.Embedding(sparse=True) convention: a COO tensor with T rows
-                grad_values = torch.sparse_coo_tensor(
-                    update_rows.unsqueeze(0), compact, values.shape, is_coalesced=True, check_invariants=False
-                )
+        need_values, need_weights = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        grad_values = grad_weights = None
+        if isinstance(ctx.deferred, CompactRows) and need_values:  # no .grad: the rows' gradient is kept or applied
+            rows, valid = ctx.deferred.rows_for_backward()
+            check_gather_args(values, indices, weights, None, None, rows)  # its values: in the op
+            if ctx.deferred._optimizer is not None:
+                compact, grad_weights = _backward(grad_out, values, indices, weights, rows, ctx.backend,
+                                                  deterministic, True, need_weights)
+                ctx.deferred._apply(values, rows, valid, compact)
+            else:
+                if ctx.deferred.grad is None:
+                    ctx.deferred.grad = grad_out.new_zeros(rows.shape[0], values.shape[1],
+                                                           dtype=accumulation_dtype(values.dtype))
+                grad_weights = _backward_into(grad_out, values, indices, weights, rows, ctx.deferred.grad,
+                                              ctx.backend, deterministic, need_weights)
+        else:
+            if ctx.deferred is not None:
+                update_rows = ctx.deferred.rows
+                if update_rows is None:
+                    raise RuntimeError("update_rows is a DeferredRows whose rows were not set before the backward")
+                check_gather_args(values, indices, weights, None, None, update_rows)  # its values: in the op
+            logged = ctx.log is not None
+            compact, grad_weights = _backward(grad_out, values, indices, weights, update_rows, ctx.backend,
+                                              deterministic, need_values and not logged, need_weights)
+            if logged and need_values:
+                ctx.log._keep(grad_out, indices, weights, ctx.backend)
+            elif need_values:
+                compact = compact.to(values.dtype)
+                if update_rows is None:
+                    grad_values = compact
+                else:  # the nn.Embedding(sparse=True) convention: a COO tensor with T rows
+                    grad_values = torch.sparse_coo_tensor(
+                        update_rows.unsqueeze(0), compact, values.shape, is_coalesced=True, check_invariants=False
+                    )
         grad_weights = grad_weights.to(weights.dtype) if need_weights else None
         return grad_values, None, grad_weights, None, None, None, None
 

@@ -68,7 +68,7 @@ from smf_kernels.ops import CompactRows, DeferredRows, ReadLog
 from smf_kernels.sparse.background import BackgroundStats
 from smf_kernels.sparse.clipping import clip_grad_norm_, norm_and_clip_coefficient
 from smf_kernels.sparse.dense_masked import mask_grad_rows_
-from smf_kernels.sparse.selection import RULES, score_slots, select_top_rows
+from smf_kernels.sparse.selection import RULES, score_slots, select_rows_padded, select_top_rows
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +83,25 @@ def _coalesce_grad(param: torch.Tensor) -> None:
     """Post-accumulate-grad hook: keep the summed sparse gradient at <= M rows across micro-batches
     (sparse + sparse may concatenate entries instead of merging them)."""
     param.grad = param.grad.coalesce()
+
+
+class _RowsFromCounts(CompactRows):
+    """A fused step's rows, chosen before its backward: by :meth:`SparseMemoryController.select_rows` (from the
+    counts summed over ranks), or else by the backward itself, from this process's counts of the step: a
+    fixed-size selection with no host sync, which torch.compile traces into the backward graph."""
+
+    def __init__(self, controller: "SparseMemoryController", name: str) -> None:
+        super().__init__()
+        self._controller, self._name = controller, name
+
+    def rows_for_backward(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.rows is not None:
+            return self.rows, self.valid
+        if self._controller._world() > 1:
+            raise RuntimeError("under torch.distributed every rank must select the same rows: call "
+                               "controller.select_rows() between the step's forwards and its backward")
+        memory = self._controller.memories[self._name]
+        return self._controller._padded_selection(self._name, memory.read_counts)
 
 
 class SparseMemoryController:
@@ -132,7 +151,9 @@ class SparseMemoryController:
         self._deferred: dict[str, DeferredRows] | None = None
         self._logs: dict[str, ReadLog] | None = None
         self._selected: dict[str, torch.Tensor] | None = None
-        self._row_grads: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # fused: layer -> (rows, (T, D))
+        # fused: layer -> (rows (T,), their gradient (T, D), valid (T,) bool or None)
+        self._row_grads: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
+        self._background_on: dict[tuple[str, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
         self._updated_in_backward = False
         if background is not None:
             self.set_background(background)
@@ -153,6 +174,7 @@ class SparseMemoryController:
         """Use ``background`` for scoring; raises ValueError if it was built for other memories."""
         background.check_matches(self.memories)
         self.background = background
+        self._background_on = {}
 
     def _world(self) -> int:
         if dist.is_available() and dist.is_initialized():
@@ -221,7 +243,9 @@ class SparseMemoryController:
 
         select_before_backward: call :meth:`select_rows` between the step's forwards and its first
             backward, so every backward writes only the selected rows (a step of one micro-batch, or
-            micro-batches whose reads a no-grad forward has counted first).
+            micro-batches whose reads a no-grad forward has counted first). With ``fused=True`` in one
+            process, the backward may select them itself instead (no call, no host sync: what a compiled
+            model does); it takes T rows, those not read marked invalid.
         defer_value_gradients: backwards write no value gradient; they keep their reads
             (:class:`~smf_kernels.ops.ReadLog`) and the step's end computes the selected rows' gradient
             from them. Rows come from every micro-batch's reads without a second forward.
@@ -245,7 +269,14 @@ class SparseMemoryController:
                              f"got {self.mode!r}")
         self._deferred = None
         if select_before_backward:
-            self._deferred = {name: CompactRows() if self.fused else DeferredRows() for name in self.memories}
+            self._deferred = {name: _RowsFromCounts(self, name) if self.fused else DeferredRows()
+                              for name in self.memories}
+            if self.fused:  # what the backward writes into or reads, made now: it then mutates no Python state
+                for name, handle in self._deferred.items():
+                    values = self.memories[name].values
+                    handle.grad = torch.zeros(min(self.rows_per_step, values.shape[0]), values.shape[1],
+                                              dtype=accumulation_dtype(values.dtype), device=values.device)
+                    self._background_tensors(name, values.device)
             if optimizer is not None:
                 for handle in self._deferred.values():
                     handle.apply_with(optimizer)
@@ -278,20 +309,41 @@ class SparseMemoryController:
             raise RuntimeError("select_rows() needs begin_step(select_before_backward=True) first")
         if self._selected is not None:
             raise RuntimeError("select_rows() was already called in this step")
-        self._selected = self._select(self._step_counts())
-        for name, rows in self._selected.items():
-            self._deferred[name].set(rows)
+        counts = self._step_counts()
+        self._selected = {}
+        for name, handle in self._deferred.items():
+            if self.fused:
+                rows, valid = self._padded_selection(name, counts[name])
+                handle.set(rows, valid)
+                self._selected[name] = rows[valid]
+            else:
+                self._selected[name] = select_top_rows(self._scores(name, counts[name]), counts[name],
+                                                       self.rows_per_step)
+                handle.set(self._selected[name])
             self.memories[name].set_read_counting(False)  # the step's selection is made
         return self._selected
 
+    def _background_tensors(self, name: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``name``'s background (doc_freq, reads) on ``device``: the statistics live on the CPU, copied
+        once per device (begin_step makes the copies, so a backward that selects mutates nothing)."""
+        key = (name, device)
+        if key not in self._background_on:
+            self._background_on[key] = (self.background.doc_freq[name].to(device),
+                                        self.background.reads[name].to(device))
+        return self._background_on[key]
+
+    def _scores(self, name: str, counts: torch.Tensor) -> torch.Tensor:
+        """(M,) float64 scores of layer ``name``'s slots for the step's ``counts`` (M,) int64, by the rule."""
+        doc_freq, reads = self._background_tensors(name, counts.device)
+        return score_slots(self.rule, counts, doc_freq, reads, self.background.num_batches[name])
+
+    def _padded_selection(self, name: str, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows (T,) ascending, valid (T,) bool): the step's selection at a fixed size, no host sync."""
+        return select_rows_padded(self._scores(name, counts), counts, self.rows_per_step)
+
     def _select(self, counts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        selected = {}
-        for name in self.memories:
-            device = counts[name].device  # statistics live on the CPU; (M,) int64 copies are cheap
-            scores = score_slots(self.rule, counts[name], self.background.doc_freq[name].to(device),
-                                 self.background.reads[name].to(device), self.background.num_batches[name])
-            selected[name] = select_top_rows(scores, counts[name], self.rows_per_step)
-        return selected
+        return {name: select_top_rows(self._scores(name, counts[name]), counts[name], self.rows_per_step)
+                for name in self.memories}
 
     @property
     def in_step(self) -> bool:
@@ -316,20 +368,27 @@ class SparseMemoryController:
         """
         if not self._in_step:
             raise RuntimeError("the step was not begun: call begin_step() before its forwards")
-        if self._deferred is not None and self._selected is None:
+        fused_handles = self._deferred is not None and self.fused
+        if self._deferred is not None and self._selected is None and not fused_handles:
             raise RuntimeError("begin_step(select_before_backward=True) needs select_rows() before the backward")
         self._end_step()
-        selected = self._selected if self._selected is not None else self._select(self._step_counts())
+        if fused_handles:  # the rows the backwards used (chosen by select_rows, or by the backward itself)
+            chosen = {name: handle.rows_for_backward() for name, handle in self._deferred.items()}
+        else:
+            picked = self._selected if self._selected is not None else self._select(self._step_counts())
+            chosen = {name: (rows, None) for name, rows in picked.items()}
+        selected = {name: rows if valid is None else rows[valid] for name, (rows, valid) in chosen.items()}
         for name, memory in self.memories.items():
+            rows, valid = chosen[name]
             if self.mode == "dense_masked":
-                self._restrict_dense_grad(memory.values, selected[name])
+                self._restrict_dense_grad(memory.values, rows)
             elif not self._updated_in_backward:
-                compact = self._average_over_ranks(self._rows_gradient(name, memory.values, selected[name]))
+                compact = self._average_over_ranks(self._rows_gradient(name, memory.values, rows))
                 if self.fused:
-                    self._row_grads[name] = (selected[name], compact)
+                    self._row_grads[name] = (rows, compact, valid)
                 else:  # the nn.Embedding(sparse=True) convention: a coalesced COO gradient of T rows
                     memory.values.grad = torch.sparse_coo_tensor(
-                        selected[name].unsqueeze(0), compact.to(memory.values.dtype), memory.values.shape,
+                        rows.unsqueeze(0), compact.to(memory.values.dtype), memory.values.shape,
                         is_coalesced=True, check_invariants=False)
         for memory in self.memories.values():
             memory.reset_read_counts()
@@ -339,9 +398,10 @@ class SparseMemoryController:
         return selected
 
     @property
-    def row_gradients(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def row_gradients(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
         """``fused=True``, after :meth:`restrict_gradients`: layer name -> (rows (T,) int64 ascending, their
-        gradient (T, D) float32, averaged over ranks). Empty until then, and after the update."""
+        gradient (T, D) float32 averaged over ranks, valid (T,) bool or None: rows marked False were not read
+        and do not move). Empty until then, and after the update."""
         return dict(self._row_grads)
 
     def apply_row_gradients(self, optimizer: torch.optim.Optimizer,
@@ -350,8 +410,8 @@ class SparseMemoryController:
         e.g. a clipping coefficient) with ``optimizer``, a :class:`RowSparseAdamW` holding the values."""
         if not hasattr(optimizer, "step_rows"):
             raise TypeError(f"the fused update needs a RowSparseAdamW (step_rows), got {type(optimizer).__name__}")
-        for name, (rows, compact) in self._row_grads.items():
-            optimizer.step_rows(self.memories[name].values, rows, compact, grad_scale=grad_scale)
+        for name, (rows, compact, valid) in self._row_grads.items():
+            optimizer.step_rows(self.memories[name].values, rows, compact, grad_scale=grad_scale, valid=valid)
         self._row_grads = {}
 
     def finish_step(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None
@@ -381,7 +441,7 @@ class SparseMemoryController:
             if max_grad_norm is not None:  # one norm over the rows' gradients and every other gradient
                 clip_grad_norm_(params, float("inf"))  # coalesces any sparse gradient; scales nothing
                 dense = [p.grad for p in params if p.grad is not None]
-                _, coef = norm_and_clip_coefficient(dense + [g for _, g in self._row_grads.values()],
+                _, coef = norm_and_clip_coefficient(dense + [g for _, g, _ in self._row_grads.values()],
                                                     max_grad_norm)
                 for g in dense:
                     g.mul_(coef.to(g.dtype))

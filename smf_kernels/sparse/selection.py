@@ -98,6 +98,22 @@ def select_top_rows(scores: torch.Tensor, counts: torch.Tensor, num_rows: int) -
     return order[: min(num_rows, num_read)].sort().values
 
 
+def select_rows_padded(scores: torch.Tensor, counts: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`select_top_rows` at a fixed size, with no host sync (a shape that torch.compile can keep).
+
+    Returns:
+        rows: (min(T, M),) int64 ascending: the T best-scoring slots.
+        valid: (min(T, M),) bool: True for the rows :func:`select_top_rows` selects (the read ones among
+            them); the others are unread slots that fill the size and must not be updated.
+    """
+    _check_counts(counts)
+    if isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 0:
+        raise ValueError(f"num_rows must be a non-negative int, got {num_rows!r}")
+    order = torch.sort(scores, descending=True, stable=True).indices[: min(num_rows, counts.numel())]
+    rows, position = order.sort()
+    return rows, (counts[order] > 0)[position]
+
+
 def score_slots(rule: str, counts: torch.Tensor, doc_freq: torch.Tensor, reads: torch.Tensor,
                 num_batches: int) -> torch.Tensor:
     """Scores of ``rule`` ("tfidf" or "kl") from a batch's counts and background statistics (all (M,) int64)."""
