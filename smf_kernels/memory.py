@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from smf_kernels._precision import no_autocast
-from smf_kernels.ops import DeferredRows, ReadLog, product_key_topk, silu_mul, weighted_gather
+from smf_kernels.ops import DeferredRows, ReadLog, product_key_topk, weighted_gather
 
 
 @functools.lru_cache(maxsize=None)
@@ -207,17 +207,18 @@ class ProductKeyMemory(nn.Module):
         num_tokens, per_token = flat.shape[0], self.heads * self.topk
         counting = self.count_reads
         update_rows = _RowsReadBy(indices) if isinstance(self.update_rows, RowsRead) else self.update_rows
-        read = weighted_gather(
+        gate = _linear(self.gate_proj, flat)
+        gated_read = weighted_gather(  # silu(gate) * the weighted read, in gate's dtype
             self.values,
             indices.view(num_tokens, per_token),
             weights.view(num_tokens, per_token),
             counts=self.read_counts if counting else None,
             valid=valid_mask.reshape(-1).bool() if (counting and valid_mask is not None) else None,
             update_rows=update_rows,
+            gate=gate,
             backend=self.backend,
         )
-        gate = _linear(self.gate_proj, flat)
-        out = _linear(self.out_proj, silu_mul(gate, read.to(gate.dtype), backend=self.backend))
+        out = _linear(self.out_proj, gated_read)
         return out.view(*x.shape[:-1], self.d_model)
 
     def extra_repr(self) -> str:

@@ -147,7 +147,7 @@ def test_update_rows_read_and_deferred_modes():
     mem.set_update_rows(unset)
     with pytest.raises(RuntimeError, match="were not set before the backward"):
         torch.autograd.grad(mem(x).sum(), mem.values)
-    with pytest.raises(ValueError, match="ROWS_READ, a DeferredRows or None"):
+    with pytest.raises(ValueError, match="ROWS_READ, a DeferredRows, a ReadLog or None"):
         mem.set_update_rows("all")
 
 
@@ -163,3 +163,37 @@ def test_autocast_changes_neither_the_slots_read_nor_finiteness(backend):
     assert torch.equal(autocast_slots, slots), "the lookup must not run in bf16 under autocast"
     assert torch.isfinite(out).all()
     assert rel_err(out, expected) < 2e-2  # only gate/out projections run in bf16
+
+
+class _SmfOpCalls(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the smf_kernels custom ops called while active (what each costs on the host: one dispatch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "smf_kernels":
+            self.calls.append(func._opname)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("update_rows", ["dense", "compact"])
+def test_a_layer_makes_two_op_calls_each_way(update_rows):
+    """The host path of issue 26: top-k and the gated gather forward (counting reads), their two backwards."""
+    from smf_kernels.ops import CompactRows
+
+    mem = ProductKeyMemory(40, **SMALL)
+    mem.set_read_counting(True)
+    if update_rows == "compact":
+        handle = CompactRows()
+        handle.set(torch.tensor([0, 5, 9]))
+        mem.set_update_rows(handle)
+    x = torch.randn(2, 6, 40, requires_grad=True)
+    with _SmfOpCalls() as forward:
+        out = mem(x, valid_mask=torch.rand(2, 6) > 0.3)
+    with _SmfOpCalls() as backward:
+        out.square().sum().backward()
+    assert forward.calls == ["product_key_topk", "weighted_gather_forward_counted"], forward.calls
+    gather_backward = "weighted_gather_backward_into" if update_rows == "compact" else "weighted_gather_backward"
+    assert sorted(backward.calls) == sorted([gather_backward, "product_key_topk_backward"]), backward.calls

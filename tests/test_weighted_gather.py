@@ -141,19 +141,29 @@ def test_reference_gradcheck_float64():
 def test_custom_op_gradcheck_float64_and_opcheck():
     values, indices, weights = gather_inputs((9, 5, 4, 3), torch.float64, requires_grad=True)
     weights = weights.detach().double().requires_grad_(True)
+    gate = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
     fn = lambda v, w: weighted_gather(v, indices, w, backend="torch")  # noqa: E731
     assert torch.autograd.gradcheck(fn, (values, weights))
+    gated = lambda v, w, g: weighted_gather(v, indices, w, gate=g, backend="torch")  # noqa: E731
+    assert torch.autograd.gradcheck(gated, (values, weights, gate))
     counts = torch.zeros(9, dtype=torch.int64)
     ops = torch.ops.smf_kernels
-    torch.library.opcheck(ops.weighted_gather_forward.default, (values.detach(), indices, weights.detach(), "torch"))
-    torch.library.opcheck(ops.weighted_gather_forward_counted.default,
-                          (values.detach(), indices, weights.detach(), counts, None, "torch"))
+    v, w, g = values.detach(), weights.detach(), gate.detach()
+    for gate_arg in (None, g):
+        torch.library.opcheck(ops.weighted_gather_forward.default, (v, indices, w, gate_arg, "torch"))
+        torch.library.opcheck(ops.weighted_gather_forward_counted.default,
+                              (v, indices, w, counts, None, gate_arg, "torch"))
     grad = torch.randn(4, 5, dtype=torch.float64)
-    for update_rows in (None, torch.tensor([1, 4])):
-        for need_values, need_weights in ((True, True), (True, False), (False, True)):
-            torch.library.opcheck(ops.weighted_gather_backward.default,
-                                  (grad, values.detach(), indices, weights.detach(), update_rows, "torch", False,
-                                   need_values, need_weights))
+    read = weighted_gather(v, indices, w, backend="torch")
+    for gate_arg, read_arg in ((None, None), (g, read)):
+        for update_rows in (None, torch.tensor([1, 4])):
+            for need_values, need_weights in ((True, True), (True, False), (False, True)):
+                torch.library.opcheck(ops.weighted_gather_backward.default,
+                                      (grad, v, indices, w, update_rows, gate_arg, read_arg, "torch", False,
+                                       need_values, need_weights, True))
+        torch.library.opcheck(ops.weighted_gather_backward_into.default,
+                              (grad, v, indices, w, torch.tensor([1, 4]), torch.zeros(2, 5, dtype=torch.float64),
+                               gate_arg, read_arg, "torch", False, True))
 
 
 @pytest.mark.skipif(torch.get_default_device().type != "cpu",
