@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import smf.train.loop as loop
+from smf.errors import ConfigError
 from smf.model import attach_memories, save_memory_adapter
 from smf.tiny import TINY_MEMORY_KWARGS as TINY_MEMORY, TINY_MEMORY_LAYERS, tiny_model
 from smf.train import build_config, train
@@ -221,6 +222,29 @@ def test_deferred_gradients_and_the_fused_update_train_the_same_weights(tmp_path
         finals.append(torch.load(tmp_path / name / "sparse-run" / CHECKPOINT_FILE, weights_only=True)["trainable"])
     for name, tensor in finals[0].items():
         torch.testing.assert_close(tensor, finals[1][name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("micro_batch_size", [4, 2])
+def test_compiled_sparse_run_trains_the_eager_weights(tmp_path, monkeypatch, micro_batch_size):
+    """--compile: the fused update with rows chosen in the backward (one micro-batch) or after the counting pass
+    (two); every step compiles without a graph break, and the weights end where the eager run's do. The test
+    compiles with aot_eager (dynamo + AOTAutograd, as Inductor traces, without building C++)."""
+    real_compile = torch.compile
+    monkeypatch.setattr(loop.torch, "compile", lambda model, **kwargs: real_compile(
+        model, backend="aot_eager", fullgraph=True))
+    adapter = write_adapter_and_background(tmp_path / "adapter", "additive+s")
+    overrides = {"n_examples": 4, "global_batch_size": 4, "micro_batch_size": micro_batch_size, "epochs": 1,
+                 "lr": 1e-2, "warmup_steps": 0, "adapter": str(adapter), "background": str(adapter)}
+    finals = []
+    for name, options in (("eager", {}), ("compiled", {"compile": True})):
+        torch._dynamo.reset()
+        train(tiny_run_config(tmp_path / name, "train", "sparse", **options, **overrides))
+        finals.append(torch.load(tmp_path / name / "sparse-run" / CHECKPOINT_FILE, weights_only=True)["trainable"])
+    for name, tensor in finals[0].items():
+        torch.testing.assert_close(tensor, finals[1][name], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ConfigError, match="selected-rows"):
+        train(tiny_run_config(tmp_path / "refused", "train", "sparse", compile=True, sparse_backward="deferred",
+                              **overrides))
 
 
 def test_background_refuses_a_split_that_is_not_the_retrofit_runs(tmp_path):

@@ -95,6 +95,9 @@ class RunConfig:
     seed: int = option(0, "training seed (memory init, epoch order, dropout)", FIT)
     bf16: Literal["auto", "on", "off"] = option("auto", "bf16 autocast (auto: on if the CUDA device has bf16)", FIT)
     device: str = option("auto", "torch device (auto: cuda if available, else cpu)", ALL)
+    compile: bool = option(False, "torch.compile the model, mode reduce-overhead (CUDA graphs on a GPU); --recipe "
+                           "sparse then takes the fused update with rows chosen in the backward, a step without "
+                           "graph breaks (one process; --sparse-backward selected-rows)", FIT)
     # checkpoints
     save_every: PositiveInt = option(500, "optimizer steps between checkpoints (one is always written at the end)", FIT)
     max_steps: PositiveInt | None = option(None, "stop at this step (the schedule spans all epochs; see --resume)", FIT)

@@ -76,7 +76,7 @@ def run_step(wrapped: nn.Module, setup: TrainingSetup, scheduler, micro_batches:
     its forwards and backwards; returns this rank's summed token loss (0-d)."""
     autocast = bf16_autocast(config.bf16, world.device)
     scale = world.size / num_tokens
-    setup.step.begin_step(setup.model, micro_batches)
+    setup.step.begin_step(wrapped if config.compile else setup.model, micro_batches)
     loss_sum = torch.zeros((), device=world.device)
     for index, batch in enumerate(micro_batches):
         last = index == len(micro_batches) - 1
@@ -128,6 +128,8 @@ def _train(config: RunConfig, world: World) -> dict:
     total_steps = plan.steps_per_epoch * config.epochs
     scheduler = cosine_schedule(setup.optimizer, config.warmup_steps, total_steps)
     wrapped = _wrap_for_ddp(setup, world)
+    if config.compile:
+        wrapped = torch.compile(wrapped, mode="reduce-overhead")
     collator = CausalLMCollator(setup.tokenizer.pad_token_id)
     checkpoint_path, log_path = output_dir / CHECKPOINT_FILE, output_dir / LOG_FILE
 

@@ -91,6 +91,14 @@ def build_setup(config: RunConfig, world: World) -> TrainingSetup:
         if config.fused_update and config.optimizer != "row_sparse":
             raise ConfigError(f"--fused-update is the fused row_sparse update; --optimizer {config.optimizer} has "
                               "none (drop --fused-update or use --optimizer row_sparse)")
+        fused = config.fused_update or (config.compile and config.optimizer == "row_sparse")
+        if config.compile and config.optimizer == "row_sparse":
+            if config.sparse_backward != "selected-rows":
+                raise ConfigError(f"--compile chooses the rows in the backward: --sparse-backward {config.sparse_backward} "
+                                  "keeps Python state there; use --sparse-backward selected-rows")
+            if world.size > 1:
+                raise ConfigError("--compile with --recipe sparse runs in one process: under torchrun every rank "
+                                  "must select the same rows before its backward, outside the compiled graph")
         if config.optimizer == "authors":
             if world.size > 1:
                 raise ConfigError("--optimizer authors runs in one process (the authors' single-GPU update); "
@@ -98,8 +106,9 @@ def build_setup(config: RunConfig, world: World) -> TrainingSetup:
             step = AuthorsStep(AuthorsSparseUpdate(model, rule=config.rule, rows_per_step=config.rows_per_step))
         else:
             step = SparseStep(SparseMemoryController(model, rule=config.rule, rows_per_step=config.rows_per_step,
-                                                     mode=config.optimizer, fused=config.fused_update),
-                              config.sparse_backward, bf16_autocast(config.bf16, world.device))
+                                                     mode=config.optimizer, fused=fused),
+                              config.sparse_backward, bf16_autocast(config.bf16, world.device),
+                              rows_in_backward=config.compile)
         controller = step.controller
         try:
             controller.set_background(BackgroundStats.load(resolve_background_file(config.background),

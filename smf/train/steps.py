@@ -86,14 +86,19 @@ class SparseStep(_MemoryRows):
     Rows are picked before the backward when they can be, so that the backward writes only the T selected
     value rows: at once for a step of one micro-batch; under gradient accumulation with
     ``sparse_backward="selected-rows"`` (row_sparse only) after a no-grad forward over every micro-batch
-    that only counts reads (under ``autocast``, the trainer's bf16 context). ``"deferred"`` instead keeps
+    that only counts reads (under ``autocast``, the trainer's bf16 context; ``model`` is the one the trainer
+    runs, compiled or not). With ``rows_in_backward`` (a compiled step, fused update) a step of one
+    micro-batch lets its backward choose the rows from the counts. ``"deferred"`` instead keeps
     every backward's reads and computes the selected rows' gradients at the step's end (no second forward);
     ``"read-rows"`` lets every backward write the rows its micro-batch read.
     """
 
-    def __init__(self, controller: SparseMemoryController, sparse_backward: str, autocast) -> None:
+    def __init__(self, controller: SparseMemoryController, sparse_backward: str, autocast,
+                 rows_in_backward: bool = False) -> None:
         super().__init__(controller)
         self.sparse_backward, self.autocast = sparse_backward, autocast
+        # a compiled step of one micro-batch: the fused backward selects the rows itself (no host sync)
+        self.rows_in_backward = rows_in_backward and controller.fused
         self._select_after_forward = False
 
     def ddp_ignored_names(self) -> list[str]:
@@ -106,7 +111,7 @@ class SparseStep(_MemoryRows):
         count_first = not single and self.sparse_backward == "selected-rows" and row_sparse
         deferred = not single and self.sparse_backward == "deferred" and row_sparse
         self.controller.begin_step(select_before_backward=single or count_first, defer_value_gradients=deferred)
-        self._select_after_forward = single
+        self._select_after_forward = single and not self.rows_in_backward
         if count_first:
             with torch.no_grad(), self.autocast():
                 for batch in micro_batches:
