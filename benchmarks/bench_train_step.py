@@ -13,11 +13,17 @@ weights (nothing is downloaded). Each recipe is set up as ``smf train`` sets it 
 
 A step is the paper's: a global batch of 16 sequences of up to 1,024 tokens as 4
 micro-batches of 4 (right-padded to random lengths between half and all of
-``--seq-len``). Reported per recipe: median step time, tokens per second, peak
-memory allocated during a step (CUDA) and trainable parameters.
+``--seq-len``). Reported per recipe: median step time, tokens per second, the step's
+time over full finetuning's, peak memory allocated during a step (CUDA), trainable
+parameters, and on CUDA the host's and the GPU's busy time in one profiled step (when
+the host's exceeds the GPU's, the step is bound by the host). ``--compile`` compiles
+each model as ``smf train --compile`` does; ``--sparse-backward`` and ``--fused-update``
+choose the sparse recipe's variant, as the options of ``smf train`` of the same names.
 
     python benchmarks/bench_train_step.py                     # CUDA, the paper's step
     python benchmarks/bench_train_step.py --tiny --device cpu # the tiny model, seconds on CPU
+    python benchmarks/bench_train_step.py --device cpu --micro-batches 4 --micro-batch-size 1 --seq-len 128 \
+        --warmup 1 --repeats 2                                # the 0.5B model on CPU, a few minutes
 """
 from __future__ import annotations
 
@@ -55,7 +61,7 @@ def build_model(tiny: bool):
 
 
 def build_setup(recipe: str, tiny: bool, device: torch.device, rows_per_step: int, backend: str | None,
-                sparse_backward: str = "selected-rows", fused_update: bool = False):
+                sparse_backward: str = "selected-rows", fused_update: bool = False, compile: bool = False):
     """A :class:`smf.train.recipes.TrainingSetup` for ``recipe``, as ``smf train`` builds it from a hub model."""
     from smf.model import apply_lora, attach_memories, configure_trainable
     from smf.train.config import RECIPE_LR, RunConfig
@@ -66,7 +72,7 @@ def build_setup(recipe: str, tiny: bool, device: torch.device, rows_per_step: in
     model, layers, memory = build_model(tiny)
     # run_step reads bf16, clipping, sparse backward
     config = RunConfig(backend=backend, rows_per_step=rows_per_step, sparse_backward=sparse_backward,
-                       fused_update=fused_update)
+                       fused_update=fused_update or compile, compile=compile)
     lr = RECIPE_LR[recipe]
     step = DenseStep()
     if recipe in ("sparse", "retrofit"):
@@ -80,14 +86,15 @@ def build_setup(recipe: str, tiny: bool, device: torch.device, rows_per_step: in
     trainable = [p for p in model.parameters() if p.requires_grad]
     if recipe == "sparse":
         controller = SparseMemoryController(model, rule="tfidf", rows_per_step=rows_per_step, mode="row_sparse",
-                                            fused=fused_update)
+                                            fused=config.fused_update)
         background = BackgroundStats.for_memories(controller.memories)
         generator = torch.Generator().manual_seed(0)
         for name, module in controller.memories.items():
             for _ in range(4):  # four background documents with random reads
                 background.add_batch(name, torch.randint(0, 3, (module.values.shape[0],), generator=generator))
         controller.set_background(background)
-        step = SparseStep(controller, config.sparse_backward, bf16_autocast(config.bf16, device))
+        step = SparseStep(controller, config.sparse_backward, bf16_autocast(config.bf16, device),
+                          rows_in_backward=compile)
         optimizer = RowSparseAdamW(trainable, lr=lr)
     else:
         optimizer = torch.optim.AdamW(trainable, lr=lr)
@@ -114,7 +121,8 @@ def measure(recipe: str, args, device: torch.device) -> dict:
 
     torch.manual_seed(0)
     setup, config, trainable = build_setup(recipe, args.tiny, device, args.rows, args.backend, args.sparse_backward,
-                                           args.fused_update)
+                                           args.fused_update, args.compile)
+    model = torch.compile(setup.model, mode="reduce-overhead") if args.compile else setup.model
     vocab = setup.model.config.vocab_size
     world = World(rank=0, size=1, device=device)
     scheduler = cosine_schedule(setup.optimizer, warmup_steps=1, total_steps=args.warmup + args.repeats + 1)
@@ -126,7 +134,7 @@ def measure(recipe: str, args, device: torch.device) -> dict:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
-        run_step(setup.model, setup, scheduler, batches, real_tokens, config, world)
+        run_step(model, setup, scheduler, batches, real_tokens, config, world)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             peak = max(peak, torch.cuda.max_memory_allocated(device))
@@ -135,22 +143,42 @@ def measure(recipe: str, args, device: torch.device) -> dict:
     step_s = statistics.median(times)
     padded_tokens = args.micro_batches * args.micro_batch_size * args.seq_len
     result = dict(recipe=recipe, step_ms=step_s * 1e3, padded_tokens_per_s=padded_tokens / step_s,
-                  peak_gib=peak / 2 ** 30 if device.type == "cuda" else None, trainable=trainable)
+                  peak_gib=peak / 2 ** 30 if device.type == "cuda" else None, trainable=trainable,
+                  host_ms=None, device_ms=None)
+    if device.type == "cuda":  # one more step under the profiler: the host's work beside the GPU's
+        batches = micro_batches(vocab, args.micro_batches, args.micro_batch_size, args.seq_len, device, seed=args.warmup + args.repeats)
+        real_tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+        result["host_ms"], result["device_ms"] = profile_step(
+            lambda: run_step(model, setup, scheduler, batches, real_tokens, config, world), device)
     del setup
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result
 
 
+def profile_step(step, device: torch.device) -> tuple[float, float]:
+    """(host ms, GPU ms) of one call of ``step``: the profiler's total self CPU time of every op (the host's
+    dispatch and launch work, Python between ops not counted) and total self CUDA time of every kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize(device)
+    events = prof.key_averages()
+    return (sum(e.self_cpu_time_total for e in events) / 1e3, sum(e.self_device_time_total for e in events) / 1e3)
+
+
 def table(results: list[dict]) -> str:
     full = next((r["step_ms"] for r in results if r["recipe"] == "full"), None)
-    lines = ["| recipe | trainable params | step ms | tokens/s (padded) | vs full | peak GiB |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| recipe | trainable params | step ms | tokens/s (padded) | step / full | peak GiB | host ms | GPU ms |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
-        ratio = f"{full / r['step_ms']:.2f}x" if full else "-"
+        ratio = f"{r['step_ms'] / full:.2f}x" if full else "-"
         peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
+        host = f"{r['host_ms']:.1f}" if r["host_ms"] is not None else "-"
+        gpu = f"{r['device_ms']:.1f}" if r["device_ms"] is not None else "-"
         lines.append(f"| {r['recipe']} | {r['trainable']:,} | {r['step_ms']:.1f} | {r['padded_tokens_per_s']:,.0f} "
-                     f"| {ratio} | {peak} |")
+                     f"| {ratio} | {peak} | {host} | {gpu} |")
     return "\n".join(lines)
 
 
@@ -167,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sparse-backward", default="selected-rows", choices=("selected-rows", "read-rows", "deferred"),
                    help="how the sparse recipe's backwards meet the selected rows (smf train's option)")
     p.add_argument("--fused-update", action="store_true", help="the sparse recipe's fused row update")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile every recipe's model (mode reduce-overhead), as smf train --compile does")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default: 2)")
     p.add_argument("--repeats", type=int, default=5, help="timed steps; the median is reported (default: 5)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")

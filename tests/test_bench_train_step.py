@@ -42,3 +42,15 @@ def test_sparse_step_moves_only_selected_value_rows(bench):
         moved = (memory.values.detach() != values[name]).any(dim=1).nonzero().flatten()
         assert 0 < moved.numel() <= 8, name
         assert set(moved.tolist()) <= set(setup.step.rows[name].tolist()), name
+
+
+def test_compiled_sparse_step_runs_and_reports(bench, tmp_path, monkeypatch):
+    """--compile wraps the model as smf train --compile does (traced here with aot_eager: no C++ build)."""
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: real_compile(model, backend="aot_eager"))
+    out = tmp_path / "steps.json"
+    assert bench.main(["--tiny", "--device", "cpu", "--recipes", "sparse", "--compile", "--micro-batches", "1",
+                       "--micro-batch-size", "2", "--seq-len", "16", "--rows", "8", "--warmup", "1", "--repeats", "1",
+                       "--json", str(out)]) == 0
+    (result,) = json.loads(out.read_text())
+    assert result["recipe"] == "sparse" and result["step_ms"] > 0 and result["host_ms"] is None
