@@ -66,6 +66,9 @@ class SparseMemoryTrainer(Trainer):
 
     With a ``fused=True`` controller the value rows' gradients stay compact (no COO ``.grad``): their norm
     joins the global norm, and the rows are updated right before the optimizer steps the other parameters.
+    With ``TrainingArguments(torch_compile=True)`` the controller must be fused and a step one micro-batch
+    (``gradient_accumulation_steps=1``) in one process: the backward then chooses the rows from the step's
+    counts itself, and the compiled model has no graph break.
 
     Without ``optimizers=``, mode "row_sparse" builds a :class:`RowSparseAdamW` from the
     arguments (learning_rate, adam betas / epsilon, weight_decay); mode "dense_masked" keeps the
@@ -80,6 +83,11 @@ class SparseMemoryTrainer(Trainer):
             raise TypeError(f"controller must be a SparseMemoryController, got {type(controller).__name__}")
         if self.args.fp16:
             raise ValueError("SparseMemoryTrainer does not support fp16 (its gradient scaler); use bf16 or fp32")
+        if self.args.torch_compile and not (controller.fused and self.args.gradient_accumulation_steps == 1
+                                            and self.args.world_size == 1):
+            raise ValueError("torch_compile=True needs SparseMemoryController(..., fused=True), "
+                             "gradient_accumulation_steps=1 and one process: the compiled backward then chooses "
+                             "the rows from the step's counts (a sparse COO gradient cannot be compiled)")
         self.controller = controller
         self.sparse_max_grad_norm = self.args.max_grad_norm
         self.args = copy.copy(self.args)
@@ -101,7 +109,7 @@ class SparseMemoryTrainer(Trainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         if not self.controller.in_step:
-            self.controller.begin_step()
+            self.controller.begin_step(select_before_backward=bool(self.args.torch_compile))
         loss = super().training_step(model, inputs, num_items_in_batch)
         if self.accelerator.sync_gradients:  # the step's last micro-batch: the Trainer steps next
             self._end_smf_step()

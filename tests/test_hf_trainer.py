@@ -116,6 +116,31 @@ def test_trainer_with_the_fused_update_trains_the_same_weights(tmp_path):
         torch.testing.assert_close(value, plain[name], rtol=1e-5, atol=1e-6)
 
 
+def test_compiled_trainer_chooses_rows_in_the_backward_and_trains_the_eager_weights(tmp_path):
+    runs = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model, controller = _model_and_controller(fused=True)
+        args = TrainingArguments(
+            output_dir=str(tmp_path / f"compiled-{compiled}"), max_steps=2, per_device_train_batch_size=4,
+            gradient_accumulation_steps=1, learning_rate=5e-2, max_grad_norm=1e-3, report_to=[], use_cpu=True,
+            dataloader_num_workers=0, seed=11, save_strategy="no", torch_compile=compiled,
+            torch_compile_backend="aot_eager")
+        trainer = SparseMemoryTrainer(model=model, args=args, train_dataset=Sequences(8), controller=controller)
+        torch._dynamo.utils.counters.clear()
+        trainer.train()
+        if compiled:
+            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
+            assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+        runs[compiled] = _state(model)
+    for name, value in runs[True].items():
+        torch.testing.assert_close(value, runs[False][name], rtol=1e-5, atol=1e-6)
+    model, controller = _model_and_controller()
+    with pytest.raises(ValueError, match="fused=True"):
+        SparseMemoryTrainer(model=model, controller=controller, args=TrainingArguments(
+            output_dir=str(tmp_path / "refused"), report_to=[], use_cpu=True, torch_compile=True))
+
+
 def test_trainer_rejects_a_missing_controller(tmp_path):
     model, controller = _model_and_controller()
     with pytest.raises(TypeError, match="SparseMemoryController"):
