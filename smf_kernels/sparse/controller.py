@@ -64,6 +64,7 @@ from tqdm.auto import tqdm
 from smf_kernels._rows import row_to_slot_map
 from smf_kernels.memory import ROWS_READ, ProductKeyMemory
 from smf_kernels.ops import DeferredRows
+from smf_kernels.sharded.layout import gradient_copies
 from smf_kernels.sparse.background import BackgroundStats
 from smf_kernels.sparse.clipping import clip_grad_norm_
 from smf_kernels.sparse.dense_masked import mask_grad_rows_
@@ -335,7 +336,7 @@ class SparseMemoryController:
             slots = row_to_slot_map(rows, num_rows)[grad._indices()[0]]  # _indices/_values: also valid when uncoalesced
             hits = (slots >= 0).nonzero().squeeze(1)  # host sync; only selected rows' entries are added
             compact.index_add_(0, slots[hits], grad._values().index_select(0, hits))
-        world = self._world()
+        world = gradient_copies(values, self._world())  # 1 for a column shard (smf_kernels.sharded): averaged already
         if world > 1:
             self._all_reduce_sum(compact)
             compact.div_(world)
@@ -345,7 +346,7 @@ class SparseMemoryController:
     def _restrict_dense_grad(self, values: nn.Parameter, rows: torch.Tensor) -> None:
         if values.grad is None:
             values.grad = torch.zeros_like(values)
-        world = self._world()
+        world = gradient_copies(values, self._world())
         if world > 1:
             self._all_reduce_sum(values.grad)
             values.grad.div_(world)
