@@ -201,11 +201,11 @@ def shard_memories(model: nn.Module, group=None) -> list[str]:
     names = [name for name, module in model.named_modules() if type(module) is ProductKeyMemory]
     if not names:
         raise ValueError("model holds no unsharded ProductKeyMemory module")
+    if names == [""]:
+        raise ValueError("model is itself a ProductKeyMemory; use ShardedProductKeyMemory.from_memory")
     for name in names:
         parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else None
-        if parent is None:
-            raise ValueError("model is itself a ProductKeyMemory; use ShardedProductKeyMemory.from_memory")
+        parent = model.get_submodule(parent_name)
         setattr(parent, attr, ShardedProductKeyMemory.from_memory(getattr(parent, attr), group))
     return names
 
@@ -234,7 +234,7 @@ def unsharded_memories(model: nn.Module, dst: int = 0) -> Iterator[None]:
             if values is None:
                 continue
             parent_name, _, attr = name.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
+            parent = model.get_submodule(parent_name)
             setattr(parent, attr, memory.unsharded_copy(values))
             swapped.append((parent, attr, memory))
         yield
