@@ -1,5 +1,7 @@
-"""One SMF step of a column-sharded memory at several world sizes (docs/sharding.md): tokens/s, bytes each
-rank sends per step (measured and as the byte model predicts), peak memory per rank.
+"""One SMF step of a column-sharded memory at several world sizes: tokens/s, bytes sent, peak memory.
+
+Per rank and step (docs/sharding.md): tokens/s, the bytes each rank sends (measured, and as the byte
+model predicts), peak memory per rank.
 
 The layer is ShardedProductKeyMemory with issue 29's 1M slots (n_keys 1,024, D = d_model = 896) and the
 paper's 4 heads, top-16 and key_dim 256; only the values train (SMF stage 2). One step, on every rank:
@@ -17,7 +19,7 @@ optimizer state (tensor sizes), the process's peak RSS, on CUDA torch.cuda.max_m
 model's prediction for the same token split is printed beside the measurement.
 
     nice -n 10 python benchmarks/bench_sharded.py                      # CPU, world sizes 1 2 4, 1M slots
-    python benchmarks/bench_sharded.py --device cuda --world-sizes 1 2 4 8 --tokens 16384
+    python benchmarks/bench_sharded.py --device cuda --tokens 16384    # NCCL, 1 2 4 8 up to the GPUs there
     python benchmarks/bench_sharded.py --n-keys 128 --compare          # paper layer: weights vs world 1
     python benchmarks/bench_sharded.py --model                         # docs/sharding.md's predicted tables
 """
@@ -80,7 +82,7 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, init_file: str, 
     device = torch.device(f"cuda:{rank}") if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // world))
+    torch.set_num_threads(args.threads)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(minutes=30))
     try:
@@ -115,31 +117,39 @@ def _measure(rank: int, world: int, args: argparse.Namespace, device: torch.devi
     x = torch.randn(args.tokens, args.d_model, generator=generator)[mine].to(device)
     probe = torch.randn(args.tokens, args.d_model, generator=generator)[mine].to(device)
 
-    times, written, ledger, selected = [], [], [], []
+    def now() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    times, phases, written, ledger, selected = [], [], [], [], []
     for step in range(args.warmup + args.steps):
         dist.barrier()
         if device.type == "cuda":
-            torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
         LEDGER.reset()
-        before, started = bytes_written(), time.perf_counter()
+        before, started = bytes_written(), now()
         controller.begin_step(select_before_backward=True)
         loss = (memory(x) * probe).sum() * (world / args.tokens)  # the DDP convention: x world / all tokens
+        forwarded = now()
         rows = controller.select_rows()["memory"]
+        selected_at = now()
         loss.backward()
+        backwarded = now()
         controller.finish_step(optimizer, max_grad_norm=1.0)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        elapsed, sent = time.perf_counter() - started, bytes_written() - before
+        finished = now()
+        sent = bytes_written() - before
         if step >= args.warmup:
-            times.append(elapsed)
+            times.append(finished - started)
+            phases.append({"forward": forwarded - started, "select": selected_at - forwarded,
+                           "backward": backwarded - selected_at, "finish": finished - backwarded})
             written.append(sent)
             ledger.append(dict(LEDGER.sent))
         selected.append(rows.cpu())
     state = optimizer.state[memory.values]
     result = {
         "rank": rank, "world": world, "tokens": split, "columns": [memory.shard.start, memory.shard.stop],
-        "seconds": times, "wchar": written, "ledger": ledger,
+        "seconds": times, "phases": phases, "wchar": written, "ledger": ledger,
         "values_bytes": tensor_bytes(memory.values),
         "state_bytes": sum(tensor_bytes(v) for v in state.values() if isinstance(v, torch.Tensor)),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -179,7 +189,10 @@ def summarise(ranks: list[dict], args: argparse.Namespace) -> dict:
             "peak_rss_bytes": r["peak_rss_bytes"],
             "cuda_peak_bytes": r["cuda_peak_bytes"],
         })
-    return {"world": world, "tokens": args.tokens, "step_seconds": step_seconds,
+    slowest = [max(range(world), key=lambda r: ranks[r]["seconds"][i]) for i in range(args.steps)]
+    phases = {name: statistics.median(ranks[r]["phases"][i][name] for i, r in enumerate(slowest))
+              for name in ("forward", "select", "backward", "finish")}
+    return {"world": world, "tokens": args.tokens, "step_seconds": step_seconds, "phases": phases,
             "tokens_per_second": args.tokens / step_seconds, "ranks": per_rank}
 
 
@@ -198,6 +211,17 @@ def print_table(results: list[dict], device: str) -> None:
             cuda = f" | {row['cuda_peak_bytes'] / GIB:.2f}" if device == "cuda" else ""
             print(f"| {result['world']} | {result['step_seconds']:.3f} | {result['tokens_per_second']:,.0f} | "
                   f"{row['rank']} | {read} | {sent} | {memory} | {row['peak_rss_bytes'] / GIB:.2f}{cuda} |")
+
+
+def print_phases(results: list[dict]) -> None:
+    print("\nWhere the step goes (slowest rank, median; forward = begin_step + forward, select = read counts "
+          "summed over ranks + T rows chosen, finish = clipping + optimizer step):\n")
+    print("| world | forward ms | select ms | backward ms | finish ms |")
+    print("|---:|---:|---:|---:|---:|")
+    for result in results:
+        p = result["phases"]
+        print(f"| {result['world']} | {p['forward'] * 1e3:.1f} | {p['select'] * 1e3:.1f} | "
+              f"{p['backward'] * 1e3:.1f} | {p['finish'] * 1e3:.1f} |")
 
 
 def compare(args: argparse.Namespace) -> None:
@@ -244,10 +268,14 @@ def print_model() -> None:
             total, compute = sum(parts.values()), per_token * 4096
             print(f"| {world} | {name} | {parts['reads'] * 1e3:.3f} | {parts['counts'] * 1e3:.3f} | "
                   f"{parts['latency'] * 1e3:.3f} | {total * 1e3:.3f} | {compute * 1e3:.3f} | {total / compute:.2f} |")
+    print("\nThe world size from which communication exceeds compute (4,096 tokens per GPU):\n")
+    print("| layer | SMF, one forward | SMF + counting forward (accumulation) | retrofit (lookup trains) |")
+    print("|---|---:|---:|---:|")
     for layer, name, per_token in ((byte_model.PAPER, "paper", PAPER_SECONDS_PER_TOKEN),
                                    (byte_model.ONE_MILLION, "1M slots", MILLION_SECONDS_PER_TOKEN)):
-        print(f"\n{name}: communication exceeds compute from W = "
-              f"{byte_model.crossover_world(layer, per_token, net, 4096)} (4,096 tokens per GPU)")
+        worlds = [byte_model.crossover_world(layer, per_token, net, 4096, **step)
+                  for step in ({}, {"forwards": 2}, {"weight_grads": True})]
+        print(f"| {name} | " + " | ".join(str(w) for w in worlds) + " |")
 
 
 # The layer's compute per token on one H100 (fp32, forward + backward). Paper layer: measured, bench_lookup
@@ -259,7 +287,8 @@ MILLION_SECONDS_PER_TOKEN = 1.2e-6
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--world-sizes", type=int, nargs="+", default=None,
+                   help="(default: 1 2 4 on CPU; on CUDA 1, 2, 4, 8 up to the GPUs visible)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--tokens", type=int, default=512, help="tokens per step over all ranks (default: 512)")
     p.add_argument("--n-keys", type=int, default=1024)
@@ -272,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=2, help="measured steps (default: 2)")
     p.add_argument("--warmup", type=int, default=1, help="steps before them (default: 1; the first allocates "
                    "the optimizer state)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / world)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default: 1; on a loaded CPU, "
+                   "threads beyond the free cores spin and were measured 5-10x slower)")
     p.add_argument("--compare", action="store_true", help="also compare every world size's weights and "
                    "selected rows with the first one's (writes the tables to a temporary folder)")
     p.add_argument("--model", action="store_true", help="print the byte model's tables and exit")
@@ -281,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         print_model()
         return 0
+    if args.world_sizes is None:
+        gpus = torch.cuda.device_count() if args.device == "cuda" else 4
+        args.world_sizes = [world for world in (1, 2, 4, 8) if world <= max(1, gpus)]
     if args.device == "cuda" and max(args.world_sizes) > torch.cuda.device_count():
         p.error(f"--world-sizes {max(args.world_sizes)} needs as many GPUs; {torch.cuda.device_count()} visible")
     layer = f"n_keys {args.n_keys} ({args.n_keys ** 2:,} slots) x D {args.d_model}, {args.heads} heads, " \
@@ -294,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(summarise(run_world(world, args), args))
             print(f"world {world}: {results[-1]['step_seconds']:.3f} s per step", file=sys.stderr, flush=True)
         print_table(results, args.device)
+        print_phases(results)
         if args.compare:
             compare(args)
     if args.json:

@@ -144,14 +144,16 @@ def column_step_seconds(layer: Layer, tokens_per_rank: int, world: int, net: Int
 
 
 def crossover_world(layer: Layer, seconds_per_token: float, net: Interconnect, tokens_per_rank: int,
-                    max_world: int = 1024) -> int | None:
-    """The smallest power-of-two world size at which column sharding's communication per step (one forward)
-    exceeds the layer's compute (``seconds_per_token * tokens_per_rank``), or None up to ``max_world``."""
+                    max_world: int = 1024, **step) -> int | None:
+    """The smallest power-of-two world size at which column sharding's communication per step
+    (:func:`column_step_seconds` with ``step``'s options) exceeds the layer's compute (``seconds_per_token *
+    tokens_per_rank``), or None up to ``max_world``."""
     world = 2
     while world <= max_world:
         if world > layer.dim:
             return world  # fewer than one column per rank: column sharding cannot go further
-        if sum(column_step_seconds(layer, tokens_per_rank, world, net).values()) > seconds_per_token * tokens_per_rank:
+        seconds = sum(column_step_seconds(layer, tokens_per_rank, world, net, **step).values())
+        if seconds > seconds_per_token * tokens_per_rank:
             return world
         world *= 2
     return None
