@@ -440,6 +440,10 @@ def test_without_torch_distributed_a_sharded_memory_is_the_whole_layer():
         assert torch.equal(sharded.get_parameter(name), param)
         assert torch.equal(sharded.get_parameter(name).grad, param.grad), name
     assert gradient_copies(sharded.values, 4) == 4  # one shard holding everything: an ordinary replicated table
+    rng = torch.get_rng_state()
+    copy = ShardedProductKeyMemory.from_memory(reference)
+    assert torch.equal(rng, torch.get_rng_state()), "converting draws no random numbers"
+    assert all(torch.equal(a, b) for a, b in zip(copy.state_dict().values(), reference.state_dict().values()))
 
 
 def test_sharding_misuse_raises():

@@ -14,7 +14,7 @@ then goes:
 
 Only torch.distributed collectives are used (gloo on CPU, NCCL on CUDA). :data:`LEDGER` adds up the
 bytes this process hands to them for other ranks (what leaves the process; a rank's own chunk is
-copied locally), by step, for the byte model's check.
+copied locally) until reset, for the byte model's check.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from smf_kernels.sharded.layout import ColumnShard
 
-INDEX_LIMIT = 2 ** 31  # slot ids travel as int32: a sharded memory has fewer slots
+INDEX_LIMIT = 2 ** 31  # slot ids travel as int32: a sharded memory has at most this many slots
 
 
 class CommLedger:
@@ -33,18 +33,12 @@ class CommLedger:
 
     def __init__(self) -> None:
         self.sent: Counter[str] = Counter()
-        self.calls: Counter[str] = Counter()
 
     def add(self, kind: str, num_bytes: int) -> None:
         self.sent[kind] += int(num_bytes)
-        self.calls[kind] += 1
 
     def reset(self) -> None:
         self.sent.clear()
-        self.calls.clear()
-
-    def total(self) -> int:
-        return sum(self.sent.values())
 
 
 LEDGER = CommLedger()

@@ -29,7 +29,8 @@ class ShardedProductKeyMemory(ProductKeyMemory):
     (:attr:`shard`, a :class:`ColumnShard`); ``config()`` is the unsharded layer's. Every rank of the group must
     run each forward (and backward) together, each on its own tokens: a forward gathers every rank's slot ids
     and weights, reads this rank's columns for all of them with the chosen backend and trades columns back
-    (two all_to_all collectives; the backward two more). The output, read counts and update rows are those
+    (three all_to_all collectives; the backward one more, two when the lookup trains). The output, read
+    counts and update rows are those
     of the unsharded layer on this rank's tokens: counts stay per rank (sum them over ranks as for data
     parallelism), ``ROWS_READ`` means the rows any rank's tokens read.
 
@@ -48,11 +49,11 @@ class ShardedProductKeyMemory(ProductKeyMemory):
         # before nn.Module.__init__, and is dropped there.
         self._pending_group = group
         super().__init__(d_model, n_keys, heads, topk, key_dim, value_dim, backend=backend)
+
+    def _empty_values(self) -> torch.Tensor:
         if self.num_slots > INDEX_LIMIT:
             raise ValueError(f"a sharded memory sends slot ids as int32: n_keys**2 must be <= 2**31, got "
                              f"{self.num_slots}")
-
-    def _empty_values(self) -> torch.Tensor:
         group = self.__dict__.pop("_pending_group", None)
         self.shard = ColumnShard.of_group(self.value_dim, group)
         return torch.empty(self.num_slots, self.shard.columns)
