@@ -116,7 +116,7 @@ class ProductKeyMemory(nn.Module):
 
         self.query_proj = nn.Linear(d_model, heads * key_dim, bias=True)
         self.keys = nn.Parameter(torch.empty(heads, 2, n_keys, key_dim // 2))
-        self.values = nn.Parameter(torch.empty(self.num_slots, value_dim))
+        self.values = nn.Parameter(self._empty_values())
         self.gate_proj = nn.Linear(d_model, value_dim, bias=True)
         self.out_proj = nn.Linear(value_dim, d_model, bias=True)
         self.register_buffer("read_counts", torch.zeros(self.num_slots, dtype=torch.int64), persistent=False)
@@ -136,10 +136,19 @@ class ProductKeyMemory(nn.Module):
         nn.init.zeros_(self.query_proj.bias)
         bound = 1.0 / math.sqrt(self.key_dim)
         nn.init.uniform_(self.keys, -bound, bound)
-        nn.init.normal_(self.values, std=self.value_dim ** -0.5)
+        self._init_values()
         for proj in (self.gate_proj, self.out_proj):
             nn.init.normal_(proj.weight, std=self.d_model ** -0.5)
             nn.init.zeros_(proj.bias)
+
+    def _empty_values(self) -> torch.Tensor:
+        """The uninitialised value table this module holds, (num_slots, value_dim); a subclass may hold part of
+        it (:class:`smf_kernels.sharded.ShardedProductKeyMemory`: some columns)."""
+        return torch.empty(self.num_slots, self.value_dim)
+
+    def _init_values(self) -> None:
+        """Draw ``values`` as docs/method.md#the-memory-layer says (normal, std ``value_dim ** -0.5``)."""
+        nn.init.normal_(self.values, std=self.value_dim ** -0.5)
 
     def set_read_counting(self, enabled: bool) -> None:
         """Turn read counting on or off for later forwards.
@@ -205,21 +214,28 @@ class ProductKeyMemory(nn.Module):
         scores, indices = self.lookup(flat)
         weights = torch.softmax(scores.float(), dim=-1)
         num_tokens, per_token = flat.shape[0], self.heads * self.topk
+        gate = _linear(self.gate_proj, flat)
+        gated_read = self._read_values(indices.view(num_tokens, per_token), weights.view(num_tokens, per_token),
+                                       None if valid_mask is None else valid_mask.reshape(-1).bool(), gate)
+        out = _linear(self.out_proj, gated_read)
+        return out.view(*x.shape[:-1], self.d_model)
+
+    def _read_values(self, indices: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor | None,
+                     gate: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * r (N, value_dim) in gate's dtype: r is each token's weighted sum of the value rows it reads
+        (indices, weights (N, L); valid (N,) bool or None; gate (N, value_dim)), counting reads and routing the
+        value gradient as set, in the gather's op calls. A subclass may read the rows elsewhere
+        (:class:`smf_kernels.sharded.ShardedProductKeyMemory`: from several ranks)."""
         counting = self.count_reads
         update_rows = _RowsReadBy(indices) if isinstance(self.update_rows, RowsRead) else self.update_rows
-        gate = _linear(self.gate_proj, flat)
-        gated_read = weighted_gather(  # silu(gate) * the weighted read, in gate's dtype
-            self.values,
-            indices.view(num_tokens, per_token),
-            weights.view(num_tokens, per_token),
+        return weighted_gather(
+            self.values, indices, weights,
             counts=self.read_counts if counting else None,
-            valid=valid_mask.reshape(-1).bool() if (counting and valid_mask is not None) else None,
+            valid=valid if counting else None,
             update_rows=update_rows,
             gate=gate,
             backend=self.backend,
         )
-        out = _linear(self.out_proj, gated_read)
-        return out.view(*x.shape[:-1], self.d_model)
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, n_keys={self.n_keys} (slots={self.num_slots}), heads={self.heads}, "

@@ -4,6 +4,8 @@
 (by name in the unwrapped model), the optimizer and scheduler states, the RNG states of python,
 numpy and torch (CPU and CUDA) of every rank, and the step (which fixes the data position, see
 :mod:`smf.train.data`). Frozen parameters are rebuilt from the base model / adapter on resume.
+Memories split over the processes (``--shard-memories``) keep their value columns and the optimizer
+state split like them in one file per rank, which ``checkpoint.pt`` names (:mod:`smf.train.sharding`).
 The file is written to a temporary name, synced and renamed over the old one, so a crash while
 saving leaves the previous checkpoint intact.
 
@@ -25,6 +27,8 @@ from torch import nn
 
 from smf.errors import ConfigError
 from smf.files import write_atomic, write_text_atomic
+from smf.train.sharding import load_memory_shards
+from smf_kernels.sharded.checkpoint import replicated_optimizer_state, sharded_parameters
 
 CHECKPOINT_FILE = "checkpoint.pt"
 LOG_FILE = "train_log.jsonl"
@@ -60,11 +64,18 @@ def atomic_save(obj, path: Path) -> None:
 
 
 def save_checkpoint(path: Path, *, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
-                    rng_states: list[dict], run_options: dict) -> None:
-    """Write the checkpoint (see module docstring); ``rng_states`` holds one entry per rank."""
-    trainable = {name: p.detach().cpu().clone() for name, p in model.named_parameters() if p.requires_grad}
-    state = {"step": step, "trainable": trainable, "optimizer": optimizer.state_dict(),
+                    rng_states: list[dict], run_options: dict, shards: dict | None = None) -> None:
+    """Write the checkpoint (see module docstring); ``rng_states`` holds one entry per rank. ``shards``: the
+    shard files of sharded memories (:func:`smf.train.sharding.save_memory_shards`), which hold their values
+    and optimizer state split by columns; the rest is saved here."""
+    sharded = sharded_parameters(model)
+    trainable = {name: p.detach().cpu().clone() for name, p in model.named_parameters()
+                 if p.requires_grad and name not in sharded}
+    optimizer_state = replicated_optimizer_state(model, optimizer) if sharded else optimizer.state_dict()
+    state = {"step": step, "trainable": trainable, "optimizer": optimizer_state,
              "scheduler": scheduler.state_dict(), "rng": rng_states, "options": run_options}
+    if shards is not None:
+        state["shards"] = shards
     atomic_save(state, path)
 
 
@@ -82,6 +93,10 @@ def _read_checkpoint(path: Path) -> dict:
         raise ConfigError(f"{path} is not a training checkpoint: expected a dict with fields {sorted(fields)}")
     if not all(isinstance(t, torch.Tensor) for t in state["trainable"].values()):
         raise ConfigError(f"{path} is not a training checkpoint: 'trainable' must map names to tensors")
+    shards = state.get("shards")
+    if shards is not None and not (isinstance(shards, dict) and isinstance(shards.get("dir"), str)
+                                   and isinstance(shards.get("world"), int)):
+        raise ConfigError(f"{path} is not a training checkpoint: 'shards' must be {{'dir': str, 'world': int}}")
     return state
 
 
@@ -89,13 +104,20 @@ def load_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim.Opti
                     world_size: int) -> int:
     """Restore everything saved by :func:`save_checkpoint` (this rank's RNG); returns the step.
 
-    Everything is checked before the model is touched: on ConfigError the model is unchanged.
+    Everything is checked before the model is touched: on ConfigError the model is unchanged. A checkpoint
+    of sharded memories loads onto any number of processes (each takes its columns from the shard files);
+    then rank r continues the RNG streams of the writer's rank r modulo its process count.
     """
     state = _read_checkpoint(path)
-    if len(state["rng"]) != world_size:
-        raise ConfigError(f"{path} was written by {len(state['rng'])} processes; resume with the same number, "
+    sharded = sharded_parameters(model)
+    saved_world = len(state["rng"])
+    if saved_world != world_size and not sharded:
+        raise ConfigError(f"{path} was written by {saved_world} processes; resume with the same number, "
                           f"not {world_size}")
-    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    if bool(sharded) != ("shards" in state):
+        raise ConfigError(f"{path} was written {'with' if 'shards' in state else 'without'} --shard-memories; "
+                          "resume it the same way")
+    params = {name: p for name, p in model.named_parameters() if p.requires_grad and name not in sharded}
     if set(params) != set(state["trainable"]):
         raise ConfigError(f"{path} holds other trainable parameters than this run's model; was it written by "
                           "another recipe or configuration?")
@@ -105,9 +127,12 @@ def load_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim.Opti
             raise ConfigError(f"{path}: parameter {name} is {tuple(saved.shape)} {saved.dtype} in the checkpoint "
                               f"but {tuple(param.shape)} {param.dtype} in this run's model")
     try:
-        optimizer.load_state_dict(state["optimizer"])
+        if sharded:
+            load_memory_shards(path.parent, state["shards"], model, optimizer, state["optimizer"])
+        else:
+            optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        set_rng_state(state["rng"][rank])
+        set_rng_state(state["rng"][rank % saved_world])
     except (KeyError, ValueError, TypeError, IndexError, RuntimeError) as err:
         raise ConfigError(f"{path}: its optimizer, scheduler or RNG state does not fit this run: {err}") from err
     with torch.no_grad():

@@ -66,6 +66,9 @@ class RunConfig:
         TRAIN)
     fused_update: bool = option(False, "--optimizer row_sparse: the value rows' update from their compact gradients "
                                 "in one pass per row, no sparse COO gradient (docs/method.md#what-sparse-means)", TRAIN)
+    shard_memories: bool = option(False, "split every memory's value table and its optimizer state by columns over the "
+                                  "torchrun processes, for memories larger than one device (retrofit, --recipe "
+                                  "sparse; docs/sharding.md)", FIT)
     # LoRA
     lora_r: PositiveInt = option(16, "LoRA rank (--recipe lora)", TRAIN)
     lora_alpha: PositiveInt = option(32, "LoRA alpha (--recipe lora)", TRAIN)
@@ -158,4 +161,7 @@ def build_config(command: str, file_options: dict, cli_options: dict) -> RunConf
                           f"{'background' if command == 'background' else '--recipe sparse'}")
     if sparse and config.background is None:
         raise ConfigError("--background (file from `smf background`) is required for --recipe sparse")
+    if config.shard_memories and command == "train" and (not sparse or config.optimizer == "authors"):
+        raise ConfigError(f"--shard-memories splits the memories of retrofit and --recipe sparse runs, not of --recipe "
+                          f"{config.recipe}{' --optimizer authors (one process)' if sparse else ''}")
     return config

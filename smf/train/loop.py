@@ -31,7 +31,9 @@ from smf.train.data import StepPlan, collate, target_tokens, training_features
 from smf.train.distributed import World, all_reduce_sum, barrier, gather_objects, setup_distributed
 from smf.train.recipes import TrainingSetup, build_setup
 from smf.train.run_dir import claim_output_dir
+from smf.train.sharding import remove_stale_shards, save_memory_shards
 from smf.train.steps import bf16_autocast
+from smf_kernels.sharded import unsharded_memories
 
 logger = logging.getLogger(__name__)
 
@@ -170,18 +172,23 @@ def _train(config: RunConfig, world: World) -> dict:
             progress.update(1)
         if step % config.save_every == 0 or step == stop:
             rng_states = gather_objects(rng_state(), world)
+            shards = save_memory_shards(output_dir, step, setup.model, setup.optimizer, world)  # None: unsharded
             if world.is_main:
                 save_checkpoint(checkpoint_path, step=step, model=setup.model, optimizer=setup.optimizer,
-                                scheduler=scheduler, rng_states=rng_states, run_options=config.to_dict())
+                                scheduler=scheduler, rng_states=rng_states, run_options=config.to_dict(),
+                                shards=shards)
+                if shards is not None:
+                    remove_stale_shards(output_dir, shards)
             barrier(world)
     progress.close()
 
     final_dir = None
     if step == total_steps:
         final_dir = output_dir / FINAL_DIR
-        if world.is_main:
-            save_final(setup.model, setup.tokenizer, config.recipe, final_dir)
-            logger.info("saved the final %s artefact to %s", config.recipe, final_dir)
+        with unsharded_memories(setup.model):  # rank 0 holds whole copies of sharded memories meanwhile
+            if world.is_main:
+                save_final(setup.model, setup.tokenizer, config.recipe, final_dir)
+                logger.info("saved the final %s artefact to %s", config.recipe, final_dir)
         barrier(world)
     else:
         logger.info("stopped at step %d of %d (--max-steps); --resume continues the run", step, total_steps)

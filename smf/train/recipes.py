@@ -22,6 +22,7 @@ from smf.model import apply_lora, attach_memories, configure_trainable, memory_b
 from smf.model.loading import load_base, load_with_adapter
 from smf.train.config import RunConfig
 from smf.train.distributed import World
+from smf.train.sharding import ShardedDenseStep, shard_model_memories
 from smf.train.steps import AuthorsStep, DenseStep, SparseStep, StepHooks, bf16_autocast
 from smf_kernels.sparse import AuthorsSparseUpdate, BackgroundStats, RowSparseAdamW, SparseMemoryController
 
@@ -83,10 +84,15 @@ def build_setup(config: RunConfig, world: World) -> TrainingSetup:
                         n_keys=config.n_keys, heads=config.heads, topk=config.topk, key_dim=config.key_dim,
                         backend=config.backend)
         model.to(world.device)
+        if config.shard_memories:
+            shard_model_memories(model, world)
+            step = ShardedDenseStep(model)
         counts = configure_trainable(model, "retrofit")
     elif recipe == "sparse":
         model, tokenizer = load_with_adapter(config.model, config.adapter, world.device, config.backend)
         set_sparse_mode(model, config.mode)
+        if config.shard_memories:
+            shard_model_memories(model, world)
         counts = configure_trainable(model, "sparse")
         if config.fused_update and config.optimizer != "row_sparse":
             raise ConfigError(f"--fused-update is the fused row_sparse update; --optimizer {config.optimizer} has "

@@ -4,6 +4,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
+
+from smf_kernels.sharded.layout import ColumnShard, is_split, shard_of
 
 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float) -> torch.Tensor:
@@ -12,7 +15,10 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     Like ``torch.nn.utils.clip_grad_norm_`` (norm_type 2), but a sparse COO
     gradient counts with the norm of its values after coalescing (duplicate
     entries of an uncoalesced gradient are summed first, as the optimizer sees
-    them); sparse gradients are replaced by their coalesced form. No host sync.
+    them); sparse gradients are replaced by their coalesced form. A column shard of a sharded value table
+    (:mod:`smf_kernels.sharded`) counts with the norm of the whole table's gradient: the shards' squared
+    norms are summed over its group (one all_reduce per shard; every rank of the group must clip
+    together). No host sync.
 
     Returns:
         The total norm before clipping, a 0-d float32 tensor (0 if no gradients).
@@ -22,6 +28,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     if not max_norm > 0:
         raise ValueError(f"max_norm must be > 0, got {max_norm}")
     scaled = []  # the tensors to scale: dense grads, and the values of coalesced sparse grads
+    shards = []  # for each of them: the ColumnShard of a table split over ranks, else None
     for param in parameters:
         if param.grad is None:
             continue
@@ -30,18 +37,32 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
             scaled.append(param.grad.values())
         else:
             scaled.append(param.grad)
-    total, coef = norm_and_clip_coefficient(scaled, max_norm)
+        shards.append(shard_of(param) if is_split(param) else None)
+    total, coef = norm_and_clip_coefficient(scaled, max_norm, shards)
     for g in scaled:
         g.mul_(coef.to(g.dtype))
     return total
 
 
-def norm_and_clip_coefficient(grads: list[torch.Tensor], max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+def norm_and_clip_coefficient(grads: list[torch.Tensor], max_norm: float,
+                              shards: list[ColumnShard | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(total, coefficient): the joint L2 norm of ``grads`` (a 0-d float32 tensor, 0 without grads) and the
     factor ``min(1, max_norm / (total + 1e-6))`` that clips them to ``max_norm``, as :func:`clip_grad_norm_`
-    applies it. No host sync."""
+    applies it. ``shards[i]``, when not None, says ``grads[i]`` holds one rank's columns of a table split over
+    a group (smf_kernels.sharded): its norm is then that of the whole table's gradient. No host sync."""
     if not grads:
         return torch.zeros(()), torch.ones(())
-    norms = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
+    shards = shards if shards is not None else [None] * len(grads)
+    norms = torch.stack([_whole_norm(g, shard) for g, shard in zip(grads, shards)])
     total = torch.linalg.vector_norm(norms)
     return total, torch.clamp(max_norm / (total + 1e-6), max=1.0)
+
+
+def _whole_norm(grad: torch.Tensor, shard: ColumnShard | None) -> torch.Tensor:
+    """The L2 norm (fp32) of ``grad``, or, for a ``shard``, of the whole gradient its group's shards make."""
+    norm = torch.linalg.vector_norm(grad.float())
+    if shard is None:
+        return norm
+    squared = norm.square()
+    dist.all_reduce(squared, group=shard.group)
+    return squared.sqrt()

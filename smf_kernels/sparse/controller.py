@@ -65,6 +65,7 @@ from smf_kernels._precision import accumulation_dtype
 from smf_kernels._rows import row_to_slot_map
 from smf_kernels.memory import ROWS_READ, ProductKeyMemory
 from smf_kernels.ops import CompactRows, DeferredRows, ReadLog
+from smf_kernels.sharded.layout import gradient_copies, is_split, shard_of
 from smf_kernels.sparse.background import BackgroundStats
 from smf_kernels.sparse.clipping import clip_grad_norm_, norm_and_clip_coefficient
 from smf_kernels.sparse.dense_masked import mask_grad_rows_
@@ -264,6 +265,9 @@ class SparseMemoryController:
         if optimizer is not None and not (self.fused and select_before_backward):
             raise ValueError("optimizer= updates the rows inside the backward: it needs fused=True and "
                              "select_before_backward=True")
+        if optimizer is not None and any(is_split(m.values) for m in self.memories.values()):
+            raise ValueError("optimizer= (the update inside the backward) does not take sharded memories yet: the "
+                             "step's rows are updated by finish_step instead (do not pass optimizer=)")
         if (select_before_backward or defer_value_gradients) and self.mode != "row_sparse":
             raise ValueError(f"select_before_backward and defer_value_gradients need mode 'row_sparse', "
                              f"got {self.mode!r}")
@@ -383,7 +387,8 @@ class SparseMemoryController:
             if self.mode == "dense_masked":
                 self._restrict_dense_grad(memory.values, rows)
             elif not self._updated_in_backward:
-                compact = self._average_over_ranks(self._rows_gradient(name, memory.values, rows))
+                compact = self._average_over_ranks(memory.values,
+                                                   self._rows_gradient(name, memory.values, rows))
                 if self.fused:
                     self._row_grads[name] = (rows, compact, valid)
                 else:  # the nn.Embedding(sparse=True) convention: a coalesced COO gradient of T rows
@@ -440,9 +445,12 @@ class SparseMemoryController:
             coef = None
             if max_grad_norm is not None:  # one norm over the rows' gradients and every other gradient
                 clip_grad_norm_(params, float("inf"))  # coalesces any sparse gradient; scales nothing
-                dense = [p.grad for p in params if p.grad is not None]
-                _, coef = norm_and_clip_coefficient(dense + [g for _, g, _ in self._row_grads.values()],
-                                                    max_grad_norm)
+                with_grad = [p for p in params if p.grad is not None]
+                dense = [p.grad for p in with_grad]
+                rows_grads = [(g, self.memories[name].values) for name, (_, g, _) in self._row_grads.items()]
+                _, coef = norm_and_clip_coefficient(
+                    dense + [g for g, _ in rows_grads], max_grad_norm,
+                    shards=[shard_of(p) if is_split(p) else None for p in with_grad + [v for _, v in rows_grads]])
                 for g in dense:
                     g.mul_(coef.to(g.dtype))
             optimizer.step()  # the parameters with a .grad (e.g. alpha); the values have none
@@ -471,12 +479,15 @@ class SparseMemoryController:
         from the kept reads (deferred), the backwards' compact sums (selected before the backward) or the
         sparse ``.grad`` of the rows read (ROWS_READ)."""
         dtype = accumulation_dtype(values.dtype)
+        # A column shard's read sums every rank's tokens; its gradient through the autograd is averaged over the
+        # group (smf_kernels.sharded), the kept or compact ones here are averaged the same way.
+        group = shard_of(values).size if is_split(values) else 1
         if self._logs is not None:
-            return self._logs[name].rows_gradient(values, rows)
+            return self._logs[name].rows_gradient(values, rows).div_(group)
         if self._deferred is not None and isinstance(self._deferred[name], CompactRows):
             held = self._deferred[name].grad
-            return held if held is not None else torch.zeros(rows.numel(), values.shape[1], dtype=dtype,
-                                                             device=values.device)
+            return held.div_(group) if held is not None else torch.zeros(rows.numel(), values.shape[1], dtype=dtype,
+                                                                         device=values.device)
         grad = values.grad
         if grad is not None and not grad.is_sparse:
             raise RuntimeError("values.grad is dense in row_sparse mode; was a forward run outside "
@@ -489,8 +500,10 @@ class SparseMemoryController:
             compact.index_add_(0, slots[hits], grad._values().index_select(0, hits).to(dtype))
         return compact
 
-    def _average_over_ranks(self, compact: torch.Tensor) -> torch.Tensor:
-        world = self._world()
+    def _average_over_ranks(self, values: nn.Parameter, compact: torch.Tensor) -> torch.Tensor:
+        """``compact`` (a gradient of rows of ``values``) averaged over the data-parallel ranks, in place. A column
+        shard's gradient (smf_kernels.sharded) is averaged over its group by the sharded read already."""
+        world = gradient_copies(values, self._world())
         if world > 1:
             self._all_reduce_sum(compact)
             compact.div_(world)
@@ -499,7 +512,7 @@ class SparseMemoryController:
     def _restrict_dense_grad(self, values: nn.Parameter, rows: torch.Tensor) -> None:
         if values.grad is None:
             values.grad = torch.zeros_like(values)
-        world = self._world()
+        world = gradient_copies(values, self._world())
         if world > 1:
             self._all_reduce_sum(values.grad)
             values.grad.div_(world)
