@@ -1,24 +1,42 @@
 """Triton kernels: weighted gather + read histogram, and its backward, without host syncs.
 
-Every kernel tiles the value row in BLOCK_D columns, so any width D works
-(896 is not a power of two), and accumulates in fp32. Each launcher is split
-into a ``plan_*`` function returning the :class:`LaunchPlan` it launches, which
-benchmarks/triton_aot.py compiles for sm_90 / sm_80.
+Each launcher is split into a ``plan_*`` function returning the :class:`LaunchPlan` it launches,
+which benchmarks/triton_aot.py compiles for sm_90 / sm_80. Every kernel accumulates in fp32 and
+tiles the value row in BLOCK_D columns, so any width D works (896 is not a power of two).
 
 * gather_forward_kernel: out[n] = sum_l w[n,l] * V[idx[n,l]]; the first column
   tile of each token block also bumps counts[idx] for valid tokens (relaxed
   integer atomics: exact and order-independent). Up to D = 1024 one tile holds
   the whole row, so a token loads its ids and weights once.
-* gather_backward_kernel: one pass over each grad_out row tile gives both
-  dW[n,l] = V[idx[n,l]] . dOut[n] (kept in registers across the column tiles)
-  and dV[target] += w[n,l] * dOut[n] (relaxed fp32 atomics), where target = idx
-  (dense) or slot_of_row[idx] (sparse; -1 = not selected, skipped).
-  With NEED_VALUES off it computes dW alone, without atomics: the deterministic
-  path's weight gradient.
-* segment_rows_kernel: the deterministic dV. Reads sorted by target form one
-  segment per output row, found by binary search (no host sync, grid sized by
-  the output rows); each is summed in a fixed order and written once; reads of
-  unselected rows sort past the end and are never touched.
+
+The backward is row-owned, one path whatever torch.use_deterministic_algorithms says:
+
+* read_keys_kernel: each read's row as its sort key (int16 while M < 32,768) and each row's read
+  count (integer atomics). torch.sort (stable) then orders the reads by row, a cumsum of the
+  counts gives each row's segment, an argsort lists the rows heaviest first.
+* row_backward_kernel: one program (one warp) owns a row: it loads the value row once, walks the
+  row's reads in sorted order, adds w * grad_out[token] to the row's gradient in registers and
+  writes each read's dW = V[row] . grad_out[token]; the finished row leaves through
+  _finish_row_tile, written once. No float atomics, so every run gives the same bits.
+  T-row mode: programs cover every row, since dW is owed for every read; a row without an
+  output slot skips the w * grad_out sums and writes dW only. Without dW, only the T selected
+  rows are owned.
+
+Load balance: the rows run heaviest first (longest-processing-time-first, as Meta's memory-layer
+kernel orders rows by count), so a popular row starts at once instead of finishing last. One
+program walks a row at ~one read per L2 round trip (~0.3-0.5 us), so a row read R times takes
+~R x 0.4 us: hidden behind the rest while that stays under the whole pass (R below ~700, 11x the
+paper size's mean of 64); a row read more often sets the pass's length (splitting such rows over
+several programs, with their partial rows summed in a fixed order, is the lever if that shows).
+
+The token-major atomic backward (dense 1.36 ms bf16 / 1.45 ms fp32, T rows 0.63 / 0.70 ms on an
+H100) and its sorted-segment deterministic twin (2.5-2.7 ms) are gone: the bytes and time model
+in benchmarks/RESULTS.md ("Row-owned value backward") puts this pass at ~0.3 ms (bf16) / ~0.7 ms
+(fp32) in both modes, and both modes' GPU figures are for the next GPU session to confirm
+(gpu_check.py times them).
+
+Index guards: every access through a loaded index (indices, read ids, the row list, the slot
+map) is masked with :func:`guards.in_range`; the launcher raises "indices must lie in [0, M)".
 """
 from __future__ import annotations
 
@@ -86,9 +104,10 @@ def _finish_row_tile(dv_ptr, slot, cols, grad, mask, D):
     """The per-row epilogue, the one place the finished value gradient of a row leaves the program.
 
     grad: (BLOCK_D,) fp32, columns ``cols`` of the row's gradient, complete (every read of the
-    row summed). slot: the output row (the row itself, or its slot in update_rows); mask: the
-    columns to write (false for a row without an output slot). A fused optimizer step would read
-    and write the parameter row and its moments here instead.
+    row summed); slot: its output row (the row itself, or its slot in update_rows; called only
+    for a row that has one); mask: the columns that exist (cols < D). The program owns the row,
+    and with D <= 1024 this tile is the whole row. A fused optimizer step would read and write
+    the parameter row and its moments here instead of storing the gradient.
     """
     tl.store(dv_ptr + slot * D + cols, grad, mask=mask)
 
@@ -268,14 +287,21 @@ def sort_reads(keys, counts, rows=None, heavy_rows_first: bool = True):
     return order, ends, rows[torch.argsort(counts[rows], descending=True, stable=True)]
 
 
-def row_tile_config_backward(dim: int, dtype: torch.dtype) -> dict:
-    """Column tile, reads per step and warps of the row-owned backward (H100 time model in the module
-    docstring). The whole row in one tile up to D = 1024, so each read's dW dot is finished in
-    registers and the row's reads are walked once; 4 reads per step over 4 warps. At the paper size
-    that is 64-72 registers (AOT report): 7-8 programs, 28-32 reads in flight per SM. 8 reads per
-    step would keep up to 40 in flight for bf16, but took 95-128 registers depending on the variant
-    (dense / T rows, sm_90 / sm_80), at the budget's edge with no room for a fused epilogue."""
-    return {"BLOCK_D": min(MAX_BLOCK_D, next_pow2(dim)), "BLOCK_P": 4, "num_warps": 4}
+def row_tile_config_backward(dim: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """Column tile, reads per step, warps and register cap of the row-owned backward (the H100 time
+    model is in benchmarks/RESULTS.md, "Row-owned value backward").
+
+    One warp per program holds the whole row (up to D = 1024: 32 fp32 columns a lane) and walks its
+    reads one at a time: a read's dW is a warp-shuffle reduction (no shared memory, no barrier),
+    and the per-read bookkeeping runs on 32 lanes, not 128. Compiled for sm_90 the loop is ~200
+    instructions per read in bf16, half of 4 warps x 4 reads per step (404 per read: cross-warp
+    reductions, replicated read ids), which the model makes issue-bound at ~0.45 ms. 128 registers
+    at most (ptxas's choice without the cap was 135 for bf16): 16 warps, so 16 reads in flight,
+    per SM, 25% occupancy, no spills (AOT report).
+
+    The interpreter (CPU) takes 16 reads per step: its cost is per step, not per lane."""
+    reads_per_step = 16 if device.type == "cpu" else 1
+    return {"BLOCK_D": min(MAX_BLOCK_D, next_pow2(dim)), "BLOCK_P": reads_per_step, "num_warps": 1, "maxnreg": 128}
 
 
 def _rows_per_program(listed_rows: int, device: torch.device) -> int:
@@ -285,12 +311,12 @@ def _rows_per_program(listed_rows: int, device: torch.device) -> int:
 
 
 def plan_row_backward(grad_out, values, weights, order, ends, counts, row_list, slots, out_rows, flag,
-                      need_values, need_weights, block_d: int | None = None):
+                      need_values, need_weights, tile: dict | None = None):
     """(plan, (grad_values fp32 (out_rows or 0, D), grad_weights fp32 (N or 0, L))): the row-owned pass.
 
     slots: None (dense: output row = row) or (M,) int64 row -> output row, -1 = none. row_list:
-    the rows to own (see :func:`sort_reads`); None = every row in order. block_d: a narrower
-    column tile than the configured one (tests use it to cover the multi-tile path).
+    the rows to own (see :func:`sort_reads`); None = every row in order. tile: entries replacing
+    the launch configuration's (tests use a narrow BLOCK_D to cover the multi-tile path).
     """
     values, weights, grad_out = values.contiguous(), weights.contiguous(), grad_out.contiguous()
     num_tokens, per_token = weights.shape
@@ -298,9 +324,8 @@ def plan_row_backward(grad_out, values, weights, order, ends, counts, row_list, 
     grad_values = torch.empty(out_rows if need_values else 0, dim, dtype=torch.float32, device=values.device)
     grad_weights = torch.empty(num_tokens if need_weights else 0, per_token, dtype=torch.float32,
                                device=values.device)
-    config = row_tile_config_backward(dim, values.dtype)
-    if block_d is not None:
-        config["BLOCK_D"] = block_d
+    config = row_tile_config_backward(dim, values.dtype, values.device)
+    config.update(tile or {})
     listed_rows = num_rows if row_list is None else row_list.numel()
     rows_per_program = _rows_per_program(listed_rows, values.device)
     plan = LaunchPlan(
@@ -317,7 +342,7 @@ def plan_row_backward(grad_out, values, weights, order, ends, counts, row_list, 
 
 
 def gather_backward(grad_out, values, indices, weights, update_rows, need_values, need_weights, *,
-                    heavy_rows_first: bool = True, block_d: int | None = None):
+                    heavy_rows_first: bool = True, tile: dict | None = None):
     """(grad_values fp32 (M or T or 0, D), grad_weights fp32 (N or 0, L)): the row-owned backward.
 
     update_rows: None (dense value gradient) or (T,) int64 distinct rows (row t of grad_values
@@ -327,6 +352,8 @@ def gather_backward(grad_out, values, indices, weights, update_rows, need_values
     """
     num_rows, dim = values.shape
     num_tokens, per_token = indices.shape
+    if indices.numel() >= 2**31:  # read ids and row segments are int32 in the kernels
+        raise ValueError(f"the triton backward takes fewer than 2**31 reads (N * L), got {indices.numel()}")
     device = values.device
     sparse = update_rows is not None and need_values
     out_rows = (update_rows.numel() if sparse else num_rows) if need_values else 0
@@ -342,7 +369,7 @@ def gather_backward(grad_out, values, indices, weights, update_rows, need_values
     order, ends, row_list = sort_reads(keys, counts, own, heavy_rows_first)
     slots = row_to_slot_map(update_rows, num_rows) if sparse else None
     plan, grads = plan_row_backward(grad_out, values, weights, order, ends, counts, row_list, slots, out_rows,
-                                    flag, need_values, need_weights, block_d)
+                                    flag, need_values, need_weights, tile)
     if plan.grid[0] > 0:
         plan.launch()
     raise_if_flagged(flag, f"indices must lie in [0, {num_rows})")
