@@ -187,15 +187,20 @@ def row_backward_kernel(
                 v = tl.zeros((BLOCK_D,), dtype=tl.float32)
                 if NEED_WEIGHTS:
                     v = tl.load(v_ptr + row * stride_v + cols, mask=col_mask & row_ok, other=0.0).to(tl.float32)
+                # (a row never read skips the walk: its gradient is zeros, it owes no dW)
                 if NEED_VALUES:
                     if keep:
-                        grad = _walk_row_reads(v, w_ptr, g_ptr, order_ptr, gw_ptr, err_ptr, start, end, d0 == 0, cols,
-                                               col_mask, num_reads, stride_g, L, True, NEED_WEIGHTS, BLOCK_P, BLOCK_D)
+                        grad = tl.zeros((BLOCK_D,), dtype=tl.float32)
+                        if end > start:
+                            grad = _walk_row_reads(v, w_ptr, g_ptr, order_ptr, gw_ptr, err_ptr, start, end, d0 == 0,
+                                                   cols, col_mask, num_reads, stride_g, L, True, NEED_WEIGHTS, BLOCK_P,
+                                                   BLOCK_D)
                         _finish_row_tile(dv_ptr, slot, cols, grad, col_mask, D)
                     elif HAS_SLOTS and NEED_WEIGHTS:  # T-row mode: an unselected row still owes dW
-                        _walk_row_reads(v, w_ptr, g_ptr, order_ptr, gw_ptr, err_ptr, start, end, d0 == 0, cols,
-                                        col_mask, num_reads, stride_g, L, False, True, BLOCK_P, BLOCK_D)
-                else:
+                        if end > start:
+                            _walk_row_reads(v, w_ptr, g_ptr, order_ptr, gw_ptr, err_ptr, start, end, d0 == 0, cols,
+                                            col_mask, num_reads, stride_g, L, False, True, BLOCK_P, BLOCK_D)
+                elif end > start:
                     _walk_row_reads(v, w_ptr, g_ptr, order_ptr, gw_ptr, err_ptr, start, end, d0 == 0, cols,
                                     col_mask, num_reads, stride_g, L, False, True, BLOCK_P, BLOCK_D)
                 tl.debug_barrier()  # the next tile adds to this tile's grad_weights partials
