@@ -81,10 +81,11 @@ def launch_plans(dtype_name: str, config: dict) -> dict:
                                                                             valid)[0],
         "read_keys": keys_plan,
         "row_backward (dense)": triton_gather.plan_row_backward(grad_out, values, weights, order, ends, read_counts,
-                                                                row_list, None, rows, flag, True, True)[0],
+                                                                row_list, None, rows, flag, True, True,
+                                                                trusted_rows=True)[0],
         "row_backward (T rows)": triton_gather.plan_row_backward(grad_out, values, weights, order, ends,
                                                                  read_counts, row_list, slots, selected, flag, True,
-                                                                 True)[0],
+                                                                 True, trusted_rows=True)[0],
     }
 
 

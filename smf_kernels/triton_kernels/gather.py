@@ -35,8 +35,10 @@ in benchmarks/RESULTS.md ("Row-owned value backward") puts this pass at ~0.3 ms 
 (fp32) in both modes, and both modes' GPU figures are for the next GPU session to confirm
 (gpu_check.py times them).
 
-Index guards: every access through a loaded index (indices, read ids, the row list, the slot
-map) is masked with :func:`guards.in_range`; the launcher raises "indices must lie in [0, M)".
+Index guards: every access through a loaded index (indices, read ids, the slot map, update_rows
+as the row list) is masked with :func:`guards.in_range`; the launcher raises "indices must lie
+in [0, M)". Row segments (from the counts of in-range reads) and the heaviest-first row list (a
+permutation of every row) are in range by construction and go unchecked.
 """
 from __future__ import annotations
 
@@ -149,7 +151,8 @@ def _walk_row_reads(v, w_ptr, g_ptr, order_ptr, gw_ptr, err_ptr, start, end, fir
 def row_backward_kernel(
     v_ptr, w_ptr, g_ptr, order_ptr, ends_ptr, counts_ptr, rows_ptr, slot_ptr, dv_ptr, gw_ptr, err_ptr,
     num_rows, listed_rows, num_reads, D, out_rows, stride_v, stride_g, rows_per_program,
-    L: tl.constexpr, HAS_ROW_LIST: tl.constexpr, HAS_SLOTS: tl.constexpr, NEED_VALUES: tl.constexpr,
+    L: tl.constexpr, HAS_ROW_LIST: tl.constexpr, CHECK_ROWS: tl.constexpr, HAS_SLOTS: tl.constexpr,
+    NEED_VALUES: tl.constexpr,
     NEED_WEIGHTS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Each program owns whole rows: row r's reads are order[ends[r] - counts[r] : ends[r]].
@@ -169,7 +172,10 @@ def row_backward_kernel(
         if pos < listed_rows:
             if HAS_ROW_LIST:
                 row = tl.load(rows_ptr + pos).to(tl.int64)
-                row_ok = in_range(err_ptr, row, num_rows, pos < listed_rows)
+                if CHECK_ROWS:
+                    row_ok = in_range(err_ptr, row, num_rows, pos < listed_rows)
+                else:  # a permutation of every row, built by the launcher
+                    row_ok = pos < listed_rows
             else:
                 row = pos.to(tl.int64)
                 row_ok = pos < listed_rows
@@ -316,12 +322,14 @@ def _rows_per_program(listed_rows: int, device: torch.device) -> int:
 
 
 def plan_row_backward(grad_out, values, weights, order, ends, counts, row_list, slots, out_rows, flag,
-                      need_values, need_weights, tile: dict | None = None):
+                      need_values, need_weights, tile: dict | None = None, trusted_rows: bool = False):
     """(plan, (grad_values fp32 (out_rows or 0, D), grad_weights fp32 (N or 0, L))): the row-owned pass.
 
     slots: None (dense: output row = row) or (M,) int64 row -> output row, -1 = none. row_list:
     the rows to own (see :func:`sort_reads`); None = every row in order. tile: entries replacing
     the launch configuration's (tests use a narrow BLOCK_D to cover the multi-tile path).
+    trusted_rows: row_list is a permutation of every row made by :func:`sort_reads` (in range by
+    construction, so the kernel skips its guard); otherwise (update_rows) each row is checked.
     """
     values, weights, grad_out = values.contiguous(), weights.contiguous(), grad_out.contiguous()
     num_tokens, per_token = weights.shape
@@ -340,8 +348,8 @@ def plan_row_backward(grad_out, values, weights, order, ends, counts, row_list, 
          num_rows, listed_rows, num_tokens * per_token, dim, out_rows, values.stride(0), grad_out.stride(0),
          rows_per_program),
         # L constexpr: read // L, the token of a read, compiles to a shift (L = 64) or a multiply.
-        dict(L=per_token, HAS_ROW_LIST=row_list is not None, HAS_SLOTS=slots is not None, NEED_VALUES=need_values,
-             NEED_WEIGHTS=need_weights, **config),
+        dict(L=per_token, HAS_ROW_LIST=row_list is not None, CHECK_ROWS=not trusted_rows,
+             HAS_SLOTS=slots is not None, NEED_VALUES=need_values, NEED_WEIGHTS=need_weights, **config),
     )
     return plan, (grad_values, grad_weights)
 
@@ -374,7 +382,7 @@ def gather_backward(grad_out, values, indices, weights, update_rows, need_values
     order, ends, row_list = sort_reads(keys, counts, own, heavy_rows_first)
     slots = row_to_slot_map(update_rows, num_rows) if sparse else None
     plan, grads = plan_row_backward(grad_out, values, weights, order, ends, counts, row_list, slots, out_rows,
-                                    flag, need_values, need_weights, tile)
+                                    flag, need_values, need_weights, tile, trusted_rows=own is None)
     if plan.grid[0] > 0:
         plan.launch()
     raise_if_flagged(flag, f"indices must lie in [0, {num_rows})")
