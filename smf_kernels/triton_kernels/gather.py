@@ -152,8 +152,7 @@ def row_backward_kernel(
     v_ptr, w_ptr, g_ptr, order_ptr, ends_ptr, counts_ptr, rows_ptr, slot_ptr, dv_ptr, gw_ptr, err_ptr,
     num_rows, listed_rows, num_reads, D, out_rows, stride_v, stride_g, rows_per_program,
     L: tl.constexpr, HAS_ROW_LIST: tl.constexpr, CHECK_ROWS: tl.constexpr, HAS_SLOTS: tl.constexpr,
-    NEED_VALUES: tl.constexpr,
-    NEED_WEIGHTS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+    NEED_VALUES: tl.constexpr, NEED_WEIGHTS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Each program owns whole rows: row r's reads are order[ends[r] - counts[r] : ends[r]].
 
