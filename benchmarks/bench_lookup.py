@@ -308,10 +308,11 @@ def prepare_extension(args: argparse.Namespace) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    prepare_extension(args)
     if args.device == "cpu" and args.backends and "triton" in args.backends:
-        # Triton on CPU runs only through its interpreter, enabled before kernels are defined.
+        # Triton on CPU runs only through its interpreter, enabled before kernels are defined
+        # (prepare_extension imports smf_kernels, which defines them).
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    prepare_extension(args)
     report = benchmark(args)
     print(format_table(report))
     if args.json:

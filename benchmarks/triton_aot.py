@@ -77,18 +77,20 @@ def launch_plans(dtype_name: str, config: dict) -> dict:
     grad_rows = torch.empty(selected, dim, dtype=torch.float32, **meta)
     row_valid = torch.empty(selected, dtype=torch.bool, **meta)
     lr, clip = torch.empty((), dtype=torch.float64, **meta), torch.empty((), dtype=torch.float32, **meta)
+    flag = torch.empty(1, dtype=torch.int32, **meta)
+    keys_plan, read_keys, read_counts = triton_gather.plan_read_keys(indices, rows, flag)
+    order, ends, row_list = triton_gather.sort_reads(read_keys, read_counts)
     return {
         "product_key_topk": triton_topk.plan_product_key_topk(query, keys, topk)[0],
         "gather_forward (counts, valid)": triton_gather.plan_gather_forward(values, indices, weights, counts,
                                                                             valid)[0],
-        "gather_backward (dense)": triton_gather.plan_gather_backward(grad_out, values, indices, weights, None,
-                                                                      rows, True, True)[0],
-        "gather_backward (sparse rows)": triton_gather.plan_gather_backward(grad_out, values, indices, weights,
-                                                                            slots, selected, True, True)[0],
-        "gather_backward (weights only, deterministic)": triton_gather.plan_gather_backward(
-            grad_out, values, indices, weights, None, 0, False, True)[0],
-        "segment_rows (deterministic, sparse)": triton_gather.plan_segment_rows(grad_out, indices, weights, slots,
-                                                                                selected)[0],
+        "read_keys": keys_plan,
+        "row_backward (dense)": triton_gather.plan_row_backward(grad_out, values, weights, order, ends, read_counts,
+                                                                row_list, None, rows, flag, True, True,
+                                                                trusted_rows=True)[0],
+        "row_backward (T rows)": triton_gather.plan_row_backward(grad_out, values, weights, order, ends,
+                                                                 read_counts, row_list, slots, selected, flag, True,
+                                                                 True, trusted_rows=True)[0],
         "row_adamw (T rows, clipped)": triton_row_adamw.plan_row_adamw(
             values, torch.empty_like(values), torch.empty_like(values), row_step, update_rows, grad_rows, row_valid,
             lr, clip, 0.9, 0.999, 1e-8, 0.01)[0],
@@ -123,6 +125,9 @@ def compile_one(job: tuple[str, str, str, dict]) -> dict:
     binder = create_function_from_signature(fn.signature, fn.params, backend)  # the launcher's own binder
     bound, specialization, options = binder(*plan.args, **plan.meta)
     options, signature, constexprs, attrs = fn._pack_args(backend, plan.meta, bound, specialization, options)
+    # A cache of its own: kernels whose code does not depend on the dtype (read_keys) would
+    # otherwise hit the cache on their second compile, and ptxas would report nothing.
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(dir=os.environ.get("TRITON_CACHE_DIR"))
     log = io.StringIO()
     start = time.perf_counter()
     try:

@@ -212,3 +212,112 @@ def test_unavailable_backend_raises_clearly():
     values, indices, weights = gather_inputs(SHAPES[0], torch.float32)
     with pytest.raises(RuntimeError, match="unknown backend 'cuda'"):
         weighted_gather(values, indices, weights, backend="cuda")
+
+
+# ------------------------------------------------- the triton backend's row-owned backward, called directly
+needs_triton = pytest.mark.skipif("triton" not in BACKENDS, reason="the triton backend cannot run here")
+# M = 40 rows of which 30 are read (rows 30-39 never), D = 100 (not a power of two), N = 29 tokens,
+# L = 6 reads a token; row 3 is read by every token, twice by some.
+ROW_SHAPE = (40, 100, 29, 6)
+# Selected rows: the hot row, rows read a few times, and unread ones; distinct, unsorted.
+SELECTED = torch.tensor([35, 3, 17, 0, 38, 22])
+
+
+def _row_inputs(dtype):
+    m, d, n, l = ROW_SHAPE
+    values = torch.randn(m, d).to(dtype)
+    indices = torch.randint(0, 30, (n, l))
+    indices[:, 0] = 3
+    indices[::3, 4] = 3
+    weights = torch.softmax(torch.randn(n, l), -1)
+    grad_out = torch.randn(n, d).to(dtype)
+    return grad_out, values, indices, weights
+
+
+def _reference_grads(grad_out, values, indices, weights, update_rows):
+    v, w = values.double().requires_grad_(), weights.double().requires_grad_()
+    grad_values, grad_weights = torch.autograd.grad(weighted_gather_reference(v, indices, w), (v, w),
+                                                    grad_out.double())
+    return (grad_values if update_rows is None else grad_values[update_rows]), grad_weights
+
+
+def _triton_backward(*args, **kwargs):
+    from smf_kernels.triton_kernels import gather as triton_gather
+
+    return triton_gather.gather_backward(*args, **kwargs)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("update_rows", [None, SELECTED], ids=["dense", "T rows"])
+@pytest.mark.parametrize("need", [(True, True), (True, False), (False, True)], ids=["both", "dV", "dW"])
+def test_row_backward_matches_reference(dtype, update_rows, need):
+    grad_out, values, indices, weights = _row_inputs(dtype)
+    grad_values, grad_weights = _triton_backward(grad_out, values, indices, weights, update_rows, *need)
+    want_values, want_weights = _reference_grads(grad_out, values, indices, weights, update_rows)
+    rows = values.shape[0] if update_rows is None else update_rows.numel()
+    assert grad_values.shape == ((rows, values.shape[1]) if need[0] else (0, values.shape[1]))
+    assert grad_weights.shape == (indices.shape if need[1] else (0, indices.shape[1]))
+    assert grad_values.dtype == grad_weights.dtype == torch.float32
+    # fp32 sums of the inputs' exact products: fp32 rounding only, bf16 inputs included
+    if need[0]:
+        assert rel_err(grad_values, want_values) < 1e-6
+        unread = torch.isin(torch.arange(values.shape[0]) if update_rows is None else update_rows,
+                            indices.unique(), invert=True)
+        assert unread.any() and (grad_values[unread] == 0).all(), "rows never read get a zero gradient"
+    if need[1]:
+        assert rel_err(grad_weights, want_weights) < 1e-6
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype, update_rows", [(torch.float32, None), (torch.bfloat16, SELECTED)])
+def test_row_backward_column_tiles_and_one_read_per_step(dtype, update_rows):
+    """D = 100 in 32-column tiles (4 tiles, the last partial: dW partials summed through grad_weights)
+    and one read per step (the GPU's configuration), against the default tile."""
+    grad_out, values, indices, weights = _row_inputs(dtype)
+    want_values, want_weights = _reference_grads(grad_out, values, indices, weights, update_rows)
+    for tile in ({"BLOCK_D": 32}, {"BLOCK_P": 1}):
+        grad_values, grad_weights = _triton_backward(grad_out, values, indices, weights, update_rows, True, True,
+                                                     tile=tile)
+        assert rel_err(grad_values, want_values) < 1e-6, tile
+        assert rel_err(grad_weights, want_weights) < 1e-6, tile
+
+
+@needs_triton
+@pytest.mark.parametrize("update_rows", [None, SELECTED], ids=["dense", "T rows"])
+def test_row_backward_is_bit_reproducible_and_one_path(update_rows):
+    """No float atomics: two runs, a run under torch.use_deterministic_algorithms and a run with rows in
+    id order instead of heaviest first give the same bits."""
+    values, indices, weights = gather_inputs(ROW_SHAPE, torch.float32, requires_grad=True)
+    indices[:, :3] = 3  # a hot row
+    grad = torch.randn(indices.shape[0], values.shape[1])
+
+    out = weighted_gather(values, indices, weights, update_rows=update_rows, backend="triton")
+
+    def run():  # the backward alone (the interpreter's forward costs seconds)
+        grad_values, grad_weights = torch.autograd.grad(out, (values, weights), grad, retain_graph=True)
+        return grad_values.to_dense(), grad_weights
+
+    first, second = run(), run()
+    torch.use_deterministic_algorithms(True)
+    deterministic = run()
+    torch.use_deterministic_algorithms(False)
+    by_row_id = _triton_backward(grad, values.detach(), indices, weights.detach(),
+                                 None if update_rows is None else update_rows.sort().values, True, True,
+                                 heavy_rows_first=False)
+    for got in (second, deterministic):
+        assert all(torch.equal(a, b) for a, b in zip(first, got))
+    kept = first[0] if update_rows is None else first[0][update_rows.sort().values]
+    assert torch.equal(kept, by_row_id[0]) and torch.equal(first[1], by_row_id[1])
+
+
+@needs_triton
+@pytest.mark.parametrize("update_rows", [None, SELECTED], ids=["dense", "T rows"])
+def test_row_backward_rejects_out_of_range_indices(update_rows):
+    """Called directly (the op's host check skipped, as under torch.compile): the kernels mask every
+    access through a bad index and the launcher raises."""
+    grad_out, values, indices, weights = _row_inputs(torch.float32)
+    for bad in (values.shape[0], -1, 2**40):
+        indices[5, 2] = bad
+        with pytest.raises(RuntimeError, match=r"indices must lie in \[0, 40\)"):
+            _triton_backward(grad_out, values, indices, weights, update_rows, True, True)

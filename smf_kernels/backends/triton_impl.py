@@ -4,7 +4,6 @@ from __future__ import annotations
 import torch
 
 from smf_kernels._precision import accumulation_dtype
-from smf_kernels._rows import row_to_slot_map
 from smf_kernels.backends import torch_impl
 from smf_kernels.triton_kernels import gather as triton_gather
 from smf_kernels.triton_kernels import interpreter_enabled
@@ -46,10 +45,9 @@ def gather_forward(values, indices, weights, counts, valid):
 
 
 def gather_backward(grad_out, values, indices, weights, update_rows, deterministic, need_values, need_weights):
-    slots = None if update_rows is None else row_to_slot_map(update_rows, values.shape[0])
-    out_rows = values.shape[0] if update_rows is None else update_rows.numel()
+    # One path whatever ``deterministic`` says: the row-owned backward sums in a fixed order, no atomics.
     grad_values, grad_weights = triton_gather.gather_backward(
-        grad_out, values, indices, weights, slots, out_rows, deterministic, need_values, need_weights)
+        grad_out, values, indices, weights, update_rows, need_values, need_weights)
     dtype = accumulation_dtype(values.dtype)
     return grad_values.to(dtype), grad_weights.to(dtype)
 
