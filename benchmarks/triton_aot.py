@@ -56,6 +56,7 @@ def launch_plans(dtype_name: str, config: dict) -> dict:
     from smf_kernels._rows import row_to_slot_map
     from smf_kernels.triton_kernels import gather as triton_gather
     from smf_kernels.triton_kernels import topk as triton_topk
+    from smf_kernels.triton_kernels import topk_backward as triton_topk_backward
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     meta = dict(device="meta")
@@ -72,8 +73,16 @@ def launch_plans(dtype_name: str, config: dict) -> dict:
     update_rows = torch.empty(config["selected_rows"], dtype=torch.int64, **meta)
     slots = row_to_slot_map(update_rows, rows)
     selected = update_rows.numel()
+    grad_scores = torch.empty(n, heads, topk, dtype=torch.float32, **meta)
+    topk_slots = torch.empty(n, heads, topk, dtype=torch.int64, **meta)
+    flag = torch.empty(1, dtype=torch.int32, **meta)
+    key_partials = triton_topk_backward.plan_topk_key_grad(grad_scores, query, topk_slots, n_keys, flag)
     return {
         "product_key_topk": triton_topk.plan_product_key_topk(query, keys, topk)[0],
+        "topk_backward (query grad)": triton_topk_backward.plan_topk_query_grad(grad_scores, keys, topk_slots,
+                                                                                           flag)[0],
+        "topk_backward (key grad partials)": key_partials[0],
+        "topk_backward (sum of key partials)": triton_topk_backward.plan_sum_partials(key_partials[1])[0],
         "gather_forward (counts, valid)": triton_gather.plan_gather_forward(values, indices, weights, counts,
                                                                             valid)[0],
         "gather_backward (dense)": triton_gather.plan_gather_backward(grad_out, values, indices, weights, None,
@@ -115,6 +124,9 @@ def compile_one(job: tuple[str, str, str, dict]) -> dict:
     binder = create_function_from_signature(fn.signature, fn.params, backend)  # the launcher's own binder
     bound, specialization, options = binder(*plan.args, **plan.meta)
     options, signature, constexprs, attrs = fn._pack_args(backend, plan.meta, bound, specialization, options)
+    # A fresh cache per job: two jobs with one specialisation (a kernel whose arguments do not depend on
+    # the dtype) would otherwise hit the cache, and ptxas would not run for the second.
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="job-", dir=os.environ.get("TRITON_CACHE_DIR"))
     log = io.StringIO()
     start = time.perf_counter()
     try:
