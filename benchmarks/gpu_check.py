@@ -5,7 +5,7 @@
     python benchmarks/gpu_check.py --roofline                # the floor table alone, no run
 
 For fp32 and bf16, each op (top-k lookup, gather + histogram, dense / sparse /
-deterministic backward) runs on the ``triton`` backend and is checked against
+deterministic backward, the top-k's backward) runs on the ``triton`` backend and is checked against
 the float64 reference: relative error of the outputs and, for the lookup, the
 fraction of slot ids equal to the reference's. Each op is then timed (median of
 CUDA-event timed runs) against the ``torch`` backend in the same run and against
@@ -24,7 +24,7 @@ TINY = dict(tokens=20, n_keys=8, heads=2, topk=4, key_dim=32, dim=48, update_row
 # H100 SXM: HBM3 bandwidth, dense bf16 tensor-core and fp32 (non-tensor) peaks.
 HBM_BYTES_S = 3.35e12
 PEAK_FLOPS = {"bf16": 989e12, "fp32": 67e12}
-OPS = ("lookup", "gather+hist", "dense bwd", "sparse bwd", "deterministic sparse bwd")
+OPS = ("lookup", "gather+hist", "dense bwd", "sparse bwd", "deterministic sparse bwd", "topk bwd")
 
 
 def floors(cfg: dict, dtype: str) -> dict:
@@ -45,6 +45,8 @@ def floors(cfg: dict, dtype: str) -> dict:
         "dense bwd": (n * d * s + m * d * s + ids_w + m * d * 4 + reads * 4, 4 * reads * d),
         "sparse bwd": (n * d * s + m * d * s + ids_w + t * d * 4 + reads * 4, 4 * reads * d),
         "deterministic sparse bwd": (n * d * s + m * d * s + ids_w + t * d * 4 + reads * 4, 4 * reads * d),
+        # query and keys in, their gradients out (input dtype), fp32 score grads and slot ids in
+        "topk bwd": (2 * (n * h * kd + h * nk * kd) * s + reads * (4 + 8), 4 * reads * kd),
     }
     peak = PEAK_FLOPS[dtype]
     return {op: (b, f, max(b / HBM_BYTES_S, f / peak)) for op, (b, f) in out.items()}
@@ -62,6 +64,14 @@ def _inputs(cfg, dtype, device):
     grad_out = torch.randn(n, d, device=device).to(dtype)
     rows = torch.randperm(nk * nk, device=device)[: cfg["update_rows"]].sort().values
     return query, keys, values, indices, weights, grad_out, rows
+
+
+def _score_grads(cfg, device):
+    """A fixed fp32 gradient of the top-k scores (N, H, topk), the same for every backend and the reference."""
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(1)
+    return torch.randn(cfg["tokens"], cfg["heads"], cfg["topk"], generator=gen, device=device)
 
 
 def _rel(out, ref) -> float:
@@ -82,6 +92,11 @@ def _op_runner(op, backend, inputs, cfg):
     if op == "gather+hist":
         counts = torch.zeros(values.shape[0], dtype=torch.int64, device=values.device)
         return lambda: (weighted_gather(values, indices, weights, counts=counts.zero_(), backend=backend), counts)
+    if op == "topk bwd":  # the backward alone: the forward runs once, outside the timed call
+        q, k = query.detach().requires_grad_(True), keys.detach().requires_grad_(True)
+        scores, _ = product_key_topk(q, k, cfg["topk"], backend=backend)
+        grad = _score_grads(cfg, query.device)
+        return lambda: torch.autograd.grad(scores, (q, k), grad, retain_graph=True)
 
     def backward():
         torch.use_deterministic_algorithms(op.startswith("deterministic"))
@@ -107,6 +122,10 @@ def _reference(op, inputs, cfg):
     if op == "gather+hist":
         counts = torch.zeros(values.shape[0], dtype=torch.int64, device=values.device)
         return weighted_gather_reference(values, indices, weights, counts=counts), counts
+    if op == "topk bwd":
+        q, k = query.requires_grad_(True), keys.requires_grad_(True)
+        scores, _ = product_key_topk_reference(q, k, cfg["topk"])
+        return torch.autograd.grad(scores, (q, k), _score_grads(cfg, query.device).double())
     v = values.requires_grad_(True)
     w = weights.requires_grad_(True)
     gv, gw = torch.autograd.grad(weighted_gather_reference(v, indices, w), (v, w), grad_out)
@@ -120,6 +139,8 @@ def _check(op, got, want) -> str:
         return f"scores {_rel(got[0], want[0]):.1e}, slots = ref {float((got[1] == want[1]).float().mean()):.2%}"
     if op == "gather+hist":
         return f"out {_rel(got[0], want[0]):.1e}, counts exact {bool((got[1] == want[1]).all())}"
+    if op == "topk bwd":
+        return f"dQ {_rel(got[0], want[0]):.1e}, dK {_rel(got[1], want[1]):.1e}"
     gv = got[0].coalesce().values() if got[0].is_sparse else got[0]
     return f"dV {_rel(gv, want[0]):.1e}, dW {_rel(got[1], want[1]):.1e}"
 
