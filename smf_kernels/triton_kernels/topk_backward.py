@@ -10,10 +10,11 @@ slots ``i_r * n_keys + j_r`` the top-k chose, and their gradient g[n, h, r]:
 * topk_key_grad_kernel: grad_keys[h, c, key, d] = sum over (n, r) with sub_c(r) = key of
   g[n, h, r] * q[n, h, c*half + d]. A program owns a chunk of tokens, one (head, half), NK_TILE
   sub-keys and a column tile. Per BLOCK_T tokens it builds the sub-key gradients G (BLOCK_T, NK_TILE)
-  in registers (each token's g summed per sub-key it picked, zero elsewhere: the reference's dense
-  sub-key gradient, so 0 * inf = NaN wherever the reference has it) and adds q^T G to a transposed
-  (BLOCK_D, NK_TILE) fp32 accumulator on tensor cores (G is tl.dot's shared-memory operand, q^T the
-  register one: the layout that kept registers lowest). Each chunk writes its partial sum;
+  in registers, tokens along the lanes (each token's g summed per sub-key it picked, zero elsewhere:
+  the reference's dense sub-key gradient, so 0 * inf = NaN wherever the reference has it) and adds
+  q^T G to a transposed (BLOCK_D, NK_TILE) fp32 accumulator on tensor cores (G is tl.dot's
+  shared-memory operand, q^T the register one: the layout that kept registers lowest). Each chunk
+  writes its partial sum;
 * sum_partials_kernel adds the partials in chunk order (chunks depend on N only).
 No float atomics anywhere: every output element is summed in a fixed order, bit-reproducible.
 
@@ -202,9 +203,10 @@ def query_grad_config(half: int) -> dict:
 def key_grad_config(n_keys: int, half: int) -> dict:
     """64 sub-keys x up to 128 columns per program, 32 tokens per dot step (tl.dot needs >= 16 each way),
     8 warps, so each thread compares one slot id per pick with 8 sub-keys. ptxas is capped at 128
-    registers (25% occupancy on sm_90 at 8 warps): fp32 asked for 149 uncapped and fits 125 with no
-    spill (bf16 takes 96). Chunks of >= 256 tokens, at most 32: at the paper shape (N = 16,384)
-    32 chunks x 8 (head, half) x 2 sub-key tiles = 512 programs and 16 MB of fp32 partials (in L2)."""
+    registers (25% occupancy on sm_90 at 8 warps): fp32 asks for 143 uncapped and fits 128 with no
+    spill on sm_90 (bf16 takes 102; 4 warps spill). Chunks of >= 256 tokens (a multiple of the
+    32-token step), at most 32: at the paper shape (N = 16,384) 32 chunks x 8 (head, half) x 2
+    sub-key tiles = 512 programs and 16 MB of fp32 partials (in L2); at N = 4,096, 16 chunks."""
     return {"NK_TILE": min(64, max(16, next_pow2(n_keys))), "BLOCK_T": 32,
             "BLOCK_D": min(128, max(16, next_pow2(half))), "num_warps": 8, "maxnreg": 128,
             "max_chunks": 32, "min_chunk_tokens": 256}
