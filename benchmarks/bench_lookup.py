@@ -9,6 +9,7 @@ For each backend it times (median of --repeats runs after warm-up):
   gather+hist     weighted_gather forward, counting reads into a histogram
   dense bwd       weighted_gather backward: dense (M, D) value grad + weight grad
   sparse bwd      weighted_gather backward with update_rows (T rows) + weight grad
+  topk bwd        product_key_topk backward alone: grad of query and keys from the scores' grad
   core fwd+bwd    the memory core, forward and backward: lookup, softmax, gather with
                   histogram, dense value grad, weight grad, top-k backward (query and keys)
   core sparse     the same with the value grad restricted to update_rows (T rows)
@@ -80,6 +81,9 @@ def _bytes_moved(op: str, cfg: dict, tokens: int, itemsize: int, update_rows: in
         return ids_and_weights + reads * d * itemsize + n * d * itemsize + m * d * itemsize + reads * 4
     if op == "sparse bwd":
         return ids_and_weights + reads * d * itemsize + n * d * itemsize + update_rows * d * itemsize + reads * 4
+    if op == "topk bwd":  # query and keys read, their gradients written (input dtype), score grads and ids read
+        key_elems = h * 2 * cfg["n_keys"] * (kd // 2)
+        return 2 * (n * h * kd + key_elems) * itemsize + reads * (4 + 8)
     return 0  # the whole layer: GB/s not meaningful
 
 
@@ -188,6 +192,7 @@ def benchmark(args: argparse.Namespace) -> dict:
     counts = torch.zeros(num_slots, dtype=torch.int64, device=device)
     rows = torch.randperm(num_slots, generator=gen)[:update_rows].to(device)
     core_query, core_keys = query.detach().requires_grad_(True), keys.detach().requires_grad_(True)
+    grad_scores = torch.randn(tokens, cfg["heads"], cfg["topk"], generator=gen).to(device)
     x = torch.randn(layer_tokens, cfg["value_dim"], generator=gen).to(device, dtype)
     layer_args = dict(n_keys=cfg["n_keys"], heads=cfg["heads"], topk=cfg["topk"], key_dim=cfg["key_dim"])
 
@@ -209,6 +214,10 @@ def benchmark(args: argparse.Namespace) -> dict:
             out = weighted_gather(values, indices, weights, update_rows=rows if sparse else None, backend=name)
             return lambda: torch.autograd.grad(out, (values, weights), grad_out, retain_graph=True)
 
+        def topk_backward():
+            scores, _ = product_key_topk(core_query, core_keys, cfg["topk"], backend=name)
+            return lambda: torch.autograd.grad(scores, (core_query, core_keys), grad_scores, retain_graph=True)
+
         def core(sparse: bool):
             def run():
                 scores, found = product_key_topk(core_query, core_keys, cfg["topk"], backend=name)
@@ -220,8 +229,8 @@ def benchmark(args: argparse.Namespace) -> dict:
 
         layer = ProductKeyMemory(cfg["value_dim"], **layer_args, backend=name).to(device, dtype)
         return {"lookup": lookup, "gather+hist": gather_hist, "dense bwd": backward(False),
-                "sparse bwd": backward(True), "core fwd+bwd": core(False), "core sparse": core(True),
-                "layer fwd+bwd": step(layer)}
+                "sparse bwd": backward(True), "topk bwd": topk_backward(), "core fwd+bwd": core(False),
+                "core sparse": core(True), "layer fwd+bwd": step(layer)}
 
     per_backend = {name: ops_of(name) for name in backends}
     authors = step(authors_layer_class()(cfg["value_dim"], value_dim=cfg["value_dim"], **layer_args).to(device, dtype))
@@ -277,7 +286,8 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-_OP_ORDER = ["lookup", "gather+hist", "dense bwd", "sparse bwd", "core fwd+bwd", "core sparse", "layer fwd+bwd"]
+_OP_ORDER = ["lookup", "gather+hist", "dense bwd", "sparse bwd", "topk bwd", "core fwd+bwd", "core sparse",
+             "layer fwd+bwd"]
 
 
 def prepare_extension(args: argparse.Namespace) -> None:
@@ -309,8 +319,8 @@ def prepare_extension(args: argparse.Namespace) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.device == "cpu" and args.backends and "triton" in args.backends:
-        # Triton on CPU runs only through its interpreter, enabled before kernels are defined
-        # (prepare_extension imports smf_kernels, which defines them).
+        # Triton on CPU runs only through its interpreter, enabled before any kernel is defined, i.e. before
+        # torch is imported (torch 2.13 imports triton.language, whose own helpers are @triton.jit).
         os.environ.setdefault("TRITON_INTERPRET", "1")
     prepare_extension(args)
     report = benchmark(args)

@@ -5,8 +5,8 @@
     python benchmarks/gpu_check.py --roofline                # the floor table alone, no run
 
 For fp32 and bf16, each op (top-k lookup, gather + histogram, dense / sparse
-backward, and the dense backward with a tenth of the reads on 64 hot rows: the
-row-owned backward's load balance) runs on the ``triton`` backend and is checked against
+backward, the dense backward with a tenth of the reads on 64 hot rows: the row-owned
+backward's load balance, and the top-k's backward) runs on the ``triton`` backend and is checked against
 the float64 reference: relative error of the outputs and, for the lookup, the
 fraction of slot ids equal to the reference's. Each op is then timed (median of
 CUDA-event timed runs) against the ``torch`` backend in the same run and against
@@ -26,7 +26,7 @@ TINY = dict(tokens=20, n_keys=8, heads=2, topk=4, key_dim=32, dim=48, update_row
 HBM_BYTES_S = 3.35e12
 PEAK_FLOPS = {"bf16": 989e12, "fp32": 67e12}
 # The Triton backward has one path, bit-reproducible by construction: no "deterministic" row.
-OPS = ("lookup", "gather+hist", "dense bwd", "sparse bwd", "hot-row bwd")
+OPS = ("lookup", "gather+hist", "dense bwd", "sparse bwd", "hot-row bwd", "topk bwd")
 HOT_ROWS = 64  # rows that take every tenth read in the "hot-row bwd" op
 
 
@@ -48,6 +48,8 @@ def floors(cfg: dict, dtype: str) -> dict:
         "dense bwd": (n * d * s + m * d * s + ids_w + m * d * 4 + reads * 4, 4 * reads * d),
         "sparse bwd": (n * d * s + m * d * s + ids_w + t * d * 4 + reads * 4, 4 * reads * d),
         "hot-row bwd": (n * d * s + m * d * s + ids_w + m * d * 4 + reads * 4, 4 * reads * d),
+        # query and keys in, their gradients out (input dtype), fp32 score grads and slot ids in
+        "topk bwd": (2 * (n * h * kd + h * nk * kd) * s + reads * (4 + 8), 4 * reads * kd),
     }
     peak = PEAK_FLOPS[dtype]
     return {op: (b, f, max(b / HBM_BYTES_S, f / peak)) for op, (b, f) in out.items()}
@@ -77,6 +79,14 @@ def _hot_indices(indices):
     return flat.view_as(indices)
 
 
+def _score_grads(cfg, device):
+    """A fixed fp32 gradient of the top-k scores (N, H, topk), the same for every backend and the reference."""
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(1)
+    return torch.randn(cfg["tokens"], cfg["heads"], cfg["topk"], generator=gen, device=device)
+
+
 def _rel(out, ref) -> float:
     out = out.to_dense() if out.is_sparse else out
     ref = ref.to_dense() if ref.is_sparse else ref
@@ -95,6 +105,11 @@ def _op_runner(op, backend, inputs, cfg):
     if op == "gather+hist":
         counts = torch.zeros(values.shape[0], dtype=torch.int64, device=values.device)
         return lambda: (weighted_gather(values, indices, weights, counts=counts.zero_(), backend=backend), counts)
+    if op == "topk bwd":  # the backward alone: the forward runs once, outside the timed call
+        q, k = query.detach().requires_grad_(True), keys.detach().requires_grad_(True)
+        scores, _ = product_key_topk(q, k, cfg["topk"], backend=backend)
+        grad = _score_grads(cfg, query.device)
+        return lambda: torch.autograd.grad(scores, (q, k), grad, retain_graph=True)
 
     read = _hot_indices(indices) if op == "hot-row bwd" else indices
 
@@ -119,6 +134,10 @@ def _reference(op, inputs, cfg):
     if op == "gather+hist":
         counts = torch.zeros(values.shape[0], dtype=torch.int64, device=values.device)
         return weighted_gather_reference(values, indices, weights, counts=counts), counts
+    if op == "topk bwd":
+        q, k = query.requires_grad_(True), keys.requires_grad_(True)
+        scores, _ = product_key_topk_reference(q, k, cfg["topk"])
+        return torch.autograd.grad(scores, (q, k), _score_grads(cfg, query.device).double())
     v = values.requires_grad_(True)
     w = weights.requires_grad_(True)
     read = _hot_indices(indices) if op == "hot-row bwd" else indices
@@ -133,6 +152,8 @@ def _check(op, got, want) -> str:
         return f"scores {_rel(got[0], want[0]):.1e}, slots = ref {float((got[1] == want[1]).float().mean()):.2%}"
     if op == "gather+hist":
         return f"out {_rel(got[0], want[0]):.1e}, counts exact {bool((got[1] == want[1]).all())}"
+    if op == "topk bwd":
+        return f"dQ {_rel(got[0], want[0]):.1e}, dK {_rel(got[1], want[1]):.1e}"
     gv = got[0].coalesce().values() if got[0].is_sparse else got[0]
     return f"dV {_rel(gv, want[0]):.1e}, dW {_rel(got[1], want[1]):.1e}"
 

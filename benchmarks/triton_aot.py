@@ -57,6 +57,7 @@ def launch_plans(dtype_name: str, config: dict) -> dict:
     from smf_kernels.triton_kernels import gather as triton_gather
     from smf_kernels.triton_kernels import row_adamw as triton_row_adamw
     from smf_kernels.triton_kernels import topk as triton_topk
+    from smf_kernels.triton_kernels import topk_backward as triton_topk_backward
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     meta = dict(device="meta")
@@ -80,8 +81,15 @@ def launch_plans(dtype_name: str, config: dict) -> dict:
     flag = torch.empty(1, dtype=torch.int32, **meta)
     keys_plan, read_keys, read_counts = triton_gather.plan_read_keys(indices, rows, flag)
     order, ends, row_list = triton_gather.sort_reads(read_keys, read_counts)
+    grad_scores = torch.empty(n, heads, topk, dtype=torch.float32, **meta)
+    topk_slots = torch.empty(n, heads, topk, dtype=torch.int64, **meta)
+    key_partials = triton_topk_backward.plan_topk_key_grad(grad_scores, query, topk_slots, n_keys, flag)
     return {
         "product_key_topk": triton_topk.plan_product_key_topk(query, keys, topk)[0],
+        "topk_backward (query grad)": triton_topk_backward.plan_topk_query_grad(grad_scores, keys, topk_slots,
+                                                                                           flag)[0],
+        "topk_backward (key grad partials)": key_partials[0],
+        "topk_backward (sum of key partials)": triton_topk_backward.plan_sum_partials(key_partials[1])[0],
         "gather_forward (counts, valid)": triton_gather.plan_gather_forward(values, indices, weights, counts,
                                                                             valid)[0],
         "read_keys": keys_plan,
@@ -125,9 +133,9 @@ def compile_one(job: tuple[str, str, str, dict]) -> dict:
     binder = create_function_from_signature(fn.signature, fn.params, backend)  # the launcher's own binder
     bound, specialization, options = binder(*plan.args, **plan.meta)
     options, signature, constexprs, attrs = fn._pack_args(backend, plan.meta, bound, specialization, options)
-    # A cache of its own: kernels whose code does not depend on the dtype (read_keys) would
-    # otherwise hit the cache on their second compile, and ptxas would report nothing.
-    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(dir=os.environ.get("TRITON_CACHE_DIR"))
+    # A fresh cache per job: two jobs with one specialisation (a kernel whose arguments do not depend on
+    # the dtype) would otherwise hit the cache, and ptxas would not run for the second.
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="job-", dir=os.environ.get("TRITON_CACHE_DIR"))
     log = io.StringIO()
     start = time.perf_counter()
     try:

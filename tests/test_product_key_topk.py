@@ -90,6 +90,15 @@ def test_custom_op_gradcheck_float64_and_opcheck():
     torch.library.opcheck(torch.ops.smf_kernels.product_key_topk.default, (query, keys, 3, "torch"))
 
 
+@pytest.mark.parametrize("backend", [name for name in BACKENDS if name != "triton"])  # triton: no float64
+def test_gradcheck_float64_through_each_backend(backend):
+    """Each backend's own top-k backward (ext: the fused CPU kernel) in float64."""
+    query, keys = _inputs((7, 3, 10, 6, 4), torch.float64)
+    query.requires_grad_(True)
+    keys.requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda q, k: product_key_topk(q, k, 4, backend=backend)[0], (query, keys))
+
+
 def test_deterministic_backward_is_bit_reproducible():
     torch.use_deterministic_algorithms(True)
     query, keys = _inputs(SHAPES[1], torch.float32)

@@ -47,6 +47,14 @@ def test_topk_forward_makes_no_host_sync():
     assert not _syncing(rec.names), _syncing(rec.names)
 
 
+def test_topk_backward_makes_no_host_sync():
+    query, keys = torch.randn(19, 2, 32), torch.randn(2, 2, 20, 16)
+    _, slots = implementation("triton").topk_forward(query, keys, 5)
+    with _RecordOps() as rec:
+        implementation("triton").topk_backward(torch.randn(19, 2, 5), query, keys, slots, True, True)
+    assert not _syncing(rec.names), _syncing(rec.names)
+
+
 def test_gather_forward_with_counts_makes_no_host_sync():
     values, indices, weights = _gather_inputs()
     counts = torch.zeros(values.shape[0], dtype=torch.int64)

@@ -9,6 +9,7 @@ from smf_kernels.triton_kernels import gather as triton_gather
 from smf_kernels.triton_kernels import interpreter_enabled
 from smf_kernels.triton_kernels import row_adamw as triton_row_adamw
 from smf_kernels.triton_kernels import topk as triton_topk
+from smf_kernels.triton_kernels import topk_backward as triton_topk_backward
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -30,6 +31,12 @@ def _check_dtype(name: str, t: torch.Tensor) -> None:
 def topk_forward(query, keys, topk):
     _check_dtype("query", query)
     return triton_topk.product_key_topk(query, keys, topk)
+
+
+def topk_backward(grad_scores, query, keys, indices, need_query, need_keys):
+    """Both gradients from the k selected sub-keys (fp32; no dense (N, H, n_keys) buffers)."""
+    _check_dtype("query", query)
+    return triton_topk_backward.topk_backward(grad_scores, query, keys, indices, need_query, need_keys)
 
 
 def gather_forward(values, indices, weights, counts, valid):
