@@ -19,7 +19,7 @@ def _model_with_memories():
 def _check_stacked(peft_model, memories_before):
     names = _lora_module_names(peft_model)
     assert names and not [name for name in names if ".memory." in name]
-    assert any(name.endswith("layers.2.mlp.mlp.gate_proj") for name in names)  # the original MLP is adapted
+    assert any(name.endswith("layers.2.mlp.gate_proj") for name in names)  # the original MLP is adapted
     assert len(names) == 8 * len(LORA_TARGETS)
     for block, before in zip(memory_blocks(peft_model), memories_before):
         assert all(torch.equal(v, before[k]) for k, v in block.memory.state_dict().items())

@@ -118,7 +118,7 @@ def attach_memories(model: nn.Module, layers=PAPER_LAYERS, mode: str = "additive
         with torch.device(device):
             memory = ProductKeyMemory(d_model, **memory_kwargs).float()
         mlp = None if mode == "replacement" else getattr(layer, mlp_attr)
-        block = MemoryBlock(memory, mlp, mode, index, alpha_init=alpha_init)
+        block = MemoryBlock.create(memory, mlp, mode, index, alpha_init=alpha_init)
         block.set_owner(layer)
         setattr(layer, mlp_attr, block)
         blocks.append(block)
