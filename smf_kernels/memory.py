@@ -30,6 +30,9 @@ def _linear(proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return proj(x)
 
 
+_PROJECTIONS = ("query_proj", "gate_proj", "out_proj")  # the memory's nn.Linear submodules
+
+
 class RowsRead:
     """The update rows "whatever each forward reads": pass :data:`ROWS_READ` to
     :meth:`ProductKeyMemory.set_update_rows`, and each forward's value gradient holds exactly the
@@ -123,6 +126,21 @@ class ProductKeyMemory(nn.Module):
         self.count_reads = False
         self.update_rows: torch.Tensor | DeferredRows | RowsRead | None = None
         self.reset_parameters()
+
+    def __setattr__(self, name: str, value) -> None:
+        """nn.Module.__setattr__; warns when a projection is replaced by something other than an nn.Linear,
+        as peft does to every module whose name its ``target_modules`` list matches (the memory's
+        ``gate_proj`` shares its name with the decoder MLP's)."""
+        if (name in _PROJECTIONS and isinstance(value, nn.Module) and not isinstance(value, nn.Linear)
+                and isinstance(self._modules.get(name), nn.Linear)):
+            warnings.warn(
+                f"the {name} of a ProductKeyMemory is being replaced by a {type(value).__module__}."
+                f"{type(value).__qualname__} (peft wraps every "
+                "module its target_modules names match, and a plain list such as [..., 'gate_proj', ...] matches "
+                "the memory's own projections too): the memory would then train outside Sparse Memory Finetuning. "
+                "Target the decoder layers only: smf.model.apply_lora(model), or "
+                "LoraConfig(target_modules=smf.model.LORA_TARGET_REGEX)", UserWarning, stacklevel=2)
+        super().__setattr__(name, value)
 
     def config(self) -> dict:
         """Constructor arguments (without backend), e.g. for saving alongside weights."""

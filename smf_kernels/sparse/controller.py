@@ -67,7 +67,7 @@ from smf_kernels.ops import DeferredRows
 from smf_kernels.sparse.background import BackgroundStats
 from smf_kernels.sparse.clipping import clip_grad_norm_
 from smf_kernels.sparse.dense_masked import mask_grad_rows_
-from smf_kernels.sparse.selection import RULES, score_slots, select_top_rows
+from smf_kernels.sparse.selection import RULES, score_slots, select_top_rows, warn_if_not_sparse
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +115,7 @@ class SparseMemoryController:
         if not self.memories:
             raise ValueError("model holds no ProductKeyMemory module")
         self.rule, self.rows_per_step, self.mode = rule, rows_per_step, mode
+        warn_if_not_sparse({name: m.num_slots for name, m in self.memories.items()}, rows_per_step)
         self.process_group = process_group
         self.background: BackgroundStats | None = None
         self._hooks: list = []
