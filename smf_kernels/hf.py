@@ -79,7 +79,8 @@ class SparseMemoryTrainer(Trainer):
         if self.args.fp16:
             raise ValueError("SparseMemoryTrainer does not support fp16 (its gradient scaler); use bf16 or fp32")
         requested = getattr(self.args, "activation_checkpointing", None) or self.args.gradient_checkpointing
-        if requested or any(getattr(module, "gradient_checkpointing", False) is True for module in self.model.modules()):
+        checkpointed = any(getattr(module, "gradient_checkpointing", False) is True for module in self.model.modules())
+        if requested or checkpointed:
             raise ValueError("SparseMemoryTrainer counts memory reads in every step, and gradient (activation) "
                              "checkpointing would re-run each forward in the backward and count them twice: leave "
                              "it off in TrainingArguments and call model.gradient_checkpointing_disable()")

@@ -21,8 +21,10 @@ def _cpu_lacks_fast_low_precision_gemm() -> bool:
 
 
 def _linear(proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """proj(x); a low-precision CPU projection runs in fp32 where the CPU has no fast
+    """proj(x) in the projection's dtype (x is cast to it: a memory's parameters may differ in dtype, e.g. bf16
+    projections beside fp32 values); a low-precision CPU projection runs in fp32 where the CPU has no fast
     bf16 / fp16 GEMM (the result is rounded back to x's dtype; gradients flow through the casts)."""
+    x = x.to(proj.weight.dtype)
     if (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
             and _cpu_lacks_fast_low_precision_gemm()):
         bias = None if proj.bias is None else proj.bias.float()

@@ -125,8 +125,10 @@ def _run(script: str, directories, tmp_path: Path, with_smf: bool) -> dict:
 
 def test_the_saved_code_imports_only_torch_and_transformers():
     tree = ast.parse(Path(remote_code.__file__).read_text())
-    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-    imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 0}
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) and node.level == 0}
     assert imported <= {"__future__", "torch", "transformers"}, imported
 
 

@@ -135,7 +135,8 @@ def _save_config_and_code(self, save_directory, *args, **kwargs):
 
 def _share_conversions(base_key: str, key: str) -> None:
     """Give ``key`` (a model type or class name) the checkpoint conversions of ``base_key``, if any."""
-    from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
+    from transformers.conversion_mapping import (get_checkpoint_conversion_mapping,
+                                                 register_checkpoint_conversion_mapping)
 
     conversions = get_checkpoint_conversion_mapping(base_key)
     if conversions is not None:
