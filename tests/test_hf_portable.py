@@ -144,6 +144,7 @@ def test_the_plain_memory_layer_equals_product_key_memory_on_the_torch_backend(m
     assert torch.equal(plain(x), smf_memory(x))
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_without_smf_trust_remote_code_loads_equal_logits_in_the_saved_dtype(tmp_path):
     directories = []
     for mode in ("additive", "replacement"):
@@ -167,6 +168,7 @@ def test_without_smf_trust_remote_code_loads_equal_logits_in_the_saved_dtype(tmp
     assert results[str(tmp_path / "additive")]["embedding_dtype"] == "torch.float32"
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_with_smf_imported_every_architecture_loads_without_registering_by_hand(tmp_path):
     directories = []
     for arch, config in CONFIGS.items():

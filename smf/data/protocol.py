@@ -79,7 +79,8 @@ class Protocol:
     triviaqa_alias_fields: tuple[str, ...]
     # Sparse-stage loss under gradient accumulation. True: each micro-batch's token mean, summed over the
     # micro-batches of a step (trainer_utils.py:14-19: compute_loss ignores num_items_in_batch, and the Trainer
-    # then does not divide by the accumulation steps), so the gradient is (micro-batches)x the mean's. False:
+    # then does not divide by the accumulation steps), so the gradient is (micro-batches)x the mean's; under DDP
+    # the ranks' sums are averaged (smf.train.loop). False:
     # the token mean of the whole step, as every other recipe (and the Trainer's default compute_loss) has.
     sparse_loss_sums_micro_batch_means: bool
     # bf16 weights. True: where bf16 is on (training: --bf16; smf background, evaluation: a CUDA device with

@@ -5,9 +5,11 @@ Loss: the causal-LM cross entropy summed over the target tokens of a micro-batch
 the number of target tokens in the whole global batch (all micro-batches and ranks), times the
 world size because DDP averages gradients over ranks. So the gradient is that of the global
 token-mean loss whatever the micro-batch size and number of processes. The sparse stage of the
-``authors`` protocol divides each micro-batch's sum by that micro-batch's own target tokens instead
-(times the world size), so its gradient is the sum of the micro-batch means, as the authors' trainer's
-(``Protocol.sparse_loss_sums_micro_batch_means``); the logged loss is the token mean either way.
+``authors`` protocol divides each micro-batch's sum by that micro-batch's own target tokens instead,
+so its gradient is the sum of the micro-batch means, as the authors' trainer's
+(``Protocol.sparse_loss_sums_micro_batch_means``); under DDP the ranks' sums are averaged, as their
+Trainer would average them under torchrun, so it depends on how the step is split into micro-batches.
+The logged loss is the token mean either way.
 """
 from __future__ import annotations
 
@@ -90,7 +92,7 @@ def run_step(wrapped: nn.Module, setup: TrainingSetup, scheduler, micro_batches:
             with autocast():
                 loss = summed_token_loss(wrapped, batch)
             setup.step.after_forward()
-            (loss * (world.size / max(tokens, 1))).backward()
+            (loss * ((1 if per_micro_batch else world.size) / max(tokens, 1))).backward()
         loss_sum += loss.detach()
     setup.step.finish_step(setup.optimizer, config.max_grad_norm)
     scheduler.step()
