@@ -73,8 +73,12 @@ class SparseMemoryTrainer(Trainer):
     Without ``optimizers=``, mode "row_sparse" builds a :class:`RowSparseAdamW` from the
     arguments (learning_rate, adam betas / epsilon, weight_decay); mode "dense_masked" keeps the
     Trainer's default optimizer. ``last_selected_rows`` holds the rows of the latest step
-    (layer name -> (T',) int64). fp16 mixed precision (a gradient scaler) is not supported; use
-    bf16 or fp32. Checkpoints are the Trainer's: the controller holds no training state.
+    (layer name -> (T',) int64); the training logs add ``selected_rows`` (rows updated per step, all
+    memories together, averaged over the steps since the last log) and ``selected_fraction`` (that
+    over the memories' value rows: the update's density). fp16 mixed precision (a gradient scaler) is
+    not supported; use bf16 or fp32. Gradient checkpointing is refused when the trainer is built: every
+    step counts memory reads, and a re-run forward would count them twice. Checkpoints are the
+    Trainer's: the controller holds no training state.
     """
 
     def __init__(self, *args, controller: SparseMemoryController, **kwargs) -> None:
@@ -88,6 +92,12 @@ class SparseMemoryTrainer(Trainer):
             raise ValueError("torch_compile=True needs SparseMemoryController(..., fused=True), "
                              "gradient_accumulation_steps=1 and one process: the compiled backward then chooses "
                              "the rows from the step's counts (a sparse COO gradient cannot be compiled)")
+        requested = getattr(self.args, "activation_checkpointing", None) or self.args.gradient_checkpointing
+        checkpointed = any(getattr(module, "gradient_checkpointing", False) is True for module in self.model.modules())
+        if requested or checkpointed:
+            raise ValueError("SparseMemoryTrainer counts memory reads in every step, and gradient (activation) "
+                             "checkpointing would re-run each forward in the backward and count them twice: leave "
+                             "it off in TrainingArguments and call model.gradient_checkpointing_disable()")
         self.controller = controller
         self.sparse_max_grad_norm = self.args.max_grad_norm
         self.args = copy.copy(self.args)
@@ -96,6 +106,8 @@ class SparseMemoryTrainer(Trainer):
         self._held_gradients: dict[torch.nn.Parameter, torch.Tensor] = {}
         self._sparse_grad_norm: float | None = None
         self._row_grad_scale: torch.Tensor | None = None
+        self._total_rows = sum(memory.num_slots for memory in controller.memories.values())
+        self._rows_since_log, self._steps_since_log = 0, 0
         self.add_callback(_RestoreSparseGradients(self))
 
     def create_optimizer(self, model=None):
@@ -117,6 +129,8 @@ class SparseMemoryTrainer(Trainer):
 
     def _end_smf_step(self) -> None:
         self.last_selected_rows = self.controller.restrict_gradients()
+        self._rows_since_log += sum(int(rows.numel()) for rows in self.last_selected_rows.values())
+        self._steps_since_log += 1
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         max_norm = self.sparse_max_grad_norm if self.sparse_max_grad_norm and self.sparse_max_grad_norm > 0 \
             else float("inf")
@@ -140,4 +154,9 @@ class SparseMemoryTrainer(Trainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "grad_norm" in logs and self._sparse_grad_norm is not None:
             logs["grad_norm"] = self._sparse_grad_norm
+        if "loss" in logs and self._steps_since_log:  # a training log
+            rows = self._rows_since_log / self._steps_since_log
+            logs["selected_rows"] = rows
+            logs["selected_fraction"] = rows / self._total_rows
+            self._rows_since_log, self._steps_since_log = 0, 0
         super().log(logs, start_time)

@@ -21,13 +21,18 @@ def _cpu_lacks_fast_low_precision_gemm() -> bool:
 
 
 def _linear(proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """proj(x); a low-precision CPU projection runs in fp32 where the CPU has no fast
+    """proj(x) in the projection's dtype (x is cast to it: a memory's parameters may differ in dtype, e.g. bf16
+    projections beside fp32 values); a low-precision CPU projection runs in fp32 where the CPU has no fast
     bf16 / fp16 GEMM (the result is rounded back to x's dtype; gradients flow through the casts)."""
+    x = x.to(proj.weight.dtype)
     if (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
             and _cpu_lacks_fast_low_precision_gemm()):
         bias = None if proj.bias is None else proj.bias.float()
         return F.linear(x.float(), proj.weight.float(), bias).to(x.dtype)
     return proj(x)
+
+
+_PROJECTIONS = ("query_proj", "gate_proj", "out_proj")  # the memory's nn.Linear submodules
 
 
 class RowsRead:
@@ -123,6 +128,21 @@ class ProductKeyMemory(nn.Module):
         self.count_reads = False
         self.update_rows: torch.Tensor | DeferredRows | ReadLog | RowsRead | None = None
         self.reset_parameters()
+
+    def __setattr__(self, name: str, value) -> None:
+        """nn.Module.__setattr__; warns when a projection is replaced by something other than an nn.Linear,
+        as peft does to every module whose name its ``target_modules`` list matches (the memory's
+        ``gate_proj`` shares its name with the decoder MLP's)."""
+        if (name in _PROJECTIONS and isinstance(value, nn.Module) and not isinstance(value, nn.Linear)
+                and isinstance(self._modules.get(name), nn.Linear)):
+            warnings.warn(
+                f"the {name} of a ProductKeyMemory is being replaced by a {type(value).__module__}."
+                f"{type(value).__qualname__} (peft wraps every "
+                "module its target_modules names match, and a plain list such as [..., 'gate_proj', ...] matches "
+                "the memory's own projections too): the memory would then train outside Sparse Memory Finetuning. "
+                "Target the decoder layers only: smf.model.apply_lora(model), or "
+                "LoraConfig(target_modules=smf.model.LORA_TARGET_REGEX)", UserWarning, stacklevel=2)
+        super().__setattr__(name, value)
 
     def config(self) -> dict:
         """Constructor arguments (without backend), e.g. for saving alongside weights."""

@@ -57,4 +57,4 @@ def test_unknown_layout_fails_naming_the_override():
     with pytest.raises(ValueError, match="layers_path=.*mlp_attr="):
         attach_memories(Odd(), (1,), **TINY_MEMORY_KWARGS)
     blocks = attach_memories(Odd(), (1,), layers_path="blocks", mlp_attr="ffn", **TINY_MEMORY_KWARGS)
-    assert blocks[0].mlp is not None and blocks[0].memory.d_model == 64
+    assert isinstance(blocks[0], nn.Linear) and blocks[0].has_mlp and blocks[0].memory.d_model == 64

@@ -16,6 +16,23 @@ from smf_kernels.ops import weighted_gather
 SMALL = dict(n_keys=8, heads=2, topk=3, key_dim=18)  # 64 slots, halves of 9
 
 
+def test_backend_choice_is_marked_constant_as_torch_would_mark_it():
+    """smf_kernels marks resolve_backend without importing torch._dynamo (about 1 s at import); the mark must be
+    the one torch.compiler.assume_constant_result sets, or a compiled model would re-resolve it per call."""
+    from smf_kernels.backends import _assume_constant_result, resolve_backend
+
+    def ours():
+        return 0
+
+    def torchs():
+        return 0
+
+    _assume_constant_result(ours)
+    torch.compiler.assume_constant_result(torchs)
+    assert vars(ours) == vars(torchs) and vars(torchs)
+    assert all(getattr(resolve_backend, name) == value for name, value in vars(torchs).items())
+
+
 def test_weighted_gather_compiles_with_inductor():
     values = torch.randn(50, 24, requires_grad=True)
     indices = torch.randint(0, 50, (7, 5))

@@ -146,3 +146,34 @@ def test_trainer_rejects_a_missing_controller(tmp_path):
     with pytest.raises(TypeError, match="SparseMemoryController"):
         SparseMemoryTrainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), report_to=[],
                                                                  use_cpu=True), controller=object())
+
+
+def test_trainer_logs_how_many_rows_each_step_updates(tmp_path):
+    model, controller = _model_and_controller()
+    trainer, _ = _trainer(model, controller, tmp_path)
+    trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    slots = sum(memory.num_slots for memory in controller.memories.values())
+    assert len(logged) == STEPS
+    for entry in logged:
+        assert 0 < entry["selected_rows"] <= ROWS_PER_STEP * len(controller.memories)
+        assert entry["selected_fraction"] == pytest.approx(entry["selected_rows"] / slots)
+    assert logged[-1]["selected_rows"] == sum(rows.numel() for rows in trainer.last_selected_rows.values())
+
+
+@pytest.mark.parametrize("where", ["arguments", "model"])
+def test_gradient_checkpointing_is_refused_when_the_trainer_is_built(tmp_path, where):
+    model, controller = _model_and_controller()
+    flags = {"gradient_checkpointing": True} if where == "arguments" else {}
+    if where == "model":
+        model.gradient_checkpointing_enable()
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, **flags)
+    with pytest.raises(ValueError, match="count them twice.*gradient_checkpointing_disable"):
+        SparseMemoryTrainer(model=model, args=args, train_dataset=Sequences(4), controller=controller)
+
+
+def test_rows_per_step_not_below_the_slot_count_warns_naming_the_fix():
+    model = tiny_model()
+    attach_memories(model, TINY_MEMORY_LAYERS, "additive", **TINY_MEMORY_KWARGS)
+    with pytest.warns(UserWarning, match="rows_per_step=256 is not below the number of slots.*not sparse.*512 of 16,384"):
+        SparseMemoryController(model, rows_per_step=256)

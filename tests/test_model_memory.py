@@ -52,10 +52,11 @@ def test_additive_block_is_mlp_plus_alpha_times_memory_and_defaults_alpha():
     model = tiny_model()
     blocks = attach_memories(model, (3,), "additive+s", **TINY_MEMORY_KWARGS)
     block = model.model.layers[3].mlp
-    assert blocks == [block] and isinstance(block.mlp, Qwen2MLP) and block.alpha.item() == pytest.approx(0.01)
+    assert blocks == [block] and isinstance(block, Qwen2MLP) and block.alpha.item() == pytest.approx(0.01)
     assert block.memory.values.dtype == torch.float32 and block.memory.d_model == 64
     hidden = torch.randn(2, 5, 64)
-    ref = block.mlp(hidden) + 0.01 * block.memory(hidden)
+    ref = Qwen2MLP.forward(block, hidden) + 0.01 * block.memory(hidden)
+    assert torch.equal(block.mlp_forward(hidden), Qwen2MLP.forward(block, hidden))
     assert _rel(block(hidden), ref) < 1e-6
 
 
@@ -67,7 +68,7 @@ def test_replacement_drops_the_mlp():
     for index in range(8):
         mlp = model.model.layers[index].mlp
         assert isinstance(mlp, MemoryBlock if index in TINY_MEMORY_LAYERS else Qwen2MLP)
-    assert all(block.mlp is None and block.alpha is None for block in blocks)
+    assert all(not block.has_mlp and block.alpha is None for block in blocks)
     memory_size = sum(p.numel() for p in blocks[0].memory.parameters())
     assert count_parameters(model)["total"] == total_before + 3 * (memory_size - mlp_size)
     hidden = torch.randn(3, 4, 64)

@@ -32,11 +32,11 @@ def test_to_dtype_keeps_memories_fp32_and_exact(convert):
     convert(model)
     block = memory_blocks(model)[0]
     assert block.memory.values.dtype == torch.float32 and block.alpha.dtype == torch.float32
-    assert block.mlp.up_proj.weight.dtype != torch.float32 and model.lm_head.weight.dtype != torch.float32
+    assert block.up_proj.weight.dtype != torch.float32 and model.lm_head.weight.dtype != torch.float32
     for key, value in block.memory.state_dict().items():
         assert torch.equal(value, before["memory." + key]), key
     model.to(torch.float64)
-    assert block.memory.values.dtype == torch.float32 and block.mlp.up_proj.weight.dtype == torch.float64
+    assert block.memory.values.dtype == torch.float32 and block.up_proj.weight.dtype == torch.float64
 
 
 def test_backend_queries_take_string_devices():

@@ -67,8 +67,9 @@ def test_padding_never_steers_selection():
     for param in memory.parameters():
         param.requires_grad_(False)
     memory.values.requires_grad_(True)
-    controller = SparseMemoryController(memory, rule="tfidf", rows_per_step=memory.num_slots,
-                                        background=BackgroundStats.for_memories({"": memory}))
+    with pytest.warns(UserWarning, match="not sparse"):  # T = M: nothing sparse, said once
+        controller = SparseMemoryController(memory, rule="tfidf", rows_per_step=memory.num_slots,
+                                            background=BackgroundStats.for_memories({"": memory}))
     x = torch.randn(2, 6, 32)
     valid = torch.tensor([[True] * 6, [True, True, False, False, False, False]])
     controller.begin_step()

@@ -77,6 +77,19 @@ class Protocol:
     triviaqa_normalizer: str
     # TriviaQA answer fields matched (eval_tasks.py:172: aliases only).
     triviaqa_alias_fields: tuple[str, ...]
+    # Sparse-stage loss under gradient accumulation. True: each micro-batch's token mean, summed over the
+    # micro-batches of a step (trainer_utils.py:14-19: compute_loss ignores num_items_in_batch, and the Trainer
+    # then does not divide by the accumulation steps), so the gradient is (micro-batches)x the mean's; under DDP
+    # the ranks' sums are averaged (smf.train.loop). False:
+    # the token mean of the whole step, as every other recipe (and the Trainer's default compute_loss) has.
+    sparse_loss_sums_micro_batch_means: bool
+    # bf16 weights. True: where bf16 is on (training: --bf16; smf background, evaluation: a CUDA device with
+    # bf16, the authors' dtype "auto"), the model's weights are bf16, memories included; the parameters that train are
+    # cast back to fp32 (memory_model.py: cast_trainable_params; train_sparse.py / train_retrofit.py:
+    # --trainable-param-dtype fp32), except in full finetuning, which steps bf16 weights with no fp32 master
+    # copy (train_full_finetune.py:55, 104); evaluation runs wholly in bf16 (eval_tasks.py:30-50, --dtype auto).
+    # False: fp32 weights under bf16 autocast (smf.model.precision).
+    bf16_weights: bool
 
 
 AUTHORS = Protocol(
@@ -86,6 +99,7 @@ AUTHORS = Protocol(
     wikitext_config="wikitext-103-v1", wikitext_lines=1000, wikitext_special_tokens=False,
     wikitext_length_weighted_first_window=True,
     triviaqa_model_generation_config=True, triviaqa_normalizer="authors", triviaqa_alias_fields=("aliases",),
+    sparse_loss_sums_micro_batch_means=True, bf16_weights=True,
 )
 CLEAN = Protocol(
     name="clean", plain_text_training=False, oasst_response_only=False, medmcqa_exam_text=False,
@@ -95,6 +109,7 @@ CLEAN = Protocol(
     wikitext_length_weighted_first_window=False,
     triviaqa_model_generation_config=False, triviaqa_normalizer="squad",
     triviaqa_alias_fields=("aliases", "normalized_aliases"),
+    sparse_loss_sums_micro_batch_means=False, bf16_weights=False,
 )
 _BY_NAME = {protocol.name: protocol for protocol in (AUTHORS, CLEAN)}
 

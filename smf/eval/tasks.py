@@ -15,6 +15,7 @@ from smf.eval.triviaqa import evaluate_triviaqa
 from smf.eval.wikitext import evaluate_wikitext
 from smf.data.paths import DataPaths
 from smf.eval.settings import EvalSettings
+from smf.model.precision import authors_bf16_weights, cast_like_the_authors
 
 METRIC_OF_TASK = {"medmcqa": "medmcqa_acc", "wikitext": "wikitext_ppl", "triviaqa": "triviaqa_acc"}
 
@@ -34,9 +35,14 @@ def evaluate_model(model: nn.Module, tokenizer, eval_sets: dict[str, object], se
                    output_dir: str | Path, protocol: str) -> tuple[dict[str, float], dict[str, float]]:
     """Run each task of ``eval_sets`` under ``protocol``; per-example lines go to ``{output_dir}/{task}.jsonl``.
 
+    Under a protocol with bf16 weights (``authors``) on a CUDA device with bf16, ``model`` is first cast to bf16
+    in place, memories included (:func:`smf.model.precision.cast_like_the_authors`), as the authors evaluate.
+
     Returns (metrics by metric key, seconds by task).
     """
     output_dir = Path(output_dir)
+    if authors_bf16_weights(protocol, "auto", next(model.parameters()).device):
+        cast_like_the_authors(model)  # the authors evaluate in bf16 (dtype "auto"), memories included
     runners = {
         "medmcqa": lambda rows, path: evaluate_medmcqa(
             model, tokenizer, rows, limit=settings.medmcqa_examples,

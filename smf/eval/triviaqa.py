@@ -50,7 +50,8 @@ def normalize_answer(text: str, protocol: str | Protocol = DEFAULT_PROTOCOL) -> 
 
 def normalize_answer_authors(text: str) -> str:
     """The authors' normaliser: lower-case; the words a/an/the -> a space; every character outside
-    ``[a-z0-9 .-]`` (accented letters included) -> a space; whitespace collapsed. "U.S.A." stays "u.s.a."."""
+    ``[a-z0-9 .-]`` (accented letters included) -> a space; whitespace collapsed. "U.S.A." becomes "u.s. .": the
+    article rule takes its final "a" for the word "a" (tests/test_protocol.py)."""
     text = _ARTICLES.sub(" ", text.lower())
     return " ".join(_OUTSIDE_AUTHORS_ALPHABET.sub(" ", text).split())
 

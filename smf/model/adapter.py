@@ -32,12 +32,12 @@ def save_memory_adapter(model: nn.Module, directory: str | Path) -> Path:
         raise ValueError("model has no memories to save; call smf.model.attach_memories first")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = {}
+    tensors = {}  # fp32, exactly, whatever dtype a parameter trained in (the authors' protocol keeps some bf16)
     for block in blocks:
         for name, tensor in block.memory.state_dict().items():
-            tensors[f"layers.{block.layer_index}.memory.{name}"] = tensor.detach().cpu().contiguous()
+            tensors[f"layers.{block.layer_index}.memory.{name}"] = tensor.detach().cpu().float().contiguous()
         if block.alpha is not None:
-            tensors[f"layers.{block.layer_index}.alpha"] = block.alpha.detach().cpu()
+            tensors[f"layers.{block.layer_index}.alpha"] = block.alpha.detach().cpu().float()
     memory_kwargs = blocks[0].memory.config()
     memory_kwargs.pop("d_model")
     config = {

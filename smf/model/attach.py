@@ -80,7 +80,8 @@ def attach_memories(model: nn.Module, layers=PAPER_LAYERS, mode: str = "additive
 
     Args:
         model: a decoder-only causal LM, e.g. ``Qwen2ForCausalLM``; ``model.model.layers[i].mlp``
-            is replaced by a :class:`MemoryBlock`, created on that layer's device.
+            becomes a :class:`MemoryBlock` (replacement: a new module; additive: the MLP itself, which keeps
+            its weights and their names), the memory created on that layer's device.
         layers_path, mlp_attr: where the decoder layers and their feed-forward module are, for
             other layouts (see :func:`decoder_layers`; GPT-2 and GPT-NeoX are known).
         layers: 0-based decoder layer indices (paper: 6, 12, 18).
@@ -94,8 +95,8 @@ def attach_memories(model: nn.Module, layers=PAPER_LAYERS, mode: str = "additive
     ``attention_mask`` to the blocks for the duration of that call (so padding is not counted as
     reads), and records the memories in ``model.config.smf_memories``; ``model.config`` becomes
     a config of type ``f"{model_type}_smf_memories"`` (:mod:`smf.model.hf_auto`), so that the
-    directory of ``save_pretrained`` loads with its memories once smf is imported and fails to
-    load without it.
+    directory of ``save_pretrained`` loads with its memories once smf is imported, and without smf
+    through the code saved beside it (``trust_remote_code=True``), never silently without them.
     Returns the blocks, by layer index.
     """
     mode = canonical(mode, "mode")
@@ -118,7 +119,7 @@ def attach_memories(model: nn.Module, layers=PAPER_LAYERS, mode: str = "additive
         with torch.device(device):
             memory = ProductKeyMemory(d_model, **memory_kwargs).float()
         mlp = None if mode == "replacement" else getattr(layer, mlp_attr)
-        block = MemoryBlock(memory, mlp, mode, index, alpha_init=alpha_init)
+        block = MemoryBlock.create(memory, mlp, mode, index, alpha_init=alpha_init)
         block.set_owner(layer)
         setattr(layer, mlp_attr, block)
         blocks.append(block)

@@ -9,14 +9,21 @@ from smf.vocabulary import MEMORY_MODES as MODES
 from smf.vocabulary import canonical
 from smf_kernels import ProductKeyMemory
 
+_MEMORY_PARTS = ("memory", "alpha")  # what a block adds to the module it stands for
+
 
 class MemoryBlock(nn.Module):
-    """Stands in for ``layer.mlp`` of one decoder layer.
+    """Stands in for ``layer.mlp`` of one decoder layer; build one with :meth:`create`.
 
-    - ``replacement``: ``out = mem(h)``; the original MLP is dropped.
+    - ``replacement``: ``out = mem(h)``; the original MLP is dropped. The block is a module of
+      its own holding ``memory``.
     - ``additive`` / ``additive+s``: ``out = mlp(h) + alpha * mem(h)``, ``alpha`` a scalar
       parameter; the two modes differ only in whether sparse training trains ``alpha``
-      (see :func:`smf.model.configure_trainable`).
+      (see :func:`smf.model.configure_trainable`). The block is the original MLP module itself,
+      given ``memory`` and ``alpha`` and a class that derives from both its own class and
+      MemoryBlock (e.g. ``Qwen2MLPWithMemory``): the MLP keeps its parameter names, so a
+      checkpoint holds the base model's weights under the base model's keys, plus
+      ``...mlp.memory.*`` and ``...mlp.alpha``.
 
     The memory and ``alpha`` are fp32 whatever the base model's dtype: ``h`` is cast to fp32
     for the memory and the memory branch is cast back to ``h``'s dtype. ``model.to(dtype)``,
@@ -34,24 +41,51 @@ class MemoryBlock(nn.Module):
     Hugging Face gradient checkpointing on raises RuntimeError.
     """
 
-    def __init__(self, memory: ProductKeyMemory, mlp: nn.Module | None, mode: str, layer_index: int,
-                 alpha_init: float = 0.01) -> None:
+    memory: ProductKeyMemory
+    alpha: nn.Parameter | None
+
+    def __init__(self, memory: ProductKeyMemory, layer_index: int) -> None:
+        """A replacement block (no MLP); :meth:`create` builds blocks of every mode."""
         super().__init__()
+        self._set_memory(memory, "replacement", layer_index, None)
+
+    @classmethod
+    def create(cls, memory: ProductKeyMemory, mlp: nn.Module | None, mode: str, layer_index: int,
+               alpha_init: float = 0.01) -> "MemoryBlock":
+        """The block of ``mode`` at decoder layer ``layer_index``: for ``replacement`` (``mlp`` None)
+        a new module; for the additive modes ``mlp`` itself, turned into a block in place."""
         mode = canonical(mode, "mode")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if (mlp is None) != (mode == "replacement"):
             raise ValueError(f"mode {mode!r} needs {'no' if mode == 'replacement' else 'the original'} mlp")
+        if mlp is None:
+            return cls(memory, layer_index)
+        if isinstance(mlp, MemoryBlock):
+            raise ValueError(f"layer {layer_index}'s feed-forward module already holds a memory")
+        clash = [name for name in _MEMORY_PARTS if hasattr(mlp, name)]
+        if clash:
+            raise ValueError(f"{type(mlp).__name__} already has attributes {clash}; cannot add a memory to it")
+        mlp.__class__ = with_memory_class(type(mlp))
+        mlp._set_memory(memory, mode, layer_index, alpha_init)
+        return mlp
+
+    def _set_memory(self, memory: ProductKeyMemory, mode: str, layer_index: int, alpha_init: float | None) -> None:
         self.mode = mode
         self.layer_index = layer_index
         self.memory = memory
-        self.mlp = mlp
-        if mode == "replacement":
+        if alpha_init is None:
             self.alpha = None
         else:
-            self.alpha = nn.Parameter(torch.tensor(float(alpha_init), device=memory.values.device))
+            self.alpha = nn.Parameter(torch.tensor(float(alpha_init), dtype=torch.float32,
+                                                   device=memory.values.device))
         self.attention_mask: torch.Tensor | None = None
         self._owner: list[nn.Module] = []  # a list, so the decoder layer is not registered as a submodule
+
+    @property
+    def has_mlp(self) -> bool:
+        """Whether the block keeps the original MLP (the additive modes)."""
+        return self.alpha is not None
 
     def set_owner(self, layer: nn.Module) -> None:
         """Record the decoder layer this block sits in (to see whether it is gradient-checkpointed)."""
@@ -62,21 +96,26 @@ class MemoryBlock(nn.Module):
         return layer is not None and bool(getattr(layer, "gradient_checkpointing", False)) and layer.training
 
     def _apply(self, fn, recurse=True):
-        """Like nn.Module._apply, but the memory and alpha keep their floating dtype (fp32)."""
+        """Like nn.Module._apply, but the memory and alpha keep their floating dtype (fp32): ``fn``
+        applies to the original MLP's weights, and only its device change to the memory and alpha."""
         def keep_dtype(tensor):
             out = fn(tensor)
             if tensor.is_floating_point() and out.dtype != tensor.dtype:
                 return tensor.to(device=out.device)
             return out
 
-        mlp = self._modules.get("mlp")
-        if mlp is not None and recurse:
-            mlp._apply(fn, recurse)
-        self._modules["mlp"] = None  # hidden from nn.Module._apply, which would convert it again
+        modules, params, buffers = self._modules, self._parameters, self._buffers
         try:
-            super()._apply(keep_dtype, recurse)
+            for mine, how in ((False, fn), (True, keep_dtype)):
+                self._modules = {k: v for k, v in modules.items() if (k in _MEMORY_PARTS) == mine}
+                self._parameters = {k: v for k, v in params.items() if (k in _MEMORY_PARTS) == mine}
+                self._buffers = {k: v for k, v in buffers.items() if (k in _MEMORY_PARTS) == mine}
+                super()._apply(how, recurse)
+                modules.update(self._modules)  # keys exist already: the order stays
+                params.update(self._parameters)
+                buffers.update(self._buffers)
         finally:
-            self._modules["mlp"] = mlp
+            self._modules, self._parameters, self._buffers = modules, params, buffers
         return self
 
     def valid_mask(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -93,8 +132,14 @@ class MemoryBlock(nn.Module):
                              f"shape (batch={batch}, seq={seq}, ...): need (batch, >= seq)")
         return mask[:, -seq:].to(device=hidden.device, dtype=torch.bool)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: (batch, seq, d_model) -> (batch, seq, d_model) in hidden's dtype."""
+    def mlp_forward(self, hidden: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        """The original MLP's output alone (additive modes): hidden (batch, seq, d_model) -> same shape."""
+        if not self.has_mlp:
+            raise ValueError(f"a {self.mode} block at layer {self.layer_index} has no MLP")
+        return super().forward(hidden, *args, **kwargs)
+
+    def forward(self, hidden: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        """hidden: (batch, seq, d_model) -> (batch, seq, d_model) in hidden's dtype; other arguments go to the MLP."""
         if self.memory.count_reads and torch.is_grad_enabled() and self._checkpointed():
             raise RuntimeError(
                 f"memory at layer {self.layer_index} counts reads while gradient checkpointing is on: the "
@@ -104,9 +149,27 @@ class MemoryBlock(nn.Module):
             )
         valid = self.valid_mask(hidden) if self.memory.count_reads else None
         read = self.memory(hidden.to(self.memory.values.dtype), valid_mask=valid)
-        if self.mlp is None:
+        if self.alpha is None:
             return read.to(hidden.dtype)
-        return self.mlp(hidden) + (self.alpha * read).to(hidden.dtype)
+        return super().forward(hidden, *args, **kwargs) + (self.alpha * read).to(hidden.dtype)
 
     def extra_repr(self) -> str:
-        return f"mode={self.mode}, layer_index={self.layer_index}"
+        own = super().extra_repr() if self.has_mlp else ""
+        return ", ".join(part for part in (own, f"mode={self.mode}, layer_index={self.layer_index}") if part)
+
+
+_with_memory_classes: dict[type, type] = {}
+
+
+def with_memory_class(mlp_class: type) -> type:
+    """The class of an additive block built from an ``mlp_class`` module: MemoryBlock first (its
+    ``forward`` adds the memory to ``mlp_class.forward``), then ``mlp_class``. Created once per class
+    and importable from this module by its name (e.g. ``Qwen2MLPWithMemory``), so models pickle."""
+    if mlp_class not in _with_memory_classes:
+        name = f"{mlp_class.__name__}WithMemory"
+        if name in globals():
+            name = f"{mlp_class.__module__.replace('.', '_')}_{name}"
+        derived = type(name, (MemoryBlock, mlp_class), {"__module__": __name__, "__qualname__": name})
+        globals()[name] = derived
+        _with_memory_classes[mlp_class] = derived
+    return _with_memory_classes[mlp_class]

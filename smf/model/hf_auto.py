@@ -1,27 +1,38 @@
-"""Model types of their own for models with memories, so that ``save_pretrained`` directories
-never load silently without them.
+"""Model types of their own for models with memories, so that ``save_pretrained`` directories load with
+their memories wherever transformers loads models, and never silently without them.
 
-``attach_memories`` gives ``model.config`` the class ``memory_config_class(type(config))``: a
-subclass of the base config class whose ``model_type`` is ``f"{base}_smf_memories"`` (e.g.
-``qwen2_smf_memories``); ``save_pretrained`` writes that type to ``config.json``. Without smf,
-``AutoModelForCausalLM.from_pretrained`` fails on it ("does not recognize this architecture",
-naming the type). Importing :mod:`smf.model` registers the type of every tested architecture
-(:data:`REGISTERED_AT_IMPORT`; :func:`register_memory_type` adds others) with ``AutoConfig`` and
-``AutoModelForCausalLM``: the model class is a subclass of the base causal LM that attaches the
-recorded memories (``config.smf_memories``) in ``__init__``, so the checkpoint's memory weights
-load into them under their unchanged names. The base type's checkpoint key conversions
-(transformers 5 renames some keys on load and save, e.g. GPT-NeoX's ``embed_out``) are
-registered for the new type and class too.
+``attach_memories`` gives ``model.config`` the class ``memory_config_class(type(config))``: a subclass
+of the base config class whose ``model_type`` is ``f"{base}_smf_memories"`` (e.g.
+``qwen2_smf_memories``). Its ``save_pretrained`` (which ``model.save_pretrained`` calls) writes that
+type to ``config.json``, plus self-contained code beside it (``modeling_smf_memories.py``, from
+:mod:`smf.model.remote_code`) named in ``auto_map``. So a saved directory loads:
+
+- with smf imported (``import smf.model``): ``AutoModelForCausalLM.from_pretrained(d)`` returns smf's
+  class for the type, created on first use for any base type transformers knows (the registry of
+  ``AutoConfig`` resolves ``*_smf_memories`` types lazily, nothing is registered at import): the base
+  causal LM whose ``__init__`` attaches the recorded memories (``config.smf_memories``), with smf's kernels;
+- without smf: ``AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True)`` runs the saved code
+  (plain PyTorch memories, same logits); without ``trust_remote_code`` transformers refuses, saying the
+  directory holds custom code and asking for ``trust_remote_code=True``.
+
+The base type's checkpoint key conversions (transformers 5 renames some keys on load and save, e.g.
+GPT-NeoX's ``embed_out``) are registered for the new type and class too.
 """
 from __future__ import annotations
 
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
-from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+import logging
+import os
+from pathlib import Path
+
+from transformers import AutoConfig, PreTrainedConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
+
+logger = logging.getLogger(__name__)
 
 SUFFIX = "_smf_memories"
-REGISTERED_AT_IMPORT = ("qwen2", "llama", "mistral", "qwen3", "gemma2", "gpt2", "gpt_neox")
+REMOTE_CODE_FILE = "modeling_smf_memories.py"  # written beside the weights by save_pretrained
+_REMOTE_CODE_SOURCE = Path(__file__).with_name("remote_code.py")
+_BASE_TYPE_LINE = 'BASE_MODEL_TYPE = "qwen2"\n'  # the line of remote_code.py naming the base architecture
 
 _config_classes: dict[type, type] = {}  # base config class -> its memory config class
 _model_classes: dict[type, type] = {}  # memory config class -> its causal LM class
@@ -40,9 +51,12 @@ def memory_config_class(base: type) -> type:
     if base not in _config_classes:
         if not base.model_type:
             raise ValueError(f"{base.__name__} has no model_type; cannot give its models with memories a type")
+        from transformers import AutoModelForCausalLM
+
         name = f"{base.__name__.removesuffix('Config')}SmfMemoriesConfig"
         derived = type(name, (base,), {"model_type": base.model_type + SUFFIX, "smf_base_model_type": base.model_type,
-                                       "__module__": __name__, "__doc__": f"{base.__name__} of a model with memories."})
+                                       "save_pretrained": _save_config_and_code, "__module__": __name__,
+                                       "__doc__": f"{base.__name__} of a model with memories."})
         globals()[name] = derived  # importable by name, e.g. for pickle
         _share_conversions(base.model_type, derived.model_type)
         AutoConfig.register(derived.model_type, derived, exist_ok=True)
@@ -53,18 +67,27 @@ def memory_config_class(base: type) -> type:
 
 def register_memory_type(model_type: str) -> type:
     """Register ``f"{model_type}_smf_memories"`` (``model_type`` a transformers type such as
-    ``"qwen2"``, or already suffixed); returns its config class."""
+    ``"qwen2"``, or already suffixed); returns its config class. Not needed for loading: the types
+    register themselves on first use once :mod:`smf.model` is imported."""
     base_type = model_type.removesuffix(SUFFIX)
     if base_type not in CONFIG_MAPPING:
         raise ValueError(f"unknown transformers model_type {base_type!r} (from {model_type!r})")
     return memory_config_class(CONFIG_MAPPING[base_type])
 
 
+def _base_causal_lm(config_class: type) -> type:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING[config_class.__mro__[1]]
+
+
 def memory_model_class(config_class: type) -> type:
     """The causal LM class for a memory config class: the base causal LM whose ``__init__``
     attaches the memories recorded in ``config.smf_memories``."""
     if config_class not in _model_classes:
-        base_model = MODEL_FOR_CAUSAL_LM_MAPPING[config_class.__mro__[1]]
+        from transformers import AutoModelForCausalLM
+
+        base_model = _base_causal_lm(config_class)
 
         def __init__(self, config, *args, **kwargs):
             from smf.model.attach import CONFIG_KEY, attach_memories
@@ -86,8 +109,35 @@ def memory_model_class(config_class: type) -> type:
     return _model_classes[config_class]
 
 
+def _save_config_and_code(self, save_directory, *args, **kwargs):
+    """``save_pretrained`` of a memory config: also writes :data:`REMOTE_CODE_FILE` (the self-contained
+    loader of :mod:`smf.model.remote_code`, for ``trust_remote_code=True`` without smf) and names its
+    classes in ``auto_map``."""
+    base_config = type(self).__mro__[1]
+    try:
+        base_model = _base_causal_lm(type(self))
+    except KeyError:
+        logger.warning("%s has no causal LM class in transformers: %s will load with its memories only where "
+                       "smf is imported", base_config.__name__, save_directory)
+    else:
+        source = _REMOTE_CODE_SOURCE.read_text()
+        if source.count(_BASE_TYPE_LINE) != 1:
+            raise RuntimeError(f"{_REMOTE_CODE_SOURCE} must hold the line {_BASE_TYPE_LINE!r} once")
+        os.makedirs(save_directory, exist_ok=True)
+        code = source.replace(_BASE_TYPE_LINE, f"BASE_MODEL_TYPE = {self.smf_base_model_type!r}\n")
+        (Path(save_directory) / REMOTE_CODE_FILE).write_text(code)
+        module = REMOTE_CODE_FILE.removesuffix(".py")
+        self.auto_map = {**(getattr(self, "auto_map", None) or {}),
+                         "AutoConfig": f"{module}.{type(self).__name__}",
+                         "AutoModelForCausalLM": f"{module}.{base_model.__name__}WithSmfMemories"}
+    return base_config.save_pretrained(self, save_directory, *args, **kwargs)
+
+
 def _share_conversions(base_key: str, key: str) -> None:
     """Give ``key`` (a model type or class name) the checkpoint conversions of ``base_key``, if any."""
+    from transformers.conversion_mapping import (get_checkpoint_conversion_mapping,
+                                                 register_checkpoint_conversion_mapping)
+
     conversions = get_checkpoint_conversion_mapping(base_key)
     if conversions is not None:
         register_checkpoint_conversion_mapping(key, conversions, overwrite=True)
@@ -95,7 +145,7 @@ def _share_conversions(base_key: str, key: str) -> None:
 
 def _deferred_model_class(config_class: type) -> type:
     """Stands for ``memory_model_class(config_class)`` in the AutoModelForCausalLM mapping, so that
-    registering at import does not import every architecture's modeling code."""
+    registering a type does not import its architecture's modeling code."""
 
     def from_pretrained(cls, *args, **kwargs):
         return memory_model_class(config_class).from_pretrained(*args, **kwargs)
@@ -108,5 +158,31 @@ def _deferred_model_class(config_class: type) -> type:
         "_from_config": classmethod(_from_config), "__module__": __name__})
 
 
-for _model_type in REGISTERED_AT_IMPORT:
-    register_memory_type(_model_type)
+def _memory_base_type(model_type) -> str | None:
+    """The base type of ``model_type`` if it is ``f"{base}_smf_memories"`` for a base transformers knows."""
+    if not isinstance(model_type, str) or not model_type.endswith(SUFFIX):
+        return None
+    base = model_type.removesuffix(SUFFIX)
+    return base if base in CONFIG_MAPPING_NAMES else None
+
+
+class _RegisteredTypes(dict):
+    """The registry of model types added to transformers' ``CONFIG_MAPPING`` (its ``_extra_content``),
+    which here also holds every ``f"{base}_smf_memories"`` type: registered on first lookup, so that
+    ``AutoConfig`` / ``AutoModelForCausalLM`` load any architecture's memory checkpoint once smf is
+    imported, at no import cost."""
+
+    def __contains__(self, key) -> bool:
+        return super().__contains__(key) or _memory_base_type(key) is not None
+
+    def __getitem__(self, key):
+        if not super().__contains__(key) and _memory_base_type(key) is not None:
+            register_memory_type(key)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        return self[key] if key in self else default
+
+
+if not isinstance(CONFIG_MAPPING._extra_content, _RegisteredTypes):
+    CONFIG_MAPPING._extra_content = _RegisteredTypes(CONFIG_MAPPING._extra_content)

@@ -8,18 +8,21 @@
 - :func:`load_model`: whichever of these a directory holds (``smf eval``, the suite);
 - :func:`from_pretrained`: a ``save_pretrained`` directory of a model with memories.
 
-Every loader returns the model in eval mode (fp32 unless asked otherwise) with its tokenizer, and
-raises ConfigError naming the argument when a name or directory holds nothing it can load.
+Every loader returns the model in eval mode (fp32 unless asked otherwise; :func:`from_pretrained`: the
+checkpoint's dtype, as transformers) with its tokenizer, and raises ConfigError naming the argument
+when a name or directory holds nothing it can load.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import re
 import warnings
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
 from smf.errors import ConfigError
@@ -151,17 +154,18 @@ def load_model(model: str, adapter: str | Path | None = None, device: torch.devi
                       "(adapter_config.json), a finetuned model (config.json)")
 
 
-def from_pretrained(directory: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+def from_pretrained(directory: str | Path, *, dtype: torch.dtype | str = "auto", device: str | torch.device = "cpu",
                     backend: str | None = None, **kwargs) -> nn.Module:
     """A causal LM saved by ``model.save_pretrained(directory)``, with its memories, in eval mode.
 
     ``save_pretrained`` of a model with memories writes the model type
     ``f"{base}_smf_memories"``, ``config.smf_memories`` (layers, mode, memory sizes, layout) and
-    the memory weights. This registers that type (:mod:`smf.model.hf_auto`) and returns
-    ``AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)``: the base model
-    with the recorded memories (fp32) attached and loaded, their kernels on ``backend``. A
-    directory without memories loads as a plain model. A plain ``AutoModelForCausalLM`` load
-    gives the same model once :mod:`smf.model` is imported, and fails without it.
+    the memory weights. This returns ``AutoModelForCausalLM.from_pretrained(directory, dtype=dtype,
+    **kwargs)``: the base model with the recorded memories attached and loaded (:mod:`smf.model.hf_auto`),
+    their kernels on ``backend``. ``dtype`` "auto" (the default, as in transformers) is the dtype the
+    checkpoint records; the memories and ``alpha`` stay float32 whatever it is. A directory without
+    memories loads as a plain model. A plain ``AutoModelForCausalLM`` load gives the same model once
+    :mod:`smf.model` is imported, and ``trust_remote_code=True`` gives it without smf.
     """
     from transformers import AutoModelForCausalLM, PreTrainedConfig
 
@@ -172,6 +176,8 @@ def from_pretrained(directory: str | Path, *, dtype: torch.dtype = torch.float32
     elif config.get(CONFIG_KEY):
         raise ValueError(f"{directory}: config.json records {CONFIG_KEY} under model_type {model_type!r} (saved by an "
                          f"older smf); set its model_type to {model_type + SUFFIX!r} to load it with its memories")
+    if model_type.endswith(SUFFIX) and "key_mapping" not in kwargs:
+        kwargs["key_mapping"] = _legacy_key_mapping(Path(directory), config[CONFIG_KEY])
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)
     for block in memory_blocks(model):
         block.memory.backend = backend
@@ -179,6 +185,24 @@ def from_pretrained(directory: str | Path, *, dtype: torch.dtype = torch.float32
         logger.info("loaded %s memories at layers %s from %s", config[CONFIG_KEY]["mode"],
                     config[CONFIG_KEY]["layers"], directory)
     return model.to(device).eval()
+
+
+def _legacy_key_mapping(directory: Path, spec: dict) -> dict[str, str] | None:
+    """transformers' ``key_mapping`` for a directory saved before additive blocks kept the MLP's own weight
+    names (2026-11-22 to 11-24: ``...{mlp_attr}.mlp.{weight}``, now ``...{mlp_attr}.{weight}``), else None."""
+    index, single = directory / "model.safetensors.index.json", directory / "model.safetensors"
+    if index.is_file():
+        names = json.loads(index.read_text()).get("weight_map", {})
+    elif single.is_file():
+        with safe_open(single, "pt") as handle:
+            names = list(handle.keys())
+    else:
+        return None
+    old = f".{spec['mlp_attr']}.mlp."
+    if spec["mode"] == "replacement" or not any(old in name for name in names):
+        return None
+    logger.info("%s holds the older layout (%s*); loading its MLP weights under their current names", directory, old)
+    return {re.escape(old): f".{spec['mlp_attr']}."}
 
 
 def _deprecated(old: str, new: str) -> None:

@@ -19,6 +19,7 @@ import torch
 from smf.errors import ConfigError
 from smf.files import write_atomic
 from smf.model.loading import RUN_CONFIG, load_with_adapter
+from smf.model.precision import authors_bf16_weights, cast_like_the_authors
 from smf.train.artifacts import write_run_config
 from smf.train.config import RunConfig
 from smf.train.data import background_features
@@ -63,7 +64,9 @@ def collect_background(config: RunConfig) -> Path:
 
 def _collect(config: RunConfig, world: World, output_dir: Path) -> Path:
     model, tokenizer = load_with_adapter(config.model, config.adapter, world.device, config.backend)
-    controller = SparseMemoryController(model)
+    controller = SparseMemoryController(model, rows_per_step=1)  # only counts reads here: no step selects rows
+    if authors_bf16_weights(config.protocol, "auto", world.device):  # the sparse stage's weights, as it counts
+        cast_like_the_authors(model, keep_fp32=controller.value_parameters())
     features = background_features(config, tokenizer)[world.rank::world.size]
     batches = [{"input_ids": torch.tensor([f["input_ids"]], device=world.device),
                 "attention_mask": torch.ones(1, len(f["input_ids"]), dtype=torch.long, device=world.device)}

@@ -4,7 +4,12 @@ bf16 autocast, progress bar, train_log.jsonl, periodic checkpoints and exact res
 Loss: the causal-LM cross entropy summed over the target tokens of a micro-batch, divided by
 the number of target tokens in the whole global batch (all micro-batches and ranks), times the
 world size because DDP averages gradients over ranks. So the gradient is that of the global
-token-mean loss whatever the micro-batch size and number of processes.
+token-mean loss whatever the micro-batch size and number of processes. The sparse stage of the
+``authors`` protocol divides each micro-batch's sum by that micro-batch's own target tokens instead,
+so its gradient is the sum of the micro-batch means, as the authors' trainer's
+(``Protocol.sparse_loss_sums_micro_batch_means``); under DDP the ranks' sums are averaged, as their
+Trainer would average them under torchrun, so it depends on how the step is split into micro-batches.
+The logged loss is the token mean either way.
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from smf.data import IGNORE_INDEX, CausalLMCollator
+from smf.data import IGNORE_INDEX, CausalLMCollator, get_protocol
 from smf.errors import ConfigError
 from smf.model.loading import FINAL_DIR
 from smf.train.artifacts import save_final, write_run_config
@@ -77,18 +82,19 @@ def run_step(wrapped: nn.Module, setup: TrainingSetup, scheduler, micro_batches:
     """One optimizer step over this rank's micro-batches, the recipe's hooks (:mod:`smf.train.steps`) around
     its forwards and backwards; returns this rank's summed token loss (0-d)."""
     autocast = bf16_autocast(config.bf16, world.device)
-    scale = world.size / num_tokens
+    per_micro_batch = config.recipe == "sparse" and get_protocol(config.protocol).sparse_loss_sums_micro_batch_means
     setup.step.begin_step(wrapped if config.compile else setup.model, micro_batches)
     loss_sum = torch.zeros((), device=world.device)
     for index, batch in enumerate(micro_batches):
         last = index == len(micro_batches) - 1
         no_sync = wrapped.no_sync() if isinstance(wrapped, nn.parallel.DistributedDataParallel) and not last \
             else contextlib.nullcontext()
+        tokens = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum()) if per_micro_batch else num_tokens
         with no_sync:
             with autocast():
                 loss = summed_token_loss(wrapped, batch)
             setup.step.after_forward()
-            (loss * scale).backward()
+            (loss * ((1 if per_micro_batch else world.size) / max(tokens, 1))).backward()
         loss_sum += loss.detach()
     setup.step.finish_step(setup.optimizer, config.max_grad_norm)
     scheduler.step()

@@ -20,6 +20,7 @@ from torch import nn
 from smf.errors import ConfigError
 from smf.model import apply_lora, attach_memories, configure_trainable, memory_blocks
 from smf.model.loading import load_base, load_with_adapter
+from smf.model.precision import authors_bf16_weights, cast_like_the_authors
 from smf.train.config import RunConfig
 from smf.train.distributed import World
 from smf.train.sharding import ShardedDenseStep, shard_model_memories
@@ -132,6 +133,10 @@ def build_setup(config: RunConfig, world: World) -> TrainingSetup:
     else:
         raise ConfigError(f"--recipe must be one of retrofit, sparse, lora, full; got {recipe!r}")
     trainable = [p for p in model.parameters() if p.requires_grad]
+    if authors_bf16_weights(config.protocol, config.bf16, world.device):
+        cast_like_the_authors(model, keep_fp32=() if recipe == "full" else trainable)
+        logger.info("protocol %s: bf16 weights, %s", config.protocol,
+                    "no fp32 master copy" if recipe == "full" else "the trainable parameters fp32")
     if recipe == "sparse" and config.optimizer == "row_sparse":
         optimizer = RowSparseAdamW(trainable, lr=config.lr, weight_decay=config.weight_decay)
     else:

@@ -17,13 +17,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from smf.model.precision import bf16_enabled
 from smf_kernels.sparse import AuthorsSparseUpdate, SparseMemoryController, rows_moved_outside
 
 
 def bf16_autocast(setting: str, device: torch.device):
     """The trainer's autocast as a no-argument context factory: bf16 when ``setting`` is 'on', or 'auto' on
-    a CUDA device that supports bf16; else a no-op."""
-    enabled = setting == "on" or (setting == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported())
+    a CUDA device that supports bf16 (:func:`smf.model.precision.bf16_enabled`); else a no-op."""
+    enabled = bf16_enabled(setting, device)
     return lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
 
 

@@ -63,6 +63,14 @@ def _load(name: str) -> tuple[ModuleType | None, str]:
         return None, f"{type(exc).__name__}: {exc}"
 
 
+def _assume_constant_result(fn):
+    """``torch.compiler.assume_constant_result(fn)`` without importing ``torch._dynamo`` (about 1 s) when
+    smf_kernels is imported: the decorator only sets the attribute Dynamo reads while tracing, and
+    tests/test_compile_inductor.py checks that torch's own decorator sets the same one."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 def refresh() -> None:
     """Forget cached import results, e.g. after building the compiled extension in this process."""
     _load.cache_clear()
@@ -93,7 +101,7 @@ def available_backends(device: torch.device | str = "cpu", dtype: torch.dtype | 
     return [name for name in order if unavailable_reason(name, device) is None and _supports(name, dtype)]
 
 
-@torch.compiler.assume_constant_result
+@_assume_constant_result
 def resolve_backend(backend: str | None, device: torch.device, dtype: torch.dtype | None = None) -> str:
     """Name of the backend to run on ``device`` for inputs of ``dtype``; raises if the choice cannot run.
 

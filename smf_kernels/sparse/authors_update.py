@@ -31,7 +31,7 @@ from torch import nn
 
 from smf_kernels.memory import ProductKeyMemory
 from smf_kernels.sparse.background import BackgroundStats
-from smf_kernels.sparse.selection import RULES, score_slots, select_top_rows
+from smf_kernels.sparse.selection import RULES, score_slots, select_top_rows, warn_if_not_sparse
 
 
 def _count_padding_too(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -64,6 +64,7 @@ class AuthorsSparseUpdate:
                          if isinstance(module, ProductKeyMemory)}
         if not self.memories:
             raise ValueError("model holds no ProductKeyMemory module")
+        warn_if_not_sparse({name: m.num_slots for name, m in self.memories.items()}, rows_per_step)
         self.background: BackgroundStats | None = None
         if background is not None:
             self.set_background(background)

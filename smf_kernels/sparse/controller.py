@@ -69,7 +69,7 @@ from smf_kernels.sharded.layout import gradient_copies, is_split, shard_of
 from smf_kernels.sparse.background import BackgroundStats
 from smf_kernels.sparse.clipping import clip_grad_norm_, norm_and_clip_coefficient
 from smf_kernels.sparse.dense_masked import mask_grad_rows_
-from smf_kernels.sparse.selection import RULES, score_slots, select_rows_padded, select_top_rows
+from smf_kernels.sparse.selection import RULES, score_slots, select_rows_padded, select_top_rows, warn_if_not_sparse
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +145,7 @@ class SparseMemoryController:
         if fused and mode != "row_sparse":
             raise ValueError(f"fused=True is the fused row-sparse update: it needs mode 'row_sparse', got {mode!r}")
         self.rule, self.rows_per_step, self.mode, self.fused = rule, rows_per_step, mode, bool(fused)
+        warn_if_not_sparse({name: m.num_slots for name, m in self.memories.items()}, rows_per_step)
         self.process_group = process_group
         self.background: BackgroundStats | None = None
         self._hooks: list = []
