@@ -22,7 +22,7 @@ import logging
 import torch
 from transformers import Trainer, TrainerCallback
 
-from smf_kernels.sparse.clipping import clip_grad_norm_, norm_and_clip_coefficient
+from smf_kernels.sparse.clipping import clip_grad_norm_
 from smf_kernels.sparse.controller import SparseMemoryController
 from smf_kernels.sparse.row_sparse_adamw import RowSparseAdamW
 
@@ -135,13 +135,8 @@ class SparseMemoryTrainer(Trainer):
         max_norm = self.sparse_max_grad_norm if self.sparse_max_grad_norm and self.sparse_max_grad_norm > 0 \
             else float("inf")
         if self.controller.fused:  # one norm over the rows' compact gradients and every other gradient
-            clip_grad_norm_(params, float("inf"))  # coalesces any sparse gradient; scales nothing
-            dense = [p.grad for p in params if p.grad is not None]
-            compact = [grad for _, grad, _ in self.controller.row_gradients.values()]
-            total, coef = norm_and_clip_coefficient(dense + compact, max_norm)
-            for grad in dense:
-                grad.mul_(coef.to(grad.dtype))
-            self._sparse_grad_norm, self._row_grad_scale = float(total), coef
+            total, self._row_grad_scale = self.controller.clip_with_row_gradients_(params, max_norm)
+            self._sparse_grad_norm = float(total)
             return
         self._sparse_grad_norm = float(clip_grad_norm_(params, max_norm))
         # torch's clip_grad_norm_ (which the Trainer calls for its grad_norm) cannot read sparse gradients:

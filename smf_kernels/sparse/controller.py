@@ -410,6 +410,23 @@ class SparseMemoryController:
         and do not move). Empty until then, and after the update."""
         return dict(self._row_grads)
 
+    def clip_with_row_gradients_(self, parameters: Iterable[torch.Tensor],
+                                 max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``fused=True``, after :meth:`restrict_gradients`: (total norm, clipping coefficient) of the gradients
+        of ``parameters`` together with :attr:`row_gradients` (a sharded table's shard counting as the whole
+        table), the parameters' gradients scaled by the coefficient in place. The rows' gradients are not
+        scaled here: pass the coefficient to :meth:`apply_row_gradients` (the second phase of the update)."""
+        with_grad = [p for p in parameters if p.grad is not None]
+        if any(p.grad.is_sparse for p in with_grad):
+            raise RuntimeError("a sparse .grad in a fused step: the fused update keeps row gradients compact")
+        tables = [self.memories[name].values for name in self._row_grads]
+        grads = [p.grad for p in with_grad] + [grad for _, grad, _ in self._row_grads.values()]
+        total, coef = norm_and_clip_coefficient(
+            grads, max_norm, shards=[shard_of(p) if is_split(p) else None for p in with_grad + tables])
+        for param in with_grad:
+            param.grad.mul_(coef.to(param.grad.dtype))
+        return total, coef
+
     def apply_row_gradients(self, optimizer: torch.optim.Optimizer,
                             grad_scale: torch.Tensor | None = None) -> None:
         """``fused=True``: update each layer's selected rows from :attr:`row_gradients` (times ``grad_scale``,
@@ -443,17 +460,7 @@ class SparseMemoryController:
                 clip_grad_norm_(params, max_grad_norm)
             optimizer.step()
         else:
-            coef = None
-            if max_grad_norm is not None:  # one norm over the rows' gradients and every other gradient
-                clip_grad_norm_(params, float("inf"))  # coalesces any sparse gradient; scales nothing
-                with_grad = [p for p in params if p.grad is not None]
-                dense = [p.grad for p in with_grad]
-                rows_grads = [(g, self.memories[name].values) for name, (_, g, _) in self._row_grads.items()]
-                _, coef = norm_and_clip_coefficient(
-                    dense + [g for g, _ in rows_grads], max_grad_norm,
-                    shards=[shard_of(p) if is_split(p) else None for p in with_grad + [v for _, v in rows_grads]])
-                for g in dense:
-                    g.mul_(coef.to(g.dtype))
+            coef = None if max_grad_norm is None else self.clip_with_row_gradients_(params, max_grad_norm)[1]
             optimizer.step()  # the parameters with a .grad (e.g. alpha); the values have none
             self.apply_row_gradients(optimizer, grad_scale=coef)
         optimizer.zero_grad(set_to_none=True)
