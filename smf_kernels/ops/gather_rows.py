@@ -52,6 +52,12 @@ class CompactRows(DeferredRows):
         super().set(rows)
         self.valid = None if valid is None else valid[torch.argsort(rows)]
 
+    def zero_grad(self, values: torch.Tensor, num_rows: int) -> None:
+        """:attr:`grad` := a zero (num_rows, D) gradient of ``values``' rows, float32 (float64 for a float64
+        table). Made before a compiled backward runs, so that the backward only adds into it."""
+        self.grad = torch.zeros(num_rows, values.shape[1], dtype=accumulation_dtype(values.dtype),
+                                device=values.device)
+
     def rows_for_backward(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(rows (T,) ascending, valid (T,) bool or None) for the backward; RuntimeError if not chosen yet."""
         if self.rows is None:

@@ -47,7 +47,7 @@ class _WeightedGather(torch.autograd.Function):
                 ctx.deferred._apply(values, rows, valid, compact)
             else:
                 if ctx.deferred.grad is None:
-                    ctx.deferred.grad = compact_zeros(values, rows.shape[0])
+                    ctx.deferred.zero_grad(values, rows.shape[0])
                 grad_weights, grad_gate = gather_ops.backward_into(
                     grad_out, values, indices, weights, rows, ctx.deferred.grad, gate, read, ctx.backend,
                     deterministic, need_weights)
@@ -74,12 +74,6 @@ class _WeightedGather(torch.autograd.Function):
         grad_weights = grad_weights.to(weights.dtype) if need_weights else None
         grad_gate = grad_gate if gate is not None and ctx.needs_input_grad[6] else None
         return grad_values, None, grad_weights, None, None, None, grad_gate, None
-
-
-def compact_zeros(values: torch.Tensor, rows: int) -> torch.Tensor:
-    """A zero (rows, D) gradient of ``values``' rows in the accumulation dtype (float32; float64 for float64)."""
-    return torch.zeros(rows, values.shape[1], dtype=torch.promote_types(values.dtype, torch.float32),
-                       device=values.device)
 
 
 def weighted_gather(

@@ -279,8 +279,7 @@ class SparseMemoryController:
             if self.fused:  # what the backward writes into or reads, made now: it then mutates no Python state
                 for name, handle in self._deferred.items():
                     values = self.memories[name].values
-                    handle.grad = torch.zeros(min(self.rows_per_step, values.shape[0]), values.shape[1],
-                                              dtype=accumulation_dtype(values.dtype), device=values.device)
+                    handle.zero_grad(values, min(self.rows_per_step, values.shape[0]))
                     self._background_tensors(name, values.device)
             if optimizer is not None:
                 for handle in self._deferred.values():
@@ -493,9 +492,7 @@ class SparseMemoryController:
         if self._logs is not None:
             return self._logs[name].rows_gradient(values, rows).div_(group)
         if self._deferred is not None and isinstance(self._deferred[name], CompactRows):
-            held = self._deferred[name].grad
-            return held.div_(group) if held is not None else torch.zeros(rows.numel(), values.shape[1], dtype=dtype,
-                                                                         device=values.device)
+            return self._deferred[name].grad.div_(group)  # zeroed by begin_step, added into by the backwards
         grad = values.grad
         if grad is not None and not grad.is_sparse:
             raise RuntimeError("values.grad is dense in row_sparse mode; was a forward run outside "
