@@ -155,6 +155,18 @@ def test_clip_grad_norm_counts_sparse_values_once_coalesced():
         clip_grad_norm_([table], 0.0)
 
 
+def test_clip_grad_norm_of_float64_gradients_is_float64():
+    """fp64 gradients keep fp64 in the norm (as torch's clip_grad_norm_ does); bf16 ones still sum in fp32."""
+    table, bias = torch.nn.Parameter(torch.randn(9, 4, dtype=torch.float64)), torch.nn.Parameter(torch.randn(4))
+    table.grad = sparse_grad(torch.tensor([2, 6, 0]), torch.randn(3, 4, dtype=torch.float64) / 3, table.shape)
+    bias.grad = torch.randn(4)
+    want = torch.cat([table.grad.coalesce().values().flatten(), bias.grad.double()]).norm()
+    total = clip_grad_norm_([table, bias], 0.5)
+    assert total.dtype == torch.float64
+    assert abs(total.item() - want.item()) < 1e-15 * want.item()
+    assert abs(torch.cat([table.grad.values().flatten(), bias.grad.double()]).norm().item() - 0.5) < 1e-6
+
+
 def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="betas"):
         RowSparseAdamW([torch.nn.Parameter(torch.randn(2, 2))], betas=(1.0, 0.9))
