@@ -90,22 +90,33 @@ def test_a_crafted_pickle_checkpoint_fails_without_running_its_code(tmp_path):
     _assert_unchanged(model, before)
 
 
-@pytest.mark.parametrize("damage", ["truncated", "random", "other_model", "not_a_dict"])
+@pytest.mark.parametrize("damage", ["truncated", "random", "other_model", "not_a_dict", "optimizer_state_shape",
+                                    "negative_moment"])
 def test_a_bad_checkpoint_fails_clearly_and_leaves_the_model_unchanged(tmp_path, damage):
     path = tmp_path / "checkpoint.pt"
     if damage == "other_model":
         _save(path, width=5)
     elif damage == "not_a_dict":
         torch.save([torch.zeros(2)], path)
+    elif damage in ("optimizer_state_shape", "negative_moment"):  # the parameters fit; AdamW's moments do not
+        _save(path)
+        state = torch.load(path, weights_only=True)
+        moments = state["optimizer"]["state"][0]
+        if damage == "optimizer_state_shape":
+            moments["exp_avg"] = torch.zeros(3, 2)
+        else:
+            moments["exp_avg_sq"] = -moments["exp_avg_sq"].abs() - 1
+        torch.save(state, path)
     else:
         _save(path)
         data = path.read_bytes()
         path.write_bytes(data[: len(data) // 2] if damage == "truncated" else os.urandom(len(data)))
     model, optimizer, scheduler = _training_state()
-    before = _snapshot(model)
+    before, optimizer_before = _snapshot(model), str(optimizer.state_dict())
     with pytest.raises(ConfigError, match=str(path)):
         _load(path, model, optimizer, scheduler)
     _assert_unchanged(model, before)
+    assert str(optimizer.state_dict()) == optimizer_before
 
 
 def _adapter(tmp_path: Path) -> Path:
