@@ -15,7 +15,7 @@ from smf.model.loading import RUN_CONFIG
 
 
 def write_run_config(output_dir: Path, options: dict) -> None:
-    write_json_atomic(output_dir / RUN_CONFIG, options)
+    write_json_atomic(output_dir / RUN_CONFIG, options, allow_nan=False)  # options are finite (smf.options)
 
 
 def save_final(model: nn.Module, tokenizer, recipe: str, directory: Path) -> Path:

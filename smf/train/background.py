@@ -10,7 +10,6 @@ examples and the counts are summed.
 """
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import torch
 
 from smf.errors import ConfigError
 from smf.files import write_atomic
-from smf.model.loading import RUN_CONFIG, load_with_adapter
+from smf.model.loading import RUN_CONFIG, load_with_adapter, read_run_config
 from smf.model.precision import authors_bf16_weights, cast_like_the_authors
 from smf.train.artifacts import write_run_config
 from smf.train.config import RunConfig
@@ -44,7 +43,7 @@ def check_held_out_split(config: RunConfig) -> None:
         logger.warning("no %s beside adapter %s: cannot check that the background set is held out", RUN_CONFIG,
                        adapter)
         return
-    retrofit = json.loads(run_config.read_text())
+    retrofit = read_run_config(run_config.parent)
     ours = config.to_dict()
     differ = [f"{name.replace('_', '-')} {retrofit[name]!r} (retrofit) vs {ours[name]!r}"
               for name in SPLIT_OPTIONS if name in retrofit and retrofit[name] != ours.get(name)]

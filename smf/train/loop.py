@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import random
 import time
 from pathlib import Path
@@ -63,6 +64,14 @@ def summed_token_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch
     targets = batch["labels"][:, 1:]
     return F.cross_entropy(shifted.reshape(-1, shifted.shape[-1]), targets.reshape(-1),
                            ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def check_finite(setup: TrainingSetup, step: int) -> None:
+    """ConfigError if a trainable parameter holds inf or NaN after optimizer step ``step`` (the run diverged)."""
+    for name, param in setup.trainable_parameters().items():
+        if not bool(torch.isfinite(param).all()):
+            raise ConfigError(f"training diverged: after step {step} {name} holds non-finite values; lower --lr or "
+                              "--max-grad-norm")
 
 
 def _wrap_for_ddp(setup: TrainingSetup, world: World) -> nn.Module:
@@ -165,9 +174,18 @@ def _train(config: RunConfig, world: World) -> dict:
         seen_tokens = sum(len(features[i]["input_ids"]) for i in indices)
         lr = scheduler.get_last_lr()[0]
         micro_batches = [collate(features, chunk, collator, world.device) for chunk in plan.micro_batches(step)]
-        loss_sum = run_step(wrapped, setup, scheduler, micro_batches, num_tokens, config, world)
+        try:
+            loss_sum = run_step(wrapped, setup, scheduler, micro_batches, num_tokens, config, world)
+        except RuntimeError as err:  # torch refusing a scalar of the update that float32 cannot hold
+            if "without overflow" not in str(err):
+                raise
+            raise ConfigError(f"training diverged: step {step + 1}'s update overflows float32 (learning rate "
+                              f"{lr:g}); lower --lr") from err
         loss = all_reduce_sum(loss_sum, world).item() / num_tokens
         step += 1
+        if not math.isfinite(loss):
+            raise ConfigError(f"training diverged: the loss of step {step} is {loss} (learning rate {lr:g}); lower "
+                              "--lr or --max-grad-norm, or check the data")
         elapsed = time.perf_counter() - started
         if world.is_main:
             with log_path.open("a") as handle:
@@ -177,6 +195,7 @@ def _train(config: RunConfig, world: World) -> dict:
             progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{seen_tokens / elapsed:.0f}")
             progress.update(1)
         if step % config.save_every == 0 or step == stop:
+            check_finite(setup, step)  # never a checkpoint (or final artefact) of non-finite weights
             rng_states = gather_objects(rng_state(), world)
             shards = save_memory_shards(output_dir, step, setup.model, setup.optimizer, world)  # None: unsharded
             if world.is_main:
