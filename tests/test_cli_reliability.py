@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from smf.cli import build_parser, main
-from smf.eval.settings import EvalSettings
 from smf.options import flag, takes
 from smf.train.commands import COMMANDS, config_from_args
 from smf.train.config import RunConfig

@@ -24,7 +24,7 @@ from smf.train.config import RunConfig
 from smf.train.data import background_features
 from smf.train.distributed import World, barrier, setup_distributed
 from smf.train.recipes import BACKGROUND_FILE
-from smf.train.run_dir import claim_output_dir
+from smf.train.run_dir import RunFiles, claim_output_dir
 from smf_kernels.sparse import SparseMemoryController
 
 logger = logging.getLogger(__name__)
@@ -57,11 +57,11 @@ def collect_background(config: RunConfig) -> Path:
     check_held_out_split(config)
     world = setup_distributed(config.device)
     output_dir = Path(config.output_dir)
-    with claim_output_dir(output_dir, world):
-        return _collect(config, world, output_dir)
+    with claim_output_dir(output_dir, world) as files:
+        return _collect(config, world, files)
 
 
-def _collect(config: RunConfig, world: World, output_dir: Path) -> Path:
+def _collect(config: RunConfig, world: World, files: RunFiles) -> Path:
     model, tokenizer = load_with_adapter(config.model, config.adapter, world.device, config.backend)
     controller = SparseMemoryController(model, rows_per_step=1)  # only counts reads here: no step selects rows
     if authors_bf16_weights(config.protocol, "auto", world.device):  # the sparse stage's weights, as it counts
@@ -71,9 +71,9 @@ def _collect(config: RunConfig, world: World, output_dir: Path) -> Path:
                 "attention_mask": torch.ones(1, len(f["input_ids"]), dtype=torch.long, device=world.device)}
                for f in features]
     stats = controller.collect_background(batches)
-    path = output_dir / BACKGROUND_FILE
+    path = files.path(BACKGROUND_FILE)
     if world.is_main:
-        write_run_config(output_dir, config.to_dict())
+        write_run_config(files.path(RUN_CONFIG), config.to_dict())
         write_atomic(path, stats.save)
         logger.info("background statistics of %d batches written to %s", next(iter(stats.num_batches.values())),
                     path)
