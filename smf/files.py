@@ -54,3 +54,18 @@ def write_json_atomic(path: str | Path, obj, *, allow_nan: bool = True) -> Path:
     """``obj`` as indented JSON to ``path``, atomically. ``allow_nan=False``: ValueError for a non-finite float
     (JSON has none: Python writes ``Infinity`` / ``NaN``, which strict readers refuse)."""
     return write_text_atomic(path, json.dumps(obj, indent=2, allow_nan=allow_nan) + "\n")
+
+
+def read_json_object(path: str | Path, what: str, required: tuple[str, ...] = ()) -> dict:
+    """The JSON object in ``path``, a ``what`` (e.g. "results file"); ConfigError naming the file when it is not
+    readable JSON, not an object, or lacks a key of ``required``."""
+    path = Path(path)
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{path} is not a readable {what} ({str(err).splitlines()[0]})") from None
+    missing = [key for key in required if not isinstance(value, dict) or key not in value]
+    if not isinstance(value, dict) or missing:
+        raise ConfigError(f"{path} is not a {what}: expected a JSON object"
+                          f"{' with ' + ', '.join(map(repr, required)) if required else ''}")
+    return value

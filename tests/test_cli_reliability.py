@@ -356,3 +356,15 @@ print(sorted(m for m in sys.modules if m.startswith(heavy)))
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("content, message", [("{not json", "is not a readable suite config record"),
+                                              ("[1]", "is not a suite config record: expected a JSON object")])
+def test_report_of_a_suite_directory_with_a_damaged_record_is_one_line(tmp_path, capsys, content, message):
+    from smf.suite.plan import SuiteLayout
+
+    layout = SuiteLayout(tmp_path)
+    layout.config_file.parent.mkdir(parents=True, exist_ok=True)
+    layout.config_file.write_text(content)
+    code, err = run_main(["report", "--suite-dir", str(tmp_path)], capsys)
+    one_line_error(code, err, message)

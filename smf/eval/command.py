@@ -77,8 +77,8 @@ def _eval_inputs(args: argparse.Namespace) -> tuple[DataPaths, EvalSettings, str
 
 def refuse_unused(args: argparse.Namespace, settings: EvalSettings) -> None:
     """ConfigError, with the reason, for a flag this evaluation would not use: a task's path or size when
-    --tasks leaves the task out, --backend for a model without memories, --model where --adapter decides the
-    model (a training run records its base model; a finetuned model is whole)."""
+    --tasks leaves the task out, --backend for a model without memories, a --model other than the base model
+    a training run in --adapter records. A --model beside a whole finetuned model is logged."""
     from smf.model.loading import adapter_kind, read_run_config
 
     for task, flags in (("medmcqa", ("medmcqa_path", "medmcqa_examples")), ("wikitext", ("wikitext_path",)),
@@ -96,8 +96,8 @@ def refuse_unused(args: argparse.Namespace, settings: EvalSettings) -> None:
         if recorded != args.model:
             raise ConfigError(f"--model {args.model} is not used: the run in --adapter trained on {recorded!r}, "
                               "which it loads; omit --model")
-    if args.model is not None and kind == "full":
-        raise ConfigError("--model is not used: --adapter holds a whole finetuned model; omit --model")
+    if args.model is not None and kind == "full":  # its base cannot be checked: said, not refused
+        logger.warning("--model %s is not used: --adapter holds a whole finetuned model", args.model)
 
 
 def run(args: argparse.Namespace) -> int:
