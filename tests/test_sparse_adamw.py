@@ -207,6 +207,10 @@ def test_clip_grad_norm_of_float64_gradients_is_float64():
 def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="betas"):
         RowSparseAdamW([torch.nn.Parameter(torch.randn(2, 2))], betas=(1.0, 0.9))
+    for name in ("lr", "eps", "weight_decay"):  # finite: an inf lr made every row NaN at its first step
+        for value in (float("inf"), float("nan"), -1.0):
+            with pytest.raises(ValueError, match=f"{name} must be a finite number >= 0"):
+                RowSparseAdamW([torch.nn.Parameter(torch.randn(2, 2))], **{name: value})
     vector = torch.nn.Parameter(torch.randn(5))
     vector.grad = torch.sparse_coo_tensor(torch.tensor([[1]]), torch.tensor([1.0]), (5,), check_invariants=True)
     with pytest.raises(ValueError, match=r"must be 2-D \(M, D\)"):

@@ -23,6 +23,8 @@ schedulers work unchanged.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from smf_kernels._precision import accumulation_dtype
@@ -40,14 +42,14 @@ class RowSparseAdamW(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2) -> None:
-        if not lr >= 0.0:
-            raise ValueError(f"lr must be >= 0, got {lr}")
+        if not 0.0 <= lr < math.inf:
+            raise ValueError(f"lr must be a finite number >= 0, got {lr}")
         if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
             raise ValueError(f"betas must lie in [0, 1), got {betas}")
-        if not eps >= 0.0:
-            raise ValueError(f"eps must be >= 0, got {eps}")
-        if not weight_decay >= 0.0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        if not 0.0 <= eps < math.inf:
+            raise ValueError(f"eps must be a finite number >= 0, got {eps}")
+        if not 0.0 <= weight_decay < math.inf:
+            raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay}")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
 
     def load_state_dict(self, state_dict: dict) -> None:
