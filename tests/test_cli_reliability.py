@@ -191,6 +191,9 @@ def test_eval_of_an_adapter_that_is_not_what_it_claims_is_one_line(tmp_path, cap
 @pytest.mark.parametrize("argv, message", [
     (["retrofit", "--oasst-languages", "xx"], "--oasst-languages is not used by this run: the authors protocol takes "
                                               "the English replies"),
+    (["background", "--n-examples", "10", "--adapter", "{d}"], "--n-examples is not used by this run: the authors "
+                                                               "protocol draws the background examples from its "
+                                                               "own pool"),
     (["retrofit", "--mode", "replacement", "--alpha-init", "0.5"], "--alpha-init is not used by this run: --mode "
                                                                    "replacement has no alpha"),
     (["train", "--recipe", "lora", "--rows-per-step", "8"], "--rows-per-step is not used by this run: only --recipe "

@@ -253,15 +253,23 @@ def test_background_refuses_a_split_that_is_not_the_retrofit_runs(tmp_path):
     from smf.train.background import check_held_out_split
     from smf.train.config import ConfigError
 
-    retrofit = tiny_run_config(tmp_path, "retrofit", "retrofit")
-    (tmp_path / "run" / "final").mkdir(parents=True)
-    (tmp_path / "run" / RUN_CONFIG).write_text(json.dumps(retrofit.to_dict()))
-    same = tiny_run_config(tmp_path, "background", "background", adapter=str(tmp_path / "run" / "final"))
-    check_held_out_split(same)
-    other = tiny_run_config(tmp_path, "background", "background", adapter=str(tmp_path / "run"),
-                            n_examples=retrofit.n_examples - 1)
-    with pytest.raises(ConfigError, match="n-examples"):
-        check_held_out_split(other)
+    for protocol in ("clean", "authors"):
+        retrofit = tiny_run_config(tmp_path, "retrofit", "retrofit", protocol=protocol)
+        (tmp_path / protocol / "final").mkdir(parents=True)
+        (tmp_path / protocol / RUN_CONFIG).write_text(json.dumps(retrofit.to_dict()))
+        adapter = str(tmp_path / protocol)
+        check_held_out_split(tiny_run_config(tmp_path, "background", "background", protocol=protocol,
+                                             adapter=str(tmp_path / protocol / "final")))
+        other_size = tiny_run_config(tmp_path, "background", "background", adapter=adapter, protocol=protocol,
+                                     n_examples=retrofit.n_examples - 1)
+        if protocol == "clean":  # the background set is held out of the first n_examples
+            with pytest.raises(ConfigError, match="n-examples"):
+                check_held_out_split(other_size)
+        else:  # the authors' background set comes from its own pool, whatever the retrofit's size
+            check_held_out_split(other_size)
+        with pytest.raises(ConfigError, match="data-seed"):
+            check_held_out_split(tiny_run_config(tmp_path, "background", "background", adapter=adapter,
+                                                 protocol=protocol, data_seed=retrofit.data_seed + 1))
 
 
 @pytest.mark.usefixtures("one_thread")

@@ -20,7 +20,7 @@ from smf.files import write_atomic
 from smf.model.loading import RUN_CONFIG, load_with_adapter, read_run_config
 from smf.model.precision import authors_bf16_weights, cast_like_the_authors
 from smf.train.artifacts import write_run_config
-from smf.train.config import RunConfig
+from smf.train.config import RunConfig, unused_options
 from smf.train.data import background_features
 from smf.train.distributed import World, barrier, setup_distributed
 from smf.train.recipes import BACKGROUND_FILE
@@ -45,8 +45,10 @@ def check_held_out_split(config: RunConfig) -> None:
         return
     retrofit = read_run_config(run_config.parent)
     ours = config.to_dict()
+    unused = unused_options(config, "background")  # under the authors protocol: the languages, the retrofit's size
     differ = [f"{name.replace('_', '-')} {retrofit[name]!r} (retrofit) vs {ours[name]!r}"
-              for name in SPLIT_OPTIONS if name in retrofit and retrofit[name] != ours.get(name)]
+              for name in SPLIT_OPTIONS
+              if name not in unused and name in retrofit and retrofit[name] != ours.get(name)]
     if differ:
         raise ConfigError("the background examples must be held out from the retrofit's; pass the retrofit's "
                           "options: " + "; ".join(differ))

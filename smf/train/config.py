@@ -175,6 +175,10 @@ def unused_options(config: RunConfig, command: str) -> dict[str, str]:
     if command in ("retrofit", "background") and config.protocol == "authors":
         unused["oasst_languages"] = ("the authors protocol takes the English replies, as the authors' code does; "
                                      "--protocol clean takes other languages")
+    if command == "background" and config.protocol == "authors":
+        unused["n_examples"] = ("the authors protocol draws the background examples from its own pool (the first "
+                                "--n-background of it), whatever the retrofit's size; --protocol clean holds them "
+                                "out of the first --n-examples")
     if command == "retrofit" and config.mode == "replacement":
         unused["alpha_init"] = "--mode replacement has no alpha (the memory replaces the MLP)"
     return unused
