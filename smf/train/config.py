@@ -90,8 +90,8 @@ class RunConfig:
                                   "52,000 replies); the authors protocol takes English replies", RETRO + BG)
     medmcqa_path: DatasetPath | None = option(None, "local MedMCQA train split (jsonl/parquet/save_to_disk)",
                                                TRAIN, shown="the hub")
-    n_examples: PositiveInt | None = option(None, "training examples; background: the retrofit set size, which "
-                                            "background examples avoid", ALL)
+    n_examples: PositiveInt | None = option(None, "training examples; background (--protocol clean): the retrofit "
+                                            "set size, which background examples avoid", ALL)
     n_background: PositiveInt = option(2000, "single-example background batches", BG)
     data_seed: Seed = option(0, "seed choosing the example subset (keep it fixed across runs)", ALL)
     max_length: PositiveInt = option(1024, "tokens per example (longer ones are cut)", ALL)
