@@ -3,23 +3,29 @@
 Subcommands come from the modules in :data:`COMMAND_MODULES`; each defines ``COMMANDS = {name: one-line
 help}``, ``add_arguments(parser, name)`` and ``run(args) -> exit code``. To add subcommands, add a module.
 
-Bad input (a ConfigError: missing path, unknown mode, layer beyond the model, ...) prints one
-line ``smf <command>: error: ...`` and exits with code 2, without a traceback.
+Bad input (a ConfigError: missing path, unknown mode, layer beyond the model, a device this machine lacks, a
+flag the run would ignore, a file that is not what it claims, a run that diverged, ...) and a write the system
+refuses (a full disk) print one line ``smf <command>: error: ...`` and exit with code 2, without a traceback.
+Building the parser (``smf --help``) imports neither torch nor transformers: commands import them when they run.
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import sys
 
 from smf.errors import ConfigError
 from smf.eval import command as eval_command
+from smf.files import os_error_behind
 from smf.report import command as report_command
 from smf.suite import commands as suite_command
 from smf.train import commands as train_commands
 
 COMMAND_MODULES = (train_commands, suite_command, report_command, eval_command)
+# The errors of a write the system refuses: no space, over quota, a read-only file system, a file size limit.
+STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -55,6 +61,14 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except ConfigError as err:
         print(f"smf {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except (OSError, RuntimeError) as err:  # a write the system refused, wherever it happened (a library's save)
+        cause = os_error_behind(err)
+        if cause is None or cause.errno not in STORAGE_ERRNOS:
+            raise
+        where = f" ({cause.filename})" if cause.filename else ""
+        print(f"smf {args.command}: error: a write failed{where}: {cause.strerror}; free space or choose another "
+              "--output-dir", file=sys.stderr)
         return 2
 
 

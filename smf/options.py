@@ -1,30 +1,41 @@
 """Typed options, shared by the trainer's configuration and the suite's.
 
 An option is a dataclass field made with :func:`option`: its default, help text and the commands that take it.
-Its type says what it accepts: ``Literal`` choices, pydantic's bounded types (``PositiveInt``, ...), a path that
-must exist (:data:`ExistingDir`), a list (:data:`AsList`). From that alone come the per-command filter
+Its type says what it accepts: ``Literal`` choices, pydantic's bounded types (``PositiveInt``, :data:`Seed`, ...),
+a path that must exist (:data:`ExistingDir`), a list (:data:`AsList`). From that alone come the per-command filter
 (:func:`only`), the checks and coercion of values from files and flags, done by pydantic (:func:`checked`), and
-one argparse flag per option with its default in the help (:func:`add_flags`)."""
+one argparse flag per option with its default in the help (:func:`add_flags`).
+
+Every float option is finite: an options dataclass sets ``__pydantic_config__ = OPTIONS_CONFIG``, which refuses
+``inf`` and ``nan`` for every float field (from flags, YAML's ``.inf`` or JSON's ``Infinity``) by name.
+
+This module and the option classes import neither torch nor the model code: the command line's parser (and
+``smf --help``) is built from them alone."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import functools
 import json
+import os
 import typing
 from pathlib import Path
 from typing import Annotated
 
 import yaml
-from pydantic import AfterValidator, BeforeValidator, Field, TypeAdapter, ValidationError
+from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
 
 from smf.errors import ConfigError
 from smf.vocabulary import canonical
 
+OPTIONS_CONFIG = ConfigDict(allow_inf_nan=False)  # see the module docstring
+Seed = Annotated[int, Field(ge=0, lt=2 ** 32)]  # a seed numpy takes too (np.random.seed: [0, 2**32))
 
-def option(default, help: str, commands: tuple[str, ...] = ()):
-    """A dataclass field with its help text and the commands that take it."""
-    return dataclasses.field(default=default, metadata={"help": help, "commands": commands})
+
+def option(default, help: str, commands: tuple[str, ...] = (), shown: str | None = None):
+    """A dataclass field with its help text and the commands that take it; ``shown`` is what ``--help`` gives
+    as its default where the value alone would not say it (a None that means "automatic")."""
+    return dataclasses.field(default=default, metadata={"help": help, "commands": commands, "shown": shown})
 
 
 def _check(test, message: str) -> AfterValidator:
@@ -38,6 +49,35 @@ def _check(test, message: str) -> AfterValidator:
 
 ExistingPath = Annotated[str, _check(lambda path: Path(path).exists(), "no such path {!r}")]
 ExistingDir = Annotated[str, _check(lambda path: Path(path).is_dir(), "no such directory {!r}")]
+DATASET_SUFFIXES = (".jsonl", ".json", ".parquet")  # the local dataset files smf.data.load_split reads
+DATASET_DIR_MARKERS = ("dataset_info.json", "dataset_dict.json")  # what save_to_disk writes (Dataset, DatasetDict)
+
+
+def dataset_path_error(path: str) -> str | None:
+    """Why ``path`` is not a local dataset that :func:`smf.data.load_split` reads (a .jsonl / .json / .parquet
+    file, or a ``save_to_disk`` directory), or None if it is one."""
+    path = Path(path)
+    if path.is_dir():
+        if not any((path / marker).is_file() for marker in DATASET_DIR_MARKERS):
+            return (f"{str(path)!r} is a directory but not a dataset saved by save_to_disk (no "
+                    f"{' or '.join(DATASET_DIR_MARKERS)})")
+        return None
+    if not path.exists():
+        return f"no such path {str(path)!r}"
+    if not path.is_file() or path.suffix not in DATASET_SUFFIXES:
+        return (f"{str(path)!r} is not a dataset file: expected a {', '.join(DATASET_SUFFIXES)} file or a "
+                "save_to_disk directory")
+    return None
+
+
+def _dataset(path: str) -> str:
+    error = dataset_path_error(path)
+    if error is not None:
+        raise ValueError(error)
+    return path
+
+
+DatasetPath = Annotated[str, AfterValidator(_dataset)]
 Distinct = _check(lambda values: len(set(values)) == len(values), "{} repeats a value")
 # A list option also takes one value, or a comma-separated string (as ``smf suite --conditions`` gives).
 AsList = BeforeValidator(lambda v: [item.strip() for item in v.split(",")] if isinstance(v, str)
@@ -110,22 +150,70 @@ def read_file(path: str | Path, valid=None) -> dict:
     return mapping(raw, f"--config {str(path)!r}", valid)
 
 
-def add_flags(parser: argparse.ArgumentParser, cls, command: str) -> None:
-    """One flag per option of ``cls`` that ``command`` takes, its default in the help: a switch for a bool, the
-    choices of a ``Literal``, one or more values for a list; unset flags stay out of the namespace (so a config
-    file can set them)."""
+class ListAction(argparse.Action):
+    """A list flag that takes its items space- or comma-separated, or both: ``--seeds 0 1``, ``--seeds 0,1``.
+    Each item is converted by ``item_type`` and, with ``item_choices``, must be one of them (an argparse error
+    naming the flag otherwise)."""
+
+    def __init__(self, *args, item_type=str, item_choices=None, **kwargs) -> None:
+        super().__init__(*args, nargs="+", **kwargs)
+        self.item_type, self.item_choices = item_type, item_choices
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        items = [item.strip() for value in values for item in value.split(",") if item.strip()]
+        if not items:
+            raise argparse.ArgumentError(self, "expected at least one value")
+        converted = []
+        for item in items:
+            try:
+                value = self.item_type(item)
+            except (TypeError, ValueError):
+                raise argparse.ArgumentError(self, f"invalid {getattr(self.item_type, '__name__', 'list')} value: "
+                                                   f"{item!r}") from None
+            if self.item_choices is not None and value not in self.item_choices:
+                raise argparse.ArgumentError(self, f"invalid choice: {item!r} (choose from "
+                                                   f"{', '.join(map(str, self.item_choices))})")
+            converted.append(value)
+        setattr(namespace, self.dest, converted)
+
+
+def shown_value(value) -> str:
+    """An option's value as ``--help`` shows it: lists space-separated, paths inside the package relative to it."""
+    if value is None:
+        return "none"
+    if isinstance(value, (list, tuple)):
+        return ",".join(map(str, value))
+    if isinstance(value, str) and os.path.isabs(value):
+        package_root = Path(__file__).resolve().parents[1]
+        return os.path.relpath(value, package_root) if Path(value).is_relative_to(package_root) else value
+    return str(value)
+
+
+def add_flags(parser: argparse.ArgumentParser, cls, command: str, shown: dict[str, str] | None = None,
+              preset: tuple[str, dict] | None = None) -> None:
+    """One flag per option of ``cls`` that ``command`` takes, with one default in its help: ``shown[name]`` if
+    given, else the option's ``shown`` text, else its value; and, when ``preset = (name, options)`` sets the
+    option otherwise, the preset's value too (``default: 512; --preset tiny: 32``). A switch for a bool, the
+    choices of a ``Literal``, one or more values for a list (:class:`ListAction`); unset flags stay out of the
+    namespace (so a config file can set them)."""
     hints = typing.get_type_hints(cls)
     for spec in only(cls, command, {spec.name: spec for spec in dataclasses.fields(cls)}).values():
         hint, name, default = hints[spec.name], flag(spec.name), spec.default
-        shown = "none" if default is None else " ".join(map(str, default)) if isinstance(default, tuple) else default
-        kwargs = {"default": argparse.SUPPRESS, "help": f"{spec.metadata['help']} (default: {shown})"}
+        text = (shown or {}).get(spec.name) or spec.metadata.get("shown") or shown_value(default)
+        if preset is not None and spec.name in preset[1] and preset[1][spec.name] != default:
+            text += f"; --preset {preset[0]}: {shown_value(preset[1][spec.name])}"
+        kwargs = {"default": argparse.SUPPRESS, "help": f"{spec.metadata['help']} (default: {text})"}
         if hint is bool:
             parser.add_argument(name, action="store_true", **kwargs)
             continue
         hint = typing.get_args(hint)[0] if type(None) in typing.get_args(hint) else hint  # X | None: X
-        nargs = "+" if typing.get_origin(hint) in (list, tuple) else None
-        hint = typing.get_args(hint)[0] if nargs else hint
+        hint = typing.get_args(hint)[0] if typing.get_origin(hint) is Annotated else hint  # its base type
         choices = typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else None
         # A choice is read in its one spelling before argparse checks it (old spellings mapped, with a warning).
-        parser.add_argument(name, type=functools.partial(canonical, argument=name) if choices else hint, nargs=nargs,
-                            choices=choices, metavar=None if choices else spec.name.upper(), **kwargs)
+        read = functools.partial(canonical, argument=name) if choices else hint
+        if typing.get_origin(hint) in (list, tuple):
+            item = typing.get_args(hint)[0]
+            parser.add_argument(name, action=ListAction, item_type=item, metavar=spec.name.upper(), **kwargs)
+            continue
+        parser.add_argument(name, type=read, choices=choices, metavar=None if choices else spec.name.upper(),
+                            **kwargs)

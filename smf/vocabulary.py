@@ -10,7 +10,6 @@ import logging
 import warnings
 
 from smf.errors import ConfigError
-from smf_kernels.sparse.selection import RULES
 
 logger = logging.getLogger(__name__)
 
@@ -21,7 +20,10 @@ RECIPES = ("retrofit", "sparse", "lora", "full")
 TRAIN_RECIPES = ("sparse", "lora", "full")  # what ``smf train --recipe`` takes
 MEMORY_MODES = ("replacement", "additive", "additive+s")  # +S: alpha trains in the sparse stage too
 RETROFIT_MODE = {"replacement": "replacement", "additive": "additive", "additive+s": "additive"}
-# RULES, imported above from smf_kernels: the slot scoring rules ("tfidf", "kl").
+# The words of smf_kernels that commands take, restated so that this module (and with it the command line's
+# parser, `smf --help`) imports no torch; tests/test_cli_smf.py checks them against smf_kernels.
+RULES = ("tfidf", "kl")  # smf_kernels.sparse.selection.RULES: the slot scoring rules
+BACKENDS = ("torch", "triton", "ext")  # smf_kernels.backends.BACKENDS: the kernel backends
 SPARSE_OPTIMIZERS = ("row_sparse", "dense_masked", "authors")
 SPARSE_BACKWARDS = ("selected-rows", "read-rows", "deferred")
 TASKS = ("medmcqa", "wikitext", "triviaqa")

@@ -77,8 +77,10 @@ class SparseMemoryTrainer(Trainer):
     memories together, averaged over the steps since the last log) and ``selected_fraction`` (that
     over the memories' value rows: the update's density). fp16 mixed precision (a gradient scaler) is
     not supported; use bf16 or fp32. Gradient checkpointing is refused when the trainer is built: every
-    step counts memory reads, and a re-run forward would count them twice. Checkpoints are the
-    Trainer's: the controller holds no training state.
+    step counts memory reads, and a re-run forward would count them twice. A micro-batch whose
+    forward or backward raises discards its step
+    (:meth:`~smf_kernels.sparse.SparseMemoryController.abort_step`), so ``train()`` can be called again.
+    Checkpoints are the Trainer's: the controller holds no training state.
     """
 
     def __init__(self, *args, controller: SparseMemoryController, **kwargs) -> None:
@@ -122,7 +124,11 @@ class SparseMemoryTrainer(Trainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         if not self.controller.in_step:
             self.controller.begin_step(select_before_backward=bool(self.args.torch_compile))
-        loss = super().training_step(model, inputs, num_items_in_batch)
+        try:
+            loss = super().training_step(model, inputs, num_items_in_batch)
+        except BaseException:  # the step is lost: the next training_step begins a fresh one
+            self.controller.abort_step()
+            raise
         if self.accelerator.sync_gradients:  # the step's last micro-batch: the Trainer steps next
             self._end_smf_step()
         return loss

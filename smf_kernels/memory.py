@@ -232,7 +232,7 @@ class ProductKeyMemory(nn.Module):
             )
         flat = x.reshape(-1, self.d_model)
         scores, indices = self.lookup(flat)
-        weights = torch.softmax(scores.float(), dim=-1)
+        weights = torch.softmax(scores, dim=-1)  # the scores' precision: fp32, or fp64 for an fp64 memory
         num_tokens, per_token = flat.shape[0], self.heads * self.topk
         gate = _linear(self.gate_proj, flat)
         gated_read = self._read_values(indices.view(num_tokens, per_token), weights.view(num_tokens, per_token),

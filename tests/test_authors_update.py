@@ -97,6 +97,29 @@ def test_one_step_equals_the_step_written_out(rule):
     assert model.memory.count_reads is False and model.memory.read_counts.sum() == 0
 
 
+def test_abort_step_discards_a_step_whose_forward_raised():
+    torch.manual_seed(0)
+    model = Wrapper()
+    model.requires_grad_(False)
+    model.memory.values.requires_grad_(True)
+    update = AuthorsSparseUpdate(model, rule="kl", rows_per_step=T, background=background_for(model))
+    x, valid = micro_batches(0)[0]
+    update.begin_step()
+    loss_of(model, x, valid).backward()  # a first micro-batch went through
+    with pytest.raises(IndexError):  # the second one's loss raises after the memory counted its reads
+        model(x, valid)[..., D_MODEL]
+    with pytest.raises(RuntimeError, match="abort_step"):
+        update.begin_step()
+    update.abort_step()
+    assert model.memory.values.grad is None and not model.memory.count_reads and model.memory.read_counts.sum() == 0
+    assert not model.memory._forward_pre_hooks  # the padding-counting hook is gone
+    update.abort_step()  # nothing in progress: a no-op
+    update.begin_step()
+    loss_of(model, x, valid)
+    update.after_forward()
+    update.finish_step(torch.optim.AdamW([model.memory.values], lr=1e-2))
+
+
 def test_padding_is_counted_and_momentum_moves_unselected_rows():
     torch.manual_seed(1)
     model = Wrapper()

@@ -16,6 +16,7 @@ from smf.data import (
     triviaqa_prompt,
 )
 from smf.data import medmcqa, oasst
+from smf.errors import ConfigError
 from smf.tiny import tiny_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -68,12 +69,15 @@ def test_local_path_formats_give_the_same_rows(tmp_path):
     datasets.DatasetDict({"train": rows}).save_to_disk(str(tmp_path / "dict"))
     for path in (tmp_path / "train.parquet", tmp_path / "dataset", tmp_path / "dict"):
         assert load_medmcqa(path=path).to_list() == rows.to_list()
-    with pytest.raises(KeyError, match="not 'validation'"):
-        load_medmcqa("validation", path=tmp_path / "dict")
-    with pytest.raises(ValueError, match="jsonl"):
-        load_medmcqa(path=FIXTURES / "README.md")
-    with pytest.raises(FileNotFoundError):
-        load_medmcqa(path=tmp_path / "missing.jsonl")
+    (tmp_path / "not_a_dataset").mkdir()
+    (tmp_path / "bad.jsonl").write_text('{"question": "q"}\nnot json\n')
+    for path, message in ((tmp_path / "dict", "holds splits \\['train'\\], not 'validation'"),
+                          (FIXTURES / "README.md", "not a dataset file: expected a .jsonl"),
+                          (tmp_path / "missing.jsonl", "no such path"), ("/dev/null", "not a dataset file"),
+                          (tmp_path / "not_a_dataset", "not a dataset saved by save_to_disk"),
+                          (tmp_path / "bad.jsonl", "bad.jsonl' cannot be read")):
+        with pytest.raises(ConfigError, match=message):  # one clear error naming the path, whatever the format
+            load_medmcqa("validation" if path == tmp_path / "dict" else "train", path=path)
 
 
 def test_subset_rejects_bad_n_and_tolerates_too_large():

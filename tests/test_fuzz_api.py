@@ -164,10 +164,13 @@ def gather_cases(draw, dtypes):
     indices = torch.randint(0, span, (n, l))
     if n and draw(st.booleans(), label="every token reads the same rows"):
         indices = indices[:1].expand(n, l)
+    else:
+        indices = _layout(indices, draw(st.sampled_from(["contiguous", "strided"]), label="indices layout"))
     counting = draw(st.booleans(), label="counts")
     valid = None
     if counting and draw(st.booleans(), label="valid"):
         valid = torch.tensor(draw(st.lists(st.booleans(), min_size=n, max_size=n)), dtype=torch.bool)
+        valid = _layout(valid, draw(st.sampled_from(["contiguous", "strided"]), label="valid layout"))
     rows_kind = draw(st.sampled_from(["dense", "tensor", "empty", "deferred"]), label="update_rows")
     rows = sorted(draw(st.sets(st.integers(0, m - 1), max_size=m))) if m else []
     return {"m": m, "n": n, "d": d, "l": l, "dtype": dtype, "weight_dtype": weight_dtype, "indices": indices,

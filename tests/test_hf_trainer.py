@@ -177,3 +177,22 @@ def test_rows_per_step_not_below_the_slot_count_warns_naming_the_fix():
     attach_memories(model, TINY_MEMORY_LAYERS, "additive", **TINY_MEMORY_KWARGS)
     with pytest.warns(UserWarning, match="rows_per_step=256 is not below the number of slots.*not sparse.*512 of 16,384"):
         SparseMemoryController(model, rows_per_step=256)
+
+
+def test_a_step_whose_forward_raised_is_discarded_and_training_can_start_again(tmp_path):
+    model, controller = _model_and_controller()
+    trainer, checker = _trainer(model, controller, tmp_path / "run")
+    compute_loss = trainer.compute_loss
+
+    def fails_once(*args, **kwargs):
+        trainer.compute_loss = compute_loss
+        compute_loss(*args, **kwargs)  # the memories count this micro-batch's reads, then the loss "fails"
+        raise RuntimeError("out of memory (simulated)")
+
+    trainer.compute_loss = fails_once
+    with pytest.raises(RuntimeError, match="simulated"):
+        trainer.train()
+    assert not controller.in_step and all(int(m.read_counts.sum()) == 0 for m in controller.memories.values())
+    trainer.args.max_steps = 1  # one clean step shows the recovery (and writes no checkpoint)
+    trainer.train()
+    assert checker.steps_checked == 1

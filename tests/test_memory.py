@@ -197,3 +197,29 @@ def test_a_layer_makes_two_op_calls_each_way(update_rows):
     assert forward.calls == ["product_key_topk", "weighted_gather_forward_counted"], forward.calls
     gather_backward = "weighted_gather_backward_into" if update_rows == "compact" else "weighted_gather_backward"
     assert sorted(backward.calls) == sorted([gather_backward, "product_key_topk_backward"]), backward.calls
+
+
+FLOAT64_BACKENDS = [b for b in BACKENDS if b != "triton"]  # Triton has no float64
+
+
+@pytest.mark.parametrize("backend", FLOAT64_BACKENDS)
+def test_a_double_memory_computes_in_float64_end_to_end_and_passes_gradcheck(backend):
+    """.double(): the whole layer in float64, softmax included (an fp32 step would leave ~1e-8 relative
+    error and fail gradcheck, which each op alone passes)."""
+    mem = ProductKeyMemory(8, n_keys=6, heads=2, topk=3, key_dim=4, backend=backend).double()
+    x = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
+    flat = x.reshape(-1, 8)
+    q = mem.query_proj(flat).view(-1, mem.heads, mem.key_dim)
+    scores, slots = product_key_topk_reference(q, mem.keys, mem.topk)
+    p = torch.softmax(scores, -1)  # float64
+    want = mem.out_proj(weighted_gather_reference(mem.values, slots.flatten(1), p.flatten(1))
+                        * F.silu(mem.gate_proj(flat)))
+    got = mem(x)
+    assert got.dtype == torch.float64
+    assert rel_err(got, want) < 1e-13
+    names, params = zip(*mem.named_parameters())
+
+    def layer(x, *tensors):
+        return torch.func.functional_call(mem, dict(zip(names, tensors)), (x,))
+
+    assert torch.autograd.gradcheck(layer, (x, *[p.detach().requires_grad_() for p in params]))

@@ -77,6 +77,29 @@ def test_a_run_that_fails_before_its_first_checkpoint_removes_what_it_wrote(tmp_
     assert sorted(p.name for p in old_dir.iterdir()) == ["notes.txt"]
 
 
+@pytest.mark.parametrize("existed", [False, True])
+def test_a_failed_run_removes_only_what_it_created_never_what_others_added_meanwhile(tmp_path, monkeypatch, existed):
+    """While the run runs, someone else adds a file and a folder (with a file) to its directory: the failed run
+    removes its own files (run_config.json, train_log.jsonl) and keeps theirs; a directory the run created stays
+    for them."""
+    output_dir = tmp_path / "run"
+    if existed:
+        output_dir.mkdir()
+
+    def others_write_then_the_step_fails(*args, **kwargs):
+        (output_dir / "notes.txt").write_text("theirs")
+        (output_dir / "plots").mkdir()
+        (output_dir / "plots" / "loss.png").write_bytes(b"theirs")
+        (output_dir / "final.bak").write_text("theirs")
+        raise Boom
+
+    monkeypatch.setattr(loop, "run_step", others_write_then_the_step_fails)
+    with pytest.raises(Boom):
+        train(retrofit_config(output_dir))
+    assert sorted(str(p.relative_to(output_dir)) for p in output_dir.rglob("*")) == \
+        ["final.bak", "notes.txt", "plots", "plots/loss.png"]
+
+
 def test_a_model_that_fails_to_load_leaves_no_run_config_behind(tmp_path, monkeypatch):
     def cannot_load(*args, **kwargs):
         raise OSError("weights missing")

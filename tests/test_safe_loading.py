@@ -90,22 +90,33 @@ def test_a_crafted_pickle_checkpoint_fails_without_running_its_code(tmp_path):
     _assert_unchanged(model, before)
 
 
-@pytest.mark.parametrize("damage", ["truncated", "random", "other_model", "not_a_dict"])
+@pytest.mark.parametrize("damage", ["truncated", "random", "other_model", "not_a_dict", "optimizer_state_shape",
+                                    "negative_moment"])
 def test_a_bad_checkpoint_fails_clearly_and_leaves_the_model_unchanged(tmp_path, damage):
     path = tmp_path / "checkpoint.pt"
     if damage == "other_model":
         _save(path, width=5)
     elif damage == "not_a_dict":
         torch.save([torch.zeros(2)], path)
+    elif damage in ("optimizer_state_shape", "negative_moment"):  # the parameters fit; AdamW's moments do not
+        _save(path)
+        state = torch.load(path, weights_only=True)
+        moments = state["optimizer"]["state"][0]
+        if damage == "optimizer_state_shape":
+            moments["exp_avg"] = torch.zeros(3, 2)
+        else:
+            moments["exp_avg_sq"] = -moments["exp_avg_sq"].abs() - 1
+        torch.save(state, path)
     else:
         _save(path)
         data = path.read_bytes()
         path.write_bytes(data[: len(data) // 2] if damage == "truncated" else os.urandom(len(data)))
     model, optimizer, scheduler = _training_state()
-    before = _snapshot(model)
+    before, optimizer_before = _snapshot(model), str(optimizer.state_dict())
     with pytest.raises(ConfigError, match=str(path)):
         _load(path, model, optimizer, scheduler)
     _assert_unchanged(model, before)
+    assert str(optimizer.state_dict()) == optimizer_before
 
 
 def _adapter(tmp_path: Path) -> Path:
@@ -156,6 +167,53 @@ def _background(tmp_path: Path) -> tuple[Path, dict]:
     path = tmp_path / "background.safetensors"
     stats.save(path)
     return path, memories
+
+
+def _rewrite_background(path: Path, doc_freq=None, reads=None, num_batches=None, n_keys=None) -> None:
+    """The background file at ``path`` with some of its values replaced (a tampered file)."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = handle.metadata()
+        tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+    header = json.loads(metadata["smf_background"])
+    layer = header["layers"]["layer1"]
+    if num_batches is not None:
+        layer["num_batches"] = num_batches
+    if n_keys is not None:
+        layer["config"]["n_keys"] = n_keys
+    for field, change in (("doc_freq", doc_freq), ("reads", reads)):
+        if change is not None:
+            tensors[f"layer1.{field}"] = change(tensors[f"layer1.{field}"].clone())
+    save_file(tensors, str(path), metadata={"smf_background": json.dumps(header)})
+
+
+def _set(index, value):
+    def change(tensor):
+        tensor[index] = value
+        return tensor
+    return change
+
+
+@pytest.mark.parametrize("tamper, message", [
+    (dict(doc_freq=_set(3, -1)), r"doc_freq .* negative"),
+    (dict(doc_freq=_set(3, 2)), r"doc_freq .* exceed.* num_batches 1"),
+    (dict(num_batches=0), r"doc_freq .* exceed.* num_batches 0"),
+    (dict(reads=_set(0, -5)), r"reads .* negative"),
+    (dict(reads=lambda reads: reads * 0), r"reads .* fewer than doc_freq"),
+    (dict(n_keys=100_000), r"layer1\.doc_freq must be \(M,\) = \(10000000000,\)"),
+    (dict(n_keys=0), r"'n_keys': int >= 1"),
+])
+def test_a_tampered_background_file_is_refused_before_anything_is_allocated(tmp_path, tamper, message):
+    """Values that would make every TF-IDF / KL score NaN, and a header whose sizes disagree with its tensors
+    (n_keys = 1e5 claims 1e10 slots: ~80 GB if allocated before the check), fail with one clear error."""
+    path, memories = _background(tmp_path)
+    _rewrite_background(path, **tamper)
+    with pytest.raises(ValueError, match=message):
+        BackgroundStats.load(path)
 
 
 @pytest.mark.parametrize("damage", ["truncated", "random", "pickle", "other_memory"])

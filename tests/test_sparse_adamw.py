@@ -111,6 +111,43 @@ def test_row_step_counts_of_a_bf16_table_survive_a_state_dict_round_trip():
     assert row_step.dtype == torch.int64 and row_step.tolist() == [0, 301, 0, 0]
 
 
+def _state_after_one_step(table, dense):
+    optimizer = RowSparseAdamW([table], lr=1e-3)
+    table.grad = torch.randn(table.shape) if dense else sparse_grad(torch.tensor([1, 3]), torch.randn(2, 3), table.shape)
+    optimizer.step()
+    return copy.deepcopy(optimizer.state_dict())
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda state: state.update(exp_avg=torch.zeros(6, 3)), r"exp_avg .* \(6, 3\) .* \(4, 3\)"),
+    (lambda state: state.update(exp_avg_sq=torch.zeros(4)), r"exp_avg_sq .* \(4,\) .* \(4, 3\)"),
+    (lambda state: state.update(row_step=torch.zeros(5, dtype=torch.int64)), r"row_step .* \(5,\) .* \(4,\)"),
+    (lambda state: state.pop("exp_avg"), "lacks exp_avg"),
+    (lambda state: state.update(row_step=torch.tensor([0, 1, -1, 1])), "row_step .* negative"),
+    (lambda state: state.update(exp_avg_sq=-torch.ones(4, 3)), "exp_avg_sq .* negative"),
+    (lambda state: state.update(exp_avg=[1.0]), "exp_avg .* list"),
+])
+def test_load_state_dict_refuses_state_of_another_shape_before_changing_anything(change, message):
+    table = torch.nn.Parameter(torch.randn(4, 3))
+    saved = _state_after_one_step(table, dense=False)
+    change(saved["state"][0])
+    fresh = RowSparseAdamW([table], lr=1e-3)
+    with pytest.raises(ValueError, match="parameter 0 of group 0.*" + message):
+        fresh.load_state_dict(saved)
+    assert not fresh.state  # nothing was loaded
+
+
+def test_load_state_dict_refuses_dense_state_of_another_shape():
+    table = torch.nn.Parameter(torch.randn(4, 3))
+    saved = _state_after_one_step(table, dense=True)
+    saved["state"][0]["exp_avg"] = torch.zeros(3, 4)
+    with pytest.raises(ValueError, match=r"exp_avg .* \(3, 4\)"):
+        RowSparseAdamW([table], lr=1e-3).load_state_dict(saved)
+    saved["state"][0]["exp_avg"], saved["state"][0]["step"] = torch.zeros(4, 3), torch.tensor(-2.0)
+    with pytest.raises(ValueError, match="step .* negative"):
+        RowSparseAdamW([table], lr=1e-3).load_state_dict(saved)
+
+
 def test_dense_masked_adamw_leaks_into_unselected_rows_row_sparse_does_not():
     """Rows selected in step 1 only: masked-gradient AdamW keeps moving them afterwards
     (docs/method.md#what-sparse-means)."""
@@ -155,9 +192,25 @@ def test_clip_grad_norm_counts_sparse_values_once_coalesced():
         clip_grad_norm_([table], 0.0)
 
 
+def test_clip_grad_norm_of_float64_gradients_is_float64():
+    """fp64 gradients keep fp64 in the norm (as torch's clip_grad_norm_ does); bf16 ones still sum in fp32."""
+    table, bias = torch.nn.Parameter(torch.randn(9, 4, dtype=torch.float64)), torch.nn.Parameter(torch.randn(4))
+    table.grad = sparse_grad(torch.tensor([2, 6, 0]), torch.randn(3, 4, dtype=torch.float64) / 3, table.shape)
+    bias.grad = torch.randn(4)
+    want = torch.cat([table.grad.coalesce().values().flatten(), bias.grad.double()]).norm()
+    total = clip_grad_norm_([table, bias], 0.5)
+    assert total.dtype == torch.float64
+    assert abs(total.item() - want.item()) < 1e-15 * want.item()
+    assert abs(torch.cat([table.grad.values().flatten(), bias.grad.double()]).norm().item() - 0.5) < 1e-6
+
+
 def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="betas"):
         RowSparseAdamW([torch.nn.Parameter(torch.randn(2, 2))], betas=(1.0, 0.9))
+    for name in ("lr", "eps", "weight_decay"):  # finite: an inf lr made every row NaN at its first step
+        for value in (float("inf"), float("nan"), -1.0):
+            with pytest.raises(ValueError, match=f"{name} must be a finite number >= 0"):
+                RowSparseAdamW([torch.nn.Parameter(torch.randn(2, 2))], **{name: value})
     vector = torch.nn.Parameter(torch.randn(5))
     vector.grad = torch.sparse_coo_tensor(torch.tensor([[1]]), torch.tensor([1.0]), (5,), check_invariants=True)
     with pytest.raises(ValueError, match=r"must be 2-D \(M, D\)"):

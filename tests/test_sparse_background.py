@@ -91,3 +91,14 @@ def test_loading_into_a_mismatched_memory_is_a_clear_error(tmp_path):
     (tmp_path / "other.safetensors").write_bytes(path.read_bytes().replace(b"smf_background", b"smf_xxxxxxxxxx"))
     with pytest.raises(ValueError, match="not a background statistics file"):
         BackgroundStats.load(tmp_path / "other.safetensors")
+
+
+def test_counts_that_counting_cannot_produce_are_refused():
+    memory = small_memory(n_keys=2, topk=2)
+    stats = BackgroundStats({"": memory.config()})  # the memory is the whole model: its name is ""
+    with pytest.raises(ValueError, match="must be >= 0"):
+        stats.add_batch("", torch.tensor([1, -1, 0, 0]))
+    stats.add_batch("", torch.tensor([1, 0, 0, 2]))
+    stats.doc_freq[""][1] = 3  # set by hand: more batches than were counted
+    with pytest.raises(ValueError, match=r"doc_freq values up to 3 exceed num_batches 1"):
+        SparseMemoryController(memory, background=stats)

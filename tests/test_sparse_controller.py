@@ -194,6 +194,64 @@ def test_controller_misuse_raises():
     assert controller.ddp_ignored_names() == ["memory.values", "memory.read_counts"]
 
 
+@pytest.mark.parametrize("fused, how", [(False, "selected"), (True, "selected"), (False, "read"), (True, "deferred")])
+def test_abort_step_after_a_forward_that_raised_leaves_the_controller_as_if_the_step_never_began(fused, how):
+    """A forward raising inside a step (after a first micro-batch went through, where the step has one):
+    abort_step() discards the step (its counts, routing, value gradients, held row gradients), and the next
+    steps select and move exactly what they would have without it."""
+    begin = {"selected": {"select_before_backward": True}, "read": {}, "deferred": {"defer_value_gradients": True}}
+    steps = make_steps(2, sequences=2)
+    results = []
+    for fail_first in (False, True):
+        model, counting = fresh_setup("kl")
+        controller = SparseMemoryController(model, rule="kl", rows_per_step=ROWS, background=counting.background,
+                                            fused=fused)
+        optimizer = RowSparseAdamW([model.memory.values, model.alpha], lr=1e-2)
+        if fail_first:
+            tokens, targets, valid = steps[0]
+            controller.begin_step(**begin[how])
+            if how != "selected":  # a first micro-batch's forward and backward
+                micro_loss(model, tokens[:1], targets[:1], valid[:1], valid.sum()).backward()
+            with pytest.raises(IndexError):  # the memory has counted its reads when the loss raises
+                micro_loss(model, tokens[1:], targets[1:] + VOCAB, valid[1:], valid.sum())
+            assert int(model.memory.read_counts.sum()) > 0
+            with pytest.raises(RuntimeError, match="abort_step"):
+                controller.begin_step(**begin[how])
+            controller.abort_step()
+            optimizer.zero_grad(set_to_none=True)  # the other parameters' gradients (alpha's) are the caller's
+            assert not controller.in_step and model.memory.values.grad is None and not controller.row_gradients
+            assert not model.memory.count_reads and model.memory.update_rows is None
+            assert int(model.memory.read_counts.sum()) == 0
+            controller.abort_step()  # nothing in progress: a no-op
+        selected = []
+        for tokens, targets, valid in steps:
+            controller.begin_step(**begin[how])
+            loss = micro_loss(model, tokens, targets, valid, valid.sum())
+            if how == "selected":
+                controller.select_rows()
+            loss.backward()
+            selected.append(controller.finish_step(optimizer, max_grad_norm=1.0)["memory"])
+        results.append((selected, model.memory.values.detach().clone(), model.alpha.detach().clone()))
+    (rows_clean, values_clean, alpha_clean), (rows_aborted, values_aborted, alpha_aborted) = results
+    assert all(torch.equal(a, b) for a, b in zip(rows_clean, rows_aborted))
+    assert torch.equal(values_clean, values_aborted) and torch.equal(alpha_clean, alpha_aborted)
+
+
+def test_a_dense_gradient_made_outside_a_step_is_refused_by_name():
+    model, controller = fresh_setup("kl")
+    tokens, targets, valid = make_steps(1, sequences=2)[0]
+    micro_loss(model, tokens, targets, valid, valid.sum()).backward()  # outside any step: a dense gradient
+    assert model.memory.values.grad.layout == torch.strided
+    with pytest.raises(RuntimeError, match=r"memory\.values has a dense gradient, made by a backward outside a step"):
+        controller.begin_step()
+    assert not controller.in_step
+    model.memory.values.grad = None
+    controller.begin_step()
+    model.memory.values.grad = torch.zeros_like(model.memory.values)  # appears mid-step: the hook names it too
+    with pytest.raises(RuntimeError, match=r"memory\.values has a dense gradient"):
+        micro_loss(model, tokens, targets, valid, valid.sum()).backward()
+
+
 NUM_STEPS, WORLD = 2, 2
 
 

@@ -9,6 +9,7 @@ import smf.train.loop as loop
 from smf.errors import ConfigError
 from smf.model import attach_memories, save_memory_adapter
 from smf.tiny import TINY_MEMORY_KWARGS as TINY_MEMORY, TINY_MEMORY_LAYERS, tiny_model
+from smf.errors import ConfigError
 from smf.train import build_config, train
 from smf.train.checkpoint import CHECKPOINT_FILE, LOG_FILE
 from smf.train.distributed import World
@@ -252,12 +253,47 @@ def test_background_refuses_a_split_that_is_not_the_retrofit_runs(tmp_path):
     from smf.train.background import check_held_out_split
     from smf.train.config import ConfigError
 
-    retrofit = tiny_run_config(tmp_path, "retrofit", "retrofit")
-    (tmp_path / "run" / "final").mkdir(parents=True)
-    (tmp_path / "run" / RUN_CONFIG).write_text(json.dumps(retrofit.to_dict()))
-    same = tiny_run_config(tmp_path, "background", "background", adapter=str(tmp_path / "run" / "final"))
-    check_held_out_split(same)
-    other = tiny_run_config(tmp_path, "background", "background", adapter=str(tmp_path / "run"),
-                            n_examples=retrofit.n_examples - 1)
-    with pytest.raises(ConfigError, match="n-examples"):
-        check_held_out_split(other)
+    for protocol in ("clean", "authors"):
+        retrofit = tiny_run_config(tmp_path, "retrofit", "retrofit", protocol=protocol)
+        (tmp_path / protocol / "final").mkdir(parents=True)
+        (tmp_path / protocol / RUN_CONFIG).write_text(json.dumps(retrofit.to_dict()))
+        adapter = str(tmp_path / protocol)
+        check_held_out_split(tiny_run_config(tmp_path, "background", "background", protocol=protocol,
+                                             adapter=str(tmp_path / protocol / "final")))
+        other_size = tiny_run_config(tmp_path, "background", "background", adapter=adapter, protocol=protocol,
+                                     n_examples=retrofit.n_examples - 1)
+        if protocol == "clean":  # the background set is held out of the first n_examples
+            with pytest.raises(ConfigError, match="n-examples"):
+                check_held_out_split(other_size)
+        else:  # the authors' background set comes from its own pool, whatever the retrofit's size
+            check_held_out_split(other_size)
+        with pytest.raises(ConfigError, match="data-seed"):
+            check_held_out_split(tiny_run_config(tmp_path, "background", "background", adapter=adapter,
+                                                 protocol=protocol, data_seed=retrofit.data_seed + 1))
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("lr, message, checkpoint", [
+    (1e300, "step 1's update overflows float32", False),  # finite, but not as a float32 scalar of the update
+    (1e37, "the loss of step 2 is nan", True),  # step 1 leaves weights near 1e38: step 2's logits overflow
+])
+def test_a_run_that_diverges_fails_clearly(tmp_path, lr, message, checkpoint):
+    """A finite but absurd learning rate used to end in a traceback, or in exit 0 with NaN weights. The run
+    stops with one clear error; the directory keeps only a checkpoint of finite weights for --resume."""
+    config = tiny_run_config(tmp_path, "train", "lora", lr=lr, warmup_steps=0, max_steps=2, save_every=1)
+    with pytest.raises(ConfigError, match=f"training diverged: .*{message}"):
+        train(config)
+    run_dir = tmp_path / "lora-run"
+    assert run_dir.exists() == checkpoint and not (run_dir / "final").exists()
+    if checkpoint:
+        saved = torch.load(run_dir / CHECKPOINT_FILE, weights_only=True)
+        assert saved["step"] == 1 and all(bool(t.isfinite().all()) for t in saved["trainable"].values())
+
+
+def test_no_checkpoint_holds_non_finite_weights(tmp_path):
+    setup = build_setup(tiny_run_config(tmp_path, "train", "lora"), World(0, 1, torch.device("cpu")))
+    loop.check_finite(setup, 3)
+    with torch.no_grad():
+        next(iter(setup.trainable_parameters().values()))[0] = float("nan")
+    with pytest.raises(ConfigError, match="training diverged: after step 3 .* holds non-finite values"):
+        loop.check_finite(setup, 3)

@@ -1,12 +1,15 @@
 """benchmarks/triton_aot.py compiles every Triton kernel for sm_90 and sm_80 within the budgets.
 
 Runs the real compiler and triton's bundled ptxas (no GPU needed), in a subprocess
-without the interpreter, at the paper configuration (N = 16,384).
+without the interpreter, at the paper configuration (N = 16,384). The compile budget is
+held on CPU time (the compiler's and ptxas's), which the machine's load hardly changes:
+no test asserts a wall-clock time (the benchmark reports it).
 """
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +19,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import triton_aot  # noqa: E402
 
-MAX_COMPILE_S = 60.0
+MAX_COMPILE_CPU_S = 60.0  # per kernel, target and dtype: CPU seconds of the compiler and ptxas
 
 
 def test_estimated_occupancy_matches_hand_counts():
@@ -29,6 +32,16 @@ def test_estimated_occupancy_matches_hand_counts():
     assert triton_aot.estimated_occupancy(80, 32, 80 * 1024, 4) == 8 / 64
     assert triton_aot.estimated_occupancy(80, 32, 100 * 1024, 4) == 4 / 64
     assert triton_aot.estimated_occupancy(90, 32, 0, 4) == 1.0
+
+
+def test_compile_time_is_measured_in_cpu_seconds_of_the_worker_and_its_children():
+    """The budget's clock counts a child process's CPU time (ptxas is one) and not time spent waiting."""
+    before_cpu, before_children = time.process_time(), triton_aot._children_cpu_s()
+    subprocess.run([sys.executable, "-c", "sum(range(3_000_000))"], check=True)
+    time.sleep(0.3)
+    spent_children = triton_aot._children_cpu_s() - before_children
+    assert spent_children > 0.01  # the child's work is counted
+    assert time.process_time() - before_cpu < 0.3  # the sleep is not
 
 
 def test_every_kernel_compiles_within_budget(tmp_path):
@@ -47,7 +60,8 @@ def test_every_kernel_compiles_within_budget(tmp_path):
     failed = [r for r in records if not r["ok"]]
     assert not failed, f"kernels that did not compile: {failed}\n{proc.stdout}"
     for r in records:
-        assert r["compile_s"] <= MAX_COMPILE_S, f"{r['kernel']} {r['target']} {r['dtype']}: {r['compile_s']} s"
+        assert r["compile_cpu_s"] <= MAX_COMPILE_CPU_S, \
+            f"{r['kernel']} {r['target']} {r['dtype']}: {r['compile_cpu_s']} CPU s (wall {r['compile_s']} s)"
         if r["target"] == "sm_90":
             assert r["spill_bytes"] == 0, f"{r['kernel']} {r['dtype']} spills {r['spill_bytes']} B on sm_90"
             assert r["occupancy"] >= 0.25, f"{r['kernel']} {r['dtype']}: occupancy {r['occupancy']:.0%} on sm_90"

@@ -53,6 +53,35 @@ def test_histogram_into_strided_counts_and_valid(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sparse", [False, True])
+def test_strided_indices_weights_and_rows_forward_and_backward(backend, sparse):
+    """Every index-like input as a strided view (a slice of a wider tensor), the value and weight
+    gradients both asked for: the backends see what the op hands them, whatever the caller's layout."""
+    values, wide_indices, wide_weights = gather_inputs((50, 96, 37, 16), torch.float32)
+    indices = wide_indices[:, ::2]  # (37, 8) with strides (16, 2): viewable as 1-D, but not contiguous
+    weights = wide_weights[:, ::2].detach().requires_grad_()
+    values.requires_grad_()
+    rows = torch.arange(0, 50, 3).repeat_interleave(2)[::2] if sparse else None  # strided (T,)
+    valid = (torch.rand(2 * indices.shape[0]) > 0.3)[::2]
+    counts = torch.zeros(50, dtype=torch.int64)
+    out = weighted_gather(values, indices, weights, counts=counts, valid=valid, update_rows=rows, backend=backend)
+    grad = torch.randn(out.shape[1], out.shape[0]).t()  # a strided incoming gradient too
+    out.backward(grad)
+    ref_values, ref_weights = values.detach().double().requires_grad_(), weights.detach().double().requires_grad_()
+    weighted_gather_reference(ref_values, indices, ref_weights).backward(grad.double())
+    assert rel_err(out, weighted_gather_reference(values.double(), indices, weights.double())) < TOL[torch.float32]
+    assert torch.equal(counts, torch.bincount(indices[valid].flatten(), minlength=50))
+    want_values = ref_values.grad
+    if sparse:
+        assert values.grad.is_sparse
+        mask = torch.zeros(50, dtype=torch.bool)
+        mask[rows] = True
+        want_values = want_values * mask.unsqueeze(1)
+    assert rel_err(values.grad, want_values) < TOL[torch.float32]
+    assert rel_err(weights.grad, ref_weights.grad) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dense_backward_matches_reference(backend, dtype):
     values, indices, weights = gather_inputs(SHAPES[1], dtype, requires_grad=True)

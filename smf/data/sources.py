@@ -6,6 +6,9 @@ import os
 import random
 from pathlib import Path
 
+from smf.errors import ConfigError
+from smf.options import dataset_path_error
+
 logger = logging.getLogger(__name__)
 
 
@@ -16,9 +19,11 @@ def load_split(hub_id: str, config: str | None, split: str, path: str | Path | N
         hub_id, config, split: the public dataset (used when ``path`` is None).
         path: local override in the same schema: a ``.jsonl``/``.json`` or ``.parquet`` file
             (the whole file is the split), or a directory written by ``save_to_disk`` (a
-            ``Dataset``, or a ``DatasetDict`` holding ``split``).
+            ``Dataset``, or a ``DatasetDict`` holding ``split``). One that cannot be read (another
+            format, corrupt rows, no such split) raises ConfigError naming it.
     """
     import datasets
+    from datasets.exceptions import DatasetsError
 
     if path is None:
         try:
@@ -29,20 +34,25 @@ def load_split(hub_id: str, config: str | None, split: str, path: str | Path | N
                           f"its cache (offline={offline}); pass path= to a local copy (jsonl, parquet or a "
                           f"save_to_disk directory). Cause: {err}") from err
     path = Path(path)
-    if path.is_dir():
-        loaded = datasets.load_from_disk(str(path))
-        if isinstance(loaded, datasets.DatasetDict):
-            if split not in loaded:
-                raise KeyError(f"{str(path)!r} holds splits {list(loaded)}, not {split!r}")
-            loaded = loaded[split]
-        return loaded
-    if not path.is_file():
-        raise FileNotFoundError(f"path {str(path)!r} is neither a file nor a save_to_disk directory")
-    if path.suffix in (".jsonl", ".json"):
-        return datasets.Dataset.from_json(str(path))
-    if path.suffix == ".parquet":
+    error = dataset_path_error(str(path))
+    if error is not None:
+        raise ConfigError(f"dataset path: {error}")
+    try:
+        if path.is_dir():
+            loaded = datasets.load_from_disk(str(path))
+            if isinstance(loaded, datasets.DatasetDict):
+                if split not in loaded:
+                    raise ConfigError(f"{str(path)!r} holds splits {list(loaded)}, not {split!r}")
+                loaded = loaded[split]
+            return loaded
+        if path.suffix in (".jsonl", ".json"):
+            return datasets.Dataset.from_json(str(path))
         return datasets.Dataset.from_parquet(str(path))
-    raise ValueError(f"path must be a .jsonl, .json or .parquet file or a save_to_disk directory, got {str(path)!r}")
+    except (DatasetsError, OSError, ValueError) as err:
+        if isinstance(err, ConfigError):
+            raise
+        cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"dataset {str(path)!r} cannot be read ({cause})") from err
 
 
 def subset(dataset, n: int | None = None, seed: int | None = None):

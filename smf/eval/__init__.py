@@ -1,11 +1,10 @@
 """The three evaluations of docs/method.md#evaluation: MedMCQA accuracy, WikiText perplexity, TriviaQA
 accuracy; :mod:`smf.eval.tasks` runs them on one model with :class:`EvalSettings`, :mod:`smf.eval.command`
-is ``smf eval``."""
-from smf.eval.medmcqa import evaluate_medmcqa
-from smf.eval.settings import EvalSettings
-from smf.eval.tasks import evaluate_model, load_eval_sets
-from smf.eval.triviaqa import evaluate_triviaqa, normalize_answer
-from smf.eval.wikitext import evaluate_wikitext, sliding_windows
+is ``smf eval``. Names are imported from their modules on first use (:mod:`smf._lazy`)."""
+from smf._lazy import lazy_exports
 
-__all__ = ["EvalSettings", "evaluate_medmcqa", "evaluate_model", "evaluate_triviaqa", "evaluate_wikitext",
-           "load_eval_sets", "normalize_answer", "sliding_windows"]
+_EXPORTS = {"evaluate_medmcqa": "medmcqa", "EvalSettings": "settings", "evaluate_model": "tasks",
+            "load_eval_sets": "tasks", "evaluate_triviaqa": "triviaqa", "normalize_answer": "triviaqa",
+            "evaluate_wikitext": "wikitext", "sliding_windows": "wikitext"}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)

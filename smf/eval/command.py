@@ -10,8 +10,10 @@ from pathlib import Path
 
 from smf.data.paths import DataPaths
 from smf.data.protocol import DEFAULT_PROTOCOL, PROTOCOLS
+from smf.errors import ConfigError
 from smf.eval.settings import EvalSettings
-from smf.vocabulary import DEFAULT_MODEL, TASKS
+from smf.options import ListAction
+from smf.vocabulary import BACKENDS, DEFAULT_MODEL, TASKS
 
 logger = logging.getLogger(__name__)
 
@@ -20,13 +22,14 @@ COMMANDS = {"eval": "MedMCQA / WikiText / TriviaQA of a base model, memory adapt
 
 def add_arguments(parser: argparse.ArgumentParser, command: str = "eval") -> None:
     defaults = EvalSettings()
-    parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help=f"base model: hub id, local directory or 'tiny' (default: {DEFAULT_MODEL})")
+    parser.add_argument("--model", help=f"base model: hub id, local directory or 'tiny' (default: the base model "
+                                        f"--adapter records, else {DEFAULT_MODEL})")
     parser.add_argument("--adapter", metavar="DIR",
                         help="what to evaluate on top of --model: a training run directory, a memory adapter, a "
                              "peft LoRA adapter, or a full-finetune model directory (default: the base model)")
-    parser.add_argument("--tasks", metavar="LIST",
-                        help=f"comma-separated tasks from {', '.join(TASKS)} (default: all, or the --config's)")
+    parser.add_argument("--tasks", action=ListAction, item_choices=TASKS, metavar="TASK",
+                        help=f"tasks, space- or comma-separated, from {', '.join(TASKS)} (default: all, or the "
+                             f"--config's)")
     parser.add_argument("--config", metavar="NAME_OR_FILE",
                         help="take data paths, protocol and evaluation settings from this suite config (e.g. tiny)")
     parser.add_argument("--protocol", choices=PROTOCOLS,
@@ -40,8 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser, command: str = "eval") -> Non
                         help=f"first N single-answer questions (default: {defaults.medmcqa_examples})")
     parser.add_argument("--triviaqa-examples", type=int, metavar="N",
                         help=f"first N questions (default: {defaults.triviaqa_examples})")
-    parser.add_argument("--device", default="auto", help="torch device (default: auto)")
-    parser.add_argument("--backend", help="memory kernel backend (torch, triton, ext; default: automatic)")
+    parser.add_argument("--device", default="auto", help="torch device: auto (cuda if available, else cpu), cpu, "
+                                                          "cuda, cuda:1, ... (default: auto)")
+    parser.add_argument("--backend", choices=BACKENDS, help="memory kernel backend of a model with memories; it must "
+                        "run on --device (default: automatic: triton on CUDA, else ext when built, else torch)")
     parser.add_argument("--output-dir", metavar="DIR",
                         help="where metrics.json and the per-example jsonl files go (default: eval/ inside "
                              "--adapter, else ./smf-eval)")
@@ -51,7 +56,7 @@ def _eval_inputs(args: argparse.Namespace) -> tuple[DataPaths, EvalSettings, str
     """Data paths, settings and protocol: paper defaults < --config < flags."""
     from smf.suite.config import load_suite_config, parse_suite_config
 
-    base = {"model": args.model, "output_dir": ".", "seeds": [0], "conditions": ["base"]}
+    base = {"model": args.model or DEFAULT_MODEL, "output_dir": ".", "seeds": [0], "conditions": ["base"]}
     if args.config is not None:
         saved = load_suite_config(args.config).to_dict()
         base.update(data=saved["data"], eval=saved["eval"], protocol=saved["protocol"])
@@ -70,13 +75,41 @@ def _eval_inputs(args: argparse.Namespace) -> tuple[DataPaths, EvalSettings, str
     return parsed.data, parsed.eval, parsed.protocol
 
 
+def refuse_unused(args: argparse.Namespace, settings: EvalSettings) -> None:
+    """ConfigError, with the reason, for a flag this evaluation would not use: a task's path or size when
+    --tasks leaves the task out, --backend for a model without memories, a --model other than the base model
+    a training run in --adapter records. A --model beside a whole finetuned model is logged."""
+    from smf.model.loading import adapter_kind, read_run_config
+
+    for task, flags in (("medmcqa", ("medmcqa_path", "medmcqa_examples")), ("wikitext", ("wikitext_path",)),
+                        ("triviaqa", ("triviaqa_path", "triviaqa_examples"))):
+        for name in flags:
+            if getattr(args, name) is not None and task not in settings.tasks:
+                raise ConfigError(f"--{name.replace('_', '-')} is not used: --tasks leaves out {task}")
+    kind = None if args.adapter is None else adapter_kind(args.adapter)
+    recipe = read_run_config(args.adapter)["recipe"] if kind == "run" else None
+    if args.backend is not None and (kind in (None, "lora", "full") or recipe in ("lora", "full")):
+        raise ConfigError(f"--backend is not used: the model evaluated has no memories "
+                          f"({'a base model' if kind is None else f'--adapter holds a {recipe or kind} model'})")
+    if args.model is not None and kind == "run":
+        recorded = read_run_config(args.adapter)["model"]
+        if recorded != args.model:
+            raise ConfigError(f"--model {args.model} is not used: the run in --adapter trained on {recorded!r}, "
+                              "which it loads; omit --model")
+    if args.model is not None and kind == "full":  # its base cannot be checked: said, not refused
+        logger.warning("--model %s is not used: --adapter holds a whole finetuned model", args.model)
+
+
 def run(args: argparse.Namespace) -> int:
     from smf.eval.tasks import evaluate_model, load_eval_sets
     from smf.files import write_json_atomic
     from smf.model.loading import load_model
+    from smf.train.config import check_device_and_backend
     from smf.train.distributed import pick_device
 
     data, settings, protocol = _eval_inputs(args)
+    refuse_unused(args, settings)
+    check_device_and_backend(args.device, args.backend)
     if args.output_dir is not None:
         output_dir = Path(args.output_dir)
     else:

@@ -5,13 +5,15 @@ from dataclasses import dataclass
 
 from pydantic import PositiveInt
 
-from smf.options import choice_tuple, option
+from smf.options import OPTIONS_CONFIG, choice_tuple, option
 from smf.vocabulary import TASKS
 
 
 @dataclass(frozen=True)
 class EvalSettings:
     """How each evaluation runs (docs/method.md#evaluation); the defaults are the paper's."""
+
+    __pydantic_config__ = OPTIONS_CONFIG
 
     tasks: choice_tuple(TASKS) = option(TASKS, "tasks to evaluate")
     medmcqa_examples: PositiveInt = option(1000, "first N single-answer validation questions")

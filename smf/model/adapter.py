@@ -13,11 +13,12 @@ from torch import nn
 from smf.files import write_json_atomic
 from smf.model.attach import attach_memories, memory_blocks
 from smf.model.block import MODES, MemoryBlock
-from smf.vocabulary import canonical
+from smf.vocabulary import canonical, check_layers
 from smf_kernels import ProductKeyMemory
 
 ADAPTER_WEIGHTS = "memory_adapter.safetensors"
 ADAPTER_CONFIG = "memory_adapter.json"
+MEMORY_KWARGS = ("n_keys", "heads", "topk", "key_dim", "value_dim")  # what an adapter records of its memories
 
 
 def save_memory_adapter(model: nn.Module, directory: str | Path) -> Path:
@@ -66,6 +67,13 @@ def read_adapter_config(directory: str | Path) -> dict:
             or not isinstance(config.get("memory_kwargs"), dict) or config.get("mode") not in MODES):
         raise ValueError(f"{path} is not a memory adapter config: expected a JSON object with 'mode' in {MODES}, "
                          "a 'layers' list and a 'memory_kwargs' object")
+    unknown = sorted(set(config["memory_kwargs"]) - set(MEMORY_KWARGS))
+    if unknown:
+        raise ValueError(f"{path}: memory_kwargs may hold only {', '.join(MEMORY_KWARGS)}, not {', '.join(unknown)} "
+                         "(the kernel backend is chosen when loading: backend=)")
+    check_layers(config["layers"], argument=f"{path}: layers")
+    if not isinstance(config.get("base_model"), (str, type(None))):
+        raise ValueError(f"{path}: base_model must be a model name or null, got {config['base_model']!r}")
     return config
 
 
@@ -99,6 +107,8 @@ def _read_adapter_tensors(directory: Path, config: dict, d_model: int) -> dict[s
         if tensors[name].shape != shape or tensors[name].dtype != dtype:
             raise ValueError(f"{path}: {name} must be {tuple(shape)} {dtype} for this config (d_model={d_model}), "
                              f"got {tuple(tensors[name].shape)} {tensors[name].dtype}")
+        if not bool(torch.isfinite(tensors[name]).all()):
+            raise ValueError(f"{path}: {name} holds non-finite values (saved by a run that diverged?)")
     return tensors
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import re
 import warnings
 from pathlib import Path
@@ -29,7 +30,7 @@ from smf.errors import ConfigError
 from smf.model.adapter import ADAPTER_CONFIG, load_memory_adapter, read_adapter_config
 from smf.model.attach import CONFIG_KEY, memory_blocks
 from smf.model.hf_auto import SUFFIX, register_memory_type
-from smf.vocabulary import DEFAULT_MODEL, TINY_MODEL
+from smf.vocabulary import DEFAULT_MODEL, RECIPES, TINY_MODEL
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,18 @@ def _cannot_load(name: str, err: Exception) -> ConfigError:
                        f"'{TINY_MODEL}' ({cause})")
 
 
+def _unreadable_weights(argument: str, name: str, err: Exception) -> ConfigError:
+    """The error for a local model directory whose weights do not load (crafted, truncated, corrupt, another
+    model's): one line naming the argument, never torch's advice to retry with ``weights_only=False``."""
+    if isinstance(err, pickle.UnpicklingError):
+        refused = next((line.strip() for line in str(err).splitlines() if "GLOBAL" in line), "")
+        cause = ("a pickle holding objects other than tensors and plain values, refused unread (loading it could "
+                 f"run code){': ' + refused if refused else ''}")
+    else:
+        cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return ConfigError(f"{argument} {name!r} cannot be loaded ({cause})")
+
+
 def load_tokenizer(name_or_path: str = DEFAULT_MODEL):
     """The tokenizer stored with ``name_or_path`` (a hub id or a local directory)."""
     from transformers import AutoTokenizer
@@ -58,20 +71,26 @@ def load_tokenizer(name_or_path: str = DEFAULT_MODEL):
 
 
 def load_base(name: str = DEFAULT_MODEL, device: torch.device | str = "cpu",
-              dtype: torch.dtype = torch.float32) -> tuple[nn.Module, object]:
-    """(causal LM in eval mode, tokenizer) for a hub id, a local directory, or 'tiny' (seed 0)."""
+              dtype: torch.dtype = torch.float32, *, argument: str = "--model") -> tuple[nn.Module, object]:
+    """(causal LM in eval mode, tokenizer) for a hub id, a local directory, or 'tiny' (seed 0). ConfigError naming
+    ``argument`` when it cannot be loaded."""
     if name == TINY_MODEL:
         from smf.tiny import tiny_model, tiny_tokenizer
 
         model = tiny_model(seed=0)
         model.config._name_or_path = TINY_MODEL  # recorded in adapters, so they name their base
         return model.to(device=device, dtype=dtype).eval(), tiny_tokenizer()
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     try:
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
-    except OSError as err:
-        raise _cannot_load(name, err) from err
+    except (pickle.UnpicklingError, EOFError, SafetensorError, OSError, RuntimeError, ValueError) as err:
+        if not Path(name).is_dir():
+            if isinstance(err, OSError):
+                raise _cannot_load(name, err) from err
+            raise
+        raise _unreadable_weights(argument, name, err) from err
     return model.to(device).eval(), load_tokenizer(name)
 
 
@@ -92,15 +111,40 @@ def load_with_adapter(base: str | None, adapter: str | Path, device: torch.devic
     the one the adapter was trained on; None uses the one the adapter records.
     """
     directory = adapter_dir(adapter)
-    recorded = read_adapter_config(directory).get("base_model")
+    try:
+        recorded = read_adapter_config(directory).get("base_model")
+    except ConfigError:
+        raise
+    except (OSError, ValueError) as err:  # not an adapter this code wrote: one line naming the argument
+        raise ConfigError(f"--adapter {str(adapter)!r}: {err}") from None
     if base is None and not recorded:
         raise ConfigError(f"the adapter in {str(directory)!r} records no base model; pass --model")
     if base is not None and recorded and recorded != base:
         raise ConfigError(f"--adapter was trained on base model {recorded!r} but --model is {base!r}; "
                           f"pass --model {recorded}")
     model, tokenizer = load_base(base or recorded, device)
-    load_memory_adapter(model, directory, backend=backend)
+    try:
+        load_memory_adapter(model, directory, backend=backend)
+    except ConfigError:
+        raise
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"--adapter {str(adapter)!r}: {err}") from None
     return model.to(device).eval(), tokenizer
+
+
+def read_run_config(run_dir: str | Path) -> dict:
+    """The options a training run recorded (``run_config.json``); ConfigError unless it is a JSON object with a
+    ``recipe`` of :data:`~smf.vocabulary.RECIPES` and a ``model`` name."""
+    path = Path(run_dir) / RUN_CONFIG
+    try:
+        options = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{path} is not a run's options (not readable JSON: {str(err).splitlines()[0]})") from None
+    if not isinstance(options, dict) or options.get("recipe") not in RECIPES or not isinstance(options.get("model"),
+                                                                                                str):
+        raise ConfigError(f"{path} is not a run's options: expected a JSON object with 'recipe' (one of "
+                          f"{', '.join(RECIPES)}) and 'model' (the base model's name)")
+    return options
 
 
 def load_run(run_dir: str | Path, device: torch.device | str = "cpu",
@@ -110,9 +154,9 @@ def load_run(run_dir: str | Path, device: torch.device | str = "cpu",
     final = run_dir / FINAL_DIR
     if not (run_dir / RUN_CONFIG).is_file() or not final.is_dir():
         raise ConfigError(f"{str(run_dir)!r} is not a finished training run (needs {RUN_CONFIG} and {FINAL_DIR}/)")
-    options = json.loads((run_dir / RUN_CONFIG).read_text())
+    options = read_run_config(run_dir)
     if options["recipe"] == "full":
-        return load_base(str(final), device)
+        return load_base(str(final), device, argument="--adapter")
     if options["recipe"] == "lora":
         return _load_peft(options["model"], final, device)
     return load_with_adapter(options["model"], final, device, backend)
@@ -120,38 +164,56 @@ def load_run(run_dir: str | Path, device: torch.device | str = "cpu",
 
 def _load_peft(base: str, adapter: Path, device: torch.device | str) -> tuple[nn.Module, object]:
     from peft import PeftModel
+    from safetensors import SafetensorError
 
     model, tokenizer = load_base(base, device)
-    return PeftModel.from_pretrained(model, adapter).to(device).eval(), tokenizer
+    try:
+        model = PeftModel.from_pretrained(model, adapter)
+    except (pickle.UnpicklingError, EOFError, SafetensorError, OSError, RuntimeError, ValueError) as err:
+        raise _unreadable_weights("--adapter", str(adapter), err) from err
+    return model.to(device).eval(), tokenizer
 
 
-def load_model(model: str, adapter: str | Path | None = None, device: torch.device | str = "cpu",
-               backend: str | None = None) -> tuple[nn.Module, object]:
-    """(model in eval mode, tokenizer): ``model`` (a base model, see :func:`load_base`) with what
-    ``adapter`` holds on top, recognised by its files:
+ADAPTER_KINDS = ("run", "memory", "lora", "full")
 
-    - a training run directory (``run_config.json`` and ``final/``): :func:`load_run`, on the base
-      model the run recorded;
-    - a memory adapter (``memory_adapter.json``): :func:`load_with_adapter`;
-    - a peft LoRA adapter (``adapter_config.json``): LoRA on ``model``;
-    - a transformers model directory (``config.json``): a fully finetuned model (``model`` unused).
-    """
-    if adapter is None:
-        return load_base(model, device)
+
+def adapter_kind(adapter: str | Path) -> str:
+    """What directory ``adapter`` holds, by its files (:data:`ADAPTER_KINDS`): a training run directory
+    (``run_config.json`` and ``final/``), a memory adapter (``memory_adapter.json``), a peft LoRA adapter
+    (``adapter_config.json``) or a fully finetuned model (``config.json``); ConfigError if none."""
     adapter = Path(adapter)
     if not adapter.is_dir():
         raise ConfigError(f"--adapter: no such directory {str(adapter)!r}")
-    if (adapter / RUN_CONFIG).is_file() and (adapter / FINAL_DIR).is_dir():
-        return load_run(adapter, device, backend)
-    if (adapter / ADAPTER_CONFIG).is_file():
-        return load_with_adapter(model, adapter, device, backend)
-    if (adapter / "adapter_config.json").is_file():
-        return _load_peft(model, adapter, device)
-    if (adapter / "config.json").is_file():
-        return load_base(str(adapter), device)
+    for kind, marker in (("run", RUN_CONFIG), ("memory", ADAPTER_CONFIG), ("lora", "adapter_config.json"),
+                         ("full", "config.json")):
+        if (adapter / marker).is_file() and (kind != "run" or (adapter / FINAL_DIR).is_dir()):
+            return kind
     raise ConfigError(f"--adapter {str(adapter)!r} is none of: a training run directory ({RUN_CONFIG} + "
                       f"{FINAL_DIR}/), a memory adapter ({ADAPTER_CONFIG}), a peft LoRA adapter "
                       "(adapter_config.json), a finetuned model (config.json)")
+
+
+def load_model(model: str | None, adapter: str | Path | None = None, device: torch.device | str = "cpu",
+               backend: str | None = None) -> tuple[nn.Module, object]:
+    """(model in eval mode, tokenizer): ``model`` (a base model, see :func:`load_base`; None: the base model
+    the adapter records, else :data:`~smf.vocabulary.DEFAULT_MODEL`) with what ``adapter`` holds on top
+    (:func:`adapter_kind`):
+
+    - a training run directory: :func:`load_run`, on the base model the run recorded;
+    - a memory adapter: :func:`load_with_adapter`;
+    - a peft LoRA adapter: LoRA on ``model``;
+    - a fully finetuned model directory (``model`` unused).
+    """
+    if adapter is None:
+        return load_base(model or DEFAULT_MODEL, device)
+    kind = adapter_kind(adapter)
+    if kind == "run":
+        return load_run(adapter, device, backend)
+    if kind == "memory":
+        return load_with_adapter(model, adapter, device, backend)
+    if kind == "lora":
+        return _load_peft(model or DEFAULT_MODEL, Path(adapter), device)
+    return load_base(str(adapter), device, argument="--adapter")
 
 
 def from_pretrained(directory: str | Path, *, dtype: torch.dtype | str = "auto", device: str | torch.device = "cpu",

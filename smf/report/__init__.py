@@ -1,14 +1,16 @@
 """Results report: Table 1 (Markdown / CSV / LaTeX), the Pareto figure, parameter accounting; a suite
-directory's whole report (:mod:`smf.report.suite_dir`) and ``smf report`` (:mod:`smf.report.command`)."""
-from smf.report.accounting import AccountingRow, accounting_markdown, parameter_accounting, paper_qwen_config
-from smf.report.paper_results import DISPLAY_NAMES, PAPER_MODEL_ID, PAPER_TABLE1
-from smf.report.pareto import pareto_front, plot_pareto
-from smf.report.table import Summary, paper_summaries, summarize, to_csv, to_latex, to_markdown
-from smf.report.write import write_report
+directory's whole report (:mod:`smf.report.suite_dir`) and ``smf report`` (:mod:`smf.report.command`).
+Names are imported from their modules on first use (:mod:`smf._lazy`)."""
+from smf._lazy import lazy_exports
 from smf.vocabulary import CONDITIONS
 
-__all__ = [
-    "AccountingRow", "CONDITIONS", "DISPLAY_NAMES", "PAPER_MODEL_ID", "PAPER_TABLE1", "Summary",
-    "accounting_markdown", "paper_qwen_config", "paper_summaries", "parameter_accounting", "pareto_front",
-    "plot_pareto", "summarize", "to_csv", "to_latex", "to_markdown", "write_report",
-]
+_EXPORTS = {
+    **dict.fromkeys(("AccountingRow", "accounting_markdown", "parameter_accounting", "paper_qwen_config"),
+                    "accounting"),
+    **dict.fromkeys(("DISPLAY_NAMES", "PAPER_MODEL_ID", "PAPER_TABLE1"), "paper_results"),
+    **dict.fromkeys(("pareto_front", "plot_pareto"), "pareto"),
+    **dict.fromkeys(("Summary", "paper_summaries", "summarize", "to_csv", "to_latex", "to_markdown"), "table"),
+    "write_report": "write",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted({"CONDITIONS", *_EXPORTS})

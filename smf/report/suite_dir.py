@@ -21,6 +21,7 @@ from smf.suite.config import SuiteConfig, suite_config_from_dict
 from smf.suite.plan import SuiteLayout, plan_runs, run_hash, stage_settings
 from smf.suite.status import cell, write_status
 from smf.errors import ConfigError
+from smf.files import read_json_object
 from smf.vocabulary import DEFAULT_MODEL, TINY_MODEL
 
 logger = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ def load_suite_dir(suite_dir: str | Path) -> SuiteConfig:
     if not layout.config_file.is_file():
         raise ConfigError(f"--suite-dir {str(suite_dir)!r} is not a suite directory (no {layout.config_file.name}); "
                           "run `smf suite` first")
-    return suite_config_from_dict(json.loads(layout.config_file.read_text()))
+    return suite_config_from_dict(read_json_object(layout.config_file, "suite config record"))
 
 
 def collect_results(layout: SuiteLayout, config: SuiteConfig) -> list[dict]:
@@ -41,7 +42,7 @@ def collect_results(layout: SuiteLayout, config: SuiteConfig) -> list[dict]:
     planned = {run.name: run_hash(config, run) for run in plan_runs(config)}
     results = []
     for path in sorted(layout.results_dir.glob("*.json")):
-        record = json.loads(path.read_text())
+        record = read_json_object(path, "suite results file", ("config_hash", "metrics", "timing"))
         if planned.get(path.stem) == record.get("config_hash"):
             results.append(record)
         else:

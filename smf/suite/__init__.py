@@ -3,14 +3,16 @@
 ``config`` (the suite YAML schema), ``plan`` (runs, stages, directory layout), ``runner`` (train,
 evaluate, record, skip finished runs), ``status`` (done / failed / pending runs) and ``commands``
 (``smf suite``). What a suite directory reports is :mod:`smf.report.suite_dir`; the evaluation of one
-model is :mod:`smf.eval.tasks`.
+model is :mod:`smf.eval.tasks`. Names are imported from their modules on first use (:mod:`smf._lazy`).
 """
 import warnings
 
-from smf.suite.config import EvalSettings, SuiteConfig, load_suite_config
-from smf.suite.runner import SuiteRunner, run_suite
+from smf._lazy import lazy_exports
 
-__all__ = ["EvalSettings", "SuiteConfig", "SuiteRunner", "load_suite_config", "run_suite"]
+_EXPORTS = {"EvalSettings": "config", "SuiteConfig": "config", "load_suite_config": "config",
+            "SuiteRunner": "runner", "run_suite": "runner"}
+_exported, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
@@ -20,4 +22,4 @@ def __getattr__(name: str):
         from smf.report.suite_dir import write_suite_report
 
         return write_suite_report
-    raise AttributeError(f"module 'smf.suite' has no attribute {name!r}")
+    return _exported(name)

@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
-from smf.suite.config import load_suite_config
-from smf.vocabulary import CONDITIONS
+from smf.errors import ConfigError
+from smf.options import ListAction
+from smf.vocabulary import CONDITIONS, SPARSE_CONDITIONS
+
+logger = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str = "suite") -> None:
@@ -12,22 +16,49 @@ def add_arguments(parser: argparse.ArgumentParser, command: str = "suite") -> No
                         "or a shipped name (tiny, paper); relative data paths in it resolve against the file's folder")
     parser.add_argument("--output-dir", metavar="DIR", help="suite directory (default: the config's output_dir, "
                         "relative to the current directory)")
-    parser.add_argument("--seeds", type=int, nargs="+", metavar="SEED", help="override the config's seeds")
-    parser.add_argument("--conditions", metavar="LIST",
-                        help=f"override the config's conditions, comma-separated, from: {', '.join(CONDITIONS)}")
+    parser.add_argument("--seeds", action=ListAction, item_type=int, metavar="SEED",
+                        help="override the config's seeds, space- or comma-separated (--seeds 0 1, --seeds 0,1)")
+    parser.add_argument("--conditions", action=ListAction, item_choices=CONDITIONS, metavar="CONDITION",
+                        help=f"override the config's conditions, space- or comma-separated, from: "
+                             f"{', '.join(CONDITIONS)}; the config's authors_update ablation keeps only the chosen "
+                             f"ones (add --authors-update to choose it)")
+    parser.add_argument("--authors-update", action=ListAction, item_choices=("none", *SPARSE_CONDITIONS),
+                        metavar="CONDITION", help="override the config's authors_update: the sparse conditions also "
+                        "run with the authors' update (ablation_update.md), or 'none' for no ablation runs")
     parser.add_argument("--device", help="override the config's torch device (auto, cpu, cuda, cuda:1, ...)")
     parser.add_argument("--dry-run", action="store_true", help="list the runs and whether each is done; run none")
     parser.add_argument("--no-report", action="store_true", help="skip `smf report` at the end")
 
 
-def run(args: argparse.Namespace) -> int:
-    from smf.report.suite_dir import write_suite_report
-    from smf.suite.plan import SuiteLayout, plan_runs
-    from smf.suite.runner import run_suite
+def overrides_from_args(args: argparse.Namespace) -> dict:
+    """The top-level keys the flags replace. ``--authors-update none`` drops the ablation; without the flag,
+    ``--conditions`` keeps the ablation runs of the conditions chosen (it needs no ablation of a condition the
+    suite no longer runs)."""
+    from smf.suite.config import read_suite_file
 
     overrides = {key: getattr(args, key) for key in ("output_dir", "seeds", "conditions", "device")
                  if getattr(args, key) is not None}
-    config = load_suite_config(args.config, overrides)
+    if args.authors_update is not None:
+        if "none" in args.authors_update and len(args.authors_update) > 1:
+            raise ConfigError("--authors-update: 'none' cannot be combined with conditions")
+        overrides["authors_update"] = [] if args.authors_update == ["none"] else args.authors_update
+    elif args.conditions is not None:
+        ablation = read_suite_file(args.config).get("authors_update") or []
+        ablation = [ablation] if isinstance(ablation, str) else list(ablation)
+        kept = [condition for condition in ablation if condition in args.conditions]
+        if kept != ablation:
+            logger.info("authors_update: %s (the config's %s, narrowed to --conditions)", kept or "none", ablation)
+        overrides["authors_update"] = kept
+    return overrides
+
+
+def run(args: argparse.Namespace) -> int:
+    from smf.report.suite_dir import write_suite_report
+    from smf.suite.config import load_suite_config
+    from smf.suite.plan import SuiteLayout, plan_runs
+    from smf.suite.runner import run_suite
+
+    config = load_suite_config(args.config, overrides_from_args(args))
     if args.dry_run:
         layout = SuiteLayout(config.output_dir)
         for planned in plan_runs(config):

@@ -11,14 +11,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, Field, NonNegativeInt, ValidationInfo, field_validator
+from pydantic import AfterValidator, Field, ValidationInfo, field_validator
 from pydantic_core import to_jsonable_python
 
 from smf.data.paths import DataPaths
 from smf.data.protocol import DEFAULT_PROTOCOL, PROTOCOLS
 from smf.errors import ConfigError
 from smf.eval.settings import EvalSettings
-from smf.options import AsList, Distinct, checked, choice_tuple, mapping, read_file, takes
+from smf.options import (OPTIONS_CONFIG, AsList, Distinct, Seed, checked, choice_tuple, dataset_path_error, mapping,
+                         read_file, takes)
 from smf.train.config import CONFIGS, OPTIONS, STAGE_COMMANDS, RunConfig, build_config, checked_options
 from smf.vocabulary import CONDITIONS, SPARSE_CONDITIONS
 
@@ -31,10 +32,12 @@ TRAIN_KEYS = tuple(name for name in OPTIONS if name not in SUITE_OWNED)
 class SuiteConfig:
     """A validated suite configuration (paths absolute; see the module docstring)."""
 
+    __pydantic_config__ = OPTIONS_CONFIG
+
     name: str  # default: the config file's name
     model: Annotated[str, Field(min_length=1)]  # hub id, local directory or 'tiny'
     output_dir: Annotated[Path, AfterValidator(lambda path: path.expanduser().resolve())]
-    seeds: Annotated[tuple[NonNegativeInt, ...], AsList, Field(min_length=1), Distinct]
+    seeds: Annotated[tuple[Seed, ...], AsList, Field(min_length=1), Distinct]
     conditions: choice_tuple(CONDITIONS) = CONDITIONS  # default: all nine of Table 1
     authors_update: Annotated[tuple[str, ...], AsList, Distinct] = ()  # sparse ones re-run with the authors' update
     device: str = "auto"
@@ -72,14 +75,18 @@ def _train_options(raw, where: str, stage: str | None = None) -> dict:
     return checked_options(options, where)
 
 
-def _input_path(value, base_dir: Path, where: str, check_exists: bool, kind: str = "file or directory"):
+def _input_path(value, base_dir: Path, where: str, check_exists: bool, kind: str = "dataset"):
+    """``value`` resolved against ``base_dir``; with ``check_exists``, a ``kind`` ("dataset": a file or directory
+    that smf.data.load_split reads; "directory") that is there, else ConfigError naming ``where``."""
     if value is None:
         return None
     if not isinstance(value, str) or not value:
         raise ConfigError(f"{where} must be a path string or null (the hub), got {value!r}")
     path = (base_dir / Path(value).expanduser()).resolve()
-    if check_exists and not (path.is_dir() if kind == "directory" else path.exists()):
+    if check_exists and kind == "directory" and not path.is_dir():
         raise ConfigError(f"{where}: no such {kind} {str(path)!r}")
+    if check_exists and kind == "dataset" and dataset_path_error(str(path)) is not None:
+        raise ConfigError(f"{where}: {dataset_path_error(str(path))}")
     return str(path)
 
 
@@ -99,16 +106,19 @@ def parse_suite_config(raw, base_dir: Path, *, source: str = "config", check_pat
                    for stage, options in mapping(raw.get("stages"), "stages", STAGE_COMMANDS).items()},
         "eval": mapping(raw.get("eval"), "eval", EvalSettings.__dataclass_fields__),
     }, str)
-    if check_paths:  # the trainer's checks of combinations (batch sizes, layers) on every stage's options now
-        for stage in STAGE_COMMANDS:  # the retrofit command's checks need no adapter
-            build_config("retrofit", {**config.train, **config.stages.get(stage, {})},
-                         {"output_dir": str(config.output_dir)})
+    if check_paths:  # the trainer's checks of combinations (batch sizes, layers, device, backend) on every stage's
+        for stage in STAGE_COMMANDS:  # options now; the retrofit command's checks need no adapter
+            options = {**config.train, **config.stages.get(stage, {})}
+            build_config("retrofit", options, {"output_dir": str(config.output_dir), "device": config.device})
+            if config.protocol == "authors" and options.get("oasst_languages", "en") != "en":
+                raise ConfigError(f"oasst_languages {options['oasst_languages']!r} is not used under protocol authors "
+                                  "(it takes the English replies, as the authors' code does); use protocol clean")
     return config
 
 
-def load_suite_config(name_or_path: str, overrides: dict | None = None) -> SuiteConfig:
-    """Read and validate a suite config file, or a shipped one by name (``tiny``: ``smf/configs/suite_tiny.yaml``);
-    ``overrides`` replace top-level keys (e.g. from command-line flags) before validation."""
+def suite_config_path(name_or_path: str) -> Path:
+    """The suite config file ``name_or_path`` names: a file, or a shipped config by name (``tiny``:
+    ``smf/configs/suite_tiny.yaml``); ConfigError if neither."""
     path = Path(name_or_path).expanduser().resolve()
     if not path.is_file():
         path = CONFIGS / f"suite_{name_or_path}.yaml"
@@ -116,6 +126,18 @@ def load_suite_config(name_or_path: str, overrides: dict | None = None) -> Suite
             names = sorted(p.stem.removeprefix("suite_") for p in CONFIGS.glob("suite_*.yaml"))
             raise ConfigError(f"--config {name_or_path!r}: no such file, nor a shipped suite config "
                               f"(shipped: {', '.join(names)})")
+    return path
+
+
+def read_suite_file(name_or_path: str) -> dict:
+    """The top-level keys of a suite config file (see :func:`suite_config_path`), not yet validated."""
+    return read_file(suite_config_path(name_or_path))
+
+
+def load_suite_config(name_or_path: str, overrides: dict | None = None) -> SuiteConfig:
+    """Read and validate a suite config file, or a shipped one by name (:func:`suite_config_path`);
+    ``overrides`` replace top-level keys (e.g. from command-line flags) before validation."""
+    path = suite_config_path(name_or_path)
     return parse_suite_config({**read_file(path), **(overrides or {})}, path.parent, source=str(path))
 
 

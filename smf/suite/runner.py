@@ -26,8 +26,8 @@ from tqdm.auto import tqdm
 
 from smf.errors import ConfigError
 from smf.eval.tasks import evaluate_model, load_eval_sets
-from smf.files import write_json_atomic
-from smf.model.loading import FINAL_DIR, RUN_CONFIG, load_model
+from smf.files import read_json_object, write_json_atomic
+from smf.model.loading import FINAL_DIR, RUN_CONFIG, load_model, read_run_config
 from smf.suite.config import SuiteConfig
 from smf.suite.plan import (Run, SuiteLayout, options_fingerprint, plan_runs, run_hash, sparse_stage_dirs,
                             stage_config)
@@ -45,7 +45,7 @@ STAGE_MARKER = "suite_stage.json"
 
 def read_results(path: Path, expected_hash: str) -> dict:
     """A finished run's results, refused if another configuration wrote them."""
-    results = json.loads(path.read_text())
+    results = read_json_object(path, "suite results file", ("config_hash", "metrics", "timing"))
     if results.get("config_hash") != expected_hash:
         raise ConfigError(f"{path} was written by a suite with other settings (config hash "
                           f"{results.get('config_hash')} != {expected_hash}); delete it to recompute that run, "
@@ -73,12 +73,12 @@ def ensure_stage(kind: str, config: RunConfig) -> dict:
     foreign = f"{output_dir} holds a {kind} run with other options than this suite's; delete it or use another " \
               "output_dir"
     if marker_path.is_file():
-        marker = json.loads(marker_path.read_text())
+        marker = read_json_object(marker_path, "suite stage marker", ("fingerprint",))
         if marker["fingerprint"] != fingerprint:
             raise ConfigError(foreign)
         return {**marker, "skipped": True}
     if (output_dir / RUN_CONFIG).is_file():
-        if options_fingerprint(json.loads((output_dir / RUN_CONFIG).read_text())) != fingerprint:
+        if options_fingerprint(read_run_config(output_dir)) != fingerprint:
             raise ConfigError(foreign)
     resume = (output_dir / CHECKPOINT_FILE).is_file()
     logger.info("%s %s: %s", "resuming" if resume else "starting", kind, output_dir)

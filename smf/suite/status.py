@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from smf.files import read_json_object
 from smf.report.paper_results import METRIC_TITLES, METRICS, display_name
 from smf.suite.config import SuiteConfig
 from smf.suite.plan import SuiteLayout, plan_runs
@@ -18,7 +19,7 @@ def _status_rows(config: SuiteConfig, layout: SuiteLayout, failed: dict[str, str
                "train_s": None,
                "eval_s": None, "results": None}
         if path.is_file():
-            results = json.loads(path.read_text())
+            results = read_json_object(path, "suite results file", ("metrics", "timing"))
             timing = results["timing"]
             stages = [v for k, v in timing.items() if k in ("retrofit_s", "background_s", "train_s")]
             row.update(status="done", metrics=results["metrics"], results=str(path.relative_to(layout.root)),

@@ -2,16 +2,18 @@
 lora, full), background statistics, checkpoints with exact resume, torchrun data parallelism.
 
 Command line: ``smf retrofit``, ``smf background``, ``smf train --recipe ...`` (:mod:`smf.cli`).
-Models load through :mod:`smf.model.loading`.
+Models load through :mod:`smf.model.loading`. Names are imported from their modules on first use
+(:mod:`smf._lazy`).
 """
 import warnings
 
+from smf._lazy import lazy_exports
 from smf.errors import ConfigError
-from smf.train.background import collect_background
-from smf.train.config import RunConfig, build_config, read_config_file
-from smf.train.loop import train
 
-__all__ = ["ConfigError", "RunConfig", "build_config", "collect_background", "read_config_file", "train"]
+_EXPORTS = {"collect_background": "background", "RunConfig": "config", "build_config": "config",
+            "read_config_file": "config", "train": "loop"}
+_exported, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted({"ConfigError", *_EXPORTS})
 
 _MOVED = {"load_base": "load_base", "load_trained_model": "load_run"}  # old name here -> its name in smf.model
 
@@ -23,4 +25,4 @@ def __getattr__(name: str):
         import smf.model
 
         return getattr(smf.model, _MOVED[name])
-    raise AttributeError(f"module 'smf.train' has no attribute {name!r}")
+    return _exported(name)

@@ -11,11 +11,11 @@ from torch import nn
 
 from smf.files import write_json_atomic
 from smf.model import save_memory_adapter
-from smf.model.loading import RUN_CONFIG
 
 
-def write_run_config(output_dir: Path, options: dict) -> None:
-    write_json_atomic(output_dir / RUN_CONFIG, options)
+def write_run_config(path: Path, options: dict) -> None:
+    """The run's options to ``path`` (its directory's ``run_config.json``)."""
+    write_json_atomic(path, options, allow_nan=False)  # options are finite (smf.options)
 
 
 def save_final(model: nn.Module, tokenizer, recipe: str, directory: Path) -> Path:

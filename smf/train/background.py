@@ -10,7 +10,6 @@ examples and the counts are summed.
 """
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -18,14 +17,14 @@ import torch
 
 from smf.errors import ConfigError
 from smf.files import write_atomic
-from smf.model.loading import RUN_CONFIG, load_with_adapter
+from smf.model.loading import RUN_CONFIG, load_with_adapter, read_run_config
 from smf.model.precision import authors_bf16_weights, cast_like_the_authors
 from smf.train.artifacts import write_run_config
-from smf.train.config import RunConfig
+from smf.train.config import RunConfig, unused_options
 from smf.train.data import background_features
 from smf.train.distributed import World, barrier, setup_distributed
 from smf.train.recipes import BACKGROUND_FILE
-from smf.train.run_dir import claim_output_dir
+from smf.train.run_dir import RunFiles, claim_output_dir
 from smf_kernels.sparse import SparseMemoryController
 
 logger = logging.getLogger(__name__)
@@ -44,10 +43,12 @@ def check_held_out_split(config: RunConfig) -> None:
         logger.warning("no %s beside adapter %s: cannot check that the background set is held out", RUN_CONFIG,
                        adapter)
         return
-    retrofit = json.loads(run_config.read_text())
+    retrofit = read_run_config(run_config.parent)
     ours = config.to_dict()
+    unused = unused_options(config, "background")  # under the authors protocol: the languages, the retrofit's size
     differ = [f"{name.replace('_', '-')} {retrofit[name]!r} (retrofit) vs {ours[name]!r}"
-              for name in SPLIT_OPTIONS if name in retrofit and retrofit[name] != ours.get(name)]
+              for name in SPLIT_OPTIONS
+              if name not in unused and name in retrofit and retrofit[name] != ours.get(name)]
     if differ:
         raise ConfigError("the background examples must be held out from the retrofit's; pass the retrofit's "
                           "options: " + "; ".join(differ))
@@ -58,11 +59,11 @@ def collect_background(config: RunConfig) -> Path:
     check_held_out_split(config)
     world = setup_distributed(config.device)
     output_dir = Path(config.output_dir)
-    with claim_output_dir(output_dir, world):
-        return _collect(config, world, output_dir)
+    with claim_output_dir(output_dir, world) as files:
+        return _collect(config, world, files)
 
 
-def _collect(config: RunConfig, world: World, output_dir: Path) -> Path:
+def _collect(config: RunConfig, world: World, files: RunFiles) -> Path:
     model, tokenizer = load_with_adapter(config.model, config.adapter, world.device, config.backend)
     controller = SparseMemoryController(model, rows_per_step=1)  # only counts reads here: no step selects rows
     if authors_bf16_weights(config.protocol, "auto", world.device):  # the sparse stage's weights, as it counts
@@ -72,9 +73,9 @@ def _collect(config: RunConfig, world: World, output_dir: Path) -> Path:
                 "attention_mask": torch.ones(1, len(f["input_ids"]), dtype=torch.long, device=world.device)}
                for f in features]
     stats = controller.collect_background(batches)
-    path = output_dir / BACKGROUND_FILE
+    path = files.path(BACKGROUND_FILE)
     if world.is_main:
-        write_run_config(output_dir, config.to_dict())
+        write_run_config(files.path(RUN_CONFIG), config.to_dict())
         write_atomic(path, stats.save)
         logger.info("background statistics of %d batches written to %s", next(iter(stats.num_batches.values())),
                     path)

@@ -100,13 +100,46 @@ def _read_checkpoint(path: Path) -> dict:
     return state
 
 
+# Per-element optimizer state (torch's AdamW, RowSparseAdamW): the parameter's shape; second moments never negative.
+_MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+def _check_optimizer_state(path: Path, optimizer: torch.optim.Optimizer, saved: dict) -> None:
+    """ConfigError unless ``saved`` (an optimizer state_dict) has ``optimizer``'s groups and parameters and its
+    moments fit them: torch's optimizers load moments of any shape and fail (or compute garbage) steps later."""
+    groups, states = saved.get("param_groups"), saved.get("state")
+    if (not isinstance(groups, list) or not isinstance(states, dict) or len(groups) != len(optimizer.param_groups)
+            or any(not isinstance(g, dict) or not isinstance(g.get("params"), list)
+                   or len(g["params"]) != len(group["params"]) for g, group in zip(groups, optimizer.param_groups))):
+        raise ConfigError(f"{path}: its optimizer state is for other parameter groups than this run's optimizer")
+    for group_index, (saved_group, group) in enumerate(zip(groups, optimizer.param_groups)):
+        for position, (index, param) in enumerate(zip(saved_group["params"], group["params"])):
+            state = states.get(index) or {}
+            where = f"{path}: optimizer state of parameter {position} of group {group_index} {tuple(param.shape)}"
+            if not isinstance(state, dict):
+                raise ConfigError(f"{where} is not a mapping")
+            for key in _MOMENTS:
+                value = state.get(key)
+                if value is None:
+                    continue
+                if not isinstance(value, torch.Tensor) or value.shape != param.shape:
+                    shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                    raise ConfigError(f"{where}: {key} is {shape}, not the parameter's shape")
+                if key != "exp_avg" and bool((value < 0).any()):
+                    raise ConfigError(f"{where}: {key} holds negative values")
+            step = state.get("step")
+            if isinstance(step, torch.Tensor) and step.numel() == 1 and float(step) < 0:
+                raise ConfigError(f"{where}: step is negative")
+
+
 def load_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, rank: int,
                     world_size: int) -> int:
     """Restore everything saved by :func:`save_checkpoint` (this rank's RNG); returns the step.
 
-    Everything is checked before the model is touched: on ConfigError the model is unchanged. A checkpoint
-    of sharded memories loads onto any number of processes (each takes its columns from the shard files);
-    then rank r continues the RNG streams of the writer's rank r modulo its process count.
+    Everything is checked before the model is touched: on ConfigError the model is unchanged (and so is the
+    optimizer, when its saved state does not fit it). A checkpoint of sharded memories loads onto any number of
+    processes (each takes its columns from the shard files); then rank r continues the RNG streams of the
+    writer's rank r modulo its process count.
     """
     state = _read_checkpoint(path)
     sharded = sharded_parameters(model)
@@ -126,6 +159,8 @@ def load_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim.Opti
         if saved.shape != param.shape or saved.dtype != param.dtype:
             raise ConfigError(f"{path}: parameter {name} is {tuple(saved.shape)} {saved.dtype} in the checkpoint "
                               f"but {tuple(param.shape)} {param.dtype} in this run's model")
+    if not sharded:  # a sharded run's moments live in the shard files, checked as they load
+        _check_optimizer_state(path, optimizer, state["optimizer"])
     try:
         if sharded:
             load_memory_shards(path.parent, state["shards"], model, optimizer, state["optimizer"])

@@ -3,14 +3,19 @@ from __future__ import annotations
 
 import argparse
 
-from smf.options import add_flags
-from smf.train.config import OPTIONS, RunConfig, build_config, read_config_file
+from smf.options import add_flags, only, shown_value
+from smf.train.config import (OPTIONS, RECIPE_DEFAULTS, STAGE_COMMANDS, TINY_PRESET, RunConfig, build_config,
+                              read_config_file, refuse_unused)
 
 
 def config_from_args(args: argparse.Namespace, command: str) -> RunConfig:
-    """Defaults < preset < --config file < flags, validated (ConfigError on bad input)."""
+    """Defaults < preset < --config file < flags, validated (ConfigError on bad input, and for a flag the run would
+    not use)."""
     given = {name: value for name, value in vars(args).items() if name in OPTIONS}
-    return build_config(command, read_config_file(args.config, command) if "config" in args else {}, given)
+    from_file = read_config_file(args.config, command) if "config" in args else {}
+    config = build_config(command, from_file, given)
+    refuse_unused(config, command, given, from_file)
+    return config
 
 
 def run(args: argparse.Namespace) -> int:
@@ -25,11 +30,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def shown_defaults(command: str) -> dict[str, str]:
+    """The defaults ``--help`` of ``command`` shows for the options its recipes fill in when the run starts
+    (:data:`RECIPE_DEFAULTS`): one value, or one per recipe (``0.0005 sparse, 0.0002 lora, 5e-05 full``)."""
+    recipes = [recipe for recipe, stage_command in STAGE_COMMANDS.items() if stage_command == command]
+    shown = {"mode": "the adapter's"} if command == "train" else {}
+    for name in dict.fromkeys(name for recipe in recipes for name in RECIPE_DEFAULTS[recipe]):
+        values = {recipe: RECIPE_DEFAULTS[recipe][name] for recipe in recipes}
+        shown[name] = (shown_value(values[recipes[0]]) if len(set(values.values())) == 1
+                       else ", ".join(f"{shown_value(value)} {recipe}" for recipe, value in values.items()))
+    return shown
+
+
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
-    """``--config`` and one flag per option of ``command``."""
+    """``--config`` and one flag per option of ``command``, each with the default that applies (and the tiny
+    preset's, where it differs)."""
     parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help="YAML or JSON file of options "
                         "(keys: option names below, e.g. output-dir); command-line flags override it (default: none)")
-    add_flags(parser, RunConfig, command)
+    add_flags(parser, RunConfig, command, shown_defaults(command), ("tiny", only(RunConfig, command, TINY_PRESET)))
 
 
 COMMANDS = {"retrofit": "stage 1: attach fresh memories and train them on oasst1 (memory adapter)",

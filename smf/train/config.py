@@ -5,6 +5,7 @@ starts (:meth:`RunConfig.resolved`)."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -12,9 +13,12 @@ from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, Pos
 
 from smf.data.protocol import DEFAULT_PROTOCOL, PROTOCOLS
 from smf.errors import ConfigError
-from smf.options import AsList, ExistingDir, ExistingPath, checked, only, option, read_file
-from smf.vocabulary import (DEFAULT_MODEL, MEMORY_MODES, RULES, SPARSE_BACKWARDS, SPARSE_OPTIMIZERS,
+from smf.options import (OPTIONS_CONFIG, AsList, DatasetPath, ExistingDir, ExistingPath, Seed, checked, flag, only,
+                         option, read_file)
+from smf.vocabulary import (BACKENDS, DEFAULT_MODEL, MEMORY_MODES, RULES, SPARSE_BACKWARDS, SPARSE_OPTIMIZERS,
                             TINY_MEMORY_KWARGS, TINY_MEMORY_LAYERS, TINY_MODEL, TRAIN_RECIPES, check_layers)
+
+logger = logging.getLogger(__name__)
 
 # Paper defaults of the options a recipe leaves at None (docs/method.md#two-stage-training; background: see n_examples).
 RECIPE_LR = {"retrofit": 5e-4, "sparse": 5e-4, "lora": 2e-4, "full": 5e-5}
@@ -33,22 +37,25 @@ RETRO, BG, TRAIN = ("retrofit",), ("background",), ("train",)
 class RunConfig:
     """Options of ``smf retrofit``, ``smf background`` and ``smf train`` (see :func:`smf.options.option`)."""
 
+    __pydantic_config__ = OPTIONS_CONFIG  # every float finite
+
     output_dir: str | None = option(None, "run directory: checkpoints, train_log.jsonl, final artefact (required)", ALL)
     preset: Literal["tiny"] | None = option(None, "'tiny': every recipe on CPU in seconds (tiny Qwen-2, byte "
                                             "tokenizer, tiny memories, small batches, the data in smf/assets)", ALL)
     model: str = option(DEFAULT_MODEL, "base model: hub id, local save_pretrained directory, or 'tiny'", ALL)
     recipe: Literal[TRAIN_RECIPES] = option("sparse", "what to train (docs/method.md#two-stage-training)", TRAIN)
     # memories (retrofit)
-    mode: Literal[MEMORY_MODES] | None = option(None, "how memories join the layer's MLP (retrofit: additive by "
-                                                "default; --recipe sparse: the adapter's, or additive+s on an "
-                                                "additive adapter; docs/method.md#placement-in-qwen-2)", FIT)
+    mode: Literal[MEMORY_MODES] | None = option(None, "how memories join the layer's MLP (--recipe sparse: "
+                                                "the adapter's mode, or additive+s on an additive adapter; "
+                                                "docs/method.md#placement-in-qwen-2)", FIT)
     layers: Annotated[list[int], AsList] = option((6, 12, 18), "0-based decoder layers that get a memory", RETRO)
     n_keys: PositiveInt = option(128, "sub-keys per half (slots = n_keys**2)", RETRO)
     heads: PositiveInt = option(4, "memory query heads", RETRO)
     topk: PositiveInt = option(16, "slots read per head per token", RETRO)
     key_dim: Annotated[int, Field(gt=0, multiple_of=2)] = option(256, "query/key width (even: split in halves)", RETRO)
     alpha_init: NonNegativeFloat = option(0.01, "initial alpha of the memory branch (additive modes)", RETRO)
-    backend: str | None = option(None, "memory kernel backend (torch, triton, ext; default: automatic)", ALL)
+    backend: Literal[BACKENDS] | None = option(None, "memory kernel backend; it must run on --device", ALL,
+                                               shown="automatic: triton on CUDA, else ext when built, else torch")
     # sparse memory finetuning
     adapter: ExistingDir | None = option(None, "retrofit memory adapter: the retrofit run directory or its final/ "
                                          "folder (required for background and --recipe sparse)", BG + TRAIN)
@@ -72,38 +79,40 @@ class RunConfig:
     # LoRA
     lora_r: PositiveInt = option(16, "LoRA rank (--recipe lora)", TRAIN)
     lora_alpha: PositiveInt = option(32, "LoRA alpha (--recipe lora)", TRAIN)
-    lora_dropout: NonNegativeFloat = option(0.05, "LoRA dropout (--recipe lora)", TRAIN)
+    lora_dropout: Annotated[float, Field(ge=0, lt=1)] = option(0.05, "LoRA dropout (--recipe lora)", TRAIN)
     # data
     protocol: Literal[PROTOCOLS] = option(DEFAULT_PROTOCOL, "data protocol: authors = the authors' texts and sampling, "
                                           "clean = loss-masked prompts (docs/method.md#the-protocol-setting)", ALL)
-    oasst_path: ExistingPath | None = option(None, "local oasst1 train split (jsonl/parquet/save_to_disk); default: "
-                                             "the hub", RETRO + BG)
-    oasst_languages: str = option("en", "comma-separated languages of the oasst1 replies used (e.g. en,de), or 'all' "
-                                  "(the paper names no filter; English-only may hold under 52,000 replies)", RETRO + BG)
-    medmcqa_path: ExistingPath | None = option(None, "local MedMCQA train split (jsonl/parquet/save_to_disk); "
-                                               "default: the hub", TRAIN)
-    n_examples: PositiveInt | None = option(None, "training examples (default: 50000 retrofit, 60000 train); "
-                                            "background: the retrofit set size, which background examples avoid", ALL)
+    oasst_path: DatasetPath | None = option(None, "local oasst1 train split (jsonl/parquet/save_to_disk)",
+                                             RETRO + BG, shown="the hub")
+    oasst_languages: str = option("en", "--protocol clean: comma-separated languages of the oasst1 replies used "
+                                  "(e.g. en,de), or 'all' (the paper names no filter; English-only may hold under "
+                                  "52,000 replies); the authors protocol takes English replies", RETRO + BG)
+    medmcqa_path: DatasetPath | None = option(None, "local MedMCQA train split (jsonl/parquet/save_to_disk)",
+                                               TRAIN, shown="the hub")
+    n_examples: PositiveInt | None = option(None, "training examples; background (--protocol clean): the retrofit "
+                                            "set size, which background examples avoid", ALL)
     n_background: PositiveInt = option(2000, "single-example background batches", BG)
-    data_seed: int = option(0, "seed choosing the example subset (keep it fixed across runs)", ALL)
+    data_seed: Seed = option(0, "seed choosing the example subset (keep it fixed across runs)", ALL)
     max_length: PositiveInt = option(1024, "tokens per example (longer ones are cut)", ALL)
     # optimisation
-    epochs: PositiveInt | None = option(None, "epochs (default: 2 retrofit, 3 train)", FIT)
-    lr: PositiveFloat | None = option(None, "peak learning rate (default: 5e-4, lora 2e-4, full 5e-5)", FIT)
+    epochs: PositiveInt | None = option(None, "epochs", FIT)
+    lr: PositiveFloat | None = option(None, "peak learning rate", FIT)
     weight_decay: NonNegativeFloat = option(0.0, "AdamW weight decay", FIT)
     warmup_steps: NonNegativeInt = option(100, "linear warm-up steps before the cosine decay", FIT)
     global_batch_size: PositiveInt = option(16, "examples per optimizer step, over all processes", FIT)
     micro_batch_size: PositiveInt = option(4, "examples per forward/backward, per process (gradient accumulation)", FIT)
     max_grad_norm: PositiveFloat = option(1.0, "global gradient-norm clip", FIT)
-    seed: int = option(0, "training seed (memory init, epoch order, dropout)", FIT)
+    seed: Seed = option(0, "training seed (memory init, epoch order, dropout)", FIT)
     bf16: Literal["auto", "on", "off"] = option("auto", "bf16 autocast (auto: on if the CUDA device has bf16)", FIT)
-    device: str = option("auto", "torch device (auto: cuda if available, else cpu)", ALL)
+    device: str = option("auto", "torch device: auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...", ALL)
     compile: bool = option(False, "torch.compile the model, mode reduce-overhead (CUDA graphs on a GPU); --recipe "
                            "sparse then takes the fused update with rows chosen in the backward, a step without "
                            "graph breaks (one process; --sparse-backward selected-rows)", FIT)
     # checkpoints
     save_every: PositiveInt = option(500, "optimizer steps between checkpoints (one is always written at the end)", FIT)
-    max_steps: PositiveInt | None = option(None, "stop at this step (the schedule spans all epochs; see --resume)", FIT)
+    max_steps: PositiveInt | None = option(None, "stop at this step (the schedule spans all epochs; see --resume)", FIT,
+                                           shown="none: every step")
     resume: bool = option(False, "continue from the checkpoint in --output-dir", FIT)
 
     def __post_init__(self) -> None:
@@ -138,9 +147,58 @@ def read_config_file(path: str | Path, command: str) -> dict:
     return checked_options(only(RunConfig, command, read_file(path, OPTIONS)), f"--config {str(path)!r}")
 
 
+def check_device_and_backend(device: str, backend: str | None) -> None:
+    """ConfigError unless ``device`` is a device of this machine and ``backend`` (None: automatic) runs on it."""
+    from smf.train.distributed import pick_device
+    from smf_kernels.backends import unavailable_reason
+
+    resolved = pick_device(device)
+    reason = None if backend is None else unavailable_reason(backend, resolved)
+    if reason is not None:
+        raise ConfigError(f"--backend {backend} cannot run on {resolved.type} (--device {device}): {reason}")
+
+
+def unused_options(config: RunConfig, command: str) -> dict[str, str]:
+    """The options of ``command`` that a run of ``config`` does not use, each with the reason."""
+    unused = {}
+    if command == "train":
+        if config.recipe != "sparse":
+            why = f"only --recipe sparse uses it (this run is --recipe {config.recipe})"
+            unused.update(dict.fromkeys(("adapter", "background", "rule", "rows_per_step", "optimizer",
+                                         "sparse_backward", "fused_update", "mode", "backend"), why))
+        elif config.optimizer != "row_sparse":
+            why = f"only --optimizer row_sparse uses it (this run is --optimizer {config.optimizer})"
+            unused.update(dict.fromkeys(("sparse_backward", "fused_update"), why))
+        if config.recipe != "lora":
+            unused.update(dict.fromkeys(("lora_r", "lora_alpha", "lora_dropout"),
+                                        f"only --recipe lora uses it (this run is --recipe {config.recipe})"))
+    if command in ("retrofit", "background") and config.protocol == "authors":
+        unused["oasst_languages"] = ("the authors protocol takes the English replies, as the authors' code does; "
+                                     "--protocol clean takes other languages")
+    if command == "background" and config.protocol == "authors":
+        unused["n_examples"] = ("the authors protocol draws the background examples from its own pool (the first "
+                                "--n-background of it), whatever the retrofit's size; --protocol clean holds them "
+                                "out of the first --n-examples")
+    if command == "retrofit" and config.mode == "replacement":
+        unused["alpha_init"] = "--mode replacement has no alpha (the memory replaces the MLP)"
+    return unused
+
+
+def refuse_unused(config: RunConfig, command: str, cli_options: dict, file_options: dict) -> None:
+    """ConfigError for a command-line flag the run would ignore (given a value other than its default), with the
+    reason; a logged warning for such a key of a config file (one file may serve several commands and recipes)."""
+    defaults = {field.name: field.default for field in dataclasses.fields(RunConfig)}
+    for name, why in unused_options(config, command).items():
+        if name in cli_options and cli_options[name] != defaults[name]:
+            raise ConfigError(f"{flag(name)} is not used by this run: {why}; drop it")
+        if name in file_options and file_options[name] != defaults[name]:
+            logger.warning("--config: %s %r is not used by this run: %s", name, file_options[name], why)
+
+
 def build_config(command: str, file_options: dict, cli_options: dict) -> RunConfig:
     """Defaults < preset (from file or flags) < file options < command-line options, checked (ConfigError): each value
-    by its type (choices, bounds, existing paths), then combinations, the model directory, what ``command`` needs."""
+    by its type (choices, bounds, existing paths), then combinations, the model directory, what ``command`` needs,
+    and that the device exists and the backend runs on it."""
     preset = cli_options.get("preset", file_options.get("preset"))
     options = {**(only(RunConfig, command, TINY_PRESET) if preset == "tiny" else {}), **file_options, **cli_options}
     config = checked(RunConfig, options)
@@ -164,4 +222,5 @@ def build_config(command: str, file_options: dict, cli_options: dict) -> RunConf
     if config.shard_memories and command == "train" and (not sparse or config.optimizer == "authors"):
         raise ConfigError(f"--shard-memories splits the memories of retrofit and --recipe sparse runs, not of --recipe "
                           f"{config.recipe}{' --optimizer authors (one process)' if sparse else ''}")
+    check_device_and_backend(config.device, config.backend)
     return config

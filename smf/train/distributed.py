@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from smf.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class World:
@@ -26,13 +28,30 @@ class World:
         return self.rank == 0
 
 
-def pick_device(name: str, local_rank: int = 0) -> torch.device:
-    """'auto' -> cuda:{local_rank} when CUDA is available, else cpu; other names as given."""
+def pick_device(name: str, local_rank: int = 0, argument: str = "--device") -> torch.device:
+    """'auto' -> cuda:{local_rank} when CUDA is available, else cpu; other names as given (``cuda``: this
+    process's GPU). ConfigError naming ``argument`` for a name torch does not know or a device this machine
+    lacks (no CUDA, a GPU index beyond the count, no MPS)."""
     if name == "auto":
         return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError, TypeError):
+        raise ConfigError(f"{argument} {name!r} is not a torch device; use auto, cpu, cuda, cuda:1, mps, ...") \
+            from None
     if device.type == "cuda" and device.index is None:
         device = torch.device(f"cuda:{local_rank}")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if device.index >= count:
+            raise ConfigError(f"{argument} {name!r}: this machine has {count or 'no'} CUDA device"
+                              f"{'' if count == 1 else 's'}{'' if count else ' (torch.cuda.is_available() is False)'}")
+    elif device.type not in ("cpu", "meta"):
+        module = getattr(torch, device.type, None)
+        if module is not None and hasattr(module, "is_available") and not module.is_available():
+            raise ConfigError(f"{argument} {name!r}: this machine has no {device.type} device")
+    if device.type == "meta":
+        raise ConfigError(f"{argument} {name!r}: the meta device holds no data to train or evaluate")
     return device
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import random
 import time
 from pathlib import Path
@@ -28,15 +29,15 @@ from tqdm.auto import tqdm
 
 from smf.data import IGNORE_INDEX, CausalLMCollator, get_protocol
 from smf.errors import ConfigError
-from smf.model.loading import FINAL_DIR
+from smf.model.loading import FINAL_DIR, RUN_CONFIG
 from smf.train.artifacts import save_final, write_run_config
 from smf.train.checkpoint import CHECKPOINT_FILE, LOG_FILE, load_checkpoint, rng_state, save_checkpoint, truncate_log
 from smf.train.config import RunConfig
 from smf.train.data import StepPlan, collate, target_tokens, training_features
 from smf.train.distributed import World, all_reduce_sum, barrier, gather_objects, setup_distributed
 from smf.train.recipes import TrainingSetup, build_setup
-from smf.train.run_dir import claim_output_dir
-from smf.train.sharding import remove_stale_shards, save_memory_shards
+from smf.train.run_dir import RunFiles, claim_output_dir
+from smf.train.sharding import SHARDS_DIR, remove_stale_shards, save_memory_shards
 from smf.train.steps import bf16_autocast
 from smf_kernels.sharded import unsharded_memories
 
@@ -63,6 +64,14 @@ def summed_token_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch
     targets = batch["labels"][:, 1:]
     return F.cross_entropy(shifted.reshape(-1, shifted.shape[-1]), targets.reshape(-1),
                            ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def check_finite(setup: TrainingSetup, step: int) -> None:
+    """ConfigError if a trainable parameter holds inf or NaN after optimizer step ``step`` (the run diverged)."""
+    for name, param in setup.trainable_parameters().items():
+        if not bool(torch.isfinite(param).all()):
+            raise ConfigError(f"training diverged: after step {step} {name} holds non-finite values; lower --lr or "
+                              "--max-grad-norm")
 
 
 def _wrap_for_ddp(setup: TrainingSetup, world: World) -> nn.Module:
@@ -101,7 +110,7 @@ def run_step(wrapped: nn.Module, setup: TrainingSetup, scheduler, micro_batches:
     return loss_sum
 
 
-def _prepare_output_dir(config: RunConfig, world: World) -> Path:
+def _prepare_output_dir(config: RunConfig, world: World, files: RunFiles) -> None:
     output_dir = Path(config.output_dir)
     checkpoint = output_dir / CHECKPOINT_FILE
     if config.resume and not checkpoint.is_file():
@@ -111,8 +120,7 @@ def _prepare_output_dir(config: RunConfig, world: World) -> Path:
                           "or choose a new directory")
     barrier(world)  # every rank has checked before rank 0 writes anything
     if world.is_main:
-        write_run_config(output_dir, config.to_dict())
-    return output_dir
+        write_run_config(files.path(RUN_CONFIG), config.to_dict())
 
 
 def train(config: RunConfig) -> dict:
@@ -121,12 +129,13 @@ def train(config: RunConfig) -> dict:
     The output directory is locked for the run and cleaned up if it fails (:mod:`smf.train.run_dir`).
     """
     world = setup_distributed(config.device)
-    with claim_output_dir(Path(config.output_dir), world):
-        return _train(config, world)
+    with claim_output_dir(Path(config.output_dir), world) as files:
+        return _train(config, world, files)
 
 
-def _train(config: RunConfig, world: World) -> dict:
-    output_dir = _prepare_output_dir(config, world)
+def _train(config: RunConfig, world: World, files: RunFiles) -> dict:
+    _prepare_output_dir(config, world, files)
+    output_dir = Path(config.output_dir)
     logger.info("run options: %s", json.dumps(config.to_dict()))
     seed_everything(config.seed)  # the same on every rank: fresh memories / LoRA weights agree
     setup = build_setup(config, world)
@@ -139,7 +148,7 @@ def _train(config: RunConfig, world: World) -> dict:
     if config.compile:
         wrapped = torch.compile(wrapped, mode="reduce-overhead")
     collator = CausalLMCollator(setup.tokenizer.pad_token_id)
-    checkpoint_path, log_path = output_dir / CHECKPOINT_FILE, output_dir / LOG_FILE
+    checkpoint_path, log_path = files.path(CHECKPOINT_FILE), files.path(LOG_FILE)
 
     step = 0
     if config.resume:
@@ -165,9 +174,18 @@ def _train(config: RunConfig, world: World) -> dict:
         seen_tokens = sum(len(features[i]["input_ids"]) for i in indices)
         lr = scheduler.get_last_lr()[0]
         micro_batches = [collate(features, chunk, collator, world.device) for chunk in plan.micro_batches(step)]
-        loss_sum = run_step(wrapped, setup, scheduler, micro_batches, num_tokens, config, world)
+        try:
+            loss_sum = run_step(wrapped, setup, scheduler, micro_batches, num_tokens, config, world)
+        except RuntimeError as err:  # torch refusing a scalar of the update that float32 cannot hold
+            if "without overflow" not in str(err):
+                raise
+            raise ConfigError(f"training diverged: step {step + 1}'s update overflows float32 (learning rate "
+                              f"{lr:g}); lower --lr") from err
         loss = all_reduce_sum(loss_sum, world).item() / num_tokens
         step += 1
+        if not math.isfinite(loss):
+            raise ConfigError(f"training diverged: the loss of step {step} is {loss} (learning rate {lr:g}); lower "
+                              "--lr or --max-grad-norm, or check the data")
         elapsed = time.perf_counter() - started
         if world.is_main:
             with log_path.open("a") as handle:
@@ -177,7 +195,9 @@ def _train(config: RunConfig, world: World) -> dict:
             progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{seen_tokens / elapsed:.0f}")
             progress.update(1)
         if step % config.save_every == 0 or step == stop:
+            check_finite(setup, step)  # never a checkpoint (or final artefact) of non-finite weights
             rng_states = gather_objects(rng_state(), world)
+            files.path(SHARDS_DIR)  # this run's, if it creates it
             shards = save_memory_shards(output_dir, step, setup.model, setup.optimizer, world)  # None: unsharded
             if world.is_main:
                 save_checkpoint(checkpoint_path, step=step, model=setup.model, optimizer=setup.optimizer,
@@ -190,7 +210,7 @@ def _train(config: RunConfig, world: World) -> dict:
 
     final_dir = None
     if step == total_steps:
-        final_dir = output_dir / FINAL_DIR
+        final_dir = files.path(FINAL_DIR)
         with unsharded_memories(setup.model):  # rank 0 holds whole copies of sharded memories meanwhile
             if world.is_main:
                 save_final(setup.model, setup.tokenizer, config.recipe, final_dir)

@@ -8,11 +8,14 @@
   dies, however it dies (SIGKILL included), so a lock file left by a dead run is stale by
   construction: the next run takes it over, with no pid guessing. (``flock`` is advisory and
   per machine: two hosts writing one directory over NFS are not detected.)
-- Cleanup: if the run fails (any exception, KeyboardInterrupt included) before it wrote a
-  checkpoint, every file and folder it added is removed, a ``run_config.json`` it replaced is
-  restored, and a directory it created is deleted. If a checkpoint exists, the directory is kept
-  for ``--resume`` and the error log lists what the run added there. A killed process cannot
-  clean up; its checkpoint (written atomically) is resumable.
+- Cleanup: the run names each file and folder it writes through :class:`RunFiles` before creating
+  it, which records the ones that did not exist yet. If the run fails (any exception,
+  KeyboardInterrupt included) before it wrote a checkpoint, exactly those are removed, a
+  ``run_config.json`` it replaced is restored, and a directory it created is deleted if nothing
+  else is left in it: files and folders that others add to the directory while the run runs are
+  never touched. If a checkpoint exists, the directory is kept for ``--resume`` and the error log
+  lists what the run created there. A killed process cannot clean up; its checkpoint (written
+  atomically) is resumable.
 """
 from __future__ import annotations
 
@@ -80,20 +83,32 @@ def release_lock(output_dir: Path, fd: int) -> None:
     os.close(fd)
 
 
-def _entries(directory: Path) -> set[str]:
-    return set(os.listdir(directory)) if directory.is_dir() else set()
+class RunFiles:
+    """The files and folders a run creates in its output directory, recorded as it creates them."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.created: list[str] = []  # names in the directory, in creation order
+
+    def path(self, name: str) -> Path:
+        """``directory / name``, recorded as this run's when nothing is there yet: ask for it just before
+        creating it (a file there already, e.g. a replaced run_config.json, stays someone else's)."""
+        path = self.directory / name
+        if name not in self.created and not (path.exists() or path.is_symlink()):
+            self.created.append(name)
+        return path
 
 
-def _undo(output_dir: Path, created_dir: bool, before: set[str], old_run_config: bytes | None) -> None:
+def _undo(output_dir: Path, created_dir: bool, files: RunFiles, old_run_config: bytes | None) -> None:
     """Put ``output_dir`` back as it was before the run, or say what is left (see module docstring).
     Runs while the lock is held."""
-    added = sorted(_entries(output_dir) - before - {LOCK_FILE})
+    created = [name for name in files.created if (output_dir / name).exists() or (output_dir / name).is_symlink()]
     if (output_dir / CHECKPOINT_FILE).is_file():
-        if added:
-            logger.error("the run failed; %s keeps its checkpoint for --resume (added by this run: %s)",
-                         output_dir, ", ".join(added))
+        if created:
+            logger.error("the run failed; %s keeps its checkpoint for --resume (created by this run: %s)",
+                         output_dir, ", ".join(created))
         return
-    for name in added:
+    for name in created:
         path = output_dir / name
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
@@ -101,25 +116,28 @@ def _undo(output_dir: Path, created_dir: bool, before: set[str], old_run_config:
             path.unlink()
     if old_run_config is not None:
         (output_dir / RUN_CONFIG).write_bytes(old_run_config)
-    if created_dir:
+    removed_dir = False
+    if created_dir and not any(name != LOCK_FILE for name in os.listdir(output_dir)):  # others' files keep it
         with contextlib.suppress(OSError):
             (output_dir / LOCK_FILE).unlink()  # still locked through our descriptor until release_lock
-            output_dir.rmdir()  # fails only if a file appeared that is not ours: then it stays
-    if added or created_dir:
+            output_dir.rmdir()
+            removed_dir = True
+    if created or removed_dir:
         logger.error("the run failed; removed what it had written to %s (%s)%s", output_dir,
-                     ", ".join(added) or "nothing", " and the directory it created" if created_dir else "")
+                     ", ".join(created) or "nothing", " and the directory it created" if removed_dir else "")
 
 
 @contextlib.contextmanager
-def claim_output_dir(output_dir: Path, world: World) -> Iterator[None]:
-    """Hold ``output_dir`` for one run: create it, lock it, and clean it up if the run fails.
+def claim_output_dir(output_dir: Path, world: World) -> Iterator[RunFiles]:
+    """Hold ``output_dir`` for one run: create it, lock it, and clean it up if the run fails. Yields the
+    :class:`RunFiles` through which the run names what it writes there.
 
     Collective under torch.distributed: rank 0 locks and cleans; every rank raises ConfigError if
     rank 0 could not lock.
     """
     created_dir = not output_dir.exists()
     fd, refusal = None, None
-    before, old_run_config = set(), None
+    files, old_run_config = RunFiles(output_dir), None
     if world.is_main:
         try:
             output_dir.mkdir(parents=True, exist_ok=True)
@@ -130,18 +148,17 @@ def claim_output_dir(output_dir: Path, world: World) -> Iterator[None]:
                     output_dir.rmdir()
             refusal = str(err)
         else:
-            before = _entries(output_dir)
             run_config = output_dir / RUN_CONFIG
             old_run_config = run_config.read_bytes() if run_config.is_file() else None
     refusal = gather_objects(refusal, world)[0]
     if refusal is not None:
         raise ConfigError(refusal)
     try:
-        yield
+        yield files
     except BaseException:
         if world.is_main:
             try:
-                _undo(output_dir, created_dir, before, old_run_config)
+                _undo(output_dir, created_dir, files, old_run_config)
             except OSError:  # never hide the run's own error behind a cleanup error
                 logger.exception("the run failed and cleaning up %s failed too", output_dir)
         raise

@@ -25,6 +25,10 @@ The raw Triton kernels live apart, in :mod:`smf_kernels.triton_kernels`, and the
            grad_values (M, D) if update_rows is None else (T, D), row t for update_rows[t];
            grad_weights (N, L); a gradient not needed has 0 rows.
 
+The ops hand the backends ``indices``, ``weights``, ``valid`` and ``update_rows`` contiguous, and
+``grad_out`` / ``grad_scores`` contiguous; ``values``, ``counts`` (written in place), ``query`` and
+``keys`` may be strided views.
+
 Optional (the op runs its plain-PyTorch form where a backend lacks one or returns None):
 
     topk_backward(grad_scores, query, keys, indices, need_query, need_keys) -> (grad_query, grad_keys)

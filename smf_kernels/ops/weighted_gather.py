@@ -127,4 +127,9 @@ def weighted_gather(
     if update_rows is not None and not deferred and not torch.compiler.is_compiling():
         check_gather_values(values.shape[0], update_rows=update_rows)  # at the call, not only in the backward
     name = resolve_backend(backend, values.device, torch.promote_types(values.dtype, weights.dtype))
+    # The backends get the (N, L) and (N,) inputs contiguous whatever the caller's layout (a strided view such as
+    # indices[:, ::2], an expanded one): these are small, and ATen's embedding_bag backward, among others, refuses
+    # strided indices. values (M, D) and counts (M,), written in place, keep their layout.
+    indices, weights = indices.contiguous(), weights.contiguous()
+    valid = None if valid is None else valid.contiguous()
     return _WeightedGather.apply(values, indices, weights, counts, valid, update_rows, gate, name)

@@ -86,7 +86,8 @@ class AuthorsSparseUpdate:
         if self.background is None:
             raise RuntimeError("no background statistics: pass background= or call set_background() first")
         if self._step_rows is not None:
-            raise RuntimeError("begin_step() called twice without finish_step()")
+            raise RuntimeError("begin_step() called twice without finish_step(); if a forward or backward of the "
+                               "step raised, call abort_step() to discard it first")
         self._step_rows = {name: torch.zeros_like(mask) for name, mask in self._masks.items()}
         for name, memory in self.memories.items():
             if not memory.values.requires_grad:
@@ -96,6 +97,25 @@ class AuthorsSparseUpdate:
             memory.set_read_counting(True)
             self._handles.append(memory.register_forward_pre_hook(_count_padding_too, with_kwargs=True))
             self._handles.append(memory.values.register_hook(self._masking_hook(name)))
+
+    def abort_step(self) -> None:
+        """Discard the step in progress (after one of its forwards or backwards raised): its hooks, read counts,
+        selections and the memories' value gradients; the next :meth:`begin_step` starts afresh. A no-op when no
+        step is in progress."""
+        if self._step_rows is None:
+            return
+        self._end_step()
+        for memory in self.memories.values():
+            memory.values.grad = None
+
+    def _end_step(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for memory in self.memories.values():
+            memory.set_read_counting(False)
+            memory.reset_read_counts()
+        self._step_rows = None
 
     def _masking_hook(self, name: str):
         def hook(grad: torch.Tensor) -> torch.Tensor:
@@ -127,19 +147,13 @@ class AuthorsSparseUpdate:
         micro-batch of the step ((R,) int64, ascending)."""
         if self._step_rows is None:
             raise RuntimeError("finish_step() called without begin_step()")
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        for memory in self.memories.values():
-            memory.set_read_counting(False)
-            memory.reset_read_counts()
+        rows = {name: used.nonzero().squeeze(1) for name, used in self._step_rows.items()}
+        self._end_step()
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]],
                                            max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        rows = {name: used.nonzero().squeeze(1) for name, used in self._step_rows.items()}
-        self._step_rows = None
         return rows
 
 

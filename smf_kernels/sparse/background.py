@@ -66,12 +66,15 @@ class BackgroundStats:
                 f"got {tuple(counts.shape)}"
             )
         counts = counts.cpu()
+        if bool((counts < 0).any()):
+            raise ValueError(f"counts of layer {name!r} must be >= 0 (read counts), got a minimum of {int(counts.min())}")
         self.num_batches[name] += 1
         self.doc_freq[name] += (counts > 0).to(torch.int64)
         self.reads[name] += counts
 
     def check_matches(self, memories: Mapping[str, ProductKeyMemory]) -> None:
-        """Raise ValueError unless ``memories`` has exactly these layer names and configs."""
+        """Raise ValueError unless ``memories`` has exactly these layer names and configs, and each layer's
+        counts are ones counting can produce (see :meth:`load`)."""
         names, expected = set(memories), set(self.configs)
         if names != expected:
             raise ValueError(
@@ -84,6 +87,8 @@ class BackgroundStats:
                     f"background statistics of layer {name!r} were built for config {self.configs[name]}, "
                     f"but the layer has config {memory.config()}"
                 )
+            _check_counts(f"background statistics of layer {name!r}", self.doc_freq[name], self.reads[name],
+                          self.num_batches[name])
 
     def save(self, path: str | Path) -> None:
         """Write the statistics to a safetensors file at ``path`` (overwritten if it exists).
@@ -106,7 +111,10 @@ class BackgroundStats:
         """Load statistics saved by :meth:`save`; with ``memories``, also :meth:`check_matches` them.
 
         Only safetensors and JSON are parsed (no pickle). A missing file raises FileNotFoundError;
-        a truncated, corrupt or inconsistent one ValueError naming the problem.
+        a truncated, corrupt or inconsistent one ValueError naming the problem: every tensor is checked
+        against the size its header claims before anything of that size is allocated, and its values
+        against what counting can produce (``0 <= doc_freq <= num_batches``, ``reads >= doc_freq``, no reads
+        where ``doc_freq`` is 0), which the scores rely on (a negative count makes every score NaN).
         """
         if not Path(path).is_file():
             raise FileNotFoundError(f"no background statistics file at {str(path)!r}")
@@ -128,27 +136,44 @@ class BackgroundStats:
         layers = header.get("layers")
         if (not isinstance(layers, dict) or not layers
                 or not all(_is_layer_header(layer) for layer in layers.values())):
-            raise ValueError(f"{path}: 'layers' must map each layer name to {{'config': {{'n_keys': int, ...}}, "
+            raise ValueError(f"{path}: 'layers' must map each layer name to {{'config': {{'n_keys': int >= 1, ...}}, "
                              "'num_batches': int >= 0}")
-        stats = cls({name: layer["config"] for name, layer in layers.items()})
         for name, layer in layers.items():
-            stats.num_batches[name] = int(layer["num_batches"])
+            num_slots = layer["config"]["n_keys"] ** 2
             for field in ("doc_freq", "reads"):
                 tensor = tensors.get(f"{name}.{field}")
                 if tensor is None:
                     raise ValueError(f"{path} lacks the tensor {name}.{field}")
-                if tensor.dtype != torch.int64 or tensor.shape != stats.reads[name].shape:
-                    raise ValueError(f"{path}: {name}.{field} must be (M,) = {tuple(stats.reads[name].shape)} "
-                                     f"int64, got {tuple(tensor.shape)} {tensor.dtype}")
-                getattr(stats, field)[name] = tensor
+                if tensor.dtype != torch.int64 or tuple(tensor.shape) != (num_slots,):
+                    raise ValueError(f"{path}: {name}.{field} must be (M,) = ({num_slots},) int64 (n_keys "
+                                     f"{layer['config']['n_keys']} in its header), got {tuple(tensor.shape)} "
+                                     f"{tensor.dtype}")
+            _check_counts(f"{path}: layer {name!r}", tensors[f"{name}.doc_freq"], tensors[f"{name}.reads"],
+                          layer["num_batches"])
+        stats = cls({name: layer["config"] for name, layer in layers.items()})  # sizes checked: the file's own
+        for name, layer in layers.items():
+            stats.num_batches[name] = int(layer["num_batches"])
+            stats.doc_freq[name], stats.reads[name] = tensors[f"{name}.doc_freq"], tensors[f"{name}.reads"]
         if memories is not None:
             stats.check_matches(memories)
         return stats
 
 
+def _check_counts(where: str, doc_freq: torch.Tensor, reads: torch.Tensor, num_batches: int) -> None:
+    """ValueError unless the counts are ones that counting ``num_batches`` batches can produce."""
+    if bool((doc_freq < 0).any()) or bool((reads < 0).any()):
+        raise ValueError(f"{where}: {'doc_freq' if bool((doc_freq < 0).any()) else 'reads'} holds negative counts")
+    if bool((doc_freq > num_batches).any()):
+        raise ValueError(f"{where}: doc_freq values up to {int(doc_freq.max())} exceed num_batches {num_batches} (a "
+                         "slot cannot be read in more batches than were counted)")
+    if bool((reads < doc_freq).any()):
+        raise ValueError(f"{where}: reads are fewer than doc_freq at some slots (each batch that reads a slot adds "
+                         "at least one read)")
+
+
 def _is_layer_header(layer: object) -> bool:
-    def non_negative_int(value: object) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    def int_at_least(value: object, low: int) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
     return (isinstance(layer, dict) and isinstance(layer.get("config"), dict)
-            and non_negative_int(layer["config"].get("n_keys")) and non_negative_int(layer.get("num_batches")))
+            and int_at_least(layer["config"].get("n_keys"), 1) and int_at_least(layer.get("num_batches"), 0))

@@ -21,7 +21,8 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     together). No host sync.
 
     Returns:
-        The total norm before clipping, a 0-d float32 tensor (0 if no gradients).
+        The total norm before clipping, a 0-d tensor: float32, or float64 (the norm taken in float64)
+        when a gradient is float64; 0 if no gradients.
     """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
@@ -46,21 +47,22 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
 
 def norm_and_clip_coefficient(grads: list[torch.Tensor], max_norm: float,
                               shards: list[ColumnShard | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(total, coefficient): the joint L2 norm of ``grads`` (a 0-d float32 tensor, 0 without grads) and the
-    factor ``min(1, max_norm / (total + 1e-6))`` that clips them to ``max_norm``, as :func:`clip_grad_norm_`
-    applies it. ``shards[i]``, when not None, says ``grads[i]`` holds one rank's columns of a table split over
+    """(total, coefficient): the joint L2 norm of ``grads`` (a 0-d float32 tensor, float64 when a gradient is
+    float64; 0 without grads) and the factor ``min(1, max_norm / (total + 1e-6))`` that clips them to
+    ``max_norm``, as :func:`clip_grad_norm_` applies it. ``shards[i]``, when not None, says ``grads[i]`` holds one rank's columns of a table split over
     a group (smf_kernels.sharded): its norm is then that of the whole table's gradient. No host sync."""
     if not grads:
         return torch.zeros(()), torch.ones(())
     shards = shards if shards is not None else [None] * len(grads)
-    norms = torch.stack([_whole_norm(g, shard) for g, shard in zip(grads, shards)])
+    dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    norms = torch.stack([_whole_norm(g, shard, dtype) for g, shard in zip(grads, shards)])
     total = torch.linalg.vector_norm(norms)
     return total, torch.clamp(max_norm / (total + 1e-6), max=1.0)
 
 
-def _whole_norm(grad: torch.Tensor, shard: ColumnShard | None) -> torch.Tensor:
-    """The L2 norm (fp32) of ``grad``, or, for a ``shard``, of the whole gradient its group's shards make."""
-    norm = torch.linalg.vector_norm(grad.float())
+def _whole_norm(grad: torch.Tensor, shard: ColumnShard | None, dtype: torch.dtype) -> torch.Tensor:
+    """The L2 norm (in ``dtype``) of ``grad``, or, for a ``shard``, of the whole gradient its group's shards make."""
+    norm = torch.linalg.vector_norm(grad, dtype=dtype)
     if shard is None:
         return norm
     squared = norm.square()

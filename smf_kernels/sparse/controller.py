@@ -80,10 +80,21 @@ def _default_forward(model: nn.Module, batch: Any) -> Any:
     return model(**batch) if isinstance(batch, Mapping) else model(batch)
 
 
-def _coalesce_grad(param: torch.Tensor) -> None:
+def _dense_grad_error(name: str) -> RuntimeError:
+    return RuntimeError(
+        f"{name} has a dense gradient, made by a backward outside a step (a forward of the memory run before "
+        "begin_step() or after finish_step()); in row_sparse mode every forward whose backward reaches the values "
+        "must run inside a step. Drop it (optimizer.zero_grad(set_to_none=True)) before begin_step()")
+
+
+def _coalesce_grad_hook(name: str):
     """Post-accumulate-grad hook: keep the summed sparse gradient at <= M rows across micro-batches
     (sparse + sparse may concatenate entries instead of merging them)."""
-    param.grad = param.grad.coalesce()
+    def coalesce(param: torch.Tensor) -> None:
+        if not param.grad.is_sparse:  # a dense gradient was there before the step's first backward
+            raise _dense_grad_error(name)
+        param.grad = param.grad.coalesce()
+    return coalesce
 
 
 class _RowsFromCounts(CompactRows):
@@ -260,7 +271,8 @@ class SparseMemoryController:
             raise RuntimeError("no background statistics: pass background=, call set_background() "
                                "or collect_background() first")
         if self._in_step:
-            raise RuntimeError("begin_step() called twice without finish_step()")
+            raise RuntimeError("begin_step() called twice without finish_step(); if a forward or backward of the "
+                               "step raised, call abort_step() to discard it first")
         if select_before_backward and defer_value_gradients:
             raise ValueError("choose one of select_before_backward and defer_value_gradients")
         if optimizer is not None and not (self.fused and select_before_backward):
@@ -272,6 +284,12 @@ class SparseMemoryController:
         if (select_before_backward or defer_value_gradients) and self.mode != "row_sparse":
             raise ValueError(f"select_before_backward and defer_value_gradients need mode 'row_sparse', "
                              f"got {self.mode!r}")
+        for name, memory in self.memories.items():
+            if not memory.values.requires_grad:
+                raise RuntimeError(f"{name}.values does not require grad; nothing to train")
+            grad = memory.values.grad
+            if self.mode == "row_sparse" and grad is not None and not grad.is_sparse:
+                raise _dense_grad_error(f"{name}.values")
         self._deferred = None
         if select_before_backward:
             self._deferred = {name: _RowsFromCounts(self, name) if self.fused else DeferredRows()
@@ -289,8 +307,6 @@ class SparseMemoryController:
         self._selected = None
         self._row_grads = {}
         for name, memory in self.memories.items():
-            if not memory.values.requires_grad:
-                raise RuntimeError(f"{name}.values does not require grad; nothing to train")
             memory.reset_read_counts()
             memory.set_read_counting(True)
             if self.mode == "dense_masked":
@@ -300,8 +316,36 @@ class SparseMemoryController:
             else:
                 memory.set_update_rows(self._deferred[name] if self._deferred is not None else ROWS_READ)
                 if not self.fused:  # sparse .grad tensors, summed over micro-batches
-                    self._hooks.append(memory.values.register_post_accumulate_grad_hook(_coalesce_grad))
+                    self._hooks.append(memory.values.register_post_accumulate_grad_hook(
+                        _coalesce_grad_hook(f"{name}.values")))
         self._in_step = True
+
+    def abort_step(self) -> None:
+        """Discard the step in progress, e.g. after one of its forwards or backwards raised: its read counts,
+        its gradient routing, the memories' value gradients and the rows' gradients held for the fused update
+        (partial sums that belong to this step alone) are dropped, and the next :meth:`begin_step` starts afresh.
+        Gradients of other parameters are the caller's (``optimizer.zero_grad()``); rows a backward already
+        updated (``begin_step(optimizer=...)``) stay updated. A no-op when no step is in progress::
+
+            controller.begin_step()
+            try:
+                ...  # the step's forwards and backwards
+            except BaseException:
+                controller.abort_step()
+                raise
+            controller.finish_step(optimizer)
+        """
+        if not self._in_step:
+            return
+        self._end_step()
+        if self._logs is not None:
+            for log in self._logs.values():
+                log.clear()
+        self._deferred = self._selected = self._logs = None
+        self._row_grads, self._updated_in_backward = {}, False
+        for memory in self.memories.values():
+            memory.reset_read_counts()
+            memory.values.grad = None
 
     def select_rows(self) -> dict[str, torch.Tensor]:
         """Select this step's rows now, from the counts of the forward just run (see begin_step).

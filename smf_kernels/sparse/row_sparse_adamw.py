@@ -23,6 +23,8 @@ schedulers work unchanged.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from smf_kernels._precision import accumulation_dtype
@@ -40,17 +42,20 @@ class RowSparseAdamW(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2) -> None:
-        if not lr >= 0.0:
-            raise ValueError(f"lr must be >= 0, got {lr}")
+        if not 0.0 <= lr < math.inf:
+            raise ValueError(f"lr must be a finite number >= 0, got {lr}")
         if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
             raise ValueError(f"betas must lie in [0, 1), got {betas}")
-        if not eps >= 0.0:
-            raise ValueError(f"eps must be >= 0, got {eps}")
-        if not weight_decay >= 0.0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        if not 0.0 <= eps < math.inf:
+            raise ValueError(f"eps must be a finite number >= 0, got {eps}")
+        if not 0.0 <= weight_decay < math.inf:
+            raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay}")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """torch.optim.Optimizer.load_state_dict, after checking that every parameter's saved state has this
+        layout for that parameter (ValueError naming the parameter and the entry otherwise; nothing loaded)."""
+        self._check_state(state_dict)
         # The base class casts floating state to the parameter's dtype, and an int64 count that went
         # through bf16 would round (bf16 holds integers exactly only up to 256): restore the originals.
         row_steps = {index: state["row_step"] for index, state in state_dict["state"].items() if "row_step" in state}
@@ -60,6 +65,47 @@ class RowSparseAdamW(torch.optim.Optimizer):
         for index, param in zip(indices, params):
             if index in row_steps:
                 self.state[param]["row_step"] = row_steps[index].to(device=param.device, dtype=torch.int64)
+
+    def _check_state(self, state_dict: dict) -> None:
+        """Each saved parameter state: ``row_step`` (M,) >= 0 with ``exp_avg`` and ``exp_avg_sq`` (M, D) (sparse
+        updates), or ``step`` >= 0 with both moments of the parameter's shape (dense); ``exp_avg_sq`` >= 0.
+        Group and parameter counts are the base class's check (a mismatch there is left to it)."""
+        saved_groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        if not isinstance(saved_groups, list) or not isinstance(state_dict.get("state"), dict):
+            raise ValueError("state_dict must be a dict with 'state' (a dict) and 'param_groups' (a list), as "
+                             "state_dict() returns")
+        if len(saved_groups) != len(self.param_groups) or any(
+                len(saved.get("params", ())) != len(group["params"])
+                for saved, group in zip(saved_groups, self.param_groups)):
+            return
+        for group_index, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            for position, (index, param) in enumerate(zip(saved["params"], group["params"])):
+                state = state_dict["state"].get(index)
+                if state:
+                    self._check_param_state(state, param, f"parameter {position} of group {group_index} "
+                                                          f"({tuple(param.shape)})")
+
+    @staticmethod
+    def _check_param_state(state: dict, param: torch.Tensor, where: str) -> None:
+        sparse = "row_step" in state
+        expected = {"row_step": (param.shape[0],)} if sparse else {"step": ()}
+        expected.update(exp_avg=tuple(param.shape), exp_avg_sq=tuple(param.shape))
+        if sparse and "step" in state:
+            raise ValueError(f"RowSparseAdamW state of {where} holds both row_step and step")
+        for key, shape in expected.items():
+            if key not in state:
+                raise ValueError(f"RowSparseAdamW state of {where} lacks {key}")
+            value = state[key]
+            if key == "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                value = torch.tensor(value)
+            if not isinstance(value, torch.Tensor):
+                raise ValueError(f"RowSparseAdamW state of {where}: {key} must be a tensor of shape {shape}, got "
+                                 f"{type(value).__name__}")
+            if tuple(value.shape) != shape:
+                raise ValueError(f"RowSparseAdamW state of {where}: {key} has shape {tuple(value.shape)} but must "
+                                 f"have {shape} for this parameter (state saved for another model?)")
+            if key != "exp_avg" and bool((value < 0).any()):
+                raise ValueError(f"RowSparseAdamW state of {where}: {key} holds negative values")
 
     @torch.no_grad()
     def step(self, closure=None):
