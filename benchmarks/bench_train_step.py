@@ -61,7 +61,7 @@ def build_model(tiny: bool):
 
 
 def build_setup(recipe: str, tiny: bool, device: torch.device, rows_per_step: int, backend: str | None,
-                sparse_backward: str = "selected-rows", fused_update: bool = False, compile: bool = False):
+                sparse_backward: str | None = None, fused_update: bool = False, compile: bool = False):
     """A :class:`smf.train.recipes.TrainingSetup` for ``recipe``, as ``smf train`` builds it from a hub model."""
     from smf.model import apply_lora, attach_memories, configure_trainable
     from smf.train.config import RECIPE_LR, RunConfig
@@ -72,7 +72,7 @@ def build_setup(recipe: str, tiny: bool, device: torch.device, rows_per_step: in
     model, layers, memory = build_model(tiny)
     # run_step reads bf16, clipping, sparse backward
     config = RunConfig(backend=backend, rows_per_step=rows_per_step, sparse_backward=sparse_backward,
-                       fused_update=fused_update or compile, compile=compile)
+                       fused_update=fused_update or compile, compile=compile).resolved(recipe)
     lr = RECIPE_LR[recipe]
     step = DenseStep()
     if recipe in ("sparse", "retrofit"):
@@ -192,8 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=1024, help="padded sequence length (default: 1024)")
     p.add_argument("--rows", type=int, default=512, help="T: value rows trained per memory per step (sparse)")
     p.add_argument("--backend", default=None, help="memory kernel backend (default: automatic)")
-    p.add_argument("--sparse-backward", default="selected-rows", choices=("selected-rows", "read-rows", "deferred"),
-                   help="how the sparse recipe's backwards meet the selected rows (smf train's option)")
+    p.add_argument("--sparse-backward", default=None, choices=("selected-rows", "read-rows", "deferred"),
+                   help="how the sparse recipe's backwards meet the selected rows (smf train's option; default: "
+                        "deferred, selected-rows with --compile)")
     p.add_argument("--fused-update", action="store_true", help="the sparse recipe's fused row update")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile every recipe's model (mode reduce-overhead), as smf train --compile does")

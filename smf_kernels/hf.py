@@ -55,7 +55,8 @@ class SparseMemoryTrainer(Trainer):
             statistics set (``collect_background`` / ``set_background``).
 
     Per optimizer step: the first micro-batch's ``training_step`` calls
-    ``controller.begin_step()``; after the last micro-batch's backward,
+    ``controller.begin_step(defer_value_gradients=True)`` (backwards keep their reads; no second
+    forward); after the last micro-batch's backward,
     ``controller.restrict_gradients()`` selects the step's rows (from the reads of every
     micro-batch of the step) and restricts the value gradients to them; then all gradients are
     clipped to ``args.max_grad_norm`` with the sparse-aware
@@ -122,8 +123,10 @@ class SparseMemoryTrainer(Trainer):
         return super().create_optimizer(model)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        if not self.controller.in_step:
-            self.controller.begin_step(select_before_backward=bool(self.args.torch_compile))
+        if not self.controller.in_step:  # rows from every micro-batch's reads, no second forward (or, compiled,
+            compiled = bool(self.args.torch_compile)  # chosen by the backward itself)
+            self.controller.begin_step(select_before_backward=compiled,
+                                       defer_value_gradients=not compiled and self.controller.mode == "row_sparse")
         try:
             loss = super().training_step(model, inputs, num_items_in_batch)
         except BaseException:  # the step is lost: the next training_step begins a fresh one

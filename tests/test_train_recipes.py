@@ -217,8 +217,8 @@ def test_deferred_gradients_and_the_fused_update_train_the_same_weights(tmp_path
     overrides = {"n_examples": 8, "global_batch_size": 4, "micro_batch_size": 2, "epochs": 1, "lr": 1e-2,
                  "warmup_steps": 0, "adapter": str(adapter), "background": str(adapter)}
     finals = []
-    for name, options in (("plain", {}), ("variant", dict(sparse_backward=sparse_backward,
-                                                           fused_update=fused_update))):
+    variant = dict(sparse_backward=sparse_backward, fused_update=fused_update)
+    for name, options in (("plain", {"sparse_backward": "selected-rows"}), ("variant", variant)):
         train(tiny_run_config(tmp_path / name, "train", "sparse", **options, **overrides))
         finals.append(torch.load(tmp_path / name / "sparse-run" / CHECKPOINT_FILE, weights_only=True)["trainable"])
     for name, tensor in finals[0].items():

@@ -66,11 +66,11 @@ class RunConfig:
     optimizer: Literal[SPARSE_OPTIMIZERS] = option(
         "row_sparse", "row_sparse: only the selected rows and their AdamW state move (--recipe sparse); dense_masked, "
         "authors (one process): see docs/method.md#the-sparse-update-exact-default-and-the-authors-ablation", TRAIN)
-    sparse_backward: Literal[SPARSE_BACKWARDS] = option(
-        "selected-rows", "selected-rows: each backward writes only the T selected rows, found by a no-grad forward "
-        "first; read-rows: every row read, no extra forward; deferred: backwards write no value gradient, the step's "
-        "end sums the T selected rows' reads, no extra forward (--recipe sparse; docs/method.md#what-sparse-means)",
-        TRAIN)
+    sparse_backward: Literal[SPARSE_BACKWARDS] | None = option(
+        None, "deferred: backwards write no value gradient, the step's end sums the T selected rows' reads, no "
+        "extra forward; selected-rows: each backward writes only the T selected rows, found by a no-grad forward "
+        "first; read-rows: every row read, no extra forward (--recipe sparse; docs/method.md#what-sparse-means)",
+        TRAIN, shown="deferred; selected-rows with --compile")
     fused_update: bool = option(False, "--optimizer row_sparse: the value rows' update from their compact gradients "
                                 "in one pass per row, no sparse COO gradient (docs/method.md#what-sparse-means)", TRAIN)
     shard_memories: bool = option(False, "split every memory's value table and its optimizer state by columns over the "
@@ -119,8 +119,12 @@ class RunConfig:
         self.layers = list(self.layers)
 
     def resolved(self, recipe: str) -> "RunConfig":
-        """A copy with ``recipe`` set and the recipe's paper defaults filled in where options are None."""
+        """A copy with ``recipe`` set and the recipe's paper defaults filled in where options are None (the sparse
+        backward: ``deferred``, measured the fastest; ``selected-rows`` under ``--compile``, whose backward chooses
+        the rows itself; benchmarks/RESULTS.md, "One training step of each recipe")."""
         defaults = {name: value for name, value in RECIPE_DEFAULTS[recipe].items() if getattr(self, name) is None}
+        if self.sparse_backward is None:
+            defaults["sparse_backward"] = "selected-rows" if self.compile else "deferred"
         return dataclasses.replace(self, recipe=recipe, **defaults)
 
     def to_dict(self) -> dict:

@@ -101,8 +101,9 @@ def build_setup(config: RunConfig, world: World) -> TrainingSetup:
         fused = config.fused_update or (config.compile and config.optimizer == "row_sparse")
         if config.compile and config.optimizer == "row_sparse":
             if config.sparse_backward != "selected-rows":
-                raise ConfigError(f"--compile chooses the rows in the backward: --sparse-backward {config.sparse_backward} "
-                                  "keeps Python state there; use --sparse-backward selected-rows")
+                raise ConfigError(f"--compile chooses the rows in the backward: --sparse-backward "
+                                  f"{config.sparse_backward} keeps Python state there; use --sparse-backward "
+                                  "selected-rows (the default with --compile)")
             if world.size > 1:
                 raise ConfigError("--compile with --recipe sparse runs in one process: under torchrun every rank "
                                   "must select the same rows before its backward, outside the compiled graph")
