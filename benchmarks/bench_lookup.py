@@ -308,7 +308,7 @@ def prepare_extension(args: argparse.Namespace) -> None:
         print(f"note: the compiled extension (backend 'ext') cannot be built: {why}; "
               "the table shows the torch rows only", flush=True)
         return
-    print(f"building the smf_kernels CPU extension for the 'ext' rows (first run only, about a minute; "
+    print(f"building the smf_kernels CPU extension for the 'ext' rows (first run only, ~30 s; "
           f"cached in {build_ext.build_dir(digest)}) ...", flush=True)
     os.environ[build_ext.BUILD_ENV_VAR] = "1"
     backends.refresh()

@@ -3,7 +3,7 @@
 Nothing is compiled on a plain import. Ways to build (all against the installed torch):
 
 * ``python -m smf_kernels.build_ext``: compiles the CPU kernels with
-  ``torch.utils.cpp_extension`` (ninja, about a minute) into a cache directory,
+  ``torch.utils.cpp_extension`` (ninja, ~30 s on 2 idle cores) into a cache directory,
   ``$SMF_KERNELS_EXT_DIR`` or ``~/.cache/smf_kernels``, one subdirectory per
   hash of the sources, compiler flags and torch version.
 * ``SMF_KERNELS_BUILD_EXT=1`` in the environment: the first import of the ext
@@ -42,7 +42,7 @@ MODULE_NAME = "_ext"
 CXX_FLAGS = ("-O3", "-march=native", "-fopenmp")
 NVCC_FLAGS = ("-O3", "--use_fast_math")
 HOW_TO_BUILD = (
-    f"run `python -m smf_kernels.build_ext` (about a minute), or set {BUILD_ENV_VAR}=1 to build on first use"
+    f"run `python -m smf_kernels.build_ext` (~30 s), or set {BUILD_ENV_VAR}=1 to build on first use"
 )
 
 
@@ -118,7 +118,7 @@ def build(verbose: bool = False) -> ModuleType:
     directory.mkdir(parents=True, exist_ok=True)
     failure = directory / "build_failed.txt"
     failure.unlink(missing_ok=True)
-    logger.info("building the smf_kernels extension in %s (about a minute)", directory)
+    logger.info("building the smf_kernels extension in %s (~30 s on 2 idle cores)", directory)
     from torch.utils import cpp_extension
 
     try:

@@ -1,6 +1,6 @@
 """The compiled ``ext`` backend (csrc/) through the public ops, against the reference.
 
-The module fixture builds the CPU extension (about a minute the first time, then
+The module fixture builds the CPU extension (~30 s the first time, then
 cached; see smf_kernels.build_ext), so this file always tests real kernels.
 """
 import pytest
