@@ -22,6 +22,18 @@ How one optimizer step works (mode "row_sparse", the default):
    free; under accumulation the caller first runs a no-grad forward over every
    micro-batch (counting only), then the usual forward + backward passes
    (read counting is off after ``select_rows()``).
+
+   ``begin_step(defer_value_gradients=True)`` needs neither the extra forward nor a
+   gradient of the rows read: backwards write no value gradient, they keep their
+   reads (:class:`~smf_kernels.ops.ReadLog`), and the step's end sums the reads of
+   the rows it selects (what ``smf train`` and ``SparseMemoryTrainer`` do).
+
+   ``fused=True`` (the fused update) keeps the selected rows' gradient a compact
+   (T, D) tensor instead of a COO ``.grad`` and steps it with
+   ``RowSparseAdamW.step_rows`` (clipped in two phases: the norm over every
+   gradient of the step first, then the update); with ``select_before_backward``
+   and no ``select_rows()`` call the backward chooses the rows from the counts
+   itself, which is what a torch.compile'd step runs.
 2. The user runs forward/backward for each micro-batch as usual. Read counts
    exclude padding when the model passes ``valid_mask`` to the memories, so
    padding never steers selection; the hook's rows include every position read
