@@ -103,6 +103,20 @@ void check_reads(const at::Tensor& indices, const at::Tensor& weights, int64_t n
   check_index_range(indices, "indices", num_rows);
 }
 
+// update_rows (T,) int64: distinct rows in [0, num_rows), on reference's device.
+void check_update_rows(const at::Tensor& rows, int64_t num_rows, const at::Tensor& reference,
+                       const char* reference_name) {
+  check_rank(rows, "update_rows", 1, "(T,)");
+  check_dtype(rows, "update_rows", at::kLong);
+  check_device(rows, "update_rows", reference, reference_name);
+  check_index_range(rows, "update_rows", num_rows);
+  if (rows.is_cpu() && rows.numel() > 1) {
+    const at::Tensor sorted = std::get<0>(rows.sort());
+    TORCH_CHECK(!sorted.narrow(0, 1, rows.numel() - 1).eq(sorted.narrow(0, 0, rows.numel() - 1)).any().item<bool>(),
+                "smf_kernels ext: update_rows must hold distinct rows");
+  }
+}
+
 void check_grad_out(const at::Tensor& grad_out, const at::Tensor& indices, int64_t dim) {
   check_rank(grad_out, "grad_out", 2, "(N, D)");
   check_float(grad_out, "grad_out");
@@ -265,15 +279,7 @@ at::Tensor gather_backward_values(const at::Tensor& grad_out_in, const at::Tenso
   check_grad_out(grad_out_in, indices_in, grad_out_in.size(1));
   if (update_rows_in.has_value()) {
     const at::Tensor& rows = *update_rows_in;
-    check_rank(rows, "update_rows", 1, "(T,)");
-    check_dtype(rows, "update_rows", at::kLong);
-    check_device(rows, "update_rows", indices_in, "indices");
-    check_index_range(rows, "update_rows", num_rows);
-    if (rows.is_cpu() && rows.numel() > 1) {
-      const at::Tensor sorted = std::get<0>(rows.sort());
-      TORCH_CHECK(!sorted.narrow(0, 1, rows.numel() - 1).eq(sorted.narrow(0, 0, rows.numel() - 1)).any().item<bool>(),
-                  "smf_kernels ext: update_rows must hold distinct rows");
-    }
+    check_update_rows(rows, num_rows, indices_in, "indices");
     // No row selected: an empty gradient (the kernels take a null update_rows for "dense").
     if (rows.numel() == 0)
       return at::zeros({0, grad_out_in.size(1)}, grad_out_in.options().dtype(accumulation_type(grad_out_in)));
@@ -316,6 +322,12 @@ std::tuple<at::Tensor, at::Tensor> gather_backward(const at::Tensor& grad_out_in
                                                    bool need_weights) {
   TORCH_CHECK(values_in.is_cpu() && grad_out_in.is_cpu(), "smf_kernels ext: the fused gather_backward runs on CPU; got ",
               values_in.device());
+  check_rank(values_in, "values", 2, "(M, D)");
+  check_float(values_in, "values");
+  check_device(indices_in, "indices", values_in, "values");
+  check_reads(indices_in, weights_in, values_in.size(0));
+  check_grad_out(grad_out_in, indices_in, values_in.size(1));
+  if (update_rows_in.has_value()) check_update_rows(*update_rows_in, values_in.size(0), values_in, "values");
   at::Tensor values = kernel_input(values_in), grad_out = kernel_input(grad_out_in);
   if (grad_out.scalar_type() != values.scalar_type()) {  // mixed dtypes: both in values' accumulation dtype
     const at::ScalarType common = accumulation_type(values);
@@ -346,6 +358,28 @@ std::tuple<at::Tensor, at::Tensor> topk_backward(const at::Tensor& grad_scores_i
                                                  const at::Tensor& keys_in, const at::Tensor& indices_in,
                                                  bool need_query, bool need_keys) {
   TORCH_CHECK(query_in.is_cpu(), "smf_kernels ext: the fused topk_backward runs on CPU; got ", query_in.device());
+  check_rank(query_in, "query", 3, "(N, H, key_dim)");
+  check_float(query_in, "query");
+  check_rank(keys_in, "keys", 4, "(H, 2, n_keys, key_dim / 2)");
+  check_float(keys_in, "keys");
+  TORCH_CHECK(query_in.size(2) % 2 == 0 && keys_in.size(0) == query_in.size(1) && keys_in.size(1) == 2 &&
+                  keys_in.size(3) == query_in.size(2) / 2,
+              "smf_kernels ext: keys must have shape (H, 2, n_keys, key_dim / 2) for query ", text(query_in.sizes()),
+              ", got ", text(keys_in.sizes()));
+  check_rank(indices_in, "indices", 3, "(N, H, topk)");
+  check_dtype(indices_in, "indices", at::kLong);
+  TORCH_CHECK(indices_in.size(0) == query_in.size(0) && indices_in.size(1) == query_in.size(1),
+              "smf_kernels ext: indices must have shape (N, H, topk) for query ", text(query_in.sizes()), ", got ",
+              text(indices_in.sizes()));
+  check_rank(grad_scores_in, "grad_scores", 3, "(N, H, topk)");
+  check_float(grad_scores_in, "grad_scores");
+  TORCH_CHECK(grad_scores_in.sizes() == indices_in.sizes(), "smf_kernels ext: grad_scores must have the shape of "
+              "indices ", text(indices_in.sizes()), ", got ", text(grad_scores_in.sizes()));
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{keys_in, "keys"},
+                                std::pair<const at::Tensor&, const char*>{indices_in, "indices"},
+                                std::pair<const at::Tensor&, const char*>{grad_scores_in, "grad_scores"}})
+    check_device(t, name, query_in, "query");
+  check_index_range(indices_in, "indices", keys_in.size(2) * keys_in.size(2));
   const at::Tensor query = kernel_input(query_in), keys = kernel_input(keys_in).to(query.scalar_type());
   const at::ScalarType acc = accumulation_type(query);
   const at::Tensor grad_scores = grad_scores_in.to(acc).contiguous(), indices = indices_in.contiguous();

@@ -359,3 +359,49 @@ def test_topk_with_many_exact_ties_and_signed_zeros_matches_reference_exactly(to
     ref_scores, ref_indices = product_key_topk_reference(query, keys, topk)
     assert torch.equal(indices, ref_indices)
     assert torch.equal(scores, ref_scores.to(scores.dtype))
+
+
+_RAW_BACKWARD_CASES = '''
+import torch
+from smf_kernels.backends.ext_impl import _ext
+
+def refused(name, call):
+    try:
+        call()
+    except RuntimeError as err:
+        assert name in str(err), (name, str(err))
+        print("refused", name, flush=True)
+    else:
+        raise AssertionError(f"{name}: accepted")
+
+v, g, w = torch.randn(6, 4), torch.randn(3, 4), torch.rand(3, 2)
+i = torch.randint(0, 6, (3, 2))
+bad = i.clone(); bad[1, 1] = 10 ** 9
+refused("indices", lambda: _ext.gather_backward(g, v, bad, w, None, True, True))
+refused("indices", lambda: _ext.gather_backward(g, v, -bad, w, None, True, True))
+refused("weights", lambda: _ext.gather_backward(g, v, i, w[:, :1], None, True, True))
+refused("grad_out", lambda: _ext.gather_backward(g[:2], v, i, w, None, True, True))
+refused("update_rows", lambda: _ext.gather_backward(g, v, i, w, torch.tensor([1, 6]), True, True))
+refused("update_rows", lambda: _ext.gather_backward(g, v, i, w, torch.tensor([2, 2]), True, True))
+q, k, s = torch.randn(5, 2, 8), torch.randn(2, 2, 7, 4), torch.randn(5, 2, 3)
+slots = torch.randint(0, 49, (5, 2, 3))
+wrong = slots.clone(); wrong[4, 1, 2] = 49
+refused("indices", lambda: _ext.topk_backward(s, q, k, wrong, True, True))
+refused("indices", lambda: _ext.topk_backward(s, q, k, slots[:4], True, True))
+refused("grad_scores", lambda: _ext.topk_backward(s[..., :2], q, k, slots, True, True))
+refused("keys", lambda: _ext.topk_backward(s, q, k[:1], slots, True, True))
+'''
+
+
+def test_raw_backward_entry_points_refuse_bad_input_without_crashing():
+    """The extension never trusts its inputs: the fused backward bindings, called directly (not through the
+    ops, which check first), raise naming the argument; run in a child process, so a crash fails one test."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    child = subprocess.run([sys.executable, "-c", _RAW_BACKWARD_CASES], env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert child.returncode == 0, f"exit {child.returncode}: {child.stdout[-2000:]} {child.stderr[-3000:]}"
+    assert child.stdout.count("refused") == 10
