@@ -21,16 +21,9 @@ from smf.cli import build_parser, main
 from smf.options import flag, takes
 from smf.train.commands import COMMANDS, config_from_args
 from smf.train.config import RunConfig
+from test_cli_smf import run_main
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def run_main(argv, capsys):
-    try:
-        code = main(["--log-level", "ERROR", *argv])
-    except SystemExit as exit_info:
-        code = exit_info.code
-    return code, capsys.readouterr().err
 
 
 def one_line_error(code, err, message):

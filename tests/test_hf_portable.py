@@ -17,6 +17,7 @@ import smf.model.remote_code as remote_code
 from smf.model import attach_memories, from_pretrained, memory_blocks
 from smf.model.hf_auto import REMOTE_CODE_FILE
 from smf.tiny import TINY_MEMORY_KWARGS, tiny_model
+from test_hf_save_load import _trained_looking
 
 REPO = Path(__file__).resolve().parents[1]
 SIZES = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
@@ -78,16 +79,6 @@ for directory in sys.argv[1:]:
                           "layers": [b.layer_index for b in smf.model.memory_blocks(model)]}
 print("RESULTS", json.dumps(results))
 """
-
-
-def _trained_looking(model):
-    """Move every memory parameter off its init so that a re-initialised memory would show."""
-    with torch.no_grad():
-        for block in memory_blocks(model):
-            for p in block.memory.parameters():
-                p.add_(torch.randn_like(p) * 0.1)
-            if block.alpha is not None:
-                block.alpha.fill_(0.7)
 
 
 def _save(model, directory: Path, vocab: int) -> Path:
