@@ -3,7 +3,10 @@
 Every rank holds some tokens (``N_r`` of them) and some columns of the value table (``D_r``). A read
 then goes:
 
-1. :func:`token_counts`: every rank learns every ``N_s`` (an all_to_all of one int64 per pair of ranks);
+1. :func:`token_counts`: every rank learns every ``N_s`` and checks that every rank reads with the same
+   configuration (an all_to_all of ``1 + len(READ_FIELDS)`` int64 per pair of ranks, of that fixed size
+   whatever the configuration, so that ranks that disagree all raise the same error before any collective
+   whose sizes depend on it);
 2. :class:`GatherReads`: every rank receives every token's slot ids and weights (an all_to_all that
    sends this rank's ``(N_r, L)`` ids, as int32, and weights to every other rank); its backward
    returns to each rank the sum over ranks of the partial weight gradients of its tokens;
@@ -44,11 +47,49 @@ class CommLedger:
 LEDGER = CommLedger()
 
 
-def token_counts(num_tokens: int, shard: ColumnShard, device: torch.device) -> list[int]:
-    """``N_s`` of every rank of ``shard.group``, in rank order (an all_to_all of one int64 per pair of ranks)."""
-    mine = torch.full((shard.size,), num_tokens, dtype=torch.int64, device=device)
-    gathered = _all_to_all(mine, [1] * shard.size, [1] * shard.size, shard, "token_counts")
-    return [int(n) for n in gathered.tolist()]
+# What every rank of a group must hold alike for a read's collectives to match (sizes, dtypes, which backward
+# collectives run); each rank sends its values with its token count.
+READ_FIELDS = ("d_model", "n_keys", "heads", "topk", "key_dim", "value_dim", "values dtype", "weights dtype",
+                 "weights need grad", "read needs grad")
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """A dtype as an int to send (-1 for one outside float16, bfloat16, float32, float64)."""
+    return _DTYPES.index(dtype) if dtype in _DTYPES else -1
+
+
+def _shown(field: str, value: int) -> str:
+    if field.endswith("dtype"):
+        return str(_DTYPES[value]).replace("torch.", "") if 0 <= value < len(_DTYPES) else "another dtype"
+    if field.endswith("need grad") or field.endswith("needs grad"):
+        return "yes" if value else "no"
+    return str(value)
+
+
+def token_counts(num_tokens: int, shard: ColumnShard, device: torch.device, agreed: dict[str, int]) -> list[int]:
+    """``N_s`` of every rank of ``shard.group``, in rank order, with a check that the ranks agree: an all_to_all of
+    ``1 + len(agreed)`` int64 per pair of ranks, the token count and this rank's ``agreed`` values (for a read,
+    :data:`READ_FIELDS` of the memory; every rank must pass the same fields).
+
+    Raises ValueError, the same on every rank (each receives every rank's values), if the ranks' ``agreed``
+    values differ: then no collective whose sizes depend on them is entered.
+    """
+    row = torch.tensor([num_tokens, *agreed.values()], dtype=torch.int64, device=device)
+    width = row.numel()
+    gathered = _all_to_all(row.repeat(shard.size), [width] * shard.size, [width] * shard.size, shard,
+                           "token_counts").view(shard.size, width).tolist()
+    differing = []
+    for column, field in enumerate(agreed, start=1):
+        values = [row[column] for row in gathered]
+        if len(set(values)) > 1:
+            differing.append(f"{field}: " + ", ".join(f"rank {rank} {_shown(field, value)}"
+                                                       for rank, value in enumerate(values)))
+    if differing:
+        raise ValueError(f"the ranks of a sharded memory's group disagree ({'; '.join(differing)}); every rank "
+                         "must build the same memory and run it with the same dtypes, gradients and arguments "
+                         "(every rank raises this)")
+    return [row[0] for row in gathered]
 
 
 def _all_to_all(send: torch.Tensor, send_splits: list[int], receive_splits: list[int], shard: ColumnShard,
