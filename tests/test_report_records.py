@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -31,7 +32,11 @@ def _edit(suite_dir, edit) -> str:
     path = SuiteLayout(suite_dir).results_dir / f"{DAMAGED}.json"
     record = json.loads(path.read_text())
     text = edit(record)
-    path.write_text(text if isinstance(text, str) else json.dumps(record))
+    if isinstance(text, _PutInstead):
+        os.remove(path)
+        text.make(path)
+    else:
+        path.write_text(text if isinstance(text, str) else json.dumps(record))
     return str(path)
 
 
@@ -90,7 +95,25 @@ CASES = {  # name: (edit, the field the one line must name)
     "not JSON": (lambda record: '{"condition": "additive-kl", "seed": 1,', "is not a readable suite results file"),
     "a JSON array": (lambda record: "[1, 2, 3]", "expected a JSON object"),
     "empty": (lambda record: "", "is not a readable suite results file"),
+    "nested too deep": (lambda record: "[" * 100_000 + "]" * 100_000, "is not a readable suite results file"),
+    "an int too large for a float": (lambda record: json.dumps(record).replace('"medmcqa_acc": ', '"medmcqa_acc": 1'
+                                                                               + "0" * 400 + ', "x": '),
+                                     "metrics.medmcqa_acc"),
+    "an int of 5000 digits": (lambda record: json.dumps(record).replace('"medmcqa_acc": ', '"medmcqa_acc": 1'
+                                                                        + "0" * 5000 + ', "x": '),
+                              "is not a readable suite results file"),
+    "a directory": (lambda record: _PutInstead(os.mkdir), "not a regular file"),
+    "a named pipe": (lambda record: _PutInstead(os.mkfifo), "not a regular file"),  # reading it would block
 }
+
+
+class _PutInstead:
+    """An edit's answer meaning: put something else than a file at the path (``make(path)``, e.g. os.mkfifo)."""
+
+    def __init__(self, make) -> None:
+        self.make = make
+
+
 
 
 def _collect(suite_dir):

@@ -134,7 +134,7 @@ _HYPER_VALUES = st.one_of(
     _NUMBERS,
     st.integers(-3, 3),
     st.booleans(),
-    st.sampled_from(["0.01", None, 1j, [0.01]]),
+    st.sampled_from(["0.01", None, 1j, [0.01], 10 ** 400]),
     st.builds(lambda v, shape, dtype: torch.full(shape, v, dtype=torch.float64).to(dtype), _NUMBERS,
               st.sampled_from([(), (1,), (2,), (1, 1)]), st.sampled_from([torch.float32, torch.float64])),
     st.builds(lambda v: torch.tensor(v), st.integers(0, 2)),
@@ -145,7 +145,7 @@ def _number(value):
     """The float a valid scalar argument stands for, or None if it is not one."""
     if isinstance(value, torch.Tensor):
         return float(value) if value.numel() == 1 and value.is_floating_point() else None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or abs(value) > 1e308:
         return None
     return float(value)
 
@@ -226,4 +226,14 @@ def test_the_op_itself_checks_the_values_it_is_called_with():
         kwargs.update(changed)
         with pytest.raises(ValueError, match=name):
             torch.ops.smf_kernels.row_adamw_(*args, **kwargs)
+    assert all(torch.equal(a, b) for a, b in zip(state, before))
+
+
+def test_a_meta_learning_rate_and_one_too_large_for_a_float_are_refused_by_name():
+    state = table(6, 3, torch.float32)
+    before = [t.clone() for t in state]
+    for name, value, match in (("lr", torch.tensor(0.1, device="meta"), "meta tensor"),
+                               ("lr", 10 ** 400, "too large"), ("weight_decay", -(10 ** 400), "too large")):
+        with pytest.raises(ValueError, match=f"{name} must .*{match}"):
+            row_adamw_(*state, torch.tensor([0, 2]), torch.randn(2, 3), **{**HYPER, name: value})
     assert all(torch.equal(a, b) for a, b in zip(state, before))

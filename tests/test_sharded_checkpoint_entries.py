@@ -4,6 +4,7 @@ holds every column) loading a checkpoint of two hand-split shards."""
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -184,3 +185,29 @@ def test_a_single_path_and_a_malformed_optimizer_state_are_refused_by_name(tmp_p
         load_shards(str(paths[0]), model)
     with pytest.raises(ValueError, match="optimizer_state must be a dict"):
         load_shards(paths, model, optimizer, {"param_groups": []})
+
+
+def test_a_pipe_a_directory_a_generator_and_a_table_keyed_by_an_int(tmp_path):
+    """A named pipe where a shard file belongs is refused without reading it (reading would wait forever); a
+    generator of paths is read once; a table keyed by something else than its name is named."""
+    model, optimizer = trained()
+    paths = [tmp_path / f"rank-{r}.pt" for r in range(2)]
+    shards = two_shards(model, optimizer)
+    for path, payload in zip(paths, shards):
+        torch.save(payload, path)
+    fresh = Holder()
+    shard_memories(fresh)
+    load_shards((path for path in paths), fresh)
+    assert torch.equal(fresh.memory.values, model.memory.values)
+    with pytest.raises(TypeError, match="paths must be a sequence"):
+        load_shards(None, fresh)
+    pipe, folder = tmp_path / "pipe.pt", tmp_path / "folder.pt"
+    os.mkfifo(pipe)
+    folder.mkdir()
+    for odd in (pipe, folder):
+        with pytest.raises(ValueError, match=f"{odd} is not a shard file: not a regular file"):
+            load_shards([paths[0], odd], fresh)
+    shards[1]["tables"][3] = shards[1]["tables"][TABLE]
+    torch.save(shards[1], paths[1])
+    with pytest.raises(ValueError, match=f"{paths[1]}: table 3: a table's key must be its parameter's name"):
+        load_shards(paths, fresh)

@@ -50,6 +50,8 @@ def collect_results(layout: SuiteLayout, config: SuiteConfig) -> tuple[list[dict
             logger.warning("skipping %s: not a run of this suite config", path)
             continue
         try:
+            if not path.is_file():  # a directory, or a pipe (reading one would wait forever)
+                raise ConfigError(f"{path} is not a suite results file: not a regular file")
             record = read_json_object(path, "suite results file")
             if isinstance(record.get("config_hash"), str) and record["config_hash"] != run_hash(config, run):
                 logger.warning("skipping %s: not a run of this suite config", path)

@@ -35,8 +35,15 @@ def _check_scalar(name: str, value: object) -> None:
             raise TypeError(f"{expected}, got a tensor of dtype {str(value.dtype).replace('torch.', '')}")
         if value.numel() != 1:
             raise ValueError(f"{expected}, got a tensor of shape {tuple(value.shape)}")
+        if value.device.type == "meta":
+            raise ValueError(f"{expected} holding a value, got a meta tensor")
     elif isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{expected}, got {type(value).__name__}")
+    else:
+        try:
+            float(value)
+        except OverflowError:
+            raise ValueError(f"{name} must be a finite number >= 0, got an int too large for a float") from None
 
 
 def _check_hyper_parameters(lr: torch.Tensor, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:

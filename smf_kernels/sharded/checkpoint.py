@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 import pickle
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -87,6 +87,8 @@ def replicated_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimize
 
 
 def _read(path: Path) -> dict:
+    if not path.is_file():  # a directory, a missing path, or a pipe (reading one would wait forever)
+        raise ValueError(f"{path} is not a shard file: {'not a regular file' if path.exists() else 'no such file'}")
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as err:
@@ -118,8 +120,10 @@ def _check_payload(path: Path, payload: dict) -> None:
         raise ValueError(f"{path}: entry 'tables' holds no table")
     for name, table in payload["tables"].items():
         where = f"{path}: table {name!r}"
-        if not isinstance(name, str) or not isinstance(table, dict):
-            raise ValueError(f"{where} must map a parameter name to a dict, got {type(table).__name__}")
+        if not isinstance(name, str):
+            raise ValueError(f"{where}: a table's key must be its parameter's name (a str), got {type(name).__name__}")
+        if not isinstance(table, dict):
+            raise ValueError(f"{where} must be a dict of shape, columns, values and state, got {type(table).__name__}")
         shape, columns = table.get("shape"), table.get("columns")
         if not _int_pair(shape):
             raise ValueError(f"{where}, entry 'shape': must be [M, D] (two ints >= 0), got {shape!r}")
@@ -170,7 +174,10 @@ def read_shards(paths: Sequence[str | Path]) -> list[dict]:
     (tensors memory-mapped)."""
     if isinstance(paths, (str, Path)):
         raise ValueError(f"paths must be a sequence of shard files (every rank's), got the one path {paths!r}")
-    read = sorted(((Path(path), _read(Path(path))) for path in paths), key=lambda item: item[1]["rank"])
+    listed = list(paths) if isinstance(paths, Iterable) else None
+    if listed is None or not all(isinstance(path, (str, Path)) for path in listed):
+        raise TypeError(f"paths must be a sequence of shard file paths (str or Path), got {paths!r}")
+    read = sorted(((Path(path), _read(Path(path))) for path in listed), key=lambda item: item[1]["rank"])
     if not read:
         raise ValueError("no shard files given")
     size = read[0][1]["size"]
