@@ -1,5 +1,5 @@
 """Two gloo ranks whose sharded memories disagree (issue 34 item 4): sizes, dtypes, which gradients a read needs,
-gather_values' dst. Every rank raises the same ValueError naming what differs, before any collective whose sizes
+gather_values' dst, one rank reading while the other gathers the table. Every rank raises the same ValueError naming what differs, before any collective whose sizes
 depend on it, and the group stays usable (the next case runs on it). Named cases and a seeded sweep of random
 configuration pairs run in one spawn (starting processes costs more than the cases)."""
 from __future__ import annotations
@@ -31,6 +31,7 @@ NAMED = {
     "gather dst": ({"dst": 1}, ["dst"]),
     "gather dst out of range": ({"dst": 2, "dst0": 2}, ["dst must be a rank of the group"]),
     "gather width": ({"value_dim": 11, "dst": 0}, ["value_dim"]),
+    "a read against gather_values": ({"dst": 0, "rank0_reads": True}, ["run different collectives"]),
 }
 SWEEP = 12  # random configuration pairs
 PRECEDENCE = ("d_model", "n_keys", "heads", "topk", "key_dim", "value_dim")
@@ -91,7 +92,7 @@ def _job(rank, init, out_dir):
             if rank == 1:
                 config.update({k: v for k, v in change.items() if k in BASE})
                 extra.update({"dst": change["dst"]} if "dst" in change else {})
-            elif "dst" in change:
+            elif "dst" in change and not change.get("rank0_reads"):
                 extra = {"dst": change.get("dst0", 0)}
             if rank == 0:
                 extra.pop("dtype", None), extra.pop("frozen_lookup", None), extra.pop("no_grad", None)

@@ -46,24 +46,25 @@ def _check_scalar(name: str, value: object) -> None:
             raise ValueError(f"{name} must be a finite number >= 0, got an int too large for a float") from None
 
 
-def _check_hyper_parameters(lr: torch.Tensor, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+def _check_hyper_parameters(lr: torch.Tensor | float | None, beta1: float, beta2: float, eps: float,
+                            weight_decay: float) -> None:
     """ValueError naming the first hyper-parameter that is not as :class:`~smf_kernels.sparse.RowSparseAdamW`
     takes it: ``lr``, ``eps`` and ``weight_decay`` finite and >= 0, ``betas`` in [0, 1).
 
-    Runs inside the op, before any row moves, so that every backend and a compiled step check the same
-    values. ``lr`` is a 0-d float64 tensor: read on the CPU; on an accelerator a device-side assertion (no
-    host sync in the step; a violation aborts the next synchronising call, as an out-of-range row does).
+    Runs inside the op, before any row moves, so that every backend and a compiled step check the same values
+    (and in :func:`row_adamw_` first, on the host, for numbers). ``lr``: a number, None (not checked here), or
+    a 0-d tensor: read on the CPU; on an accelerator a device-side assertion (no host sync in the step; a
+    violation aborts the next synchronising call, as an out-of-range row does).
     """
     if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
         raise ValueError(f"betas must lie in [0, 1), got ({beta1}, {beta2})")
     for name, value in (("eps", eps), ("weight_decay", weight_decay)):
         if not 0.0 <= value < math.inf:
             raise ValueError(f"{name} must be a finite number >= 0, got {value}")
-    if lr.device.type == "cpu":
-        if not 0.0 <= float(lr) < math.inf:
-            raise ValueError(f"lr must be a finite number >= 0, got {float(lr)}")
-    else:
+    if isinstance(lr, torch.Tensor) and lr.device.type != "cpu":
         torch._assert_async((lr >= 0) & torch.isfinite(lr), "lr must be a finite number >= 0")
+    elif lr is not None and not 0.0 <= float(lr) < math.inf:
+        raise ValueError(f"lr must be a finite number >= 0, got {float(lr)}")
 
 
 def _factor(value: torch.Tensor | float, device: torch.device) -> torch.Tensor:
@@ -151,10 +152,13 @@ def row_adamw_(
     for name, value in (("lr", lr), ("betas[0]", betas[0]), ("betas[1]", betas[1]), ("eps", eps),
                         ("weight_decay", weight_decay)):
         _check_scalar(name, value)
+    beta1, beta2, eps, weight_decay = float(betas[0]), float(betas[1]), float(eps), float(weight_decay)
+    # numbers on the host now (a clear error on any device); a tensor lr inside the op, where compiled steps run
+    _check_hyper_parameters(None if isinstance(lr, torch.Tensor) else lr, beta1, beta2, eps, weight_decay)
     check_same_device("param", param, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, row_step=row_step, rows=rows,
                       grad=grad, valid=valid)
     name = resolve_backend(backend, param.device, param.dtype)
     scale = None if grad_scale is None else grad_scale.detach().to(device=param.device, dtype=dtype).reshape(())
     with torch.no_grad():  # an in-place update of a leaf that requires grad, as an optimizer makes
         _row_adamw(param, exp_avg, exp_avg_sq, row_step, rows, grad.contiguous(), valid, _factor(lr, param.device),
-                   scale, float(betas[0]), float(betas[1]), float(eps), float(weight_decay), name)
+                   scale, beta1, beta2, eps, weight_decay, name)

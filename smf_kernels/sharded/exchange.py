@@ -4,9 +4,9 @@ Every rank holds some tokens (``N_r`` of them) and some columns of the value tab
 then goes:
 
 1. :func:`token_counts`: every rank learns every ``N_s`` and checks that every rank reads with the same
-   configuration (an all_to_all of ``1 + len(READ_FIELDS)`` int64 per pair of ranks, of that fixed size
-   whatever the configuration, so that ranks that disagree all raise the same error before any collective
-   whose sizes depend on it);
+   configuration (an all_to_all of :data:`AGREEMENT_WIDTH` int64 per pair of ranks, of that fixed size
+   whatever the configuration or operation, so that ranks that disagree all raise the same error before any
+   collective whose sizes depend on it);
 2. :class:`GatherReads`: every rank receives every token's slot ids and weights (an all_to_all that
    sends this rank's ``(N_r, L)`` ids, as int32, and weights to every other rank); its backward
    returns to each rank the sum over ranks of the partial weight gradients of its tokens;
@@ -67,20 +67,35 @@ def _shown(field: str, value: int) -> str:
     return str(value)
 
 
-def token_counts(num_tokens: int, shard: ColumnShard, device: torch.device, agreed: dict[str, int]) -> list[int]:
-    """``N_s`` of every rank of ``shard.group``, in rank order, with a check that the ranks agree: an all_to_all of
-    ``1 + len(agreed)`` int64 per pair of ranks, the token count and this rank's ``agreed`` values (for a read,
-    :data:`READ_FIELDS` of the memory; every rank must pass the same fields).
+# What a rank is doing when it exchanges token counts: every rank must be doing the same.
+OPERATIONS = ("a read (forward)", "gather_values")
+AGREEMENT_WIDTH = 2 + len(READ_FIELDS)  # int64 per pair of ranks: the count, the operation, the fields (padded)
 
-    Raises ValueError, the same on every rank (each receives every rank's values), if the ranks' ``agreed``
-    values differ: then no collective whose sizes depend on them is entered.
+
+def token_counts(num_tokens: int, shard: ColumnShard, device: torch.device, agreed: dict[str, int],
+                 operation: int = 0) -> list[int]:
+    """``N_s`` of every rank of ``shard.group``, in rank order, with a check that the ranks agree: an all_to_all of
+    :data:`AGREEMENT_WIDTH` int64 per pair of ranks (the same size for every operation and configuration): the
+    token count, ``operation`` (an index into :data:`OPERATIONS`) and this rank's ``agreed`` values (for a read,
+    :data:`READ_FIELDS` of the memory; at most that many), padded with -1.
+
+    Raises ValueError, the same on every rank (each receives every rank's values), if the ranks run different
+    operations or their ``agreed`` values differ: then no collective whose sizes depend on them is entered.
     """
-    row = torch.tensor([num_tokens, *agreed.values()], dtype=torch.int64, device=device)
-    width = row.numel()
-    gathered = _all_to_all(row.repeat(shard.size), [width] * shard.size, [width] * shard.size, shard,
-                           "token_counts").view(shard.size, width).tolist()
+    if len(agreed) > len(READ_FIELDS):
+        raise ValueError(f"agreed holds {len(agreed)} fields, at most {len(READ_FIELDS)} travel with the counts")
+    padding = [-1] * (len(READ_FIELDS) - len(agreed))
+    row = torch.tensor([num_tokens, operation, *agreed.values(), *padding], dtype=torch.int64, device=device)
+    gathered = _all_to_all(row.repeat(shard.size), [AGREEMENT_WIDTH] * shard.size, [AGREEMENT_WIDTH] * shard.size,
+                           shard, "token_counts").view(shard.size, AGREEMENT_WIDTH).tolist()
+    operations = [row[1] for row in gathered]
+    if len(set(operations)) > 1:
+        doing = ", ".join(f"rank {rank} {OPERATIONS[op] if 0 <= op < len(OPERATIONS) else 'another operation'}"
+                          for rank, op in enumerate(operations))
+        raise ValueError(f"the ranks of a sharded memory's group run different collectives ({doing}); every rank "
+                         "must run each forward and gather_values of the memory together (every rank raises this)")
     differing = []
-    for column, field in enumerate(agreed, start=1):
+    for column, field in enumerate(agreed, start=2):
         values = [row[column] for row in gathered]
         if len(set(values)) > 1:
             differing.append(f"{field}: " + ", ".join(f"rank {rank} {_shown(field, value)}"

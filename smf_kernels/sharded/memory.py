@@ -13,7 +13,7 @@ from torch import nn
 from smf_kernels.memory import ProductKeyMemory, RowsRead, _RowsReadBy
 from smf_kernels.ops import silu_mul, weighted_gather
 from smf_kernels.sharded.exchange import (INDEX_LIMIT, AverageGradOverGroup, ExchangeColumns, GatherReads,
-                                          READ_FIELDS, dtype_code, token_counts, token_offset)
+                                          OPERATIONS, READ_FIELDS, dtype_code, token_counts, token_offset)
 from smf_kernels.sharded.layout import SHARD_ATTRIBUTE, ColumnShard
 
 _DRAW_ELEMENTS = 1 << 22  # values drawn per chunk at initialisation (16 MiB of fp32)
@@ -165,7 +165,8 @@ class ShardedProductKeyMemory(ProductKeyMemory):
         chosen = dst if isinstance(dst, int) and not isinstance(dst, bool) and -2 ** 63 <= dst < 2 ** 63 else -1
         config = self.config()
         token_counts(0, shard, self.values.device, {"n_keys": config["n_keys"], "value_dim": config["value_dim"],
-                                                    "values dtype": dtype_code(self.values.dtype), "dst": chosen})
+                                                    "values dtype": dtype_code(self.values.dtype), "dst": chosen},
+                     operation=OPERATIONS.index("gather_values"))
         if chosen != dst or not 0 <= dst < shard.size:
             raise ValueError(f"dst must be a rank of the group, an int in [0, {shard.size}), got {dst!r}")
         global_dst = dist.get_global_rank(shard.group, dst) if shard.group is not None else dst
