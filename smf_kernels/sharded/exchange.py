@@ -50,7 +50,7 @@ LEDGER = CommLedger()
 # What every rank of a group must hold alike for a read's collectives to match (sizes, dtypes, which backward
 # collectives run); each rank sends its values with its token count.
 READ_FIELDS = ("d_model", "n_keys", "heads", "topk", "key_dim", "value_dim", "values dtype", "weights dtype",
-                 "weights need grad", "read needs grad")
+               "weights need grad", "read needs grad")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -85,10 +85,10 @@ def token_counts(num_tokens: int, shard: ColumnShard, device: torch.device, agre
     if len(agreed) > len(READ_FIELDS):
         raise ValueError(f"agreed holds {len(agreed)} fields, at most {len(READ_FIELDS)} travel with the counts")
     padding = [-1] * (len(READ_FIELDS) - len(agreed))
-    row = torch.tensor([num_tokens, operation, *agreed.values(), *padding], dtype=torch.int64, device=device)
-    gathered = _all_to_all(row.repeat(shard.size), [AGREEMENT_WIDTH] * shard.size, [AGREEMENT_WIDTH] * shard.size,
+    mine = torch.tensor([num_tokens, operation, *agreed.values(), *padding], dtype=torch.int64, device=device)
+    gathered = _all_to_all(mine.repeat(shard.size), [AGREEMENT_WIDTH] * shard.size, [AGREEMENT_WIDTH] * shard.size,
                            shard, "token_counts").view(shard.size, AGREEMENT_WIDTH).tolist()
-    operations = [row[1] for row in gathered]
+    operations = [rank_row[1] for rank_row in gathered]
     if len(set(operations)) > 1:
         doing = ", ".join(f"rank {rank} {OPERATIONS[op] if 0 <= op < len(OPERATIONS) else 'another operation'}"
                           for rank, op in enumerate(operations))
@@ -96,7 +96,7 @@ def token_counts(num_tokens: int, shard: ColumnShard, device: torch.device, agre
                          "must run each forward and gather_values of the memory together (every rank raises this)")
     differing = []
     for column, field in enumerate(agreed, start=2):
-        values = [row[column] for row in gathered]
+        values = [rank_row[column] for rank_row in gathered]
         if len(set(values)) > 1:
             differing.append(f"{field}: " + ", ".join(f"rank {rank} {_shown(field, value)}"
                                                        for rank, value in enumerate(values)))
@@ -104,7 +104,7 @@ def token_counts(num_tokens: int, shard: ColumnShard, device: torch.device, agre
         raise ValueError(f"the ranks of a sharded memory's group disagree ({'; '.join(differing)}); every rank "
                          "must build the same memory and run it with the same dtypes, gradients and arguments "
                          "(every rank raises this)")
-    return [row[0] for row in gathered]
+    return [rank_row[0] for rank_row in gathered]
 
 
 def _all_to_all(send: torch.Tensor, send_splits: list[int], receive_splits: list[int], shard: ColumnShard,
