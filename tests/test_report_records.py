@@ -190,8 +190,8 @@ _PLACES = [("condition",), ("seed",), ("update",), ("metrics",), ("metrics", "me
 @settings(max_examples=30, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(place=st.sampled_from(_PLACES), value=_JSON, delete=st.booleans())
-def test_any_json_value_anywhere_in_a_record_is_taken_or_refused_naming_the_field(paper_suite, place, value,  # noqa: F811
-                                                                                  delete):
+def test_any_json_value_anywhere_in_a_record_is_taken_or_refused_naming_the_field(  # noqa: F811
+        paper_suite, place, value, delete):
     """Either the record is still one the suite could have written and the report takes it (and renders it), or
     it is refused in one line naming the file and the place's top-level field; nothing else is raised."""
     suite_dir, _ = paper_suite

@@ -1,7 +1,8 @@
 """Two gloo ranks whose sharded memories disagree (issue 34 item 4): sizes, dtypes, which gradients a read needs,
-gather_values' dst, one rank reading while the other gathers the table. Every rank raises the same ValueError naming what differs, before any collective whose sizes
-depend on it, and the group stays usable (the next case runs on it). Named cases and a seeded sweep of random
-configuration pairs run in one spawn (starting processes costs more than the cases)."""
+gather_values' dst, one rank reading while the other gathers the table. Every rank raises the same ValueError
+naming what differs, before any collective whose sizes depend on it, and the group stays usable (the next case
+runs on it). Named cases and a seeded sweep of random configuration pairs run in one spawn (starting processes
+costs more than the cases)."""
 from __future__ import annotations
 
 import datetime

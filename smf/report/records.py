@@ -64,8 +64,8 @@ def _check_metrics(metrics: object, metric_keys: Iterable[str], known: set[str])
     for key in metric_keys:
         _require(key in metrics, f"metrics.{key}", "present (the suite evaluates its task)", _MISSING)
     for key, value in metrics.items():
-        _require(key in known, f"metrics.{_key(key)}", f"a metric key the evaluation writes ({', '.join(sorted(known))})",
-                 key)
+        _require(key in known, f"metrics.{_key(key)}",
+                 f"a metric key the evaluation writes ({', '.join(sorted(known))})", key)
         if value is None:
             continue
         _require(_is_number(value), f"metrics.{key}", "a finite number or null", value)
