@@ -62,7 +62,7 @@ def read_json_object(path: str | Path, what: str, required: tuple[str, ...] = ()
     path = Path(path)
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+    except (OSError, ValueError, RecursionError) as err:  # ValueError: bad JSON, bad UTF-8, an int of > 4300 digits
         raise ConfigError(f"{path} is not a readable {what} ({str(err).splitlines()[0]})") from None
     missing = [key for key in required if not isinstance(value, dict) or key not in value]
     if not isinstance(value, dict) or missing:

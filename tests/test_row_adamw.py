@@ -1,7 +1,11 @@
 """smf_kernels.ops.row_adamw_: AdamW on some rows of a table, against the float64 reference, on every backend;
 every other row and its state keep their bits."""
+import math
+
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from helpers import rel_err
 from smf_kernels.backends import unavailable_reason
@@ -118,3 +122,118 @@ def test_arguments_are_checked_by_name():
                        **HYPER)
     with pytest.raises(ValueError, match="valid"):
         row_adamw_(param, exp_avg, exp_avg_sq, row_step, rows, grad, **HYPER, valid=torch.ones(3, dtype=torch.bool))
+
+
+# --- hyper-parameters (issue 34 item 1): the rules of RowSparseAdamW, on every backend, before anything moves ---
+
+_NUMBERS = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True, width=64),
+    st.sampled_from([0.0, -0.0, 1e-8, -1e-8, 0.999999, 1.0, 1.5, -1.0, float("nan"), float("inf"), -float("inf")]),
+)
+_HYPER_VALUES = st.one_of(
+    _NUMBERS,
+    st.integers(-3, 3),
+    st.booleans(),
+    st.sampled_from(["0.01", None, 1j, [0.01], 10 ** 400]),
+    st.builds(lambda v, shape, dtype: torch.full(shape, v, dtype=torch.float64).to(dtype), _NUMBERS,
+              st.sampled_from([(), (1,), (2,), (1, 1)]), st.sampled_from([torch.float32, torch.float64])),
+    st.builds(lambda v: torch.tensor(v), st.integers(0, 2)),
+)
+
+
+def _number(value):
+    """The float a valid scalar argument stands for, or None if it is not one."""
+    if isinstance(value, torch.Tensor):
+        return float(value) if value.numel() == 1 and value.is_floating_point() else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or abs(value) > 1e308:
+        return None
+    return float(value)
+
+
+def _first_refused(lr, betas, eps, weight_decay):
+    """The name of the first argument row_adamw_ must refuse (None if all are valid)."""
+    value = _number(lr)
+    if value is None or not 0.0 <= value < math.inf or (isinstance(lr, torch.Tensor) and lr.numel() != 1):
+        return "lr"
+    if any(_number(b) is None or not 0.0 <= _number(b) < 1.0 for b in betas):
+        return "betas"
+    for name, v in (("eps", eps), ("weight_decay", weight_decay)):
+        if _number(v) is None or not 0.0 <= _number(v) < math.inf:
+            return name
+    return None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=40, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(which=st.sampled_from(["lr", "beta1", "beta2", "eps", "weight_decay"]), value=_HYPER_VALUES)
+def test_a_refused_hyper_parameter_is_named_and_nothing_moves(backend, which, value):
+    """One hyper-parameter drawn from numbers (NaN, inf, negative, >= 1), ints, bools, strings and tensors of
+    several shapes and dtypes, the others valid: either it is valid and the rows follow the reference, or one
+    ValueError / TypeError naming it and every tensor keeps its bits."""
+    hyper = dict(lr=3e-2, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.1)
+    if which in ("beta1", "beta2"):
+        hyper["betas"] = (value, 0.99) if which == "beta1" else (0.9, value)
+    else:
+        hyper[which] = value
+    state = table(11, 6, torch.float32)
+    before = [t.clone() for t in state]
+    rows, grad = torch.tensor([1, 4, 10]), torch.randn(3, 6)
+    refused = _first_refused(hyper["lr"], hyper["betas"], hyper["eps"], hyper["weight_decay"])
+    if refused is None:
+        row_adamw_(*state, rows, grad, **hyper, backend=backend)
+        plain = {k: (_number(v) if k != "betas" else tuple(_number(b) for b in v)) for k, v in hyper.items()}
+        expected = row_adamw_reference(*before, rows, grad, **plain)
+        assert torch.equal(state[3], expected[3])
+        untouched = torch.ones(11, dtype=torch.bool)
+        untouched[rows] = False
+        assert all(torch.equal(a[untouched], b[untouched]) for a, b in zip(state, before))
+        if plain["lr"] <= 10 and plain["weight_decay"] <= 1e3:  # larger ones overflow float32, as in AdamW
+            for new, ref in zip(state[:3], expected[:3]):
+                assert torch.isfinite(new).all() and rel_err(new[rows], ref[rows]) < 1e-5
+        return
+    with pytest.raises((ValueError, TypeError), match=refused) as caught:
+        row_adamw_(*state, rows, grad, **hyper, backend=backend)
+    assert "\n" not in str(caught.value)
+    assert all(torch.equal(a, b) for a, b in zip(state, before)), "a refused call changed the table or its state"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_learning_rate_set_to_nan_after_construction_is_refused_at_the_step(backend):
+    """RowSparseAdamW checks lr when it is built; a scheduler (or a hand) that writes NaN into the group later
+    reaches row_adamw_, which refuses it before a row moves."""
+    param = torch.nn.Parameter(torch.randn(8, 5))
+    optimizer = RowSparseAdamW([param], lr=0.01)
+    optimizer.step_rows(param, torch.tensor([2, 5]), torch.randn(2, 5))
+    before = param.detach().clone(), {k: v.clone() for k, v in optimizer.state[param].items()}
+    for bad in (float("nan"), torch.tensor(float("inf")), -1e-3):
+        optimizer.param_groups[0]["lr"] = bad
+        with pytest.raises(ValueError, match="lr must be a finite number >= 0"):
+            optimizer.step_rows(param, torch.tensor([2, 5]), torch.randn(2, 5))
+    assert torch.equal(param, before[0])
+    assert all(torch.equal(optimizer.state[param][k], v) for k, v in before[1].items())
+
+
+def test_the_op_itself_checks_the_values_it_is_called_with():
+    """torch.ops.smf_kernels.row_adamw_ called directly (a compiled graph calls it so) checks the values too."""
+    state = table(6, 3, torch.float32)
+    before = [t.clone() for t in state]
+    lr = torch.tensor(0.01, dtype=torch.float64)
+    args = (*state, torch.tensor([0, 2]), torch.randn(2, 3), None)
+    for changed, name in ((dict(lr=torch.tensor(float("nan"), dtype=torch.float64)), "lr"), (dict(eps=-1.0), "eps"),
+                          (dict(weight_decay=float("inf")), "weight_decay"), (dict(beta2=1.0), "betas")):
+        kwargs = dict(lr=lr, grad_scale=None, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, backend="torch")
+        kwargs.update(changed)
+        with pytest.raises(ValueError, match=name):
+            torch.ops.smf_kernels.row_adamw_(*args, **kwargs)
+    assert all(torch.equal(a, b) for a, b in zip(state, before))
+
+
+def test_a_meta_learning_rate_and_one_too_large_for_a_float_are_refused_by_name():
+    state = table(6, 3, torch.float32)
+    before = [t.clone() for t in state]
+    for name, value, match in (("lr", torch.tensor(0.1, device="meta"), "meta tensor"),
+                               ("lr", 10 ** 400, "too large"), ("weight_decay", -(10 ** 400), "too large")):
+        with pytest.raises(ValueError, match=f"{name} must .*{match}"):
+            row_adamw_(*state, torch.tensor([0, 2]), torch.randn(2, 3), **{**HYPER, name: value})
+    assert all(torch.equal(a, b) for a, b in zip(state, before))

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from smf.report import accounting_markdown, paper_qwen_config, parameter_accounting, write_report
 from smf.report.paper_results import HIGHER_IS_BETTER, METRIC_TITLES, METRICS, display_name
+from smf.report.records import check_results_record
 from smf.report.table import summarize
 from smf.suite.config import SuiteConfig, suite_config_from_dict
 from smf.suite.plan import SuiteLayout, plan_runs, run_hash, stage_settings
@@ -36,18 +37,32 @@ def load_suite_dir(suite_dir: str | Path) -> SuiteConfig:
     return suite_config_from_dict(read_json_object(layout.config_file, "suite config record"))
 
 
-def collect_results(layout: SuiteLayout, config: SuiteConfig) -> list[dict]:
-    """The results files of ``config``'s planned runs that were computed with ``config`` (same run
-    hash), sorted by file name: leftovers of other configs in the same directory are skipped."""
-    planned = {run.name: run_hash(config, run) for run in plan_runs(config)}
-    results = []
+def collect_results(layout: SuiteLayout, config: SuiteConfig) -> tuple[list[dict], dict[str, str], dict[str, str]]:
+    """(results, refused, foreign): the results files of ``config``'s planned runs that were computed with
+    ``config`` (same run hash), sorted by file name, each checked (:func:`smf.report.records.check_results_record`);
+    the planned runs whose file the check refused, and those whose file another config wrote: run name -> why,
+    in one line. Files of runs the config does not plan are skipped with a warning."""
+    planned = {run.name: run for run in plan_runs(config)}
+    results, refused, foreign = [], {}, {}
     for path in sorted(layout.results_dir.glob("*.json")):
-        record = read_json_object(path, "suite results file", ("config_hash", "metrics", "timing"))
-        if planned.get(path.stem) == record.get("config_hash"):
-            results.append(record)
-        else:
+        run = planned.get(path.stem)
+        if run is None:
             logger.warning("skipping %s: not a run of this suite config", path)
-    return results
+            continue
+        try:
+            if not path.is_file():  # a directory, or a pipe (reading one would wait forever)
+                raise ConfigError(f"{path} is not a suite results file: not a regular file")
+            record = read_json_object(path, "suite results file")
+            if isinstance(record.get("config_hash"), str) and record["config_hash"] != run_hash(config, run):
+                logger.warning("skipping %s: not a run of this suite config", path)
+                foreign[run.name] = f"{path} was written by a suite with other settings; skipped"
+                continue
+            check_results_record(path, record, run, config.eval.tasks)
+        except ConfigError as err:
+            refused[run.name] = str(err)
+            continue
+        results.append(record)
+    return results, refused, foreign
 
 
 def table_records(results: list[dict], update: str = "exact") -> list[dict]:
@@ -140,17 +155,25 @@ def write_accounting(config: SuiteConfig, out_dir: Path) -> list[Path]:
 
 def write_suite_report(suite_dir: str | Path) -> list[Path]:
     """Table 1, the Pareto figure, the accounting and the status of the suite in ``suite_dir``; returns
-    the paths written."""
+    the paths written. A results file that fails its check (:mod:`smf.report.records`) is left out of the
+    tables and shown as failed in the status, the others' report is written, and then a ConfigError names the
+    file and field in one line."""
     config = load_suite_dir(suite_dir)
     layout = SuiteLayout(Path(suite_dir))
-    results = collect_results(layout, config)
-    if not results:
+    results, refused, foreign = collect_results(layout, config)
+    if not results and not refused:
         raise ConfigError(f"--suite-dir {str(suite_dir)!r} holds no finished run (results/*.json) to report")
-    include_paper = config.model == DEFAULT_MODEL
-    paths = write_report(table_records(results), layout.root, include_paper=include_paper, model=config.model)
-    if config.authors_update:
-        paths += write_update_ablation(config, results, layout.root)
+    paths = []
+    if results:
+        include_paper = config.model == DEFAULT_MODEL
+        paths += write_report(table_records(results), layout.root, include_paper=include_paper, model=config.model)
+        if config.authors_update:
+            paths += write_update_ablation(config, results, layout.root)
     paths += write_accounting(config, layout.root)
-    paths += write_status(config, layout.root)
+    paths += write_status(config, layout.root, failed={**foreign, **refused})
     logger.info("report of %d runs written to %s", len(results), layout.root)
+    if refused:
+        first, *others = refused.values()
+        more = f" (and {len(others)} more refused: {', '.join(list(refused)[1:])})" if others else ""
+        raise ConfigError(f"{first}{more}; the report of the other {len(results)} runs is in {layout.root}")
     return paths

@@ -18,14 +18,14 @@ def _status_rows(config: SuiteConfig, layout: SuiteLayout, failed: dict[str, str
         row = {"condition": run.condition, "update": run.update, "seed": run.seed, "status": "pending", "metrics": {},
                "train_s": None,
                "eval_s": None, "results": None}
-        if path.is_file():
+        if run.name in failed:  # before the file: the report names results files it refused here
+            row["status"] = f"failed: {failed[run.name]}"
+        elif path.is_file():
             results = read_json_object(path, "suite results file", ("metrics", "timing"))
             timing = results["timing"]
             stages = [v for k, v in timing.items() if k in ("retrofit_s", "background_s", "train_s")]
             row.update(status="done", metrics=results["metrics"], results=str(path.relative_to(layout.root)),
                        train_s=sum(stages) if stages else None, eval_s=sum(timing["eval_s"].values()))
-        elif run.name in failed:
-            row["status"] = f"failed: {failed[run.name]}"
         rows.append(row)
     return rows
 

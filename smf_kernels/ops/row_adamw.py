@@ -15,11 +15,56 @@ Every other row, its moments and its step count keep their bits.
 """
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 from smf_kernels._checks import FLOAT_DTYPES, check_ascending, check_index_range, check_same_device, check_tensor
 from smf_kernels._precision import accumulation_dtype, no_autocast
 from smf_kernels.backends import implementation, resolve_backend, torch_impl
+
+
+def _check_scalar(name: str, value: object) -> None:
+    """TypeError / ValueError naming ``name`` unless ``value`` is a real number (not a bool) or a one-element
+    floating tensor, as torch.optim.AdamW takes them; the value itself is checked inside the op
+    (:func:`_check_hyper_parameters`)."""
+    expected = f"{name} must be a real number or a 0-d floating tensor"
+    if isinstance(value, torch.Tensor):
+        if not value.is_floating_point():
+            raise TypeError(f"{expected}, got a tensor of dtype {str(value.dtype).replace('torch.', '')}")
+        if value.numel() != 1:
+            raise ValueError(f"{expected}, got a tensor of shape {tuple(value.shape)}")
+        if value.device.type == "meta":
+            raise ValueError(f"{expected} holding a value, got a meta tensor")
+    elif isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{expected}, got {type(value).__name__}")
+    else:
+        try:
+            float(value)
+        except OverflowError:
+            raise ValueError(f"{name} must be a finite number >= 0, got an int too large for a float") from None
+
+
+def _check_hyper_parameters(lr: torch.Tensor | float | None, beta1: float, beta2: float, eps: float,
+                            weight_decay: float) -> None:
+    """ValueError naming the first hyper-parameter that is not as :class:`~smf_kernels.sparse.RowSparseAdamW`
+    takes it: ``lr``, ``eps`` and ``weight_decay`` finite and >= 0, ``betas`` in [0, 1).
+
+    Runs inside the op, before any row moves, so that every backend and a compiled step check the same values
+    (and in :func:`row_adamw_` first, on the host, for numbers). ``lr``: a number, None (not checked here), or
+    a 0-d tensor: read on the CPU; on an accelerator a device-side assertion (no host sync in the step; a
+    violation aborts the next synchronising call, as an out-of-range row does).
+    """
+    if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
+        raise ValueError(f"betas must lie in [0, 1), got ({beta1}, {beta2})")
+    for name, value in (("eps", eps), ("weight_decay", weight_decay)):
+        if not 0.0 <= value < math.inf:
+            raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+    if isinstance(lr, torch.Tensor) and lr.device.type != "cpu":
+        torch._assert_async((lr >= 0) & torch.isfinite(lr), "lr must be a finite number >= 0")
+    elif lr is not None and not 0.0 <= float(lr) < math.inf:
+        raise ValueError(f"lr must be a finite number >= 0, got {float(lr)}")
 
 
 def _factor(value: torch.Tensor | float, device: torch.device) -> torch.Tensor:
@@ -35,6 +80,7 @@ def _row_adamw(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Ten
                rows: torch.Tensor, grad: torch.Tensor, valid: torch.Tensor | None, lr: torch.Tensor,
                grad_scale: torch.Tensor | None, beta1: float, beta2: float, eps: float, weight_decay: float,
                backend: str) -> None:
+    _check_hyper_parameters(lr, beta1, beta2, eps, weight_decay)
     if rows.numel() == 0:
         return
     check_index_range("rows", rows, param.shape[0])  # the values are checked here, compiled or not
@@ -75,8 +121,8 @@ def row_adamw_(
         row_step: (M,) int64 per-row step counts.
         rows: (T,) int64 strictly ascending row ids in [0, M).
         grad: (T, D) gradient of those rows, row t for rows[t]; float32 (float64 for a float64 table).
-        lr: learning rate, a float or a 0-d tensor (no recompilation when a scheduler changes it).
-        betas, eps, weight_decay: as torch.optim.AdamW.
+        lr: learning rate >= 0, a float or a 0-d floating tensor (no recompilation when a scheduler changes it).
+        betas, eps, weight_decay: as torch.optim.AdamW: betas in [0, 1), eps and weight_decay finite and >= 0.
         grad_scale: optional 0-d tensor multiplying grad first (a clipping coefficient).
         valid: optional (T,) bool; rows with ``valid[t] == False`` are left alone (a fixed-size selection
             padded with rows that were not read).
@@ -101,13 +147,18 @@ def row_adamw_(
             raise ValueError(f"valid must have shape (T,) = {tuple(rows.shape)}, got {tuple(valid.shape)}")
     if grad_scale is not None and (not isinstance(grad_scale, torch.Tensor) or grad_scale.numel() != 1):
         raise ValueError("grad_scale must be a one-element tensor or None")
-    beta1, beta2 = betas
-    if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
-        raise ValueError(f"betas must lie in [0, 1), got {betas}")
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    for name, value in (("lr", lr), ("betas[0]", betas[0]), ("betas[1]", betas[1]), ("eps", eps),
+                        ("weight_decay", weight_decay)):
+        _check_scalar(name, value)
+    beta1, beta2, eps, weight_decay = float(betas[0]), float(betas[1]), float(eps), float(weight_decay)
+    # numbers on the host now (a clear error on any device); a tensor lr inside the op, where compiled steps run
+    _check_hyper_parameters(None if isinstance(lr, torch.Tensor) else lr, beta1, beta2, eps, weight_decay)
     check_same_device("param", param, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, row_step=row_step, rows=rows,
                       grad=grad, valid=valid)
     name = resolve_backend(backend, param.device, param.dtype)
     scale = None if grad_scale is None else grad_scale.detach().to(device=param.device, dtype=dtype).reshape(())
     with torch.no_grad():  # an in-place update of a leaf that requires grad, as an optimizer makes
         _row_adamw(param, exp_avg, exp_avg_sq, row_step, rows, grad.contiguous(), valid, _factor(lr, param.device),
-                   scale, float(beta1), float(beta2), float(eps), float(weight_decay), name)
+                   scale, beta1, beta2, eps, weight_decay, name)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from smf_kernels.sharded.exchange import AGREEMENT_WIDTH
 from smf_kernels.sharded.layout import column_bounds
 
 ID_BYTES = WEIGHT_BYTES = 4
@@ -44,7 +45,7 @@ def column_read_bytes(layer: Layer, tokens: list[int], rank: int, *, weight_grad
     bounds = column_bounds(layer.dim, world)
     mine, total, width = tokens[rank], sum(tokens), bounds[rank + 1] - bounds[rank]
     result = {
-        "token_counts": (world - 1) * COUNT_BYTES,
+        "token_counts": (world - 1) * AGREEMENT_WIDTH * COUNT_BYTES,  # with the fields ranks must agree on
         "reads": (world - 1) * mine * layer.reads * (ID_BYTES + WEIGHT_BYTES),  # every token's ids and weights
         "read_columns": (total - mine) * width * layer.value_bytes,  # my columns of the others' tokens
         "read_column_grads": mine * (layer.dim - width) * layer.value_bytes,  # their columns of my tokens' grads

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 import pickle
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -87,45 +87,119 @@ def replicated_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimize
 
 
 def _read(path: Path) -> dict:
+    if not path.is_file():  # a directory, a missing path, or a pipe (reading one would wait forever)
+        raise ValueError(f"{path} is not a shard file: {'not a regular file' if path.exists() else 'no such file'}")
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as err:
         raise ValueError(f"{path} is not a readable shard file (truncated or corrupt?): {err}") from err
     if not isinstance(payload, dict) or payload.get("format") != FORMAT or not isinstance(payload.get("tables"), dict):
         raise ValueError(f"{path} is not a shard file of format {FORMAT!r}")
+    _check_payload(path, payload)
     return payload
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_pair(value: object) -> bool:
+    return isinstance(value, (list, tuple)) and len(value) == 2 and all(_is_int(v) and v >= 0 for v in value)
+
+
+def _check_payload(path: Path, payload: dict) -> None:
+    """ValueError naming ``path`` (and the table and entry) unless every entry of the shard file has the
+    layout of the module docstring: ``rank`` in [0, size), each table's ``shape`` [M, D], ``columns``
+    [start, stop] within [0, D], ``values`` and every ``state`` tensor floating of shape (M, stop - start)."""
+    size, rank = payload.get("size"), payload.get("rank")
+    if not _is_int(size) or size < 1:
+        raise ValueError(f"{path}: entry 'size' must be an int >= 1 (the number of ranks), got {size!r}")
+    if not _is_int(rank) or not 0 <= rank < size:
+        raise ValueError(f"{path}: entry 'rank' must be an int in [0, size={size}), got {rank!r}")
+    if not payload["tables"]:
+        raise ValueError(f"{path}: entry 'tables' holds no table")
+    for name, table in payload["tables"].items():
+        where = f"{path}: table {name!r}"
+        if not isinstance(name, str):
+            raise ValueError(f"{where}: a table's key must be its parameter's name (a str), got {type(name).__name__}")
+        if not isinstance(table, dict):
+            raise ValueError(f"{where} must be a dict of shape, columns, values and state, got {type(table).__name__}")
+        shape, columns = table.get("shape"), table.get("columns")
+        if not _int_pair(shape):
+            raise ValueError(f"{where}, entry 'shape': must be [M, D] (two ints >= 0), got {shape!r}")
+        if not _int_pair(columns) or not columns[0] <= columns[1] <= shape[1]:
+            raise ValueError(f"{where}, entry 'columns': must be [start, stop] with 0 <= start <= stop <= "
+                             f"D={shape[1]}, got {columns!r}")
+        expected = (shape[0], columns[1] - columns[0])
+        state = table.get("state")
+        if not isinstance(state, dict) or not all(isinstance(key, str) for key in state):
+            raise ValueError(f"{where}, entry 'state': must be a dict of name -> tensor, got {type(state).__name__}")
+        for entry, tensor in (("values", table.get("values")), *((f"state[{k!r}]", v) for k, v in state.items())):
+            if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+                what = f"dtype {tensor.dtype}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+                raise ValueError(f"{where}, entry {entry}: must be a floating tensor of shape (M, stop - start) = "
+                                 f"{expected}, got {what}")
+            if tuple(tensor.shape) != expected:
+                raise ValueError(f"{where}, entry {entry}: must have shape (M, stop - start) = {expected}, got "
+                                 f"{tuple(tensor.shape)}")
+
+
+def _check_alike(path: Path, payload: dict, first_path: Path, first: dict) -> None:
+    """ValueError naming ``path``, the table and the entry unless each table of ``payload`` has rank 0's
+    (``first``) shape, value dtype, state entries and state dtypes."""
+    if set(payload["tables"]) != set(first["tables"]):
+        raise ValueError(f"{path} (rank {payload['rank']}) holds tables {sorted(payload['tables'])}, {first_path} "
+                         f"(rank 0) {sorted(first['tables'])}")
+    for name, table in payload["tables"].items():
+        ours, theirs = table, first["tables"][name]
+        where = f"{path} (rank {payload['rank']}): table {name!r}"
+        if list(ours["shape"]) != list(theirs["shape"]):
+            raise ValueError(f"{where}, entry 'shape': {list(ours['shape'])}, but {list(theirs['shape'])} in "
+                             f"{first_path} (rank 0)")
+        if ours["values"].dtype != theirs["values"].dtype:
+            raise ValueError(f"{where}, entry values: {ours['values'].dtype}, but {theirs['values'].dtype} in "
+                             f"{first_path} (rank 0)")
+        for key in sorted(set(ours["state"]) | set(theirs["state"])):
+            if key not in ours["state"] or key not in theirs["state"]:
+                holder, lacker = (first_path, path) if key not in ours["state"] else (path, first_path)
+                raise ValueError(f"{lacker}: table {name!r}, entry state[{key!r}]: missing, but {holder} holds it")
+            if ours["state"][key].dtype != theirs["state"][key].dtype:
+                raise ValueError(f"{where}, entry state[{key!r}]: {ours['state'][key].dtype}, but "
+                                 f"{theirs['state'][key].dtype} in {first_path} (rank 0)")
+
+
 def read_shards(paths: Sequence[str | Path]) -> list[dict]:
-    """The shard files of one checkpoint, checked to be ranks 0..W-1 of one run whose columns tile every
-    table; returned in rank order (tensors memory-mapped)."""
-    payloads = [_read(Path(path)) for path in paths]
-    if not payloads:
+    """The shard files of one checkpoint, each entry of each checked (ValueError naming the file, table and
+    entry), checked to be ranks 0..W-1 of one run whose columns tile every table; returned in rank order
+    (tensors memory-mapped)."""
+    if isinstance(paths, (str, Path)):
+        raise ValueError(f"paths must be a sequence of shard files (every rank's), got the one path {paths!r}")
+    listed = list(paths) if isinstance(paths, Iterable) else None
+    if listed is None or not all(isinstance(path, (str, Path)) for path in listed):
+        raise TypeError(f"paths must be a sequence of shard file paths (str or Path), got {paths!r}")
+    read = sorted(((Path(path), _read(Path(path))) for path in listed), key=lambda item: item[1]["rank"])
+    if not read:
         raise ValueError("no shard files given")
-    size = payloads[0]["size"]
-    ranks = sorted(p["rank"] for p in payloads)
-    if any(p["size"] != size for p in payloads) or ranks != list(range(size)):
-        raise ValueError(f"the shard files must be ranks 0..W-1 of one run; got ranks {ranks} of sizes "
-                         f"{sorted({p['size'] for p in payloads})}")
-    payloads.sort(key=lambda p: p["rank"])
-    names = set(payloads[0]["tables"])
-    for payload in payloads:
-        if set(payload["tables"]) != names:
-            raise ValueError(f"rank {payload['rank']}'s shard file holds tables {sorted(payload['tables'])}, "
-                             f"rank 0's {sorted(names)}")
-    for name in names:
-        shape = payloads[0]["tables"][name]["shape"]
+    size = read[0][1]["size"]
+    ranks = [payload["rank"] for _, payload in read]
+    if any(payload["size"] != size for _, payload in read) or ranks != list(range(size)):
+        found = ", ".join(f"{path}: rank {payload['rank']} of {payload['size']}" for path, payload in read)
+        raise ValueError(f"the shard files must be ranks 0..W-1 of one run; got {found}")
+    first_path, first = read[0]
+    for path, payload in read[1:]:
+        _check_alike(path, payload, first_path, first)
+    for name in first["tables"]:
+        shape = first["tables"][name]["shape"]
         end = 0
-        for payload in payloads:
-            table = payload["tables"][name]
-            start, stop = table["columns"]
-            if table["shape"] != shape or start != end or tuple(table["values"].shape) != (shape[0], stop - start):
-                raise ValueError(f"table {name!r}: rank {payload['rank']}'s shard does not continue the columns "
-                                 f"of a {shape} table at column {end}")
+        for path, payload in read:
+            start, stop = payload["tables"][name]["columns"]
+            if start != end:
+                raise ValueError(f"{path} (rank {payload['rank']}): table {name!r}, entry 'columns': starts at "
+                                 f"{start}, but the ranks before it end at column {end}")
             end = stop
         if end != shape[1]:
             raise ValueError(f"table {name!r}: the shards cover columns [0, {end}) of {shape[1]}")
-    return payloads
+    return [payload for _, payload in read]
 
 
 def _columns(payloads: list[dict], name: str, pick, start: int, stop: int) -> torch.Tensor:
@@ -146,7 +220,8 @@ def load_shards(paths: Sequence[str | Path], model: nn.Module, optimizer: torch.
     sharded tables, and ``optimizer_state`` (from :func:`replicated_optimizer_state`) with this rank's columns
     of the split state into ``optimizer``.
 
-    Everything is read and checked before anything is changed (ValueError naming the problem).
+    Every entry of every shard file is read and checked before anything is changed (ValueError naming the
+    file, the table and the entry).
     """
     payloads = read_shards(paths)
     params = sharded_parameters(model)
@@ -155,6 +230,9 @@ def load_shards(paths: Sequence[str | Path], model: nn.Module, optimizer: torch.
                          f"tables are {sorted(params)}")
     if (optimizer is None) != (optimizer_state is None):
         raise ValueError("pass both optimizer and optimizer_state, or neither")
+    if optimizer_state is not None and not (isinstance(optimizer_state, dict)
+                                            and isinstance(optimizer_state.get("state"), dict)):
+        raise ValueError("optimizer_state must be a dict with a 'state' dict (replicated_optimizer_state's)")
     values, state = {}, copy.copy(optimizer_state["state"]) if optimizer_state is not None else {}
     indices = _optimizer_indices(optimizer) if optimizer is not None else {}
     for name, param in params.items():

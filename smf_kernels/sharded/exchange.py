@@ -3,7 +3,10 @@
 Every rank holds some tokens (``N_r`` of them) and some columns of the value table (``D_r``). A read
 then goes:
 
-1. :func:`token_counts`: every rank learns every ``N_s`` (an all_to_all of one int64 per pair of ranks);
+1. :func:`token_counts`: every rank learns every ``N_s`` and checks that every rank reads with the same
+   configuration (an all_to_all of :data:`AGREEMENT_WIDTH` int64 per pair of ranks, of that fixed size
+   whatever the configuration or operation, so that ranks that disagree all raise the same error before any
+   collective whose sizes depend on it);
 2. :class:`GatherReads`: every rank receives every token's slot ids and weights (an all_to_all that
    sends this rank's ``(N_r, L)`` ids, as int32, and weights to every other rank); its backward
    returns to each rank the sum over ranks of the partial weight gradients of its tokens;
@@ -44,11 +47,64 @@ class CommLedger:
 LEDGER = CommLedger()
 
 
-def token_counts(num_tokens: int, shard: ColumnShard, device: torch.device) -> list[int]:
-    """``N_s`` of every rank of ``shard.group``, in rank order (an all_to_all of one int64 per pair of ranks)."""
-    mine = torch.full((shard.size,), num_tokens, dtype=torch.int64, device=device)
-    gathered = _all_to_all(mine, [1] * shard.size, [1] * shard.size, shard, "token_counts")
-    return [int(n) for n in gathered.tolist()]
+# What every rank of a group must hold alike for a read's collectives to match (sizes, dtypes, which backward
+# collectives run); each rank sends its values with its token count.
+READ_FIELDS = ("d_model", "n_keys", "heads", "topk", "key_dim", "value_dim", "values dtype", "weights dtype",
+               "weights need grad", "read needs grad")
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """A dtype as an int to send (-1 for one outside float16, bfloat16, float32, float64)."""
+    return _DTYPES.index(dtype) if dtype in _DTYPES else -1
+
+
+def _shown(field: str, value: int) -> str:
+    if field.endswith("dtype"):
+        return str(_DTYPES[value]).replace("torch.", "") if 0 <= value < len(_DTYPES) else "another dtype"
+    if field.endswith("need grad") or field.endswith("needs grad"):
+        return "yes" if value else "no"
+    return str(value)
+
+
+# What a rank is doing when it exchanges token counts: every rank must be doing the same.
+OPERATIONS = ("a read (forward)", "gather_values")
+AGREEMENT_WIDTH = 2 + len(READ_FIELDS)  # int64 per pair of ranks: the count, the operation, the fields (padded)
+
+
+def token_counts(num_tokens: int, shard: ColumnShard, device: torch.device, agreed: dict[str, int],
+                 operation: int = 0) -> list[int]:
+    """``N_s`` of every rank of ``shard.group``, in rank order, with a check that the ranks agree: an all_to_all of
+    :data:`AGREEMENT_WIDTH` int64 per pair of ranks (the same size for every operation and configuration): the
+    token count, ``operation`` (an index into :data:`OPERATIONS`) and this rank's ``agreed`` values (for a read,
+    :data:`READ_FIELDS` of the memory; at most that many), padded with -1.
+
+    Raises ValueError, the same on every rank (each receives every rank's values), if the ranks run different
+    operations or their ``agreed`` values differ: then no collective whose sizes depend on them is entered.
+    """
+    if len(agreed) > len(READ_FIELDS):
+        raise ValueError(f"agreed holds {len(agreed)} fields, at most {len(READ_FIELDS)} travel with the counts")
+    padding = [-1] * (len(READ_FIELDS) - len(agreed))
+    mine = torch.tensor([num_tokens, operation, *agreed.values(), *padding], dtype=torch.int64, device=device)
+    gathered = _all_to_all(mine.repeat(shard.size), [AGREEMENT_WIDTH] * shard.size, [AGREEMENT_WIDTH] * shard.size,
+                           shard, "token_counts").view(shard.size, AGREEMENT_WIDTH).tolist()
+    operations = [rank_row[1] for rank_row in gathered]
+    if len(set(operations)) > 1:
+        doing = ", ".join(f"rank {rank} {OPERATIONS[op] if 0 <= op < len(OPERATIONS) else 'another operation'}"
+                          for rank, op in enumerate(operations))
+        raise ValueError(f"the ranks of a sharded memory's group run different collectives ({doing}); every rank "
+                         "must run each forward and gather_values of the memory together (every rank raises this)")
+    differing = []
+    for column, field in enumerate(agreed, start=2):
+        values = [rank_row[column] for rank_row in gathered]
+        if len(set(values)) > 1:
+            differing.append(f"{field}: " + ", ".join(f"rank {rank} {_shown(field, value)}"
+                                                       for rank, value in enumerate(values)))
+    if differing:
+        raise ValueError(f"the ranks of a sharded memory's group disagree ({'; '.join(differing)}); every rank "
+                         "must build the same memory and run it with the same dtypes, gradients and arguments "
+                         "(every rank raises this)")
+    return [rank_row[0] for rank_row in gathered]
 
 
 def _all_to_all(send: torch.Tensor, send_splits: list[int], receive_splits: list[int], shard: ColumnShard,

@@ -13,7 +13,7 @@ from torch import nn
 from smf_kernels.memory import ProductKeyMemory, RowsRead, _RowsReadBy
 from smf_kernels.ops import silu_mul, weighted_gather
 from smf_kernels.sharded.exchange import (INDEX_LIMIT, AverageGradOverGroup, ExchangeColumns, GatherReads,
-                                          token_counts, token_offset)
+                                          OPERATIONS, READ_FIELDS, dtype_code, token_counts, token_offset)
 from smf_kernels.sharded.layout import SHARD_ATTRIBUTE, ColumnShard
 
 _DRAW_ELEMENTS = 1 << 22  # values drawn per chunk at initialisation (16 MiB of fp32)
@@ -97,7 +97,9 @@ class ShardedProductKeyMemory(ProductKeyMemory):
         if shard.size == 1:
             return super()._read_values(indices, weights, valid, gate)
         num_tokens = indices.shape[0]
-        counts = token_counts(num_tokens, shard, indices.device)
+        reads_grad = torch.is_grad_enabled() and (self.values.requires_grad or weights.requires_grad)
+        counts = token_counts(num_tokens, shard, indices.device,
+                              self._agreed(weights.dtype, weights.requires_grad, reads_grad))
         all_indices, all_weights = GatherReads.apply(indices, weights, counts, shard)
         counting = self.count_reads
         all_valid = None
@@ -113,6 +115,13 @@ class ShardedProductKeyMemory(ProductKeyMemory):
         )
         read = ExchangeColumns.apply(part, counts, shard)
         return silu_mul(gate, read.to(gate.dtype), backend=self.backend)  # the gate acts on whole rows
+
+    def _agreed(self, weights_dtype: torch.dtype, weights_need_grad: bool, read_needs_grad: bool) -> dict[str, int]:
+        """This rank's values of :data:`~smf_kernels.sharded.exchange.READ_FIELDS` for a read (sent with the token
+        counts, so that ranks that disagree raise before the collectives whose sizes depend on them)."""
+        return dict(zip(READ_FIELDS, (self.d_model, self.n_keys, self.heads, self.topk, self.key_dim, self.value_dim,
+                                      dtype_code(self.values.dtype), dtype_code(weights_dtype),
+                                      int(weights_need_grad), int(read_needs_grad)), strict=True))
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -151,6 +160,15 @@ class ShardedProductKeyMemory(ProductKeyMemory):
         shard = self.shard
         if shard.size == 1:
             return self.values.detach().cpu().clone() if shard.rank == dst else None
+        # every rank checks (one small collective) that all hold the same table and name the same dst, so that
+        # the sends below match; a bad dst is refused alike on every rank, after the check
+        chosen = dst if isinstance(dst, int) and not isinstance(dst, bool) and -2 ** 63 <= dst < 2 ** 63 else -1
+        config = self.config()
+        token_counts(0, shard, self.values.device, {"n_keys": config["n_keys"], "value_dim": config["value_dim"],
+                                                    "values dtype": dtype_code(self.values.dtype), "dst": chosen},
+                     operation=OPERATIONS.index("gather_values"))
+        if chosen != dst or not 0 <= dst < shard.size:
+            raise ValueError(f"dst must be a rank of the group, an int in [0, {shard.size}), got {dst!r}")
         global_dst = dist.get_global_rank(shard.group, dst) if shard.group is not None else dst
         if shard.rank != dst:
             dist.send(self.values.detach().contiguous(), global_dst, group=shard.group)
