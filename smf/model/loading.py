@@ -229,9 +229,9 @@ def from_pretrained(directory: str | Path, *, dtype: torch.dtype | str = "auto",
     memories loads as a plain model. A plain ``AutoModelForCausalLM`` load gives the same model once
     :mod:`smf.model` is imported, and ``trust_remote_code=True`` gives it without smf.
     """
-    from transformers import AutoModelForCausalLM, PreTrainedConfig
+    from transformers import AutoModelForCausalLM, PretrainedConfig
 
-    config, _ = PreTrainedConfig.get_config_dict(directory)
+    config, _ = PretrainedConfig.get_config_dict(directory)
     model_type = config.get("model_type", "")
     if model_type.endswith(SUFFIX):
         register_memory_type(model_type)
