@@ -11,9 +11,8 @@ import logging
 import torch
 from torch import nn
 
-from smf.model import hf_auto
 from smf.model.block import MODES, MemoryBlock
-from smf.model.hf_auto import base_model_type, memory_config_class
+from smf.model.hf_auto import base_model_type, memory_config_class, use_attach
 from smf.model.memory_spec import CONFIG_KEY, check_memory_spec, layers_path_in
 from smf.vocabulary import PAPER_LAYERS, canonical, check_layers
 from smf_kernels import ProductKeyMemory
@@ -138,8 +137,7 @@ def attach_recorded_memories(model: nn.Module, spec) -> list[MemoryBlock]:
     a ValueError naming the field); ``model.config`` is not changed. What the classes smf registers for the
     ``*_smf_memories`` types, and the code saved beside a model's weights where smf is importable, call."""
     spec = check_memory_spec(spec)
-    prefix = getattr(model, "base_model_prefix", "")
-    layers_path = layers_path_in(spec, prefix, bool(prefix) and hasattr(model, prefix))
+    layers_path = layers_path_in(spec, model)
     try:
         stack, layer_list = _find_layers(model, layers_path, spec["mlp_attr"])
     except ValueError as err:
@@ -206,4 +204,4 @@ def _install_mask_hooks(stack: nn.Module, blocks: list[MemoryBlock]) -> None:
     stack.register_forward_hook(clear_mask, with_kwargs=True, always_call=True)
 
 
-hf_auto.use_attach(attach_recorded_memories)  # the *_smf_memories classes attach through it (no import circle)
+use_attach(attach_recorded_memories)  # the *_smf_memories classes attach through it (no import circle)

@@ -4,19 +4,25 @@ their memories wherever transformers loads models, and never silently without th
 ``attach_memories`` gives ``model.config`` the class ``memory_config_class(type(config))``: a subclass
 of the base config class whose ``model_type`` is ``f"{base}_smf_memories"`` (e.g.
 ``qwen2_smf_memories``). Its ``save_pretrained`` (which ``model.save_pretrained`` calls) writes that
-type to ``config.json``, plus self-contained code beside it (``modeling_smf_memories.py``, from
-:mod:`smf.model.remote_code`) named in ``auto_map``. So a saved directory loads:
+type to ``config.json``, ``architectures`` naming the class with memories (``Qwen2ForCausalLMWithSmfMemories``),
+plus self-contained code beside it (``modeling_smf_memories.py``, from :mod:`smf.model.remote_code` with
+:mod:`smf.model.memory_spec` inlined) named in ``auto_map`` for ``AutoConfig`` and each of
+:data:`~smf.model.memory_spec.AUTO_CLASSES` transformers has for the base architecture (the causal LM,
+``AutoModel``: the bare decoder, and the sequence / token classification and question answering heads). So a
+saved directory loads:
 
-- with smf imported (``import smf.model``): ``AutoModelForCausalLM.from_pretrained(d)`` returns smf's
-  class for the type, created on first use for any base type transformers knows (the registry of
-  ``AutoConfig`` resolves ``*_smf_memories`` types lazily, nothing is registered at import): the base
-  causal LM whose ``__init__`` attaches the recorded memories (``config.smf_memories``), with smf's kernels;
-- without smf: ``AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True)`` runs the saved code
-  (plain PyTorch memories, same logits); without ``trust_remote_code`` transformers refuses, saying the
-  directory holds custom code and asking for ``trust_remote_code=True``.
+- with smf imported (``import smf.model``): ``AutoModelForCausalLM.from_pretrained(d)`` (or another of those
+  auto classes, with or without ``trust_remote_code``) returns smf's class for the type, created on first use
+  for any base type transformers knows (the registry of ``AutoConfig`` resolves ``*_smf_memories`` types
+  lazily, nothing is registered at import): the base class whose ``__init__`` checks and attaches the recorded
+  memories (``config.smf_memories``) with smf's kernels (:func:`smf.model.attach.attach_recorded_memories`,
+  which ``smf.model.attach`` hands to this module with :func:`use_attach`: the two do not import each other);
+- without smf: ``from_pretrained(d, trust_remote_code=True)`` runs the saved code (plain PyTorch memories,
+  same logits); without ``trust_remote_code`` transformers refuses, saying the directory holds custom code and
+  asking for ``trust_remote_code=True``.
 
 The base type's checkpoint key conversions (transformers 5 renames some keys on load and save, e.g.
-GPT-NeoX's ``embed_out``) are registered for the new type and class too.
+GPT-NeoX's ``embed_out``) are registered for the new type and classes too (transformers 4.x has none).
 """
 from __future__ import annotations
 

@@ -72,13 +72,16 @@ def check_memory_spec(spec, num_layers=None) -> dict:
     return {**spec, "layers": list(layers), "memory_kwargs": dict(sizes)}
 
 
-def layers_path_in(spec: dict, base_model_prefix: str, holds_prefix: bool) -> str:
-    """Where ``spec``'s decoder layers are in a model of another auto class of the same architecture:
-    ``spec["layers_path"]`` is recorded from the causal LM (``model.layers``); a bare base model
-    (``holds_prefix`` False: it has no ``base_model_prefix`` attribute) holds them without that prefix
-    (``layers``)."""
+def layers_path_in(spec: dict, model) -> str:
+    """Where ``spec``'s decoder layers are in ``model``, a model of any auto class of the architecture:
+    ``spec["layers_path"]`` is recorded from the causal LM (``model.layers``, ``model`` its base model); another
+    head may hold the base model under its own ``base_model_prefix`` (``transformer.layers``) and the bare
+    base model holds the layers itself (``layers``)."""
     path = spec["layers_path"]
     head, _, rest = path.partition(".")
-    if not holds_prefix and rest and head == base_model_prefix:
-        return rest
-    return path
+    if not rest or hasattr(model, head):
+        return path
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix and hasattr(model, prefix):
+        return f"{prefix}.{rest}"
+    return rest

@@ -185,8 +185,7 @@ def _additive_block(mlp: nn.Module, memory: nn.Module, mode: str, layer_index: i
 def _decoder_layers(model: nn.Module, spec: dict) -> nn.ModuleList:
     """The decoder layer list ``spec`` names, in ``model`` (the causal LM, or another head or the bare decoder
     of the same architecture); MemorySpecError naming ``layers_path`` / ``mlp_attr`` if it is not there."""
-    prefix = getattr(model, "base_model_prefix", "")
-    path = layers_path_in(spec, prefix, bool(prefix) and hasattr(model, prefix))
+    path = layers_path_in(spec, model)
     holder, _, list_name = path.rpartition(".")
     try:
         layers = getattr(model.get_submodule(holder) if holder else model, list_name, None)
@@ -269,4 +268,6 @@ for _auto_name in AUTO_CLASSES:
     globals()[_name] = type(_name, (_base,), {"config_class": config_class, "__init__": _model_init,
                                               "__module__": __name__})
     _share_conversions(_base.__name__, _name)
+    # a head builds its decoder with AutoModel.from_config(config): this file's class, with no prompt for code
+    getattr(transformers, _auto_name).register(config_class, globals()[_name], exist_ok=True)
 MODEL_CLASS_NAME = next(iter(_bases), None)  # the causal LM's class (AUTO_CLASSES' first)
