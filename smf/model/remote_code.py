@@ -47,24 +47,39 @@ _MEMORY_PARTS = ("memory", "alpha")
 _PROJECTIONS = ("query_proj", "gate_proj", "out_proj")
 
 
+def _sorted_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k best of each row of scores (..., C) by a stable sort of the whole row."""
+    values, columns = torch.sort(scores, dim=-1, descending=True, stable=True)
+    return values[..., :k], columns[..., :k]
+
+
 def _ranked_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k best of each row of scores (..., C): NaN above +inf above finite values above -inf, equal
     scores to the lower column. Returns values and int64 columns (..., k), best first.
 
-    ``torch.topk`` finds the k-th best score of each row (NaN counts as the highest); the columns above it,
-    and the lowest columns equal to it, are the k chosen; only those k are then sorted."""
-    if k >= scores.shape[-1]:
-        values, columns = torch.sort(scores, dim=-1, descending=True, stable=True)
-        return values[..., :k], columns[..., :k]
-    kth = torch.topk(scores, k, dim=-1).values[..., -1:]
-    nan, kth_nan = torch.isnan(scores), torch.isnan(kth)
-    above = (scores > kth) | (nan & ~kth_nan)
-    tied = (scores == kth) | (nan & kth_nan)
-    room = k - above.sum(dim=-1, keepdim=True)
-    chosen = above | (tied & (torch.cumsum(tied, dim=-1) <= room))
-    columns = chosen.nonzero()[:, -1].view(*scores.shape[:-1], k)  # ascending within each row
-    values, order = torch.sort(scores.gather(-1, columns), dim=-1, descending=True, stable=True)
-    return values, columns.gather(-1, order)
+    ``torch.topk``'s answer is that whenever a row's k + 1 best scores are distinct and not NaN (only a tie may
+    be ordered otherwise); only the rows with a tie or a NaN there are sorted whole."""
+    width = min(k + 1, scores.shape[-1])
+    values, columns = scores.topk(width, dim=-1)
+    ambiguous = (values[..., 1:] == values[..., :-1]).any(-1) | values[..., 0].isnan()
+    values, columns = values[..., :k].contiguous(), columns[..., :k].contiguous()
+    if ambiguous.any():
+        rows = ambiguous.nonzero(as_tuple=True)
+        values[rows], columns[rows] = _sorted_topk(scores[rows], k)
+    return values, columns
+
+
+_pairs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _undominated_pairs(topk: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ranks (ia, ib) with (ia + 1) * (ib + 1) <= topk, in candidate order: with both halves sorted, any other
+    pair is outranked by at least topk pairs, so only these can be among the best topk (finite scores)."""
+    key = (topk, str(device))
+    if key not in _pairs:
+        pairs = [(i, j) for i in range(topk) for j in range(topk) if (i + 1) * (j + 1) <= topk]
+        _pairs[key] = torch.tensor(pairs, dtype=torch.int64, device=device).unbind(1)
+    return _pairs[key]
 
 
 class PlainProductKeyMemory(nn.Module):
@@ -105,11 +120,14 @@ class PlainProductKeyMemory(nn.Module):
             q, k = query.to(self.keys.dtype).to(dtype), self.keys.to(dtype)
             a, i = _ranked_topk(torch.einsum("nhd,hkd->nhk", q[..., :half], k[:, 0]), self.topk)
             b, j = _ranked_topk(torch.einsum("nhd,hkd->nhk", q[..., half:], k[:, 1]), self.topk)
-            candidates = (a.unsqueeze(-1) + b.unsqueeze(-2)).flatten(-2)  # candidate id ia * topk + ib
-            scores, best = _ranked_topk(candidates, self.topk)
-            first = i.gather(-1, torch.div(best, self.topk, rounding_mode="floor"))
-            second = j.gather(-1, best % self.topk)
-            return scores, first * self.n_keys + second
+            if bool(a.isfinite().all() and b.isfinite().all()):
+                ia, ib = _undominated_pairs(self.topk, x.device)
+                scores, best = _ranked_topk(a[..., ia] + b[..., ib], self.topk)
+                ia, ib = ia[best], ib[best]
+            else:  # every candidate, id ia * topk + ib
+                scores, best = _ranked_topk((a.unsqueeze(-1) + b.unsqueeze(-2)).flatten(-2), self.topk)
+                ia, ib = torch.div(best, self.topk, rounding_mode="floor"), best % self.topk
+            return scores, i.gather(-1, ia) * self.n_keys + j.gather(-1, ib)
 
     def forward(self, x: torch.Tensor, valid_mask: torch.Tensor | None = None) -> torch.Tensor:
         """x (..., d_model) -> (..., d_model). ``valid_mask`` is accepted as smf_kernels' memory takes it, and
