@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import smf.model.remote_code as remote_code
 from smf.model import attach_memories, from_pretrained, memory_blocks
 from smf.model.hf_auto import memory_model_class, register_memory_type, saved_code
-from smf.model.memory_spec import AUTO_CLASSES, MEMORY_MODES, check_memory_spec
+from smf.model.memory_spec import AUTO_CLASSES, MEMORY_MODES
 from smf.tiny import TINY_MEMORY_KWARGS, tiny_config, tiny_model
 from smf.vocabulary import MEMORY_MODES as VOCABULARY_MODES
 from smf_kernels import ProductKeyMemory

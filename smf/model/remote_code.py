@@ -143,9 +143,6 @@ class PlainProductKeyMemory(nn.Module):
         return out.view(*x.shape[:-1], self.d_model)
 
 
-ProductKeyMemory = PlainProductKeyMemory  # the name this file used before the library's memories were preferred
-
-
 class MemoryBlock(nn.Module):
     """A decoder layer's feed-forward module with a memory. Replacement: a module of its own,
     ``memory(h)``. Additive: the original MLP module itself, given ``memory`` and ``alpha`` and a class
