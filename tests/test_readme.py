@@ -1,5 +1,6 @@
-"""Every Python block of README.md runs as written: in README order, in one interpreter (as in a notebook),
-after the commands they need, in a fresh directory, offline, on the tiny preset.
+"""Every Python block of README.md and docs/hf.md runs as written, on its own: each in a fresh interpreter (so
+a block uses nothing another block defined), in the file's order (a block may read what an earlier one
+saved), after the commands they need, in a fresh directory, offline, on the tiny preset.
 
 What runs: every ```python block, and the commands of the ```bash blocks marked ``<!-- readme-test: run ... -->``
 (the ones the Python blocks, or the lm-eval command line, depend on). The other bash blocks (installs, the
@@ -44,9 +45,12 @@ NO_SMF = ("import importlib.abc, sys\n"
           "cli_evaluate()\n")
 
 
-def readme_blocks() -> list[dict]:
-    """The fenced blocks of README.md: language, body, marks (the words of a readme-test comment), line."""
-    text = (REPO / "README.md").read_text()
+DOCUMENTS = ("README.md", "docs/hf.md")  # the files whose blocks run
+
+
+def readme_blocks(document: str = "README.md") -> list[dict]:
+    """The fenced blocks of ``document``: language, body, marks (the words of a readme-test comment), line."""
+    text = (REPO / document).read_text()
     return [{"lang": m["lang"], "body": m["body"], "line": text.count("\n", 0, m.start("body")) + 1,
              "marks": {mark.strip() for mark in (m["marks"] or "").split(",") if mark.strip()}}
             for m in BLOCK.finditer(text)]
@@ -81,9 +85,10 @@ def _commands(body: str, task_dir: Path, local_task: bool) -> list[list[str]]:
 
 
 @pytest.mark.slow
-def test_readme_python_blocks_run_as_written(tmp_path):
-    blocks = readme_blocks()
-    assert sum(b["lang"] == "python" for b in blocks) >= 4
+@pytest.mark.parametrize("document", DOCUMENTS)
+def test_python_blocks_run_as_written_each_on_its_own(tmp_path, document):
+    blocks = readme_blocks(document)
+    assert sum(b["lang"] == "python" for b in blocks) >= (2 if document == "README.md" else 4)
     have_lm_eval = importlib.util.find_spec("lm_eval") is not None
     task_dir = tmp_path / "lm_eval_task"
     _write_task(task_dir)
@@ -103,19 +108,17 @@ def test_readme_python_blocks_run_as_written(tmp_path):
         elif "run" in block["marks"]:
             steps.extend(("command", block["line"], command)
                          for command in _commands(block["body"], task_dir, local_task))
+    # each Python block in an interpreter of its own: "python -c BODY"
     driver = (
         "import json, subprocess, sys, time\n"
         "steps = json.loads(sys.argv[1])\n"
-        "namespace = {'__name__': '__readme__'}\n"
         "for kind, line, what in steps:\n"
         "    started = time.perf_counter()\n"
-        "    if kind == 'python':\n"
-        "        exec(compile(what, f'README.md:{line}', 'exec'), namespace)\n"
-        "    else:\n"
-        "        done = subprocess.run(what, capture_output=True, text=True)\n"
-        "        assert done.returncode == 0, f'README.md:{line}: {what[3:] if what[1] == \"-c\" else what}\\n'"
-        " + done.stderr[-3000:]\n"
-        "        print(done.stdout)\n"
+        "    command = [sys.executable, '-c', what] if kind == 'python' else what\n"
+        "    done = subprocess.run(command, capture_output=True, text=True)\n"
+        "    shown = what if kind == 'python' else (what[3:] if what[1] == '-c' else what)\n"
+        f"    assert done.returncode == 0, f'{document}:{{line}}: {{shown}}\\n' + done.stderr[-3000:]\n"
+        "    print(done.stdout)\n"
         "    print('DONE', kind, line, f'{time.perf_counter() - started:.1f} s', flush=True)\n")
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_MODULES_CACHE": str(tmp_path / "hf_modules")}
     result = subprocess.run([sys.executable, "-c", driver, json.dumps(steps)], capture_output=True, text=True,
@@ -124,8 +127,27 @@ def test_readme_python_blocks_run_as_written(tmp_path):
     done = [line for line in result.stdout.splitlines() if line.startswith("DONE ")]
     print("\n".join(done))
     assert len(done) == len(steps)
-    assert (tmp_path / "runs" / "hf-finetuned" / "modeling_smf_memories.py").is_file()
-    if have_lm_eval:
+    if document == "README.md":
+        assert (tmp_path / "runs" / "hf-finetuned" / "modeling_smf_memories.py").is_file()
+        losses = re.search(r"^loss: \[(.*)\]$", result.stdout, re.M)
+        assert losses, result.stdout[-2000:]
+        losses = [float(v) for v in losses[1].split(",")]
+        assert len(losses) >= 3 and losses[-1] < losses[0], losses  # the example shows its loss falling
+    if have_lm_eval and document == "docs/hf.md":
         assert re.search(rf"\|{TASK}\s*\|.*\|acc\s*\|", result.stdout), result.stdout[-2000:]  # the CLI's table
     if skipped:
-        pytest.skip(f"lm-eval is not installed: README blocks at lines {skipped} did not run (the others did)")
+        pytest.skip(f"lm-eval is not installed: {document} blocks at lines {skipped} did not run (the others did)")
+
+
+def test_ci_checks_the_transformers_bound_pyproject_declares():
+    declared = re.search(r'"transformers>=([\d.]+)"', (REPO / "pyproject.toml").read_text())[1]
+    checked = re.search(r"^TRANSFORMERS_LOWER_BOUND=([\d.]+)$", (REPO / ".ci" / "run").read_text(), re.M)[1]
+    assert checked == declared
+    assert f"transformers>={declared}" in (REPO / "README.md").read_text()
+
+
+def test_readme_is_short_and_ci_runs_its_test_command():
+    text = (REPO / "README.md").read_text()
+    assert len(text.splitlines()) <= 160
+    assert 'pip install -c constraints-cpu.txt -e ".[dev]" && python -m pytest -q tests\n' in text
+    assert '-e ".[dev]" && python -m pytest -q tests\n' in (REPO / ".ci" / "run").read_text()  # no looser

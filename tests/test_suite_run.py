@@ -4,7 +4,9 @@ ablation; one retrofit shared by the two rules and by additive+S;
 skipping finished runs; resuming a run killed mid-training or mid-evaluation; `smf eval` reproducing
 the suite's numbers from each kind of artefact."""
 import csv
+import dataclasses
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import yaml
 from smf import cli
 from smf.suite import runner as runner_module
 from smf.suite.config import load_suite_config
-from smf.suite.plan import Run, SuiteLayout
+from smf.suite.plan import Run, SuiteLayout, merged_plan, plan_runs
 from smf.suite.runner import SuiteRunner, run_suite
 from smf.report.suite_dir import write_suite_report
 from smf.tiny import tiny_model
@@ -218,3 +220,66 @@ def test_eval_command_reproduces_the_suite_numbers(suite, tmp_path, monkeypatch,
         assert printed == saved and set(saved) == {"medmcqa_acc", "wikitext_ppl"}
         for metric, value in saved.items():
             assert value == pytest.approx(results[name]["metrics"][metric], rel=1e-5), (name, metric)
+
+
+def test_a_subset_call_keeps_the_fuller_report(suite, tmp_path, caplog):
+    """Issue 35: `smf suite --seeds 0 --conditions base` after the full suite ran into the same directory kept
+    only the subset in suite_config.json, table1 and suite_status; now the directory's plan is joined."""
+    _, suite_dir, _ = suite
+    before = json.loads((suite_dir / "suite_config.json").read_text())
+    subset = load_suite_config(str(_config_file(tmp_path, suite_dir, ["base"])))
+    with caplog.at_level(logging.INFO, logger="smf.suite.runner"):
+        run_suite(subset)
+    assert "keeps the whole plan" in caplog.text
+    recorded = json.loads((suite_dir / "suite_config.json").read_text())
+    assert recorded["conditions"] == before["conditions"] and recorded["authors_update"] == ["additive-kl"]
+    write_suite_report(suite_dir)
+    table = (suite_dir / "table1.md").read_text()
+    assert "LoRA" in table and (suite_dir / "ablation_update.md").is_file()
+    status = json.loads((suite_dir / "suite_status.json").read_text())
+    assert len(status) == len(CONDITIONS) + 1 and all(row["status"] == "done" for row in status)
+    base = json.loads((suite_dir / "results" / "base-seed0.json").read_text())
+    assert base["eval_rows"]["medmcqa"]["scored"] == 6  # rows scored and skipped recorded with the results
+
+
+def test_a_call_with_other_settings_replaces_the_plan_and_its_report_files(tmp_path, caplog):
+    first = load_suite_config(str(_config_file(tmp_path, tmp_path / "suite", ["base", "additive-kl"])))
+    SuiteRunner(first).record_plan()
+    for name in runner_module.REPORT_FILES:
+        (tmp_path / "suite" / name).write_text("an older report")
+    narrowed = load_suite_config(str(_config_file(tmp_path, tmp_path / "suite", ["base"])))
+    assert set(plan_runs(SuiteRunner(narrowed).record_plan())) == set(plan_runs(first))  # joined: nothing removed
+    assert all((tmp_path / "suite" / name).is_file() for name in runner_module.REPORT_FILES)
+    other = load_suite_config(str(_config_file(tmp_path, tmp_path / "suite", ["base"], medmcqa_examples=5)))
+    with caplog.at_level(logging.WARNING, logger="smf.suite.runner"):
+        assert SuiteRunner(other).record_plan() == other
+    assert "other settings" in caplog.text
+    assert not any((tmp_path / "suite" / name).exists() for name in runner_module.REPORT_FILES)
+
+
+def test_merged_plan_joins_seeds_conditions_and_ablation(tmp_path):
+    full = load_suite_config(str(_config_file(tmp_path, tmp_path / "suite", CONDITIONS)))
+    part = load_suite_config(str(_config_file(tmp_path, tmp_path / "suite", ["base", "lora"])))
+    part = dataclasses.replace(part, seeds=(3,))
+    merged = merged_plan(full.to_dict(), part)
+    assert merged.seeds == (0, 3) and set(merged.conditions) == set(CONDITIONS)
+    assert merged.authors_update == ("additive-kl",)
+    assert merged_plan(None, part) == part
+    other = load_suite_config(str(_config_file(tmp_path, tmp_path / "suite", ["base"], triviaqa_examples=2)))
+    assert merged_plan(full.to_dict(), other) is None
+
+
+def test_each_data_warning_is_logged_once_per_suite(caplog):
+    from smf.data.sources import subset
+
+    once = runner_module._OncePerSuite()
+    sources = logging.getLogger("smf.data.sources")
+    sources.addFilter(once)
+    try:
+        with caplog.at_level(logging.WARNING, logger="smf.data.sources"):
+            for _ in range(3):
+                subset(list(range(30)), 1000)
+            subset(list(range(20)), 1000)
+    finally:
+        sources.removeFilter(once)
+    assert caplog.text.count("but only 30 exist") == 1 and caplog.text.count("but only 20 exist") == 1

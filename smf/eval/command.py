@@ -115,10 +115,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         output_dir = Path(args.adapter) / "eval" if args.adapter is not None else Path("smf-eval")
     model, tokenizer = load_model(args.model, args.adapter, pick_device(args.device), backend=args.backend)
+    rows = {}
     metrics, seconds = evaluate_model(model, tokenizer, load_eval_sets(data, settings, protocol), settings,
-                                      output_dir, protocol)
+                                      output_dir, protocol, rows=rows)
     summary = {"model": args.model, "adapter": args.adapter, "protocol": protocol, "metrics": metrics,
-               "eval_s": seconds,
+               "eval_s": seconds, "eval_rows": rows,
                "settings": {**dataclasses.asdict(settings), "tasks": list(settings.tasks)}}
     write_json_atomic(output_dir / "metrics.json", summary)
     print(json.dumps(metrics, indent=2))

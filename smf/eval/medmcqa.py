@@ -37,6 +37,21 @@ def single_answer_slice(examples: Iterable[dict], limit: int | None = 1000) -> l
     return list(itertools.islice(single, limit))
 
 
+def count_rows(examples: Iterable[dict], limit: int | None = 1000) -> dict[str, int]:
+    """How :func:`evaluate_medmcqa` uses ``examples``: ``rows`` (all of them), ``scored`` (the first ``limit``
+    single-answer questions) and ``skipped`` (the multi-answer questions passed over before those are found)."""
+    rows = list(examples)
+    scored = skipped = 0
+    for example in rows:
+        if limit is not None and scored == limit:
+            break
+        if example["choice_type"] == "single":
+            scored += 1
+        else:
+            skipped += 1
+    return {"rows": len(rows), "scored": scored, "skipped": skipped}
+
+
 def encode_options(tokenizer, example: dict, protocol: str | Protocol = DEFAULT_PROTOCOL
                    ) -> list[tuple[list[int], list[int]]]:
     """(context ids, continuation ids) for each of the four options (see the module docstring)."""
@@ -101,7 +116,12 @@ def evaluate_medmcqa(
     batch. With ``output_path``, writes one JSON line per question: id, scores (mean
     log-likelihood per option, A-D), prediction (0-3), cop, correct.
     """
+    examples = list(examples)
     questions = single_answer_slice(examples, limit)
+    counts = count_rows(examples, limit)
+    if counts["skipped"]:
+        logger.info("MedMCQA: scoring %d of %d rows; %d multi-answer rows (choice_type != 'single') skipped",
+                    counts["scored"], counts["rows"], counts["skipped"])
     if not questions:
         raise ValueError("examples holds no single-answer (choice_type == 'single') question")
     for example in questions:

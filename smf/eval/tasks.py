@@ -10,7 +10,7 @@ from pathlib import Path
 from torch import nn
 
 from smf.data import load_medmcqa, load_triviaqa, load_wikitext
-from smf.eval.medmcqa import evaluate_medmcqa
+from smf.eval.medmcqa import count_rows, evaluate_medmcqa
 from smf.eval.triviaqa import evaluate_triviaqa
 from smf.eval.wikitext import evaluate_wikitext
 from smf.data.paths import DataPaths
@@ -32,13 +32,16 @@ def load_eval_sets(data: DataPaths, settings: EvalSettings, protocol: str) -> di
 
 
 def evaluate_model(model: nn.Module, tokenizer, eval_sets: dict[str, object], settings: EvalSettings,
-                   output_dir: str | Path, protocol: str) -> tuple[dict[str, float], dict[str, float]]:
+                   output_dir: str | Path, protocol: str, rows: dict | None = None
+                   ) -> tuple[dict[str, float], dict[str, float]]:
     """Run each task of ``eval_sets`` under ``protocol``; per-example lines go to ``{output_dir}/{task}.jsonl``.
 
     Under a protocol with bf16 weights (``authors``) on a CUDA device with bf16, ``model`` is first cast to bf16
     in place, memories included (:func:`smf.model.precision.cast_like_the_authors`), as the authors evaluate.
 
-    Returns (metrics by metric key, seconds by task).
+    Returns (metrics by metric key, seconds by task). ``rows``: a dict that receives, by task, how many rows
+    were scored and skipped where a task passes some over (MedMCQA's multi-answer questions:
+    :func:`smf.eval.medmcqa.count_rows`).
     """
     output_dir = Path(output_dir)
     if authors_bf16_weights(protocol, "auto", next(model.parameters()).device):
@@ -55,8 +58,10 @@ def evaluate_model(model: nn.Module, tokenizer, eval_sets: dict[str, object], se
             max_new_tokens=settings.triviaqa_max_new_tokens, output_path=path, protocol=protocol),
     }
     metrics, seconds = {}, {}
-    for task, rows in eval_sets.items():
+    for task, task_rows in eval_sets.items():
         started = time.perf_counter()
-        metrics[METRIC_OF_TASK[task]] = runners[task](rows, output_dir / f"{task}.jsonl")
+        metrics[METRIC_OF_TASK[task]] = runners[task](task_rows, output_dir / f"{task}.jsonl")
         seconds[task] = round(time.perf_counter() - started, 3)
+        if rows is not None and task == "medmcqa":
+            rows[task] = count_rows(task_rows, settings.medmcqa_examples)
     return metrics, seconds

@@ -97,8 +97,10 @@ def evaluate_wikitext(
     if not texts:
         raise ValueError("rows must hold at least one {'text': ...} row (non-empty in the authors' protocol)")
     text = "\n\n".join(texts)
-    token_ids = torch.as_tensor(tokenizer(text, add_special_tokens=protocol.wikitext_special_tokens)["input_ids"],
-                                dtype=torch.int64)
+    # verbose=False: the whole text is longer than the model's maximum length on purpose (it is cut into windows
+    # below), so the tokenizer's warning about it would be noise
+    token_ids = torch.as_tensor(tokenizer(text, add_special_tokens=protocol.wikitext_special_tokens,
+                                          verbose=False)["input_ids"], dtype=torch.int64)
     windows = sliding_windows(len(token_ids), window, stride)
     pad_id = pad_token_id(tokenizer)
     nll_sums = []

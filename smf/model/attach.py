@@ -3,6 +3,7 @@ any model with
 ``model.layers[i].mlp``, GPT-2 / GPT-NeoX by table, other layouts by naming them."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import logging
@@ -11,7 +12,8 @@ import torch
 from torch import nn
 
 from smf.model.block import MODES, MemoryBlock
-from smf.model.hf_auto import base_model_type, memory_config_class
+from smf.model.hf_auto import base_model_type, memory_config_class, use_attach
+from smf.model.memory_spec import CONFIG_KEY, check_memory_spec, layers_path_in
 from smf.vocabulary import PAPER_LAYERS, canonical, check_layers
 from smf_kernels import ProductKeyMemory
 
@@ -25,7 +27,6 @@ LAYOUTS = {
     "gpt_neox": ("gpt_neox.layers", "mlp"),
 }
 DEFAULT_LAYOUT = ("model.layers", "mlp")
-CONFIG_KEY = "smf_memories"  # model.config attribute recording the attached memories
 
 
 def _layout(model: nn.Module, layers_path: str | None, mlp_attr: str | None) -> tuple[str, str]:
@@ -73,7 +74,11 @@ def memory_blocks(model: nn.Module) -> list[MemoryBlock]:
     return sorted((m for m in model.modules() if isinstance(m, MemoryBlock)), key=lambda b: b.layer_index)
 
 
-def attach_memories(model: nn.Module, layers=PAPER_LAYERS, mode: str = "additive", alpha_init: float = 0.01, *,
+DEFAULT_ALPHA_INIT = 0.01  # the paper's initial alpha
+
+
+def attach_memories(model: nn.Module, layers=PAPER_LAYERS, mode: str = "additive",
+                    alpha_init: float = DEFAULT_ALPHA_INIT, *,
                     layers_path: str | None = None, mlp_attr: str | None = None,
                     **memory_kwargs) -> list[MemoryBlock]:
     """Put a fresh fp32 ProductKeyMemory at each of ``layers`` of ``model`` (in place).
@@ -110,21 +115,8 @@ def attach_memories(model: nn.Module, layers=PAPER_LAYERS, mode: str = "additive
         raise ValueError(f"model already has memories at layers {[b.layer_index for b in memory_blocks(model)]}")
     layers = tuple(sorted(check_layers(layers, len(layer_list))))
     config_class = memory_config_class(type(model.config)) if model.config.model_type else None
-    d_model = model.config.get_text_config().hidden_size
-
-    blocks = []
-    for index in layers:
-        layer = layer_list[index]
-        device = next(layer.parameters()).device
-        with torch.device(device):
-            memory = ProductKeyMemory(d_model, **memory_kwargs).float()
-        mlp = None if mode == "replacement" else getattr(layer, mlp_attr)
-        block = MemoryBlock.create(memory, mlp, mode, index, alpha_init=alpha_init)
-        block.set_owner(layer)
-        setattr(layer, mlp_attr, block)
-        blocks.append(block)
-    _install_mask_hooks(stack, blocks)
-    sizes = memory.config()
+    blocks = _attach_blocks(model, stack, layer_list, mlp_attr, layers, mode, alpha_init, memory_kwargs)
+    sizes = blocks[0].memory.config()
     sizes.pop("d_model")
     if config_class is None:
         logger.warning("%s has no model_type, so save_pretrained cannot mark the memories in config.json; save them "
@@ -134,6 +126,47 @@ def attach_memories(model: nn.Module, layers=PAPER_LAYERS, mode: str = "additive
     setattr(model.config, CONFIG_KEY, {"layers": list(layers), "mode": mode, "memory_kwargs": sizes,
                                        "layers_path": layers_path, "mlp_attr": mlp_attr})
     logger.info("attached %s memories at layers %s (%s each)", mode, layers, blocks[0].memory.extra_repr())
+    return blocks
+
+
+def attach_recorded_memories(model: nn.Module, spec) -> list[MemoryBlock]:
+    """Attach the memories ``spec`` records (``config.smf_memories`` of a saved model) to ``model``, a freshly
+    built model of that config's architecture: the causal LM it was saved from, another head on the same
+    decoder (sequence classification, ...) or the bare decoder (``AutoModel``). Their weights are left to the
+    checkpoint load that follows. The spec is checked first (:func:`smf.model.memory_spec.check_memory_spec`:
+    a ValueError naming the field); ``model.config`` is not changed. What the classes smf registers for the
+    ``*_smf_memories`` types, and the code saved beside a model's weights where smf is importable, call."""
+    spec = check_memory_spec(spec)
+    layers_path = layers_path_in(spec, model)
+    try:
+        stack, layer_list = _find_layers(model, layers_path, spec["mlp_attr"])
+    except ValueError as err:
+        raise ValueError(f"config.{CONFIG_KEY}.layers_path / mlp_attr: {err}") from None
+    spec = check_memory_spec(spec, len(layer_list))
+    if memory_blocks(model):  # built by a head whose decoder is an AutoModel of the same config: attached there
+        return memory_blocks(model)
+    return _attach_blocks(model, stack, layer_list, spec["mlp_attr"], spec["layers"], spec["mode"],
+                          DEFAULT_ALPHA_INIT, spec["memory_kwargs"])  # the checkpoint load then sets alpha
+
+
+def _attach_blocks(model: nn.Module, stack: nn.Module, layer_list: nn.ModuleList, mlp_attr: str, layers, mode: str,
+                   alpha_init: float, memory_kwargs: dict) -> list[MemoryBlock]:
+    """A fresh fp32 memory block in place of ``layer.{mlp_attr}`` at each of ``layers`` of ``layer_list``
+    (``stack``'s), by layer index."""
+    d_model = model.config.get_text_config().hidden_size
+    blocks = []
+    for index in layers:
+        layer = layer_list[index]
+        device = next(layer.parameters()).device
+        # transformers 4.x builds a model to load with its parameters on "meta" and its buffers real: so do we
+        with torch.device(device) if device.type != "meta" else contextlib.nullcontext():
+            memory = ProductKeyMemory(d_model, **memory_kwargs).float()
+        mlp = None if mode == "replacement" else getattr(layer, mlp_attr)
+        block = MemoryBlock.create(memory, mlp, mode, index, alpha_init=alpha_init)
+        block.set_owner(layer)
+        setattr(layer, mlp_attr, block)
+        blocks.append(block)
+    _install_mask_hooks(stack, blocks)
     return blocks
 
 
@@ -169,3 +202,6 @@ def _install_mask_hooks(stack: nn.Module, blocks: list[MemoryBlock]) -> None:
 
     stack.register_forward_pre_hook(stash_mask, with_kwargs=True)
     stack.register_forward_hook(clear_mask, with_kwargs=True, always_call=True)
+
+
+use_attach(attach_recorded_memories)  # the *_smf_memories classes attach through it (no import circle)

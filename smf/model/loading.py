@@ -30,6 +30,7 @@ from smf.errors import ConfigError
 from smf.model.adapter import ADAPTER_CONFIG, load_memory_adapter, read_adapter_config
 from smf.model.attach import CONFIG_KEY, memory_blocks
 from smf.model.hf_auto import SUFFIX, register_memory_type
+from smf.model.memory_spec import check_memory_spec
 from smf.vocabulary import DEFAULT_MODEL, RECIPES, TINY_MODEL
 
 logger = logging.getLogger(__name__)
@@ -229,15 +230,20 @@ def from_pretrained(directory: str | Path, *, dtype: torch.dtype | str = "auto",
     memories loads as a plain model. A plain ``AutoModelForCausalLM`` load gives the same model once
     :mod:`smf.model` is imported, and ``trust_remote_code=True`` gives it without smf.
     """
-    from transformers import AutoModelForCausalLM, PreTrainedConfig
+    from transformers import AutoModelForCausalLM, PretrainedConfig
 
-    config, _ = PreTrainedConfig.get_config_dict(directory)
+    config, _ = PretrainedConfig.get_config_dict(directory)
     model_type = config.get("model_type", "")
     if model_type.endswith(SUFFIX):
         register_memory_type(model_type)
     elif config.get(CONFIG_KEY):
         raise ValueError(f"{directory}: config.json records {CONFIG_KEY} under model_type {model_type!r} (saved by an "
                          f"older smf); set its model_type to {model_type + SUFFIX!r} to load it with its memories")
+    if model_type.endswith(SUFFIX):
+        try:
+            check_memory_spec(config.get(CONFIG_KEY))
+        except ValueError as err:
+            raise ValueError(f"{directory}/config.json: {err}") from None
     if model_type.endswith(SUFFIX) and "key_mapping" not in kwargs:
         kwargs["key_mapping"] = _legacy_key_mapping(Path(directory), config[CONFIG_KEY])
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)

@@ -1,58 +1,113 @@
-"""Loads a causal LM with product-key memories (saved by smf-kernels) without smf-kernels installed.
+"""Loads a model with product-key memories (saved by smf-kernels) wherever transformers loads models.
 
-``model.save_pretrained(directory)`` of a model with memories writes this file beside the weights
-as ``modeling_smf_memories.py`` and names its classes in ``config.json``'s ``auto_map``, so that
-anything that loads models through transformers gets the model with its memories::
+``model.save_pretrained(directory)`` of a model with memories writes this file beside the weights as
+``modeling_smf_memories.py`` (with the text of ``smf/model/memory_spec.py`` in place of its import) and names
+its classes in ``config.json``'s ``auto_map``, so that anything that loads models through transformers gets the
+model with its memories::
 
     AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True)
+    AutoModel.from_pretrained(directory, trust_remote_code=True)       # the decoder alone, memories included
     lm_eval --model hf --model_args pretrained=DIRECTORY,trust_remote_code=True ...
 
-It needs only torch and transformers: the memory layer here is plain PyTorch with the semantics of
-``smf_kernels.ProductKeyMemory`` (forward only: no read counting, no sparse value gradients; autograd
-gives dense gradients). ``BASE_MODEL_TYPE`` names the base architecture; smf writes the saved model's.
-Where smf is imported, transformers uses smf's own classes instead (its kernels, same logits).
+Which memories: where smf is importable, smf's own (``smf.model.attach.attach_recorded_memories``: the
+``smf_kernels.ProductKeyMemory`` layers with their kernels, which the ``SparseMemoryController``, the
+``SparseMemoryTrainer`` and every ``smf`` function recognise); otherwise (or with the environment variable
+``SMF_SAVED_CODE_PLAIN=1``) the plain PyTorch layers below, which need only torch and transformers: the
+semantics of ``smf_kernels.ProductKeyMemory`` on its ``torch`` backend, forward only (no read counting, no
+sparse value gradients; autograd gives dense gradients). ``BASE_MODEL_TYPE`` names the base architecture;
+smf writes the saved model's.
 
-Layout (``config.smf_memories``): ``layers`` (0-based decoder layer indices), ``mode``
-(``replacement``: the layer's MLP is replaced by the memory; ``additive`` / ``additive+s``:
-``mlp(h) + alpha * memory(h)``), ``memory_kwargs`` (n_keys, heads, topk, key_dim, value_dim) and where
-the decoder layers are (``layers_path``, ``mlp_attr``). In the additive modes the MLP module keeps its
-weights under their own names and gains ``memory`` and ``alpha``. The memories and ``alpha`` stay
-float32 whatever the model's dtype.
+Layout (``config.smf_memories``, checked at load by ``check_memory_spec``, the rules smf's loader applies):
+``layers`` (0-based decoder layer indices), ``mode`` (``replacement``: the layer's MLP is replaced by the
+memory; ``additive`` / ``additive+s``: ``mlp(h) + alpha * memory(h)``), ``memory_kwargs`` (n_keys, heads, topk,
+key_dim, value_dim) and where the decoder layers are in the causal LM (``layers_path``, ``mlp_attr``). In the
+additive modes the MLP module keeps its weights under their own names and gains ``memory`` and ``alpha``. The
+memories and ``alpha`` stay float32 whatever the model's dtype.
 """
 from __future__ import annotations
 
+import os
+import warnings
+
 import torch
 import torch.nn.functional as F
+import transformers
 from torch import nn
-from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+# --- begin memory_spec: save_pretrained puts the text of smf/model/memory_spec.py here ---
+from smf.model.memory_spec import (AUTO_CLASSES, CONFIG_KEY, MemorySpecError,  # noqa: F401
+                                   check_memory_spec, layers_path_in)
+# --- end memory_spec ---
 
 BASE_MODEL_TYPE = "qwen2"
-CONFIG_KEY = "smf_memories"
 SUFFIX = "_smf_memories"
+PLAIN_ENV = "SMF_SAVED_CODE_PLAIN"  # set to 1: the plain PyTorch memories below even where smf is importable
 _MEMORY_PARTS = ("memory", "alpha")
+_PROJECTIONS = ("query_proj", "gate_proj", "out_proj")
 
 
-def _ranked_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k best of each row of scores (..., C): NaN above +inf above finite values above -inf, equal
-    scores to the lower column. Returns values and int64 columns (..., k), best first."""
+def _sorted_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k best of each row of scores (..., C) by a stable sort of the whole row."""
     values, columns = torch.sort(scores, dim=-1, descending=True, stable=True)
     return values[..., :k], columns[..., :k]
 
 
-class ProductKeyMemory(nn.Module):
+def _ranked_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k best of each row of scores (..., C): NaN above +inf above finite values above -inf, equal
+    scores to the lower column. Returns values and int64 columns (..., k), best first.
+
+    ``torch.topk``'s answer is that whenever a row's k + 1 best scores are distinct and not NaN (only a tie may
+    be ordered otherwise); only the rows with a tie or a NaN there are sorted whole."""
+    width = min(k + 1, scores.shape[-1])
+    values, columns = scores.topk(width, dim=-1)
+    ambiguous = (values[..., 1:] == values[..., :-1]).any(-1) | values[..., 0].isnan()
+    values, columns = values[..., :k].contiguous(), columns[..., :k].contiguous()
+    if ambiguous.any():
+        rows = ambiguous.nonzero(as_tuple=True)
+        values[rows], columns[rows] = _sorted_topk(scores[rows], k)
+    return values, columns
+
+
+_pairs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _undominated_pairs(topk: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ranks (ia, ib) with (ia + 1) * (ib + 1) <= topk, in candidate order: with both halves sorted, any other
+    pair is outranked by at least topk pairs, so only these can be among the best topk (finite scores)."""
+    key = (topk, str(device))
+    if key not in _pairs:
+        pairs = [(i, j) for i in range(topk) for j in range(topk) if (i + 1) * (j + 1) <= topk]
+        _pairs[key] = torch.tensor(pairs, dtype=torch.int64, device=device).unbind(1)
+    return _pairs[key]
+
+
+class PlainProductKeyMemory(nn.Module):
     """Product-key memory: ``out_proj(r * silu(gate_proj(x)))``, ``r`` the softmax-weighted sum of the
     ``heads * topk`` value rows a product-key lookup finds. Parameter names and shapes as smf-kernels'."""
 
-    def __init__(self, d_model: int, n_keys: int, heads: int, topk: int, key_dim: int, value_dim: int) -> None:
+    def __init__(self, d_model: int, n_keys: int, heads: int, topk: int, key_dim: int,
+                 value_dim: int | None = None) -> None:
         super().__init__()
+        value_dim = d_model if value_dim is None else value_dim
         self.d_model, self.n_keys, self.heads, self.topk, self.key_dim = d_model, n_keys, heads, topk, key_dim
         self.query_proj = nn.Linear(d_model, heads * key_dim, bias=True)
         self.keys = nn.Parameter(torch.zeros(heads, 2, n_keys, key_dim // 2))
         self.values = nn.Parameter(torch.zeros(n_keys * n_keys, value_dim))
         self.gate_proj = nn.Linear(d_model, value_dim, bias=True)
         self.out_proj = nn.Linear(value_dim, d_model, bias=True)
+
+    def __setattr__(self, name: str, value) -> None:
+        """nn.Module.__setattr__; warns, as smf_kernels' memory does, when peft replaces a projection."""
+        if (name in _PROJECTIONS and isinstance(value, nn.Module) and not isinstance(value, nn.Linear)
+                and isinstance(self._modules.get(name), nn.Linear)):
+            warnings.warn(
+                f"the {name} of a product-key memory is being replaced by a {type(value).__qualname__} (peft wraps "
+                "every module its target_modules names match: a list such as [..., 'gate_proj', ...] or "
+                "'all-linear' matches the memory's own projections too). Target the decoder layers only, e.g. "
+                r"LoraConfig(target_modules=r'.*layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)')",
+                UserWarning, stacklevel=2)
+        super().__setattr__(name, value)
 
     def lookup(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (N, d_model) -> scores (N, heads, topk) fp32 (sorted descending), slot ids (N, heads, topk) int64.
@@ -65,14 +120,18 @@ class ProductKeyMemory(nn.Module):
             q, k = query.to(self.keys.dtype).to(dtype), self.keys.to(dtype)
             a, i = _ranked_topk(torch.einsum("nhd,hkd->nhk", q[..., :half], k[:, 0]), self.topk)
             b, j = _ranked_topk(torch.einsum("nhd,hkd->nhk", q[..., half:], k[:, 1]), self.topk)
-            candidates = (a.unsqueeze(-1) + b.unsqueeze(-2)).flatten(-2)  # candidate id ia * topk + ib
-            scores, best = _ranked_topk(candidates, self.topk)
-            first = i.gather(-1, torch.div(best, self.topk, rounding_mode="floor"))
-            second = j.gather(-1, best % self.topk)
-            return scores, first * self.n_keys + second
+            if bool(a.isfinite().all() and b.isfinite().all()):
+                ia, ib = _undominated_pairs(self.topk, x.device)
+                scores, best = _ranked_topk(a[..., ia] + b[..., ib], self.topk)
+                ia, ib = ia[best], ib[best]
+            else:  # every candidate, id ia * topk + ib
+                scores, best = _ranked_topk((a.unsqueeze(-1) + b.unsqueeze(-2)).flatten(-2), self.topk)
+                ia, ib = torch.div(best, self.topk, rounding_mode="floor"), best % self.topk
+            return scores, i.gather(-1, ia) * self.n_keys + j.gather(-1, ib)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (..., d_model) -> (..., d_model)."""
+    def forward(self, x: torch.Tensor, valid_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x (..., d_model) -> (..., d_model). ``valid_mask`` is accepted as smf_kernels' memory takes it, and
+        unused: this layer counts no reads."""
         flat = x.reshape(-1, self.d_model)
         scores, indices = self.lookup(flat)
         weights = torch.softmax(scores.float(), dim=-1)
@@ -90,11 +149,11 @@ class MemoryBlock(nn.Module):
     deriving from MemoryBlock and its own class, ``mlp(h) + alpha * memory(h)``. The memory and alpha
     keep float32 through ``model.to(dtype)``; the memory branch is computed in float32."""
 
-    def __init__(self, memory: ProductKeyMemory, layer_index: int) -> None:
+    def __init__(self, memory: nn.Module, layer_index: int) -> None:
         super().__init__()
         self._set_memory(memory, "replacement", layer_index)
 
-    def _set_memory(self, memory: ProductKeyMemory, mode: str, layer_index: int) -> None:
+    def _set_memory(self, memory: nn.Module, mode: str, layer_index: int) -> None:
         self.mode, self.layer_index, self.memory = mode, layer_index, memory
         self.alpha = None if mode == "replacement" else nn.Parameter(torch.zeros((), dtype=torch.float32))
 
@@ -129,7 +188,7 @@ class MemoryBlock(nn.Module):
 _block_classes: dict[type, type] = {}
 
 
-def _additive_block(mlp: nn.Module, memory: ProductKeyMemory, mode: str, layer_index: int) -> MemoryBlock:
+def _additive_block(mlp: nn.Module, memory: nn.Module, mode: str, layer_index: int) -> MemoryBlock:
     mlp_class = type(mlp)
     if mlp_class not in _block_classes:
         _block_classes[mlp_class] = type(f"{mlp_class.__name__}WithMemory", (MemoryBlock, mlp_class), {})
@@ -138,17 +197,35 @@ def _additive_block(mlp: nn.Module, memory: ProductKeyMemory, mode: str, layer_i
     return mlp
 
 
+def _decoder_layers(model: nn.Module, spec: dict) -> nn.ModuleList:
+    """The decoder layer list ``spec`` names, in ``model`` (the causal LM, or another head or the bare decoder
+    of the same architecture); MemorySpecError naming ``layers_path`` / ``mlp_attr`` if it is not there."""
+    path = layers_path_in(spec, model)
+    holder, _, list_name = path.rpartition(".")
+    try:
+        layers = getattr(model.get_submodule(holder) if holder else model, list_name, None)
+    except AttributeError:
+        layers = None
+    if not isinstance(layers, nn.ModuleList) or not all(
+            isinstance(getattr(layer, spec["mlp_attr"], None), nn.Module) for layer in layers):
+        raise MemorySpecError(f"config.{CONFIG_KEY}.layers_path / mlp_attr: {type(model).__name__} has no decoder "
+                              f"layers at {path}[i].{spec['mlp_attr']}")
+    return layers
+
+
 def attach_memories(model: nn.Module, spec: dict) -> None:
-    """Put the memories that ``spec`` (``config.smf_memories``) records into ``model``, in float32."""
-    holder, _, list_name = spec["layers_path"].rpartition(".")
-    layers = getattr(model.get_submodule(holder) if holder else model, list_name)
+    """Put the plain memories that ``spec`` (``config.smf_memories``) records into ``model``, in float32."""
+    spec = check_memory_spec(spec)
+    layers = _decoder_layers(model, spec)
+    spec = check_memory_spec(spec, len(layers))
+    if any(isinstance(getattr(layer, spec["mlp_attr"]), MemoryBlock) for layer in layers):
+        return  # a head whose decoder is built as an AutoModel of the same config: attached there
     kwargs = dict(spec["memory_kwargs"])
     d_model = model.config.get_text_config().hidden_size
-    kwargs.setdefault("value_dim", d_model)
     for index in spec["layers"]:
         layer = layers[index]
         with torch.device(next(layer.parameters()).device):
-            memory = ProductKeyMemory(d_model, **kwargs).float()
+            memory = PlainProductKeyMemory(d_model, **kwargs).float()
         if spec["mode"] == "replacement":
             block = MemoryBlock(memory, index)
         else:
@@ -156,28 +233,56 @@ def attach_memories(model: nn.Module, spec: dict) -> None:
         setattr(layer, spec["mlp_attr"], block)
 
 
+def _library_attach():
+    """smf's ``attach_recorded_memories`` where smf is importable (and ``SMF_SAVED_CODE_PLAIN`` is not set),
+    else None."""
+    if os.environ.get(PLAIN_ENV, "") not in ("", "0"):
+        return None
+    try:
+        from smf.model.attach import attach_recorded_memories
+    except ImportError:
+        return None
+    return attach_recorded_memories
+
+
 def _model_init(self, config, *args, **kwargs):
-    _base_model.__init__(self, config, *args, **kwargs)
-    spec = getattr(config, CONFIG_KEY, None)
-    if not spec:
-        raise ValueError(f"a {config.model_type} config must record its memories in config.{CONFIG_KEY}")
-    attach_memories(self, spec)
+    _bases[type(self).__name__].__init__(self, config, *args, **kwargs)
+    spec = check_memory_spec(getattr(config, CONFIG_KEY, None))
+    library_attach = _library_attach()
+    if library_attach is not None:
+        library_attach(self, spec)
+    else:
+        attach_memories(self, spec)
 
 
 def _share_conversions(base_key: str, key: str) -> None:
-    """Give ``key`` the checkpoint key conversions transformers applies to ``base_key``, if any."""
+    """Give ``key`` the checkpoint key conversions transformers (5.x) applies to ``base_key``, if any."""
+    try:
+        from transformers.conversion_mapping import (get_checkpoint_conversion_mapping,
+                                                     register_checkpoint_conversion_mapping)
+    except ImportError:  # transformers 4.x converts no checkpoint keys
+        return
     conversions = get_checkpoint_conversion_mapping(base_key)
     if conversions is not None:
         register_checkpoint_conversion_mapping(key, conversions, overwrite=True)
 
 
 _base_config = CONFIG_MAPPING[BASE_MODEL_TYPE]
-_base_model = MODEL_FOR_CAUSAL_LM_MAPPING[_base_config]
 CONFIG_CLASS_NAME = f"{_base_config.__name__.removesuffix('Config')}SmfMemoriesConfig"
-MODEL_CLASS_NAME = f"{_base_model.__name__}WithSmfMemories"
 globals()[CONFIG_CLASS_NAME] = config_class = type(CONFIG_CLASS_NAME, (_base_config,), {
     "model_type": BASE_MODEL_TYPE + SUFFIX, "__module__": __name__})
-globals()[MODEL_CLASS_NAME] = type(MODEL_CLASS_NAME, (_base_model,), {
-    "config_class": config_class, "__init__": _model_init, "__module__": __name__})
-_share_conversions(_base_model.__name__, MODEL_CLASS_NAME)
 _share_conversions(BASE_MODEL_TYPE, BASE_MODEL_TYPE + SUFFIX)
+_bases: dict[str, type] = {}  # class name -> the transformers class it derives from
+for _auto_name in AUTO_CLASSES:
+    _mapping = getattr(transformers, _auto_name)._model_mapping
+    if _base_config not in _mapping:
+        continue
+    _base = _mapping[_base_config]
+    _name = f"{_base.__name__}WithSmfMemories"
+    _bases[_name] = _base
+    globals()[_name] = type(_name, (_base,), {"config_class": config_class, "__init__": _model_init,
+                                              "__module__": __name__})
+    _share_conversions(_base.__name__, _name)
+    # a head builds its decoder with AutoModel.from_config(config): this file's class, with no prompt for code
+    getattr(transformers, _auto_name).register(config_class, globals()[_name], exist_ok=True)
+MODEL_CLASS_NAME = next(iter(_bases), None)  # the causal LM's class (AUTO_CLASSES' first)

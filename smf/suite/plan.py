@@ -26,7 +26,7 @@ from pathlib import Path
 from smf.options import only
 from smf.suite.config import STAGE_COMMANDS, SuiteConfig
 from smf.train.config import RunConfig, build_config
-from smf.vocabulary import FINGERPRINT_SPELLINGS, RETROFIT_MODE, split_condition
+from smf.vocabulary import CONDITIONS, FINGERPRINT_SPELLINGS, RETROFIT_MODE, split_condition
 
 SUITE_CONFIG_FILE = "suite_config.json"
 # Options that say where a stage lives and runs, whether it resumed and how often it saved, not what it computes.
@@ -178,3 +178,29 @@ def run_hash(config: SuiteConfig, run: Run) -> str:
         "eval": config.to_dict()["eval"],
         "eval_data": [config.data.medmcqa_validation, config.data.wikitext, config.data.triviaqa],
     })
+
+
+PLAN_KEYS = ("seeds", "conditions", "authors_update")  # what --seeds / --conditions / --authors-update narrow
+_NOT_SETTINGS = (*PLAN_KEYS, "name", "device", "output_dir")  # where and under which name, not what is computed
+
+
+def merged_plan(recorded: dict | None, config: SuiteConfig) -> SuiteConfig | None:
+    """The suite ``config`` joined with the one recorded in its directory (``suite_config.json``, as a dict):
+    when both compute the same (every setting but seeds, conditions, authors_update, name and device equal),
+    a config whose plan holds the runs of both, so that a call on a subset never narrows what the directory
+    reports; None when the recorded suite computes something else (``config`` then replaces it)."""
+    from smf.suite.config import suite_config_from_dict
+
+    if recorded is None:
+        return config
+    new = config.to_dict()
+    if {k: v for k, v in recorded.items() if k not in _NOT_SETTINGS} != \
+            {k: v for k, v in new.items() if k not in _NOT_SETTINGS}:
+        return None
+    merged = dict(new)
+    merged["seeds"] = list(recorded.get("seeds") or []) + [s for s in new["seeds"] if s not in (recorded.get("seeds")
+                                                                                                  or [])]
+    for key in ("conditions", "authors_update"):
+        chosen = set(recorded.get(key) or []) | set(new[key] or [])
+        merged[key] = [condition for condition in CONDITIONS if condition in chosen]
+    return suite_config_from_dict(merged)

@@ -29,8 +29,8 @@ from smf.eval.tasks import evaluate_model, load_eval_sets
 from smf.files import read_json_object, write_json_atomic
 from smf.model.loading import FINAL_DIR, RUN_CONFIG, load_model, read_run_config
 from smf.suite.config import SuiteConfig
-from smf.suite.plan import (Run, SuiteLayout, options_fingerprint, plan_runs, run_hash, sparse_stage_dirs,
-                            stage_config)
+from smf.suite.plan import (Run, SuiteLayout, merged_plan, options_fingerprint, plan_runs, run_hash,
+                            sparse_stage_dirs, stage_config)
 from smf.suite.status import write_status
 from smf.train.background import collect_background
 from smf.train.checkpoint import CHECKPOINT_FILE, LOG_FILE
@@ -41,6 +41,28 @@ from smf.train.loop import train
 logger = logging.getLogger(__name__)
 
 STAGE_MARKER = "suite_stage.json"
+# What `smf report` writes into a suite directory besides suite_status (rewritten by every call)
+REPORT_FILES = ("table1.md", "table1.csv", "table1.tex", "pareto.png", "pareto.pdf", "accounting.md",
+                "accounting.json", "ablation_update.md", "ablation_update.json")
+ABLATION_FILES = ("ablation_update.md", "ablation_update.json")
+DATA_LOGGERS = ("smf.data.sources",)  # their warnings (e.g. fewer rows than asked) are the same for every run
+
+
+class _OncePerSuite(logging.Filter):
+    """Lets each distinct warning through once: a suite loads the same data for every run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        message = record.getMessage()
+        if message in self.seen:
+            return False
+        self.seen.add(message)
+        return True
 
 
 def read_results(path: Path, expected_hash: str) -> dict:
@@ -125,22 +147,24 @@ class SuiteRunner:
             background=background_dir, optimizer="authors" if run.update == "authors" else None))
         return markers
 
-    def evaluate(self, run: Run) -> tuple[dict, dict, str]:
-        """(metrics, seconds per task, artefact) of ``run``'s trained model (the base model for base)."""
+    def evaluate(self, run: Run) -> tuple[dict, dict, str, dict]:
+        """(metrics, seconds per task, artefact, rows scored / skipped per task) of ``run``'s trained model (the
+        base model for base)."""
         if self._eval_sets is None:
             self._eval_sets = load_eval_sets(self.config.data, self.config.eval, self.config.protocol)
         run_dir = None if run.recipe is None else self.layout.train_dir(run)
         model, tokenizer = load_model(self.config.model, run_dir, self.device)
         artefact = self.config.model if run_dir is None else str(run_dir / FINAL_DIR)
+        rows = {}
         try:
             metrics, seconds = evaluate_model(model, tokenizer, self._eval_sets, self.config.eval,
-                                              self.layout.eval_dir(run), self.config.protocol)
+                                              self.layout.eval_dir(run), self.config.protocol, rows=rows)
         finally:
             del model
             gc.collect()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-        return metrics, seconds, artefact
+        return metrics, seconds, artefact, rows
 
     def run_one(self, run: Run) -> dict:
         """Train, evaluate and record ``run`` (or read its results if finished); returns the results."""
@@ -150,28 +174,58 @@ class SuiteRunner:
             return read_results(path, expected_hash)
         started = time.perf_counter()
         markers = self.train_stages(run)
-        metrics, eval_seconds, artefact = self.evaluate(run)
+        metrics, eval_seconds, artefact, eval_rows = self.evaluate(run)
         results = {
             "condition": run.condition, "seed": run.seed, "update": run.update, "metrics": metrics,
             "sparse_steps": sparse_step_stats(self.layout.train_dir(run)) if run.recipe == "sparse" else None,
             "timing": {**{f"{kind}_s": marker["seconds"] for kind, marker in markers.items()},
                        "eval_s": eval_seconds, "wall_s": round(time.perf_counter() - started, 3)},
-            "config_hash": expected_hash, "artefact": artefact, "model": self.config.model,
+            "eval_rows": eval_rows, "config_hash": expected_hash, "artefact": artefact, "model": self.config.model,
             "finished_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }
         write_json_atomic(path, results)
         logger.info("%s: %s", run.name, ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         return results
 
+    def record_plan(self) -> SuiteConfig:
+        """Write ``suite_config.json``: this call's config joined with the one recorded there when both compute
+        the same (:func:`~smf.suite.plan.merged_plan`: a call on some seeds or conditions keeps the directory's
+        fuller plan, and its report every finished run), else this call's config, which replaces it (the files
+        of the old report are removed). Removes an update ablation report the recorded plan no longer has.
+        Returns the recorded config."""
+        layout = self.layout
+        previous = read_json_object(layout.config_file, "suite config record") if layout.config_file.is_file() \
+            else None
+        recorded = merged_plan(previous, self.config)
+        stale = ABLATION_FILES if recorded is not None and not recorded.authors_update else ()
+        if recorded is None:
+            logger.warning("%s recorded a suite with other settings: this call's config replaces it, and the "
+                           "report shows this config's runs only (another --output-dir keeps both)", layout.config_file)
+            recorded, stale = self.config, REPORT_FILES
+        elif set(plan_runs(recorded)) != set(plan_runs(self.config)):
+            logger.info("this call runs %d of the %d runs planned in %s: it keeps the whole plan (seeds %s, "
+                        "conditions %s, authors_update %s) and the report covers every finished run of it",
+                        len(plan_runs(self.config)), len(plan_runs(recorded)), layout.config_file,
+                        list(recorded.seeds), list(recorded.conditions), list(recorded.authors_update) or "none")
+        write_json_atomic(layout.config_file, recorded.to_dict())
+        for name in stale:
+            if (layout.root / name).is_file():
+                (layout.root / name).unlink()
+                logger.info("removed %s: the recorded suite does not report it", layout.root / name)
+        return recorded
+
     def run(self) -> list[dict]:
         """Every planned run, skipping finished ones; returns their results in plan order."""
         runs = plan_runs(self.config)
         self.config.output_dir.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(self.layout.config_file, self.config.to_dict())
+        recorded = self.record_plan()
         todo = len(self.pending())
         logger.info("suite %s: %d runs (%d finished, %d to do) in %s", self.config.name, len(runs),
                     len(runs) - todo, todo, self.config.output_dir)
         results, failed = [], {}
+        once = _OncePerSuite()
+        for name in DATA_LOGGERS:
+            logging.getLogger(name).addFilter(once)
         try:
             with tqdm(runs, desc=f"suite {self.config.name}", unit="run") as progress:
                 for run in progress:
@@ -182,7 +236,9 @@ class SuiteRunner:
                         failed[run.name] = f"{type(err).__name__}: {err}".splitlines()[0][:200]
                         raise
         finally:
-            write_status(self.config, self.config.output_dir, failed)
+            for name in DATA_LOGGERS:
+                logging.getLogger(name).removeFilter(once)
+            write_status(recorded, self.config.output_dir, failed)
         return results
 
 

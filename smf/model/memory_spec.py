@@ -1,0 +1,87 @@
+"""The rules a model's ``config.smf_memories`` must follow, written once for smf's loader and for the code
+saved beside a model's weights (``save_pretrained`` copies this file's text into ``modeling_smf_memories.py``,
+which must run without smf: so this module imports nothing but the standard library).
+
+``config.smf_memories`` (written by ``smf.model.attach_memories``) is a dict: ``layers`` (distinct 0-based
+decoder layer indices), ``mode`` (one of :data:`MEMORY_MODES`), ``memory_kwargs`` (the memory's sizes, keys of
+:data:`MEMORY_SIZES`), ``layers_path`` (dotted path of the decoder layer list, from the causal LM) and
+``mlp_attr`` (each layer's feed-forward attribute).
+"""
+CONFIG_KEY = "smf_memories"  # the config attribute recording a model's memories
+# The auto classes a saved model with memories is mapped for (where transformers has the base architecture's
+# class): the causal LM it was saved from, and the other heads on the same decoder.
+AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModel", "AutoModelForSequenceClassification",
+                "AutoModelForTokenClassification", "AutoModelForQuestionAnswering")
+MEMORY_MODES = ("replacement", "additive", "additive+s")  # as smf.vocabulary.MEMORY_MODES (tests check)
+MEMORY_SIZES = ("n_keys", "heads", "topk", "key_dim", "value_dim")  # ProductKeyMemory's sizes, d_model aside
+SPEC_FIELDS = ("layers", "mode", "memory_kwargs", "layers_path", "mlp_attr")
+
+
+class MemorySpecError(ValueError):
+    """A ``config.smf_memories`` that no model can be built from; the message names the field."""
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def check_memory_spec(spec, num_layers=None) -> dict:
+    """``spec`` (``config.smf_memories``) checked, as a new dict with ``layers`` a list: MemorySpecError naming
+    the field otherwise. ``num_layers``: the model's decoder layer count, to check the indices against."""
+    where = "config.smf_memories"
+    if not isinstance(spec, dict) or not spec:
+        raise MemorySpecError(f"{where} must be a non-empty dict recording the memories, got {spec!r}")
+    unknown = sorted(set(spec) - set(SPEC_FIELDS))
+    missing = [field for field in SPEC_FIELDS if field not in spec]
+    if unknown or missing:
+        raise MemorySpecError(f"{where} must have the fields {list(SPEC_FIELDS)}; "
+                              f"missing {missing}, unknown {unknown}")
+    layers = spec["layers"]
+    if (not isinstance(layers, (list, tuple)) or not layers
+            or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers)):
+        raise MemorySpecError(f"{where}.layers must be a non-empty list of int layer indices, got {layers!r}")
+    if any(i < 0 for i in layers) or len(set(layers)) != len(layers):
+        raise MemorySpecError(f"{where}.layers must be distinct non-negative indices, got {list(layers)}")
+    if num_layers is not None and max(layers) >= num_layers:
+        raise MemorySpecError(f"{where}.layers {list(layers)}: the model has {num_layers} decoder layers "
+                              f"(valid indices: 0 to {num_layers - 1})")
+    if spec["mode"] not in MEMORY_MODES:
+        raise MemorySpecError(f"{where}.mode must be one of {list(MEMORY_MODES)}, got {spec['mode']!r}")
+    for field in ("layers_path", "mlp_attr"):
+        value = spec[field]
+        if not isinstance(value, str) or not value or any(not part.isidentifier() for part in value.split(".")):
+            raise MemorySpecError(f"{where}.{field} must be a dotted attribute path such as 'model.layers', "
+                                  f"got {value!r}")
+    sizes = spec["memory_kwargs"]
+    if not isinstance(sizes, dict):
+        raise MemorySpecError(f"{where}.memory_kwargs must be a dict of the memory's sizes, got {sizes!r}")
+    unknown = sorted(set(sizes) - set(MEMORY_SIZES))
+    missing = [key for key in MEMORY_SIZES[:4] if key not in sizes]
+    if unknown or missing:
+        raise MemorySpecError(f"{where}.memory_kwargs must have the keys {list(MEMORY_SIZES[:4])} (and may have "
+                              f"value_dim); missing {missing}, unknown {unknown}")
+    for key, value in sizes.items():
+        if not (_positive_int(value) or (key == "value_dim" and value is None)):
+            raise MemorySpecError(f"{where}.memory_kwargs.{key} must be a positive int, got {value!r}")
+    if sizes["key_dim"] % 2:
+        raise MemorySpecError(f"{where}.memory_kwargs.key_dim must be even (split into two halves), "
+                              f"got {sizes['key_dim']}")
+    if sizes["topk"] > sizes["n_keys"]:
+        raise MemorySpecError(f"{where}.memory_kwargs.topk must be <= n_keys ({sizes['n_keys']}), "
+                              f"got {sizes['topk']}")
+    return {**spec, "layers": list(layers), "memory_kwargs": dict(sizes)}
+
+
+def layers_path_in(spec: dict, model) -> str:
+    """Where ``spec``'s decoder layers are in ``model``, a model of any auto class of the architecture:
+    ``spec["layers_path"]`` is recorded from the causal LM (``model.layers``, ``model`` its base model); another
+    head may hold the base model under its own ``base_model_prefix`` (``transformer.layers``) and the bare
+    base model holds the layers itself (``layers``)."""
+    path = spec["layers_path"]
+    head, _, rest = path.partition(".")
+    if not rest or hasattr(model, head):
+        return path
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix and hasattr(model, prefix):
+        return f"{prefix}.{rest}"
+    return rest
