@@ -10,6 +10,7 @@ examples and the counts are summed.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -37,11 +38,10 @@ SPLIT_OPTIONS = ("protocol", "oasst_path", "oasst_languages", "n_examples", "dat
 def check_held_out_split(config: RunConfig) -> None:
     """Raise ConfigError if the retrofit run behind ``config.adapter`` drew its examples with other
     options than ``config`` (the background examples would then not be the protocol's)."""
-    adapter = Path(config.adapter)
-    run_config = next((d / RUN_CONFIG for d in (adapter, adapter.parent) if (d / RUN_CONFIG).is_file()), None)
+    run_config = _retrofit_run_config(config.adapter)
     if run_config is None:
         logger.warning("no %s beside adapter %s: cannot check that the background set is held out", RUN_CONFIG,
-                       adapter)
+                       config.adapter)
         return
     retrofit = read_run_config(run_config.parent)
     ours = config.to_dict()
@@ -54,9 +54,31 @@ def check_held_out_split(config: RunConfig) -> None:
                           "options: " + "; ".join(differ))
 
 
+def _retrofit_run_config(adapter: str) -> Path | None:
+    """The run_config.json of the retrofit run behind ``adapter`` (its directory or final/ folder), or None."""
+    adapter = Path(adapter)
+    return next((d / RUN_CONFIG for d in (adapter, adapter.parent) if (d / RUN_CONFIG).is_file()), None)
+
+
+def with_own_background(config: RunConfig) -> RunConfig:
+    """``config`` with ``background_data`` defaulting to the retrofit's own texts (its ``retrofit_data``) when the
+    adapter's retrofit ran on own data and neither --background-data nor --oasst-path is given."""
+    if config.background_data is not None or config.oasst_path is not None:
+        return config
+    run_config = _retrofit_run_config(config.adapter)
+    retrofit_data = None if run_config is None else read_run_config(run_config.parent).get("retrofit_data")
+    if retrofit_data is None:
+        return config
+    logger.info("background statistics over the retrofit's own texts %s (give --background-data for others)",
+                retrofit_data)
+    return dataclasses.replace(config, background_data=retrofit_data)
+
+
 def collect_background(config: RunConfig) -> Path:
     """Count reads over the background examples and save them; returns the file's path."""
-    check_held_out_split(config)
+    config = with_own_background(config)
+    if config.background_data is None:  # own background texts are the user's choice: nothing to hold out
+        check_held_out_split(config)
     world = setup_distributed(config.device)
     output_dir = Path(config.output_dir)
     with claim_output_dir(output_dir, world) as files:

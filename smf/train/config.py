@@ -15,7 +15,7 @@ from smf.data.protocol import DEFAULT_PROTOCOL, PROTOCOLS
 from smf.errors import ConfigError
 from smf.options import (OPTIONS_CONFIG, AsList, DatasetPath, ExistingDir, ExistingPath, Seed, checked, flag, only,
                          option, read_file)
-from smf.vocabulary import (BACKENDS, DEFAULT_MODEL, MEMORY_MODES, RULES, SPARSE_BACKWARDS, SPARSE_OPTIMIZERS,
+from smf.vocabulary import (BACKENDS, COUNT_READS, DEFAULT_MODEL, LOSS_ON, MEMORY_MODES, RULES, SPARSE_BACKWARDS, SPARSE_OPTIMIZERS,
                             TINY_MEMORY_KWARGS, TINY_MEMORY_LAYERS, TINY_MODEL, TRAIN_RECIPES, check_layers)
 
 logger = logging.getLogger(__name__)
@@ -90,7 +90,16 @@ class RunConfig:
                                   "52,000 replies); the authors protocol takes English replies", RETRO + BG)
     medmcqa_path: DatasetPath | None = option(None, "local MedMCQA train split (jsonl/parquet/save_to_disk)",
                                                TRAIN, shown="the hub")
-    n_examples: PositiveInt | None = option(None, "training examples; background (--protocol clean): the retrofit "
+    retrofit_data: DatasetPath | None = option(None, "own retrofit texts, rows {\"text\": str} (docs/own-data.md); "
+                                               "instead of --oasst-path / the hub", RETRO, shown="none: oasst1")
+    background_data: DatasetPath | None = option(None, "own background-statistics texts, rows {\"text\": str} "
+                                                 "(docs/own-data.md)", BG,
+                                                 shown="the retrofit's --retrofit-data, else oasst1")
+    train_data: DatasetPath | None = option(None, "own finetuning data: text, qa or mc rows (docs/own-data.md); "
+                                            "instead of --medmcqa-path / the hub", TRAIN, shown="none: MedMCQA")
+    loss_on: Literal[LOSS_ON] = option("all", "--train-data qa/mc rows: the loss on every token (all, as the "
+                                       "authors) or on the answer only (answer: the prompt's labels are -100)", TRAIN)
+    n_examples: PositiveInt | None = option(None, "training examples (own data: the first N rows, default all); background (--protocol clean): the retrofit "
                                             "set size, which background examples avoid", ALL)
     n_background: PositiveInt = option(2000, "single-example background batches", BG)
     data_seed: Seed = option(0, "seed choosing the example subset (keep it fixed across runs)", ALL)
@@ -123,9 +132,20 @@ class RunConfig:
         backward: ``deferred``, measured the fastest; ``selected-rows`` under ``--compile``, whose backward chooses
         the rows itself; benchmarks/RESULTS.md, "One training step of each recipe")."""
         defaults = {name: value for name, value in RECIPE_DEFAULTS[recipe].items() if getattr(self, name) is None}
+        if self.own_data(recipe):  # own files are used whole unless --n-examples cuts them
+            defaults.pop("n_examples", None)
         if self.sparse_backward is None:
             defaults["sparse_backward"] = "selected-rows" if self.compile else "deferred"
         return dataclasses.replace(self, recipe=recipe, **defaults)
+
+    def own_data(self, recipe: str | None = None) -> bool:
+        """Whether stage ``recipe`` (default: this config's) reads a user's own files (docs/own-data.md)."""
+        recipe = recipe or self.recipe
+        if recipe == "retrofit":
+            return self.retrofit_data is not None
+        if recipe == "background":
+            return self.background_data is not None
+        return self.train_data is not None
 
     def to_dict(self) -> dict:
         """The options the run's command takes (plus ``recipe``), e.g. for run_config.json."""
@@ -133,6 +153,8 @@ class RunConfig:
 
 
 OPTIONS = tuple(field.name for field in dataclasses.fields(RunConfig))
+# (own-data option, the paper's dataset option it replaces): not both (docs/own-data.md).
+OWN_INSTEAD_OF = (("retrofit_data", "oasst_path"), ("background_data", "oasst_path"), ("train_data", "medmcqa_path"))
 # The tiny preset: the tiny model and memories of smf.vocabulary and the options in smf/configs/preset_tiny.yaml.
 TINY_PRESET = {"model": TINY_MODEL, "layers": list(TINY_MEMORY_LAYERS), **TINY_MEMORY_KWARGS, **{
     name: str((CONFIGS / value).resolve()) if name.endswith("_path") else value
@@ -183,6 +205,13 @@ def unused_options(config: RunConfig, command: str) -> dict[str, str]:
         unused["n_examples"] = ("the authors protocol draws the background examples from its own pool (the first "
                                 "--n-background of it), whatever the retrofit's size; --protocol clean holds them "
                                 "out of the first --n-examples")
+    if command == "train" and config.train_data is None:
+        unused["loss_on"] = ("only --train-data uses it (MedMCQA's training text is the protocol's: docs/method.md"
+                             "#the-protocol-setting)")
+    if command in ("retrofit", "background") and config.own_data(command):
+        unused["oasst_languages"] = "it filters oasst1 replies; own data is used as given"
+        if command == "background":
+            unused["n_examples"] = "own background texts are the first --n-background rows of --background-data"
     if command == "retrofit" and config.mode == "replacement":
         unused["alpha_init"] = "--mode replacement has no alpha (the memory replaces the MLP)"
     return unused
@@ -205,6 +234,13 @@ def build_config(command: str, file_options: dict, cli_options: dict) -> RunConf
     and that the device exists and the backend runs on it."""
     preset = cli_options.get("preset", file_options.get("preset"))
     options = {**(only(RunConfig, command, TINY_PRESET) if preset == "tiny" else {}), **file_options, **cli_options}
+    given = {**file_options, **cli_options}
+    for own, paper in OWN_INSTEAD_OF:
+        if given.get(own) is not None and given.get(paper) is not None:
+            raise ConfigError(f"{flag(own)} and {flag(paper)} cannot both be given: own data replaces the paper's "
+                              "dataset (docs/own-data.md)")
+        if options.get(own) is not None:
+            options.pop(paper, None)  # the preset's paper data gives way to the user's own
     config = checked(RunConfig, options)
     if config.output_dir is None:
         raise ConfigError("--output-dir is required")
