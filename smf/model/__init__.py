@@ -14,6 +14,7 @@ from smf.model.loading import (
     load_tokenizer,
     load_with_adapter,
 )
+from smf.model.read_mask import loss_positions, reads_counted_at_loss
 from smf.vocabulary import DEFAULT_MODEL
 
 __all__ = [
@@ -40,7 +41,9 @@ __all__ = [
     "load_run",
     "load_tokenizer",
     "load_with_adapter",
+    "loss_positions",
     "memory_blocks",
     "read_adapter_config",
+    "reads_counted_at_loss",
     "save_memory_adapter",
 ]

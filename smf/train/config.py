@@ -71,6 +71,10 @@ class RunConfig:
         "extra forward; selected-rows: each backward writes only the T selected rows, found by a no-grad forward "
         "first; read-rows: every row read, no extra forward (--recipe sparse; docs/method.md#what-sparse-means)",
         TRAIN, shown="deferred; selected-rows with --compile")
+    count_reads: Literal[COUNT_READS] = option(
+        "all", "which tokens' memory reads steer the row selection (--recipe sparse): all = every non-padding token "
+        "(the paper's), loss = only the positions whose next token the loss scores (docs/own-data.md#read-counting)",
+        TRAIN)
     fused_update: bool = option(False, "--optimizer row_sparse: the value rows' update from their compact gradients "
                                 "in one pass per row, no sparse COO gradient (docs/method.md#what-sparse-means)", TRAIN)
     shard_memories: bool = option(False, "split every memory's value table and its optimizer state by columns over the "
@@ -205,6 +209,8 @@ def unused_options(config: RunConfig, command: str) -> dict[str, str]:
         unused["n_examples"] = ("the authors protocol draws the background examples from its own pool (the first "
                                 "--n-background of it), whatever the retrofit's size; --protocol clean holds them "
                                 "out of the first --n-examples")
+    if command == "train" and config.recipe != "sparse":
+        unused["count_reads"] = f"only --recipe sparse selects rows (this run is --recipe {config.recipe})"
     if command == "train" and config.train_data is None:
         unused["loss_on"] = ("only --train-data uses it (MedMCQA's training text is the protocol's: docs/method.md"
                              "#the-protocol-setting)")
@@ -262,5 +268,8 @@ def build_config(command: str, file_options: dict, cli_options: dict) -> RunConf
     if config.shard_memories and command == "train" and (not sparse or config.optimizer == "authors"):
         raise ConfigError(f"--shard-memories splits the memories of retrofit and --recipe sparse runs, not of --recipe "
                           f"{config.recipe}{' --optimizer authors (one process)' if sparse else ''}")
+    if command == "train" and config.count_reads == "loss" and config.compile:
+        raise ConfigError("--count-reads loss is not available with --compile (its mask is set by a forward hook); "
+                          "drop one of them")
     check_device_and_backend(config.device, config.backend)
     return config

@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from smf.data import IGNORE_INDEX, CausalLMCollator, get_protocol
 from smf.errors import ConfigError
 from smf.model.loading import FINAL_DIR, RUN_CONFIG
+from smf.model.read_mask import reads_counted_at_loss
 from smf.train.artifacts import save_final, write_run_config
 from smf.train.checkpoint import CHECKPOINT_FILE, LOG_FILE, load_checkpoint, rng_state, save_checkpoint, truncate_log
 from smf.train.config import RunConfig
@@ -38,7 +39,7 @@ from smf.train.distributed import World, all_reduce_sum, barrier, gather_objects
 from smf.train.recipes import TrainingSetup, build_setup
 from smf.train.run_dir import RunFiles, claim_output_dir
 from smf.train.sharding import SHARDS_DIR, remove_stale_shards, save_memory_shards
-from smf.train.steps import bf16_autocast
+from smf.train.steps import AuthorsStep, bf16_autocast
 from smf_kernels.sharded import unsharded_memories
 
 logger = logging.getLogger(__name__)
@@ -148,6 +149,10 @@ def _train(config: RunConfig, world: World, files: RunFiles) -> dict:
     if config.compile:
         wrapped = torch.compile(wrapped, mode="reduce-overhead")
     collator = CausalLMCollator(setup.tokenizer.pad_token_id)
+    count_at_loss = config.recipe == "sparse" and config.count_reads == "loss"
+    if count_at_loss and isinstance(setup.step, AuthorsStep):
+        raise ConfigError("--count-reads loss: the authors' update counts every position, padding included; use "
+                          "the exact sparse update")
     checkpoint_path, log_path = files.path(CHECKPOINT_FILE), files.path(LOG_FILE)
 
     step = 0
@@ -175,7 +180,8 @@ def _train(config: RunConfig, world: World, files: RunFiles) -> dict:
         lr = scheduler.get_last_lr()[0]
         micro_batches = [collate(features, chunk, collator, world.device) for chunk in plan.micro_batches(step)]
         try:
-            loss_sum = run_step(wrapped, setup, scheduler, micro_batches, num_tokens, config, world)
+            with reads_counted_at_loss(setup.model, micro_batches if count_at_loss else ()):
+                loss_sum = run_step(wrapped, setup, scheduler, micro_batches, num_tokens, config, world)
         except RuntimeError as err:  # torch refusing a scalar of the update that float32 cannot hold
             if "without overflow" not in str(err):
                 raise
