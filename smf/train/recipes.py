@@ -20,6 +20,7 @@ from torch import nn
 from smf.errors import ConfigError
 from smf.model import apply_lora, attach_memories, configure_trainable, memory_blocks
 from smf.model.loading import load_base, load_with_adapter
+from smf.model.memory_mode import set_memory_mode
 from smf.model.precision import authors_bf16_weights, cast_like_the_authors
 from smf.train.config import RunConfig
 from smf.train.distributed import World
@@ -64,8 +65,7 @@ def set_sparse_mode(model: nn.Module, mode: str | None) -> None:
     if mode != "additive+s" or saved != "additive":
         raise ConfigError(f"--mode {mode} cannot finetune an adapter retrofitted in mode {saved!r}; only an additive "
                           "adapter can be finetuned as additive+s (omit --mode to keep the adapter's mode)")
-    for block in blocks:
-        block.mode = mode
+    set_memory_mode(model, mode)
 
 
 def _adamw(params, config: RunConfig) -> torch.optim.Optimizer:
