@@ -6,7 +6,8 @@
   (or, ``--optimizer dense_masked``, masked dense gradients with torch AdamW for comparison;
   ``--optimizer authors``, the authors' update, :class:`AuthorsSparseUpdate`).
 - ``lora``: peft LoRA on the seven projections; AdamW.
-- ``full``: every base parameter; AdamW.
+- ``full``: every parameter of the base model, or of the base model with the memories of ``adapter`` (their
+  values, keys, projections and alpha too); AdamW.
 """
 from __future__ import annotations
 
@@ -128,8 +129,9 @@ def build_setup(config: RunConfig, world: World) -> TrainingSetup:
         model = apply_lora(model, r=config.lora_r, alpha=config.lora_alpha, dropout=config.lora_dropout)
         counts = {"trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
                   "total": sum(p.numel() for p in model.parameters())}
-    elif recipe == "full":
-        model, tokenizer = load_base(config.model, world.device)
+    elif recipe == "full":  # from the base model, or (--adapter) from a checkpoint holding memories
+        model, tokenizer = (load_base(config.model, world.device) if config.adapter is None else
+                            load_with_adapter(config.model, config.adapter, world.device, config.backend))
         counts = configure_trainable(model, "full")
     else:
         raise ConfigError(f"--recipe must be one of retrofit, sparse, lora, full; got {recipe!r}")
