@@ -132,7 +132,9 @@ class RunConfig:
                                        "authors) or on the answer only (answer: the prompt's labels are -100)", TRAIN)
     n_examples: PositiveInt | None = option(None, "training examples (own data: the first N rows, default all); background (--protocol clean): the retrofit "
                                             "set size, which background examples avoid", ALL)
-    n_background: PositiveInt = option(2000, "single-example background batches", BG)
+    n_background: PositiveInt = option(2000, "background documents (the paper's single-example batches)", BG)
+    batch_size: PositiveInt = option(1, "background documents per forward, each counted apart (the same statistics "
+                                     "as one per forward up to last-bit rounding; benchmarks/RESULTS.md)", BG)
     data_seed: Seed = option(0, "seed choosing the example subset (keep it fixed across runs)", ALL)
     max_length: PositiveInt = option(1024, "tokens per example (longer ones are cut)", ALL)
     # optimisation
