@@ -27,6 +27,12 @@ BACKENDS = ("torch", "triton", "ext")  # smf_kernels.backends.BACKENDS: the kern
 SPARSE_OPTIMIZERS = ("row_sparse", "dense_masked", "authors")
 SPARSE_BACKWARDS = ("selected-rows", "read-rows", "deferred")
 TASKS = ("medmcqa", "wikitext", "triviaqa")
+# A user's own evaluation sets (docs/own-data.md): learning (the MedMCQA stand-in), held-out perplexity (WikiText's)
+# and retained knowledge (TriviaQA's), each scored by its stand-in's rule; and their metric keys.
+EVAL_ROLES = ("learn", "heldout", "retain")
+OWN_METRIC_OF_ROLE = {"learn": "learn_acc", "heldout": "heldout_ppl", "retain": "retain_acc"}
+LOSS_ON = ("all", "answer")  # the tokens a qa/mc training row's loss scores (docs/own-data.md)
+COUNT_READS = ("all", "loss")  # the tokens whose memory reads steer the sparse selection (docs/own-data.md)
 
 # Table 1 of the paper: the base model, sparse finetuning as f"{mode}-{rule}", and the two baselines.
 SPARSE_CONDITIONS = tuple(f"{mode}-{rule}" for mode in MEMORY_MODES for rule in sorted(RULES))  # kl, tfidf
@@ -41,7 +47,7 @@ DEPRECATED_SPELLINGS = {"additive_s": "additive+s", "row-sparse": "row_sparse", 
 # What the suite's fingerprints hash instead (smf.suite.plan), so that directories written before the renames match.
 FINGERPRINT_SPELLINGS = {"row_sparse": "row-sparse", "dense_masked": "dense-masked"}
 
-__all__ = ["CONDITIONS", "DEFAULT_MODEL", "MEMORY_MODES", "RECIPES", "RULES", "SPARSE_CONDITIONS",
+__all__ = ["CONDITIONS", "DEFAULT_MODEL", "EVAL_ROLES", "MEMORY_MODES", "RECIPES", "RULES", "SPARSE_CONDITIONS",
            "SPARSE_OPTIMIZERS", "TASKS", "TINY_MODEL", "canonical", "check_layers", "split_condition"]
 
 

@@ -13,11 +13,14 @@ from smf.data.protocol import DEFAULT_PROTOCOL, PROTOCOLS
 from smf.errors import ConfigError
 from smf.eval.settings import EvalSettings
 from smf.options import ListAction
-from smf.vocabulary import BACKENDS, DEFAULT_MODEL, TASKS
+from smf.vocabulary import BACKENDS, DEFAULT_MODEL, EVAL_ROLES, TASKS
 
 logger = logging.getLogger(__name__)
 
-COMMANDS = {"eval": "MedMCQA / WikiText / TriviaQA of a base model, memory adapter, LoRA adapter or finetuned model"}
+COMMANDS = {"eval": "MedMCQA / WikiText / TriviaQA (or own learn / heldout / retain files) of a base model, memory "
+                    "adapter, LoRA adapter or finetuned model"}
+PAPER_PATH_FLAGS = ("medmcqa_path", "wikitext_path", "triviaqa_path")
+OWN_ROLE_FLAGS = {"learn": "eval_learn", "heldout": "eval_heldout", "retain": "eval_retain"}
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str = "eval") -> None:
@@ -27,9 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser, command: str = "eval") -> Non
     parser.add_argument("--adapter", metavar="DIR",
                         help="what to evaluate on top of --model: a training run directory, a memory adapter, a "
                              "peft LoRA adapter, or a full-finetune model directory (default: the base model)")
-    parser.add_argument("--tasks", action=ListAction, item_choices=TASKS, metavar="TASK",
-                        help=f"tasks, space- or comma-separated, from {', '.join(TASKS)} (default: all, or the "
-                             f"--config's)")
+    parser.add_argument("--tasks", action=ListAction, item_choices=TASKS + EVAL_ROLES, metavar="TASK",
+                        help=f"tasks, space- or comma-separated, from {', '.join(TASKS)}, or with own data "
+                             f"{', '.join(EVAL_ROLES)} (default: all, or the --config's; own data: the roles given)")
     parser.add_argument("--config", metavar="NAME_OR_FILE",
                         help="take data paths, protocol and evaluation settings from this suite config (e.g. tiny)")
     parser.add_argument("--protocol", choices=PROTOCOLS,
@@ -39,6 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser, command: str = "eval") -> Non
                             ("triviaqa", "TriviaQA rc.nocontext validation")):
         parser.add_argument(f"--{task}-path", metavar="PATH",
                             help=f"local {help_text} split in the hub schema (default: the --config's, else the hub)")
+    for role, (schema, rule) in {"learn": ("qa or mc", "learn_acc, the TriviaQA or MedMCQA rule"),
+                                 "heldout": ("text", "heldout_ppl, the WikiText rule"),
+                                 "retain": ("qa or mc", "retain_acc, the TriviaQA or MedMCQA rule")}.items():
+        parser.add_argument(f"--eval-{role}", metavar="PATH",
+                            help=f"own {schema} rows (docs/own-data.md) scored as {rule}; instead of the paper's "
+                                 "data (default: the --config's)")
     parser.add_argument("--medmcqa-examples", type=int, metavar="N",
                         help=f"first N single-answer questions (default: {defaults.medmcqa_examples})")
     parser.add_argument("--triviaqa-examples", type=int, metavar="N",
@@ -62,11 +71,20 @@ def _eval_inputs(args: argparse.Namespace) -> tuple[DataPaths, EvalSettings, str
         base.update(data=saved["data"], eval=saved["eval"], protocol=saved["protocol"])
     if args.protocol is not None:
         base["protocol"] = args.protocol
-    data = dict(base.get("data", {}))
+    evaluated = ("medmcqa_validation", "wikitext", "triviaqa", *(f"eval_{role}" for role in EVAL_ROLES))
+    data = {key: value for key, value in base.get("data", {}).items() if key in evaluated}  # not training files
+    own_given = [role for role, name in OWN_ROLE_FLAGS.items() if getattr(args, name, None) is not None]
+    paper_given = [name for name in PAPER_PATH_FLAGS if getattr(args, name) is not None]
+    if own_given and paper_given:
+        raise ConfigError(f"--eval-{own_given[0]} cannot be combined with --{paper_given[0].replace('_', '-')}: own "
+                          "data replaces the paper's (docs/own-data.md)")
+    settings = dict(base.get("eval", {}))
+    if own_given:  # the flags' own files replace the config's data; their roles are the tasks unless --tasks says
+        data = {f"eval_{role}": getattr(args, OWN_ROLE_FLAGS[role]) for role in own_given}
+        settings["tasks"] = own_given
     for task, key in (("medmcqa", "medmcqa_validation"), ("wikitext", "wikitext"), ("triviaqa", "triviaqa")):
         if getattr(args, f"{task}_path") is not None:
             data[key] = getattr(args, f"{task}_path")
-    settings = dict(base.get("eval", {}))
     for key, value in (("tasks", args.tasks), ("medmcqa_examples", args.medmcqa_examples),
                        ("triviaqa_examples", args.triviaqa_examples)):
         if value is not None:
@@ -86,6 +104,9 @@ def refuse_unused(args: argparse.Namespace, settings: EvalSettings) -> None:
         for name in flags:
             if getattr(args, name) is not None and task not in settings.tasks:
                 raise ConfigError(f"--{name.replace('_', '-')} is not used: --tasks leaves out {task}")
+    for role, name in OWN_ROLE_FLAGS.items():
+        if getattr(args, name, None) is not None and role not in settings.tasks:
+            raise ConfigError(f"--eval-{role} is not used: --tasks leaves out {role}")
     kind = None if args.adapter is None else adapter_kind(args.adapter)
     recipe = read_run_config(args.adapter)["recipe"] if kind == "run" else None
     if args.backend is not None and (kind in (None, "lora", "full") or recipe in ("lora", "full")):

@@ -1,6 +1,8 @@
-"""Evaluate one model on the three tasks of docs/method.md#evaluation, as the suite and ``smf eval`` do.
+"""Evaluate one model on the three tasks of docs/method.md#evaluation, as the suite and ``smf eval`` do, or on a
+user's own evaluation sets by role (docs/own-data.md).
 
-Metric keys (those of a Table 1 record): ``medmcqa_acc``, ``wikitext_ppl``, ``triviaqa_acc``.
+Metric keys (those of a Table 1 record): ``medmcqa_acc``, ``wikitext_ppl``, ``triviaqa_acc``; for own data
+``learn_acc``, ``heldout_ppl``, ``retain_acc``.
 """
 from __future__ import annotations
 
@@ -10,19 +12,41 @@ from pathlib import Path
 from torch import nn
 
 from smf.data import load_medmcqa, load_triviaqa, load_wikitext
+from smf.data.own_data import as_triviaqa_rows, load_own
+from smf.data.paths import OWN_SCHEMAS
 from smf.eval.medmcqa import count_rows, evaluate_medmcqa
+from smf.eval.multiple_choice import evaluate_multiple_choice
 from smf.eval.triviaqa import evaluate_triviaqa
 from smf.eval.wikitext import evaluate_wikitext
 from smf.data.paths import DataPaths
 from smf.eval.settings import EvalSettings
+from smf.errors import ConfigError
 from smf.model.precision import authors_bf16_weights, cast_like_the_authors
+from smf.vocabulary import EVAL_ROLES, OWN_METRIC_OF_ROLE
 
-METRIC_OF_TASK = {"medmcqa": "medmcqa_acc", "wikitext": "wikitext_ppl", "triviaqa": "triviaqa_acc"}
+METRIC_OF_TASK = {"medmcqa": "medmcqa_acc", "wikitext": "wikitext_ppl", "triviaqa": "triviaqa_acc",
+                  **OWN_METRIC_OF_ROLE}
+
+
+def _load_role(data: DataPaths, role: str) -> tuple[list[dict], str]:
+    """(rows, schema) of own-data evaluation role ``role``; ConfigError if it has no file."""
+    path = getattr(data, f"eval_{role}")
+    if path is None:
+        raise ConfigError(f"task {role!r} needs the eval_{role} file (--eval-{role}, or data.eval_{role} of the "
+                          "suite config)")
+    return load_own(path, f"eval_{role}", OWN_SCHEMAS[f"eval_{role}"])
 
 
 def load_eval_sets(data: DataPaths, settings: EvalSettings, protocol: str) -> dict[str, object]:
     """The rows of each task in ``settings.tasks``: MedMCQA validation, WikiText-103 test (the protocol's
-    config), TriviaQA validation (first ``triviaqa_examples``), from ``data``'s local files or the hub."""
+    config), TriviaQA validation (first ``triviaqa_examples``), from ``data``'s local files or the hub; an own-data
+    role (learn, heldout, retain): (rows, schema) of its whole file."""
+    roles = [task for task in settings.tasks if task in EVAL_ROLES]
+    if roles:
+        return {role: _load_role(data, role) for role in roles}
+    if data.own:
+        raise ConfigError(f"tasks {list(settings.tasks)} are the paper's; own data is evaluated by role "
+                          f"({', '.join(data.eval_roles) or 'give an eval_learn, eval_heldout or eval_retain file'})")
     loaders = {
         "medmcqa": lambda: load_medmcqa("validation", path=data.medmcqa_validation),
         "wikitext": lambda: load_wikitext("test", path=data.wikitext, protocol=protocol),
@@ -56,7 +80,21 @@ def evaluate_model(model: nn.Module, tokenizer, eval_sets: dict[str, object], se
         "triviaqa": lambda rows, path: evaluate_triviaqa(
             model, tokenizer, rows, limit=settings.triviaqa_examples, batch_size=settings.triviaqa_batch_size,
             max_new_tokens=settings.triviaqa_max_new_tokens, output_path=path, protocol=protocol),
+        "heldout": lambda own, path: evaluate_wikitext(
+            model, tokenizer, own[0], window=settings.wikitext_window, stride=settings.wikitext_stride,
+            windows_per_batch=settings.wikitext_windows_per_batch, output_path=path, protocol=protocol),
     }
+
+    def accuracy(own, path):  # learn and retain: a qa file by the TriviaQA rule, an mc file by the MedMCQA rule
+        rows, schema = own
+        if schema == "mc":
+            return evaluate_multiple_choice(model, tokenizer, rows, output_path=path, protocol=protocol,
+                                            questions_per_batch=settings.medmcqa_questions_per_batch)
+        return evaluate_triviaqa(model, tokenizer, as_triviaqa_rows(rows), limit=None,
+                                 batch_size=settings.triviaqa_batch_size,
+                                 max_new_tokens=settings.triviaqa_max_new_tokens, output_path=path, protocol=protocol)
+
+    runners.update(learn=accuracy, retain=accuracy)
     metrics, seconds = {}, {}
     for task, task_rows in eval_sets.items():
         started = time.perf_counter()

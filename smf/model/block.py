@@ -35,6 +35,8 @@ class MemoryBlock(nn.Module):
     ``(batch, past + current length)`` in ``self.attention_mask`` and clears it afterwards.
     When the memory counts reads, the last ``seq`` columns of that mask become its
     ``valid_mask``, so padded positions are not counted. No mask means all positions valid.
+    :func:`smf.model.reads_counted_at_loss` narrows the counted positions further to those a loss scores
+    (``self.read_mask``, (batch, seq) bool, set for the duration of a forward).
     Activation checkpointing re-runs this forward during backward, after the mask is cleared,
     so read counts would be added twice (and padding counted): a forward that counts reads
     while the owning decoder layer (``owner``, set by :func:`smf.model.attach_memories`) has
@@ -80,6 +82,7 @@ class MemoryBlock(nn.Module):
             self.alpha = nn.Parameter(torch.tensor(float(alpha_init), dtype=torch.float32,
                                                    device=memory.values.device))
         self.attention_mask: torch.Tensor | None = None
+        self.read_mask: torch.Tensor | None = None
         self._owner: list[nn.Module] = []  # a list, so the decoder layer is not registered as a submodule
 
     @property
@@ -119,18 +122,24 @@ class MemoryBlock(nn.Module):
         return self
 
     def valid_mask(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Bool (batch, seq) of real (non-padding) positions for ``hidden`` (batch, seq, d), or None."""
-        mask = self.attention_mask
+        """Bool (batch, seq) of the positions whose reads count for ``hidden`` (batch, seq, d): the real
+        (non-padding) ones, and of those only the ones in ``read_mask`` when it is set; or None (all)."""
+        mask, read_mask = self.attention_mask, getattr(self, "read_mask", None)
+        batch, seq = hidden.shape[0], hidden.shape[1]
+        if read_mask is not None and tuple(read_mask.shape) != (batch, seq):
+            raise ValueError(f"read_mask of shape {tuple(read_mask.shape)} does not match the hidden states' "
+                             f"(batch={batch}, seq={seq})")
+        read_mask = None if read_mask is None else read_mask.to(device=hidden.device, dtype=torch.bool)
         if mask is None:
-            return None
+            return read_mask
         if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
             raise ValueError("counting memory reads needs a 2-D attention_mask (batch, past + current length) of "
                              f"0/1; got {type(mask).__name__} with shape {getattr(mask, 'shape', None)}")
-        batch, seq = hidden.shape[0], hidden.shape[1]
         if mask.shape[0] != batch or mask.shape[1] < seq:
             raise ValueError(f"attention_mask of shape {tuple(mask.shape)} does not cover hidden states of "
                              f"shape (batch={batch}, seq={seq}, ...): need (batch, >= seq)")
-        return mask[:, -seq:].to(device=hidden.device, dtype=torch.bool)
+        valid = mask[:, -seq:].to(device=hidden.device, dtype=torch.bool)
+        return valid if read_mask is None else valid & read_mask
 
     def mlp_forward(self, hidden: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         """The original MLP's output alone (additive modes): hidden (batch, seq, d_model) -> same shape."""

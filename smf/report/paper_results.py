@@ -5,10 +5,26 @@ from smf.vocabulary import DEFAULT_MODEL
 
 PAPER_MODEL_ID = DEFAULT_MODEL  # the name smf.report has always exported
 
-# Metric keys of a result record, and whether higher is better.
+# Metric keys of a result record, and whether higher is better: the paper's, or those of own data
+# (docs/own-data.md; in the same order: learning accuracy, held-out perplexity, retained accuracy).
 METRICS = ("medmcqa_acc", "wikitext_ppl", "triviaqa_acc")
-HIGHER_IS_BETTER = {"medmcqa_acc": True, "wikitext_ppl": False, "triviaqa_acc": True}
-METRIC_TITLES = {"medmcqa_acc": "MedMCQA acc", "wikitext_ppl": "WikiText PPL", "triviaqa_acc": "TriviaQA acc"}
+OWN_METRICS = ("learn_acc", "heldout_ppl", "retain_acc")
+HIGHER_IS_BETTER = {"medmcqa_acc": True, "wikitext_ppl": False, "triviaqa_acc": True,
+                    "learn_acc": True, "heldout_ppl": False, "retain_acc": True}
+METRIC_TITLES = {"medmcqa_acc": "MedMCQA acc", "wikitext_ppl": "WikiText PPL", "triviaqa_acc": "TriviaQA acc",
+                 **{key: key for key in OWN_METRICS}}  # own-data columns: titled by their key unless labelled
+
+
+def metric_keys(records) -> tuple[str, ...]:
+    """The metric keys of result records (dicts holding them): :data:`OWN_METRICS` when any record holds one,
+    else the paper's :data:`METRICS`."""
+    own = any(key in record for record in records for key in OWN_METRICS)
+    return OWN_METRICS if own else METRICS
+
+
+def metric_title(metric: str, labels: dict[str, str] | None = None) -> str:
+    """The column title of ``metric``: its label when given (a suite config's ``labels``), else the default."""
+    return (labels or {}).get(metric) or METRIC_TITLES[metric]
 
 # Condition name (smf.vocabulary.CONDITIONS) -> display name, in the paper's table order.
 DISPLAY_NAMES = {

@@ -1,4 +1,5 @@
-"""The paper's Pareto figure: MedMCQA accuracy against each forgetting probe, two panels.
+"""The paper's Pareto figure: MedMCQA accuracy against each forgetting probe, two panels (own data,
+docs/own-data.md: ``learn_acc`` against ``heldout_ppl`` and ``retain_acc``, titled by the suite's ``labels``).
 
 Left: MedMCQA accuracy (y) vs WikiText perplexity (x), top-left best. Right: MedMCQA accuracy
 (y) vs TriviaQA accuracy (x), top-right best. One point per condition with seed-std error bars;
@@ -18,7 +19,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 
-from smf.report.paper_results import FAMILIES, HIGHER_IS_BETTER, METRIC_TITLES, SELECTION_RULES  # noqa: E402
+from smf.report.paper_results import FAMILIES, HIGHER_IS_BETTER, SELECTION_RULES, metric_title  # noqa: E402
 from smf.report.paper_results import display_name  # noqa: E402
 from smf.report.table import Summary  # noqa: E402
 
@@ -80,13 +81,14 @@ def _place_labels(figure, axis) -> None:
                 break
 
 
-def _draw_panel(axis, summaries: Sequence[Summary], x_metric: str, maximize_x: bool, model: str | None) -> None:
-    points = [s for s in summaries if s.stats["medmcqa_acc"] is not None and s.stats[x_metric] is not None]
+def _draw_panel(axis, summaries: Sequence[Summary], x_metric: str, maximize_x: bool, model: str | None,
+                y_metric: str = "medmcqa_acc", labels: dict[str, str] | None = None) -> None:
+    points = [s for s in summaries if s.stats[y_metric] is not None and s.stats[x_metric] is not None]
     labelled = [s for s in points if SELECTION_RULES.get(s.condition) is None]
     stacked = dict(zip((s.condition for s in labelled), _label_offsets(
-        [(s.stats[x_metric][0], s.stats["medmcqa_acc"][0]) for s in labelled]))) if labelled else {}
+        [(s.stats[x_metric][0], s.stats[y_metric][0]) for s in labelled]))) if labelled else {}
     for summary in points:
-        (x, x_std), (y, y_std) = summary.stats[x_metric], summary.stats["medmcqa_acc"]
+        (x, x_std), (y, y_std) = summary.stats[x_metric], summary.stats[y_metric]
         colour = FAMILY_COLOURS[FAMILIES[summary.condition]]
         rule = SELECTION_RULES.get(summary.condition)
         marker = RULE_MARKERS[rule] if rule else BASELINE_MARKERS[summary.condition]
@@ -101,12 +103,12 @@ def _draw_panel(axis, summaries: Sequence[Summary], x_metric: str, maximize_x: b
             label.stack = 11 * stacked[summary.condition]
     if points:
         xs = [s.stats[x_metric][0] for s in points]
-        ys = [s.stats["medmcqa_acc"][0] for s in points]
+        ys = [s.stats[y_metric][0] for s in points]
         front = pareto_front(xs, ys, maximize_x=maximize_x, maximize_y=True)
         axis.plot([xs[i] for i in front], [ys[i] for i in front], linestyle="--", color="black", linewidth=1,
                   alpha=0.7, zorder=2)
-    axis.set_xlabel(f"{METRIC_TITLES[x_metric]} ({'higher' if maximize_x else 'lower'} is better)")
-    axis.set_ylabel("MedMCQA acc (higher is better)")
+    axis.set_xlabel(f"{metric_title(x_metric, labels)} ({'higher' if maximize_x else 'lower'} is better)")
+    axis.set_ylabel(f"{metric_title(y_metric, labels)} (higher is better)")
     axis.grid(alpha=0.3)
     axis.margins(x=0.12, y=0.1)
     axis.set_xlim(axis.get_xlim()[0], axis.get_xlim()[1] + 0.12 * (axis.get_xlim()[1] - axis.get_xlim()[0]))
@@ -115,15 +117,17 @@ def _draw_panel(axis, summaries: Sequence[Summary], x_metric: str, maximize_x: b
         _clamp_accuracy_axis(axis.get_xlim, axis.set_xlim)
 
 
-def draw_pareto(summaries: Sequence[Summary], *, title: str | None = None, model: str | None = None):
+def draw_pareto(summaries: Sequence[Summary], *, title: str | None = None, model: str | None = None,
+                labels: dict[str, str] | None = None):
     """The two-panel figure (a matplotlib Figure; close it with ``plt.close``). ``model`` names the base
-    point after the model used."""
+    point after the model used; ``labels`` (metric key -> title) name the axes."""
     if not summaries:
         raise ValueError("summaries must hold at least one condition")
+    learn, perplexity, retained = summaries[0].stats  # the records' metrics, in the paper's order of roles
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 5.2))
-    _draw_panel(left, summaries, "wikitext_ppl", maximize_x=False, model=model)
+    _draw_panel(left, summaries, perplexity, maximize_x=False, model=model, y_metric=learn, labels=labels)
     left.set_title("Task gain vs language-modelling forgetting (top-left best)")
-    _draw_panel(right, summaries, "triviaqa_acc", maximize_x=True, model=model)
+    _draw_panel(right, summaries, retained, maximize_x=True, model=model, y_metric=learn, labels=labels)
     right.set_title("Task gain vs knowledge forgetting (top-right best)")
     families = dict.fromkeys(FAMILIES[s.condition] for s in summaries)
     handles = [Line2D([], [], linestyle="", marker="s", markersize=10, color=FAMILY_COLOURS[f], label=f)
@@ -145,9 +149,9 @@ def draw_pareto(summaries: Sequence[Summary], *, title: str | None = None, model
 
 
 def plot_pareto(summaries: Sequence[Summary], path_stem: str | Path, *, title: str | None = None,
-                model: str | None = None) -> list[Path]:
+                model: str | None = None, labels: dict[str, str] | None = None) -> list[Path]:
     """:func:`draw_pareto` written to ``{path_stem}.png`` and ``{path_stem}.pdf``; returns the two paths."""
-    figure = draw_pareto(summaries, title=title, model=model)
+    figure = draw_pareto(summaries, title=title, model=model, labels=labels)
     path_stem = Path(path_stem)
     path_stem.parent.mkdir(parents=True, exist_ok=True)
     paths = [path_stem.with_suffix(".png"), path_stem.with_suffix(".pdf")]

@@ -15,7 +15,7 @@ import logging
 from pathlib import Path
 
 from smf.report import accounting_markdown, paper_qwen_config, parameter_accounting, write_report
-from smf.report.paper_results import HIGHER_IS_BETTER, METRIC_TITLES, METRICS, display_name
+from smf.report.paper_results import HIGHER_IS_BETTER, display_name, metric_keys, metric_title
 from smf.report.records import check_results_record
 from smf.report.table import summarize
 from smf.suite.config import SuiteConfig, suite_config_from_dict
@@ -96,18 +96,20 @@ def update_ablation(results: list[dict], conditions) -> list[dict]:
 def write_update_ablation(config: SuiteConfig, results: list[dict], out_dir: Path) -> list[Path]:
     """``ablation_update.md`` / ``.json``: :func:`update_ablation` of the suite's ``authors_update`` conditions."""
     rows = update_ablation(results, config.authors_update)
-    arrows = {metric: "↑" if HIGHER_IS_BETTER[metric] else "↓" for metric in METRICS}
+    metrics = metric_keys(r["metrics"] for r in results)
+    arrows = {metric: "↑" if HIGHER_IS_BETTER[metric] else "↓" for metric in metrics}
     lines = ["# Sparse update ablation: this project's exact update vs the authors'\n",
              "Exact: rows chosen once per optimizer step from all its micro-batches (padding not counted), "
              "only they move (row-sparse AdamW). Authors': rows chosen per micro-batch (padding counted), each "
              "backward masked, dense AdamW, whose momentum keeps moving earlier rows. Rows are summed over the "
              "memory layers and averaged over steps and seeds.\n",
-             "| Method | Update | Seeds | " + " | ".join(f"{METRIC_TITLES[m]} {arrows[m]}" for m in METRICS)
+             "| Method | Update | Seeds | " + " | ".join(f"{metric_title(m, config.labels)} {arrows[m]}"
+                                                          for m in metrics)
              + " | Rows selected / step | Rows moved outside the selection / step |",
-             "| --- | --- | ---: | " + " | ".join("---:" for _ in METRICS) + " | ---: | ---: |"]
+             "| --- | --- | ---: | " + " | ".join("---:" for _ in metrics) + " | ---: | ---: |"]
     for row in rows:
         cells = [("—" if row["metrics"][m] is None else f"{row['metrics'][m][0]:.3f} ± {row['metrics'][m][1]:.3f}")
-                 for m in METRICS]
+                 for m in metrics]
         lines.append(f"| {display_name(row['condition'], config.model)} | {UPDATE_NAMES[row['update']]} | "
                      f"{row['seeds']} | " + " | ".join(cells) + f" | {cell(row['selected_rows'], 1)} | "
                      f"{cell(row['rows_moved_outside'], 1)} |")
@@ -165,8 +167,9 @@ def write_suite_report(suite_dir: str | Path) -> list[Path]:
         raise ConfigError(f"--suite-dir {str(suite_dir)!r} holds no finished run (results/*.json) to report")
     paths = []
     if results:
-        include_paper = config.model == DEFAULT_MODEL
-        paths += write_report(table_records(results), layout.root, include_paper=include_paper, model=config.model)
+        include_paper = config.model == DEFAULT_MODEL and not config.data.own  # the paper's numbers: the paper's data
+        paths += write_report(table_records(results), layout.root, include_paper=include_paper, model=config.model,
+                              labels=config.labels)
         if config.authors_update:
             paths += write_update_ablation(config, results, layout.root)
     paths += write_accounting(config, layout.root)

@@ -1,8 +1,9 @@
 """Table 1: mean ± std over seeds per condition, as Markdown, LaTeX and CSV.
 
 A result record is one finished run: ``{"condition": one of CONDITIONS, "seed": int,
-"medmcqa_acc": float, "wikitext_ppl": float, "triviaqa_acc": float}``; a metric may be missing
-or None (not evaluated). The spread is the SAMPLE standard deviation over the seeds that
+"medmcqa_acc": float, "wikitext_ppl": float, "triviaqa_acc": float}`` (own data: ``learn_acc``,
+``heldout_ppl``, ``retain_acc``, docs/own-data.md); a metric may be missing or None (not evaluated).
+``labels`` (metric key -> title) retitle the columns. The spread is the SAMPLE standard deviation over the seeds that
 measured the metric (n - 1 in the denominator), 0 for a single seed; "Seeds" counts runs. In
 every column the best mean (highest accuracy, lowest perplexity) is bold; ties for best are all
 bold, but a column whose values all tie has no bold. ``model`` names the base row after the model
@@ -19,8 +20,8 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from smf.report.paper_results import (DISPLAY_NAMES, HIGHER_IS_BETTER, METRIC_TITLES, METRICS,
-                                      PAPER_TABLE1, display_name)
+from smf.report.paper_results import (DISPLAY_NAMES, HIGHER_IS_BETTER, METRICS, PAPER_TABLE1, display_name,
+                                      metric_keys, metric_title)
 from smf.vocabulary import CONDITIONS
 
 
@@ -34,7 +35,9 @@ class Summary:
 
 
 def summarize(records: Sequence[dict]) -> list[Summary]:
-    """Group run records by condition (in the paper's order) and reduce each metric to mean ± sample std."""
+    """Group run records by condition (in the paper's order) and reduce each metric (:func:`metric_keys`) to
+    mean ± sample std."""
+    metrics = metric_keys(records)
     by_condition: dict[str, dict[int, dict]] = {}
     for record in records:
         condition, seed = record.get("condition"), record.get("seed")
@@ -44,7 +47,7 @@ def summarize(records: Sequence[dict]) -> list[Summary]:
             raise ValueError(f"record seed must be an int, got {seed!r} (condition {condition})")
         if seed in by_condition.setdefault(condition, {}):
             raise ValueError(f"two records for condition {condition!r} with seed {seed}")
-        for metric in METRICS:
+        for metric in metrics:
             value = record.get(metric)
             if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value)):
                 raise ValueError(f"record {metric} must be a finite number or None, got {value!r}")
@@ -55,7 +58,7 @@ def summarize(records: Sequence[dict]) -> list[Summary]:
             continue
         runs = by_condition[condition].values()
         stats = {}
-        for metric in METRICS:
+        for metric in metrics:
             values = [float(run[metric]) for run in runs if run.get(metric) is not None]
             stats[metric] = ((statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0)
                              if values else None)
@@ -70,8 +73,10 @@ def paper_summaries(conditions: Sequence[str] = CONDITIONS) -> list[Summary]:
 
 def _columns(summaries: Sequence[Summary], include_paper: bool) -> list[tuple[str, str, list]]:
     """(source, metric, one (mean, std) | None per row) for every numeric column, in display order."""
+    if include_paper and summaries and tuple(summaries[0].stats) != METRICS:
+        raise ValueError("include_paper needs the paper's metrics; these records hold own-data metrics")
     columns = []
-    for metric in METRICS:
+    for metric in (summaries[0].stats if summaries else METRICS):
         columns.append(("ours", metric, [summary.stats[metric] for summary in summaries]))
         if include_paper:
             columns.append(("paper", metric, [PAPER_TABLE1[summary.condition][metric] for summary in summaries]))
@@ -86,15 +91,15 @@ def _best_rows(cells: Sequence[tuple[float, float] | None], metric: str) -> set[
     return {row for row, cell in enumerate(cells) if cell is not None and cell[0] == best}
 
 
-def _header(source: str, metric: str, up: str, down: str) -> str:
+def _header(source: str, metric: str, up: str, down: str, labels: dict | None) -> str:
     arrow = up if HIGHER_IS_BETTER[metric] else down
-    return f"{METRIC_TITLES[metric]} {arrow}" + (" (paper)" if source == "paper" else "")
+    return f"{metric_title(metric, labels)} {arrow}" + (" (paper)" if source == "paper" else "")
 
 
-def _formatted_grid(summaries, include_paper, bold, plus_minus, up, down, missing, model):
+def _formatted_grid(summaries, include_paper, bold, plus_minus, up, down, missing, model, labels=None):
     """Header row and body rows of display strings, shared by Markdown and LaTeX."""
     columns = _columns(summaries, include_paper)
-    header = ["Method", *(_header(source, metric, up, down) for source, metric, _ in columns), "Seeds"]
+    header = ["Method", *(_header(source, metric, up, down, labels) for source, metric, _ in columns), "Seeds"]
     body = [[display_name(summary.condition, model)] for summary in summaries]
     for _, metric, cells in columns:
         best = _best_rows(cells, metric)
@@ -109,30 +114,34 @@ def _formatted_grid(summaries, include_paper, bold, plus_minus, up, down, missin
     return header, body
 
 
-def to_markdown(summaries: Sequence[Summary], *, include_paper: bool = False, model: str | None = None) -> str:
+def to_markdown(summaries: Sequence[Summary], *, include_paper: bool = False, model: str | None = None,
+                labels: dict[str, str] | None = None) -> str:
     """GitHub-flavoured Markdown table; bold as ``**mean**``."""
     header, body = _formatted_grid(summaries, include_paper, lambda text: f"**{text}**", " ± ", "↑", "↓", "—",
-                                   model)
+                                   model, labels)
     lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(["---"] + ["---:"] * (len(header) - 1)) + " |"]
     lines += ["| " + " | ".join(row) + " |" for row in body]
     return "\n".join(lines) + "\n"
 
 
-def to_latex(summaries: Sequence[Summary], *, include_paper: bool = False, model: str | None = None) -> str:
+def to_latex(summaries: Sequence[Summary], *, include_paper: bool = False, model: str | None = None,
+             labels: dict[str, str] | None = None) -> str:
     """A booktabs ``tabular`` like the paper's Table 1; bold as ``\\textbf{mean}``."""
     header, body = _formatted_grid(summaries, include_paper, lambda text: f"\\textbf{{{text}}}", " $\\pm$ ",
-                                   "$\\uparrow$", "$\\downarrow$", "--", model)
+                                   "$\\uparrow$", "$\\downarrow$", "--", model, labels)
     escape = lambda text: text.replace("&", "\\&").replace("%", "\\%").replace("_", "\\_")  # noqa: E731
     lines = ["\\begin{tabular}{l" + "c" * (len(header) - 1) + "}", "\\toprule",
-             " & ".join(header) + " \\\\", "\\midrule"]
+             " & ".join(escape(title) for title in header) + " \\\\", "\\midrule"]
     lines += [" & ".join([escape(row[0]), *row[1:]]) + " \\\\" for row in body]
     lines += ["\\bottomrule", "\\end{tabular}"]
     return "\n".join(lines) + "\n"
 
 
-def to_csv(summaries: Sequence[Summary], *, include_paper: bool = False, model: str | None = None) -> str:
+def to_csv(summaries: Sequence[Summary], *, include_paper: bool = False, model: str | None = None,
+           labels: dict[str, str] | None = None) -> str:
     """Machine-readable CSV: condition, method, seeds, then ``{metric}_mean`` / ``{metric}_std``
-    (and ``paper_{metric}_mean`` / ``paper_{metric}_std``) at full precision; empty when missing."""
+    (and ``paper_{metric}_mean`` / ``paper_{metric}_std``) at full precision; empty when missing. The columns are
+    named by metric key, so ``labels`` (accepted like the other formats') does not change them."""
     columns = _columns(summaries, include_paper)
     names = [f"{'paper_' if source == 'paper' else ''}{metric}" for source, metric, _ in columns]
     buffer = io.StringIO()

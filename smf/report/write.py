@@ -9,12 +9,12 @@ from smf.report.table import summarize, to_csv, to_latex, to_markdown
 
 
 def write_report(records: Sequence[dict], out_dir: str | Path, *, include_paper: bool = False,
-                 model: str | None = None) -> list[Path]:
+                 model: str | None = None, labels: dict[str, str] | None = None) -> list[Path]:
     """From per-run records (see :mod:`smf.report.table`) write ``table1.md``, ``table1.csv``,
     ``table1.tex``, ``pareto.png`` and ``pareto.pdf`` into ``out_dir``; returns the paths.
 
     ``include_paper``: put the paper's numbers beside ours (only meaningful on the paper's model);
-    ``model``: the model the runs used, naming the base row.
+    ``model``: the model the runs used, naming the base row; ``labels``: metric key -> column and axis title.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -24,6 +24,6 @@ def write_report(records: Sequence[dict], out_dir: str | Path, *, include_paper:
     paths = []
     for name, render in (("table1.md", to_markdown), ("table1.csv", to_csv), ("table1.tex", to_latex)):
         path = out_dir / name
-        path.write_text(render(summaries, include_paper=include_paper, model=model), encoding="utf-8")
+        path.write_text(render(summaries, include_paper=include_paper, model=model, labels=labels), encoding="utf-8")
         paths.append(path)
-    return paths + plot_pareto(summaries, out_dir / "pareto", model=model)
+    return paths + plot_pareto(summaries, out_dir / "pareto", model=model, labels=labels)

@@ -15,16 +15,18 @@ from pydantic import AfterValidator, Field, ValidationInfo, field_validator
 from pydantic_core import to_jsonable_python
 
 from smf.data.paths import DataPaths
+from smf.report.paper_results import METRIC_TITLES
 from smf.data.protocol import DEFAULT_PROTOCOL, PROTOCOLS
 from smf.errors import ConfigError
 from smf.eval.settings import EvalSettings
 from smf.options import (OPTIONS_CONFIG, AsList, Distinct, Seed, checked, choice_tuple, dataset_path_error, mapping,
                          read_file, takes)
 from smf.train.config import CONFIGS, OPTIONS, STAGE_COMMANDS, RunConfig, build_config, checked_options
-from smf.vocabulary import CONDITIONS, SPARSE_CONDITIONS
+from smf.vocabulary import CONDITIONS, SPARSE_CONDITIONS, TASKS
 
 SUITE_OWNED = ("output_dir", "adapter", "background", "recipe", "mode", "rule", "seed", "resume", "max_steps",
-               "model", "device", "protocol", "oasst_path", "medmcqa_path")
+               "model", "device", "protocol", "oasst_path", "medmcqa_path", "retrofit_data", "background_data",
+               "train_data")
 TRAIN_KEYS = tuple(name for name in OPTIONS if name not in SUITE_OWNED)
 
 
@@ -42,10 +44,22 @@ class SuiteConfig:
     authors_update: Annotated[tuple[str, ...], AsList, Distinct] = ()  # sparse ones re-run with the authors' update
     device: str = "auto"
     protocol: Literal[PROTOCOLS] = DEFAULT_PROTOCOL  # smf/data/protocol.py
-    data: DataPaths = field(default_factory=DataPaths)  # local copies of the datasets in the hub schema; null: the hub
+    data: DataPaths = field(default_factory=DataPaths)  # local copies of the datasets in the hub schema; null: the hub;
+    # or own-data files by role (docs/own-data.md)
     train: dict = field(default_factory=dict)  # options of the trainer shared by every stage
     stages: dict = field(default_factory=dict)  # per-stage overrides of train
     eval: EvalSettings = field(default_factory=EvalSettings)
+    labels: dict[str, str] = field(default_factory=dict)  # metric key -> column title in Table 1 and the figure
+
+    @field_validator("labels")
+    @classmethod
+    def _known_metrics(cls, labels: dict) -> dict:
+        for key, title in labels.items():
+            if key not in METRIC_TITLES:
+                raise ValueError(f"labels: unknown metric key {key!r}; valid keys: {', '.join(METRIC_TITLES)}")
+            if not title.strip():
+                raise ValueError(f"labels: the title of {key!r} is empty")
+        return labels
 
     @field_validator("authors_update")
     @classmethod
@@ -90,6 +104,40 @@ def _input_path(value, base_dir: Path, where: str, check_exists: bool, kind: str
     return str(path)
 
 
+def _eval_settings(raw: dict) -> dict:
+    """The ``eval`` mapping; with own data and no ``tasks`` given, the roles with a file (docs/own-data.md)."""
+    settings = mapping(raw.get("eval"), "eval", EvalSettings.__dataclass_fields__)
+    data = mapping(raw.get("data"), "data")
+    roles = [key.removeprefix("eval_") for key in ("eval_learn", "eval_heldout", "eval_retain") if data.get(key)]
+    if "tasks" not in settings and roles:
+        settings["tasks"] = roles
+    return settings
+
+
+def _check_own_data(config: SuiteConfig) -> None:
+    """ConfigError where own data lacks a file a planned stage or evaluation needs, or paper tasks meet own data."""
+    data = config.data
+    if not data.own:
+        roles = [task for task in config.eval.tasks if task not in TASKS]
+        if roles:
+            raise ConfigError(f"eval.tasks {roles} are own-data roles: give data.eval_{roles[0]} (docs/own-data.md)")
+        return
+    if not data.eval_roles:
+        raise ConfigError("data: own data needs at least one evaluation file (eval_learn, eval_heldout, eval_retain)")
+    missing = [task for task in config.eval.tasks if task in TASKS or task not in data.eval_roles]
+    if missing:
+        raise ConfigError(f"eval.tasks {missing}: own data is evaluated by the roles given "
+                          f"({', '.join(data.eval_roles)})")
+    trained = [c for c in config.conditions if c != "base"]
+    if trained and data.train is None:
+        raise ConfigError(f"data.train is required: conditions {trained} finetune on it")
+    sparse = [c for c in config.conditions if c in SPARSE_CONDITIONS]
+    if sparse and data.retrofit is None:
+        raise ConfigError(f"data.retrofit is required: conditions {sparse} retrofit memories on it")
+    if data.background is not None and not sparse:
+        raise ConfigError("data.background is not used: no sparse condition computes background statistics")
+
+
 def parse_suite_config(raw, base_dir: Path, *, source: str = "config", check_paths: bool = True) -> SuiteConfig:
     """Validate a config mapping (see the module docstring); relative input paths resolve against
     ``base_dir``. ``check_paths=False`` skips the checks that need the data and model on disk."""
@@ -104,8 +152,10 @@ def parse_suite_config(raw, base_dir: Path, *, source: str = "config", check_pat
         "train": _train_options(raw.get("train"), "train"),
         "stages": {stage: _train_options(options, f"stages.{stage}", stage)
                    for stage, options in mapping(raw.get("stages"), "stages", STAGE_COMMANDS).items()},
-        "eval": mapping(raw.get("eval"), "eval", EvalSettings.__dataclass_fields__),
+        "eval": _eval_settings(raw),
+        "labels": mapping(raw.get("labels"), "labels"),
     }, str)
+    _check_own_data(config)
     if check_paths:  # the trainer's checks of combinations (batch sizes, layers, device, backend) on every stage's
         for stage in STAGE_COMMANDS:  # options now; the retrofit command's checks need no adapter
             options = {**config.train, **config.stages.get(stage, {})}

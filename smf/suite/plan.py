@@ -122,12 +122,15 @@ def stage_config(config: SuiteConfig, stage: str, seed: int, output_dir: Path, *
     options = {**config.train, **inherited, **config.stages.get(stage, {})}
     suite_set = {"output_dir": str(output_dir), "model": config.model, "device": config.device, "seed": seed,
                  "protocol": config.protocol,
-                 "oasst_path": config.data.oasst, "medmcqa_path": config.data.medmcqa_train, "recipe": stage,
+                 "oasst_path": config.data.oasst, "medmcqa_path": config.data.medmcqa_train,
+                 "retrofit_data": config.data.retrofit, "background_data": config.data.background or config.data.retrofit,
+                 "train_data": config.data.train, "recipe": stage,
                  "mode": mode, "rule": rule, "optimizer": optimizer,
                  "adapter": None if adapter is None else str(adapter),
                  "background": None if background is None else str(background)}
     suite_set = {name: value for name, value in suite_set.items()
-                 if value is not None or name in ("oasst_path", "medmcqa_path")}
+                 if value is not None or name in ("oasst_path", "medmcqa_path", "retrofit_data", "background_data",
+                                                   "train_data")}
     run_config = build_config(command, only(RunConfig, command, options), only(RunConfig, command, suite_set))
     return run_config.resolved(stage if command == "train" else command)
 
@@ -159,9 +162,17 @@ def _digest(obj) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+# Options added after suites were first fingerprinted, with the value that computes what was computed before they
+# existed: left out of the fingerprint at that value, so suite directories written before them still match.
+LATER_OPTIONS = {"retrofit_data": None, "background_data": None, "train_data": None, "loss_on": "all",
+                 "count_reads": "all", "batch_size": 1}
+
+
 def options_fingerprint(options: dict) -> str:
-    """Hash of a stage's resolved trainer options, without :data:`IGNORED_OPTIONS`."""
-    return _digest({name: value for name, value in options.items() if name not in IGNORED_OPTIONS})
+    """Hash of a stage's resolved trainer options, without :data:`IGNORED_OPTIONS` (nor :data:`LATER_OPTIONS` at
+    their old behaviour)."""
+    return _digest({name: value for name, value in options.items() if name not in IGNORED_OPTIONS
+                    and not (name in LATER_OPTIONS and value == LATER_OPTIONS[name])})
 
 
 def run_hash(config: SuiteConfig, run: Run) -> str:
@@ -169,14 +180,17 @@ def run_hash(config: SuiteConfig, run: Run) -> str:
     as configured, its seed and condition, and the evaluation settings."""
     stages = {"base": (), "lora": ("lora",), "full": ("full",)}.get(run.condition,
                                                                       ("retrofit", "background", "sparse"))
+    data = config.data  # own-data files enter the hash only when given (paper suites keep their hashes)
+    own_train = [data.retrofit, data.background, data.train] if data.own else []
+    own_eval = [data.eval_learn, data.eval_heldout, data.eval_retain] if data.own else []
     return _digest({
         "model": config.model, "condition": run.condition, "seed": run.seed, "protocol": config.protocol,
         "update": run.update,
-        "train_data": [config.data.oasst, config.data.medmcqa_train] if stages else [],
+        "train_data": ([config.data.oasst, config.data.medmcqa_train] + own_train) if stages else [],
         "stages": {stage: {name: value for name, value in {**config.train, **config.stages.get(stage, {})}.items()
                            if name not in IGNORED_OPTIONS} for stage in stages},
         "eval": config.to_dict()["eval"],
-        "eval_data": [config.data.medmcqa_validation, config.data.wikitext, config.data.triviaqa],
+        "eval_data": [config.data.medmcqa_validation, config.data.wikitext, config.data.triviaqa] + own_eval,
     })
 
 

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from smf.files import read_json_object
-from smf.report.paper_results import METRIC_TITLES, METRICS, display_name
+from smf.report.paper_results import METRICS, OWN_METRICS, display_name, metric_title
 from smf.suite.config import SuiteConfig
 from smf.suite.plan import SuiteLayout, plan_runs
 
@@ -42,17 +42,18 @@ def write_status(config: SuiteConfig, root: Path, failed: dict[str, str] | None 
     layout = SuiteLayout(Path(root))
     rows = _status_rows(config, layout, failed or {})
     done = sum(row["status"] == "done" for row in rows)
+    metrics = OWN_METRICS if config.data.own else METRICS
     lines = [f"# Suite `{config.name}`: {done} of {len(rows)} runs done\n",
              f"Model `{config.model}`, protocol `{config.protocol}`, seeds {list(config.seeds)}, directory "
              f"`{layout.root}`.\n",
-             "| Method | Seed | Status | " + " | ".join(METRIC_TITLES[m] for m in METRICS)
+             "| Method | Seed | Status | " + " | ".join(metric_title(m, config.labels) for m in metrics)
              + " | Train s | Eval s | Results |",
-             "| --- | ---: | --- | " + " | ".join("---:" for _ in METRICS) + " | ---: | ---: | --- |"]
+             "| --- | ---: | --- | " + " | ".join("---:" for _ in metrics) + " | ---: | ---: | --- |"]
     for row in rows:
-        metrics = " | ".join(cell(row["metrics"].get(metric)) for metric in METRICS)
+        values = " | ".join(cell(row["metrics"].get(metric)) for metric in metrics)
         method = display_name(row["condition"], config.model) + (" (authors' update)" if row["update"] == "authors"
                                                                  else "")
-        lines.append(f"| {method} | {row['seed']} | {row['status']} | {metrics} | "
+        lines.append(f"| {method} | {row['seed']} | {row['status']} | {values} | "
                      f"{cell(row['train_s'], 1)} | {cell(row['eval_s'], 1)} | {row['results'] or '—'} |")
     md_path, json_path = layout.root / "suite_status.md", layout.root / "suite_status.json"
     md_path.write_text("\n".join(lines) + "\n", encoding="utf-8")

@@ -1,7 +1,8 @@
 """``smf background``: background read statistics of the retrofit memories (docs/method.md#slot-selection).
 
 The model (base + retrofit adapter) runs in eval mode over ``n_background`` single-example
-oasst1 batches (protocol ``clean``: held out from the retrofit examples, see
+oasst1 batches (``batch_size`` > 1: that many documents per forward, each counted apart,
+:func:`smf_kernels.sparse.background_batched.collect_background_batched`) (protocol ``clean``: held out from the retrofit examples, see
 :func:`smf.data.retrofit_and_background`; ``authors``: drawn from the same pool, see
 :func:`smf.data.authors_retrofit_and_background`);
 the :class:`SparseMemoryController` counts reads and the statistics are written to
@@ -10,6 +11,7 @@ examples and the counts are summed.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -20,12 +22,13 @@ from smf.files import write_atomic
 from smf.model.loading import RUN_CONFIG, load_with_adapter, read_run_config
 from smf.model.precision import authors_bf16_weights, cast_like_the_authors
 from smf.train.artifacts import write_run_config
-from smf.train.config import RunConfig, unused_options
+from smf.train.config import TINY_PRESET, RunConfig, unused_options
 from smf.train.data import background_features
 from smf.train.distributed import World, barrier, setup_distributed
 from smf.train.recipes import BACKGROUND_FILE
 from smf.train.run_dir import RunFiles, claim_output_dir
 from smf_kernels.sparse import SparseMemoryController
+from smf_kernels.sparse.background_batched import collect_background_batched
 
 logger = logging.getLogger(__name__)
 
@@ -37,11 +40,10 @@ SPLIT_OPTIONS = ("protocol", "oasst_path", "oasst_languages", "n_examples", "dat
 def check_held_out_split(config: RunConfig) -> None:
     """Raise ConfigError if the retrofit run behind ``config.adapter`` drew its examples with other
     options than ``config`` (the background examples would then not be the protocol's)."""
-    adapter = Path(config.adapter)
-    run_config = next((d / RUN_CONFIG for d in (adapter, adapter.parent) if (d / RUN_CONFIG).is_file()), None)
+    run_config = _retrofit_run_config(config.adapter)
     if run_config is None:
         logger.warning("no %s beside adapter %s: cannot check that the background set is held out", RUN_CONFIG,
-                       adapter)
+                       config.adapter)
         return
     retrofit = read_run_config(run_config.parent)
     ours = config.to_dict()
@@ -54,9 +56,33 @@ def check_held_out_split(config: RunConfig) -> None:
                           "options: " + "; ".join(differ))
 
 
+def _retrofit_run_config(adapter: str) -> Path | None:
+    """The run_config.json of the retrofit run behind ``adapter`` (its directory or final/ folder), or None."""
+    adapter = Path(adapter)
+    return next((d / RUN_CONFIG for d in (adapter, adapter.parent) if (d / RUN_CONFIG).is_file()), None)
+
+
+def with_own_background(config: RunConfig) -> RunConfig:
+    """``config`` with ``background_data`` defaulting to the retrofit's own texts (its ``retrofit_data``) when the
+    adapter's retrofit ran on own data and neither --background-data nor --oasst-path is given (the tiny preset's
+    oasst1 file gives way, as it does to --retrofit-data)."""
+    preset_oasst = config.preset == "tiny" and config.oasst_path == TINY_PRESET.get("oasst_path")
+    if config.background_data is not None or (config.oasst_path is not None and not preset_oasst):
+        return config
+    run_config = _retrofit_run_config(config.adapter)
+    retrofit_data = None if run_config is None else read_run_config(run_config.parent).get("retrofit_data")
+    if retrofit_data is None:
+        return config
+    logger.info("background statistics over the retrofit's own texts %s (give --background-data for others)",
+                retrofit_data)
+    return dataclasses.replace(config, background_data=retrofit_data, oasst_path=None)
+
+
 def collect_background(config: RunConfig) -> Path:
     """Count reads over the background examples and save them; returns the file's path."""
-    check_held_out_split(config)
+    config = with_own_background(config)
+    if config.background_data is None:  # own background texts are the user's choice: nothing to hold out
+        check_held_out_split(config)
     world = setup_distributed(config.device)
     output_dir = Path(config.output_dir)
     with claim_output_dir(output_dir, world) as files:
@@ -69,10 +95,15 @@ def _collect(config: RunConfig, world: World, files: RunFiles) -> Path:
     if authors_bf16_weights(config.protocol, "auto", world.device):  # the sparse stage's weights, as it counts
         cast_like_the_authors(model, keep_fp32=controller.value_parameters())
     features = background_features(config, tokenizer)[world.rank::world.size]
-    batches = [{"input_ids": torch.tensor([f["input_ids"]], device=world.device),
-                "attention_mask": torch.ones(1, len(f["input_ids"]), dtype=torch.long, device=world.device)}
-               for f in features]
-    stats = controller.collect_background(batches)
+    if config.batch_size > 1:  # several documents per forward, each counted apart
+        stats = collect_background_batched(model, [f["input_ids"] for f in features], batch_size=config.batch_size,
+                                           pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None
+                                           else tokenizer.eos_token_id, device=world.device)
+    else:
+        batches = [{"input_ids": torch.tensor([f["input_ids"]], device=world.device),
+                    "attention_mask": torch.ones(1, len(f["input_ids"]), dtype=torch.long, device=world.device)}
+                   for f in features]
+        stats = controller.collect_background(batches)
     path = files.path(BACKGROUND_FILE)
     if world.is_main:
         write_run_config(files.path(RUN_CONFIG), config.to_dict())

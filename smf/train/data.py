@@ -27,6 +27,8 @@ from smf.data import (
     tokenize_examples,
 )
 from smf.data import medmcqa, oasst
+from smf.data.own_data import load_own, own_features
+from smf.data.paths import OWN_SCHEMAS
 from smf.errors import ConfigError
 from smf.train.config import RunConfig
 
@@ -49,7 +51,18 @@ def _oasst_split(config: RunConfig, tokenizer, n_background: int) -> tuple[list[
 
 
 def training_features(config: RunConfig, tokenizer) -> list[dict]:
-    """Tokenised {"input_ids", "labels"} of the recipe's training set (oasst1 for retrofit, else MedMCQA)."""
+    """Tokenised {"input_ids", "labels"} of the recipe's training set: the own-data file (--retrofit-data,
+    --train-data; the first ``n_examples`` rows, all by default), else oasst1 for retrofit and MedMCQA otherwise."""
+    if config.own_data():
+        key = "retrofit" if config.recipe == "retrofit" else "train"
+        rows, schema = load_own(getattr(config, f"{key}_data"), f"--{key}-data", OWN_SCHEMAS[key])
+        if schema == "text" and config.loss_on == "answer":
+            logger.warning("--loss-on answer: %s holds text rows, which have no prompt; every token is trained",
+                           getattr(config, f"{key}_data"))
+        features = own_features(tokenizer, rows[:config.n_examples], schema, config.loss_on, config.max_length)
+        logger.info("%s: %d training examples from %s (%s rows, loss on %s tokens)", config.recipe, len(features),
+                    getattr(config, f"{key}_data"), schema, "every" if config.loss_on == "all" else "the answer")
+        return features
     if config.recipe == "retrofit":
         examples, _ = _oasst_split(config, tokenizer, n_background=0)  # no background set drawn, none checked
     else:
@@ -62,7 +75,11 @@ def training_features(config: RunConfig, tokenizer) -> list[dict]:
 
 def background_features(config: RunConfig, tokenizer) -> list[dict]:
     """Tokenised background examples: ``clean``: the oasst1 pairs after the first ``n_examples`` retrofit
-    pairs; ``authors``: the first ``n_background`` of the authors' draw from the same pool."""
+    pairs; ``authors``: the first ``n_background`` of the authors' draw from the same pool. Own data
+    (``background_data``): its first ``n_background`` texts."""
+    if config.background_data is not None:
+        rows, schema = load_own(config.background_data, "--background-data", OWN_SCHEMAS["background"])
+        return own_features(tokenizer, rows[:config.n_background], schema, max_length=config.max_length)
     _, examples = _oasst_split(config, tokenizer, config.n_background)
     return tokenize_examples(tokenizer, examples, max_length=config.max_length)
 

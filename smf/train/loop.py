@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from smf.data import IGNORE_INDEX, CausalLMCollator, get_protocol
 from smf.errors import ConfigError
 from smf.model.loading import FINAL_DIR, RUN_CONFIG
+from smf.model.read_mask import reads_counted_at_loss
 from smf.train.artifacts import save_final, write_run_config
 from smf.train.checkpoint import CHECKPOINT_FILE, LOG_FILE, load_checkpoint, rng_state, save_checkpoint, truncate_log
 from smf.train.config import RunConfig
@@ -38,7 +39,7 @@ from smf.train.distributed import World, all_reduce_sum, barrier, gather_objects
 from smf.train.recipes import TrainingSetup, build_setup
 from smf.train.run_dir import RunFiles, claim_output_dir
 from smf.train.sharding import SHARDS_DIR, remove_stale_shards, save_memory_shards
-from smf.train.steps import bf16_autocast
+from smf.train.steps import AuthorsStep, bf16_autocast
 from smf_kernels.sharded import unsharded_memories
 
 logger = logging.getLogger(__name__)
@@ -123,6 +124,27 @@ def _prepare_output_dir(config: RunConfig, world: World, files: RunFiles) -> Non
         write_run_config(files.path(RUN_CONFIG), config.to_dict())
 
 
+DIAGNOSTICS_FILE = "memory_diagnostics.json"
+DIAGNOSTIC_EXAMPLES = 32  # training examples the retrofit's memory diagnostics are measured on
+
+
+def write_memory_diagnostics(model: nn.Module, features: list[dict], collator: CausalLMCollator,
+                             device: torch.device, path: Path) -> None:
+    """:func:`smf.model.memory_diagnostics` of the retrofit memories on the first :data:`DIAGNOSTIC_EXAMPLES`
+    training examples (warning when a memory is inert), written to ``path`` as JSON."""
+    from smf.files import write_json_atomic
+    from smf.model.diagnostics import memory_diagnostics
+
+    examples = features[:DIAGNOSTIC_EXAMPLES]
+    batches = [collate(examples, list(range(start, min(start + 4, len(examples)))), collator, device)
+               for start in range(0, len(examples), 4)]
+    diagnostics = memory_diagnostics(model, batches)
+    write_json_atomic(path, diagnostics.to_dict())
+    logger.info("memory diagnostics (%s) written to %s", "; ".join(
+        f"layer {layer.layer}: alpha {layer.alpha}, KL off {layer.kl_off:.3g}, share {layer.branch_share:.3g}"
+        for layer in diagnostics.layers), path)
+
+
 def train(config: RunConfig) -> dict:
     """Train ``config.recipe`` (a resolved RunConfig); returns {"step", "total_steps", "final_dir" or None}.
 
@@ -148,6 +170,10 @@ def _train(config: RunConfig, world: World, files: RunFiles) -> dict:
     if config.compile:
         wrapped = torch.compile(wrapped, mode="reduce-overhead")
     collator = CausalLMCollator(setup.tokenizer.pad_token_id)
+    count_at_loss = config.recipe == "sparse" and config.count_reads == "loss"
+    if count_at_loss and isinstance(setup.step, AuthorsStep):
+        raise ConfigError("--count-reads loss: the authors' update counts every position, padding included; use "
+                          "the exact sparse update")
     checkpoint_path, log_path = files.path(CHECKPOINT_FILE), files.path(LOG_FILE)
 
     step = 0
@@ -175,7 +201,8 @@ def _train(config: RunConfig, world: World, files: RunFiles) -> dict:
         lr = scheduler.get_last_lr()[0]
         micro_batches = [collate(features, chunk, collator, world.device) for chunk in plan.micro_batches(step)]
         try:
-            loss_sum = run_step(wrapped, setup, scheduler, micro_batches, num_tokens, config, world)
+            with reads_counted_at_loss(setup.model, micro_batches if count_at_loss else ()):
+                loss_sum = run_step(wrapped, setup, scheduler, micro_batches, num_tokens, config, world)
         except RuntimeError as err:  # torch refusing a scalar of the update that float32 cannot hold
             if "without overflow" not in str(err):
                 raise
@@ -215,6 +242,9 @@ def _train(config: RunConfig, world: World, files: RunFiles) -> dict:
             if world.is_main:
                 save_final(setup.model, setup.tokenizer, config.recipe, final_dir)
                 logger.info("saved the final %s artefact to %s", config.recipe, final_dir)
+                if config.recipe == "retrofit":
+                    write_memory_diagnostics(setup.model, features, collator, world.device,
+                                             files.path(DIAGNOSTICS_FILE))
         barrier(world)
     else:
         logger.info("stopped at step %d of %d (--max-steps); --resume continues the run", step, total_steps)
