@@ -25,7 +25,7 @@ from pathlib import Path
 
 from smf.options import only
 from smf.suite.config import STAGE_COMMANDS, SuiteConfig
-from smf.train.config import RunConfig, build_config
+from smf.train.config import RunConfig, build_config, fingerprint_form
 from smf.vocabulary import FINGERPRINT_SPELLINGS, RETROFIT_MODE, split_condition
 
 SUITE_CONFIG_FILE = "suite_config.json"
@@ -110,11 +110,11 @@ class SuiteLayout:
 
 def stage_config(config: SuiteConfig, stage: str, seed: int, output_dir: Path, *, mode: str | None = None,
                  rule: str | None = None, adapter: Path | None = None, background: Path | None = None,
-                 optimizer: str | None = None) -> RunConfig:
+                 update: str | None = None) -> RunConfig:
     """The resolved trainer options of one stage (retrofit, background, sparse, lora, full).
 
     Options: ``train`` < ``stages.{stage}`` < what the suite sets (model, device, data, seed, mode,
-    rule, directories; ``optimizer`` "authors" for the update ablation). The background stage also
+    rule, directories; ``update`` "authors" for the update ablation). The background stage also
     inherits ``stages.retrofit`` (its examples must be drawn exactly as the retrofit's were).
     """
     command = STAGE_COMMANDS[stage]
@@ -123,7 +123,7 @@ def stage_config(config: SuiteConfig, stage: str, seed: int, output_dir: Path, *
     suite_set = {"output_dir": str(output_dir), "model": config.model, "device": config.device, "seed": seed,
                  "protocol": config.protocol,
                  "oasst_path": config.data.oasst, "medmcqa_path": config.data.medmcqa_train, "recipe": stage,
-                 "mode": mode, "rule": rule, "optimizer": optimizer,
+                 "mode": mode, "rule": rule, "update": update,
                  "adapter": None if adapter is None else str(adapter),
                  "background": None if background is None else str(background)}
     suite_set = {name: value for name, value in suite_set.items()
@@ -160,8 +160,9 @@ def _digest(obj) -> str:
 
 
 def options_fingerprint(options: dict) -> str:
-    """Hash of a stage's resolved trainer options, without :data:`IGNORED_OPTIONS`."""
-    return _digest({name: value for name, value in options.items() if name not in IGNORED_OPTIONS})
+    """Hash of a stage's resolved trainer options, without :data:`IGNORED_OPTIONS`; the update options in the form
+    hashed before ``--update`` replaced ``--optimizer`` (:func:`smf.train.config.fingerprint_form`)."""
+    return _digest({name: value for name, value in fingerprint_form(options).items() if name not in IGNORED_OPTIONS})
 
 
 def run_hash(config: SuiteConfig, run: Run) -> str:

@@ -1,8 +1,15 @@
-"""The authors' sparse update, kept as an ablation of this project's exact update
-(docs/method.md#what-sparse-means, #the-protocol-setting).
+"""The ablations of the exact sparse update (docs/method.md#the-sparse-update-exact-default-and-the-authors-ablation),
+unchanged in what they compute; both step a dense ``torch.optim.AdamW`` on the whole value table.
 
-What the authors' code (github.com/prakharg55/SMF-ICML, ``smf_rebuild/sparse_memory.py`` and
-``trainer_utils.py``) does, per micro-batch of an optimizer step:
+:class:`DenseMaskedUpdate` (``smf train --update dense_masked``) selects the step's rows as the exact update does
+(once per optimizer step, from the read counts of all its micro-batches, padding excluded), lets the values
+receive a dense (M, D) gradient and zeroes every unselected row of it. Only selected rows receive gradient, but
+AdamW still moves every row with non-zero momentum and applies weight decay to all rows, so rows that are not
+selected in a step change anyway (#what-sparse-means, #pitfalls-of-earlier-implementations): it measures that leak.
+
+:class:`AuthorsSparseUpdate` (``--update authors``) reproduces the authors' update. What their code
+(github.com/prakharg55/SMF-ICML, ``smf_rebuild/sparse_memory.py`` and ``trainer_utils.py``) does, per micro-batch
+of an optimizer step:
 
 1. read counts are zeroed and counted over the micro-batch's forward, padding positions included
    (a forward hook bincounts every index the values table is asked for: sparse_memory.py:29-33,
@@ -12,15 +19,13 @@ What the authors' code (github.com/prakharg55/SMF-ICML, ``smf_rebuild/sparse_mem
 3. the backward's dense value gradient is multiplied by that micro-batch's row mask (a tensor
    hook, sparse_memory.py:107-117), and gradients accumulate over the micro-batches.
 
-The optimizer step is a dense ``torch.optim.AdamW`` on the whole table after global-norm
-clipping, so a step can touch up to (micro-batches x T) rows, and AdamW's momentum keeps moving
-rows selected in earlier steps (weight decay would move every row; the authors' runs use 0).
-This project's exact update (:class:`SparseMemoryController`, mode "row_sparse") instead selects
-once per optimizer step from the counts of all its micro-batches without padding, and moves only
-those rows. :func:`rows_moved_outside` measures the difference.
+The optimizer step is a dense AdamW on the whole table after global-norm clipping, so a step can touch up to
+(micro-batches x T) rows, and AdamW's momentum keeps moving rows selected in earlier steps (weight decay would
+move every row; the authors' runs use 0). Single process only: the authors' runs used one GPU per run, and a
+distributed version would have to define how masks of different ranks combine. :func:`rows_moved_outside`
+measures the difference from the exact update.
 
-Single process only: the authors' runs used one GPU per run, and a distributed version would have
-to define how masks of different ranks combine.
+Both refuse misuse and treat non-finite gradients as the exact update does (:mod:`smf_kernels.sparse.step_checks`).
 """
 from __future__ import annotations
 
@@ -30,8 +35,86 @@ import torch
 from torch import nn
 
 from smf_kernels.memory import ProductKeyMemory
+from smf_kernels.sparse import step_checks
 from smf_kernels.sparse.background import BackgroundStats
+from smf_kernels.sparse.clipping import clip_grad_norm_
+from smf_kernels.sparse.controller import SparseMemoryController
 from smf_kernels.sparse.selection import RULES, score_slots, select_top_rows, warn_if_not_sparse
+from smf_kernels.sharded.layout import gradient_copies
+
+
+def _skip_or_raise(optimizer: torch.optim.Optimizer, names: dict[int, str], nonfinite: str) -> bool:
+    """Check every gradient of ``optimizer``'s parameters; True (gradients dropped) when the step is skipped."""
+    named = [(names.get(id(p), "a parameter"), p.grad) for group in optimizer.param_groups
+             for p in group["params"] if p.grad is not None]
+    bad = step_checks.nonfinite_names(named)
+    if not bad:
+        return False
+    optimizer.zero_grad(set_to_none=True)
+    step_checks.handle_nonfinite(bad, nonfinite)
+    return True
+
+
+class DenseMaskedUpdate(SparseMemoryController):
+    """The exact update's selection with a masked dense gradient and a dense optimizer (see the module docstring).
+
+    Arguments as :class:`SparseMemoryController`. Use: ``begin_step()``; per micro-batch forward, backward;
+    ``finish_step(optimizer, max_grad_norm=...)`` with ``torch.optim.AdamW`` over the values. Under DDP the
+    values are reduced here, as the controller does (``ddp_ignored_names``).
+    """
+
+    mode = "dense_masked"
+
+    def begin_step(self, *, select_before_backward: bool = False) -> None:
+        """Start a step: zero and count reads; the values get dense gradients."""
+        if select_before_backward:
+            raise ValueError("the dense-masked update selects at the step's end; select_before_backward is the "
+                             "exact update's")
+        super().begin_step()
+        for name, memory in self.memories.items():
+            memory.set_update_rows(None)
+            self._sinks.pop(name).close()
+
+    def after_forward(self) -> None:
+        """Nothing to do between a forward and its backward (the rows are chosen at the step's end)."""
+
+    def select_rows(self) -> dict[str, torch.Tensor]:
+        raise RuntimeError("the dense-masked update selects its rows at the step's end (finish_step)")
+
+    def end_step(self):
+        raise RuntimeError("the dense-masked update ends its steps with finish_step(optimizer)")
+
+    def finish_step(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None
+                    ) -> dict[str, torch.Tensor]:
+        """Select, mask every unselected row of the (rank-averaged) dense value gradients, check for inf / NaN,
+        clip, step ``optimizer`` (dense), zero gradients. Returns layer -> (T',) selected rows (ascending)."""
+        if not self._in_step:
+            raise step_checks.not_begun("finish_step")
+        counts = self._step_counts()
+        selected = {}
+        for name, memory in self.memories.items():
+            rows, valid = self._padded_selection(name, counts[name])
+            selected[name] = rows[valid]
+            values = memory.values
+            if values.grad is None:
+                values.grad = torch.zeros_like(values)
+            world = gradient_copies(values, self._world())
+            if world > 1:
+                self._all_reduce_sum(values.grad)
+                values.grad.div_(world)
+            keep = torch.zeros(values.shape[0], dtype=torch.bool, device=values.device)
+            keep[selected[name]] = True
+            values.grad.mul_(keep.unsqueeze(1).to(values.grad.dtype))
+        self._close()
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        if _skip_or_raise(optimizer, names, self.nonfinite):
+            self.skipped_steps += 1
+            return {name: rows[:0] for name, rows in selected.items()}
+        if max_grad_norm is not None:
+            clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return selected
 
 
 def _count_padding_too(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -54,12 +137,14 @@ class AuthorsSparseUpdate:
     mode = "authors"
 
     def __init__(self, model: nn.Module, *, rule: str = "kl", rows_per_step: int = 512,
-                 background: BackgroundStats | None = None) -> None:
+                 background: BackgroundStats | None = None, nonfinite: str = "raise") -> None:
         if rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
         if isinstance(rows_per_step, bool) or not isinstance(rows_per_step, int) or rows_per_step < 1:
             raise ValueError(f"rows_per_step must be a positive int, got {rows_per_step!r}")
         self.model, self.rule, self.rows_per_step = model, rule, rows_per_step
+        self.nonfinite = step_checks.check_nonfinite_option(nonfinite)
+        self.skipped_steps = 0
         self.memories = {name: module for name, module in model.named_modules()
                          if isinstance(module, ProductKeyMemory)}
         if not self.memories:
@@ -86,12 +171,14 @@ class AuthorsSparseUpdate:
         if self.background is None:
             raise RuntimeError("no background statistics: pass background= or call set_background() first")
         if self._step_rows is not None:
-            raise RuntimeError("begin_step() called twice without finish_step(); if a forward or backward of the "
-                               "step raised, call abort_step() to discard it first")
-        self._step_rows = {name: torch.zeros_like(mask) for name, mask in self._masks.items()}
+            raise step_checks.begun_twice()
         for name, memory in self.memories.items():
             if not memory.values.requires_grad:
                 raise RuntimeError(f"{name}.values does not require grad; nothing to train")
+            if memory.values.grad is not None:
+                raise step_checks.gradient_from_outside(f"{name}.values")
+        self._step_rows = {name: torch.zeros_like(mask) for name, mask in self._masks.items()}
+        for name, memory in self.memories.items():
             memory.set_update_rows(None)
             memory.reset_read_counts()
             memory.set_read_counting(True)
@@ -126,7 +213,7 @@ class AuthorsSparseUpdate:
         """Select each layer's rows from the counts of the micro-batch forward just run (before its
         backward), then zero the counts for the next micro-batch. Returns layer -> (T',) rows."""
         if self._step_rows is None:
-            raise RuntimeError("after_forward() needs begin_step() first")
+            raise step_checks.not_begun("after_forward")
         selected = {}
         for name, memory in self.memories.items():
             counts = memory.read_counts
@@ -146,9 +233,12 @@ class AuthorsSparseUpdate:
         """Clip, step ``optimizer`` (dense), zero gradients. Returns layer -> rows selected by any
         micro-batch of the step ((R,) int64, ascending)."""
         if self._step_rows is None:
-            raise RuntimeError("finish_step() called without begin_step()")
+            raise step_checks.not_begun("finish_step")
         rows = {name: used.nonzero().squeeze(1) for name, used in self._step_rows.items()}
         self._end_step()
+        if _skip_or_raise(optimizer, {id(p): n for n, p in self.model.named_parameters()}, self.nonfinite):
+            self.skipped_steps += 1
+            return {name: selected[:0] for name, selected in rows.items()}
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]],
                                            max_grad_norm)
