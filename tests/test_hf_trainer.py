@@ -8,7 +8,7 @@ from transformers import TrainerCallback, TrainingArguments
 from smf.model import attach_memories, configure_trainable
 from smf.tiny import TINY_MEMORY_KWARGS, TINY_MEMORY_LAYERS, tiny_model
 from smf_kernels.hf import SparseMemoryTrainer
-from smf_kernels.sparse import SparseMemoryController
+from smf_kernels.sparse import NonFiniteGradientError, SparseMemoryController
 
 ROWS_PER_STEP = 6
 STEPS = 4
@@ -166,6 +166,28 @@ def test_trainer_logs_how_many_rows_each_step_updates(tmp_path):
         assert 0 < entry["selected_rows"] <= ROWS_PER_STEP * len(controller.memories)
         assert entry["selected_fraction"] == pytest.approx(entry["selected_rows"] / slots)
     assert logged[-1]["selected_rows"] == sum(rows.numel() for rows in trainer.last_selected_rows.values())
+
+
+@pytest.mark.parametrize("nonfinite", ["raise", "skip"])
+def test_a_non_finite_gradient_raises_or_skips_and_never_moves_a_row(tmp_path, nonfinite):
+    model, controller = _model_and_controller()
+    controller.nonfinite = nonfinite
+    start = _state(model)
+    alpha = next(p for name, p in model.named_parameters() if p.requires_grad and "alpha" in name)
+    alpha.register_hook(lambda grad: grad * float("nan"))
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2,
+                             gradient_accumulation_steps=2, learning_rate=5e-2, max_grad_norm=1.0, report_to=[],
+                             use_cpu=True, dataloader_num_workers=0, save_strategy="no")
+    trainer = SparseMemoryTrainer(model=model, args=args, train_dataset=Sequences(8), controller=controller)
+    if nonfinite == "raise":
+        with pytest.raises(NonFiniteGradientError, match="alpha"):
+            trainer.train()
+        assert not controller.in_step
+    else:
+        trainer.train()
+        assert controller.skipped_steps == 2
+    for name, value in _state(model).items():
+        assert torch.equal(value, start[name]), name
 
 
 @pytest.mark.parametrize("where", ["arguments", "model"])

@@ -314,3 +314,21 @@ def test_no_checkpoint_holds_non_finite_weights(tmp_path):
         next(iter(setup.trainable_parameters().values()))[0] = float("nan")
     with pytest.raises(ConfigError, match="training diverged: after step 3 .* holds non-finite values"):
         loop.check_finite(setup, 3)
+
+
+def test_a_non_finite_gradient_stops_a_sparse_run_with_one_line_and_moves_nothing(tmp_path):
+    adapter = write_adapter_and_background(tmp_path / "adapter", "additive+s")
+    config = tiny_run_config(tmp_path, "train", "sparse", adapter=str(adapter), background=str(adapter))
+    setup = build_setup(config, World(0, 1, torch.device("cpu")))
+    trainable = setup.trainable_parameters()
+    alpha = next(p for name, p in trainable.items() if "alpha" in name)
+    before = {name: p.detach().clone() for name, p in trainable.items()}
+    ids = torch.randint(0, 200, (2, 16))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    setup.step.begin_step(setup.model, [batch])
+    loss = setup.model(**batch).loss + alpha * float("nan")
+    setup.step.after_forward()
+    loss.backward()
+    with pytest.raises(ConfigError, match=r"training diverged: the step's gradient of \S*alpha\S* holds inf or NaN"):
+        setup.step.finish_step(setup.optimizer, 1.0)
+    assert all(torch.equal(p.detach(), before[name]) for name, p in trainable.items())
