@@ -34,25 +34,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from smf_kernels.memory import ProductKeyMemory
 from smf_kernels.sparse import step_checks
 from smf_kernels.sparse.background import BackgroundStats
 from smf_kernels.sparse.clipping import clip_grad_norm_
 from smf_kernels.sparse.controller import SparseMemoryController
-from smf_kernels.sparse.selection import RULES, score_slots, select_top_rows, warn_if_not_sparse
 from smf_kernels.sharded.layout import gradient_copies
-
-
-def _skip_or_raise(optimizer: torch.optim.Optimizer, names: dict[int, str], nonfinite: str) -> bool:
-    """Check every gradient of ``optimizer``'s parameters; True (gradients dropped) when the step is skipped."""
-    named = [(names.get(id(p), "a parameter"), p.grad) for group in optimizer.param_groups
-             for p in group["params"] if p.grad is not None]
-    bad = step_checks.nonfinite_names(named)
-    if not bad:
-        return False
-    optimizer.zero_grad(set_to_none=True)
-    step_checks.handle_nonfinite(bad, nonfinite)
-    return True
 
 
 class DenseMaskedUpdate(SparseMemoryController):
@@ -68,8 +54,7 @@ class DenseMaskedUpdate(SparseMemoryController):
     def begin_step(self, *, select_before_backward: bool = False) -> None:
         """Start a step: zero and count reads; the values get dense gradients."""
         if select_before_backward:
-            raise ValueError("the dense-masked update selects at the step's end; select_before_backward is the "
-                             "exact update's")
+            raise ValueError("select_before_backward is the exact update's; this update selects at the step's end")
         super().begin_step()
         for name, memory in self.memories.items():
             memory.set_update_rows(None)
@@ -79,10 +64,10 @@ class DenseMaskedUpdate(SparseMemoryController):
         """Nothing to do between a forward and its backward (the rows are chosen at the step's end)."""
 
     def select_rows(self) -> dict[str, torch.Tensor]:
-        raise RuntimeError("the dense-masked update selects its rows at the step's end (finish_step)")
+        raise RuntimeError(f"{type(self).__name__} selects its rows itself")
 
     def end_step(self):
-        raise RuntimeError("the dense-masked update ends its steps with finish_step(optimizer)")
+        raise RuntimeError(f"{type(self).__name__} ends its steps with finish_step(optimizer)")
 
     def finish_step(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None
                     ) -> dict[str, torch.Tensor]:
@@ -106,12 +91,21 @@ class DenseMaskedUpdate(SparseMemoryController):
             keep[selected[name]] = True
             values.grad.mul_(keep.unsqueeze(1).to(values.grad.dtype))
         self._close()
+        return self._dense_step(optimizer, max_grad_norm, selected, clip_grad_norm_)
+
+    def _dense_step(self, optimizer, max_grad_norm, selected, clip) -> dict[str, torch.Tensor]:
+        """Check every gradient for inf / NaN (``nonfinite``), clip with ``clip``, step, zero gradients."""
         names = {id(p): n for n, p in self.model.named_parameters()}
-        if _skip_or_raise(optimizer, names, self.nonfinite):
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        bad = step_checks.nonfinite_names([(names.get(id(p), "a parameter"), p.grad) for p in params
+                                           if p.grad is not None])
+        if bad:
+            optimizer.zero_grad(set_to_none=True)
+            step_checks.handle_nonfinite(bad, self.nonfinite)
             self.skipped_steps += 1
             return {name: rows[:0] for name, rows in selected.items()}
         if max_grad_norm is not None:
-            clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], max_grad_norm)
+            clip(params, max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return selected
@@ -122,87 +116,37 @@ def _count_padding_too(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tu
     return args, {**kwargs, "valid_mask": None}
 
 
-class AuthorsSparseUpdate:
-    """Per-micro-batch row selection with a masked dense gradient (see the module docstring).
+class AuthorsSparseUpdate(DenseMaskedUpdate):
+    """Per-micro-batch row selection with a masked dense gradient (see the module docstring). One process.
 
-    Args:
-        model: any nn.Module holding :class:`ProductKeyMemory` layers (found by ``named_modules``).
-        rule: "tfidf" or "kl"; rows_per_step: T, rows selected per layer per micro-batch.
-        background: statistics for these memories (or :meth:`set_background` later).
-
-    Use: ``begin_step()``; per micro-batch ``loss = forward(...)``, ``after_forward()``,
-    ``loss.backward()``; then ``finish_step(optimizer, max_grad_norm)`` with a dense optimizer.
+    Arguments as :class:`SparseMemoryController` (rule "kl" by default; T rows per layer per micro-batch). Use:
+    ``begin_step()``; per micro-batch ``loss = forward(...)``, ``after_forward()``, ``loss.backward()``; then
+    ``finish_step(optimizer, max_grad_norm=...)`` with a dense optimizer.
     """
 
     mode = "authors"
 
     def __init__(self, model: nn.Module, *, rule: str = "kl", rows_per_step: int = 512,
                  background: BackgroundStats | None = None, nonfinite: str = "raise") -> None:
-        if rule not in RULES:
-            raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
-        if isinstance(rows_per_step, bool) or not isinstance(rows_per_step, int) or rows_per_step < 1:
-            raise ValueError(f"rows_per_step must be a positive int, got {rows_per_step!r}")
-        self.model, self.rule, self.rows_per_step = model, rule, rows_per_step
-        self.nonfinite = step_checks.check_nonfinite_option(nonfinite)
-        self.skipped_steps = 0
-        self.memories = {name: module for name, module in model.named_modules()
-                         if isinstance(module, ProductKeyMemory)}
-        if not self.memories:
-            raise ValueError("model holds no ProductKeyMemory module")
-        warn_if_not_sparse({name: m.num_slots for name, m in self.memories.items()}, rows_per_step)
-        self.background: BackgroundStats | None = None
-        if background is not None:
-            self.set_background(background)
+        super().__init__(model, rule=rule, rows_per_step=rows_per_step, background=background, nonfinite=nonfinite)
         self._masks = {name: torch.zeros(m.num_slots, dtype=torch.bool, device=m.values.device)
                        for name, m in self.memories.items()}
-        self._step_rows: dict[str, torch.Tensor] | None = None
+        self._step_rows: dict[str, torch.Tensor] = {}
         self._handles: list[Any] = []
 
-    def set_background(self, background: BackgroundStats) -> None:
-        """Use ``background`` for scoring; raises ValueError if it was built for other memories."""
-        background.check_matches(self.memories)
-        self.background = background
-
-    def value_parameters(self) -> list[nn.Parameter]:
-        return [memory.values for memory in self.memories.values()]
-
-    def begin_step(self) -> None:
+    def begin_step(self, *, select_before_backward: bool = False) -> None:
         """Start an optimizer step: dense value gradients, masked by each micro-batch's selection."""
-        if self.background is None:
-            raise RuntimeError("no background statistics: pass background= or call set_background() first")
-        if self._step_rows is not None:
-            raise step_checks.begun_twice()
-        for name, memory in self.memories.items():
-            if not memory.values.requires_grad:
-                raise RuntimeError(f"{name}.values does not require grad; nothing to train")
-            if memory.values.grad is not None:
-                raise step_checks.gradient_from_outside(f"{name}.values")
+        super().begin_step(select_before_backward=select_before_backward)
         self._step_rows = {name: torch.zeros_like(mask) for name, mask in self._masks.items()}
         for name, memory in self.memories.items():
-            memory.set_update_rows(None)
-            memory.reset_read_counts()
-            memory.set_read_counting(True)
             self._handles.append(memory.register_forward_pre_hook(_count_padding_too, with_kwargs=True))
             self._handles.append(memory.values.register_hook(self._masking_hook(name)))
 
-    def abort_step(self) -> None:
-        """Discard the step in progress (after one of its forwards or backwards raised): its hooks, read counts,
-        selections and the memories' value gradients; the next :meth:`begin_step` starts afresh. A no-op when no
-        step is in progress."""
-        if self._step_rows is None:
-            return
-        self._end_step()
-        for memory in self.memories.values():
-            memory.values.grad = None
-
-    def _end_step(self) -> None:
+    def _close(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        for memory in self.memories.values():
-            memory.set_read_counting(False)
-            memory.reset_read_counts()
-        self._step_rows = None
+        super()._close()
 
     def _masking_hook(self, name: str):
         def hook(grad: torch.Tensor) -> torch.Tensor:
@@ -212,39 +156,27 @@ class AuthorsSparseUpdate:
     def after_forward(self) -> dict[str, torch.Tensor]:
         """Select each layer's rows from the counts of the micro-batch forward just run (before its
         backward), then zero the counts for the next micro-batch. Returns layer -> (T',) rows."""
-        if self._step_rows is None:
+        if not self._in_step:
             raise step_checks.not_begun("after_forward")
         selected = {}
         for name, memory in self.memories.items():
-            counts = memory.read_counts
-            device = counts.device
-            scores = score_slots(self.rule, counts, self.background.doc_freq[name].to(device),
-                                 self.background.reads[name].to(device), self.background.num_batches[name])
-            rows = select_top_rows(scores, counts, self.rows_per_step)
+            rows, valid = self._padded_selection(name, memory.read_counts)
+            selected[name] = rows[valid]
             self._masks[name].zero_()
-            self._masks[name][rows] = True
-            self._step_rows[name][rows] = True
-            selected[name] = rows
+            self._masks[name][selected[name]] = True
+            self._step_rows[name][selected[name]] = True
             memory.reset_read_counts()
         return selected
 
     def finish_step(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None
                     ) -> dict[str, torch.Tensor]:
-        """Clip, step ``optimizer`` (dense), zero gradients. Returns layer -> rows selected by any
-        micro-batch of the step ((R,) int64, ascending)."""
-        if self._step_rows is None:
+        """Check for inf / NaN, clip, step ``optimizer`` (dense), zero gradients. Returns layer -> rows selected by
+        any micro-batch of the step ((R,) int64, ascending)."""
+        if not self._in_step:
             raise step_checks.not_begun("finish_step")
         rows = {name: used.nonzero().squeeze(1) for name, used in self._step_rows.items()}
-        self._end_step()
-        if _skip_or_raise(optimizer, {id(p): n for n, p in self.model.named_parameters()}, self.nonfinite):
-            self.skipped_steps += 1
-            return {name: selected[:0] for name, selected in rows.items()}
-        if max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]],
-                                           max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return rows
+        self._close()
+        return self._dense_step(optimizer, max_grad_norm, rows, torch.nn.utils.clip_grad_norm_)
 
 
 def rows_moved_outside(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor],
