@@ -95,8 +95,7 @@ def build_setup(recipe: str, tiny: bool, device: torch.device, rows_per_step: in
                 background.add_batch(name, torch.randint(0, 3, (module.values.shape[0],), generator=generator))
         controller.set_background(background)
         step = SparseStep(controller, bf16_autocast(config.bf16, device), compiled=compile)
-        if count_first:
-            step.kept_reads_limit = 0
+        step.count_first = count_first or compile
         optimizer = RowSparseAdamW(trainable, lr=lr)
     else:
         optimizer = torch.optim.AdamW(trainable, lr=lr)

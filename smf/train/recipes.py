@@ -108,7 +108,8 @@ def build_setup(config: RunConfig, world: World) -> TrainingSetup:
             step = AblationStep(DenseMaskedUpdate(model, rule=config.rule, rows_per_step=config.rows_per_step))
         else:
             step = SparseStep(SparseMemoryController(model, rule=config.rule, rows_per_step=config.rows_per_step),
-                              bf16_autocast(config.bf16, world.device), compiled=config.compile)
+                              bf16_autocast(config.bf16, world.device), compiled=config.compile,
+                              step_tokens=config.global_batch_size // world.size * config.max_length)
         controller = step.controller
         try:
             controller.set_background(BackgroundStats.load(resolve_background_file(config.background),

@@ -74,19 +74,23 @@ class SparseStep(StepHooks):
     How the rows' gradient is filled (docs/method.md#what-sparse-means): a step of one micro-batch selects
     between its forward and its backward (a compiled step: its backward chooses the rows from the counts itself).
     Under gradient accumulation the backwards keep their reads until the step's end (no second forward), unless
-    the kept reads would outweigh a dense gradient: when this rank's step holds more tokens than the smallest
-    memory has slots, a no-grad forward over every micro-batch counts the reads first (under ``autocast``, the
+    the kept reads could outweigh a dense gradient: when a step can hold more tokens on a rank (``step_tokens``:
+    global batch / processes x max length) than the smallest memory has slots, a no-grad forward over every
+    micro-batch counts the reads first (under ``autocast``, the
     trainer's bf16 context; ``model`` is the one the trainer runs) and the backwards write only the T selected
     rows (so does a compiled step of several micro-batches: its backward keeps no Python state).
     ``rows_moved_outside`` is 0 by construction (tests/test_sparse_exact.py checks it against the oracle), so
     no copy of the tables is made to measure it.
     """
 
-    kept_reads_per_slot = 1  # kept reads while this rank's step holds at most this many tokens per slot
+    kept_reads_per_slot = 1  # kept reads while a step can hold at most this many tokens per slot on a rank
 
-    def __init__(self, controller: SparseMemoryController, autocast, compiled: bool = False) -> None:
+    def __init__(self, controller: SparseMemoryController, autocast, compiled: bool = False,
+                 step_tokens: int | None = None) -> None:
         self.controller, self.autocast, self.compiled = controller, autocast, compiled
-        self.kept_reads_limit = self.kept_reads_per_slot * min(m.num_slots for m in controller.memories.values())
+        slots = min(memory.num_slots for memory in controller.memories.values())
+        # decided once, from a bound every rank shares (ranks that chose differently would deadlock in DDP)
+        self.count_first = compiled or (step_tokens is not None and step_tokens > self.kept_reads_per_slot * slots)
         self.rows: dict[str, torch.Tensor] = {}
         self._select_after_forward = False
 
@@ -95,8 +99,7 @@ class SparseStep(StepHooks):
 
     def begin_step(self, model: nn.Module, micro_batches: list[dict]) -> None:
         single = len(micro_batches) == 1
-        tokens = sum(int(batch["input_ids"].numel()) for batch in micro_batches)
-        count_first = not single and (self.compiled or tokens > self.kept_reads_limit)  # compiled: no Python state
+        count_first = not single and self.count_first
         self.controller.begin_step(select_before_backward=single or count_first)
         self._select_after_forward = single and not self.compiled
         if count_first:
