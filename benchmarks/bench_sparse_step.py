@@ -1,4 +1,4 @@
-"""One SMF training step of a paper-sized memory layer: row-sparse path vs dense-masked AdamW.
+"""One SMF training step of a paper-sized memory layer: the exact update's two fillers vs dense-masked AdamW.
 
 The layer is ProductKeyMemory(896) with its defaults (16,384 x 896 values); only
 the values train, as in stage 2. A step is: begin_step, forward + backward of
@@ -6,15 +6,17 @@ the values train, as in stage 2. A step is: begin_step, forward + backward of
 clipping, optimizer step). Paths:
 
   select_first  rows selected between forward and backward (a step of one
-                micro-batch): the backward writes only the T selected rows;
+                micro-batch): the backward adds only the T selected rows' gradient
+                into the (T, D) sink; RowSparseAdamW
+  kept_reads    the backward keeps its reads, the step's end computes the T
+                selected rows' gradient from them (gradient accumulation);
                 RowSparseAdamW
-  row_sparse    sparse COO gradients of every row the step read, restricted to
-                the selected rows at the step (gradient accumulation); RowSparseAdamW
   dense_masked  dense (M, D) value gradient masked to the selected rows +
                 torch.optim.AdamW (the original SMF code)
 
 Reported per path: median wall time of the whole step and of finish_step alone;
-bytes of the values' gradient (as produced by backward) plus optimizer state
+bytes the backward left for the values' gradient (the sink, the kept reads, or the
+dense gradient) plus optimizer state
 (exact tensor sizes, any device); on CUDA also the peak memory allocated during
 a step above what was allocated before it (torch.cuda.max_memory_allocated).
 
@@ -33,7 +35,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from smf_kernels import ProductKeyMemory  # noqa: E402
-from smf_kernels.sparse import RowSparseAdamW, SparseMemoryController  # noqa: E402
+from smf_kernels.sparse import DenseMaskedUpdate, RowSparseAdamW, SparseMemoryController  # noqa: E402
 
 MIB = 2 ** 20
 
@@ -57,8 +59,17 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-PATHS = {"select_first": ("row_sparse", True), "row_sparse": ("row_sparse", False),
-         "dense_masked": ("dense_masked", False)}
+PATHS = {"select_first": ("exact", True), "kept_reads": ("exact", False), "dense_masked": ("dense_masked", False)}
+
+
+def held_gradient_bytes(controller, memory) -> int:
+    """Bytes the step's backwards left for the value gradient: the sink's (T, D) buffer and kept reads, or the
+    dense ``.grad``."""
+    sink = controller._sinks.get("")
+    if sink is None:
+        return tensor_bytes(memory.values.grad)
+    kept = sum(tensor_bytes(t) for read in sink.reads for t in read[:3])
+    return kept + tensor_bytes(sink.grad)
 
 
 def run_path(path: str, args: argparse.Namespace, device: torch.device) -> dict:
@@ -68,10 +79,11 @@ def run_path(path: str, args: argparse.Namespace, device: torch.device) -> dict:
     for param in memory.parameters():
         param.requires_grad_(False)
     memory.values.requires_grad_(True)
-    controller = SparseMemoryController(memory, rule="kl", rows_per_step=args.rows, mode=mode)
+    update = SparseMemoryController if mode == "exact" else DenseMaskedUpdate
+    controller = update(memory, rule="kl", rows_per_step=args.rows)
     documents = [torch.randn(1, 64, 896, device=device) for _ in range(16)]
     controller.collect_background(documents, forward=lambda model, x: model(x))
-    if mode == "row_sparse":
+    if mode == "exact":
         optimizer = RowSparseAdamW([memory.values], lr=5e-4)
     else:
         optimizer = torch.optim.AdamW([memory.values], lr=5e-4)
@@ -91,7 +103,7 @@ def run_path(path: str, args: argparse.Namespace, device: torch.device) -> dict:
             controller.select_rows()
         loss.backward()
         synchronize(device)
-        grad_bytes = tensor_bytes(memory.values.grad)
+        grad_bytes = held_gradient_bytes(controller, memory)
         finish_start = time.perf_counter()
         rows = controller.finish_step(optimizer, max_grad_norm=1.0)[""]
         synchronize(device)
@@ -129,20 +141,20 @@ def main() -> None:
 
     results = {path: run_path(path, args, device) for path in PATHS}
     rows = [("step time (ms)", "step_ms"), ("finish_step time (ms)", "finish_step_ms"),
-            ("values grad (MiB)", "grad_mib"), ("optimizer state (MiB)", "optimizer_state_mib"),
+            ("values grad held (MiB)", "grad_mib"), ("optimizer state (MiB)", "optimizer_state_mib"),
             ("grad + state (MiB)", "grad_plus_state_mib")]
-    if "cuda_peak_extra_mib" in results["row_sparse"]:
+    if "cuda_peak_extra_mib" in results["kept_reads"]:
         rows.append(("CUDA peak above start (MiB)", "cuda_peak_extra_mib"))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
     print(f"ProductKeyMemory(896): 16384 x 896 values, {args.tokens} tokens, T={args.rows}, device {name}, "
           f"median of {args.repeats}")
     print(f"{'':30s}" + "".join(f"{path:>14s}" for path in PATHS)
-          + f"{'dense/select':>14s}{'dense/sparse':>14s}")
+          + f"{'dense/select':>14s}{'dense/kept':>14s}")
     for label, key in rows:
         values = [results[path][key] for path in PATHS]
         dense = results["dense_masked"][key]
         ratios = [dense / results[path][key] if results[path][key] else float("nan")
-                  for path in ("select_first", "row_sparse")]
+                  for path in ("select_first", "kept_reads")]
         print(f"{label:30s}" + "".join(f"{v:14.2f}" for v in values) + "".join(f"{r:14.2f}" for r in ratios))
     if args.json:
         payload = {"device": name, "tokens": args.tokens, "rows": args.rows, "repeats": args.repeats,

@@ -16,9 +16,12 @@ micro-batches of 4 (right-padded to random lengths between half and all of
 ``--seq-len``). Reported per recipe: median step time, tokens per second, the step's
 time over full finetuning's, peak memory allocated during a step (CUDA), trainable
 parameters, and on CUDA the host's and the GPU's busy time in one profiled step (when
-the host's exceeds the GPU's, the step is bound by the host). ``--compile`` compiles
-each model as ``smf train --compile`` does; ``--sparse-backward`` and ``--fused-update``
-choose the sparse recipe's variant, as the options of ``smf train`` of the same names.
+the host's exceeds the GPU's, the step is bound by the host); on CPU the peak column is the
+process's resident-set high-water mark (run one recipe per process to read it per recipe).
+``--compile`` compiles each model as ``smf train --compile`` does; ``--count-first`` makes the
+sparse step count reads in a no-grad forward and select before its backwards (the filler
+``smf train`` takes when a step's kept reads would outweigh a dense gradient) instead of keeping
+its reads until the step's end.
 
     python benchmarks/bench_train_step.py                     # CUDA, the paper's step
     python benchmarks/bench_train_step.py --tiny --device cpu # the tiny model, seconds on CPU
@@ -61,7 +64,7 @@ def build_model(tiny: bool):
 
 
 def build_setup(recipe: str, tiny: bool, device: torch.device, rows_per_step: int, backend: str | None,
-                sparse_backward: str | None = None, fused_update: bool = False, compile: bool = False):
+                count_first: bool = False, compile: bool = False):
     """A :class:`smf.train.recipes.TrainingSetup` for ``recipe``, as ``smf train`` builds it from a hub model."""
     from smf.model import apply_lora, attach_memories, configure_trainable
     from smf.train.config import RECIPE_LR, RunConfig
@@ -70,9 +73,8 @@ def build_setup(recipe: str, tiny: bool, device: torch.device, rows_per_step: in
     from smf_kernels.sparse import BackgroundStats, RowSparseAdamW, SparseMemoryController
 
     model, layers, memory = build_model(tiny)
-    # run_step reads bf16, clipping, sparse backward
-    config = RunConfig(backend=backend, rows_per_step=rows_per_step, sparse_backward=sparse_backward,
-                       fused_update=fused_update or compile, compile=compile).resolved(recipe)
+    # run_step reads bf16 and clipping
+    config = RunConfig(backend=backend, rows_per_step=rows_per_step, compile=compile).resolved(recipe)
     lr = RECIPE_LR[recipe]
     step = DenseStep()
     if recipe in ("sparse", "retrofit"):
@@ -85,16 +87,15 @@ def build_setup(recipe: str, tiny: bool, device: torch.device, rows_per_step: in
     model.to(device).train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     if recipe == "sparse":
-        controller = SparseMemoryController(model, rule="tfidf", rows_per_step=rows_per_step, mode="row_sparse",
-                                            fused=config.fused_update)
+        controller = SparseMemoryController(model, rule="tfidf", rows_per_step=rows_per_step)
         background = BackgroundStats.for_memories(controller.memories)
         generator = torch.Generator().manual_seed(0)
         for name, module in controller.memories.items():
             for _ in range(4):  # four background documents with random reads
                 background.add_batch(name, torch.randint(0, 3, (module.values.shape[0],), generator=generator))
         controller.set_background(background)
-        step = SparseStep(controller, config.sparse_backward, bf16_autocast(config.bf16, device),
-                          rows_in_backward=compile)
+        step = SparseStep(controller, bf16_autocast(config.bf16, device), compiled=compile)
+        step.count_first = count_first or compile
         optimizer = RowSparseAdamW(trainable, lr=lr)
     else:
         optimizer = torch.optim.AdamW(trainable, lr=lr)
@@ -115,13 +116,20 @@ def micro_batches(vocab: int, count: int, size: int, seq_len: int, device: torch
     return batches
 
 
+def _rss_high_water_gib() -> float:
+    """This process's resident-set high-water mark so far (Linux: ru_maxrss is in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+
+
 def measure(recipe: str, args, device: torch.device) -> dict:
     from smf.train.distributed import World
     from smf.train.loop import cosine_schedule, run_step
 
     torch.manual_seed(0)
-    setup, config, trainable = build_setup(recipe, args.tiny, device, args.rows, args.backend, args.sparse_backward,
-                                           args.fused_update, args.compile)
+    setup, config, trainable = build_setup(recipe, args.tiny, device, args.rows, args.backend, args.count_first,
+                                           args.compile)
     model = torch.compile(setup.model, mode="reduce-overhead") if args.compile else setup.model
     vocab = setup.model.config.vocab_size
     world = World(rank=0, size=1, device=device)
@@ -143,7 +151,7 @@ def measure(recipe: str, args, device: torch.device) -> dict:
     step_s = statistics.median(times)
     padded_tokens = args.micro_batches * args.micro_batch_size * args.seq_len
     result = dict(recipe=recipe, step_ms=step_s * 1e3, padded_tokens_per_s=padded_tokens / step_s,
-                  peak_gib=peak / 2 ** 30 if device.type == "cuda" else None, trainable=trainable,
+                  peak_gib=peak / 2 ** 30 if device.type == "cuda" else _rss_high_water_gib(), trainable=trainable,
                   host_ms=None, device_ms=None)
     if device.type == "cuda":  # one more step under the profiler: the host's work beside the GPU's
         batches = micro_batches(vocab, args.micro_batches, args.micro_batch_size, args.seq_len, device, seed=args.warmup + args.repeats)
@@ -192,10 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=1024, help="padded sequence length (default: 1024)")
     p.add_argument("--rows", type=int, default=512, help="T: value rows trained per memory per step (sparse)")
     p.add_argument("--backend", default=None, help="memory kernel backend (default: automatic)")
-    p.add_argument("--sparse-backward", default=None, choices=("selected-rows", "read-rows", "deferred"),
-                   help="how the sparse recipe's backwards meet the selected rows (smf train's option; default: "
-                        "deferred, selected-rows with --compile)")
-    p.add_argument("--fused-update", action="store_true", help="the sparse recipe's fused row update")
+    p.add_argument("--count-first", action="store_true",
+                   help="the sparse step counts reads first and selects before its backwards (default: kept reads)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile every recipe's model (mode reduce-overhead), as smf train --compile does")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default: 2)")

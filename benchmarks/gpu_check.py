@@ -6,7 +6,10 @@
 
 For fp32 and bf16, each op (top-k lookup, gather + histogram, dense / sparse
 backward, the dense backward with a tenth of the reads on 64 hot rows: the row-owned
-backward's load balance, and the top-k's backward) runs on the ``triton`` backend and is checked against
+backward's load balance, the top-k's backward, and the exact sparse update's own path: the
+backward into a RowGradSink whose T rows are known before it ("sink bwd"), the backward that
+keeps its reads and the step's end that sums them for T rows ("kept fill"), and RowSparseAdamW's
+row update ``row_adamw_`` on T rows) runs on the ``triton`` backend and is checked against
 the float64 reference: relative error of the outputs and, for the lookup, the
 fraction of slot ids equal to the reference's. Each op is then timed (median of
 CUDA-event timed runs) against the ``torch`` backend in the same run and against
@@ -26,7 +29,9 @@ TINY = dict(tokens=20, n_keys=8, heads=2, topk=4, key_dim=32, dim=48, update_row
 HBM_BYTES_S = 3.35e12
 PEAK_FLOPS = {"bf16": 989e12, "fp32": 67e12}
 # The Triton backward has one path, bit-reproducible by construction: no "deterministic" row.
-OPS = ("lookup", "gather+hist", "dense bwd", "sparse bwd", "hot-row bwd", "topk bwd")
+OPS = ("lookup", "gather+hist", "dense bwd", "sparse bwd", "hot-row bwd", "topk bwd", "sink bwd", "kept fill",
+       "row adamw")
+ADAMW = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
 HOT_ROWS = 64  # rows that take every tenth read in the "hot-row bwd" op
 
 
@@ -50,6 +55,12 @@ def floors(cfg: dict, dtype: str) -> dict:
         "hot-row bwd": (n * d * s + m * d * s + ids_w + m * d * 4 + reads * 4, 4 * reads * d),
         # query and keys in, their gradients out (input dtype), fp32 score grads and slot ids in
         "topk bwd": (2 * (n * h * kd + h * nk * kd) * s + reads * (4 + 8), 4 * reads * kd),
+        # the sparse backward, adding into the (T, D) fp32 sink (read and written)
+        "sink bwd": (n * d * s + m * d * s + ids_w + 2 * t * d * 4 + reads * 4, 4 * reads * d),
+        # the backward's weight gradient (the value rows read), then the step's end: kept grad_out and ids again
+        "kept fill": (2 * n * d * s + m * d * s + 2 * ids_w + t * d * 4 + reads * 4, 4 * reads * d),
+        # T rows of param, exp_avg, exp_avg_sq read and written, the fp32 gradient and the step counts
+        "row adamw": (6 * t * d * s + t * d * 4 + 2 * t * 8 + t * 8, 12 * t * d),
     }
     peak = PEAK_FLOPS[dtype]
     return {op: (b, f, max(b / HBM_BYTES_S, f / peak)) for op, (b, f) in out.items()}
@@ -111,6 +122,36 @@ def _op_runner(op, backend, inputs, cfg):
         grad = _score_grads(cfg, query.device)
         return lambda: torch.autograd.grad(scores, (q, k), grad, retain_graph=True)
 
+    if op == "row adamw":  # fresh state: the first call is the one checked, later (timed) ones keep stepping
+        from smf_kernels.ops import row_adamw_
+
+        param, grad = values.detach().clone(), _row_grads(cfg, values)
+        start = param[rows].double()
+        exp_avg, exp_avg_sq = torch.zeros_like(param), torch.zeros_like(param)
+        row_step = torch.zeros(param.shape[0], dtype=torch.int64, device=param.device)
+
+        def update():  # (the rows' change, their first moment)
+            row_adamw_(param, exp_avg, exp_avg_sq, row_step, rows, grad, backend=backend, **ADAMW)
+            return param[rows].double() - start, exp_avg[rows]
+        return update
+    if op in ("sink bwd", "kept fill"):
+        from smf_kernels.sparse import RowGradSink
+
+        valid = torch.ones(rows.numel(), dtype=torch.bool, device=rows.device)
+
+        def sink_backward():
+            v = values.detach().requires_grad_(True)
+            w = weights.detach().requires_grad_(True)
+            sink = RowGradSink(v, rows.numel(), keep_reads=op == "kept fill")
+            if op == "sink bwd":
+                sink.set_rows(rows, valid)
+            out = weighted_gather(v, indices, w, update_rows=sink, backend=backend)
+            _, gw = torch.autograd.grad(out, (v, w), grad_out, allow_unused=True)
+            if op == "kept fill":
+                sink.fill(v, rows, valid)
+            return sink.grad, gw
+        return sink_backward
+
     read = _hot_indices(indices) if op == "hot-row bwd" else indices
 
     def backward():
@@ -122,11 +163,28 @@ def _op_runner(op, backend, inputs, cfg):
     return backward
 
 
+def _row_grads(cfg, values):
+    """(T, D) fp32 row gradients, the same for every backend and the reference."""
+    import torch
+
+    generator = torch.Generator(device=values.device).manual_seed(1)
+    return torch.randn(cfg["update_rows"], values.shape[1], generator=generator, device=values.device)
+
+
 def _reference(op, inputs, cfg):
     import torch
 
     from smf_kernels.reference import product_key_topk_reference, weighted_gather_reference
 
+    if op == "row adamw":  # AdamW's first step on rows ``rows``, in float64
+        values, rows = inputs[2], inputs[6]
+        grad = _row_grads(cfg, values).double()
+        beta1, beta2 = ADAMW["betas"]
+        exp_avg, exp_avg_sq = (1 - beta1) * grad, (1 - beta2) * grad * grad
+        denom = (exp_avg_sq / (1 - beta2)).sqrt() + ADAMW["eps"]
+        param = values[rows].double()
+        change = -ADAMW["lr"] * ADAMW["weight_decay"] * param - ADAMW["lr"] / (1 - beta1) * exp_avg / denom
+        return change, exp_avg
     query, keys, values, indices, weights, grad_out, rows = (x.double() if x.is_floating_point() else x
                                                              for x in inputs)
     if op == "lookup":
@@ -142,7 +200,7 @@ def _reference(op, inputs, cfg):
     w = weights.requires_grad_(True)
     read = _hot_indices(indices) if op == "hot-row bwd" else indices
     gv, gw = torch.autograd.grad(weighted_gather_reference(v, read, w), (v, w), grad_out)
-    if op == "sparse bwd":
+    if op in ("sparse bwd", "sink bwd", "kept fill"):
         gv = gv[rows]
     return gv, gw
 
@@ -154,6 +212,8 @@ def _check(op, got, want) -> str:
         return f"out {_rel(got[0], want[0]):.1e}, counts exact {bool((got[1] == want[1]).all())}"
     if op == "topk bwd":
         return f"dQ {_rel(got[0], want[0]):.1e}, dK {_rel(got[1], want[1]):.1e}"
+    if op == "row adamw":  # the rows' change (a bf16 table rounds the updated rows to bf16) and first moment
+        return f"step {_rel(got[0], want[0]):.1e}, m {_rel(got[1], want[1]):.1e}"
     gv = got[0].coalesce().values() if got[0].is_sparse else got[0]
     return f"dV {_rel(gv, want[0]):.1e}, dW {_rel(got[1], want[1]):.1e}"
 

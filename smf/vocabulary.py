@@ -1,5 +1,5 @@
 """The words of the experiments, each spelled once: recipes, memory modes, selection rules, sparse
-optimizers, conditions, tasks, the default model and the tiny preset's sizes.
+updates, conditions, tasks, the default model and the tiny preset's sizes.
 
 Command line, config files, code and reports all use these spellings. Spellings an earlier version
 accepted from users are still read, with a deprecation warning (:func:`canonical`).
@@ -24,8 +24,7 @@ RETROFIT_MODE = {"replacement": "replacement", "additive": "additive", "additive
 # parser, `smf --help`) imports no torch; tests/test_cli_smf.py checks them against smf_kernels.
 RULES = ("tfidf", "kl")  # smf_kernels.sparse.selection.RULES: the slot scoring rules
 BACKENDS = ("torch", "triton", "ext")  # smf_kernels.backends.BACKENDS: the kernel backends
-SPARSE_OPTIMIZERS = ("row_sparse", "dense_masked", "authors")
-SPARSE_BACKWARDS = ("selected-rows", "read-rows", "deferred")
+SPARSE_UPDATES = ("exact", "dense_masked", "authors")  # smf train --update (it replaced --optimizer)
 TASKS = ("medmcqa", "wikitext", "triviaqa")
 # A user's own evaluation sets (docs/own-data.md): learning (the MedMCQA stand-in), held-out perplexity (WikiText's)
 # and retained knowledge (TriviaQA's), each scored by its stand-in's rule; and their metric keys.
@@ -48,7 +47,7 @@ DEPRECATED_SPELLINGS = {"additive_s": "additive+s", "row-sparse": "row_sparse", 
 FINGERPRINT_SPELLINGS = {"row_sparse": "row-sparse", "dense_masked": "dense-masked"}
 
 __all__ = ["CONDITIONS", "DEFAULT_MODEL", "EVAL_ROLES", "MEMORY_MODES", "RECIPES", "RULES", "SPARSE_CONDITIONS",
-           "SPARSE_OPTIMIZERS", "TASKS", "TINY_MODEL", "canonical", "check_layers", "split_condition"]
+           "SPARSE_UPDATES", "TASKS", "TINY_MODEL", "canonical", "check_layers", "split_condition"]
 
 
 def canonical(value, argument: str):

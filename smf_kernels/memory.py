@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from smf_kernels._precision import no_autocast
-from smf_kernels.ops import DeferredRows, ReadLog, product_key_topk, weighted_gather
+from smf_kernels.ops import GradientSink, product_key_topk, weighted_gather
 
 
 @functools.lru_cache(maxsize=None)
@@ -33,40 +33,6 @@ def _linear(proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 _PROJECTIONS = ("query_proj", "gate_proj", "out_proj")  # the memory's nn.Linear submodules
-
-
-class RowsRead:
-    """The update rows "whatever each forward reads": pass :data:`ROWS_READ` to
-    :meth:`ProductKeyMemory.set_update_rows`, and each forward's value gradient holds exactly the
-    distinct slots that forward read (all tokens, padding included)."""
-
-    def __repr__(self) -> str:
-        return "ROWS_READ"
-
-
-ROWS_READ = RowsRead()
-
-
-class _RowsReadBy(DeferredRows):
-    """:data:`ROWS_READ` for one forward: the distinct slots it read, found only when the backward asks.
-
-    The forward makes no host sync; the backward's ``torch.unique`` (which sizes the
-    sparse gradient) makes the one a data-dependent row count needs.
-    """
-
-    def __init__(self, indices: torch.Tensor) -> None:
-        self._indices = indices
-        super().__init__()
-
-    @property
-    def rows(self) -> torch.Tensor:
-        if self._rows is None:
-            self._rows = torch.unique(self._indices)
-        return self._rows
-
-    @rows.setter
-    def rows(self, value: torch.Tensor | None) -> None:
-        self._rows = value
 
 
 class ProductKeyMemory(nn.Module):
@@ -126,7 +92,7 @@ class ProductKeyMemory(nn.Module):
         self.out_proj = nn.Linear(value_dim, d_model, bias=True)
         self.register_buffer("read_counts", torch.zeros(self.num_slots, dtype=torch.int64), persistent=False)
         self.count_reads = False
-        self.update_rows: torch.Tensor | DeferredRows | ReadLog | RowsRead | None = None
+        self.update_rows: torch.Tensor | GradientSink | None = None
         self.reset_parameters()
 
     def __setattr__(self, name: str, value) -> None:
@@ -184,27 +150,19 @@ class ProductKeyMemory(nn.Module):
         """Zero the ``read_counts`` buffer (n_keys**2,) int64 in place (it keeps its device)."""
         self.read_counts.zero_()
 
-    def set_update_rows(self, rows: torch.Tensor | DeferredRows | ReadLog | RowsRead | None) -> None:
+    def set_update_rows(self, rows: torch.Tensor | GradientSink | None) -> None:
         """Restrict the value gradient of later forwards to some rows.
 
-        rows: a (T,) int64 tensor of distinct slot ids; :data:`ROWS_READ`, the
-        distinct slots each forward reads (all tokens, padding included); a
-        :class:`~smf_kernels.ops.DeferredRows` filled between forward and
-        backward; a :class:`~smf_kernels.ops.ReadLog`, which keeps each backward's
-        reads for a value gradient computed later; or None for a dense gradient.
-        (The string ``"read"`` still means ROWS_READ, with a DeprecationWarning.)
+        rows: a (T,) int64 tensor of distinct slot ids (``values.grad`` is then a sparse COO tensor of those
+        rows); a :class:`~smf_kernels.ops.GradientSink` that takes the value gradient instead of ``.grad``
+        (:class:`~smf_kernels.sparse.RowGradSink`, what the sparse update sets); or None for a dense gradient.
         """
-        if isinstance(rows, str) and rows == "read":
-            warnings.warn('set_update_rows("read") is deprecated; pass smf_kernels.ROWS_READ',
-                          DeprecationWarning, stacklevel=2)
-            rows = ROWS_READ
         if isinstance(rows, torch.Tensor):
             if rows.dim() != 1 or rows.dtype != torch.int64:
                 raise ValueError("rows must be a 1-D int64 tensor of distinct slot ids")
             rows = rows.to(self.values.device)
-        elif not (rows is None or isinstance(rows, (RowsRead, DeferredRows, ReadLog))):
-            raise ValueError(f"rows must be a 1-D int64 tensor, ROWS_READ, a DeferredRows, a ReadLog or None, "
-                             f"got {rows!r}")
+        elif not (rows is None or isinstance(rows, GradientSink)):
+            raise ValueError(f"rows must be a 1-D int64 tensor, a GradientSink or None, got {rows!r}")
         self.update_rows = rows
 
     def lookup(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,12 +205,11 @@ class ProductKeyMemory(nn.Module):
         value gradient as set, in the gather's op calls. A subclass may read the rows elsewhere
         (:class:`smf_kernels.sharded.ShardedProductKeyMemory`: from several ranks)."""
         counting = self.count_reads
-        update_rows = _RowsReadBy(indices) if isinstance(self.update_rows, RowsRead) else self.update_rows
         return weighted_gather(
             self.values, indices, weights,
             counts=self.read_counts if counting else None,
             valid=valid if counting else None,
-            update_rows=update_rows,
+            update_rows=self.update_rows,
             gate=gate,
             backend=self.backend,
         )

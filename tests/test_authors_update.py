@@ -164,8 +164,8 @@ def test_sparse_run_with_the_authors_update_logs_rows_moved(tmp_path):
     overrides = {"n_examples": 8, "global_batch_size": 4, "micro_batch_size": 2, "epochs": 2, "lr": 1e-2,
                  "warmup_steps": 0, "adapter": str(adapter), "background": str(adapter), "protocol": "clean"}
     logs = {}
-    for optimizer in ("authors", "row_sparse"):
-        config = tiny_run_config(tmp_path / optimizer, "train", "sparse", optimizer=optimizer, **overrides)
+    for optimizer in ("authors", "exact"):
+        config = tiny_run_config(tmp_path / optimizer, "train", "sparse", update=optimizer, **overrides)
         train(config)
         logs[optimizer] = [json.loads(line) for line in (tmp_path / optimizer / "sparse-run" / LOG_FILE).open()]
     assert len(logs["authors"]) == 4 and all("rows_moved_outside" in record for record in logs["authors"])
@@ -174,4 +174,4 @@ def test_sparse_run_with_the_authors_update_logs_rows_moved(tmp_path):
     rows_per_step = config.rows_per_step
     assert any(record["selected_rows"] > 3 * rows_per_step for record in logs["authors"])
     assert all(record["selected_rows"] <= 3 * rows_per_step and record["rows_moved_outside"] == 0
-               for record in logs["row_sparse"])
+               for record in logs["exact"])

@@ -18,7 +18,7 @@ def test_tiny_step_of_every_recipe_trains_what_the_recipe_trains(bench, tmp_path
                        "--seq-len", "32", "--rows", "8", "--warmup", "0", "--repeats", "1", "--json", str(out)]) == 0
     results = {r["recipe"]: r for r in json.loads(out.read_text())}
     assert set(results) == set(bench.RECIPES)
-    assert all(r["step_ms"] > 0 and r["peak_gib"] is None for r in results.values())
+    assert all(r["step_ms"] > 0 and r["peak_gib"] > 0 for r in results.values())  # CPU: the RSS high-water mark
     model, layers, memory = bench.build_model(tiny=True)
     assert results["full"]["trainable"] == sum(p.numel() for p in model.parameters())
     # sparse: the three memories' value tables only; retrofit: every memory parameter, more than that

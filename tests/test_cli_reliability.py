@@ -195,8 +195,8 @@ def test_eval_of_an_adapter_that_is_not_what_it_claims_is_one_line(tmp_path, cap
     (["train", "--recipe", "lora", "--adapter", "{d}"], "--adapter is not used by this run"),
     (["train", "--recipe", "sparse", "--lora-r", "4", "--adapter", "{d}", "--background", "{d}"],
      "--lora-r is not used by this run: only --recipe lora uses it"),
-    (["train", "--recipe", "sparse", "--optimizer", "authors", "--sparse-backward", "read-rows", "--adapter", "{d}",
-      "--background", "{d}"], "--sparse-backward is not used by this run: only --optimizer row_sparse uses it"),
+    (["train", "--recipe", "lora", "--update", "authors"], "--update is not used by this run: only --recipe sparse "
+                                                           "uses it"),
 ])
 def test_a_flag_the_run_would_ignore_is_refused_with_the_reason(tmp_path, capsys, argv, message):
     argv = [arg.replace("{d}", str(tmp_path)) for arg in argv]

@@ -10,7 +10,7 @@ from transformers import Qwen2ForCausalLM
 from helpers import rel_err
 from smf.model import attach_memories, configure_trainable, memory_blocks
 from smf.tiny import TINY_MEMORY_KWARGS, tiny_config
-from smf_kernels import ROWS_READ, ProductKeyMemory
+from smf_kernels import ProductKeyMemory
 from smf_kernels.ops import weighted_gather
 
 SMALL = dict(n_keys=8, heads=2, topk=3, key_dim=18)  # 64 slots, halves of 9
@@ -92,22 +92,18 @@ def test_tiny_qwen2_with_memories_compiles_with_inductor():
     assert torch.equal(compiled_counts, memory.read_counts) and compiled_counts.sum() == 15 * 2 * 4
 
 
-@pytest.mark.parametrize("rows", ["tensor", "read"])
-def test_sparse_update_rows_graph_breaks_are_counted(rows):
-    """A sparse COO value gradient cannot be traced: the backward's torch.sparse_coo_tensor breaks
-    the graph, and ``"read"`` breaks at the data-dependent torch.unique that finds its rows in the
-    backward (README, "torch.compile")."""
+def test_sparse_update_rows_graph_breaks_are_counted():
+    """A sparse COO value gradient (``update_rows`` a tensor, the op-level nn.Embedding(sparse=True)
+    convention) cannot be traced: the backward's torch.sparse_coo_tensor breaks the graph (README,
+    "torch.compile"); the sparse update's RowGradSink does not (the test below)."""
     mem = ProductKeyMemory(40, **SMALL)
-    mem.set_update_rows(torch.tensor([1, 5, 9, 33]) if rows == "tensor" else ROWS_READ)
+    mem.set_update_rows(torch.tensor([1, 5, 9, 33]))
     x = torch.randn(2, 6, 40)
     torch._dynamo.reset()
     explanation = torch._dynamo.explain(mem)(x)
     reasons = [str(b.reason) for b in explanation.break_reasons]
-    assert all("sparse_coo_tensor" in r or "unique" in r for r in reasons), reasons
-    # "read" finds its rows (torch.unique) in the backward, which breaks there before the COO tensor.
-    assert any(("unique" if rows == "read" else "sparse_coo_tensor") in r for r in reasons), reasons
-    assert any("unique" in r for r in reasons) == (rows == "read")
-    assert explanation.graph_break_count <= (4 if rows == "read" else 3)
+    assert all("sparse_coo_tensor" in r for r in reasons), reasons
+    assert explanation.graph_break_count <= 3
     out = torch.compile(mem)(x)  # still runs, in pieces, with the same sparse gradient as eager
     out.square().sum().backward()
     compiled_grad = mem.values.grad.coalesce()
@@ -116,8 +112,8 @@ def test_sparse_update_rows_graph_breaks_are_counted(rows):
     assert compiled_grad.is_sparse and rel_err(compiled_grad, mem.values.grad) < 1e-6
 
 
-def test_a_fused_sparse_step_of_a_tiny_qwen2_compiles_whole_and_matches_eager():
-    """The sparse step that torch.compile can take whole: fused update, rows chosen by the backward from the
+def test_a_sparse_step_of_a_tiny_qwen2_compiles_whole_and_matches_eager():
+    """The sparse step that torch.compile can take whole: the row-gradient sink, rows chosen by the backward from the
     step's counts (fixed T, no host sync). fullgraph=True fails on any graph break (the COO path had 25-30
     for 3 memories), mode="reduce-overhead" is what `smf train --compile` uses; the trained rows and values
     equal eager's."""
@@ -130,7 +126,7 @@ def test_a_fused_sparse_step_of_a_tiny_qwen2_compiles_whole_and_matches_eager():
         model = Qwen2ForCausalLM(config)
         attach_memories(model, layers=(1,), mode="additive+s", **TINY_MEMORY_KWARGS)
         configure_trainable(model, "sparse")
-        controller = SparseMemoryController(model, rule="kl", rows_per_step=8, fused=True)
+        controller = SparseMemoryController(model, rule="kl", rows_per_step=8)
         background = BackgroundStats.for_memories(controller.memories)
         for name, memory in controller.memories.items():
             background.add_batch(name, torch.randint(0, 3, (memory.num_slots,)))

@@ -2,7 +2,7 @@
 answer within the dtype's tolerance or raises a clear Python exception naming the argument.
 
 Covered: product_key_topk, weighted_gather (counts, valid, update_rows as a tensor / empty /
-DeferredRows), ProductKeyMemory forward + backward under each set_update_rows choice, and
+RowGradSink), ProductKeyMemory forward + backward under each set_update_rows choice, and
 SparseMemoryController steps; over small random shapes with N = 0, T = 0, all-padding batches,
 repeated rows within and across tokens, non-contiguous and expanded inputs, fp32 / bf16 / fp16 /
 fp64 and non-finite values.
@@ -24,11 +24,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from smf_kernels import ROWS_READ, ProductKeyMemory
+from smf_kernels import ProductKeyMemory
 from smf_kernels.backends import implementation, unavailable_reason
-from smf_kernels.ops import DeferredRows, product_key_topk, silu_mul, weighted_gather
+from smf_kernels.ops import product_key_topk, silu_mul, weighted_gather
 from smf_kernels.reference import product_key_topk_reference, silu_mul_reference, weighted_gather_reference
-from smf_kernels.sparse import BackgroundStats, RowSparseAdamW, SparseMemoryController
+from smf_kernels.sparse import BackgroundStats, DenseMaskedUpdate, RowGradSink, RowSparseAdamW, SparseMemoryController
 from smf_kernels.sparse.selection import score_slots, select_top_rows
 
 IN_CHILD = os.environ.get("SMF_FUZZ_CHILD") == "1"
@@ -207,11 +207,12 @@ def test_weighted_gather_matches_the_reference_forward_and_backward(backend, dat
     counts = torch.randint(0, 3, (case["m"],)) if case["counting"] else None
     counts_before = None if counts is None else counts.clone()
     rows = case["rows"]
-    update_rows = {"dense": None, "tensor": rows, "empty": rows, "deferred": DeferredRows()}[case["rows_kind"]]
+    sink = RowGradSink(values, rows.numel(), keep_reads=False) if case["rows_kind"] == "deferred" else None
+    update_rows = {"dense": None, "tensor": rows, "empty": rows, "deferred": sink}[case["rows_kind"]]
     out = weighted_gather(values, case["indices"], weights, counts=counts, valid=case["valid"],
                           update_rows=update_rows, backend=backend)
-    if isinstance(update_rows, DeferredRows):
-        update_rows.set(rows)
+    if sink is not None:
+        sink.set_rows(rows.sort().values, torch.ones(rows.numel(), dtype=torch.bool))
     grad_out = torch.randn(out.shape).to(dtype)
     out.backward(grad_out)
     ref_out, ref_values_grad, ref_weights_grad = _reference_gather_grads(values, case["indices"], weights, grad_out)
@@ -229,6 +230,10 @@ def test_weighted_gather_matches_the_reference_forward_and_backward(backend, dat
         _close(weights.grad, ref_weights_grad, grad_dtype, "weights grad")
     if case["grads"] == "weights":
         assert values.grad is None
+        return
+    if sink is not None:  # the sink holds the rows' gradient, the values none
+        assert values.grad is None
+        _close(sink.grad, ref_values_grad[sink.rows], grad_dtype, "values grad")
         return
     grad_values = values.grad.to_dense() if values.grad.is_sparse else values.grad
     if case["rows_kind"] != "dense":
@@ -257,8 +262,9 @@ def test_weighted_gather_rejects_bad_arguments_by_name(backend):
         args = {"values": values, "indices": indices, "weights": weights, **change}
         with pytest.raises(CLEAR, match=name):
             weighted_gather(args.pop("values"), args.pop("indices"), args.pop("weights"), **args, backend=backend)
-    out = weighted_gather(values.requires_grad_(), indices, weights, update_rows=DeferredRows(), backend=backend)
-    with pytest.raises(RuntimeError, match="DeferredRows"):
+    unset = RowGradSink(values, 2, keep_reads=False)
+    out = weighted_gather(values.requires_grad_(), indices, weights, update_rows=unset, backend=backend)
+    with pytest.raises(RuntimeError, match="were not set before the backward"):
         out.sum().backward()
 
 
@@ -283,21 +289,21 @@ def test_product_key_memory_forward_backward_under_each_update_rows_choice(backe
     key_dim = 2 * data.draw(st.integers(1, 4), label="key_dim / 2")
     d_model = data.draw(st.integers(1, 6), label="d_model")
     batch, seq = data.draw(st.integers(0, 2), label="batch"), data.draw(st.integers(0, 4), label="seq")
-    choice = data.draw(st.sampled_from(["dense", "read", "tensor", "empty", "deferred"]), label="update_rows")
+    choice = data.draw(st.sampled_from(["dense", "tensor", "empty", "deferred"]), label="update_rows")
     torch.manual_seed(data.draw(st.integers(0, 2 ** 16), label="seed"))
     memory = ProductKeyMemory(d_model, n_keys=n_keys, heads=heads, topk=topk, key_dim=key_dim, backend=backend)
     reference = ProductKeyMemory(d_model, n_keys=n_keys, heads=heads, topk=topk, key_dim=key_dim, backend="torch")
     reference.load_state_dict(memory.state_dict())
     rows = torch.tensor(sorted(data.draw(st.sets(st.integers(0, n_keys ** 2 - 1)))), dtype=torch.int64)
     rows = rows[:0] if choice == "empty" else rows
-    deferred = DeferredRows()
-    memory.set_update_rows({"dense": None, "read": ROWS_READ, "tensor": rows, "empty": rows, "deferred": deferred}[choice])
+    deferred = RowGradSink(memory.values, rows.numel(), keep_reads=False)
+    memory.set_update_rows({"dense": None, "tensor": rows, "empty": rows, "deferred": deferred}[choice])
     memory.set_read_counting(True)
     x = torch.randn(batch, seq, d_model)
     valid = torch.rand(batch, seq) < data.draw(st.sampled_from([0.0, 0.5, 1.0]), label="valid fraction")
     out = memory(x, valid_mask=valid)
     if choice == "deferred":
-        deferred.set(rows)
+        deferred.set_rows(rows, torch.ones(rows.numel(), dtype=torch.bool))
     grad = torch.randn_like(out)
     out.backward(grad)
     ref_out = _memory_reference(reference, x)
@@ -312,6 +318,9 @@ def test_product_key_memory_forward_backward_under_each_update_rows_choice(backe
         expected = torch.zeros_like(ref_p) if ref_p.grad is None else ref_p.grad
         actual = torch.zeros_like(p) if p.grad is None else p.grad
         actual = actual.to_dense() if actual.is_sparse else actual
+        if name == "values" and choice == "deferred":  # the sink holds the rows' gradient, the values none
+            assert p.grad is None
+            actual = torch.zeros_like(p).index_copy(0, rows, deferred.grad)
         if name == "values" and choice in ("tensor", "empty", "deferred"):
             mask = torch.zeros(n_keys ** 2, dtype=torch.bool)
             mask[rows] = True
@@ -328,8 +337,8 @@ def test_product_key_memory_forward_backward_under_each_update_rows_choice(backe
 @given(data=st.data())
 def test_controller_steps_update_only_selected_read_rows(backend, data):
     rule = data.draw(st.sampled_from(["tfidf", "kl"]), label="rule")
-    mode = data.draw(st.sampled_from(["row_sparse", "dense_masked"]), label="mode")
-    select_first = mode == "row_sparse" and data.draw(st.booleans(), label="select_before_backward")
+    mode = data.draw(st.sampled_from(["exact", "dense_masked"]), label="update")
+    select_first = mode == "exact" and data.draw(st.booleans(), label="select_before_backward")
     rows_per_step = data.draw(st.integers(1, 20), label="T")
     torch.manual_seed(data.draw(st.integers(0, 2 ** 16), label="seed"))
     model = nn.ModuleDict({"a": ProductKeyMemory(6, n_keys=4, heads=2, topk=2, key_dim=4, backend=backend),
@@ -338,9 +347,10 @@ def test_controller_steps_update_only_selected_read_rows(backend, data):
     for name, memory in model.items():
         for _ in range(data.draw(st.integers(0, 3), label="background batches")):
             stats.add_batch(name, torch.randint(0, 3, (memory.num_slots,)))
-    controller = SparseMemoryController(model, rule=rule, rows_per_step=rows_per_step, background=stats, mode=mode)
+    update = SparseMemoryController if mode == "exact" else DenseMaskedUpdate
+    controller = update(model, rule=rule, rows_per_step=rows_per_step, background=stats)
     params = [m.values for m in model.values()]
-    optimizer = RowSparseAdamW(params, lr=0.1) if mode == "row_sparse" else torch.optim.AdamW(params, lr=0.1)
+    optimizer = RowSparseAdamW(params, lr=0.1) if mode == "exact" else torch.optim.AdamW(params, lr=0.1)
     for _ in range(2):
         before = {name: m.values.detach().clone() for name, m in model.items()}
         x = torch.randn(data.draw(st.integers(0, 3), label="batch"), data.draw(st.integers(0, 3), label="seq"), 6)
@@ -357,7 +367,7 @@ def test_controller_steps_update_only_selected_read_rows(backend, data):
                                                    stats.num_batches[name]), counts[name], rows_per_step)
             assert torch.equal(selected[name], expected)
             assert bool((counts[name][selected[name]] > 0).all())
-            if mode == "row_sparse":  # dense_masked: AdamW's decay and momentum move every row, as in the paper's code
+            if mode == "exact":  # dense_masked: AdamW's decay and momentum move every row, as in the paper's code
                 changed = (memory.values.detach() != before[name]).any(dim=1).nonzero().flatten()
                 assert bool(torch.isin(changed, selected[name]).all()), name
 
@@ -446,12 +456,14 @@ out = weighted_gather(v, torch.tensor([[0, 1], [2, 2]]), w, update_rows=torch.ze
 out.sum().backward()
 assert v.grad.is_sparse and v.grad._nnz() == 0 and w.grad.shape == (2, 2)
 """,
-    "read_rows_of_an_empty_batch": """
+    "kept_reads_of_an_empty_batch": """
 m = ProductKeyMemory(d_model=8, n_keys=4, heads=2, topk=2, key_dim=8, backend=B)
-m.set_update_rows(ROWS_READ)
+sink = RowGradSink(m.values, 3, keep_reads=True)
+m.set_update_rows(sink)
 x = torch.randn(2, 0, 8, requires_grad=True)
 m(x).sum().backward()
-assert x.grad.shape == (2, 0, 8)
+sink.fill(m.values, torch.tensor([0, 1, 2]), torch.ones(3, dtype=torch.bool))
+assert x.grad.shape == (2, 0, 8) and m.values.grad is None and not sink.grad.any()
 """,
     "kl_all_padding_select_before_backward": """
 mem = ProductKeyMemory(d_model=8, n_keys=4, heads=2, topk=2, key_dim=8, backend=B)
@@ -478,9 +490,10 @@ assert m.values.grad.shape == (4, 8)
 }
 
 
-_REGRESSION_PRELUDE = ("import torch\nfrom torch import nn\nfrom smf_kernels import ROWS_READ, ProductKeyMemory\n"
+_REGRESSION_PRELUDE = ("import torch\nfrom torch import nn\nfrom smf_kernels import ProductKeyMemory\n"
                        "from smf_kernels.ops import weighted_gather\n"
-                       "from smf_kernels.sparse import BackgroundStats, RowSparseAdamW, SparseMemoryController\n")
+                       "from smf_kernels.sparse import BackgroundStats, RowGradSink, RowSparseAdamW, "
+                       "SparseMemoryController\n")
 
 
 def test_issue_11_crash_regressions_on_torch():

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import backends_under_test, rel_err
-from smf_kernels import ROWS_READ, ProductKeyMemory
+from smf_kernels import ProductKeyMemory
 from smf_kernels.reference import product_key_topk_reference, weighted_gather_reference
 
 BACKENDS = backends_under_test()
@@ -120,34 +120,33 @@ def test_compiles_without_graph_breaks_with_counting():
     assert torch.equal(mem.read_counts, 2 * counts_after_compiled)
 
 
-def test_update_rows_read_and_deferred_modes():
-    from smf_kernels.ops import DeferredRows
+@pytest.mark.parametrize("keep_reads", [False, True])
+def test_a_row_gradient_sink_takes_the_rows_gradient_instead_of_a_grad(keep_reads):
+    """A RowGradSink as update rows: the values get no .grad; the sink holds the chosen rows' gradient, set before
+    the backward or computed from the kept reads after it, equal to those rows of the dense gradient."""
+    from smf_kernels.sparse import RowGradSink
 
     mem = ProductKeyMemory(40, **SMALL)
     x = torch.randn(5, 40)
     _, slots = mem.lookup(x)
     dense = torch.autograd.grad(mem(x).square().sum(), mem.values)[0]
-    mem.set_update_rows(ROWS_READ)
-    grad = torch.autograd.grad(mem(x).square().sum(), mem.values)[0]
-    assert torch.equal(grad.indices()[0], slots.unique())
-    with pytest.warns(DeprecationWarning, match="ROWS_READ"):
-        mem.set_update_rows("read")
-    assert mem.update_rows is ROWS_READ
-    assert rel_err(grad.to_dense(), dense) < 1e-6, "every read row is kept: equal to the dense gradient"
-
-    deferred = DeferredRows()
-    mem.set_update_rows(deferred)
-    out = mem(x).square().sum()
     chosen = slots.unique()[:3]
-    deferred.set(chosen.flip(0))
-    grad = torch.autograd.grad(out, mem.values)[0]
-    assert torch.equal(grad.indices()[0], chosen)
-    assert rel_err(grad.to_dense()[chosen], dense[chosen]) < 1e-6
-    unset = DeferredRows()
+    valid = torch.ones(3, dtype=torch.bool)
+    sink = RowGradSink(mem.values, 3, keep_reads=keep_reads)
+    mem.set_update_rows(sink)
+    out = mem(x).square().sum()
+    if not keep_reads:
+        sink.set_rows(chosen, valid)
+    out.backward()
+    assert mem.values.grad is None
+    if keep_reads:
+        sink.fill(mem.values, chosen, valid)
+    assert rel_err(sink.grad, dense[chosen]) < 1e-6
+    unset = RowGradSink(mem.values, 3, keep_reads=False)
     mem.set_update_rows(unset)
     with pytest.raises(RuntimeError, match="were not set before the backward"):
-        torch.autograd.grad(mem(x).sum(), mem.values)
-    with pytest.raises(ValueError, match="ROWS_READ, a DeferredRows, a ReadLog or None"):
+        mem(x).sum().backward()
+    with pytest.raises(ValueError, match="a GradientSink or None"):
         mem.set_update_rows("all")
 
 
@@ -181,13 +180,13 @@ class _SmfOpCalls(torch.utils._python_dispatch.TorchDispatchMode):
 @pytest.mark.parametrize("update_rows", ["dense", "compact"])
 def test_a_layer_makes_two_op_calls_each_way(update_rows):
     """The host path of issue 26: top-k and the gated gather forward (counting reads), their two backwards."""
-    from smf_kernels.ops import CompactRows
+    from smf_kernels.sparse import RowGradSink
 
     mem = ProductKeyMemory(40, **SMALL)
     mem.set_read_counting(True)
     if update_rows == "compact":
-        handle = CompactRows()
-        handle.set(torch.tensor([0, 5, 9]))
+        handle = RowGradSink(mem.values, 3, keep_reads=False)
+        handle.set_rows(torch.tensor([0, 5, 9]), torch.ones(3, dtype=torch.bool))
         mem.set_update_rows(handle)
     x = torch.randn(2, 6, 40, requires_grad=True)
     with _SmfOpCalls() as forward:

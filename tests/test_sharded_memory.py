@@ -15,13 +15,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from helpers import backends_under_test, rel_err
-from smf_kernels import ROWS_READ, ProductKeyMemory
+from smf_kernels import ProductKeyMemory
 from smf_kernels.sharded import (LEDGER, ColumnShard, ShardedProductKeyMemory, column_bounds, ddp_ignored_names,
                                  shard_memories)
 from smf_kernels.sharded.layout import gradient_copies
 from smf_kernels.sharded import byte_model
 from smf_kernels.sharded.checkpoint import load_shards, replicated_optimizer_state, save_shard
 from smf_kernels.sparse import BackgroundStats, RowSparseAdamW, SparseMemoryController, clip_grad_norm_
+from sparse_oracle import dense_reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -96,9 +97,9 @@ def layer_inputs():
 
 # ------------------------------------------------------------------------------- the layer
 def cases(backend):
-    """(name, update rows): dense gradients with read counting, given rows, ROWS_READ. The sharding around the
+    """(name, update rows): dense gradients with read counting, given rows. The sharding around the
     local gather is the same for every backend: the slow Triton interpreter runs the first case only."""
-    all_cases = (("dense", None), ("rows", torch.tensor([0, 5, 17, 40, 63])), ("read", ROWS_READ))
+    all_cases = (("dense", None), ("rows", torch.tensor([0, 5, 17, 40, 63])))
     return all_cases[:1] if backend == "triton" else all_cases
 
 
@@ -153,9 +154,6 @@ def test_sharded_layer_equals_the_unsharded_layer_on_every_backend(ranks_dir, wo
             out = reference(x, valid_mask=valid)
             (out * probe).sum().backward()
             expected_grad = reference.values.grad
-            if case == "read":  # every rank's gradient holds the rows any rank's tokens read
-                read = reference.lookup(x)[1].unique()
-                assert all(torch.equal(r[backend][case]["sparse_rows"], read) for r in ranks)
             expected_grad = expected_grad.to_dense() if expected_grad.is_sparse else expected_grad
             counts = sum(r[backend][case]["counts"] for r in ranks)
             assert torch.equal(counts, reference.read_counts), (backend, case)
@@ -232,25 +230,22 @@ def summed_loss(model, tokens, targets, valid):
     return (losses * valid.reshape(-1)).sum()
 
 
-# (how rows meet the backward, fused update): every rank's backwards write the rows read; rows selected before
-# one micro-batch's backward; backwards keep their reads (deferred); each with the plain or the fused update
-VARIANTS = (("read", False), ("early", False), ("deferred", True), ("early", True))
+# how the rows' gradient is filled: rows selected before one micro-batch's backward; reads kept over two
+VARIANTS = ("early", "kept")
 
 
 def run_smf(model, wrapped, steps, ranks_slice, scale, *, variant, rows=ROWS):
     """SMF steps over this process's sequences, 2 micro-batches each unless the variant is "early" (one
     micro-batch, rows selected before the backward); clipping at a norm small enough to act. Returns the
     selected rows per step."""
-    how, fused = variant
-    early = how == "early"
-    controller = SparseMemoryController(model, rule="kl", rows_per_step=rows, background=background(model),
-                                        fused=fused)
+    early = variant == "early"
+    controller = SparseMemoryController(model, rule="kl", rows_per_step=rows, background=background(model))
     optimizer = RowSparseAdamW([model.memory.values, model.alpha], lr=1e-2)
     selected = []
     for tokens, targets, valid in steps:
         tokens, targets, valid = tokens[ranks_slice], targets[ranks_slice], valid[ranks_slice]
         normaliser = int(valid.sum()) if scale is None else scale(valid)
-        controller.begin_step(select_before_backward=early, defer_value_gradients=how == "deferred")
+        controller.begin_step(select_before_backward=early)
         chunks = 1 if early else 2
         for chunk in zip(tokens.chunk(chunks), targets.chunk(chunks), valid.chunk(chunks)):
             loss = summed_loss(wrapped, *chunk) / normaliser
@@ -288,7 +283,15 @@ def test_sharded_smf_steps_select_the_same_rows_and_end_with_the_same_weights(ra
     for variant in VARIANTS:
         model = sparse_model()
         start = model.memory.values.detach().clone()
+        chunks = 1 if variant == "early" else 2
+        steps = [[(*chunk, int(valid.sum())) for chunk in zip(tokens.chunk(chunks), targets.chunk(chunks),
+                                                               valid.chunk(chunks))]
+                 for tokens, targets, valid in smf_steps()]
+        reference = dense_reference(model, steps, lambda m, b: summed_loss(m, *b[:3]) / b[3], background(model),
+                                    rule="kl", rows_per_step=ROWS, lr=1e-2, weight_decay=1e-2, max_grad_norm=0.05)
         selected = run_smf(model, model, smf_steps(), slice(None), None, variant=variant)
+        assert all(torch.equal(a, b["memory"]) for a, b in zip(selected, reference["rows"]))
+        assert rel_err(model.memory.values.detach().double(), reference["params"]["memory.values"]) < 1e-5
         assert all(rows.numel() == ROWS for rows in selected)
         moved = (model.memory.values.detach() != start).any(1).nonzero().flatten()
         assert moved.tolist() == torch.cat(selected).unique().tolist()  # only the selected rows moved
@@ -410,7 +413,7 @@ def _paper_job(rank, world, tmp_path):
     totals = iter([int(valid.sum()) / world for _, _, valid in steps])
     per_rank = 8 // world
     selected = run_smf(model, wrapped, steps, slice(rank * per_rank, (rank + 1) * per_rank),
-                       lambda valid: next(totals), variant=("read", False), rows=512)
+                       lambda valid: next(totals), variant="kept", rows=512)
     torch.save({"selected": selected, "values": model.memory.values.detach().clone(),
                 "alpha": model.alpha.detach().clone()}, tmp_path / f"paper-{rank}.pt")
     del wrapped
@@ -421,7 +424,7 @@ def test_the_paper_layer_at_world_size_four_selects_the_same_rows_as_one_process
     micro-batches: the same rows every step, and weights within fp32 rounding."""
     model = sparse_model(896, **PAPER_LAYER)
     start = model.memory.values.detach().clone()
-    selected = run_smf(model, model, smf_steps(), slice(None), None, variant=("read", False), rows=512)
+    selected = run_smf(model, model, smf_steps(), slice(None), None, variant="kept", rows=512)
     assert all(rows.numel() == 512 for rows in selected)
     bounds = column_bounds(896, 4)
     values = model.memory.values.detach()

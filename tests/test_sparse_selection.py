@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from smf_kernels import ProductKeyMemory
-from smf_kernels.sparse import BackgroundStats, SparseMemoryController, kl_scores, select_top_rows, tfidf_scores
+from smf_kernels.sparse import (BackgroundStats, RowSparseAdamW, SparseMemoryController, kl_scores, select_top_rows,
+                                tfidf_scores)
 
 INF = float("-inf")
 
@@ -74,7 +75,7 @@ def test_padding_never_steers_selection():
     valid = torch.tensor([[True] * 6, [True, True, False, False, False, False]])
     controller.begin_step()
     memory(x, valid_mask=valid).square().sum().backward()
-    rows = controller.finish_step(torch.optim.SGD([memory.values], lr=0.0))[""]
+    rows = controller.finish_step(RowSparseAdamW([memory.values], lr=0.0))[""]
     _, slots = memory.lookup(x[valid])
     assert rows.tolist() == torch.unique(slots).tolist()
     _, padding_slots = memory.lookup(x[~valid])

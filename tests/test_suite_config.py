@@ -134,7 +134,7 @@ def test_additive_s_plans_the_additive_retrofit_and_the_ablation_its_own_train_d
     assert dirs["replacement-kl-seed0"][0].name == "replacement-seed0"
     ablation = runs[3]
     sparse = stage_config(suite, "sparse", 0, layout.train_dir(ablation), mode=ablation.mode, rule=ablation.rule,
-                          adapter=tmp_path, background=tmp_path, optimizer="authors")
-    assert (sparse.mode, sparse.optimizer, sparse.protocol) == ("additive+s", "authors", "clean")
+                          adapter=tmp_path, background=tmp_path, update="authors")
+    assert (sparse.mode, sparse.update, sparse.protocol) == ("additive+s", "authors", "clean")
     assert layout.train_dir(ablation).name == "additive+s-kl-authors-update-seed0"
     assert Run("additive+s-kl", 0).retrofit_mode == "additive"

@@ -181,55 +181,75 @@ def test_a_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatc
     assert loaded["step"] == 1 and torch.equal(loaded["weights"], first["weights"])
 
 
-def test_sparse_backward_selected_rows_equals_read_rows_under_accumulation(tmp_path, monkeypatch):
-    # 2 micro-batches per step: "selected-rows" counts in a no-grad pass first and its backward writes
-    # only the T selected rows; "read-rows" writes every row read. Same rows, same final weights.
+SPARSE_RUN = {"n_examples": 8, "global_batch_size": 4, "epochs": 1, "lr": 1e-2, "warmup_steps": 0}
+
+
+def test_both_fillers_of_the_rows_gradient_train_the_same_weights(tmp_path, monkeypatch):
+    """2 micro-batches per step: reads kept until the step's end, or (a step with more tokens than slots) a
+    counting forward first and backwards that write the T selected rows: the same weights within fp32
+    rounding."""
     adapter = write_adapter_and_background(tmp_path / "adapter", "additive+s")
-    overrides = {"n_examples": 8, "global_batch_size": 4, "micro_batch_size": 2, "epochs": 1, "lr": 1e-2,
-                 "warmup_steps": 0, "adapter": str(adapter), "background": str(adapter)}
-    written = {}
-    real_finish = SparseMemoryController.finish_step
-
-    def record_grad_rows(self, optimizer, **kwargs):
-        grad = next(iter(self.memories.values())).values.grad
-        written.setdefault(self._deferred is not None, []).append(grad.coalesce().indices().shape[1])
-        return real_finish(self, optimizer, **kwargs)
-
-    monkeypatch.setattr(SparseMemoryController, "finish_step", record_grad_rows)
+    overrides = {**SPARSE_RUN, "micro_batch_size": 2, "adapter": str(adapter), "background": str(adapter)}
     finals = []
-    for mode in ("selected-rows", "read-rows"):
-        config = tiny_run_config(tmp_path / mode, "train", "sparse", sparse_backward=mode, **overrides)
-        train(config)
-        finals.append(torch.load(tmp_path / mode / "sparse-run" / CHECKPOINT_FILE, weights_only=False)["trainable"])
-    rows_per_step = tiny_run_config(tmp_path, "train", "sparse", **overrides).rows_per_step
-    assert all(rows <= rows_per_step for rows in written[True]), written
-    assert any(rows > rows_per_step for rows in written[False]), written
-    for name, tensor in finals[0].items():
-        torch.testing.assert_close(tensor, finals[1][name], rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("sparse_backward, fused_update", [("deferred", False), ("deferred", True),
-                                                           ("selected-rows", True)])
-def test_deferred_gradients_and_the_fused_update_train_the_same_weights(tmp_path, sparse_backward, fused_update):
-    """2 micro-batches per step: the deferred value gradients (no backward writes one) and the fused update (no
-    COO gradient) end where the counting pass + RowSparseAdamW.step path ends, within fp32 rounding."""
-    adapter = write_adapter_and_background(tmp_path / "adapter", "additive+s")
-    overrides = {"n_examples": 8, "global_batch_size": 4, "micro_batch_size": 2, "epochs": 1, "lr": 1e-2,
-                 "warmup_steps": 0, "adapter": str(adapter), "background": str(adapter)}
-    finals = []
-    variant = dict(sparse_backward=sparse_backward, fused_update=fused_update)
-    for name, options in (("plain", {"sparse_backward": "selected-rows"}), ("variant", variant)):
-        train(tiny_run_config(tmp_path / name, "train", "sparse", **options, **overrides))
+    for name, kept_reads_per_slot in (("kept", 10 ** 9), ("counted", 0)):
+        monkeypatch.setattr(SparseStep, "kept_reads_per_slot", kept_reads_per_slot)
+        train(tiny_run_config(tmp_path / name, "train", "sparse", **overrides))
         finals.append(torch.load(tmp_path / name / "sparse-run" / CHECKPOINT_FILE, weights_only=True)["trainable"])
     for name, tensor in finals[0].items():
         torch.testing.assert_close(tensor, finals[1][name], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("update", ["exact", "dense_masked", "authors"])
+@pytest.mark.parametrize("micro_batch_size", [4, 2])
+def test_every_update_trains_with_one_micro_batch_per_step_or_several(tmp_path, update, micro_batch_size):
+    """--optimizer dense_masked with one micro-batch per step raised (the step asked the controller to select
+    before the backward, which that mode refused). Every --update runs either way and logs its rows; only the
+    exact update never moves a row it did not select."""
+    adapter = write_adapter_and_background(tmp_path / "adapter", "additive+s")
+    train(tiny_run_config(tmp_path, "train", "sparse", update=update, micro_batch_size=micro_batch_size,
+                          adapter=str(adapter), background=str(adapter), **SPARSE_RUN))
+    records = [json.loads(line) for line in (tmp_path / "sparse-run" / LOG_FILE).read_text().splitlines()]
+    assert len(records) == 2 and all(r["selected_rows"] > 0 for r in records)
+    if update == "exact":
+        assert all(r["rows_moved_outside"] == 0 for r in records)
+
+
+def test_the_exact_step_copies_no_value_table(tmp_path):
+    """The exact update moves no unselected row (tests/test_sparse_exact.py), so its step log states 0 without
+    the copy of every value table per step that measuring it took (twice the value memory on a sharded table)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    adapter = write_adapter_and_background(tmp_path / "adapter", "additive")
+    config = tiny_run_config(tmp_path, "train", "sparse", adapter=str(adapter), background=str(adapter))
+    setup = build_setup(config, World(0, 1, torch.device("cpu")))
+    table = next(iter(setup.step.controller.memories.values())).values.shape
+
+    class TableCopies(TorchDispatchMode):
+        copies = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.clone.default and tuple(out.shape) == tuple(table):
+                TableCopies.copies += 1
+            return out
+
+    ids = torch.randint(0, 200, (2, 16))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    with TableCopies():
+        setup.step.begin_step(setup.model, [batch])
+        loss = setup.model(**batch).loss
+        setup.step.after_forward()
+        loss.backward()
+        setup.step.finish_step(setup.optimizer, 1.0)
+        log = setup.step.step_log()
+    assert TableCopies.copies == 0 and log["rows_moved_outside"] == 0 and log["selected_rows"] > 0
+
+
 @pytest.mark.parametrize("micro_batch_size", [4, 2])
 def test_compiled_sparse_run_trains_the_eager_weights(tmp_path, monkeypatch, micro_batch_size):
-    """--compile: the fused update with rows chosen in the backward (one micro-batch) or after the counting pass
-    (two); every step compiles without a graph break, and the weights end where the eager run's do. The test
-    compiles with aot_eager (dynamo + AOTAutograd, as Inductor traces, without building C++)."""
+    """--compile: rows chosen in the backward (one micro-batch) or after the counting pass (two); every step
+    compiles without a graph break, and the weights end where the eager run's do. The test compiles with
+    aot_eager (dynamo + AOTAutograd, as Inductor traces, without building C++)."""
     real_compile = torch.compile
     monkeypatch.setattr(loop.torch, "compile", lambda model, **kwargs: real_compile(
         model, backend="aot_eager", fullgraph=True))
@@ -243,9 +263,6 @@ def test_compiled_sparse_run_trains_the_eager_weights(tmp_path, monkeypatch, mic
         finals.append(torch.load(tmp_path / name / "sparse-run" / CHECKPOINT_FILE, weights_only=True)["trainable"])
     for name, tensor in finals[0].items():
         torch.testing.assert_close(tensor, finals[1][name], rtol=1e-5, atol=1e-6)
-    with pytest.raises(ConfigError, match="selected-rows"):
-        train(tiny_run_config(tmp_path / "refused", "train", "sparse", compile=True, sparse_backward="deferred",
-                              **overrides))
 
 
 def test_background_refuses_a_split_that_is_not_the_retrofit_runs(tmp_path):
@@ -297,3 +314,21 @@ def test_no_checkpoint_holds_non_finite_weights(tmp_path):
         next(iter(setup.trainable_parameters().values()))[0] = float("nan")
     with pytest.raises(ConfigError, match="training diverged: after step 3 .* holds non-finite values"):
         loop.check_finite(setup, 3)
+
+
+def test_a_non_finite_gradient_stops_a_sparse_run_with_one_line_and_moves_nothing(tmp_path):
+    adapter = write_adapter_and_background(tmp_path / "adapter", "additive+s")
+    config = tiny_run_config(tmp_path, "train", "sparse", adapter=str(adapter), background=str(adapter))
+    setup = build_setup(config, World(0, 1, torch.device("cpu")))
+    trainable = setup.trainable_parameters()
+    alpha = next(p for name, p in trainable.items() if "alpha" in name)
+    before = {name: p.detach().clone() for name, p in trainable.items()}
+    ids = torch.randint(0, 200, (2, 16))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    setup.step.begin_step(setup.model, [batch])
+    loss = setup.model(**batch).loss + alpha * float("nan")
+    setup.step.after_forward()
+    loss.backward()
+    with pytest.raises(ConfigError, match=r"training diverged: the step's gradient of \S*alpha\S* holds inf or NaN"):
+        setup.step.finish_step(setup.optimizer, 1.0)
+    assert all(torch.equal(p.detach(), before[name]) for name, p in trainable.items())

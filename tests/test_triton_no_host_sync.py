@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from smf_kernels.backends import implementation
-from smf_kernels.memory import ROWS_READ, ProductKeyMemory
+from smf_kernels.memory import ProductKeyMemory
 
 SYNCING = ("nonzero", "unique", "local_scalar_dense", "masked_", "item", "is_nonzero", "equal",
            "repeat_interleave", "bincount", "histc", "argwhere", "where.default_1arg")
@@ -85,12 +85,3 @@ def test_recorder_sees_a_syncing_op():
         torch.arange(3)[torch.tensor([True, False, True])]
         torch.tensor(2.0).item()
     assert len(_syncing(rec.names)) == 4, rec.names
-
-
-def test_memory_forward_with_read_rows_calls_no_unique():
-    mem = ProductKeyMemory(d_model=32, n_keys=8, heads=2, topk=3, key_dim=16, value_dim=24, backend="triton")
-    mem.set_update_rows(ROWS_READ)
-    x = torch.randn(2, 5, 32)
-    with _RecordOps() as rec:
-        mem(x)
-    assert not [n for n in rec.names if "unique" in n or "nonzero" in n], rec.names

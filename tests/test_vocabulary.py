@@ -20,14 +20,39 @@ def parse(argv):
 
 
 def test_old_spellings_on_the_command_line_and_in_files_map_to_the_one_spelling(tmp_path):
-    with pytest.deprecated_call(match="'row-sparse' is deprecated; use 'row_sparse'"):
-        config = parse(["train", "--optimizer", "row-sparse", "--recipe", "lora", "--output-dir", "x"])
-    assert config.optimizer == "row_sparse"
+    with pytest.deprecated_call(match="'additive_s' is deprecated; use 'additive\\+s'"):
+        config = parse(["retrofit", "--mode", "additive_s", "--output-dir", "x"])
+    assert config.mode == "additive+s"
     config_file = tmp_path / "old.yaml"
     config_file.write_text("mode: additive_s\noptimizer: dense-masked\n")
     with pytest.deprecated_call():
         config = parse(["train", "--config", str(config_file), "--recipe", "lora", "--output-dir", "x"])
-    assert (config.mode, config.optimizer) == ("additive+s", "dense_masked")
+    assert (config.mode, config.update) == ("additive+s", "dense_masked")
+
+
+@pytest.mark.parametrize("old, update", [({"optimizer": "row_sparse", "sparse_backward": "read-rows"}, "exact"),
+                                         ({"optimizer": "authors", "fused_update": True}, "authors"),
+                                         ({"fused_update": False}, "exact")])
+def test_a_config_file_with_the_options_update_replaced_loads_with_one_warning(tmp_path, caplog, old, update):
+    config_file = tmp_path / "old.json"
+    config_file.write_text(json.dumps({"recipe": "lora", **old}))
+    with pytest.warns(DeprecationWarning, match="replaced by 'update'") as caught:
+        config = parse(["train", "--config", str(config_file), "--output-dir", "x"])
+    assert config.update == update
+    assert len([w for w in caught if "replaced by 'update'" in str(w.message)]) == 1
+
+
+def test_suite_fingerprints_hash_the_spelling_they_were_written_with(tmp_path):
+    old = hashlib.sha256(json.dumps({"lr": 0.1, "optimizer": "row-sparse", "sparse_backward": "deferred",
+                                     "fused_update": False}, sort_keys=True).encode()).hexdigest()
+    assert options_fingerprint({"optimizer": "row_sparse", "sparse_backward": "deferred", "fused_update": False,
+                                "lr": 0.1}) == old[:16]
+    assert options_fingerprint({"update": "exact", "lr": 0.1}) == old[:16]  # what a run writes now
+    for update, optimizer in (("authors", "authors"), ("dense_masked", "dense_masked")):
+        for compile_ in (False, True):
+            written_before = {"optimizer": optimizer, "sparse_backward": "selected-rows" if compile_ else "deferred",
+                              "fused_update": False, "compile": compile_}
+            assert options_fingerprint({"update": update, "compile": compile_}) == options_fingerprint(written_before)
 
 
 def test_old_mode_spelling_in_the_api_and_in_saved_adapters(tmp_path):
@@ -44,11 +69,6 @@ def test_old_mode_spelling_in_the_api_and_in_saved_adapters(tmp_path):
     with pytest.deprecated_call():
         load_memory_adapter(reloaded, tmp_path)
     assert memory_blocks(reloaded)[0].mode == "additive+s"
-
-
-def test_suite_fingerprints_hash_the_spelling_they_were_written_with():
-    old = hashlib.sha256(json.dumps({"lr": 0.1, "optimizer": "row-sparse"}, sort_keys=True).encode()).hexdigest()
-    assert options_fingerprint({"optimizer": "row_sparse", "lr": 0.1}) == old[:16]
 
 
 def test_conditions_and_layer_checks():

@@ -21,7 +21,8 @@ from smf.errors import ConfigError
 from smf.eval.settings import EvalSettings
 from smf.options import (OPTIONS_CONFIG, AsList, Distinct, Seed, checked, choice_tuple, dataset_path_error, mapping,
                          read_file, takes)
-from smf.train.config import CONFIGS, OPTIONS, STAGE_COMMANDS, RunConfig, build_config, checked_options
+from smf.train.config import (CONFIGS, OPTIONS, STAGE_COMMANDS, RunConfig, build_config, checked_options,
+                              migrate_update_options)
 from smf.vocabulary import CONDITIONS, SPARSE_CONDITIONS, TASKS
 
 SUITE_OWNED = ("output_dir", "adapter", "background", "recipe", "mode", "rule", "seed", "resume", "max_steps",
@@ -79,7 +80,7 @@ class SuiteConfig:
 def _train_options(raw, where: str, stage: str | None = None) -> dict:
     """The trainer options in ``train`` (``stage`` None) or ``stages.{stage}``, checked and coerced."""
     valid = [name for name in TRAIN_KEYS if stage is None or name in takes(RunConfig, STAGE_COMMANDS[stage])]
-    options = mapping(raw, where)
+    options = migrate_update_options(mapping(raw, where), where)
     for key in options:
         if key not in valid:
             why = ("is set by the suite for each run (seeds, conditions, model, device and data are top-level keys)"

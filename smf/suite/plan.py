@@ -25,7 +25,7 @@ from pathlib import Path
 
 from smf.options import only
 from smf.suite.config import STAGE_COMMANDS, SuiteConfig
-from smf.train.config import RunConfig, build_config
+from smf.train.config import RunConfig, build_config, fingerprint_form
 from smf.vocabulary import CONDITIONS, FINGERPRINT_SPELLINGS, RETROFIT_MODE, split_condition
 
 SUITE_CONFIG_FILE = "suite_config.json"
@@ -110,11 +110,11 @@ class SuiteLayout:
 
 def stage_config(config: SuiteConfig, stage: str, seed: int, output_dir: Path, *, mode: str | None = None,
                  rule: str | None = None, adapter: Path | None = None, background: Path | None = None,
-                 optimizer: str | None = None) -> RunConfig:
+                 update: str | None = None) -> RunConfig:
     """The resolved trainer options of one stage (retrofit, background, sparse, lora, full).
 
     Options: ``train`` < ``stages.{stage}`` < what the suite sets (model, device, data, seed, mode,
-    rule, directories; ``optimizer`` "authors" for the update ablation). The background stage also
+    rule, directories; ``update`` "authors" for the update ablation). The background stage also
     inherits ``stages.retrofit`` (its examples must be drawn exactly as the retrofit's were).
     """
     command = STAGE_COMMANDS[stage]
@@ -125,7 +125,7 @@ def stage_config(config: SuiteConfig, stage: str, seed: int, output_dir: Path, *
                  "oasst_path": config.data.oasst, "medmcqa_path": config.data.medmcqa_train,
                  "retrofit_data": config.data.retrofit, "background_data": config.data.background or config.data.retrofit,
                  "train_data": config.data.train, "recipe": stage,
-                 "mode": mode, "rule": rule, "optimizer": optimizer,
+                 "mode": mode, "rule": rule, "update": update,
                  "adapter": None if adapter is None else str(adapter),
                  "background": None if background is None else str(background)}
     suite_set = {name: value for name, value in suite_set.items()
@@ -170,8 +170,9 @@ LATER_OPTIONS = {"retrofit_data": None, "background_data": None, "train_data": N
 
 def options_fingerprint(options: dict) -> str:
     """Hash of a stage's resolved trainer options, without :data:`IGNORED_OPTIONS` (nor :data:`LATER_OPTIONS` at
-    their old behaviour)."""
-    return _digest({name: value for name, value in options.items() if name not in IGNORED_OPTIONS
+    their old behaviour); the update options in the form hashed before ``--update`` replaced ``--optimizer``
+    (:func:`smf.train.config.fingerprint_form`)."""
+    return _digest({name: value for name, value in fingerprint_form(options).items() if name not in IGNORED_OPTIONS
                     and not (name in LATER_OPTIONS and value == LATER_OPTIONS[name])})
 
 

@@ -144,7 +144,7 @@ class SuiteRunner:
             config, "background", run.seed, background_dir, adapter=retrofit_dir))
         markers["train"] = ensure_stage("train", stage_config(
             config, "sparse", run.seed, layout.train_dir(run), mode=run.mode, rule=run.rule, adapter=retrofit_dir,
-            background=background_dir, optimizer="authors" if run.update == "authors" else None))
+            background=background_dir, update="authors" if run.update == "authors" else None))
         return markers
 
     def evaluate(self, run: Run) -> tuple[dict, dict, str, dict]:

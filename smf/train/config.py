@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -15,7 +16,7 @@ from smf.data.protocol import DEFAULT_PROTOCOL, PROTOCOLS
 from smf.errors import ConfigError
 from smf.options import (OPTIONS_CONFIG, AsList, DatasetPath, ExistingDir, ExistingPath, Seed, checked, flag, only,
                          option, read_file)
-from smf.vocabulary import (BACKENDS, COUNT_READS, DEFAULT_MODEL, LOSS_ON, MEMORY_MODES, RULES, SPARSE_BACKWARDS, SPARSE_OPTIMIZERS,
+from smf.vocabulary import (BACKENDS, COUNT_READS, DEFAULT_MODEL, LOSS_ON, MEMORY_MODES, RULES, SPARSE_UPDATES,
                             TINY_MEMORY_KWARGS, TINY_MEMORY_LAYERS, TINY_MODEL, TRAIN_RECIPES, check_layers)
 
 logger = logging.getLogger(__name__)
@@ -90,20 +91,14 @@ class RunConfig:
                                              "run directory (required for --recipe sparse)", TRAIN)
     rule: Literal[RULES] = option("tfidf", "slot scoring rule (--recipe sparse)", TRAIN)
     rows_per_step: PositiveInt = option(512, "T: value rows trained per layer per step (--recipe sparse)", TRAIN)
-    optimizer: Literal[SPARSE_OPTIMIZERS] = option(
-        "row_sparse", "row_sparse: only the selected rows and their AdamW state move (--recipe sparse); dense_masked, "
-        "authors (one process): see docs/method.md#the-sparse-update-exact-default-and-the-authors-ablation", TRAIN)
-    sparse_backward: Literal[SPARSE_BACKWARDS] | None = option(
-        None, "deferred: backwards write no value gradient, the step's end sums the T selected rows' reads, no "
-        "extra forward; selected-rows: each backward writes only the T selected rows, found by a no-grad forward "
-        "first; read-rows: every row read, no extra forward (--recipe sparse; docs/method.md#what-sparse-means)",
-        TRAIN, shown="deferred; selected-rows with --compile")
+    update: Literal[SPARSE_UPDATES] = option(
+        "exact", "exact: only the selected rows and their AdamW state move (--recipe sparse); the ablations "
+        "dense_masked and authors (one process): docs/method.md#the-sparse-update-exact-default-and-the-authors-"
+        "ablation", TRAIN)
     count_reads: Literal[COUNT_READS] = option(
         "all", "which tokens' memory reads steer the row selection (--recipe sparse): all = every non-padding token "
         "(the paper's), loss = only the positions whose next token the loss scores (docs/own-data.md#read-counting)",
         TRAIN)
-    fused_update: bool = option(False, "--optimizer row_sparse: the value rows' update from their compact gradients "
-                                "in one pass per row, no sparse COO gradient (docs/method.md#what-sparse-means)", TRAIN)
     shard_memories: bool = option(False, "split every memory's value table and its optimizer state by columns over the "
                                   "torchrun processes, for memories larger than one device (retrofit, --recipe "
                                   "sparse; docs/sharding.md)", FIT)
@@ -149,8 +144,8 @@ class RunConfig:
     bf16: Literal["auto", "on", "off"] = option("auto", "bf16 autocast (auto: on if the CUDA device has bf16)", FIT)
     device: str = option("auto", "torch device: auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...", ALL)
     compile: bool = option(False, "torch.compile the model, mode reduce-overhead (CUDA graphs on a GPU); --recipe "
-                           "sparse then takes the fused update with rows chosen in the backward, a step without "
-                           "graph breaks (one process; --sparse-backward selected-rows)", FIT)
+                           "sparse then selects the rows before (or, one micro-batch, in) the backward, a step "
+                           "without graph breaks (one process)", FIT)
     # checkpoints
     save_every: PositiveInt = option(500, "optimizer steps between checkpoints (one is always written at the end)", FIT)
     max_steps: PositiveInt | None = option(None, "stop at this step (the schedule spans all epochs; see --resume)", FIT,
@@ -161,16 +156,12 @@ class RunConfig:
         self.layers = None if self.layers is None else list(self.layers)
 
     def resolved(self, recipe: str) -> "RunConfig":
-        """A copy with ``recipe`` set and the recipe's paper defaults filled in where options are None (the sparse
-        backward: ``deferred``, measured the fastest; ``selected-rows`` under ``--compile``, whose backward chooses
-        the rows itself; benchmarks/RESULTS.md, "One training step of each recipe")."""
+        """A copy with ``recipe`` set and the recipe's paper defaults filled in where options are None."""
         defaults = {name: value for name, value in RECIPE_DEFAULTS[recipe].items() if getattr(self, name) is None}
         if self.own_data(recipe):  # own files are used whole unless --n-examples cuts them
             defaults.pop("n_examples", None)
         if recipe == "retrofit" and any(getattr(self, name) is None for name in MEMORY_SIZES):
             defaults.update(self._scaled_sizes())
-        if self.sparse_backward is None:
-            defaults["sparse_backward"] = "selected-rows" if self.compile else "deferred"
         return dataclasses.replace(self, recipe=recipe, **defaults)
 
     def _scaled_sizes(self) -> dict:
@@ -201,6 +192,47 @@ class RunConfig:
 OPTIONS = tuple(field.name for field in dataclasses.fields(RunConfig))
 # (own-data option, the paper's dataset option it replaces): not both (docs/own-data.md).
 OWN_INSTEAD_OF = (("retrofit_data", "oasst_path"), ("background_data", "oasst_path"), ("train_data", "medmcqa_path"))
+
+# The options --update replaced (docs/method.md#migrating-from---optimizer): --optimizer row_sparse | dense_masked |
+# authors is --update exact | dense_masked | authors; --sparse-backward and --fused-update are gone (one exact path,
+# which fills the rows' gradient by itself: smf.train.steps.SparseStep).
+LEGACY_UPDATE_OPTIONS = ("optimizer", "sparse_backward", "fused_update")
+_UPDATE_OF_OPTIMIZER = {"row_sparse": "exact", "row-sparse": "exact", "dense_masked": "dense_masked",
+                        "dense-masked": "dense_masked", "authors": "authors"}
+
+
+def migrate_update_options(options: dict, where: str) -> dict:
+    """``options`` with the keys --update replaced (:data:`LEGACY_UPDATE_OPTIONS`) mapped to ``update`` or dropped,
+    with one warning naming them; an unknown ``optimizer`` value is left for the check to refuse."""
+    legacy = [name for name in LEGACY_UPDATE_OPTIONS if name in options]
+    if not legacy:
+        return options
+    migrated = {name: value for name, value in options.items() if name not in LEGACY_UPDATE_OPTIONS}
+    if options.get("optimizer") is not None and "update" not in migrated:
+        migrated["update"] = _UPDATE_OF_OPTIMIZER.get(str(options["optimizer"]), options["optimizer"])
+    message = (f"{where}: {', '.join(legacy)} {'is' if len(legacy) == 1 else 'are'} replaced by 'update' (exact, "
+               "dense_masked or authors; the exact update fills the rows' gradient by itself): read as update "
+               f"{migrated.get('update', 'exact')!r}")
+    warnings.warn(message, DeprecationWarning, stacklevel=2)
+    logger.warning(message)
+    return migrated
+
+
+def fingerprint_form(options: dict) -> dict:
+    """Resolved train options in the form suite fingerprints hashed before --update existed (``optimizer``,
+    ``sparse_backward`` and ``fused_update`` in their defaults), so that stage directories written then still
+    match: new options (``update``) and old ones (run_config.json files of earlier runs) give the same dict."""
+    if "update" not in options and "optimizer" not in options:
+        return options
+    if "update" in options:
+        optimizer = {"exact": "row_sparse"}.get(options["update"], options["update"])
+    else:
+        optimizer = _UPDATE_OF_OPTIMIZER.get(options["optimizer"], options["optimizer"])
+        optimizer = {"exact": "row_sparse"}.get(optimizer, optimizer)
+    form = {name: value for name, value in options.items() if name != "update"}
+    form.update(optimizer=optimizer, sparse_backward="selected-rows" if options.get("compile") else "deferred",
+                fused_update=False)
+    return form
 # The tiny preset: the tiny model and memories of smf.vocabulary and the options in smf/configs/preset_tiny.yaml.
 TINY_PRESET = {"model": TINY_MODEL, "layers": list(TINY_MEMORY_LAYERS), **TINY_MEMORY_KWARGS, **{
     name: str((CONFIGS / value).resolve()) if name.endswith("_path") else value
@@ -216,7 +248,9 @@ def checked_options(options: dict, where: str) -> dict:
 def read_config_file(path: str | Path, command: str) -> dict:
     """The options in a YAML or JSON file whose keys are option names (``output-dir`` or ``output_dir``), checked.
     Keys of options ``command`` does not take are skipped (one file serves every command); unknown ones: ConfigError."""
-    return checked_options(only(RunConfig, command, read_file(path, OPTIONS)), f"--config {str(path)!r}")
+    where = f"--config {str(path)!r}"
+    options = migrate_update_options(read_file(path, OPTIONS + LEGACY_UPDATE_OPTIONS), where)
+    return checked_options(only(RunConfig, command, options), where)
 
 
 def check_device_and_backend(device: str, backend: str | None) -> None:
@@ -236,11 +270,8 @@ def unused_options(config: RunConfig, command: str) -> dict[str, str]:
     if command == "train":
         if config.recipe != "sparse":
             why = f"only --recipe sparse uses it (this run is --recipe {config.recipe})"
-            unused.update(dict.fromkeys(("adapter", "background", "rule", "rows_per_step", "optimizer",
-                                         "sparse_backward", "fused_update", "mode", "backend"), why))
-        elif config.optimizer != "row_sparse":
-            why = f"only --optimizer row_sparse uses it (this run is --optimizer {config.optimizer})"
-            unused.update(dict.fromkeys(("sparse_backward", "fused_update"), why))
+            unused.update(dict.fromkeys(("adapter", "background", "rule", "rows_per_step", "update", "mode",
+                                         "backend"), why))
         if config.recipe != "lora":
             unused.update(dict.fromkeys(("lora_r", "lora_alpha", "lora_dropout"),
                                         f"only --recipe lora uses it (this run is --recipe {config.recipe})"))
@@ -311,9 +342,9 @@ def build_config(command: str, file_options: dict, cli_options: dict) -> RunConf
                           f"{'background' if command == 'background' else '--recipe sparse'}")
     if sparse and config.background is None:
         raise ConfigError("--background (file from `smf background`) is required for --recipe sparse")
-    if config.shard_memories and command == "train" and (not sparse or config.optimizer == "authors"):
+    if config.shard_memories and command == "train" and (not sparse or config.update == "authors"):
         raise ConfigError(f"--shard-memories splits the memories of retrofit and --recipe sparse runs, not of --recipe "
-                          f"{config.recipe}{' --optimizer authors (one process)' if sparse else ''}")
+                          f"{config.recipe}{' --update authors (one process)' if sparse else ''}")
     if command == "train" and config.count_reads == "loss" and config.compile:
         raise ConfigError("--count-reads loss is not available with --compile (its mask is set by a forward hook); "
                           "drop one of them")

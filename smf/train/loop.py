@@ -39,7 +39,7 @@ from smf.train.distributed import World, all_reduce_sum, barrier, gather_objects
 from smf.train.recipes import TrainingSetup, build_setup
 from smf.train.run_dir import RunFiles, claim_output_dir
 from smf.train.sharding import SHARDS_DIR, remove_stale_shards, save_memory_shards
-from smf.train.steps import AuthorsStep, bf16_autocast
+from smf.train.steps import bf16_autocast
 from smf_kernels.sharded import unsharded_memories
 
 logger = logging.getLogger(__name__)
@@ -171,7 +171,7 @@ def _train(config: RunConfig, world: World, files: RunFiles) -> dict:
         wrapped = torch.compile(wrapped, mode="reduce-overhead")
     collator = CausalLMCollator(setup.tokenizer.pad_token_id)
     count_at_loss = config.recipe == "sparse" and config.count_reads == "loss"
-    if count_at_loss and isinstance(setup.step, AuthorsStep):
+    if count_at_loss and config.update == "authors":
         raise ConfigError("--count-reads loss: the authors' update counts every position, padding included; use "
                           "the exact sparse update")
     checkpoint_path, log_path = files.path(CHECKPOINT_FILE), files.path(LOG_FILE)

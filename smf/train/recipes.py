@@ -3,8 +3,8 @@
 - ``retrofit``: fresh memories at ``layers``; every memory parameter (+ alpha) trains; AdamW.
 - ``sparse``: memories from the retrofit adapter; only value rows picked each step by the
   :class:`SparseMemoryController` train (+ alpha in mode additive+s); :class:`RowSparseAdamW`
-  (or, ``--optimizer dense_masked``, masked dense gradients with torch AdamW for comparison;
-  ``--optimizer authors``, the authors' update, :class:`AuthorsSparseUpdate`).
+  (``--update exact``; the ablations ``--update dense_masked`` and ``--update authors`` step torch AdamW,
+  :mod:`smf_kernels.sparse.ablations`).
 - ``lora``: peft LoRA on the seven projections; AdamW.
 - ``full``: every parameter of the base model, or of the base model with the memories of ``adapter`` (their
   values, keys, projections and alpha too); AdamW.
@@ -26,8 +26,9 @@ from smf.model.precision import authors_bf16_weights, cast_like_the_authors
 from smf.train.config import RunConfig
 from smf.train.distributed import World
 from smf.train.sharding import ShardedDenseStep, shard_model_memories
-from smf.train.steps import AuthorsStep, DenseStep, SparseStep, StepHooks, bf16_autocast
-from smf_kernels.sparse import AuthorsSparseUpdate, BackgroundStats, RowSparseAdamW, SparseMemoryController
+from smf.train.steps import AblationStep, DenseStep, SparseStep, StepHooks, bf16_autocast
+from smf_kernels.sparse import (AuthorsSparseUpdate, BackgroundStats, DenseMaskedUpdate, RowSparseAdamW,
+                                 SparseMemoryController)
 
 logger = logging.getLogger(__name__)
 
@@ -96,28 +97,20 @@ def build_setup(config: RunConfig, world: World) -> TrainingSetup:
         if config.shard_memories:
             shard_model_memories(model, world)
         counts = configure_trainable(model, "sparse")
-        if config.fused_update and config.optimizer != "row_sparse":
-            raise ConfigError(f"--fused-update is the fused row_sparse update; --optimizer {config.optimizer} has "
-                              "none (drop --fused-update or use --optimizer row_sparse)")
-        fused = config.fused_update or (config.compile and config.optimizer == "row_sparse")
-        if config.compile and config.optimizer == "row_sparse":
-            if config.sparse_backward != "selected-rows":
-                raise ConfigError(f"--compile chooses the rows in the backward: --sparse-backward "
-                                  f"{config.sparse_backward} keeps Python state there; use --sparse-backward "
-                                  "selected-rows (the default with --compile)")
+        if config.compile and world.size > 1:
+            raise ConfigError("--compile with --recipe sparse runs in one process: under torchrun every rank must "
+                              "select the same rows before its backward, outside the compiled graph")
+        if config.update == "authors":
             if world.size > 1:
-                raise ConfigError("--compile with --recipe sparse runs in one process: under torchrun every rank "
-                                  "must select the same rows before its backward, outside the compiled graph")
-        if config.optimizer == "authors":
-            if world.size > 1:
-                raise ConfigError("--optimizer authors runs in one process (the authors' single-GPU update); "
-                                  "drop torchrun or choose row_sparse")
-            step = AuthorsStep(AuthorsSparseUpdate(model, rule=config.rule, rows_per_step=config.rows_per_step))
+                raise ConfigError("--update authors runs in one process (the authors' single-GPU update); "
+                                  "drop torchrun or choose --update exact")
+            step = AblationStep(AuthorsSparseUpdate(model, rule=config.rule, rows_per_step=config.rows_per_step))
+        elif config.update == "dense_masked":
+            step = AblationStep(DenseMaskedUpdate(model, rule=config.rule, rows_per_step=config.rows_per_step))
         else:
-            step = SparseStep(SparseMemoryController(model, rule=config.rule, rows_per_step=config.rows_per_step,
-                                                     mode=config.optimizer, fused=fused),
-                              config.sparse_backward, bf16_autocast(config.bf16, world.device),
-                              rows_in_backward=config.compile)
+            step = SparseStep(SparseMemoryController(model, rule=config.rule, rows_per_step=config.rows_per_step),
+                              bf16_autocast(config.bf16, world.device), compiled=config.compile,
+                              step_tokens=config.global_batch_size // world.size * config.max_length)
         controller = step.controller
         try:
             controller.set_background(BackgroundStats.load(resolve_background_file(config.background),
@@ -140,7 +133,7 @@ def build_setup(config: RunConfig, world: World) -> TrainingSetup:
         cast_like_the_authors(model, keep_fp32=() if recipe == "full" else trainable)
         logger.info("protocol %s: bf16 weights, %s", config.protocol,
                     "no fp32 master copy" if recipe == "full" else "the trainable parameters fp32")
-    if recipe == "sparse" and config.optimizer == "row_sparse":
+    if recipe == "sparse" and config.update == "exact":
         optimizer = RowSparseAdamW(trainable, lr=config.lr, weight_decay=config.weight_decay)
     else:
         optimizer = _adamw(trainable, config)

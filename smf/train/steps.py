@@ -8,9 +8,9 @@ The trainer's step (:func:`smf.train.loop.run_step`) is the same for every recip
     hooks.finish_step(optimizer, max_grad_norm); scheduler.step()
 
 :class:`DenseStep` (retrofit, lora, full) clips and steps; :class:`SparseStep` drives a
-:class:`SparseMemoryController` (rows selected once per step from all its micro-batches,
-docs/method.md#the-sparse-update-exact-default-and-the-authors-ablation) and :class:`AuthorsStep` the
-authors' update (:class:`AuthorsSparseUpdate`, rows selected after every micro-batch's forward).
+:class:`SparseMemoryController` (the exact update: rows selected once per step from all its micro-batches,
+docs/method.md#the-sparse-update-exact-default-and-the-authors-ablation) and :class:`AblationStep` the
+dense-masked or the authors' update (:mod:`smf_kernels.sparse.ablations`).
 """
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ import torch
 from torch import nn
 
 from smf.model.precision import bf16_enabled
-from smf_kernels.sparse import AuthorsSparseUpdate, SparseMemoryController, rows_moved_outside
+from smf.errors import ConfigError
+from smf_kernels.sparse import (AuthorsSparseUpdate, DenseMaskedUpdate, NonFiniteGradientError,
+                                 SparseMemoryController, rows_moved_outside)
 
 
 def bf16_autocast(setting: str, device: torch.device):
@@ -60,59 +62,46 @@ class DenseStep(StepHooks):
         optimizer.zero_grad(set_to_none=True)
 
 
-class _MemoryRows(StepHooks):
-    """Shared by the sparse updates: the rows selected in a step and the value rows moved without being
-    selected, for train_log.jsonl."""
-
-    def __init__(self, controller: SparseMemoryController | AuthorsSparseUpdate) -> None:
-        self.controller = controller
-        self._before: dict[str, torch.Tensor] = {}  # layer -> (M, D) values at the start of the step
-        self.rows: dict[str, torch.Tensor] = {}  # layer -> (T,) int64 rows selected in the last step
-
-    def _snapshot(self) -> None:
-        self._before = {name: memory.values.detach().clone() for name, memory in self.controller.memories.items()}
-
-    def finish_step(self, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> None:
-        self.rows = self.controller.finish_step(optimizer, max_grad_norm=max_grad_norm)
-
-    def step_log(self) -> dict:
-        after = {name: memory.values.detach() for name, memory in self.controller.memories.items()}
-        return {"selected_rows": sum(int(rows.numel()) for rows in self.rows.values()),
-                "rows_moved_outside": rows_moved_outside(self._before, after, self.rows)}
+def _diverged(err: NonFiniteGradientError) -> ConfigError:
+    return ConfigError(f"training diverged: the step's gradient of {', '.join(err.names)} holds inf or NaN (nothing "
+                       "was updated); lower --lr or --max-grad-norm, or check the data")
 
 
-class SparseStep(_MemoryRows):
-    """This project's exact sparse update (``--optimizer row_sparse`` or ``dense_masked``).
+class SparseStep(StepHooks):
+    """This project's exact sparse update (``--update exact``): rows selected once per step from the read counts
+    of all its micro-batches; only they and their AdamW state move, from their compact gradient.
 
-    Rows are picked before the backward when they can be, so that the backward writes only the T selected
-    value rows: at once for a step of one micro-batch; under gradient accumulation with
-    ``sparse_backward="selected-rows"`` (row_sparse only) after a no-grad forward over every micro-batch
-    that only counts reads (under ``autocast``, the trainer's bf16 context; ``model`` is the one the trainer
-    runs, compiled or not). With ``rows_in_backward`` (a compiled step, fused update) a step of one
-    micro-batch lets its backward choose the rows from the counts. ``"deferred"`` instead keeps
-    every backward's reads and computes the selected rows' gradients at the step's end (no second forward);
-    ``"read-rows"`` lets every backward write the rows its micro-batch read.
+    How the rows' gradient is filled (docs/method.md#what-sparse-means): a step of one micro-batch selects
+    between its forward and its backward (a compiled step: its backward chooses the rows from the counts itself).
+    Under gradient accumulation the backwards keep their reads until the step's end (no second forward), unless
+    the kept reads could outweigh a dense gradient: when a step can hold more tokens on a rank (``step_tokens``:
+    global batch / processes x max length) than the smallest memory has slots, a no-grad forward over every
+    micro-batch counts the reads first (under ``autocast``, the
+    trainer's bf16 context; ``model`` is the one the trainer runs) and the backwards write only the T selected
+    rows (so does a compiled step of several micro-batches: its backward keeps no Python state).
+    ``rows_moved_outside`` is 0 by construction (tests/test_sparse_exact.py checks it against the oracle), so
+    no copy of the tables is made to measure it.
     """
 
-    def __init__(self, controller: SparseMemoryController, sparse_backward: str, autocast,
-                 rows_in_backward: bool = False) -> None:
-        super().__init__(controller)
-        self.sparse_backward, self.autocast = sparse_backward, autocast
-        # a compiled step of one micro-batch: the fused backward selects the rows itself (no host sync)
-        self.rows_in_backward = rows_in_backward and controller.fused
+    kept_reads_per_slot = 1  # kept reads while a step can hold at most this many tokens per slot on a rank
+
+    def __init__(self, controller: SparseMemoryController, autocast, compiled: bool = False,
+                 step_tokens: int | None = None) -> None:
+        self.controller, self.autocast, self.compiled = controller, autocast, compiled
+        slots = min(memory.num_slots for memory in controller.memories.values())
+        # decided once, from a bound every rank shares (ranks that chose differently would deadlock in DDP)
+        self.count_first = compiled or (step_tokens is not None and step_tokens > self.kept_reads_per_slot * slots)
+        self.rows: dict[str, torch.Tensor] = {}
         self._select_after_forward = False
 
     def ddp_ignored_names(self) -> list[str]:
         return self.controller.ddp_ignored_names()  # the controller reduces the memory values itself
 
     def begin_step(self, model: nn.Module, micro_batches: list[dict]) -> None:
-        self._snapshot()
         single = len(micro_batches) == 1
-        row_sparse = self.controller.mode == "row_sparse"
-        count_first = not single and self.sparse_backward == "selected-rows" and row_sparse
-        deferred = not single and self.sparse_backward == "deferred" and row_sparse
-        self.controller.begin_step(select_before_backward=single or count_first, defer_value_gradients=deferred)
-        self._select_after_forward = single and not self.rows_in_backward
+        count_first = not single and self.count_first
+        self.controller.begin_step(select_before_backward=single or count_first)
+        self._select_after_forward = single and not self.compiled
         if count_first:
             with torch.no_grad(), self.autocast():
                 for batch in micro_batches:
@@ -123,15 +112,43 @@ class SparseStep(_MemoryRows):
         if self._select_after_forward:
             self.controller.select_rows()
 
+    def finish_step(self, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> None:
+        try:
+            self.rows = self.controller.finish_step(optimizer, max_grad_norm=max_grad_norm)
+        except NonFiniteGradientError as err:
+            raise _diverged(err) from None
 
-class AuthorsStep(_MemoryRows):
-    """The authors' update (``--optimizer authors``, one process): rows chosen after each micro-batch's
-    forward from its own counts (padding included), each backward masked, dense AdamW."""
+    def step_log(self) -> dict:
+        return {"selected_rows": sum(int(rows.numel()) for rows in self.rows.values()), "rows_moved_outside": 0}
+
+
+class AblationStep(StepHooks):
+    """An ablation of the exact update (``--update dense_masked``: :class:`DenseMaskedUpdate`; ``--update
+    authors``, one process: :class:`AuthorsSparseUpdate`, rows chosen after each micro-batch's forward). Logs
+    the value rows that moved without being selected, from a copy of the tables made at each step's start."""
+
+    def __init__(self, update: DenseMaskedUpdate | AuthorsSparseUpdate) -> None:
+        self.controller = update
+        self._before: dict[str, torch.Tensor] = {}  # layer -> (M, D) values at the start of the step
+        self.rows: dict[str, torch.Tensor] = {}
+
+    def ddp_ignored_names(self) -> list[str]:
+        return self.controller.ddp_ignored_names() if isinstance(self.controller, DenseMaskedUpdate) else []
 
     def begin_step(self, model: nn.Module, micro_batches: list[dict]) -> None:
-        self._snapshot()
+        self._before = {name: memory.values.detach().clone() for name, memory in self.controller.memories.items()}
         self.controller.begin_step()
 
     def after_forward(self) -> None:
         self.controller.after_forward()
 
+    def finish_step(self, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> None:
+        try:
+            self.rows = self.controller.finish_step(optimizer, max_grad_norm=max_grad_norm)
+        except NonFiniteGradientError as err:
+            raise _diverged(err) from None
+
+    def step_log(self) -> dict:
+        after = {name: memory.values.detach() for name, memory in self.controller.memories.items()}
+        return {"selected_rows": sum(int(rows.numel()) for rows in self.rows.values()),
+                "rows_moved_outside": rows_moved_outside(self._before, after, self.rows)}

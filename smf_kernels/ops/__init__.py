@@ -4,6 +4,6 @@
 from smf_kernels.ops.product_key_topk import product_key_topk
 from smf_kernels.ops.row_adamw import row_adamw_
 from smf_kernels.ops.silu_mul import silu_mul
-from smf_kernels.ops.weighted_gather import CompactRows, DeferredRows, ReadLog, weighted_gather
+from smf_kernels.ops.weighted_gather import GradientSink, weighted_gather
 
-__all__ = ["CompactRows", "DeferredRows", "ReadLog", "product_key_topk", "row_adamw_", "silu_mul", "weighted_gather"]
+__all__ = ["GradientSink", "product_key_topk", "row_adamw_", "silu_mul", "weighted_gather"]

@@ -97,7 +97,7 @@ def backward(
     read_grad): grad_values (M, D) dense or (T, D) for update_rows (row t for update_rows[t]) and grad_weights
     (N, L) in the accumulation dtype, a gradient not needed with 0 rows; grad_gate (N, D) in gate's dtype
     (empty without a gate); read_grad, the gradient reaching the gather (N, D) in values' dtype, when a gate
-    is given and ``keep_read_grad`` (what a ReadLog keeps), else empty.
+    is given and ``keep_read_grad`` (what a RowGradSink keeping reads keeps), else empty.
     """
     check_gather_values(values.shape[0], update_rows=update_rows)
     with no_autocast(grad_out.device):

@@ -1,5 +1,5 @@
 """Weighted gather with read histogram (docs/method.md#the-memory-layer steps 5-6 and read counts) and its
-dense / row-sparse backward: the custom ops of :mod:`smf_kernels.ops._gather_ops` tied together by an
+dense / row-sparse / sink backward: the custom ops of :mod:`smf_kernels.ops._gather_ops` tied together by an
 autograd.Function.
 
 The counting forward op mutates ``counts``; torch.library does not attach autograd to mutating ops, so the
@@ -12,21 +12,32 @@ import torch
 from smf_kernels._checks import FLOAT_DTYPES, check_gather_args, check_gather_values, check_same_device, check_tensor
 from smf_kernels.backends import resolve_backend
 from smf_kernels.ops import _gather_ops as gather_ops
-from smf_kernels.ops.gather_rows import CompactRows, DeferredRows, ReadLog
+
+
+class GradientSink:
+    """Where a backward puts the value gradient instead of a ``.grad``: pass an instance as ``update_rows`` and
+    the gather's backward calls :meth:`backward` for the value gradient and the others
+    (:class:`smf_kernels.sparse.RowGradSink` is the one the sparse update uses)."""
+
+    def backward(self, grad_out: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
+                 gate: torch.Tensor | None, read: torch.Tensor | None, backend: str, deterministic: bool,
+                 need_weights: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Take the value gradient of this backward (grad_out: the gather's output gradient (N, D); read: the
+        ungated read, with a gate) and return (grad_weights (N, L), 0 rows if not needed; grad_gate, empty
+        without a gate), as :func:`smf_kernels.ops._gather_ops.backward` does."""
+        raise NotImplementedError
 
 
 class _WeightedGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, values, indices, weights, counts, valid, update_rows, gate, backend):
-        ctx.deferred = update_rows if isinstance(update_rows, DeferredRows) else None
-        ctx.log = update_rows if isinstance(update_rows, ReadLog) else None
-        by_ctx = ctx.deferred is not None or ctx.log is not None
+        ctx.sink = update_rows if isinstance(update_rows, GradientSink) else None
         ctx.backend = backend
         if counts is None:
             out, read = gather_ops.forward(values, indices, weights, gate, backend)
         else:
             out, read = gather_ops.forward_counted(values, indices, weights, counts, valid, gate, backend)
-        ctx.save_for_backward(values, indices, weights, None if by_ctx else update_rows, gate,
+        ctx.save_for_backward(values, indices, weights, None if ctx.sink is not None else update_rows, gate,
                               read if gate is not None else None)
         return out
 
@@ -37,33 +48,14 @@ class _WeightedGather(torch.autograd.Function):
         need_values, need_weights = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
         deterministic = torch.are_deterministic_algorithms_enabled()
         grad_values = None
-        if isinstance(ctx.deferred, CompactRows) and need_values:  # no .grad: the rows' gradient is kept or applied
-            rows, valid = ctx.deferred.rows_for_backward()
-            check_gather_args(values, indices, weights, None, None, rows)  # its values: in the op
-            if ctx.deferred._optimizer is not None:
-                compact, grad_weights, grad_gate, _ = gather_ops.backward(
-                    grad_out, values, indices, weights, rows, gate, read, ctx.backend, deterministic, True,
-                    need_weights, False)
-                ctx.deferred._apply(values, rows, valid, compact)
-            else:
-                if ctx.deferred.grad is None:
-                    ctx.deferred.zero_grad(values, rows.shape[0])
-                grad_weights, grad_gate = gather_ops.backward_into(
-                    grad_out, values, indices, weights, rows, ctx.deferred.grad, gate, read, ctx.backend,
-                    deterministic, need_weights)
+        if ctx.sink is not None and need_values:  # no .grad: the sink takes the value gradient
+            grad_weights, grad_gate = ctx.sink.backward(grad_out, values, indices, weights, gate, read, ctx.backend,
+                                                        deterministic, need_weights)
         else:
-            if ctx.deferred is not None:
-                update_rows = ctx.deferred.rows
-                if update_rows is None:
-                    raise RuntimeError("update_rows is a DeferredRows whose rows were not set before the backward")
-                check_gather_args(values, indices, weights, None, None, update_rows)  # its values: in the op
-            logged = ctx.log is not None and need_values
-            compact, grad_weights, grad_gate, read_grad = gather_ops.backward(
+            compact, grad_weights, grad_gate, _ = gather_ops.backward(
                 grad_out, values, indices, weights, update_rows, gate, read, ctx.backend, deterministic,
-                need_values and not logged, need_weights, logged)
-            if logged:
-                ctx.log._keep(read_grad if gate is not None else grad_out, indices, weights, ctx.backend)
-            elif need_values:
+                need_values, need_weights, False)
+            if need_values:
                 compact = compact.to(values.dtype)
                 if update_rows is None:
                     grad_values = compact
@@ -83,7 +75,7 @@ def weighted_gather(
     *,
     counts: torch.Tensor | None = None,
     valid: torch.Tensor | None = None,
-    update_rows: torch.Tensor | DeferredRows | ReadLog | None = None,
+    update_rows: torch.Tensor | GradientSink | None = None,
     gate: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
@@ -101,9 +93,8 @@ def weighted_gather(
             w.r.t. ``values`` is a sparse COO tensor holding only these rows
             (sorted ascending; reads of other rows get no gradient), and no dense
             (M, D) buffer is allocated. Without it the gradient is dense. A
-            :class:`DeferredRows` instead lets the rows be chosen after the forward
-            (a :class:`CompactRows` keeps their gradient compact, or applies it), and
-            a :class:`ReadLog` defers the value gradient past the backward.
+            :class:`GradientSink` (:class:`smf_kernels.sparse.RowGradSink`) instead
+            takes the value gradient: ``values`` then gets none through autograd.
         gate: optional (N, D) float tensor: the memory layer's gate. The result is then
             ``silu(gate) * out`` in gate's dtype, in the same op calls (the gated read,
             :func:`smf_kernels.ops.silu_mul`); differentiable w.r.t. gate too.
@@ -112,11 +103,11 @@ def weighted_gather(
     Returns:
         (N, D) tensor in values' dtype (gate's with a gate); differentiable w.r.t. values and weights.
     """
-    deferred = isinstance(update_rows, (DeferredRows, ReadLog))
-    if update_rows is not None and not deferred:
+    sink = isinstance(update_rows, GradientSink)
+    if update_rows is not None and not sink:
         check_tensor("update_rows", update_rows, ndim=1, dtypes=(torch.int64,), shape_doc="(T,)")
         update_rows = update_rows.sort().values  # sorted once: checked for repeats, and the COO gradient is coalesced
-    check_gather_args(values, indices, weights, counts, valid, None if deferred else update_rows)
+    check_gather_args(values, indices, weights, counts, valid, None if sink else update_rows)
     if gate is not None:
         check_tensor("gate", gate, ndim=2, dtypes=FLOAT_DTYPES, shape_doc="(N, D)")
         if gate.shape != (indices.shape[0], values.shape[1]):
@@ -124,7 +115,7 @@ def weighted_gather(
                              f"got {tuple(gate.shape)}")
         check_same_device("values", values, gate=gate)
         gate = gate.contiguous()
-    if update_rows is not None and not deferred and not torch.compiler.is_compiling():
+    if update_rows is not None and not sink and not torch.compiler.is_compiling():
         check_gather_values(values.shape[0], update_rows=update_rows)  # at the call, not only in the backward
     name = resolve_backend(backend, values.device, torch.promote_types(values.dtype, weights.dtype))
     # The backends get the (N, L) and (N,) inputs contiguous whatever the caller's layout (a strided view such as

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from smf_kernels.memory import ProductKeyMemory, RowsRead, _RowsReadBy
+from smf_kernels.memory import ProductKeyMemory
 from smf_kernels.ops import silu_mul, weighted_gather
 from smf_kernels.sharded.exchange import (INDEX_LIMIT, AverageGradOverGroup, ExchangeColumns, GatherReads,
                                           OPERATIONS, READ_FIELDS, dtype_code, token_counts, token_offset)
@@ -32,7 +32,7 @@ class ShardedProductKeyMemory(ProductKeyMemory):
     (three all_to_all collectives; the backward one more, two when the lookup trains). The output, read
     counts and update rows are those
     of the unsharded layer on this rank's tokens: counts stay per rank (sum them over ranks as for data
-    parallelism), ``ROWS_READ`` means the rows any rank's tokens read.
+    parallelism).
 
     Gradients follow data parallelism: the replicated parameters get this rank's gradient (average them
     over ranks, e.g. with DDP), and ``values`` gets the average over ranks of every rank's gradient for these
@@ -107,10 +107,9 @@ class ShardedProductKeyMemory(ProductKeyMemory):
             all_valid = torch.zeros(all_indices.shape[0], dtype=torch.bool, device=indices.device)
             start = token_offset(counts, shard.rank)
             all_valid[start:start + num_tokens] = True if valid is None else valid
-        update_rows = _RowsReadBy(all_indices) if isinstance(self.update_rows, RowsRead) else self.update_rows
         part = weighted_gather(
             AverageGradOverGroup.apply(self.values, shard.size), all_indices, all_weights,
-            counts=self.read_counts if counting else None, valid=all_valid, update_rows=update_rows,
+            counts=self.read_counts if counting else None, valid=all_valid, update_rows=self.update_rows,
             backend=self.backend,
         )
         read = ExchangeColumns.apply(part, counts, shard)

@@ -12,7 +12,7 @@ Usage (stage 2; only the memory values, plus e.g. a +S scale, are trainable)::
     optimizer = RowSparseAdamW(controller.value_parameters() + extra_params, lr=5e-4)
 
     for step_batches in loader:                            # one optimizer step
-        controller.begin_step()
+        controller.begin_step()                            # backwards keep their reads
         for micro_batch in step_batches:                   # gradient accumulation
             loss = compute_loss(model, micro_batch) / len(step_batches)
             loss.backward()
@@ -20,7 +20,7 @@ Usage (stage 2; only the memory values, plus e.g. a +S scale, are trainable)::
         scheduler.step()
 
     # A step of one micro-batch can select before its backward, which then
-    # writes only the T selected rows:
+    # writes only the T selected rows (O(T x D) bytes instead of the kept reads):
     controller.begin_step(select_before_backward=True)
     loss = compute_loss(model, batch)
     controller.select_rows()
@@ -31,25 +31,29 @@ Under DDP, exclude ``controller.ddp_ignored_names()`` from DDP before wrapping
 (see :mod:`smf_kernels.sparse.controller`). The controller holds no state that
 changes during training (resume = same background file + optimizer state_dict).
 
-:class:`AuthorsSparseUpdate` reproduces the authors' update (per-micro-batch selection counting
-padding, masked dense gradient, dense AdamW) for the ablation against the exact one.
+:mod:`smf_kernels.sparse.ablations`: the dense-masked update and the authors' update, for the ablations.
 """
-from smf_kernels.sparse.authors_update import AuthorsSparseUpdate, rows_moved_outside
+from smf_kernels.sparse.ablations import AuthorsSparseUpdate, DenseMaskedUpdate, rows_moved_outside
 from smf_kernels.sparse.background import BackgroundStats
 from smf_kernels.sparse.clipping import clip_grad_norm_
-from smf_kernels.sparse.controller import SparseMemoryController
-from smf_kernels.sparse.dense_masked import mask_grad_rows_
+from smf_kernels.sparse.controller import RowGradients, SparseMemoryController
+from smf_kernels.sparse.row_grad_sink import RowGradSink
 from smf_kernels.sparse.row_sparse_adamw import RowSparseAdamW
 from smf_kernels.sparse.selection import kl_scores, score_slots, select_top_rows, tfidf_scores
+from smf_kernels.sparse.step_checks import NonFiniteGradientError, StepMisuseError
 
 __all__ = [
     "AuthorsSparseUpdate",
     "BackgroundStats",
+    "DenseMaskedUpdate",
+    "NonFiniteGradientError",
+    "RowGradSink",
+    "RowGradients",
     "RowSparseAdamW",
     "SparseMemoryController",
+    "StepMisuseError",
     "clip_grad_norm_",
     "kl_scores",
-    "mask_grad_rows_",
     "rows_moved_outside",
     "score_slots",
     "select_top_rows",

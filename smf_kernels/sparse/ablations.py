@@ -1,0 +1,193 @@
+"""The ablations of the exact sparse update (docs/method.md#the-sparse-update-exact-default-and-the-authors-ablation),
+unchanged in what they compute; both step a dense ``torch.optim.AdamW`` on the whole value table.
+
+:class:`DenseMaskedUpdate` (``smf train --update dense_masked``) selects the step's rows as the exact update does
+(once per optimizer step, from the read counts of all its micro-batches, padding excluded), lets the values
+receive a dense (M, D) gradient and zeroes every unselected row of it. Only selected rows receive gradient, but
+AdamW still moves every row with non-zero momentum and applies weight decay to all rows, so rows that are not
+selected in a step change anyway (#what-sparse-means, #pitfalls-of-earlier-implementations): it measures that leak.
+
+:class:`AuthorsSparseUpdate` (``--update authors``) reproduces the authors' update. What their code
+(github.com/prakharg55/SMF-ICML, ``smf_rebuild/sparse_memory.py`` and ``trainer_utils.py``) does, per micro-batch
+of an optimizer step:
+
+1. read counts are zeroed and counted over the micro-batch's forward, padding positions included
+   (a forward hook bincounts every index the values table is asked for: sparse_memory.py:29-33,
+   reset in trainer_utils.py:15);
+2. right after that forward the top-T rows of each layer are chosen from those counts alone
+   (trainer_utils.py:18, sparse_memory.py:119-147);
+3. the backward's dense value gradient is multiplied by that micro-batch's row mask (a tensor
+   hook, sparse_memory.py:107-117), and gradients accumulate over the micro-batches.
+
+The optimizer step is a dense AdamW on the whole table after global-norm clipping, so a step can touch up to
+(micro-batches x T) rows, and AdamW's momentum keeps moving rows selected in earlier steps (weight decay would
+move every row; the authors' runs use 0). Single process only: the authors' runs used one GPU per run, and a
+distributed version would have to define how masks of different ranks combine. :func:`rows_moved_outside`
+measures the difference from the exact update.
+
+Both refuse misuse and treat non-finite gradients as the exact update does (:mod:`smf_kernels.sparse.step_checks`).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from smf_kernels.sparse import step_checks
+from smf_kernels.sparse.background import BackgroundStats
+from smf_kernels.sparse.clipping import clip_grad_norm_
+from smf_kernels.sparse.controller import SparseMemoryController
+from smf_kernels.sharded.layout import gradient_copies
+
+
+class DenseMaskedUpdate(SparseMemoryController):
+    """The exact update's selection with a masked dense gradient and a dense optimizer (see the module docstring).
+
+    Arguments as :class:`SparseMemoryController`. Use: ``begin_step()``; per micro-batch forward, backward;
+    ``finish_step(optimizer, max_grad_norm=...)`` with ``torch.optim.AdamW`` over the values. Under DDP the
+    values are reduced here, as the controller does (``ddp_ignored_names``).
+    """
+
+    mode = "dense_masked"
+
+    def begin_step(self, *, select_before_backward: bool = False) -> None:
+        """Start a step: zero and count reads; the values get dense gradients."""
+        if select_before_backward:
+            raise ValueError("select_before_backward is the exact update's; this update selects at the step's end")
+        super().begin_step()
+        for name, memory in self.memories.items():
+            memory.set_update_rows(None)
+            self._sinks.pop(name).close()
+
+    def after_forward(self) -> None:
+        """Nothing to do between a forward and its backward (the rows are chosen at the step's end)."""
+
+    def select_rows(self) -> dict[str, torch.Tensor]:
+        raise RuntimeError(f"{type(self).__name__} selects its rows itself")
+
+    def end_step(self):
+        raise RuntimeError(f"{type(self).__name__} ends its steps with finish_step(optimizer)")
+
+    def finish_step(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None
+                    ) -> dict[str, torch.Tensor]:
+        """Select, mask every unselected row of the (rank-averaged) dense value gradients, check for inf / NaN,
+        clip, step ``optimizer`` (dense), zero gradients. Returns layer -> (T',) selected rows (ascending)."""
+        if not self._in_step:
+            raise step_checks.not_begun("finish_step")
+        counts = self._step_counts()
+        selected = {}
+        for name, memory in self.memories.items():
+            rows, valid = self._padded_selection(name, counts[name])
+            selected[name] = rows[valid]
+            values = memory.values
+            if values.grad is None:
+                values.grad = torch.zeros_like(values)
+            world = gradient_copies(values, self._world())
+            if world > 1:
+                self._all_reduce_sum(values.grad)
+                values.grad.div_(world)
+            keep = torch.zeros(values.shape[0], dtype=torch.bool, device=values.device)
+            keep[selected[name]] = True
+            values.grad.mul_(keep.unsqueeze(1).to(values.grad.dtype))
+        self._close()
+        return self._dense_step(optimizer, max_grad_norm, selected, clip_grad_norm_)
+
+    def _dense_step(self, optimizer, max_grad_norm, selected, clip) -> dict[str, torch.Tensor]:
+        """Check every gradient for inf / NaN (``nonfinite``), clip with ``clip``, step, zero gradients."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        bad = step_checks.nonfinite_names([(names.get(id(p), "a parameter"), p.grad) for p in params
+                                           if p.grad is not None])
+        if bad:
+            optimizer.zero_grad(set_to_none=True)
+            step_checks.handle_nonfinite(bad, self.nonfinite)
+            self.skipped_steps += 1
+            return {name: rows[:0] for name, rows in selected.items()}
+        if max_grad_norm is not None:
+            clip(params, max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return selected
+
+
+def _count_padding_too(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Forward pre-hook: drop the caller's ``valid_mask`` so padding positions are counted as well."""
+    return args, {**kwargs, "valid_mask": None}
+
+
+class AuthorsSparseUpdate(DenseMaskedUpdate):
+    """Per-micro-batch row selection with a masked dense gradient (see the module docstring). One process.
+
+    Arguments as :class:`SparseMemoryController` (rule "kl" by default; T rows per layer per micro-batch). Use:
+    ``begin_step()``; per micro-batch ``loss = forward(...)``, ``after_forward()``, ``loss.backward()``; then
+    ``finish_step(optimizer, max_grad_norm=...)`` with a dense optimizer.
+    """
+
+    mode = "authors"
+
+    def __init__(self, model: nn.Module, *, rule: str = "kl", rows_per_step: int = 512,
+                 background: BackgroundStats | None = None, nonfinite: str = "raise") -> None:
+        super().__init__(model, rule=rule, rows_per_step=rows_per_step, background=background, nonfinite=nonfinite)
+        self._masks = {name: torch.zeros(m.num_slots, dtype=torch.bool, device=m.values.device)
+                       for name, m in self.memories.items()}
+        self._step_rows: dict[str, torch.Tensor] = {}
+        self._handles: list[Any] = []
+
+    def begin_step(self, *, select_before_backward: bool = False) -> None:
+        """Start an optimizer step: dense value gradients, masked by each micro-batch's selection."""
+        super().begin_step(select_before_backward=select_before_backward)
+        self._step_rows = {name: torch.zeros_like(mask) for name, mask in self._masks.items()}
+        for name, memory in self.memories.items():
+            self._handles.append(memory.register_forward_pre_hook(_count_padding_too, with_kwargs=True))
+            self._handles.append(memory.values.register_hook(self._masking_hook(name)))
+
+    def _close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        super()._close()
+
+    def _masking_hook(self, name: str):
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            return grad * self._masks[name].unsqueeze(1).to(grad.dtype)
+        return hook
+
+    def after_forward(self) -> dict[str, torch.Tensor]:
+        """Select each layer's rows from the counts of the micro-batch forward just run (before its
+        backward), then zero the counts for the next micro-batch. Returns layer -> (T',) rows."""
+        if not self._in_step:
+            raise step_checks.not_begun("after_forward")
+        selected = {}
+        for name, memory in self.memories.items():
+            rows, valid = self._padded_selection(name, memory.read_counts)
+            selected[name] = rows[valid]
+            self._masks[name].zero_()
+            self._masks[name][selected[name]] = True
+            self._step_rows[name][selected[name]] = True
+            memory.reset_read_counts()
+        return selected
+
+    def finish_step(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None
+                    ) -> dict[str, torch.Tensor]:
+        """Check for inf / NaN, clip, step ``optimizer`` (dense), zero gradients. Returns layer -> rows selected by
+        any micro-batch of the step ((R,) int64, ascending)."""
+        if not self._in_step:
+            raise step_checks.not_begun("finish_step")
+        rows = {name: used.nonzero().squeeze(1) for name, used in self._step_rows.items()}
+        self._close()
+        return self._dense_step(optimizer, max_grad_norm, rows, torch.nn.utils.clip_grad_norm_)
+
+
+def rows_moved_outside(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor],
+                       selected: dict[str, torch.Tensor]) -> int:
+    """Value rows, summed over layers, that changed in a step although not in its selected set.
+
+    before/after: layer -> (M, D) values before and after the step; selected: layer -> (T,) rows.
+    """
+    moved = 0
+    for name, old in before.items():
+        changed = (after[name] != old).any(dim=1)
+        changed[selected[name]] = False
+        moved += int(changed.sum())
+    return moved

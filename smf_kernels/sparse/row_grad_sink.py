@@ -1,0 +1,111 @@
+"""RowGradSink: where a step's backwards put the gradient of one value table's selected rows, instead of a ``.grad``.
+
+The exact sparse update never gives the value table a gradient: each memory's backward writes the gradient of the
+step's T selected rows into one compact (T, D) float32 tensor (float64 for a float64 table), which
+:meth:`RowSparseAdamW.step_rows <smf_kernels.sparse.RowSparseAdamW.step_rows>` then reads (the optimizer reads
+compact rows, as FBGEMM's sparse optimizers do). The sink is filled in one of two ways:
+
+- **rows known before the backward** (``keep_reads=False``): the rows are set between the forwards and the first
+  backward (:meth:`set_rows`, from counts of the whole step), or chosen by the first backward itself from this
+  process's counts (``chooser``; no host sync, what torch.compile traces). Each backward adds its rows' gradient
+  into :attr:`grad`. Costs the (T, D) buffer; under gradient accumulation the rows need the counts of every
+  micro-batch first (a no-grad counting forward).
+- **reads kept until the step's end** (``keep_reads=True``): each backward computes only the weights' gradient
+  and keeps its reads (the gradient reaching the gather (N, D), the slot ids and weights (N, L));
+  :meth:`fill` sums the kept reads of the rows finally selected into :attr:`grad`. No second forward, but it keeps
+  about N x (D x itemsize + 12 L) bytes per layer for the step's N tokens (docs/method.md#what-sparse-means).
+
+Pass a sink as ``update_rows`` to :func:`smf_kernels.ops.weighted_gather` (or set it on a memory with
+``set_update_rows``); :class:`~smf_kernels.sparse.SparseMemoryController` makes and reads them.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from smf_kernels._checks import check_gather_args
+from smf_kernels._precision import accumulation_dtype
+from smf_kernels.ops import _gather_ops as gather_ops
+from smf_kernels.ops.weighted_gather import GradientSink
+
+Selection = tuple[torch.Tensor, torch.Tensor]  # rows (T,) int64 ascending, valid (T,) bool
+
+
+class RowGradSink(GradientSink):
+    """The compact (T, D) gradient of T rows of one (M, D) value table over one step (see the module docstring).
+
+    Args:
+        values: the (M, D) table (a column shard's columns for a sharded memory).
+        num_rows: T, the size of the selection (at most M).
+        keep_reads: True: backwards keep their reads and :meth:`fill` computes the gradient; False: the rows are
+            known before the first backward, which adds into :attr:`grad`.
+        chooser: ``keep_reads=False`` only: returns (rows, valid) when a backward runs before :meth:`set_rows`.
+    """
+
+    def __init__(self, values: torch.Tensor, num_rows: int, *, keep_reads: bool,
+                 chooser: Callable[[], Selection] | None = None) -> None:
+        self.keep_reads, self.chooser = keep_reads, chooser
+        self.rows: torch.Tensor | None = None
+        self.valid: torch.Tensor | None = None
+        self.reads: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]] = []
+        self.closed = False
+        # made now, before any backward, so that a compiled backward only adds into it
+        self.grad = None if keep_reads else torch.zeros(num_rows, values.shape[1],
+                                                        dtype=accumulation_dtype(values.dtype), device=values.device)
+
+    def set_rows(self, rows: torch.Tensor, valid: torch.Tensor) -> None:
+        """The step's rows, before its first backward: rows (T,) int64 ascending distinct, valid (T,) bool (False
+        for rows that pad the selection and must not move)."""
+        if self.keep_reads:
+            raise RuntimeError("this sink keeps the reads: its rows are chosen at the step's end (fill)")
+        if rows.shape != (self.grad.shape[0],) or valid.shape != rows.shape:
+            raise ValueError(f"rows and valid must have shape (T,) = ({self.grad.shape[0]},), got "
+                             f"{tuple(rows.shape)} and {tuple(valid.shape)}")
+        self.rows, self.valid = rows, valid
+
+    def selection(self) -> Selection:
+        """(rows, valid) of a sink whose rows are known before the backward: set, or chosen from the counts."""
+        if self.rows is not None:
+            return self.rows, self.valid
+        if self.chooser is None:
+            raise RuntimeError("the sink's rows were not set before the backward: call select_rows() between the "
+                               "step's forwards and its first backward")
+        return self.chooser()
+
+    def backward(self, grad_out, values, indices, weights, gate, read, backend, deterministic, need_weights):
+        if self.closed:
+            raise RuntimeError("a backward of a memory forward run in a step that has ended (finish_step, end_step "
+                               "or abort_step came before this backward): run every backward of a step before its "
+                               "end, and drop graphs of aborted steps")
+        if self.keep_reads:
+            _, grad_weights, grad_gate, read_grad = gather_ops.backward(
+                grad_out, values, indices, weights, None, gate, read, backend, deterministic, False, need_weights,
+                True)
+            # kept without a graph (the saved weights require grad): their sum at the step's end builds none
+            self.reads.append(((read_grad if gate is not None else grad_out).detach(), indices, weights.detach(),
+                               backend))
+            return grad_weights, grad_gate
+        rows, _ = self.selection()
+        check_gather_args(values, indices, weights, None, None, rows)  # its values: in the op
+        return gather_ops.backward_into(grad_out, values, indices, weights, rows, self.grad, gate, read, backend,
+                                        deterministic, need_weights)
+
+    @torch.no_grad()
+    def fill(self, values: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor) -> None:
+        """``keep_reads`` only: :attr:`grad` := the (T, D) gradient of ``rows`` summed over the kept reads (in the
+        order of the backwards), and the reads dropped."""
+        grad = torch.zeros(rows.numel(), values.shape[1], dtype=accumulation_dtype(values.dtype),
+                           device=values.device)
+        for read_grad, indices, weights, backend in self.reads:
+            compact, _, _, _ = gather_ops.backward(read_grad, values.detach(), indices, weights, rows, None, None,
+                                                   backend, torch.are_deterministic_algorithms_enabled(), True,
+                                                   False, False)
+            grad += compact
+        self.reads.clear()
+        self.rows, self.valid, self.grad = rows, valid, grad
+
+    def close(self) -> None:
+        """End the sink's step: its kept reads are dropped and later backwards through it raise."""
+        self.reads.clear()
+        self.closed = True
