@@ -19,6 +19,7 @@ from smf.report.paper_results import HIGHER_IS_BETTER, display_name, metric_keys
 from smf.report.table import summarize
 from smf.suite.config import SuiteConfig, suite_config_from_dict
 from smf.suite.plan import SuiteLayout, plan_runs, run_hash, stage_settings
+from smf.suite.science import at_chosen_rates, learning_metric, sweep_rows
 from smf.suite.status import cell, write_status
 from smf.errors import ConfigError
 from smf.files import read_json_object
@@ -104,6 +105,34 @@ def write_update_ablation(config: SuiteConfig, results: list[dict], out_dir: Pat
     return [md_path, json_path]
 
 
+def write_sweep_table(config: SuiteConfig, results: list[dict], out_dir: Path) -> list[Path]:
+    """``lr_sweep.md`` / ``.json``: every (condition, rate) of the sweep, mean ± 95% interval over seeds, the rate
+    Table 1 reports marked (:func:`smf.suite.science.chosen_rates`)."""
+    rows = sweep_rows(results)
+    metrics = metric_keys(r["metrics"] for r in results)
+    arrows = {metric: "↑" if HIGHER_IS_BETTER[metric] else "↓" for metric in metrics}
+    budget = ", ".join(f"{recipe} {list(rates)}" for recipe, rates in config.lr_sweep.items())
+    lines = ["# Learning-rate sweep\n",
+             f"Every method gets the same number of learning rates ({budget}), each run for every seed; Table 1 "
+             f"reports each method at the rate with the highest mean {metric_title(learning_metric(results), config.labels)} "
+             "(marked ✓; ties: the lower rate). ± is the 95% Student-t interval of the mean over seeds.\n",
+             "| Method | LR | Chosen | Seeds | " + " | ".join(f"{metric_title(m, config.labels)} {arrows[m]}"
+                                                      for m in metrics) + " |",
+             "| --- | ---: | :---: | ---: | " + " | ".join("---:" for _ in metrics) + " |"]
+    order = {condition: index for index, condition in enumerate(config.conditions)}
+    for row in sorted(rows, key=lambda r: (order.get(r["condition"], 99), r["update"], r["lr"])):
+        cells = [("—" if row["metrics"][m] is None else f"{row['metrics'][m][0]:.3f} ± {row['metrics'][m][1]:.3f}")
+                 for m in metrics]
+        method = display_name(row["condition"], config.model) + (" (authors' update)" if row["update"] == "authors"
+                                                                 else "")
+        lines.append(f"| {method} | {row['lr']:g} | {'✓' if row['chosen'] else ''} | {row['seeds']} | "
+                     + " | ".join(cells) + " |")
+    md_path, json_path = out_dir / "lr_sweep.md", out_dir / "lr_sweep.json"
+    md_path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    json_path.write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
+    return [md_path, json_path]
+
+
 def model_architecture(model: str):
     """The transformers config of the suite's model: built in for 'tiny' and the paper's Qwen (no
     download), else read from the local directory or the hub cache."""
@@ -140,6 +169,28 @@ def write_accounting(config: SuiteConfig, out_dir: Path) -> list[Path]:
     return [md_path, json_path]
 
 
+def write_report_page(config: SuiteConfig, out_dir: Path) -> Path:
+    """``report.md``: the suite's ``notice`` (what its numbers mean), Table 1, the figure, and the other tables
+    written beside them (the learning-rate sweep, the update ablation, the science diagnostics, the status)."""
+    ci = bool(config.lr_sweep)
+    spread = ("the 95% Student-t interval of the mean over seeds; each method at its chosen learning rate "
+              "(lr_sweep.md)" if ci else "the sample standard deviation over seeds")
+    lines = [f"# Suite `{config.name}`\n"]
+    if config.notice:
+        lines.append(f"> **{config.notice.strip()}**\n")
+    lines += [f"Model `{config.model}`, protocol `{config.protocol}`, seeds {list(config.seeds)}.\n",
+              f"## Table 1\n\n± is {spread}.\n", (out_dir / "table1.md").read_text(encoding="utf-8"),
+              "![Pareto figure](pareto.png)\n"]
+    for name in ("lr_sweep.md", "science_diagnostics.md", "ablation_update.md", "accounting.md"):
+        if (out_dir / name).is_file():
+            text = (out_dir / name).read_text(encoding="utf-8")
+            lines.append("#" + text if text.startswith("# ") else text)
+    lines.append("Every run: suite_status.md.\n")
+    path = out_dir / "report.md"
+    path.write_text("\n".join(lines), encoding="utf-8")
+    return path
+
+
 def write_suite_report(suite_dir: str | Path) -> list[Path]:
     """Table 1, the Pareto figure, the accounting and the status of the suite in ``suite_dir``; returns
     the paths written."""
@@ -149,11 +200,15 @@ def write_suite_report(suite_dir: str | Path) -> list[Path]:
     if not results:
         raise ConfigError(f"--suite-dir {str(suite_dir)!r} holds no finished run (results/*.json) to report")
     include_paper = config.model == DEFAULT_MODEL
-    paths = write_report(table_records(results), layout.root, include_paper=include_paper, model=config.model,
-                         labels=config.labels)
+    sweep = bool(config.lr_sweep)  # Table 1 at each condition's chosen rate, 95% intervals (smf.suite.science)
+    paths = write_report(table_records(at_chosen_rates(results) if sweep else results), layout.root,
+                         include_paper=include_paper, model=config.model, labels=config.labels, intervals=sweep)
+    if sweep:
+        paths += write_sweep_table(config, results, layout.root)
     if config.authors_update:
         paths += write_update_ablation(config, results, layout.root)
     paths += write_accounting(config, layout.root)
     paths += write_status(config, layout.root)
+    paths.append(write_report_page(config, layout.root))
     logger.info("report of %d runs written to %s", len(results), layout.root)
     return paths
