@@ -49,9 +49,12 @@ def test_flags_override_the_config_file_which_overrides_the_preset(tmp_path):
 def test_shipped_paper_config_spells_out_the_defaults_and_tiny_config_loads(tmp_path):
     for command in COMMANDS:
         options = read_config_file(CONFIGS / "paper.yaml", command)
+        sizes = {"layers": [6, 12, 18], "n_keys": 128, "heads": 4, "topk": 16, "key_dim": 256}  # the scaled defaults
         assert build_config(command, options, {"output_dir": "x", "adapter": str(tmp_path),
                                                "background": str(tmp_path)}) == \
-            RunConfig(output_dir="x", adapter=str(tmp_path), background=str(tmp_path), layers=[6, 12, 18])
+            RunConfig(output_dir="x", adapter=str(tmp_path), background=str(tmp_path),
+                      **(sizes if command == "retrofit" else {}))
+        assert RunConfig(output_dir="x").resolved("retrofit") == RunConfig(output_dir="x", **sizes).resolved("retrofit")
     tiny = build_config("train", read_config_file(CONFIGS / "tiny.yaml", "train"),
                         {"output_dir": "x", "recipe": "lora"}).resolved("lora")
     assert (tiny.model, tiny.lr, tiny.epochs, Path(tiny.medmcqa_path).is_file()) == ("tiny", 2e-4, 2, True)

@@ -203,8 +203,8 @@ def test_bad_arguments_raise_clear_errors():
         attach_memories(model, (1,), **TINY_MEMORY_KWARGS)
     with pytest.raises(ValueError, match="stage must be one of"):
         configure_trainable(model, "lora")
-    with pytest.raises(ValueError, match="without memories"):
-        configure_trainable(model, "full")
+    counts = configure_trainable(model, "full")  # a model with memories trains whole, memories included
+    assert counts["trainable"] == counts["total"] and all(p.requires_grad for p in model.parameters())
 
 
 def test_bf16_base_keeps_fp32_memories():

@@ -65,6 +65,6 @@ def test_preset_data_ship_with_the_package_and_are_the_test_fixtures():
 
     fixtures, tiny_data = Path(__file__).parent / "fixtures", Path(smf.__file__).resolve().parent / "assets" / "tiny"
     suite = load_suite_config("tiny")
-    paths = [TINY_PRESET["oasst_path"], TINY_PRESET["medmcqa_path"], *vars(suite.data).values()]
+    paths = [TINY_PRESET["oasst_path"], TINY_PRESET["medmcqa_path"], *filter(None, vars(suite.data).values())]
     for path in map(Path, paths):
         assert path.parent == tiny_data and path.read_bytes() == (fixtures / path.name).read_bytes(), path

@@ -14,6 +14,7 @@ from smf.model.loading import (
     load_tokenizer,
     load_with_adapter,
 )
+from smf.model.memory_mode import set_memory_mode
 from smf.model.read_mask import loss_positions, reads_counted_at_loss
 from smf.vocabulary import DEFAULT_MODEL
 
@@ -46,4 +47,5 @@ __all__ = [
     "read_adapter_config",
     "reads_counted_at_loss",
     "save_memory_adapter",
+    "set_memory_mode",
 ]

@@ -12,7 +12,8 @@ from torch import nn
 
 from smf.model.block import MODES, MemoryBlock
 from smf.model.hf_auto import base_model_type, memory_config_class
-from smf.vocabulary import PAPER_LAYERS, canonical, check_layers
+from smf.model.sizes import scaled_memory_sizes
+from smf.vocabulary import PAPER_LAYERS, canonical, check_layers  # noqa: F401 (smf.model exports it)
 from smf_kernels import ProductKeyMemory
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ def memory_blocks(model: nn.Module) -> list[MemoryBlock]:
     return sorted((m for m in model.modules() if isinstance(m, MemoryBlock)), key=lambda b: b.layer_index)
 
 
-def attach_memories(model: nn.Module, layers=PAPER_LAYERS, mode: str = "additive", alpha_init: float = 0.01, *,
+def attach_memories(model: nn.Module, layers=None, mode: str = "additive", alpha_init: float = 0.01, *,
                     layers_path: str | None = None, mlp_attr: str | None = None,
                     **memory_kwargs) -> list[MemoryBlock]:
     """Put a fresh fp32 ProductKeyMemory at each of ``layers`` of ``model`` (in place).
@@ -84,12 +85,14 @@ def attach_memories(model: nn.Module, layers=PAPER_LAYERS, mode: str = "additive
             its weights and their names), the memory created on that layer's device.
         layers_path, mlp_attr: where the decoder layers and their feed-forward module are, for
             other layouts (see :func:`decoder_layers`; GPT-2 and GPT-NeoX are known).
-        layers: 0-based decoder layer indices (paper: 6, 12, 18).
+        layers: 0-based decoder layer indices; None: scaled to the model (:mod:`smf.model.sizes`: a quarter,
+            half and three quarters of the depth; the paper's 6, 12, 18 at Qwen-2.5-0.5B).
         mode: ``"replacement"``, ``"additive"`` or ``"additive+s"`` (see :class:`MemoryBlock`; the old
             spelling ``"additive_s"`` is read with a DeprecationWarning).
         alpha_init: initial scalar of the memory branch in additive modes (paper: 0.01).
         **memory_kwargs: ProductKeyMemory arguments (n_keys, heads, topk, key_dim, value_dim,
-            backend); unset ones keep the paper defaults. ``d_model`` is the model's hidden size.
+            backend); unset sizes are scaled to the model (:mod:`smf.model.sizes`; the paper's at
+            Qwen-2.5-0.5B), ``value_dim`` the hidden size. ``d_model`` is the model's hidden size.
 
     Also installs hooks on the module holding the layers (``model.model``) that hand each call's
     ``attention_mask`` to the blocks for the duration of that call (so padding is not counted as
@@ -104,10 +107,17 @@ def attach_memories(model: nn.Module, layers=PAPER_LAYERS, mode: str = "additive
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if "d_model" in memory_kwargs:
         raise ValueError("d_model is taken from model.config.hidden_size; do not pass it")
+    given = set(memory_kwargs)
     layers_path, mlp_attr = _layout(model, layers_path, mlp_attr)
     stack, layer_list = _find_layers(model, layers_path, mlp_attr)
     if memory_blocks(model):
         raise ValueError(f"model already has memories at layers {[b.layer_index for b in memory_blocks(model)]}")
+    scaled = scaled_memory_sizes(model.config)
+    if layers is None:
+        layers = scaled["layers"]
+    memory_kwargs = {**{name: scaled[name] for name in ("n_keys", "heads", "topk", "key_dim")}, **memory_kwargs}
+    if "topk" not in given and "n_keys" in given:  # the scaled rule's topk for the n_keys given
+        memory_kwargs["topk"] = max(1, min(scaled["topk"], memory_kwargs["n_keys"] // 2))
     layers = tuple(sorted(check_layers(layers, len(layer_list))))
     config_class = memory_config_class(type(model.config)) if model.config.model_type else None
     d_model = model.config.get_text_config().hidden_size

@@ -29,15 +29,13 @@ def configure_trainable(model: nn.Module, stage: str) -> dict[str, int]:
       modes) trains, everything else is frozen.
     - ``sparse``: only memory values train (plus alpha in mode ``additive+s``); which value rows
       move each step is the trainer's business (ProductKeyMemory.set_update_rows).
-    - ``full``: every parameter of a model without memories trains (full-finetune baseline).
+    - ``full``: every parameter trains (full-finetune baseline), memories included when the model holds
+      some (a baseline from the same checkpoint as the sparse runs; their values get dense gradients).
     """
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
     blocks = memory_blocks(model)
     if stage == "full":
-        if blocks:
-            raise ValueError("stage 'full' is the full-finetune baseline and expects a model without memories; "
-                             f"this one has memories at layers {[b.layer_index for b in blocks]}")
         model.requires_grad_(True)
     else:
         if not blocks:

@@ -1,7 +1,8 @@
 """``smf background``: background read statistics of the retrofit memories (docs/method.md#slot-selection).
 
 The model (base + retrofit adapter) runs in eval mode over ``n_background`` single-example
-oasst1 batches (protocol ``clean``: held out from the retrofit examples, see
+oasst1 batches (``batch_size`` > 1: that many documents per forward, each counted apart,
+:func:`smf_kernels.sparse.background_batched.collect_background_batched`) (protocol ``clean``: held out from the retrofit examples, see
 :func:`smf.data.retrofit_and_background`; ``authors``: drawn from the same pool, see
 :func:`smf.data.authors_retrofit_and_background`);
 the :class:`SparseMemoryController` counts reads and the statistics are written to
@@ -27,6 +28,7 @@ from smf.train.distributed import World, barrier, setup_distributed
 from smf.train.recipes import BACKGROUND_FILE
 from smf.train.run_dir import RunFiles, claim_output_dir
 from smf_kernels.sparse import SparseMemoryController
+from smf_kernels.sparse.background_batched import collect_background_batched
 
 logger = logging.getLogger(__name__)
 
@@ -91,10 +93,15 @@ def _collect(config: RunConfig, world: World, files: RunFiles) -> Path:
     if authors_bf16_weights(config.protocol, "auto", world.device):  # the sparse stage's weights, as it counts
         cast_like_the_authors(model, keep_fp32=controller.value_parameters())
     features = background_features(config, tokenizer)[world.rank::world.size]
-    batches = [{"input_ids": torch.tensor([f["input_ids"]], device=world.device),
-                "attention_mask": torch.ones(1, len(f["input_ids"]), dtype=torch.long, device=world.device)}
-               for f in features]
-    stats = controller.collect_background(batches)
+    if config.batch_size > 1:  # several documents per forward, each counted apart
+        stats = collect_background_batched(model, [f["input_ids"] for f in features], batch_size=config.batch_size,
+                                           pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None
+                                           else tokenizer.eos_token_id, device=world.device)
+    else:
+        batches = [{"input_ids": torch.tensor([f["input_ids"]], device=world.device),
+                    "attention_mask": torch.ones(1, len(f["input_ids"]), dtype=torch.long, device=world.device)}
+                   for f in features]
+        stats = controller.collect_background(batches)
     path = files.path(BACKGROUND_FILE)
     if world.is_main:
         write_run_config(files.path(RUN_CONFIG), config.to_dict())

@@ -33,6 +33,30 @@ ALL, FIT = ("retrofit", "background", "train"), ("retrofit", "train")
 RETRO, BG, TRAIN = ("retrofit",), ("background",), ("train",)
 
 
+SCALED = "scaled to the model (docs/own-data.md#memory-sizes); {} at Qwen-2.5-0.5B"
+MEMORY_SIZES = ("layers", "n_keys", "heads", "topk", "key_dim")
+
+
+def model_config(model: str):
+    """The transformers config of base model ``model`` without loading weights: built in for 'tiny' and the paper's
+    Qwen, else read from the local directory or the hub cache (ConfigError if it cannot be read)."""
+    if model == TINY_MODEL:
+        from smf.tiny import tiny_config
+
+        return tiny_config()
+    if model == DEFAULT_MODEL:
+        from smf.report.accounting import paper_qwen_config
+
+        return paper_qwen_config()
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"--model {model!r}: cannot read its config to scale the memory sizes to it ({err}); give "
+                          "--layers, --n-keys, --heads, --topk and --key-dim") from None
+
+
 @dataclasses.dataclass
 class RunConfig:
     """Options of ``smf retrofit``, ``smf background`` and ``smf train`` (see :func:`smf.options.option`)."""
@@ -48,17 +72,20 @@ class RunConfig:
     mode: Literal[MEMORY_MODES] | None = option(None, "how memories join the layer's MLP (--recipe sparse: "
                                                 "the adapter's mode, or additive+s on an additive adapter; "
                                                 "docs/method.md#placement-in-qwen-2)", FIT)
-    layers: Annotated[list[int], AsList] = option((6, 12, 18), "0-based decoder layers that get a memory", RETRO)
-    n_keys: PositiveInt = option(128, "sub-keys per half (slots = n_keys**2)", RETRO)
-    heads: PositiveInt = option(4, "memory query heads", RETRO)
-    topk: PositiveInt = option(16, "slots read per head per token", RETRO)
-    key_dim: Annotated[int, Field(gt=0, multiple_of=2)] = option(256, "query/key width (even: split in halves)", RETRO)
+    layers: Annotated[list[int], AsList] | None = option(None, "0-based decoder layers that get a memory", RETRO,
+                                                         shown=SCALED.format("6,12,18"))
+    n_keys: PositiveInt | None = option(None, "sub-keys per half (slots = n_keys**2)", RETRO, shown=SCALED.format(128))
+    heads: PositiveInt | None = option(None, "memory query heads", RETRO, shown=SCALED.format(4))
+    topk: PositiveInt | None = option(None, "slots read per head per token", RETRO, shown=SCALED.format(16))
+    key_dim: Annotated[int, Field(gt=0, multiple_of=2)] | None = option(
+        None, "query/key width (even: split in halves)", RETRO, shown=SCALED.format(256))
     alpha_init: NonNegativeFloat = option(0.01, "initial alpha of the memory branch (additive modes)", RETRO)
     backend: Literal[BACKENDS] | None = option(None, "memory kernel backend; it must run on --device", ALL,
                                                shown="automatic: triton on CUDA, else ext when built, else torch")
     # sparse memory finetuning
     adapter: ExistingDir | None = option(None, "retrofit memory adapter: the retrofit run directory or its final/ "
-                                         "folder (required for background and --recipe sparse)", BG + TRAIN)
+                                         "folder (required for background and --recipe sparse; --recipe full: "
+                                         "finetune the model with these memories, every parameter)", BG + TRAIN)
     background: ExistingPath | None = option(None, "background statistics: a file written by `smf background` or its "
                                              "run directory (required for --recipe sparse)", TRAIN)
     rule: Literal[RULES] = option("tfidf", "slot scoring rule (--recipe sparse)", TRAIN)
@@ -105,7 +132,9 @@ class RunConfig:
                                        "authors) or on the answer only (answer: the prompt's labels are -100)", TRAIN)
     n_examples: PositiveInt | None = option(None, "training examples (own data: the first N rows, default all); background (--protocol clean): the retrofit "
                                             "set size, which background examples avoid", ALL)
-    n_background: PositiveInt = option(2000, "single-example background batches", BG)
+    n_background: PositiveInt = option(2000, "background documents (the paper's single-example batches)", BG)
+    batch_size: PositiveInt = option(1, "background documents per forward, each counted apart (the same statistics "
+                                     "as one per forward up to last-bit rounding; benchmarks/RESULTS.md)", BG)
     data_seed: Seed = option(0, "seed choosing the example subset (keep it fixed across runs)", ALL)
     max_length: PositiveInt = option(1024, "tokens per example (longer ones are cut)", ALL)
     # optimisation
@@ -129,7 +158,7 @@ class RunConfig:
     resume: bool = option(False, "continue from the checkpoint in --output-dir", FIT)
 
     def __post_init__(self) -> None:
-        self.layers = list(self.layers)
+        self.layers = None if self.layers is None else list(self.layers)
 
     def resolved(self, recipe: str) -> "RunConfig":
         """A copy with ``recipe`` set and the recipe's paper defaults filled in where options are None (the sparse
@@ -138,9 +167,22 @@ class RunConfig:
         defaults = {name: value for name, value in RECIPE_DEFAULTS[recipe].items() if getattr(self, name) is None}
         if self.own_data(recipe):  # own files are used whole unless --n-examples cuts them
             defaults.pop("n_examples", None)
+        if recipe == "retrofit" and any(getattr(self, name) is None for name in MEMORY_SIZES):
+            defaults.update(self._scaled_sizes())
         if self.sparse_backward is None:
             defaults["sparse_backward"] = "selected-rows" if self.compile else "deferred"
         return dataclasses.replace(self, recipe=recipe, **defaults)
+
+    def _scaled_sizes(self) -> dict:
+        """The memory sizes left at None, scaled to the model (:mod:`smf.model.sizes`); topk by the rule for a
+        given n_keys."""
+        from smf.model.sizes import scaled_memory_sizes
+
+        scaled = scaled_memory_sizes(model_config(self.model))
+        scaled["layers"] = list(scaled["layers"])
+        if self.topk is None and self.n_keys is not None:
+            scaled["topk"] = max(1, min(scaled["topk"], self.n_keys // 2))
+        return {name: scaled[name] for name in MEMORY_SIZES if getattr(self, name) is None}
 
     def own_data(self, recipe: str | None = None) -> bool:
         """Whether stage ``recipe`` (default: this config's) reads a user's own files (docs/own-data.md)."""
@@ -209,6 +251,9 @@ def unused_options(config: RunConfig, command: str) -> dict[str, str]:
         unused["n_examples"] = ("the authors protocol draws the background examples from its own pool (the first "
                                 "--n-background of it), whatever the retrofit's size; --protocol clean holds them "
                                 "out of the first --n-examples")
+    if command == "train" and config.recipe == "full" and config.adapter is not None:
+        for name in ("adapter", "backend"):  # full finetuning from a checkpoint holding memories
+            unused.pop(name, None)
     if command == "train" and config.recipe != "sparse":
         unused["count_reads"] = f"only --recipe sparse selects rows (this run is --recipe {config.recipe})"
     if command == "train" and config.train_data is None:
@@ -250,8 +295,9 @@ def build_config(command: str, file_options: dict, cli_options: dict) -> RunConf
     config = checked(RunConfig, options)
     if config.output_dir is None:
         raise ConfigError("--output-dir is required")
-    check_layers(config.layers, argument="--layers")
-    if config.topk > config.n_keys:
+    if config.layers is not None:
+        check_layers(config.layers, argument="--layers")
+    if config.topk is not None and config.n_keys is not None and config.topk > config.n_keys:
         raise ConfigError(f"--topk {config.topk} must be <= --n-keys {config.n_keys}")
     if config.global_batch_size % config.micro_batch_size:
         raise ConfigError(f"--global-batch-size {config.global_batch_size} is not a multiple of "

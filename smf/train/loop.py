@@ -124,6 +124,27 @@ def _prepare_output_dir(config: RunConfig, world: World, files: RunFiles) -> Non
         write_run_config(files.path(RUN_CONFIG), config.to_dict())
 
 
+DIAGNOSTICS_FILE = "memory_diagnostics.json"
+DIAGNOSTIC_EXAMPLES = 32  # training examples the retrofit's memory diagnostics are measured on
+
+
+def write_memory_diagnostics(model: nn.Module, features: list[dict], collator: CausalLMCollator,
+                             device: torch.device, path: Path) -> None:
+    """:func:`smf.model.memory_diagnostics` of the retrofit memories on the first :data:`DIAGNOSTIC_EXAMPLES`
+    training examples (warning when a memory is inert), written to ``path`` as JSON."""
+    from smf.files import write_json_atomic
+    from smf.model.diagnostics import memory_diagnostics
+
+    examples = features[:DIAGNOSTIC_EXAMPLES]
+    batches = [collate(examples, list(range(start, min(start + 4, len(examples)))), collator, device)
+               for start in range(0, len(examples), 4)]
+    diagnostics = memory_diagnostics(model, batches)
+    write_json_atomic(path, diagnostics.to_dict())
+    logger.info("memory diagnostics (%s) written to %s", "; ".join(
+        f"layer {layer.layer}: alpha {layer.alpha}, KL off {layer.kl_off:.3g}, share {layer.branch_share:.3g}"
+        for layer in diagnostics.layers), path)
+
+
 def train(config: RunConfig) -> dict:
     """Train ``config.recipe`` (a resolved RunConfig); returns {"step", "total_steps", "final_dir" or None}.
 
@@ -221,6 +242,9 @@ def _train(config: RunConfig, world: World, files: RunFiles) -> dict:
             if world.is_main:
                 save_final(setup.model, setup.tokenizer, config.recipe, final_dir)
                 logger.info("saved the final %s artefact to %s", config.recipe, final_dir)
+                if config.recipe == "retrofit":
+                    write_memory_diagnostics(setup.model, features, collator, world.device,
+                                             files.path(DIAGNOSTICS_FILE))
         barrier(world)
     else:
         logger.info("stopped at step %d of %d (--max-steps); --resume continues the run", step, total_steps)

@@ -6,7 +6,8 @@
   (or, ``--optimizer dense_masked``, masked dense gradients with torch AdamW for comparison;
   ``--optimizer authors``, the authors' update, :class:`AuthorsSparseUpdate`).
 - ``lora``: peft LoRA on the seven projections; AdamW.
-- ``full``: every base parameter; AdamW.
+- ``full``: every parameter of the base model, or of the base model with the memories of ``adapter`` (their
+  values, keys, projections and alpha too); AdamW.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from torch import nn
 from smf.errors import ConfigError
 from smf.model import apply_lora, attach_memories, configure_trainable, memory_blocks
 from smf.model.loading import load_base, load_with_adapter
+from smf.model.memory_mode import set_memory_mode
 from smf.model.precision import authors_bf16_weights, cast_like_the_authors
 from smf.train.config import RunConfig
 from smf.train.distributed import World
@@ -64,8 +66,7 @@ def set_sparse_mode(model: nn.Module, mode: str | None) -> None:
     if mode != "additive+s" or saved != "additive":
         raise ConfigError(f"--mode {mode} cannot finetune an adapter retrofitted in mode {saved!r}; only an additive "
                           "adapter can be finetuned as additive+s (omit --mode to keep the adapter's mode)")
-    for block in blocks:
-        block.mode = mode
+    set_memory_mode(model, mode)
 
 
 def _adamw(params, config: RunConfig) -> torch.optim.Optimizer:
@@ -128,8 +129,9 @@ def build_setup(config: RunConfig, world: World) -> TrainingSetup:
         model = apply_lora(model, r=config.lora_r, alpha=config.lora_alpha, dropout=config.lora_dropout)
         counts = {"trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
                   "total": sum(p.numel() for p in model.parameters())}
-    elif recipe == "full":
-        model, tokenizer = load_base(config.model, world.device)
+    elif recipe == "full":  # from the base model, or (--adapter) from a checkpoint holding memories
+        model, tokenizer = (load_base(config.model, world.device) if config.adapter is None else
+                            load_with_adapter(config.model, config.adapter, world.device, config.backend))
         counts = configure_trainable(model, "full")
     else:
         raise ConfigError(f"--recipe must be one of retrofit, sparse, lora, full; got {recipe!r}")
