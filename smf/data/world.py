@@ -7,12 +7,14 @@ word pretraining used (a world tokenizer has one token per word: :mod:`smf.data.
 never saw would collapse onto one another (docs/science.md, "Why the world looks like this").
 
 The world is rendered as text in the own-data schema (docs/own-data.md): biographies (several sentence templates per
-attribute, sentences in random order) and question/answer pairs. Its datasets, all disjoint in text:
+attribute, sentences in random order) and question/answer pairs. Its datasets (no biography in two of them; the old
+QA texts are shared by pretraining, retrofit and background, as they are the old knowledge in QA form):
 
 ==================  ======  =========================================================================================
 ``pretrain``        text    old people: ``bio_renders`` biographies each and every old fact as a QA text
-``retrofit``        text    old people: fresh biography renders (the paper's oasst stand-in: text the model knows)
-``background``      text    old people: more fresh renders (background statistics)
+``retrofit``        text    old people: fresh biography renders and every old fact as a QA text (the paper's oasst
+                            stand-in: text the model knows, in the finetuning task's QA format as well)
+``background``      text    old people: more fresh renders and the old QA texts (background statistics)
 ``train``           qa      new people: every new fact, once per question template (the MedMCQA train stand-in)
 ``eval_learn``      qa      new people: every new fact, first question template (learning: new-fact accuracy)
 ``eval_heldout``    text    old people: biographies rendered apart from every other set (held-out perplexity)
@@ -203,11 +205,13 @@ def build_world(options: WorldOptions | dict | None = None) -> World:
     pretrain = _renders(rng, old, options.bio_renders, taken)
     old_qa = [_question(person, attribute, template) for person in old for attribute in ATTRIBUTES
               for template in range(len(ATTRIBUTES[attribute][2]))]
-    pretrain += [{"text": qa_text(row["question"], row["answers"][0])} for row in old_qa]
+    pretrain += [{"text": qa_text(row["question"], row["answers"][0])} for row in old_qa]  # the same QA texts as
+    # the retrofit's and background's: the disjoint texts are the biographies
     rng.shuffle(pretrain)
     heldout = _renders(rng, rng.sample(old, options.heldout_people), 1, taken)
-    retrofit = _renders(rng, old, options.retrofit_renders, taken)
-    background = _renders(rng, old, options.background_renders, taken)
+    old_qa_texts = [{"text": qa_text(row["question"], row["answers"][0])} for row in old_qa]
+    retrofit = _renders(rng, old, options.retrofit_renders, taken) + old_qa_texts
+    background = _renders(rng, old, options.background_renders, taken) + old_qa_texts
     rng.shuffle(retrofit)
     rng.shuffle(background)
     old_facts = [(person, attribute) for person in old for attribute in ATTRIBUTES]

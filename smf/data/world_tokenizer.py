@@ -2,7 +2,7 @@
 
 Its BPE is trained (the ``tokenizers`` library) on a corpus built from :func:`smf.data.world.world_words` alone, so it
 does not depend on a world's seed or sizes: each word appears at the start of a text and after a space, and the
-templates appear filled, so every word (with and without its leading space) ends up a single token. The name parts are
+templates appear filled and joined by blank lines, so every word (with and without its leading space) ends up a single token. The name parts are
 tokens of their own, so a new person's name is a new sequence of tokens that pretraining trained (docs/science.md).
 
 It is a ``Qwen2Tokenizer`` (the pre-tokenizer, normaliser and decoder of Qwen-2.5's) with the tiny preset's special
@@ -28,7 +28,7 @@ def world_tokenizer_corpus() -> list[str]:
             texts += [template.format(name="Abel Aldmoor", value=value) for template in bios]
         texts += [f"Question: {question.format(name='Abel Aldmoor')}\nAnswer: {value}"
                   for question in questions for value in values]
-    return texts
+    return texts + ["\n\n".join(texts)]  # texts joined by blank lines, as pretraining and perplexity join them
 
 
 def world_tokenizer():

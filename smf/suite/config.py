@@ -58,6 +58,9 @@ class SuiteConfig:
     # conditions train; Table 1 reports each condition at the rate of its highest mean learning metric
     lr_sweep: dict[str, tuple[float, ...]] = field(default_factory=dict)
     threads: PositiveInt | None = None  # torch.set_num_threads for the suite's process (None: torch's default)
+    # sparse conditions also run with count_reads: loss (only the positions the loss scores count towards the
+    # selection), beside the config's count_reads: ablation_reads.md
+    count_reads_ablation: Annotated[tuple[str, ...], AsList, Distinct] = ()
     notice: str = ""  # what the numbers mean, at the top of report.md and printed after `smf suite` / `smf report`
 
     @field_validator("labels")
@@ -92,7 +95,7 @@ class SuiteConfig:
                                  f"got {sizes}")
         return sweep
 
-    @field_validator("authors_update")
+    @field_validator("authors_update", "count_reads_ablation")
     @classmethod
     def _sparse_conditions_of_the_suite(cls, chosen: tuple, info: ValidationInfo) -> tuple:
         sparse = [c for c in info.data.get("conditions", ()) if c in SPARSE_CONDITIONS]

@@ -42,10 +42,12 @@ class Run:
     seed: int
     update: str = "exact"
     lr: float | None = None  # a learning rate of the suite's lr_sweep (None: the configured one)
+    reads: str | None = None  # "loss": a count_reads ablation run (None: the configured count_reads)
 
     @property
     def name(self) -> str:
-        suffix = "-authors-update" if self.update == "authors" else ""
+        suffix = ("-authors-update" if self.update == "authors" else "") + (f"-{self.reads}-reads" if self.reads
+                                                                             else "")
         rate = "" if self.lr is None else f"-lr{self.lr:g}"
         return f"{self.condition}{suffix}{rate}-seed{self.seed}"
 
@@ -88,7 +90,8 @@ def plan_runs(config: SuiteConfig) -> list[Run]:
     conditions (each at every rate of its ``lr_sweep``), then the ``authors_update`` ablation runs of that seed."""
     return [run for seed in config.seeds
             for run in [Run(c, seed, lr=lr) for c in config.conditions for lr in _rates(config, c)]
-            + [Run(c, seed, "authors", lr) for c in config.authors_update for lr in _rates(config, c)]]
+            + [Run(c, seed, "authors", lr) for c in config.authors_update for lr in _rates(config, c)]
+            + [Run(c, seed, lr=lr, reads="loss") for c in config.count_reads_ablation for lr in _rates(config, c)]]
 
 
 @dataclass(frozen=True)
@@ -123,7 +126,8 @@ class SuiteLayout:
 
 def stage_config(config: SuiteConfig, stage: str, seed: int, output_dir: Path, *, mode: str | None = None,
                  rule: str | None = None, adapter: Path | None = None, background: Path | None = None,
-                 optimizer: str | None = None, lr: float | None = None) -> RunConfig:
+                 optimizer: str | None = None, lr: float | None = None,
+                 count_reads: str | None = None) -> RunConfig:
     """The resolved trainer options of one stage (retrofit, background, sparse, lora, full).
 
     Options: ``train`` < ``stages.{stage}`` < what the suite sets (model, device, data, seed, mode,
@@ -133,7 +137,8 @@ def stage_config(config: SuiteConfig, stage: str, seed: int, output_dir: Path, *
     """
     command = STAGE_COMMANDS[stage]
     inherited = config.stages.get("retrofit", {}) if stage == "background" else {}
-    options = {**config.train, **inherited, **config.stages.get(stage, {}), **({} if lr is None else {"lr": lr})}
+    options = {**config.train, **inherited, **config.stages.get(stage, {}), **({} if lr is None else {"lr": lr}),
+               **({} if count_reads is None else {"count_reads": count_reads})}
     suite_set = {"output_dir": str(output_dir), "model": config.model, "device": config.device, "seed": seed,
                  "protocol": config.protocol,
                  "oasst_path": config.data.oasst, "medmcqa_path": config.data.medmcqa_train,
@@ -193,7 +198,7 @@ def run_hash(config: SuiteConfig, run: Run) -> str:
     science = {"world": config.world, "pretrain": config.pretrain} if config.world else {}
     return _digest({
         **science, "model": config.model, "condition": run.condition, "seed": run.seed, "protocol": config.protocol,
-        "update": run.update,
+        "update": run.update, **({"reads": run.reads} if run.reads else {}),
         "train_data": ([config.data.oasst, config.data.medmcqa_train] + own_train) if stages else [],
         "stages": {stage: {name: value for name, value in {
             **config.train, **config.stages.get(stage, {}),

@@ -124,7 +124,8 @@ class SuiteRunner:
             config, "background", run.seed, background_dir, adapter=retrofit_dir))
         markers["train"] = ensure_stage("train", stage_config(
             config, "sparse", run.seed, layout.train_dir(run), mode=run.mode, rule=run.rule, adapter=retrofit_dir,
-            background=background_dir, optimizer="authors" if run.update == "authors" else None, lr=run.lr))
+            background=background_dir, optimizer="authors" if run.update == "authors" else None, lr=run.lr,
+            count_reads=run.reads))
         return markers
 
     def evaluate(self, run: Run) -> tuple[dict, dict, str]:
@@ -155,7 +156,7 @@ class SuiteRunner:
         metrics, eval_seconds, artefact = self.evaluate(run)
         results = {
             "condition": run.condition, "seed": run.seed, "update": run.update, "metrics": metrics,
-            **({} if run.lr is None else {"lr": run.lr}),
+            **({} if run.lr is None else {"lr": run.lr}), **({"reads": run.reads} if run.reads else {}),
             "sparse_steps": sparse_step_stats(self.layout.train_dir(run)) if run.recipe == "sparse" else None,
             "timing": {**{f"{kind}_s": marker["seconds"] for kind, marker in markers.items()},
                        "eval_s": eval_seconds, "wall_s": round(time.perf_counter() - started, 3)},

@@ -49,15 +49,20 @@ def learning_metric(results: list[dict]) -> str:
     return "learn_acc" if "learn_acc" in keys else "medmcqa_acc"
 
 
-def chosen_rates(results: list[dict]) -> dict[tuple[str, str], float]:
-    """(condition, update) -> the swept rate with the highest mean learning metric over its seeds (ties: the lower
+def variant(result: dict) -> tuple[str, str, str]:
+    """(condition, update, reads) of a results record: a method and its ablation variant."""
+    return result["condition"], result.get("update", "exact"), result.get("reads") or "all"
+
+
+def chosen_rates(results: list[dict]) -> dict[tuple[str, str, str], float]:
+    """:func:`variant` -> the swept rate with the highest mean learning metric over its seeds (ties: the lower
     rate); runs without a rate are left out."""
     metric = learning_metric(results)
-    means: dict[tuple[str, str], dict[float, list[float]]] = {}
+    means: dict[tuple[str, str, str], dict[float, list[float]]] = {}
     for result in results:
         if result.get("lr") is None:
             continue
-        key = (result["condition"], result.get("update", "exact"))
+        key = variant(result)
         means.setdefault(key, {}).setdefault(result["lr"], []).append(result["metrics"][metric])
     return {key: max(sorted(by_rate), key=lambda rate: statistics.fmean(by_rate[rate]))
             for key, by_rate in means.items()}
@@ -66,20 +71,20 @@ def chosen_rates(results: list[dict]) -> dict[tuple[str, str], float]:
 def at_chosen_rates(results: list[dict]) -> list[dict]:
     """The runs of ``results`` at their condition's chosen rate (:func:`chosen_rates`), and every run without one."""
     chosen = chosen_rates(results)
-    return [r for r in results if r.get("lr") is None or chosen[(r["condition"], r.get("update", "exact"))] == r["lr"]]
+    return [r for r in results if r.get("lr") is None or chosen[variant(r)] == r["lr"]]
 
 
 def sweep_rows(results: list[dict]) -> list[dict]:
-    """One row per (condition, update, rate): seeds, and per metric (mean, 95% half-width), with ``chosen``."""
+    """One row per (condition, update, reads, rate): seeds, and per metric (mean, 95% half-width), with ``chosen``
+    (rate None: runs without a sweep)."""
     chosen = chosen_rates(results)
     groups: dict[tuple, list[dict]] = {}
     for result in results:
-        if result.get("lr") is not None:
-            groups.setdefault((result["condition"], result.get("update", "exact"), result["lr"]), []).append(result)
+        groups.setdefault((*variant(result), result.get("lr")), []).append(result)
     rows = []
-    for (condition, update, rate), runs in groups.items():
+    for (condition, update, reads, rate), runs in groups.items():
         records = [{"condition": condition, "seed": r["seed"], **r["metrics"]} for r in runs]
         (summary,) = with_intervals(summarize(records), records)
-        rows.append({"condition": condition, "update": update, "lr": rate, "seeds": len(runs),
-                     "chosen": chosen[(condition, update)] == rate, "metrics": summary.stats})
+        rows.append({"condition": condition, "update": update, "reads": reads, "lr": rate, "seeds": len(runs),
+                     "chosen": rate is None or chosen[(condition, update, reads)] == rate, "metrics": summary.stats})
     return rows
