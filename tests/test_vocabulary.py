@@ -61,3 +61,10 @@ def test_conditions_and_layer_checks():
                             ([3, 9], r"--layers \[3, 9\]: indices \[9\] are beyond the model, which has 8")):
         with pytest.raises(ConfigError, match=message):
             check_layers(layers, 8, argument="--layers")
+
+
+def test_options_added_later_keep_old_fingerprints_at_their_old_behaviour():
+    old = hashlib.sha256(json.dumps({"lr": 0.1}, sort_keys=True).encode()).hexdigest()[:16]
+    assert options_fingerprint({"lr": 0.1, "count_reads": "all", "loss_on": "all", "train_data": None,
+                                "batch_size": 1}) == old
+    assert options_fingerprint({"lr": 0.1, "count_reads": "loss"}) != old

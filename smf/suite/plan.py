@@ -181,9 +181,17 @@ def _digest(obj) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+# Options added after suites were first fingerprinted, with the value that computes what was computed before they
+# existed: left out of the fingerprint at that value, so suite directories written before them still match.
+LATER_OPTIONS = {"retrofit_data": None, "background_data": None, "train_data": None, "loss_on": "all",
+                 "count_reads": "all", "batch_size": 1}
+
+
 def options_fingerprint(options: dict) -> str:
-    """Hash of a stage's resolved trainer options, without :data:`IGNORED_OPTIONS`."""
-    return _digest({name: value for name, value in options.items() if name not in IGNORED_OPTIONS})
+    """Hash of a stage's resolved trainer options, without :data:`IGNORED_OPTIONS` (nor :data:`LATER_OPTIONS` at
+    their old behaviour)."""
+    return _digest({name: value for name, value in options.items() if name not in IGNORED_OPTIONS
+                    and not (name in LATER_OPTIONS and value == LATER_OPTIONS[name])})
 
 
 def run_hash(config: SuiteConfig, run: Run) -> str:
