@@ -168,13 +168,18 @@ def test_science_suite_end_to_end(tmp_path):
     path.write_text(yaml.safe_dump(raw))
     config = load_suite_config(str(path))
     results = run_suite(config)
-    assert len(results) == len(config.conditions)
+    assert len(results) == len(config.conditions) + len(config.count_reads_ablation)
     assert {r["condition"] for r in results} == set(config.conditions)
+    assert sorted(r["condition"] for r in results if r.get("reads") == "loss") == sorted(config.count_reads_ablation)
     for result in results:
         assert set(result["metrics"]) == {"learn_acc", "heldout_ppl", "retain_acc"}
         assert (result.get("lr") is None) == (result["condition"] == "base")
     written = {p.name for p in write_suite_report(config.output_dir)}
-    assert {"table1.md", "pareto.png", "lr_sweep.md", "report.md"} <= written
+    assert {"table1.md", "pareto.png", "lr_sweep.md", "report.md", "ablation_reads.md",
+            "science_diagnostics.md"} <= written
+    diagnostics = json.loads((config.output_dir / "science_diagnostics.json").read_text())
+    assert set(diagnostics["retrofit"]) == {"replacement-seed0", "additive-seed0"}
+    assert sorted(diagnostics["alpha_reset"]) == ["additive+s-kl-lr0.01-seed0", "additive+s-tfidf-lr0.01-seed0"]
     report = (config.output_dir / "report.md").read_text()
     assert "95% Student-t interval" in report and "new-fact acc" in report
     world = json.loads((config.output_dir / "world" / "world.json").read_text())

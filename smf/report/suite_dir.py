@@ -240,6 +240,10 @@ def write_suite_report(suite_dir: str | Path) -> list[Path]:
         paths += write_update_ablation(config, results, layout.root)
     if config.count_reads_ablation:
         paths += write_reads_ablation(config, results, layout.root)
+    if config.world:  # the science preset: do the memories matter, and what carries the +S forgetting
+        from smf.suite.science_diagnostics import write_science_diagnostics
+
+        paths += write_science_diagnostics(config, results, layout.root)
     paths += write_accounting(config, layout.root)
     paths += write_status(config, layout.root)
     paths.append(write_report_page(config, layout.root))
