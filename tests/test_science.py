@@ -184,3 +184,8 @@ def test_science_suite_end_to_end(tmp_path):
     assert "95% Student-t interval" in report and "new-fact acc" in report
     world = json.loads((config.output_dir / "world" / "world.json").read_text())
     assert world["options"] == WorldOptions.from_dict(SMALL_WORLD).to_dict()
+
+
+def test_tiny_preset_says_it_is_a_smoke_test():
+    notice = load_suite_config("tiny").notice
+    assert "Smoke test" in notice and "mean nothing" in notice and "--config science" in notice

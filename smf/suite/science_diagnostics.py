@@ -71,6 +71,17 @@ def _alpha_reset_metrics(config, run_dir: Path, retrofit_dir: Path, eval_sets, o
     return {"alpha_retrofit": alphas, "metrics": metrics}
 
 
+def _retrofit_metrics(config, retrofit_dir: Path, eval_sets, out_dir: Path, device) -> dict:
+    """The retrofit model's metrics (memories attached, nothing finetuned): the reference of the sparse runs'
+    forgetting, as the base model is LoRA's and full finetuning's."""
+    from smf.eval.tasks import evaluate_model
+    from smf.model.loading import load_model
+
+    model, tokenizer = load_model(config.model, retrofit_dir, device)
+    metrics, _ = evaluate_model(model, tokenizer, eval_sets, config.eval, out_dir, config.protocol)
+    return metrics
+
+
 def compute_diagnostics(config, results: list[dict], root: Path) -> dict:
     """The measurements of the module docstring for ``results`` (the suite's runs), reusing cached ones."""
     from smf.eval.tasks import load_eval_sets
@@ -89,8 +100,14 @@ def compute_diagnostics(config, results: list[dict], root: Path) -> dict:
         run = Run(result["condition"], result["seed"], lr=result.get("lr"))
         key = f"{run.retrofit_mode}-seed{run.seed}"
         if key not in measured["retrofit"]:
-            measured["retrofit"][key] = cache.get("retrofit", {}).get(key) or _measure(
+            entry = cache.get("retrofit", {}).get(key) or _measure(
                 config, layout.retrofit_dir(run.retrofit_mode, run.seed), device)
+            if "metrics" not in entry:
+                if eval_sets is None:
+                    eval_sets = load_eval_sets(config.data, config.eval, config.protocol)
+                entry["metrics"] = _retrofit_metrics(config, layout.retrofit_dir(run.retrofit_mode, run.seed),
+                                                     eval_sets, root / "eval-retrofit" / key, device)
+            measured["retrofit"][key] = entry
         cached = cache.get("sparse", {}).get(run.name)
         measured["sparse"][run.name] = cached if cached and cached.get("hash") == result["config_hash"] else {
             "hash": result["config_hash"], "condition": run.condition, "seed": run.seed,
@@ -149,6 +166,18 @@ def write_science_diagnostics(config, results: list[dict], root: Path) -> list[P
             entries = by_condition[condition]
             lines.append(f"| {display_name(condition, config.model)}, trained | {len(entries)} | "
                          + " | ".join(_diagnostic_cells(entries)) + " |")
+    retrofits = list(measured["retrofit"].values())
+    if retrofits:
+        metrics = metric_keys(entry["metrics"] for entry in retrofits)
+        lines += ["\n## The retrofit alone\n",
+                  "The retrofit models (memories attached and trained on old text, nothing finetuned) evaluated like "
+                  "the runs: the starting point of the sparse runs, as the base model is LoRA's and full "
+                  "finetuning's. Means over seeds.\n",
+                  "| Retrofit | Seeds | " + " | ".join(metric_title(m, config.labels) for m in metrics) + " |",
+                  "| --- | ---: | " + " | ".join("---:" for _ in metrics) + " |"]
+        for mode, entries in sorted(by_mode.items()):
+            lines.append(f"| {mode} | {len(entries)} | " + " | ".join(
+                _mean(e["metrics"][m] for e in entries) for m in metrics) + " |")
     resets = list(measured["alpha_reset"].values())
     if resets:
         metrics = metric_keys(entry["trained"] for entry in resets)
