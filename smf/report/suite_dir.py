@@ -19,6 +19,7 @@ from smf.report.paper_results import HIGHER_IS_BETTER, display_name, metric_keys
 from smf.report.table import summarize
 from smf.suite.config import SuiteConfig, suite_config_from_dict
 from smf.suite.plan import SuiteLayout, plan_runs, run_hash, stage_settings
+from smf.report.sweep_plot import plot_sweep
 from smf.suite.science import at_chosen_rates, learning_metric, sweep_rows
 from smf.suite.status import cell, write_status
 from smf.errors import ConfigError
@@ -129,10 +130,16 @@ def write_sweep_table(config: SuiteConfig, results: list[dict], out_dir: Path) -
                                                                              row["reads"] != "all" else "")
         lines.append(f"| {method} | {row['lr']:g} | {'✓' if row['chosen'] else ''} | {row['seeds']} | "
                      + " | ".join(cells) + " |")
+    learning = learning_metric(results)
+    base = next((row["metrics"] for row in sweep_rows(results) if row["condition"] == "base"), None)
+    figure = plot_sweep([row for row in rows if row["update"] == "exact"], base, out_dir / "pareto_sweep.png",
+                        learning=learning, forgetting=[m for m in metrics if m != learning], model=config.model,
+                        labels=config.labels)
+    lines.append("\n![Every rate of every method](pareto_sweep.png)\n")
     md_path, json_path = out_dir / "lr_sweep.md", out_dir / "lr_sweep.json"
     md_path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     json_path.write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
-    return [md_path, json_path]
+    return [md_path, json_path, figure]
 
 
 def model_architecture(model: str):
