@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import statistics
-from pathlib import Path
 
 from smf.report.intervals import with_intervals
 from smf.report.table import summarize

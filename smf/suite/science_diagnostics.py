@@ -14,13 +14,10 @@ The measurements are cached in the JSON by run name and results hash, so re-draw
 from __future__ import annotations
 
 import json
-import logging
 import statistics
 from pathlib import Path
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 PROBE_ROWS = 64  # QA texts of each kind (old, new) the diagnostics are measured on
 DIAGNOSTICS_JSON, DIAGNOSTICS_MD = "science_diagnostics.json", "science_diagnostics.md"
