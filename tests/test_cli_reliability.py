@@ -192,7 +192,7 @@ def test_eval_of_an_adapter_that_is_not_what_it_claims_is_one_line(tmp_path, cap
     (["train", "--recipe", "lora", "--rows-per-step", "8"], "--rows-per-step is not used by this run: only --recipe "
                                                             "sparse uses it (this run is --recipe lora)"),
     (["train", "--recipe", "full", "--backend", "torch"], "--backend is not used by this run"),
-    (["train", "--recipe", "full", "--adapter", "{d}"], "--adapter is not used by this run"),
+    (["train", "--recipe", "lora", "--adapter", "{d}"], "--adapter is not used by this run"),
     (["train", "--recipe", "sparse", "--lora-r", "4", "--adapter", "{d}", "--background", "{d}"],
      "--lora-r is not used by this run: only --recipe lora uses it"),
     (["train", "--recipe", "sparse", "--optimizer", "authors", "--sparse-backward", "read-rows", "--adapter", "{d}",
@@ -332,7 +332,8 @@ def test_help_shows_the_default_that_applies_and_the_tiny_presets():
     assert "(default: 60000; --preset tiny: 20)" in train["--n-examples"]
     assert "(default: the hub; --preset tiny: smf/assets/tiny/medmcqa_train.jsonl)" in train["--medmcqa-path"]
     assert "(default: additive)" in retrofit["--mode"] and "(default: the adapter's)" in train["--mode"]
-    assert "(default: 6,12,18; --preset tiny: 2,4,6)" in retrofit["--layers"]
+    assert "(default: scaled to the model (docs/own-data.md#memory-sizes); 6,12,18 at Qwen-2.5-0.5B; --preset tiny: " \
+        "2,4,6)" in retrofit["--layers"]
 
 
 def test_the_parser_and_every_help_import_neither_torch_nor_the_model_code():

@@ -175,3 +175,13 @@ def test_own_data_suite_end_to_end_with_labels(own_files, tmp_path):
     assert "new-fact acc ↑" in table and "heldout_ppl ↓" in table and "old-fact acc ↑" in table
     assert "old-fact acc" in (config.output_dir / "suite_status.md").read_text()
     assert (config.output_dir / "pareto.png").stat().st_size > 0
+
+
+def test_smf_background_defaults_to_the_retrofits_own_texts(own_files, tmp_path):
+    retrofit, background = tmp_path / "retrofit", tmp_path / "background"
+    assert cli.main(["retrofit", "--preset", "tiny", "--retrofit-data", own_files["retrofit"], "--epochs", "1",
+                     "--output-dir", str(retrofit)]) == 0
+    assert cli.main(["background", "--preset", "tiny", "--adapter", str(retrofit), "--output-dir",
+                     str(background)]) == 0
+    options = json.loads((background / "run_config.json").read_text())
+    assert options["background_data"] == own_files["retrofit"] and options["oasst_path"] is None

@@ -27,6 +27,8 @@ def run_config(root, recipe, micro_batch_size, adapter):
     options = {"preset": "tiny", "recipe": recipe, "output_dir": str(root / recipe), "n_examples": 8,
                "global_batch_size": 4, "micro_batch_size": micro_batch_size, "epochs": 2, "lr": 1e-2,
                "warmup_steps": 1, "adapter": str(adapter), "background": str(adapter), "protocol": "clean"}
+    if recipe == "full":  # the base model's full finetuning (with --adapter it would finetune the memories too)
+        options = {name: value for name, value in options.items() if name not in ("adapter", "background")}
     return build_config("train", {}, options).resolved(recipe)
 
 

@@ -2,6 +2,7 @@
 from smf.model.adapter import load_memory_adapter, read_adapter_config, save_memory_adapter
 from smf.model.attach import LAYOUTS, PAPER_LAYERS, attach_memories, decoder_layers, decoder_stack, memory_blocks
 from smf.model.block import MODES, MemoryBlock
+from smf.model.diagnostics import INERT_KL, MemoryDiagnostics, memory_diagnostics, warn_if_inert
 from smf.model.freezing import (LORA_TARGET_REGEX, LORA_TARGETS, STAGES, apply_lora, configure_trainable,
                                 count_parameters)
 from smf.model.loading import (
@@ -16,15 +17,18 @@ from smf.model.loading import (
 )
 from smf.model.memory_mode import set_memory_mode
 from smf.model.read_mask import loss_positions, reads_counted_at_loss
+from smf.model.sizes import scaled_memory_sizes
 from smf.vocabulary import DEFAULT_MODEL
 
 __all__ = [
     "DEFAULT_MODEL",
+    "INERT_KL",
     "LAYOUTS",
     "LORA_TARGETS",
     "LORA_TARGET_REGEX",
     "MODES",
     "MemoryBlock",
+    "MemoryDiagnostics",
     "PAPER_LAYERS",
     "STAGES",
     "apply_lora",
@@ -44,8 +48,11 @@ __all__ = [
     "load_with_adapter",
     "loss_positions",
     "memory_blocks",
+    "memory_diagnostics",
     "read_adapter_config",
     "reads_counted_at_loss",
     "save_memory_adapter",
+    "scaled_memory_sizes",
     "set_memory_mode",
+    "warn_if_inert",
 ]

@@ -12,7 +12,7 @@ from torch import nn
 
 from smf.model.block import MODES, MemoryBlock
 from smf.model.hf_auto import base_model_type, memory_config_class
-from smf.model.sizes import scaled_memory_sizes
+from smf.model.sizes import scaled_layers, scaled_memory_kwargs
 from smf.vocabulary import PAPER_LAYERS, canonical, check_layers  # noqa: F401 (smf.model exports it)
 from smf_kernels import ProductKeyMemory
 
@@ -27,6 +27,7 @@ LAYOUTS = {
 }
 DEFAULT_LAYOUT = ("model.layers", "mlp")
 CONFIG_KEY = "smf_memories"  # model.config attribute recording the attached memories
+SCALED_KWARGS = ("n_keys", "heads", "topk", "key_dim")  # sizes scaled to the model when not given
 
 
 def _layout(model: nn.Module, layers_path: str | None, mlp_attr: str | None) -> tuple[str, str]:
@@ -112,15 +113,18 @@ def attach_memories(model: nn.Module, layers=None, mode: str = "additive", alpha
     stack, layer_list = _find_layers(model, layers_path, mlp_attr)
     if memory_blocks(model):
         raise ValueError(f"model already has memories at layers {[b.layer_index for b in memory_blocks(model)]}")
-    scaled = scaled_memory_sizes(model.config)
+    d_model = model.config.get_text_config().hidden_size
     if layers is None:
-        layers = scaled["layers"]
-    memory_kwargs = {**{name: scaled[name] for name in ("n_keys", "heads", "topk", "key_dim")}, **memory_kwargs}
-    if "topk" not in given and "n_keys" in given:  # the scaled rule's topk for the n_keys given
-        memory_kwargs["topk"] = max(1, min(scaled["topk"], memory_kwargs["n_keys"] // 2))
+        layers = scaled_layers(len(layer_list))
+    if any(name not in given for name in SCALED_KWARGS):
+        text = model.config.get_text_config()
+        width = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * d_model
+        scaled = scaled_memory_kwargs(d_model, width)
+        if "n_keys" in given:  # the rule's topk for the n_keys given
+            scaled["topk"] = max(1, min(scaled["topk"], memory_kwargs["n_keys"] // 2))
+        memory_kwargs = {**{name: scaled[name] for name in SCALED_KWARGS}, **memory_kwargs}
     layers = tuple(sorted(check_layers(layers, len(layer_list))))
     config_class = memory_config_class(type(model.config)) if model.config.model_type else None
-    d_model = model.config.get_text_config().hidden_size
 
     blocks = []
     for index in layers:

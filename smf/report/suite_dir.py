@@ -237,7 +237,7 @@ def write_suite_report(suite_dir: str | Path) -> list[Path]:
     results = collect_results(layout, config)
     if not results:
         raise ConfigError(f"--suite-dir {str(suite_dir)!r} holds no finished run (results/*.json) to report")
-    include_paper = config.model == DEFAULT_MODEL
+    include_paper = config.model == DEFAULT_MODEL and not config.data.own  # the paper's numbers: the paper's data
     sweep = bool(config.lr_sweep)  # Table 1 at each condition's chosen rate, 95% intervals (smf.suite.science)
     paths = write_report(table_records(at_chosen_rates(results) if sweep else results), layout.root,
                          include_paper=include_paper, model=config.model, labels=config.labels, intervals=sweep)

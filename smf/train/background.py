@@ -22,7 +22,7 @@ from smf.files import write_atomic
 from smf.model.loading import RUN_CONFIG, load_with_adapter, read_run_config
 from smf.model.precision import authors_bf16_weights, cast_like_the_authors
 from smf.train.artifacts import write_run_config
-from smf.train.config import RunConfig, unused_options
+from smf.train.config import TINY_PRESET, RunConfig, unused_options
 from smf.train.data import background_features
 from smf.train.distributed import World, barrier, setup_distributed
 from smf.train.recipes import BACKGROUND_FILE
@@ -64,8 +64,10 @@ def _retrofit_run_config(adapter: str) -> Path | None:
 
 def with_own_background(config: RunConfig) -> RunConfig:
     """``config`` with ``background_data`` defaulting to the retrofit's own texts (its ``retrofit_data``) when the
-    adapter's retrofit ran on own data and neither --background-data nor --oasst-path is given."""
-    if config.background_data is not None or config.oasst_path is not None:
+    adapter's retrofit ran on own data and neither --background-data nor --oasst-path is given (the tiny preset's
+    oasst1 file gives way, as it does to --retrofit-data)."""
+    preset_oasst = config.preset == "tiny" and config.oasst_path == TINY_PRESET.get("oasst_path")
+    if config.background_data is not None or (config.oasst_path is not None and not preset_oasst):
         return config
     run_config = _retrofit_run_config(config.adapter)
     retrofit_data = None if run_config is None else read_run_config(run_config.parent).get("retrofit_data")
@@ -73,7 +75,7 @@ def with_own_background(config: RunConfig) -> RunConfig:
         return config
     logger.info("background statistics over the retrofit's own texts %s (give --background-data for others)",
                 retrofit_data)
-    return dataclasses.replace(config, background_data=retrofit_data)
+    return dataclasses.replace(config, background_data=retrofit_data, oasst_path=None)
 
 
 def collect_background(config: RunConfig) -> Path:

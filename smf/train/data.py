@@ -56,6 +56,9 @@ def training_features(config: RunConfig, tokenizer) -> list[dict]:
     if config.own_data():
         key = "retrofit" if config.recipe == "retrofit" else "train"
         rows, schema = load_own(getattr(config, f"{key}_data"), f"--{key}-data", OWN_SCHEMAS[key])
+        if schema == "text" and config.loss_on == "answer":
+            logger.warning("--loss-on answer: %s holds text rows, which have no prompt; every token is trained",
+                           getattr(config, f"{key}_data"))
         features = own_features(tokenizer, rows[:config.n_examples], schema, config.loss_on, config.max_length)
         logger.info("%s: %d training examples from %s (%s rows, loss on %s tokens)", config.recipe, len(features),
                     getattr(config, f"{key}_data"), schema, "every" if config.loss_on == "all" else "the answer")
