@@ -48,7 +48,7 @@ def test_report_of_paper_suite(paper_suite, capsys):
     assert _report(suite_dir) == 0
     printed = capsys.readouterr().out.split()
     expected = ["table1.md", "table1.csv", "table1.tex", "pareto.png", "pareto.pdf", "accounting.md",
-                "accounting.json", "suite_status.md", "suite_status.json"]
+                "accounting.json", "suite_status.md", "suite_status.json", "report.md"]
     assert [p.rsplit("/", 1)[-1] for p in printed] == expected
     assert all((suite_dir / name).stat().st_size > 0 for name in expected)
 

@@ -11,8 +11,11 @@ def add_arguments(parser: argparse.ArgumentParser, command: str = "report") -> N
 
 
 def run(args: argparse.Namespace) -> int:
-    from smf.report.suite_dir import write_suite_report
+    from smf.report.suite_dir import load_suite_dir, write_suite_report
 
     for path in write_suite_report(args.suite_dir):
         print(path)
+    notice = load_suite_dir(args.suite_dir).notice
+    if notice:
+        print(f"NOTE: {notice.strip()}")
     return 0

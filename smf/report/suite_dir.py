@@ -20,6 +20,8 @@ from smf.report.records import check_results_record
 from smf.report.table import summarize
 from smf.suite.config import SuiteConfig, suite_config_from_dict
 from smf.suite.plan import SuiteLayout, plan_runs, run_hash, stage_settings
+from smf.report.sweep_plot import plot_sweep
+from smf.suite.science import at_chosen_rates, learning_metric, sweep_rows
 from smf.suite.status import cell, write_status
 from smf.errors import ConfigError
 from smf.files import read_json_object
@@ -69,7 +71,7 @@ def table_records(results: list[dict], update: str = "exact") -> list[dict]:
     """Results files of runs with sparse ``update`` ("exact": Table 1; "authors": the ablation runs) ->
     the records of :mod:`smf.report.table`."""
     return [{"condition": r["condition"], "seed": r["seed"], **r["metrics"]} for r in results
-            if r.get("update", "exact") == update]
+            if r.get("update", "exact") == update and not r.get("reads")]
 
 
 UPDATE_NAMES = {"exact": "exact (this project)", "authors": "authors'"}
@@ -81,7 +83,8 @@ def update_ablation(results: list[dict], conditions) -> list[dict]:
     rows = []
     for condition in conditions:
         for update in ("exact", "authors"):
-            runs = [r for r in results if r["condition"] == condition and r.get("update", "exact") == update]
+            runs = [r for r in results if r["condition"] == condition and r.get("update", "exact") == update
+                    and not r.get("reads")]
             if not runs:
                 continue
             (summary,) = summarize(table_records(runs, update))
@@ -95,7 +98,7 @@ def update_ablation(results: list[dict], conditions) -> list[dict]:
 
 def write_update_ablation(config: SuiteConfig, results: list[dict], out_dir: Path) -> list[Path]:
     """``ablation_update.md`` / ``.json``: :func:`update_ablation` of the suite's ``authors_update`` conditions."""
-    rows = update_ablation(results, config.authors_update)
+    rows = update_ablation(at_chosen_rates(results) if config.lr_sweep else results, config.authors_update)
     metrics = metric_keys(r["metrics"] for r in results)
     arrows = {metric: "↑" if HIGHER_IS_BETTER[metric] else "↓" for metric in metrics}
     lines = ["# Sparse update ablation: this project's exact update vs the authors'\n",
@@ -117,6 +120,41 @@ def write_update_ablation(config: SuiteConfig, results: list[dict], out_dir: Pat
     md_path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     json_path.write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
     return [md_path, json_path]
+
+
+def write_sweep_table(config: SuiteConfig, results: list[dict], out_dir: Path) -> list[Path]:
+    """``lr_sweep.md`` / ``.json``: every (condition, rate) of the sweep, mean ± 95% interval over seeds, the rate
+    Table 1 reports marked (:func:`smf.suite.science.chosen_rates`)."""
+    rows = [row for row in sweep_rows(results) if row["lr"] is not None]
+    metrics = metric_keys(r["metrics"] for r in results)
+    arrows = {metric: "↑" if HIGHER_IS_BETTER[metric] else "↓" for metric in metrics}
+    budget = ", ".join(f"{recipe} {list(rates)}" for recipe, rates in config.lr_sweep.items())
+    lines = ["# Learning-rate sweep\n",
+             f"Every method gets the same number of learning rates ({budget}), each run for every seed; Table 1 "
+             f"reports each method at the rate with the highest mean {metric_title(learning_metric(results), config.labels)} "
+             "(marked ✓; ties: the lower rate). ± is the 95% Student-t interval of the mean over seeds.\n",
+             "| Method | LR | Chosen | Seeds | " + " | ".join(f"{metric_title(m, config.labels)} {arrows[m]}"
+                                                      for m in metrics) + " |",
+             "| --- | ---: | :---: | ---: | " + " | ".join("---:" for _ in metrics) + " |"]
+    order = {condition: index for index, condition in enumerate(config.conditions)}
+    for row in sorted(rows, key=lambda r: (order.get(r["condition"], 99), r["update"], r["reads"], r["lr"])):
+        cells = [("—" if row["metrics"][m] is None else f"{row['metrics'][m][0]:.3f} ± {row['metrics'][m][1]:.3f}")
+                 for m in metrics]
+        method = display_name(row["condition"], config.model) + (" (authors' update)" if row["update"] == "authors"
+                                                                 else "") + (f" ({row['reads']} reads)" if
+                                                                             row["reads"] != "all" else "")
+        lines.append(f"| {method} | {row['lr']:g} | {'✓' if row['chosen'] else ''} | {row['seeds']} | "
+                     + " | ".join(cells) + " |")
+    learning = learning_metric(results)
+    base = next((row["metrics"] for row in sweep_rows(results) if row["condition"] == "base"), None)
+    figure = plot_sweep([row for row in rows if row["update"] == "exact"], base, out_dir / "pareto_sweep.png",
+                        learning=learning, forgetting=[m for m in metrics if m != learning], model=config.model,
+                        labels=config.labels)
+    lines.append("\n![Every rate of every method](pareto_sweep.png)\n")
+    md_path, json_path = out_dir / "lr_sweep.md", out_dir / "lr_sweep.json"
+    md_path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    json_path.write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
+    return [md_path, json_path, figure]
 
 
 def model_architecture(model: str):
@@ -155,6 +193,57 @@ def write_accounting(config: SuiteConfig, out_dir: Path) -> list[Path]:
     return [md_path, json_path]
 
 
+def write_reads_ablation(config: SuiteConfig, results: list[dict], out_dir: Path) -> list[Path]:
+    """``ablation_reads.md`` / ``.json``: the ``count_reads_ablation`` conditions with the config's read counting
+    and with ``count_reads: loss``, each at its own chosen rate (with a sweep), mean ± 95% interval over seeds."""
+    chosen = at_chosen_rates(results) if config.lr_sweep else results
+    rows = [row for row in sweep_rows([r for r in chosen if r.get("update", "exact") == "exact"])
+            if row["condition"] in config.count_reads_ablation]
+    metrics = metric_keys(r["metrics"] for r in results)
+    arrows = {metric: "↑" if HIGHER_IS_BETTER[metric] else "↓" for metric in metrics}
+    default = config.train.get("count_reads", "all")
+    lines = ["# Read counting ablation: which reads choose the rows\n",
+             f"`{default}` (the config's): every non-padding token's reads count towards the rows a step trains; "
+             "`loss`: only the reads at positions whose next token the loss scores. Each at its own chosen learning "
+             "rate; ± is the 95% interval over seeds.\n",
+             "| Method | Reads counted | LR | Seeds | " + " | ".join(f"{metric_title(m, config.labels)} {arrows[m]}"
+                                                              for m in metrics) + " |",
+             "| --- | --- | ---: | ---: | " + " | ".join("---:" for _ in metrics) + " |"]
+    for row in sorted(rows, key=lambda r: (config.conditions.index(r["condition"]), r["reads"] != "all")):
+        cells = [("—" if row["metrics"][m] is None else f"{row['metrics'][m][0]:.3f} ± {row['metrics'][m][1]:.3f}")
+                 for m in metrics]
+        reads = default if row["reads"] == "all" else row["reads"]
+        rate = "—" if row["lr"] is None else f"{row['lr']:g}"
+        lines.append(f"| {display_name(row['condition'], config.model)} | {reads} | {rate} | {row['seeds']} | "
+                     + " | ".join(cells) + " |")
+    md_path, json_path = out_dir / "ablation_reads.md", out_dir / "ablation_reads.json"
+    md_path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    json_path.write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
+    return [md_path, json_path]
+
+
+def write_report_page(config: SuiteConfig, out_dir: Path) -> Path:
+    """``report.md``: the suite's ``notice`` (what its numbers mean), Table 1, the figure, and the other tables
+    written beside them (the learning-rate sweep, the update ablation, the science diagnostics, the status)."""
+    ci = bool(config.lr_sweep)
+    spread = ("the 95% Student-t interval of the mean over seeds; each method at its chosen learning rate "
+              "(lr_sweep.md)" if ci else "the sample standard deviation over seeds")
+    lines = [f"# Suite `{config.name}`\n"]
+    if config.notice:
+        lines.append(f"> **{config.notice.strip()}**\n")
+    lines += [f"Model `{config.model}`, protocol `{config.protocol}`, seeds {list(config.seeds)}.\n",
+              f"## Table 1\n\n± is {spread}.\n", (out_dir / "table1.md").read_text(encoding="utf-8"),
+              "![Pareto figure](pareto.png)\n"]
+    for name in ("lr_sweep.md", "science_diagnostics.md", "ablation_reads.md", "ablation_update.md", "accounting.md"):
+        if (out_dir / name).is_file():
+            text = (out_dir / name).read_text(encoding="utf-8")
+            lines.append("#" + text if text.startswith("# ") else text)
+    lines.append("Every run: suite_status.md.\n")
+    path = out_dir / "report.md"
+    path.write_text("\n".join(lines), encoding="utf-8")
+    return path
+
+
 def write_suite_report(suite_dir: str | Path) -> list[Path]:
     """Table 1, the Pareto figure, the accounting and the status of the suite in ``suite_dir``; returns
     the paths written. A results file that fails its check (:mod:`smf.report.records`) is left out of the
@@ -168,12 +257,22 @@ def write_suite_report(suite_dir: str | Path) -> list[Path]:
     paths = []
     if results:
         include_paper = config.model == DEFAULT_MODEL and not config.data.own  # the paper's numbers: the paper's data
-        paths += write_report(table_records(results), layout.root, include_paper=include_paper, model=config.model,
-                              labels=config.labels)
+        sweep = bool(config.lr_sweep)  # Table 1 at each condition's chosen rate, 95% intervals (smf.suite.science)
+        paths += write_report(table_records(at_chosen_rates(results) if sweep else results), layout.root,
+                              include_paper=include_paper, model=config.model, labels=config.labels, intervals=sweep)
+        if sweep:
+            paths += write_sweep_table(config, results, layout.root)
         if config.authors_update:
             paths += write_update_ablation(config, results, layout.root)
+        if config.count_reads_ablation:
+            paths += write_reads_ablation(config, results, layout.root)
+        if config.world:  # the science preset: do the memories matter, and what carries the +S forgetting
+            from smf.suite.science_diagnostics import write_science_diagnostics
+
+            paths += write_science_diagnostics(config, results, layout.root)
     paths += write_accounting(config, layout.root)
     paths += write_status(config, layout.root, failed={**foreign, **refused})
+    paths.append(write_report_page(config, layout.root))
     logger.info("report of %d runs written to %s", len(results), layout.root)
     if refused:
         first, *others = refused.values()

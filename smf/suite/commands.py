@@ -68,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_report:
         for path in write_suite_report(config.output_dir):
             print(path)
+    if config.notice:
+        print(f"NOTE: {config.notice.strip()}")
     return 0
 
 

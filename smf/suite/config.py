@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, Field, ValidationInfo, field_validator
+from pydantic import AfterValidator, Field, PositiveInt, ValidationInfo, field_validator
 from pydantic_core import to_jsonable_python
 
 from smf.data.paths import DataPaths
@@ -51,6 +51,18 @@ class SuiteConfig:
     stages: dict = field(default_factory=dict)  # per-stage overrides of train
     eval: EvalSettings = field(default_factory=EvalSettings)
     labels: dict[str, str] = field(default_factory=dict)  # metric key -> column title in Table 1 and the figure
+    # The science preset (docs/science.md): a synthetic world written to {output_dir}/world as the own data, and a
+    # model pretrained on it in {output_dir}/pretrain (smf.suite.science); empty: not used.
+    world: dict = field(default_factory=dict)  # smf.data.world.WorldOptions
+    pretrain: dict = field(default_factory=dict)  # smf.train.pretrain.PretrainOptions
+    # recipe (sparse, lora, full) -> learning rates, each run for every seed; the same number for every recipe the
+    # conditions train; Table 1 reports each condition at the rate of its highest mean learning metric
+    lr_sweep: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    threads: PositiveInt | None = None  # torch.set_num_threads for the suite's process (None: torch's default)
+    # sparse conditions also run with count_reads: loss (only the positions the loss scores count towards the
+    # selection), beside the config's count_reads: ablation_reads.md
+    count_reads_ablation: Annotated[tuple[str, ...], AsList, Distinct] = ()
+    notice: str = ""  # what the numbers mean, at the top of report.md and printed after `smf suite` / `smf report`
 
     @field_validator("labels")
     @classmethod
@@ -62,7 +74,29 @@ class SuiteConfig:
                 raise ValueError(f"labels: the title of {key!r} is empty")
         return labels
 
-    @field_validator("authors_update")
+    @field_validator("lr_sweep")
+    @classmethod
+    def _equal_sweeps(cls, sweep: dict, info: ValidationInfo) -> dict:
+        from smf.suite.plan import condition_recipe
+
+        trained = sorted({condition_recipe(c) for c in info.data.get("conditions", ()) if c != "base"})
+        for recipe, rates in sweep.items():
+            if recipe not in ("sparse", "lora", "full"):
+                raise ValueError(f"unknown recipe {recipe!r}; valid: sparse, lora, full")
+            if not rates or len(set(rates)) != len(rates) or any(not rate > 0 for rate in rates):
+                raise ValueError(f"{recipe}: give distinct positive learning rates, got {list(rates)}")
+        if sweep:
+            missing = [recipe for recipe in trained if recipe not in sweep]
+            if missing:
+                raise ValueError(f"no learning rates for {', '.join(missing)}: every trained recipe of the conditions "
+                                 "gets a sweep")
+            sizes = {recipe: len(sweep[recipe]) for recipe in trained}
+            if len(set(sizes.values())) > 1:
+                raise ValueError(f"every recipe gets the same number of learning rates (the same tuning budget), "
+                                 f"got {sizes}")
+        return sweep
+
+    @field_validator("authors_update", "count_reads_ablation")
     @classmethod
     def _sparse_conditions_of_the_suite(cls, chosen: tuple, info: ValidationInfo) -> tuple:
         sparse = [c for c in info.data.get("conditions", ()) if c in SPARSE_CONDITIONS]
@@ -139,23 +173,56 @@ def _check_own_data(config: SuiteConfig) -> None:
         raise ConfigError("data.background is not used: no sparse condition computes background statistics")
 
 
+def _science_inputs(raw: dict) -> dict:
+    """``raw`` with the world's files as its own data and the pretrained model as its model, when ``world`` /
+    ``pretrain`` are given (the suite writes them: :mod:`smf.suite.science`); ConfigError for what they replace."""
+    if not raw.get("world") and not raw.get("pretrain"):
+        return raw
+    from smf.data.world import WorldOptions
+    from smf.train.pretrain import PretrainOptions
+
+    if raw.get("pretrain") and not raw.get("world"):
+        raise ConfigError("pretrain needs world: the model is pretrained on the world's old knowledge")
+    WorldOptions.from_dict(mapping(raw["world"], "world"))
+    root = Path(str(raw.get("output_dir", ""))).expanduser().resolve()
+    data = {role: str(root / "world" / f"{role}.jsonl") for role in
+            ("retrofit", "background", "train", "eval_learn", "eval_heldout", "eval_retain")}
+    given = {key: value for key, value in mapping(raw.get("data"), "data").items() if value is not None}
+    if given and given != data:  # a saved config holds the derived paths
+        raise ConfigError("world and data cannot both be given: the world's files are the suite's data")
+    raw = {**raw, "data": data}
+    if raw.get("pretrain"):
+        PretrainOptions.from_dict(mapping(raw["pretrain"], "pretrain"))
+        model = str(root / "pretrain" / "final")
+        if raw.get("model") not in (None, model):
+            raise ConfigError("pretrain and model cannot both be given: the pretrained model is the suite's model")
+        raw["model"] = model
+    return raw
+
+
 def parse_suite_config(raw, base_dir: Path, *, source: str = "config", check_paths: bool = True) -> SuiteConfig:
     """Validate a config mapping (see the module docstring); relative input paths resolve against
     ``base_dir``. ``check_paths=False`` skips the checks that need the data and model on disk."""
     raw = mapping(raw, source, SuiteConfig.__dataclass_fields__)
     raw = {key: value for key, value in raw.items() if value is not None}
-    if isinstance(raw.get("model"), str) and raw["model"].startswith((".", "/", "~")):  # a local model
+    raw = _science_inputs(raw)
+    if isinstance(raw.get("model"), str) and raw["model"].startswith((".", "/", "~")) \
+            and not raw.get("pretrain"):  # a local model (a pretrained one is written by the suite)
         raw["model"] = _input_path(raw["model"], base_dir, "model", check_paths, "directory")
     config = checked(SuiteConfig, {
         "name": Path(source).stem, **raw,
-        "data": {key: _input_path(value, base_dir, f"data.{key}", check_paths)
+        "data": {key: value if raw.get("world") else _input_path(value, base_dir, f"data.{key}", check_paths)
                  for key, value in mapping(raw.get("data"), "data", DataPaths.__dataclass_fields__).items()},
         "train": _train_options(raw.get("train"), "train"),
         "stages": {stage: _train_options(options, f"stages.{stage}", stage)
                    for stage, options in mapping(raw.get("stages"), "stages", STAGE_COMMANDS).items()},
         "eval": _eval_settings(raw),
         "labels": mapping(raw.get("labels"), "labels"),
+        "lr_sweep": mapping(raw.get("lr_sweep"), "lr_sweep"),
     }, str)
+    for stage in config.lr_sweep:
+        if "lr" in config.stages.get(stage, {}) or "lr" in config.train:
+            raise ConfigError(f"lr_sweep.{stage} and an lr in train or stages.{stage} cannot both be given")
     _check_own_data(config)
     if check_paths:  # the trainer's checks of combinations (batch sizes, layers, device, backend) on every stage's
         for stage in STAGE_COMMANDS:  # options now; the retrofit command's checks need no adapter

@@ -41,18 +41,20 @@ class Run:
     condition: str
     seed: int
     update: str = "exact"
+    lr: float | None = None  # a learning rate of the suite's lr_sweep (None: the configured one)
+    reads: str | None = None  # "loss": a count_reads ablation run (None: the configured count_reads)
 
     @property
     def name(self) -> str:
-        suffix = "-authors-update" if self.update == "authors" else ""
-        return f"{self.condition}{suffix}-seed{self.seed}"
+        suffix = ("-authors-update" if self.update == "authors" else "") + (f"-{self.reads}-reads" if self.reads
+                                                                             else "")
+        rate = "" if self.lr is None else f"-lr{self.lr:g}"
+        return f"{self.condition}{suffix}{rate}-seed{self.seed}"
 
     @property
     def recipe(self) -> str | None:
         """None (base: no training), 'lora', 'full' or 'sparse'."""
-        if self.condition == "base":
-            return None
-        return self.condition if self.condition in ("lora", "full") else "sparse"
+        return condition_recipe(self.condition)
 
     @property
     def mode(self) -> str | None:
@@ -70,12 +72,26 @@ class Run:
         return split_condition(self.condition)[1] if self.recipe == "sparse" else None
 
 
+def condition_recipe(condition: str) -> str | None:
+    """None (base: no training), 'lora', 'full' or 'sparse'."""
+    if condition == "base":
+        return None
+    return condition if condition in ("lora", "full") else "sparse"
+
+
+def _rates(config: SuiteConfig, condition: str) -> tuple:
+    """The learning rates ``condition`` runs at: its recipe's ``lr_sweep`` (None for base or without a sweep)."""
+    recipe = condition_recipe(condition)
+    return tuple(config.lr_sweep.get(recipe, (None,))) if recipe is not None else (None,)
+
+
 def plan_runs(config: SuiteConfig) -> list[Run]:
     """Every run of the suite, seed by seed (a partial suite has whole seeds done first): the Table 1
-    conditions, then the ``authors_update`` ablation runs of that seed."""
+    conditions (each at every rate of its ``lr_sweep``), then the ``authors_update`` ablation runs of that seed."""
     return [run for seed in config.seeds
-            for run in [Run(c, seed) for c in config.conditions] + [Run(c, seed, "authors")
-                                                                    for c in config.authors_update]]
+            for run in [Run(c, seed, lr=lr) for c in config.conditions for lr in _rates(config, c)]
+            + [Run(c, seed, "authors", lr) for c in config.authors_update for lr in _rates(config, c)]
+            + [Run(c, seed, lr=lr, reads="loss") for c in config.count_reads_ablation for lr in _rates(config, c)]]
 
 
 @dataclass(frozen=True)
@@ -110,16 +126,19 @@ class SuiteLayout:
 
 def stage_config(config: SuiteConfig, stage: str, seed: int, output_dir: Path, *, mode: str | None = None,
                  rule: str | None = None, adapter: Path | None = None, background: Path | None = None,
-                 update: str | None = None) -> RunConfig:
+                 update: str | None = None, lr: float | None = None,
+                 count_reads: str | None = None) -> RunConfig:
     """The resolved trainer options of one stage (retrofit, background, sparse, lora, full).
 
     Options: ``train`` < ``stages.{stage}`` < what the suite sets (model, device, data, seed, mode,
-    rule, directories; ``update`` "authors" for the update ablation). The background stage also
+    rule, directories; ``update`` "authors" for the update ablation; ``lr`` a rate of the sweep). The background
+    stage also
     inherits ``stages.retrofit`` (its examples must be drawn exactly as the retrofit's were).
     """
     command = STAGE_COMMANDS[stage]
     inherited = config.stages.get("retrofit", {}) if stage == "background" else {}
-    options = {**config.train, **inherited, **config.stages.get(stage, {})}
+    options = {**config.train, **inherited, **config.stages.get(stage, {}), **({} if lr is None else {"lr": lr}),
+               **({} if count_reads is None else {"count_reads": count_reads})}
     suite_set = {"output_dir": str(output_dir), "model": config.model, "device": config.device, "seed": seed,
                  "protocol": config.protocol,
                  "oasst_path": config.data.oasst, "medmcqa_path": config.data.medmcqa_train,
@@ -181,15 +200,19 @@ def run_hash(config: SuiteConfig, run: Run) -> str:
     as configured, its seed and condition, and the evaluation settings."""
     stages = {"base": (), "lora": ("lora",), "full": ("full",)}.get(run.condition,
                                                                       ("retrofit", "background", "sparse"))
+    trained = condition_recipe(run.condition)
     data = config.data  # own-data files enter the hash only when given (paper suites keep their hashes)
     own_train = [data.retrofit, data.background, data.train] if data.own else []
     own_eval = [data.eval_learn, data.eval_heldout, data.eval_retain] if data.own else []
+    science = {"world": config.world, "pretrain": config.pretrain} if config.world else {}
     return _digest({
-        "model": config.model, "condition": run.condition, "seed": run.seed, "protocol": config.protocol,
-        "update": run.update,
+        **science, "model": config.model, "condition": run.condition, "seed": run.seed, "protocol": config.protocol,
+        "update": run.update, **({"reads": run.reads} if run.reads else {}),
         "train_data": ([config.data.oasst, config.data.medmcqa_train] + own_train) if stages else [],
-        "stages": {stage: {name: value for name, value in {**config.train, **config.stages.get(stage, {})}.items()
-                           if name not in IGNORED_OPTIONS} for stage in stages},
+        "stages": {stage: {name: value for name, value in {
+            **config.train, **config.stages.get(stage, {}),
+            **({"lr": run.lr} if run.lr is not None and stage == trained else {})}.items()
+            if name not in IGNORED_OPTIONS} for stage in stages},
         "eval": config.to_dict()["eval"],
         "eval_data": [config.data.medmcqa_validation, config.data.wikitext, config.data.triviaqa] + own_eval,
     })

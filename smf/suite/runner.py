@@ -31,6 +31,7 @@ from smf.model.loading import FINAL_DIR, RUN_CONFIG, load_model, read_run_config
 from smf.suite.config import SuiteConfig
 from smf.suite.plan import (Run, SuiteLayout, merged_plan, options_fingerprint, plan_runs, run_hash,
                             sparse_stage_dirs, stage_config)
+from smf.suite.science import prepare_science_inputs
 from smf.suite.status import write_status
 from smf.train.background import collect_background
 from smf.train.checkpoint import CHECKPOINT_FILE, LOG_FILE
@@ -43,7 +44,9 @@ logger = logging.getLogger(__name__)
 STAGE_MARKER = "suite_stage.json"
 # What `smf report` writes into a suite directory besides suite_status (rewritten by every call)
 REPORT_FILES = ("table1.md", "table1.csv", "table1.tex", "pareto.png", "pareto.pdf", "accounting.md",
-                "accounting.json", "ablation_update.md", "ablation_update.json")
+                "accounting.json", "ablation_update.md", "ablation_update.json", "report.md", "lr_sweep.md",
+                "lr_sweep.json", "pareto_sweep.png", "ablation_reads.md", "ablation_reads.json",
+                "science_diagnostics.md", "science_diagnostics.json")
 ABLATION_FILES = ("ablation_update.md", "ablation_update.json")
 DATA_LOGGERS = ("smf.data.sources",)  # their warnings (e.g. fewer rows than asked) are the same for every run
 
@@ -136,7 +139,8 @@ class SuiteRunner:
         if run.recipe is None:
             return {}
         if run.recipe != "sparse":
-            return {"train": ensure_stage("train", stage_config(config, run.recipe, run.seed, layout.train_dir(run)))}
+            return {"train": ensure_stage("train", stage_config(config, run.recipe, run.seed, layout.train_dir(run),
+                                                                lr=run.lr))}
         retrofit_dir, background_dir = sparse_stage_dirs(layout, run)
         markers = {"retrofit": ensure_stage("retrofit", stage_config(config, "retrofit", run.seed, retrofit_dir,
                                                                      mode=run.retrofit_mode))}
@@ -144,7 +148,8 @@ class SuiteRunner:
             config, "background", run.seed, background_dir, adapter=retrofit_dir))
         markers["train"] = ensure_stage("train", stage_config(
             config, "sparse", run.seed, layout.train_dir(run), mode=run.mode, rule=run.rule, adapter=retrofit_dir,
-            background=background_dir, update="authors" if run.update == "authors" else None))
+            background=background_dir, update="authors" if run.update == "authors" else None, lr=run.lr,
+            count_reads=run.reads))
         return markers
 
     def evaluate(self, run: Run) -> tuple[dict, dict, str, dict]:
@@ -177,6 +182,7 @@ class SuiteRunner:
         metrics, eval_seconds, artefact, eval_rows = self.evaluate(run)
         results = {
             "condition": run.condition, "seed": run.seed, "update": run.update, "metrics": metrics,
+            **({} if run.lr is None else {"lr": run.lr}), **({"reads": run.reads} if run.reads else {}),
             "sparse_steps": sparse_step_stats(self.layout.train_dir(run)) if run.recipe == "sparse" else None,
             "timing": {**{f"{kind}_s": marker["seconds"] for kind, marker in markers.items()},
                        "eval_s": eval_seconds, "wall_s": round(time.perf_counter() - started, 3)},
@@ -218,6 +224,9 @@ class SuiteRunner:
         """Every planned run, skipping finished ones; returns their results in plan order."""
         runs = plan_runs(self.config)
         self.config.output_dir.mkdir(parents=True, exist_ok=True)
+        if self.config.threads is not None:
+            torch.set_num_threads(self.config.threads)
+        prepare_science_inputs(self.config)  # the world's files and the pretrained model, when configured
         recorded = self.record_plan()
         todo = len(self.pending())
         logger.info("suite %s: %d runs (%d finished, %d to do) in %s", self.config.name, len(runs),

@@ -1,0 +1,200 @@
+"""``science_diagnostics.md`` / ``.json``: whether the memories take part in the model's predictions (issue 32, trap 1)
+and what carries the +S runs' forgetting (docs/science.md).
+
+- For every retrofit (mode, seed) and every sparse run at its chosen rate: :func:`smf.model.memory_diagnostics` on QA
+  texts of the world (the first :data:`PROBE_ROWS` old facts of ``eval_retain`` and new facts of ``eval_learn``): per
+  layer alpha, the memory branch's share of the block output, KL(on || off) and top-1 agreement with every branch
+  switched off, read entropy as a fraction of log(slots), slots read.
+- For every +S run at its chosen rate: the same model with each layer's alpha put back to its retrofit value (the
+  rows keep what they learned), evaluated like the runs; the gap to the run's own numbers is what the grown alpha
+  carries.
+
+The measurements are cached in the JSON by run name and results hash, so re-drawing a report recomputes nothing.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+PROBE_ROWS = 64  # QA texts of each kind (old, new) the diagnostics are measured on
+DIAGNOSTICS_JSON, DIAGNOSTICS_MD = "science_diagnostics.json", "science_diagnostics.md"
+
+
+def _probe_batches(config, tokenizer, device) -> list[dict]:
+    """Batches of 32 right-padded QA texts: old facts (eval_retain), then new facts (eval_learn)."""
+    from smf.data.sources import load_split
+    from smf.data.world import qa_text
+
+    texts = []
+    for path in (config.data.eval_retain, config.data.eval_learn):
+        rows = load_split("own", None, "train", path)
+        texts += [qa_text(row["question"], row["answers"][0]) for row in rows.select(range(min(PROBE_ROWS,
+                                                                                              len(rows))))]
+    batches = []
+    for start in range(0, len(texts), 32):
+        encoded = tokenizer(texts[start:start + 32], padding=True, return_tensors="pt")
+        batches.append({"input_ids": encoded["input_ids"].to(device),
+                        "attention_mask": encoded["attention_mask"].to(device)})
+    return batches
+
+
+def _measure(config, run_dir: Path, device) -> dict:
+    from smf.model.diagnostics import memory_diagnostics
+    from smf.model.loading import load_model
+
+    model, tokenizer = load_model(config.model, run_dir, device)
+    diagnostics = memory_diagnostics(model, _probe_batches(config, tokenizer, device), warn=False).to_dict()
+    del model
+    return diagnostics
+
+
+def _alpha_reset_metrics(config, run_dir: Path, retrofit_dir: Path, eval_sets, out_dir: Path, device) -> dict:
+    """Metrics of the +S model in ``run_dir`` with every alpha set back to the retrofit's in ``retrofit_dir``."""
+    from smf.eval.tasks import evaluate_model
+    from smf.model.attach import memory_blocks
+    from smf.model.loading import load_model
+
+    retrofit, _ = load_model(config.model, retrofit_dir, device)
+    alphas = {block.layer_index: float(block.alpha) for block in memory_blocks(retrofit)}
+    del retrofit
+    model, tokenizer = load_model(config.model, run_dir, device)
+    with torch.no_grad():
+        for block in memory_blocks(model):
+            block.alpha.fill_(alphas[block.layer_index])
+    metrics, _ = evaluate_model(model, tokenizer, eval_sets, config.eval, out_dir, config.protocol)
+    return {"alpha_retrofit": alphas, "metrics": metrics}
+
+
+def _retrofit_metrics(config, retrofit_dir: Path, eval_sets, out_dir: Path, device) -> dict:
+    """The retrofit model's metrics (memories attached, nothing finetuned): the reference of the sparse runs'
+    forgetting, as the base model is LoRA's and full finetuning's."""
+    from smf.eval.tasks import evaluate_model
+    from smf.model.loading import load_model
+
+    model, tokenizer = load_model(config.model, retrofit_dir, device)
+    metrics, _ = evaluate_model(model, tokenizer, eval_sets, config.eval, out_dir, config.protocol)
+    return metrics
+
+
+def compute_diagnostics(config, results: list[dict], root: Path) -> dict:
+    """The measurements of the module docstring for ``results`` (the suite's runs), reusing cached ones."""
+    from smf.eval.tasks import load_eval_sets
+    from smf.suite.plan import Run, SuiteLayout
+    from smf.suite.science import at_chosen_rates
+    from smf.train.distributed import pick_device
+
+    layout, device = SuiteLayout(root), pick_device(config.device)
+    path = root / DIAGNOSTICS_JSON
+    cache = json.loads(path.read_text()) if path.is_file() else {}
+    measured: dict = {"retrofit": {}, "sparse": {}, "alpha_reset": {}}
+    eval_sets = None
+    sparse = [r for r in at_chosen_rates(results) if r.get("sparse_steps") is not None and not r.get("reads")
+              and r.get("update", "exact") == "exact"]
+    for result in sparse:
+        run = Run(result["condition"], result["seed"], lr=result.get("lr"))
+        key = f"{run.retrofit_mode}-seed{run.seed}"
+        if key not in measured["retrofit"]:
+            entry = cache.get("retrofit", {}).get(key) or _measure(
+                config, layout.retrofit_dir(run.retrofit_mode, run.seed), device)
+            if "metrics" not in entry:
+                if eval_sets is None:
+                    eval_sets = load_eval_sets(config.data, config.eval, config.protocol)
+                entry["metrics"] = _retrofit_metrics(config, layout.retrofit_dir(run.retrofit_mode, run.seed),
+                                                     eval_sets, root / "eval-retrofit" / key, device)
+            measured["retrofit"][key] = entry
+        cached = cache.get("sparse", {}).get(run.name)
+        measured["sparse"][run.name] = cached if cached and cached.get("hash") == result["config_hash"] else {
+            "hash": result["config_hash"], "condition": run.condition, "seed": run.seed,
+            **_measure(config, layout.train_dir(run), device)}
+        if run.mode == "additive+s":
+            cached = cache.get("alpha_reset", {}).get(run.name)
+            if not (cached and cached.get("hash") == result["config_hash"]):
+                if eval_sets is None:
+                    eval_sets = load_eval_sets(config.data, config.eval, config.protocol)
+                cached = {"hash": result["config_hash"], "condition": run.condition, "seed": run.seed,
+                          "trained": result["metrics"],
+                          **_alpha_reset_metrics(config, layout.train_dir(run), layout.retrofit_dir("additive", run.seed),
+                                                 eval_sets, root / "eval-alpha-reset" / run.name, device)}
+            measured["alpha_reset"][run.name] = cached
+    path.write_text(json.dumps(measured, indent=1) + "\n", encoding="utf-8")
+    return measured
+
+
+def _mean(values) -> str:
+    values = [v for v in values if v is not None]
+    return "—" if not values else f"{statistics.fmean(values):.3g}"
+
+
+def _diagnostic_cells(entries: list[dict]) -> list[str]:
+    """Mean over seeds (and layers) of alpha, branch share, KL all off, top-1 agreement all off, read entropy
+    fraction, slots read."""
+    layers = [layer for entry in entries for layer in entry["layers"]]
+    return [_mean(layer["alpha"] for layer in layers), _mean(layer["branch_share"] for layer in layers),
+            _mean(entry["kl_all_off"] for entry in entries), _mean(entry["top1_agreement_all_off"] for entry in entries),
+            _mean(layer["read_entropy_fraction"] for layer in layers), _mean(layer["slots_read"] for layer in layers)]
+
+
+def write_science_diagnostics(config, results: list[dict], root: Path) -> list[Path]:
+    """Compute (or reuse) the diagnostics and write ``science_diagnostics.md`` / ``.json`` into ``root``."""
+    from smf.report.paper_results import display_name, metric_keys, metric_title
+
+    measured = compute_diagnostics(config, results, root)
+    lines = ["# Do the memories matter? Retrofit and sparse-run diagnostics\n",
+             f"Measured on {PROBE_ROWS} old-fact and {PROBE_ROWS} new-fact QA texts; means over seeds and memory layers. "
+             "Branch share: RMS of the memory branch over RMS of the block output. KL / top-1: the next-token "
+             "distribution with every memory branch switched off against on (KL in nats per token; top-1: share of "
+             "tokens whose argmax stays). Read entropy: over the slots, as a fraction of log(slots). A branch with KL "
+             "under 1e-3 is inert (smf.model.diagnostics).\n",
+             "| Model | Seeds | alpha | Branch share | KL off | Top-1 kept | Read entropy | Slots read |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    by_mode: dict[str, list] = {}
+    for key, entry in measured["retrofit"].items():
+        by_mode.setdefault(key.rsplit("-seed", 1)[0], []).append(entry)
+    for mode, entries in sorted(by_mode.items()):
+        lines.append(f"| retrofit ({mode}) | {len(entries)} | " + " | ".join(_diagnostic_cells(entries)) + " |")
+    by_condition: dict[str, list] = {}
+    for entry in measured["sparse"].values():
+        by_condition.setdefault(entry["condition"], []).append(entry)
+    for condition in config.conditions:
+        if condition in by_condition:
+            entries = by_condition[condition]
+            lines.append(f"| {display_name(condition, config.model)}, trained | {len(entries)} | "
+                         + " | ".join(_diagnostic_cells(entries)) + " |")
+    retrofits = list(measured["retrofit"].values())
+    if retrofits:
+        metrics = metric_keys(entry["metrics"] for entry in retrofits)
+        lines += ["\n## The retrofit alone\n",
+                  "The retrofit models (memories attached and trained on old text, nothing finetuned) evaluated like "
+                  "the runs: the starting point of the sparse runs, as the base model is LoRA's and full "
+                  "finetuning's. Means over seeds.\n",
+                  "| Retrofit | Seeds | " + " | ".join(metric_title(m, config.labels) for m in metrics) + " |",
+                  "| --- | ---: | " + " | ".join("---:" for _ in metrics) + " |"]
+        for mode, entries in sorted(by_mode.items()):
+            lines.append(f"| {mode} | {len(entries)} | " + " | ".join(
+                _mean(e["metrics"][m] for e in entries) for m in metrics) + " |")
+    resets = list(measured["alpha_reset"].values())
+    if resets:
+        metrics = metric_keys(entry["trained"] for entry in resets)
+        lines += ["\n## +S: the trained rows with alpha put back to the retrofit's\n",
+                  "Each +S run at its chosen rate, evaluated as trained and with every layer's alpha reset to its "
+                  "value after the retrofit (the rows keep what they learned). Means over seeds.\n",
+                  "| Method | Seeds | alpha trained | alpha retrofit | " + " | ".join(
+                      f"{metric_title(m, config.labels)} trained | reset" for m in metrics) + " |",
+                  "| --- | ---: | ---: | ---: | " + " | ".join("---: | ---:" for _ in metrics) + " |"]
+        by_reset: dict[str, list] = {}
+        for entry in resets:
+            by_reset.setdefault(entry["condition"], []).append(entry)
+        for condition, entries in by_reset.items():
+            trained_alpha = [layer["alpha"] for name, entry in measured["sparse"].items() if entry["condition"] ==
+                             condition for layer in entry["layers"]]
+            retrofit_alpha = [alpha for entry in entries for alpha in entry["alpha_retrofit"].values()]
+            cells = [f"{_mean(e['trained'][m] for e in entries)} | {_mean(e['metrics'][m] for e in entries)}"
+                     for m in metrics]
+            lines.append(f"| {display_name(condition, config.model)} | {len(entries)} | {_mean(trained_alpha)} | "
+                         f"{_mean(retrofit_alpha)} | " + " | ".join(cells) + " |")
+    md_path = root / DIAGNOSTICS_MD
+    md_path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return [md_path, root / DIAGNOSTICS_JSON]
