@@ -217,3 +217,17 @@ class ProductKeyMemory(nn.Module):
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, n_keys={self.n_keys} (slots={self.num_slots}), heads={self.heads}, "
                 f"topk={self.topk}, key_dim={self.key_dim}, value_dim={self.value_dim}")
+
+
+def memories_of(model: nn.Module) -> dict[str, "ProductKeyMemory"]:
+    """The :class:`ProductKeyMemory` modules of ``model`` by module path; ValueError when it holds none, with a hint
+    when it holds the plain PyTorch memories of a saved model's own code (loaded where smf was not importable)."""
+    memories = {name: module for name, module in model.named_modules() if isinstance(module, ProductKeyMemory)}
+    if memories:
+        return memories
+    plain = sorted({type(module).__name__ for module in model.modules()
+                    if type(module).__name__.endswith("ProductKeyMemory")})
+    hint = (f": it holds {', '.join(plain)} from the code saved beside its weights, which is used where smf cannot be "
+            "imported; install smf-kernels[experiments] in this environment and load the model again "
+            "(smf.model.from_pretrained, or AutoModelForCausalLM with trust_remote_code=True)") if plain else ""
+    raise ValueError(f"model holds no smf_kernels.ProductKeyMemory module{hint}")

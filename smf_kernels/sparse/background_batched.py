@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from tqdm.auto import tqdm
 
-from smf_kernels.memory import ProductKeyMemory
+from smf_kernels.memory import ProductKeyMemory, memories_of
 from smf_kernels.sparse.background import BackgroundStats
 
 logger = logging.getLogger(__name__)
@@ -69,20 +69,19 @@ def per_document_counts(indices: torch.Tensor, valid: torch.Tensor, num_slots: i
 def collect_background_batched(model: nn.Module, documents: Sequence[Sequence[int]], *, batch_size: int,
                                pad_id: int, device: torch.device | str | None = None,
                                forward: Callable[[nn.Module, torch.Tensor, torch.Tensor], None] | None = None,
-                               process_group=None) -> BackgroundStats:
+                               process_group=None, progress: bool = True) -> BackgroundStats:
     """Background statistics of every :class:`ProductKeyMemory` in ``model`` (named by module path) over
     ``documents`` (token-id lists, one document each), ``batch_size`` documents per forward, in eval mode.
 
     ``forward(model, input_ids, attention_mask)`` runs the model (default: keyword call); ``pad_id`` fills the
     padding; ``device``: where the batches go (default: the model's first parameter's). Under torch.distributed
     (``process_group``, default the world when initialised) each rank counts its own documents and the totals
-    are summed over ranks. Returns the statistics (one "batch" per document, as the paper's batch size 1).
+    are summed over ranks; ``progress=False`` hides the progress bar. Returns the statistics (one "batch" per
+    document, as the paper's batch size 1).
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    memories = {name: module for name, module in model.named_modules() if isinstance(module, ProductKeyMemory)}
-    if not memories:
-        raise ValueError("model holds no ProductKeyMemory module")
+    memories = memories_of(model)
     if any(len(document) == 0 for document in documents):
         raise ValueError("every document must hold at least one token")
     device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -93,7 +92,8 @@ def collect_background_batched(model: nn.Module, documents: Sequence[Sequence[in
     model.eval()
     try:
         with _kept_lookups(memories) as kept:
-            for start in tqdm(range(0, len(order), batch_size), desc="background statistics", unit="batch"):
+            for start in tqdm(range(0, len(order), batch_size), desc="background statistics", unit="batch",
+                              disable=not progress):
                 chunk = [list(documents[i]) for i in order[start:start + batch_size]]
                 longest = max(map(len, chunk))
                 input_ids = torch.full((len(chunk), longest), pad_id, dtype=torch.long)

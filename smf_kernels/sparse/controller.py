@@ -51,7 +51,7 @@ import torch.distributed as dist
 from torch import nn
 from tqdm.auto import tqdm
 
-from smf_kernels.memory import ProductKeyMemory
+from smf_kernels.memory import memories_of
 from smf_kernels.sharded.layout import gradient_copies, is_split, shard_of
 from smf_kernels.sparse import step_checks
 from smf_kernels.sparse.background import BackgroundStats
@@ -138,10 +138,7 @@ class SparseMemoryController:
         if isinstance(rows_per_step, bool) or not isinstance(rows_per_step, int) or rows_per_step < 1:
             raise ValueError(f"rows_per_step must be a positive int, got {rows_per_step!r}")
         self.model = model
-        self.memories = {name: module for name, module in model.named_modules()
-                         if isinstance(module, ProductKeyMemory)}
-        if not self.memories:
-            raise ValueError("model holds no ProductKeyMemory module")
+        self.memories = memories_of(model)
         self.rule, self.rows_per_step = rule, rows_per_step
         self.nonfinite = step_checks.check_nonfinite_option(nonfinite)
         warn_if_not_sparse({name: m.num_slots for name, m in self.memories.items()}, rows_per_step)
@@ -185,14 +182,15 @@ class SparseMemoryController:
     # ------------------------------------------------------- background stats
     @torch.no_grad()
     def collect_background(self, batches: Iterable, *, forward: Callable[[nn.Module, Any], Any] | None = None,
-                           max_batches: int | None = None) -> BackgroundStats:
+                           max_batches: int | None = None, progress: bool = True) -> BackgroundStats:
         """Count reads over ``batches`` (model in eval mode, one batch = one document) and use the result.
 
         Each batch should hold a single example (the paper's batch size 1), so
         that ``df`` counts documents. ``forward(model, batch)`` runs the model
         (default ``model(**batch)`` for mappings, else ``model(batch)``). Under
         torch.distributed, every rank counts its own batches and the totals are
-        summed across ranks.
+        summed across ranks. ``progress=False`` hides the progress bar (e.g. ``not args.disable_tqdm`` beside
+        a Trainer).
         """
         if self._in_step:
             raise RuntimeError("collect_background cannot run between begin_step() and finish_step()")
@@ -205,7 +203,7 @@ class SparseMemoryController:
             memory.set_read_counting(True)
         try:
             total = max_batches if max_batches is not None else (len(batches) if hasattr(batches, "__len__") else None)
-            for index, batch in enumerate(tqdm(batches, total=total, desc="background statistics")):
+            for index, batch in enumerate(tqdm(batches, total=total, desc="background statistics", disable=not progress)):
                 if max_batches is not None and index >= max_batches:
                     break
                 for memory in self.memories.values():
