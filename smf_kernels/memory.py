@@ -230,4 +230,4 @@ def memories_of(model: nn.Module) -> dict[str, "ProductKeyMemory"]:
     hint = (f": it holds {', '.join(plain)} from the code saved beside its weights, which is used where smf cannot be "
             "imported; install smf-kernels[experiments] in this environment and load the model again "
             "(smf.model.from_pretrained, or AutoModelForCausalLM with trust_remote_code=True)") if plain else ""
-    raise ValueError(f"model holds no smf_kernels.ProductKeyMemory module{hint}")
+    raise ValueError(f"model holds no ProductKeyMemory module (smf_kernels'){hint}")

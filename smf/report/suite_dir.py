@@ -231,9 +231,12 @@ def write_report_page(config: SuiteConfig, out_dir: Path) -> Path:
     lines = [f"# Suite `{config.name}`\n"]
     if config.notice:
         lines.append(f"> **{config.notice.strip()}**\n")
-    lines += [f"Model `{config.model}`, protocol `{config.protocol}`, seeds {list(config.seeds)}.\n",
-              f"## Table 1\n\n± is {spread}.\n", (out_dir / "table1.md").read_text(encoding="utf-8"),
-              "![Pareto figure](pareto.png)\n"]
+    lines.append(f"Model `{config.model}`, protocol `{config.protocol}`, seeds {list(config.seeds)}.\n")
+    if (out_dir / "table1.md").is_file():
+        lines += [f"## Table 1\n\n± is {spread}.\n", (out_dir / "table1.md").read_text(encoding="utf-8"),
+                  "![Pareto figure](pareto.png)\n"]
+    else:
+        lines.append("## Table 1\n\nNo run has results yet (suite_status.md says which ran and which failed).\n")
     for name in ("lr_sweep.md", "science_diagnostics.md", "ablation_reads.md", "ablation_update.md", "accounting.md"):
         if (out_dir / name).is_file():
             text = (out_dir / name).read_text(encoding="utf-8")
