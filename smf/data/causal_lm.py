@@ -45,6 +45,12 @@ def tokenize_examples(tokenizer, examples: list[dict], max_length: int = 1024) -
     <= 1 token, as the authors drop) are dropped, and the number dropped logged."""
     tokenized = [tokenize_text(tokenizer, ex["text"], max_length) if "text" in ex
                  else tokenize_example(tokenizer, ex["prompt"], ex["target"], max_length) for ex in examples]
+    return trainable(tokenized, max_length)
+
+
+def trainable(tokenized: list[dict], max_length: int) -> list[dict]:
+    """The tokenized examples with something to train on (more than one token and a scored label after the
+    first); the number dropped is logged."""
     kept = [ex for ex in tokenized
             if len(ex["input_ids"]) > 1 and any(label != IGNORE_INDEX for label in ex["labels"][1:])]
     if len(kept) < len(tokenized):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from smf.data.causal_lm import IGNORE_INDEX
+from smf.data.causal_lm import IGNORE_INDEX, trainable
 from smf.data.sources import load_split
 from smf.errors import ConfigError
 from smf.vocabulary import LOSS_ON
@@ -113,12 +113,7 @@ def own_features(tokenizer, rows: list[dict], schema: str, loss_on: str = "all",
     """:func:`tokenize_own` over ``rows``; rows left with nothing to train on (one token, or a prompt filling
     ``max_length``) are dropped, and the number dropped logged."""
     tokenized = [tokenize_own(tokenizer, row, schema, loss_on, max_length) for row in rows]
-    kept = [ex for ex in tokenized
-            if len(ex["input_ids"]) > 1 and any(label != IGNORE_INDEX for label in ex["labels"][1:])]
-    if len(kept) < len(tokenized):
-        logger.warning("dropped %d of %d examples with nothing to train on at max_length=%d",
-                       len(tokenized) - len(kept), len(tokenized), max_length)
-    return kept
+    return trainable(tokenized, max_length)
 
 
 def as_triviaqa_rows(rows: list[dict]) -> list[dict]:

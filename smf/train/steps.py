@@ -67,7 +67,21 @@ def _diverged(err: NonFiniteGradientError) -> ConfigError:
                        "was updated); lower --lr or --max-grad-norm, or check the data")
 
 
-class SparseStep(StepHooks):
+class _RowUpdateStep(StepHooks):
+    """A step whose ``controller`` selects and updates value rows: the rows it updated are kept for the log, and
+    a non-finite gradient ends the run with one line."""
+
+    controller: SparseMemoryController | DenseMaskedUpdate | AuthorsSparseUpdate
+    rows: dict[str, torch.Tensor]
+
+    def finish_step(self, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> None:
+        try:
+            self.rows = self.controller.finish_step(optimizer, max_grad_norm=max_grad_norm)
+        except NonFiniteGradientError as err:
+            raise _diverged(err) from None
+
+
+class SparseStep(_RowUpdateStep):
     """This project's exact sparse update (``--update exact``): rows selected once per step from the read counts
     of all its micro-batches; only they and their AdamW state move, from their compact gradient.
 
@@ -112,17 +126,11 @@ class SparseStep(StepHooks):
         if self._select_after_forward:
             self.controller.select_rows()
 
-    def finish_step(self, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> None:
-        try:
-            self.rows = self.controller.finish_step(optimizer, max_grad_norm=max_grad_norm)
-        except NonFiniteGradientError as err:
-            raise _diverged(err) from None
-
     def step_log(self) -> dict:
         return {"selected_rows": sum(int(rows.numel()) for rows in self.rows.values()), "rows_moved_outside": 0}
 
 
-class AblationStep(StepHooks):
+class AblationStep(_RowUpdateStep):
     """An ablation of the exact update (``--update dense_masked``: :class:`DenseMaskedUpdate`; ``--update
     authors``, one process: :class:`AuthorsSparseUpdate`, rows chosen after each micro-batch's forward). Logs
     the value rows that moved without being selected, from a copy of the tables made at each step's start."""
@@ -141,12 +149,6 @@ class AblationStep(StepHooks):
 
     def after_forward(self) -> None:
         self.controller.after_forward()
-
-    def finish_step(self, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> None:
-        try:
-            self.rows = self.controller.finish_step(optimizer, max_grad_norm=max_grad_norm)
-        except NonFiniteGradientError as err:
-            raise _diverged(err) from None
 
     def step_log(self) -> dict:
         after = {name: memory.values.detach() for name, memory in self.controller.memories.items()}
