@@ -22,6 +22,7 @@ from smf.files import os_error_behind
 from smf.report import command as report_command
 from smf.suite import commands as suite_command
 from smf.train import commands as train_commands
+from smf.vocabulary import REMOVED_OPTIONS
 
 COMMAND_MODULES = (train_commands, suite_command, report_command, eval_command)
 # The errors of a write the system refuses: no space, over quota, a read-only file system, a file size limit.
@@ -29,9 +30,12 @@ STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
 
 
 class _ArgumentParser(argparse.ArgumentParser):
-    """argparse whose usage errors are a single line (exit code 2)."""
+    """argparse whose usage errors are a single line (exit code 2), naming what replaced a removed option."""
 
     def error(self, message: str):
+        if message.startswith("unrecognized arguments"):
+            given = {word.split("=")[0] for word in message.split()}
+            message += "".join(f"; {hint}" for option, hint in REMOVED_OPTIONS.items() if option in given)
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 

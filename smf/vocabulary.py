@@ -25,6 +25,12 @@ RETROFIT_MODE = {"replacement": "replacement", "additive": "additive", "additive
 RULES = ("tfidf", "kl")  # smf_kernels.sparse.selection.RULES: the slot scoring rules
 BACKENDS = ("torch", "triton", "ext")  # smf_kernels.backends.BACKENDS: the kernel backends
 SPARSE_UPDATES = ("exact", "dense_masked", "authors")  # smf train --update (it replaced --optimizer)
+# Removed command-line options -> what replaced them (docs/method.md#migrating-from---optimizer), for the parser's error.
+REMOVED_OPTIONS = {
+    "--optimizer": "--optimizer is now --update (row_sparse -> exact; dense_masked and authors keep their names)",
+    "--sparse-backward": "--sparse-backward is gone: the exact update fills the rows' gradient itself (drop it)",
+    "--fused-update": "--fused-update is gone: every exact step is the fused one (drop it)",
+}
 TASKS = ("medmcqa", "wikitext", "triviaqa")
 # A user's own evaluation sets (docs/own-data.md): learning (the MedMCQA stand-in), held-out perplexity (WikiText's)
 # and retained knowledge (TriviaQA's), each scored by its stand-in's rule; and their metric keys.

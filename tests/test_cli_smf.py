@@ -102,3 +102,10 @@ def test_console_script_error_has_no_traceback(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip() == f"smf train: error: --adapter: no such directory '{tmp_path / 'nowhere'}'"
+
+
+def test_a_removed_update_option_is_refused_with_what_replaced_it(capsys):
+    code, err = run_main(["train", "--recipe", "sparse", "--optimizer=row_sparse", "--fused-update"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "unrecognized arguments" in err and "--optimizer is now --update (row_sparse -> exact" in err
+    assert "--fused-update is gone" in err and "--sparse-backward" not in err
