@@ -17,7 +17,14 @@ from torch import nn
 
 from smf_kernels import ProductKeyMemory
 from smf_kernels.sparse import BackgroundStats
-from smf_kernels.sparse.selection import score_slots, select_top_rows
+from smf_kernels.sparse.selection import score_slots
+
+
+def _top_read_rows(scores: torch.Tensor, counts: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """The selection, written plainly: the ``num_rows`` best-scoring read slots (ties: lower id), ascending."""
+    read = [slot for slot in range(counts.numel()) if counts[slot] > 0]
+    best = sorted(read, key=lambda slot: (-float(scores[slot]), slot))[:num_rows]
+    return torch.tensor(sorted(best), dtype=torch.int64, device=counts.device)
 
 
 def _adamw_(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_decay):
@@ -66,7 +73,7 @@ def dense_reference(model: nn.Module, steps: list[list], loss_fn: Callable, back
             counts = memory.read_counts.clone()
             scores = score_slots(rule, counts, background.doc_freq[name], background.reads[name],
                                  background.num_batches[name])
-            rows[name] = select_top_rows(scores, counts, rows_per_step)
+            rows[name] = _top_read_rows(scores, counts, rows_per_step)
         all_rows.append(rows)
         grads = {}
         for pname, param in trainable.items():

@@ -74,27 +74,31 @@ class _RowUpdateStep(StepHooks):
     controller: SparseMemoryController | DenseMaskedUpdate | AuthorsSparseUpdate
     rows: dict[str, torch.Tensor]
 
+    def ddp_ignored_names(self) -> list[str]:
+        return self.controller.ddp_ignored_names()  # the controller reduces the memory values itself
+
     def finish_step(self, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> None:
         try:
             self.rows = self.controller.finish_step(optimizer, max_grad_norm=max_grad_norm)
         except NonFiniteGradientError as err:
             raise _diverged(err) from None
 
+    def step_log(self) -> dict:
+        return {"selected_rows": sum(int(rows.numel()) for rows in self.rows.values()),
+                "rows_moved_outside": self.rows_moved_outside()}
+
+    def rows_moved_outside(self) -> int:
+        return 0
+
 
 class SparseStep(_RowUpdateStep):
-    """This project's exact sparse update (``--update exact``): rows selected once per step from the read counts
-    of all its micro-batches; only they and their AdamW state move, from their compact gradient.
-
-    How the rows' gradient is filled (docs/method.md#what-sparse-means): a step of one micro-batch selects
-    between its forward and its backward (a compiled step: its backward chooses the rows from the counts itself).
-    Under gradient accumulation the backwards keep their reads until the step's end (no second forward), unless
-    the kept reads could outweigh a dense gradient: when a step can hold more tokens on a rank (``step_tokens``:
-    global batch / processes x max length) than the smallest memory has slots, a no-grad forward over every
-    micro-batch counts the reads first (under ``autocast``, the
-    trainer's bf16 context; ``model`` is the one the trainer runs) and the backwards write only the T selected
-    rows (so does a compiled step of several micro-batches: its backward keeps no Python state).
-    ``rows_moved_outside`` is 0 by construction (tests/test_sparse_exact.py checks it against the oracle), so
-    no copy of the tables is made to measure it.
+    """The exact sparse update (``--update exact``, :class:`SparseMemoryController`). How the rows' gradient is
+    filled (docs/method.md#what-sparse-means): one micro-batch selects between its forward and its backward (a
+    compiled step: its backward chooses from the counts). Under accumulation the backwards keep their reads (no
+    second forward) unless a step can hold more tokens on a rank (``step_tokens``: global batch / processes x max
+    length) than the smallest memory has slots, or the step is compiled: a no-grad forward of every micro-batch
+    (``model``, under the trainer's ``autocast``) then counts first and the backwards write only the T rows.
+    ``rows_moved_outside`` is 0 by construction (tests/test_sparse_exact.py), so no copy of the tables is made.
     """
 
     kept_reads_per_slot = 1  # kept reads while a step can hold at most this many tokens per slot on a rank
@@ -107,9 +111,6 @@ class SparseStep(_RowUpdateStep):
         self.count_first = compiled or (step_tokens is not None and step_tokens > self.kept_reads_per_slot * slots)
         self.rows: dict[str, torch.Tensor] = {}
         self._select_after_forward = False
-
-    def ddp_ignored_names(self) -> list[str]:
-        return self.controller.ddp_ignored_names()  # the controller reduces the memory values itself
 
     def begin_step(self, model: nn.Module, micro_batches: list[dict]) -> None:
         single = len(micro_batches) == 1
@@ -126,9 +127,6 @@ class SparseStep(_RowUpdateStep):
         if self._select_after_forward:
             self.controller.select_rows()
 
-    def step_log(self) -> dict:
-        return {"selected_rows": sum(int(rows.numel()) for rows in self.rows.values()), "rows_moved_outside": 0}
-
 
 class AblationStep(_RowUpdateStep):
     """An ablation of the exact update (``--update dense_masked``: :class:`DenseMaskedUpdate`; ``--update
@@ -140,9 +138,6 @@ class AblationStep(_RowUpdateStep):
         self._before: dict[str, torch.Tensor] = {}  # layer -> (M, D) values at the start of the step
         self.rows: dict[str, torch.Tensor] = {}
 
-    def ddp_ignored_names(self) -> list[str]:
-        return self.controller.ddp_ignored_names() if isinstance(self.controller, DenseMaskedUpdate) else []
-
     def begin_step(self, model: nn.Module, micro_batches: list[dict]) -> None:
         self._before = {name: memory.values.detach().clone() for name, memory in self.controller.memories.items()}
         self.controller.begin_step()
@@ -150,7 +145,6 @@ class AblationStep(_RowUpdateStep):
     def after_forward(self) -> None:
         self.controller.after_forward()
 
-    def step_log(self) -> dict:
+    def rows_moved_outside(self) -> int:
         after = {name: memory.values.detach() for name, memory in self.controller.memories.items()}
-        return {"selected_rows": sum(int(rows.numel()) for rows in self.rows.values()),
-                "rows_moved_outside": rows_moved_outside(self._before, after, self.rows)}
+        return rows_moved_outside(self._before, after, self.rows)

@@ -28,7 +28,7 @@ from smf_kernels.backends import implementation, resolve_backend, torch_impl
 def _check_scalar(name: str, value: object) -> None:
     """TypeError / ValueError naming ``name`` unless ``value`` is a real number (not a bool) or a one-element
     floating tensor, as torch.optim.AdamW takes them; the value itself is checked inside the op
-    (:func:`_check_hyper_parameters`)."""
+    (:func:`check_hyper_parameters`)."""
     expected = f"{name} must be a real number or a 0-d floating tensor"
     if isinstance(value, torch.Tensor):
         if not value.is_floating_point():
@@ -46,7 +46,7 @@ def _check_scalar(name: str, value: object) -> None:
             raise ValueError(f"{name} must be a finite number >= 0, got an int too large for a float") from None
 
 
-def _check_hyper_parameters(lr: torch.Tensor | float | None, beta1: float, beta2: float, eps: float,
+def check_hyper_parameters(lr: torch.Tensor | float | None, beta1: float, beta2: float, eps: float,
                             weight_decay: float) -> None:
     """ValueError naming the first hyper-parameter that is not as :class:`~smf_kernels.sparse.RowSparseAdamW`
     takes it: ``lr``, ``eps`` and ``weight_decay`` finite and >= 0, ``betas`` in [0, 1).
@@ -80,7 +80,7 @@ def _row_adamw(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Ten
                rows: torch.Tensor, grad: torch.Tensor, valid: torch.Tensor | None, lr: torch.Tensor,
                grad_scale: torch.Tensor | None, beta1: float, beta2: float, eps: float, weight_decay: float,
                backend: str) -> None:
-    _check_hyper_parameters(lr, beta1, beta2, eps, weight_decay)
+    check_hyper_parameters(lr, beta1, beta2, eps, weight_decay)
     if rows.numel() == 0:
         return
     check_index_range("rows", rows, param.shape[0])  # the values are checked here, compiled or not
@@ -154,7 +154,7 @@ def row_adamw_(
         _check_scalar(name, value)
     beta1, beta2, eps, weight_decay = float(betas[0]), float(betas[1]), float(eps), float(weight_decay)
     # numbers on the host now (a clear error on any device); a tensor lr inside the op, where compiled steps run
-    _check_hyper_parameters(None if isinstance(lr, torch.Tensor) else lr, beta1, beta2, eps, weight_decay)
+    check_hyper_parameters(None if isinstance(lr, torch.Tensor) else lr, beta1, beta2, eps, weight_decay)
     check_same_device("param", param, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, row_step=row_step, rows=rows,
                       grad=grad, valid=valid)
     name = resolve_backend(backend, param.device, param.dtype)

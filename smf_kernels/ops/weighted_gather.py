@@ -1,9 +1,7 @@
 """Weighted gather with read histogram (docs/method.md#the-memory-layer steps 5-6 and read counts) and its
 dense / row-sparse / sink backward: the custom ops of :mod:`smf_kernels.ops._gather_ops` tied together by an
-autograd.Function.
-
-The counting forward op mutates ``counts``; torch.library does not attach autograd to mutating ops, so the
-autograd.Function below wraps the custom ops (torch.compile traces it without graph breaks).
+autograd.Function (torch.library attaches no autograd to the mutating counting op; torch.compile traces the
+Function without graph breaks).
 """
 from __future__ import annotations
 
@@ -85,19 +83,16 @@ def weighted_gather(
         values: (M, D) float tensor (any D; accumulation is fp32).
         indices: (N, L) int64 rows in [0, M).
         weights: (N, L) float tensor.
-        counts: optional (M,) int64; every (token, slot) read of a valid token
-            adds 1 to ``counts[slot]`` in place, in the same pass as the gather.
-        valid: optional (N,) bool; tokens with ``valid[n] == False`` (padding)
-            are computed but not counted. Requires ``counts``.
-        update_rows: optional (T,) int64 distinct rows. When given, the gradient
-            w.r.t. ``values`` is a sparse COO tensor holding only these rows
-            (sorted ascending; reads of other rows get no gradient), and no dense
-            (M, D) buffer is allocated. Without it the gradient is dense. A
-            :class:`GradientSink` (:class:`smf_kernels.sparse.RowGradSink`) instead
-            takes the value gradient: ``values`` then gets none through autograd.
-        gate: optional (N, D) float tensor: the memory layer's gate. The result is then
-            ``silu(gate) * out`` in gate's dtype, in the same op calls (the gated read,
-            :func:`smf_kernels.ops.silu_mul`); differentiable w.r.t. gate too.
+        counts: optional (M,) int64; every (token, slot) read of a valid token adds 1 to ``counts[slot]`` in
+            place, in the same pass as the gather.
+        valid: optional (N,) bool; tokens with ``valid[n] == False`` (padding) are computed but not counted
+            (needs ``counts``).
+        update_rows: optional (T,) int64 distinct rows: the gradient w.r.t. ``values`` is then a sparse COO
+            tensor of only these rows (ascending; no dense (M, D) buffer), as ``nn.Embedding(sparse=True)``
+            gives. A :class:`GradientSink` (:class:`smf_kernels.sparse.RowGradSink`) instead takes the value
+            gradient, and ``values`` gets none through autograd. Default: a dense gradient.
+        gate: optional (N, D) float tensor, the memory layer's gate: the result is then ``silu(gate) * out`` in
+            gate's dtype, in the same op calls (:func:`smf_kernels.ops.silu_mul`); differentiable w.r.t. gate.
         backend: "torch", "triton", "ext" or None (see :mod:`smf_kernels.backends`).
 
     Returns:

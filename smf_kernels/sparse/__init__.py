@@ -1,6 +1,5 @@
-"""Sparse Memory Finetuning machinery: background statistics, slot selection,
-row-sparse AdamW and a controller tying them to any model with ProductKeyMemory
-layers (docs/method.md#slot-selection, #what-sparse-means).
+"""Sparse Memory Finetuning machinery: background statistics, slot selection, row-sparse AdamW and a controller
+tying them to any model with ProductKeyMemory layers (docs/method.md#slot-selection, #what-sparse-means).
 
 Usage (stage 2; only the memory values, plus e.g. a +S scale, are trainable)::
 
@@ -14,24 +13,19 @@ Usage (stage 2; only the memory values, plus e.g. a +S scale, are trainable)::
     for step_batches in loader:                            # one optimizer step
         controller.begin_step()                            # backwards keep their reads
         for micro_batch in step_batches:                   # gradient accumulation
-            loss = compute_loss(model, micro_batch) / len(step_batches)
-            loss.backward()
+            (compute_loss(model, micro_batch) / len(step_batches)).backward()
         rows = controller.finish_step(optimizer, max_grad_norm=1.0)  # {layer name: rows}
         scheduler.step()
 
-    # A step of one micro-batch can select before its backward, which then
-    # writes only the T selected rows (O(T x D) bytes instead of the kept reads):
+    # One micro-batch per step: select before the backward, which then writes only the T rows' (T, D) gradient
     controller.begin_step(select_before_backward=True)
     loss = compute_loss(model, batch)
     controller.select_rows()
     loss.backward()
     controller.finish_step(optimizer, max_grad_norm=1.0)
 
-Under DDP, exclude ``controller.ddp_ignored_names()`` from DDP before wrapping
-(see :mod:`smf_kernels.sparse.controller`). The controller holds no state that
-changes during training (resume = same background file + optimizer state_dict).
-
-:mod:`smf_kernels.sparse.ablations`: the dense-masked update and the authors' update, for the ablations.
+The controller holds no state that changes during training (resume = same background file + optimizer
+state_dict); DDP: see :mod:`smf_kernels.sparse.controller`. The ablations: :mod:`smf_kernels.sparse.ablations`.
 """
 from smf_kernels.sparse.ablations import AuthorsSparseUpdate, DenseMaskedUpdate, rows_moved_outside
 from smf_kernels.sparse.background import BackgroundStats

@@ -1,29 +1,19 @@
 """The ablations of the exact sparse update (docs/method.md#the-sparse-update-exact-default-and-the-authors-ablation),
-unchanged in what they compute; both step a dense ``torch.optim.AdamW`` on the whole value table.
+unchanged in what they compute: both mask a dense value gradient and step a dense ``torch.optim.AdamW`` on the
+whole table, so AdamW's momentum (and weight decay) still moves rows outside the selection: they measure that leak
+(#pitfalls-of-earlier-implementations, :func:`rows_moved_outside`).
 
 :class:`DenseMaskedUpdate` (``smf train --update dense_masked``) selects the step's rows as the exact update does
-(once per optimizer step, from the read counts of all its micro-batches, padding excluded), lets the values
-receive a dense (M, D) gradient and zeroes every unselected row of it. Only selected rows receive gradient, but
-AdamW still moves every row with non-zero momentum and applies weight decay to all rows, so rows that are not
-selected in a step change anyway (#what-sparse-means, #pitfalls-of-earlier-implementations): it measures that leak.
+(once per optimizer step, from the read counts of all its micro-batches, padding excluded) and zeroes every
+unselected row of the (rank-averaged) dense gradient.
 
-:class:`AuthorsSparseUpdate` (``--update authors``) reproduces the authors' update. What their code
-(github.com/prakharg55/SMF-ICML, ``smf_rebuild/sparse_memory.py`` and ``trainer_utils.py``) does, per micro-batch
-of an optimizer step:
-
-1. read counts are zeroed and counted over the micro-batch's forward, padding positions included
-   (a forward hook bincounts every index the values table is asked for: sparse_memory.py:29-33,
-   reset in trainer_utils.py:15);
-2. right after that forward the top-T rows of each layer are chosen from those counts alone
-   (trainer_utils.py:18, sparse_memory.py:119-147);
-3. the backward's dense value gradient is multiplied by that micro-batch's row mask (a tensor
-   hook, sparse_memory.py:107-117), and gradients accumulate over the micro-batches.
-
-The optimizer step is a dense AdamW on the whole table after global-norm clipping, so a step can touch up to
-(micro-batches x T) rows, and AdamW's momentum keeps moving rows selected in earlier steps (weight decay would
-move every row; the authors' runs use 0). Single process only: the authors' runs used one GPU per run, and a
-distributed version would have to define how masks of different ranks combine. :func:`rows_moved_outside`
-measures the difference from the exact update.
+:class:`AuthorsSparseUpdate` (``--update authors``, one process, as the authors' single-GPU runs) reproduces
+github.com/prakharg55/SMF-ICML (``smf_rebuild/sparse_memory.py``, ``trainer_utils.py``). Per micro-batch: read
+counts are zeroed (trainer_utils.py:15) and counted over its forward, padding included (a forward hook bincounts
+every index, sparse_memory.py:29-33); right after that forward the top-T rows are chosen from those counts alone
+(trainer_utils.py:18, sparse_memory.py:119-147); its backward's dense value gradient is multiplied by that row mask
+(a tensor hook, sparse_memory.py:107-117) and gradients accumulate. Then global-norm clipping and a dense AdamW
+step, so a step can touch up to (micro-batches x T) rows.
 
 Both refuse misuse and treat non-finite gradients as the exact update does (:mod:`smf_kernels.sparse.step_checks`).
 """
@@ -44,12 +34,9 @@ from smf_kernels.sharded.layout import gradient_copies
 class DenseMaskedUpdate(SparseMemoryController):
     """The exact update's selection with a masked dense gradient and a dense optimizer (see the module docstring).
 
-    Arguments as :class:`SparseMemoryController`. Use: ``begin_step()``; per micro-batch forward, backward;
-    ``finish_step(optimizer, max_grad_norm=...)`` with ``torch.optim.AdamW`` over the values. Under DDP the
-    values are reduced here, as the controller does (``ddp_ignored_names``).
+    Arguments and use as :class:`SparseMemoryController`, with ``torch.optim.AdamW`` over the values and no
+    :meth:`select_rows` / :meth:`end_step`. Under DDP the values are reduced here (``ddp_ignored_names``).
     """
-
-    mode = "dense_masked"
 
     def begin_step(self, *, select_before_backward: bool = False) -> None:
         """Start a step: zero and count reads; the values get dense gradients."""
@@ -63,11 +50,10 @@ class DenseMaskedUpdate(SparseMemoryController):
     def after_forward(self) -> None:
         """Nothing to do between a forward and its backward (the rows are chosen at the step's end)."""
 
-    def select_rows(self) -> dict[str, torch.Tensor]:
-        raise RuntimeError(f"{type(self).__name__} selects its rows itself")
+    def select_rows(self):
+        raise RuntimeError(f"{type(self).__name__} selects its rows and ends its steps in finish_step(optimizer)")
 
-    def end_step(self):
-        raise RuntimeError(f"{type(self).__name__} ends its steps with finish_step(optimizer)")
+    end_step = select_rows
 
     def finish_step(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None
                     ) -> dict[str, torch.Tensor]:
@@ -120,11 +106,9 @@ class AuthorsSparseUpdate(DenseMaskedUpdate):
     """Per-micro-batch row selection with a masked dense gradient (see the module docstring). One process.
 
     Arguments as :class:`SparseMemoryController` (rule "kl" by default; T rows per layer per micro-batch). Use:
-    ``begin_step()``; per micro-batch ``loss = forward(...)``, ``after_forward()``, ``loss.backward()``; then
-    ``finish_step(optimizer, max_grad_norm=...)`` with a dense optimizer.
+    ``begin_step()``; per micro-batch forward, ``after_forward()``, backward; ``finish_step(optimizer,
+    max_grad_norm=...)`` with a dense optimizer.
     """
-
-    mode = "authors"
 
     def __init__(self, model: nn.Module, *, rule: str = "kl", rows_per_step: int = 512,
                  background: BackgroundStats | None = None, nonfinite: str = "raise") -> None:

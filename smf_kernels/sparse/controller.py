@@ -1,40 +1,29 @@
 """SparseMemoryController: per-step row selection and the exact sparse update for any model holding
-:class:`ProductKeyMemory` layers (docs/method.md#what-sparse-means).
+:class:`ProductKeyMemory` layers (docs/method.md#what-sparse-means; use: :mod:`smf_kernels.sparse`).
 
-How one optimizer step works:
+One optimizer step:
 
-1. ``begin_step()`` zeroes every memory's ``read_counts``, turns read counting on and gives each memory a
-   :class:`~smf_kernels.sparse.RowGradSink`: the values never get a ``.grad``, every backward writes into the
-   sink instead. Read counts exclude padding when the model passes ``valid_mask`` to the memories.
-2. The user runs forward/backward for each micro-batch as usual. The sink is filled one of two ways:
+1. ``begin_step()`` zeroes every memory's ``read_counts``, counts reads (padding excluded when the model passes
+   ``valid_mask``) and gives each memory a :class:`~smf_kernels.sparse.RowGradSink`: the values never get a
+   ``.grad``, every backward writes into the sink. The sink keeps the backwards' reads until the step's end (the
+   default: no second forward; about N x (D x itemsize + 12 L) bytes per layer for the step's N tokens), or, with
+   ``begin_step(select_before_backward=True)``, takes only the T selected rows' (T, D) gradient: call
+   :meth:`select_rows` between the forwards and the first backward (under accumulation after a no-grad forward of
+   every micro-batch that only counts); in one process, without the call, the first backward chooses the rows
+   from the counts itself (no host sync: what a torch.compile'd step runs).
+2. ``finish_step(optimizer, max_grad_norm=...)`` sums the step's counts over ranks (one all_reduce), scores them
+   with the rule and background statistics, takes the top ``min(T, #read)`` rows per layer (the same on every
+   rank), averages their gradient over ranks (the DDP convention), checks every gradient of the step for inf /
+   NaN (:mod:`~smf_kernels.sparse.step_checks`), clips in two phases (the norm of every gradient of the step,
+   then the update), steps the other parameters, updates the selected rows with
+   :meth:`RowSparseAdamW.step_rows` and zeroes gradients. Inside another training loop, :meth:`end_step` does
+   the first part and returns the step's :class:`RowGradients` (:class:`smf_kernels.hf.SparseMemoryTrainer`).
 
-   - reads kept until the step's end (the default): backwards keep their reads, and the step's end sums the reads
-     of the rows it selects. Rows come from every micro-batch's counts without a second forward; the kept reads
-     cost about N x (D x itemsize + 12 L) bytes per layer for the step's N tokens (as much as a dense gradient
-     when N reaches the slot count).
-   - rows known before the backward (``begin_step(select_before_backward=True)``): call :meth:`select_rows`
-     between the forwards and the first backward (under accumulation, after a no-grad forward of every
-     micro-batch that only counts), and every backward adds only the T selected rows' gradient into a (T, D)
-     buffer. In one process, without the call, the first backward chooses the rows from the counts itself (no
-     host sync: what a torch.compile'd step runs).
-3. ``finish_step(optimizer, max_grad_norm=...)`` sums the step's counts over all ranks (one all_reduce), scores
-   them with the rule and background statistics and takes the top ``min(T, #read)`` rows per layer (the same rows
-   on every rank), averages the rows' (T, D) gradient over ranks (the DDP convention), checks every gradient of
-   the step for inf / NaN, clips in two phases (the norm of every gradient of the step, then the update), steps
-   the other parameters, updates the selected rows with :meth:`RowSparseAdamW.step_rows`, and zeroes gradients.
-   Inside another training loop, :meth:`end_step` does the first part and returns the step's
-   :class:`RowGradients` (clip, check and apply them yourself: :class:`smf_kernels.hf.SparseMemoryTrainer`).
-
-Misuse and non-finite gradients: :mod:`smf_kernels.sparse.step_checks`.
-
-Data parallelism: do not let DDP synchronise the memory values (the controller reduces the rows' gradients) nor
-the ``read_counts`` buffers (DDP broadcasts buffers from rank 0 before every forward, which would replace each
-rank's counts with rank 0's): before wrapping the model, call
-``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, controller.ddp_ignored_names())``.
-The controller reduces over ``process_group`` (default: the world group whenever torch.distributed is
-initialised with more than one rank).
-
-The ablations (the dense-masked update, the authors' update) live in :mod:`smf_kernels.sparse.ablations`.
+Data parallelism: DDP must synchronise neither the values (the controller reduces the rows' gradient) nor the
+``read_counts`` buffers (its buffer broadcast would replace every rank's counts with rank 0's): before wrapping,
+call ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, controller.ddp_ignored_names())``.
+The controller reduces over ``process_group`` (default: the world group when torch.distributed runs more than
+one rank).
 
 Limitation: activation checkpointing that re-runs a memory's forward during backward would count that
 micro-batch's reads twice.
@@ -42,28 +31,24 @@ micro-batch's reads twice.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from tqdm.auto import tqdm
 
 from smf_kernels.memory import memories_of
 from smf_kernels.sharded.layout import gradient_copies, is_split, shard_of
 from smf_kernels.sparse import step_checks
 from smf_kernels.sparse.background import BackgroundStats
+from smf_kernels.sparse.background_batched import collect_background
 from smf_kernels.sparse.clipping import norm_and_clip_coefficient
 from smf_kernels.sparse.row_grad_sink import RowGradSink
 from smf_kernels.sparse.selection import RULES, score_slots, select_rows_padded, warn_if_not_sparse
 
 logger = logging.getLogger(__name__)
-
-
-def _default_forward(model: nn.Module, batch: Any) -> Any:
-    return model(**batch) if isinstance(batch, Mapping) else model(batch)
 
 
 @dataclass
@@ -180,54 +165,14 @@ class SparseMemoryController:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group)
 
     # ------------------------------------------------------- background stats
-    @torch.no_grad()
     def collect_background(self, batches: Iterable, *, forward: Callable[[nn.Module, Any], Any] | None = None,
                            max_batches: int | None = None, progress: bool = True) -> BackgroundStats:
-        """Count reads over ``batches`` (model in eval mode, one batch = one document) and use the result.
-
-        Each batch should hold a single example (the paper's batch size 1), so
-        that ``df`` counts documents. ``forward(model, batch)`` runs the model
-        (default ``model(**batch)`` for mappings, else ``model(batch)``). Under
-        torch.distributed, every rank counts its own batches and the totals are
-        summed across ranks. ``progress=False`` hides the progress bar (e.g. ``not args.disable_tqdm`` beside
-        a Trainer).
-        """
+        """Count reads over ``batches`` (one batch = one document, the paper's batch size 1) and use the result:
+        :func:`smf_kernels.sparse.background_batched.collect_background` over this controller's process group."""
         if self._in_step:
             raise RuntimeError("collect_background cannot run between begin_step() and finish_step()")
-        forward = forward or _default_forward
-        stats = BackgroundStats.for_memories(self.memories)
-        was_training = self.model.training
-        self.model.eval()
-        for memory in self.memories.values():
-            memory.set_update_rows(None)
-            memory.set_read_counting(True)
-        try:
-            total = max_batches if max_batches is not None else (len(batches) if hasattr(batches, "__len__") else None)
-            for index, batch in enumerate(tqdm(batches, total=total, desc="background statistics", disable=not progress)):
-                if max_batches is not None and index >= max_batches:
-                    break
-                for memory in self.memories.values():
-                    memory.reset_read_counts()
-                forward(self.model, batch)
-                for name, memory in self.memories.items():
-                    stats.add_batch(name, memory.read_counts)
-        finally:
-            for memory in self.memories.values():
-                memory.set_read_counting(False)
-                memory.reset_read_counts()
-            self.model.train(was_training)
-        if self._world() > 1:
-            for name, memory in self.memories.items():
-                device = memory.read_counts.device
-                packed = torch.cat([stats.doc_freq[name], stats.reads[name],
-                                    torch.tensor([stats.num_batches[name]])]).to(device)
-                self._all_reduce_sum(packed)
-                packed = packed.cpu()
-                num_slots = memory.num_slots
-                stats.doc_freq[name] = packed[:num_slots].clone()
-                stats.reads[name] = packed[num_slots:2 * num_slots].clone()
-                stats.num_batches[name] = int(packed[-1])
-        logger.info("background statistics from %d batches", next(iter(stats.num_batches.values())))
+        stats = collect_background(self.model, batches, forward=forward, max_batches=max_batches,
+                                   process_group=self.process_group, progress=progress)
         self.set_background(stats)
         return stats
 

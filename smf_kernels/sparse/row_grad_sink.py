@@ -1,22 +1,19 @@
 """RowGradSink: where a step's backwards put the gradient of one value table's selected rows, instead of a ``.grad``.
 
-The exact sparse update never gives the value table a gradient: each memory's backward writes the gradient of the
-step's T selected rows into one compact (T, D) float32 tensor (float64 for a float64 table), which
-:meth:`RowSparseAdamW.step_rows <smf_kernels.sparse.RowSparseAdamW.step_rows>` then reads (the optimizer reads
-compact rows, as FBGEMM's sparse optimizers do). The sink is filled in one of two ways:
+Each memory's backward writes the gradient of the step's T selected rows into one compact (T, D) float32 tensor
+(float64 for a float64 table) that :meth:`RowSparseAdamW.step_rows <smf_kernels.sparse.RowSparseAdamW.step_rows>`
+reads (as FBGEMM's sparse optimizers read compact rows). Filled one of two ways:
 
-- **rows known before the backward** (``keep_reads=False``): the rows are set between the forwards and the first
-  backward (:meth:`set_rows`, from counts of the whole step), or chosen by the first backward itself from this
-  process's counts (``chooser``; no host sync, what torch.compile traces). Each backward adds its rows' gradient
-  into :attr:`grad`. Costs the (T, D) buffer; under gradient accumulation the rows need the counts of every
-  micro-batch first (a no-grad counting forward).
-- **reads kept until the step's end** (``keep_reads=True``): each backward computes only the weights' gradient
-  and keeps its reads (the gradient reaching the gather (N, D), the slot ids and weights (N, L));
-  :meth:`fill` sums the kept reads of the rows finally selected into :attr:`grad`. No second forward, but it keeps
-  about N x (D x itemsize + 12 L) bytes per layer for the step's N tokens (docs/method.md#what-sparse-means).
+- **rows known before the backward** (``keep_reads=False``): set between the forwards and the first backward
+  (:meth:`set_rows`), or chosen by the first backward from this process's counts (``chooser``; no host sync, what
+  torch.compile traces); each backward adds its rows' gradient into :attr:`grad`. Costs the (T, D) buffer.
+- **reads kept until the step's end** (``keep_reads=True``): each backward computes only the weights' gradient and
+  keeps its reads (the gradient reaching the gather (N, D), slot ids and weights (N, L)); :meth:`fill` sums the
+  reads of the rows finally selected. No second forward, but about N x (D x itemsize + 12 L) bytes per layer for
+  the step's N tokens (docs/method.md#what-sparse-means).
 
-Pass a sink as ``update_rows`` to :func:`smf_kernels.ops.weighted_gather` (or set it on a memory with
-``set_update_rows``); :class:`~smf_kernels.sparse.SparseMemoryController` makes and reads them.
+Pass a sink as ``update_rows`` to :func:`smf_kernels.ops.weighted_gather` (or ``set_update_rows`` on a memory);
+:class:`~smf_kernels.sparse.SparseMemoryController` makes and reads them.
 """
 from __future__ import annotations
 

@@ -1,38 +1,26 @@
-"""Row-sparse ("lazy") AdamW: only the rows present in a sparse gradient move (docs/method.md#what-sparse-means).
+"""Row-sparse ("lazy") AdamW: only the rows a step updates move (docs/method.md#what-sparse-means).
 
-For a parameter whose gradient is a sparse COO tensor (e.g. the memory values
-with ``set_update_rows``), a step updates only the gradient's rows R:
+A step updates the rows R of a table, given as a sparse COO ``.grad`` (:meth:`RowSparseAdamW.step`) or as a
+compact (T, D) gradient of rows known to the caller (:meth:`RowSparseAdamW.step_rows`, what the sparse update
+uses), with AdamW run on each row's own sequence of updates (the update :func:`smf_kernels.ops.row_adamw_`
+makes; per-row step counts and decoupled weight decay). Rows outside R keep their values, moments and step
+count bit-identical: no momentum or weight decay leaks into them, as embedding libraries do for sparse tables.
 
-    s[r] += 1                                   (per-row step count, r in R)
-    p[r] *= 1 - lr * weight_decay               (decoupled weight decay)
-    m[r] = beta1 * m[r] + (1 - beta1) * g[r]
-    v[r] = beta2 * v[r] + (1 - beta2) * g[r]^2
-    p[r] -= lr / (1 - beta1^s[r]) * m[r] / (sqrt(v[r]) / sqrt(1 - beta2^s[r]) + eps)
-
-Rows outside R keep their values, moments and step count bit-identical: no
-momentum or weight decay leaks into them. This is AdamW run on each row's own
-sequence of updates, as embedding libraries do for sparse tables.
-
-State layout ("lazy" state): for each sparse-updated parameter of shape (M, D),
-``exp_avg`` and ``exp_avg_sq`` are full (M, D) tensors allocated on its first
-step (zeros, so a row's state starts at its first update) and ``row_step`` is an
-(M,) int64 per-row step count. Parameters with dense gradients (e.g. a trainable
-scale) get exactly torch.optim.AdamW's single-tensor update. Learning rate and
-other hyper-parameters are read from ``param_groups`` every step, so LR
-schedulers work unchanged.
+State ("lazy"): for a row-updated (M, D) parameter, ``exp_avg`` and ``exp_avg_sq`` are (M, D) tensors allocated
+on its first step (zeros) and ``row_step`` an (M,) int64 per-row step count. Parameters with dense gradients
+(e.g. a trainable scale) get exactly torch.optim.AdamW's single-tensor update. Hyper-parameters are read from
+``param_groups`` every step, so LR schedulers work unchanged.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 
 from smf_kernels._precision import accumulation_dtype
-from smf_kernels.ops.row_adamw import row_adamw_
+from smf_kernels.ops.row_adamw import check_hyper_parameters, row_adamw_
 
 
 class RowSparseAdamW(torch.optim.Optimizer):
-    """AdamW that updates only the rows of sparse COO gradients (see module docstring).
+    """AdamW that updates only the rows a step updates (see module docstring).
 
     Args:
         params: parameters or param groups, as for torch.optim.AdamW. Parameters
@@ -42,14 +30,7 @@ class RowSparseAdamW(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2) -> None:
-        if not 0.0 <= lr < math.inf:
-            raise ValueError(f"lr must be a finite number >= 0, got {lr}")
-        if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
-            raise ValueError(f"betas must lie in [0, 1), got {betas}")
-        if not 0.0 <= eps < math.inf:
-            raise ValueError(f"eps must be a finite number >= 0, got {eps}")
-        if not 0.0 <= weight_decay < math.inf:
-            raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay}")
+        check_hyper_parameters(lr, betas[0], betas[1], eps, weight_decay)
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
 
     def load_state_dict(self, state_dict: dict) -> None:

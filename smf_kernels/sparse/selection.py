@@ -4,8 +4,7 @@ All functions run on the tensors' device. Scores are computed in float64 so that
 slots with equal statistics get exactly equal scores; ties are broken by the
 lower slot id (a stable sort), which makes the selection identical on every
 device and every rank. :func:`select_top_rows` returns a tensor whose length
-depends on the data (``min(T, #read slots)``), so it reads one scalar back to
-the host; that is the only host sync here.
+depends on the data, so it reads one scalar back to the host; the only host sync here.
 """
 from __future__ import annotations
 
@@ -91,41 +90,33 @@ def kl_scores(counts: torch.Tensor, reads: torch.Tensor, eps: float = KL_EPS) ->
     return _mask_unread(batch_dist * torch.log((batch_dist + eps) / (background_dist + eps)), counts)
 
 
-def select_top_rows(scores: torch.Tensor, counts: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """The ``min(num_rows, #read slots)`` highest-scoring read slots, sorted ascending.
+def select_rows_padded(scores: torch.Tensor, counts: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``num_rows`` highest-scoring slots at a fixed size, with no host sync (a shape torch.compile can keep).
 
     Args:
-        scores: (M,) float scores (``-inf`` for unread slots).
+        scores: (M,) float scores.
         counts: (M,) int64 reads in the batch; only slots with ``counts > 0`` are eligible.
         num_rows: T, the most rows to select (>= 0).
 
     Returns:
-        (min(T, #read),) int64 slot ids, ascending. Equal scores: lower slot id first.
+        rows: (min(T, M),) int64 ascending. Equal scores: lower slot id first.
+        valid: (min(T, M),) bool: True for the selected rows, the ``min(T, #read slots)`` best read ones; the
+            others are unread slots that fill the size and must not be updated.
     """
     _check_counts(counts)
     if not isinstance(scores, torch.Tensor) or scores.shape != counts.shape:
         raise ValueError(f"scores must be a tensor of the shape of counts (M,) = {tuple(counts.shape)}")
     if isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 0:
         raise ValueError(f"num_rows must be a non-negative int, got {num_rows!r}")
-    num_read = int(torch.count_nonzero(counts))  # the one host sync: the output length
-    order = torch.sort(scores, descending=True, stable=True).indices
-    return order[: min(num_rows, num_read)].sort().values
+    order = torch.sort(_mask_unread(scores, counts), descending=True, stable=True).indices
+    rows, position = order[: min(num_rows, counts.numel())].sort()
+    return rows, (counts[rows] > 0)
 
 
-def select_rows_padded(scores: torch.Tensor, counts: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`select_top_rows` at a fixed size, with no host sync (a shape that torch.compile can keep).
-
-    Returns:
-        rows: (min(T, M),) int64 ascending: the T best-scoring slots.
-        valid: (min(T, M),) bool: True for the rows :func:`select_top_rows` selects (the read ones among
-            them); the others are unread slots that fill the size and must not be updated.
-    """
-    _check_counts(counts)
-    if isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 0:
-        raise ValueError(f"num_rows must be a non-negative int, got {num_rows!r}")
-    order = torch.sort(scores, descending=True, stable=True).indices[: min(num_rows, counts.numel())]
-    rows, position = order.sort()
-    return rows, (counts[order] > 0)[position]
+def select_top_rows(scores: torch.Tensor, counts: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """The rows :func:`select_rows_padded` selects: (min(T, #read),) int64, ascending (one host sync)."""
+    rows, valid = select_rows_padded(scores, counts, num_rows)
+    return rows[valid]
 
 
 def score_slots(rule: str, counts: torch.Tensor, doc_freq: torch.Tensor, reads: torch.Tensor,
