@@ -20,7 +20,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 from smf.model import attach_memories  # noqa: E402
 from smf_kernels.sparse import SparseMemoryController  # noqa: E402
-from smf_kernels.sparse.background_batched import collect_background_batched  # noqa: E402
+from smf_kernels.sparse.background_collection import collect_background_batched  # noqa: E402
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ from smf.model import attach_memories
 from smf.tiny import tiny_model
 from smf.vocabulary import TINY_MEMORY_KWARGS, TINY_MEMORY_LAYERS
 from smf_kernels.sparse import SparseMemoryController
-from smf_kernels.sparse.background_batched import collect_background_batched
+from smf_kernels.sparse.background_collection import collect_background_batched
 
 
 class PlainProductKeyMemory(nn.Module):

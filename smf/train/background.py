@@ -2,7 +2,8 @@
 
 The model (base + retrofit adapter) runs in eval mode over ``n_background`` single-example
 oasst1 batches (``batch_size`` > 1: that many documents per forward, each counted apart,
-:func:`smf_kernels.sparse.background_batched.collect_background_batched`) (protocol ``clean``: held out from the retrofit examples, see
+:func:`smf_kernels.sparse.background_collection.collect_background_batched`) (protocol ``clean``: held out
+from the retrofit examples, see
 :func:`smf.data.retrofit_and_background`; ``authors``: drawn from the same pool, see
 :func:`smf.data.authors_retrofit_and_background`);
 the :class:`SparseMemoryController` counts reads and the statistics are written to
@@ -28,7 +29,7 @@ from smf.train.distributed import World, barrier, setup_distributed
 from smf.train.recipes import BACKGROUND_FILE
 from smf.train.run_dir import RunFiles, claim_output_dir
 from smf_kernels.sparse import SparseMemoryController
-from smf_kernels.sparse.background_batched import collect_background_batched
+from smf_kernels.sparse.background_collection import collect_background_batched
 
 logger = logging.getLogger(__name__)
 

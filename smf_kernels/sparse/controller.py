@@ -43,7 +43,7 @@ from smf_kernels.memory import memories_of
 from smf_kernels.sharded.layout import gradient_copies, is_split, shard_of
 from smf_kernels.sparse import step_checks
 from smf_kernels.sparse.background import BackgroundStats
-from smf_kernels.sparse.background_batched import collect_background
+from smf_kernels.sparse.background_collection import collect_background
 from smf_kernels.sparse.clipping import norm_and_clip_coefficient
 from smf_kernels.sparse.row_grad_sink import RowGradSink
 from smf_kernels.sparse.selection import RULES, score_slots, select_rows_padded, warn_if_not_sparse
@@ -168,7 +168,7 @@ class SparseMemoryController:
     def collect_background(self, batches: Iterable, *, forward: Callable[[nn.Module, Any], Any] | None = None,
                            max_batches: int | None = None, progress: bool = True) -> BackgroundStats:
         """Count reads over ``batches`` (one batch = one document, the paper's batch size 1) and use the result:
-        :func:`smf_kernels.sparse.background_batched.collect_background` over this controller's process group."""
+        :func:`smf_kernels.sparse.background_collection.collect_background` over this controller's process group."""
         if self._in_step:
             raise RuntimeError("collect_background cannot run between begin_step() and finish_step()")
         stats = collect_background(self.model, batches, forward=forward, max_batches=max_batches,

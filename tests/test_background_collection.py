@@ -9,7 +9,7 @@ from smf.model import attach_memories
 from smf.tiny import tiny_model
 from smf.vocabulary import TINY_MEMORY_KWARGS, TINY_MEMORY_LAYERS
 from smf_kernels.sparse import SparseMemoryController
-from smf_kernels.sparse.background_batched import collect_background_batched, per_document_counts
+from smf_kernels.sparse.background_collection import collect_background_batched, per_document_counts
 
 
 def assert_same_statistics(num_batches, doc_freq, reads, expected_num_batches, expected_doc_freq, expected_reads):
