@@ -25,7 +25,7 @@ RETROFIT_MODE = {"replacement": "replacement", "additive": "additive", "additive
 RULES = ("tfidf", "kl")  # smf_kernels.sparse.selection.RULES: the slot scoring rules
 BACKENDS = ("torch", "triton", "ext")  # smf_kernels.backends.BACKENDS: the kernel backends
 SPARSE_UPDATES = ("exact", "dense_masked", "authors")  # smf train --update (it replaced --optimizer)
-# Removed command-line options -> what replaced them (docs/method.md#migrating-from---optimizer), for the parser's error.
+# Removed command-line options -> what replaced them (docs/method.md#migrating-from---optimizer), for parse errors.
 REMOVED_OPTIONS = {
     "--optimizer": "--optimizer is now --update (row_sparse -> exact; dense_masked and authors keep their names)",
     "--sparse-backward": "--sparse-backward is gone: the exact update fills the rows' gradient itself (drop it)",
