@@ -14,7 +14,8 @@ import json
 import logging
 from pathlib import Path
 
-from smf.report import accounting_markdown, paper_qwen_config, parameter_accounting, write_report
+from smf.report import accounting_markdown, parameter_accounting, write_report
+from smf.report.accounting import model_architecture
 from smf.report.paper_results import HIGHER_IS_BETTER, display_name, metric_keys, metric_title
 from smf.report.records import check_results_record
 from smf.report.table import summarize
@@ -25,7 +26,7 @@ from smf.suite.science import at_chosen_rates, learning_metric, sweep_rows
 from smf.suite.status import cell, write_status
 from smf.errors import ConfigError
 from smf.files import read_json_object
-from smf.vocabulary import DEFAULT_MODEL, TINY_MODEL
+from smf.vocabulary import DEFAULT_MODEL
 
 logger = logging.getLogger(__name__)
 
@@ -157,29 +158,17 @@ def write_sweep_table(config: SuiteConfig, results: list[dict], out_dir: Path) -
     return [md_path, json_path, figure]
 
 
-def model_architecture(model: str):
-    """The transformers config of the suite's model: built in for 'tiny' and the paper's Qwen (no
-    download), else read from the local directory or the hub cache."""
-    if model == TINY_MODEL:
-        from smf.tiny import tiny_config
-
-        return tiny_config()
-    if model == DEFAULT_MODEL:
-        return paper_qwen_config()
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(model)
-    except OSError as err:
-        raise ConfigError(f"model {model!r}: cannot read its config for the parameter accounting ({err})") from err
-
-
 def write_accounting(config: SuiteConfig, out_dir: Path) -> list[Path]:
     """Parameter accounting of the configured model and memory sizes (modules on the meta device)."""
     retrofit = stage_settings(config, "retrofit")
     rows_per_step = stage_settings(config, "sparse").rows_per_step
     lora_rank = stage_settings(config, "lora").lora_r
-    rows = parameter_accounting(model_architecture(config.model), layers=tuple(retrofit.layers),
+    try:
+        architecture = model_architecture(config.model)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"model {config.model!r}: cannot read its config for the parameter accounting "
+                          f"({err})") from err
+    rows = parameter_accounting(architecture, layers=tuple(retrofit.layers),
                                 rows_per_step=rows_per_step, lora_rank=lora_rank, n_keys=retrofit.n_keys,
                                 heads=retrofit.heads, topk=retrofit.topk, key_dim=retrofit.key_dim)
     base_parameters = rows[0].updated_per_step  # full finetuning updates every base parameter

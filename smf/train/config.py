@@ -39,20 +39,12 @@ MEMORY_SIZES = ("layers", "n_keys", "heads", "topk", "key_dim")
 
 
 def model_config(model: str):
-    """The transformers config of base model ``model`` without loading weights: built in for 'tiny' and the paper's
-    Qwen, else read from the local directory or the hub cache (ConfigError if it cannot be read)."""
-    if model == TINY_MODEL:
-        from smf.tiny import tiny_config
-
-        return tiny_config()
-    if model == DEFAULT_MODEL:
-        from smf.report.accounting import paper_qwen_config
-
-        return paper_qwen_config()
-    from transformers import AutoConfig
+    """The transformers config of base model ``model`` (:func:`smf.report.accounting.model_architecture`), or a
+    ConfigError saying which options to give instead."""
+    from smf.report.accounting import model_architecture
 
     try:
-        return AutoConfig.from_pretrained(model)
+        return model_architecture(model)
     except (OSError, ValueError) as err:
         raise ConfigError(f"--model {model!r}: cannot read its config to scale the memory sizes to it ({err}); give "
                           "--layers, --n-keys, --heads, --topk and --key-dim") from None
