@@ -39,3 +39,12 @@ def test_smf_retrofit_options_resolve_to_the_scaled_sizes():
     assert resolved.layers == list(expected["layers"]) and resolved.n_keys == expected["n_keys"]
     paper = RunConfig(output_dir="x", heads=2).resolved("retrofit")
     assert (paper.layers, paper.n_keys, paper.heads, paper.topk, paper.key_dim) == ([6, 12, 18], 128, 2, 16, 256)
+
+
+def test_a_model_whose_config_cannot_be_read_asks_for_the_sizes(tmp_path):
+    from smf.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--layers, --n-keys, --heads, --topk and --key-dim"):
+        RunConfig(output_dir="x", model=str(tmp_path)).resolved("retrofit")  # a directory without config.json
+    assert RunConfig(output_dir="x", model=str(tmp_path), layers=[0], n_keys=4, heads=1, topk=2,
+                     key_dim=8).resolved("retrofit").n_keys == 4
