@@ -1,11 +1,13 @@
-"""Shared test utilities for the op tests."""
+"""Shared test utilities: backends under test, the relative error, gather inputs, benchmarks, a memory LM."""
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
 
 import torch
+from torch import nn
 
+from smf_kernels import ProductKeyMemory
 from smf_kernels.backends import unavailable_reason
 
 
@@ -44,3 +46,22 @@ def load_benchmark(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+class MemoryLM(nn.Module):
+    """embed -> h + alpha * memory(h) -> head, the sparse stage of +S: only the memory values and alpha train.
+    ``memory``: ProductKeyMemory's keyword arguments."""
+
+    def __init__(self, vocab: int, width: int, **memory):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.memory = ProductKeyMemory(width, **memory)
+        self.alpha = nn.Parameter(torch.tensor(0.5))
+        self.head = nn.Linear(width, vocab)
+        self.requires_grad_(False)
+        self.memory.values.requires_grad_(True)
+        self.alpha.requires_grad_(True)
+
+    def forward(self, tokens, valid):
+        hidden = self.embed(tokens)
+        return self.head(hidden + self.alpha * self.memory(hidden, valid_mask=valid))

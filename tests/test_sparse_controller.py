@@ -9,31 +9,16 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from smf_kernels import ProductKeyMemory
 from smf_kernels.sparse import (BackgroundStats, DenseMaskedUpdate, RowSparseAdamW, SparseMemoryController,
                                 StepMisuseError)
+from helpers import MemoryLM
 from sparse_oracle import dense_reference
 
 VOCAB, WIDTH, SEQ, ROWS = 50, 32, 6, 12
 
 
-class TinyModel(nn.Module):
-    """embed -> h + alpha * memory(h) -> head; only the memory values and alpha train (stage 2, +S)."""
-
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.memory = ProductKeyMemory(WIDTH, n_keys=8, heads=2, topk=4, key_dim=16)
-        self.alpha = nn.Parameter(torch.tensor(0.5))
-        self.head = nn.Linear(WIDTH, VOCAB)
-        for param in self.parameters():
-            param.requires_grad_(False)
-        self.memory.values.requires_grad_(True)
-        self.alpha.requires_grad_(True)
-
-    def forward(self, tokens, valid):
-        hidden = self.embed(tokens)
-        return self.head(hidden + self.alpha * self.memory(hidden, valid_mask=valid))
+def tiny_model():
+    return MemoryLM(VOCAB, WIDTH, n_keys=8, heads=2, topk=4, key_dim=16)
 
 
 def make_steps(num_steps, sequences, generator_seed=1):
@@ -81,7 +66,7 @@ def train(model, controller, optimizer, steps, micro_batches, normaliser_scale=1
 
 def fresh_setup(rule, update=SparseMemoryController):
     torch.manual_seed(0)
-    model = TinyModel()
+    model = tiny_model()
     controller = update(model, rule=rule, rows_per_step=ROWS)
     controller.collect_background(background_batches(), forward=forward_background)
     return model, controller
@@ -157,7 +142,7 @@ def test_dense_masked_update_leaks_while_the_exact_one_keeps_unselected_rows_bit
 
 
 def test_controller_misuse_raises():
-    model = TinyModel()
+    model = tiny_model()
     with pytest.raises(RuntimeError, match="no background statistics"):
         SparseMemoryController(model).begin_step()
     controller = SparseMemoryController(model, background=BackgroundStats.for_memories({"memory": model.memory}))
@@ -273,7 +258,7 @@ def _distributed_worker(rank, init_file, out_dir):
 
 def _train_one_rank(rank, out_dir):
     torch.manual_seed(0)
-    model = TinyModel()
+    model = tiny_model()
     controller = SparseMemoryController(model, rule="kl", rows_per_step=ROWS)
     nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
         model, controller.ddp_ignored_names())

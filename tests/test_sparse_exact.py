@@ -4,10 +4,8 @@ accumulation and clipping; DDP and sharded memories: tests/test_sparse_controlle
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from helpers import backends_under_test
-from smf_kernels import ProductKeyMemory
+from helpers import MemoryLM, backends_under_test
 from smf_kernels.sparse import RowSparseAdamW, SparseMemoryController
 from smf_kernels.sparse.background import BackgroundStats
 from sparse_oracle import assert_matches_reference, dense_reference
@@ -16,22 +14,8 @@ VOCAB, WIDTH, SEQ, ROWS = 40, 16, 5, 10
 LR, WEIGHT_DECAY = 1e-2, 0.1
 
 
-class TinyModel(nn.Module):
-    """embed -> h + alpha * memory(h) -> head; only the memory values and alpha train."""
-
-    def __init__(self, backend=None):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.memory = ProductKeyMemory(WIDTH, n_keys=6, heads=2, topk=3, key_dim=8, value_dim=12, backend=backend)
-        self.alpha = nn.Parameter(torch.tensor(0.5))
-        self.head = nn.Linear(WIDTH, VOCAB)
-        self.requires_grad_(False)
-        self.memory.values.requires_grad_(True)
-        self.alpha.requires_grad_(True)
-
-    def forward(self, tokens, valid):
-        hidden = self.embed(tokens)
-        return self.head(hidden + self.alpha * self.memory(hidden, valid_mask=valid))
+def tiny_model(backend=None):
+    return MemoryLM(VOCAB, WIDTH, n_keys=6, heads=2, topk=3, key_dim=8, value_dim=12, backend=backend)
 
 
 def make_steps(num_steps, sequences, micro_batches, seed=1):
@@ -95,7 +79,7 @@ def run_path(model, controller, optimizer, steps, path, max_grad_norm):
 
 def check_against_oracle(backend, path, micro_batches, max_grad_norm, dtype, tol, num_steps=3):
     torch.manual_seed(0)
-    model = TinyModel(backend).to(dtype)
+    model = tiny_model(backend).to(dtype)
     background = background_for(model)
     steps = make_steps(num_steps, sequences=4, micro_batches=micro_batches)
     reference = dense_reference(model, steps, loss_of, background, rule="kl", rows_per_step=ROWS, lr=LR,
