@@ -3,17 +3,22 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 
 from smf.errors import ConfigError
 from smf.options import ListAction
 from smf.vocabulary import CONDITIONS, SPARSE_CONDITIONS
 
 logger = logging.getLogger(__name__)
+# The shipped suite configs (smf/configs/suite_NAME.yaml), by name, for the help text.
+SHIPPED = sorted(path.stem.removeprefix("suite_")
+                 for path in (Path(__file__).resolve().parents[1] / "configs").glob("suite_*.yaml"))
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str = "suite") -> None:
     parser.add_argument("--config", required=True, metavar="NAME_OR_FILE", help="suite config: a YAML/JSON file "
-                        "or a shipped name (tiny, paper); relative data paths in it resolve against the file's folder")
+                        f"or a shipped name ({', '.join(SHIPPED)}); relative data paths in it resolve against the "
+                        "file's folder")
     parser.add_argument("--output-dir", metavar="DIR", help="suite directory (default: the config's output_dir, "
                         "relative to the current directory)")
     parser.add_argument("--seeds", action=ListAction, item_type=int, metavar="SEED",
