@@ -9,6 +9,7 @@ from torch import nn
 
 from smf_kernels import ProductKeyMemory
 from smf_kernels.backends import unavailable_reason
+from smf_kernels.sparse import BackgroundStats
 
 
 def backends_under_test() -> list[str]:
@@ -65,3 +66,13 @@ class MemoryLM(nn.Module):
     def forward(self, tokens, valid):
         hidden = self.embed(tokens)
         return self.head(hidden + self.alpha * self.memory(hidden, valid_mask=valid))
+
+
+def random_background(model: nn.Module, documents: int, seed: int, most: int = 2) -> BackgroundStats:
+    """Background statistics of ``model.memory`` from ``documents`` random count vectors (0..``most`` reads per
+    slot), drawn from a generator seeded with ``seed``."""
+    stats = BackgroundStats.for_memories({"memory": model.memory})
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(documents):
+        stats.add_batch("memory", torch.randint(0, most + 1, (model.memory.num_slots,), generator=generator))
+    return stats

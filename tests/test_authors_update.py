@@ -9,8 +9,9 @@ from torch import nn
 
 from smf.train import train
 from smf.train.checkpoint import LOG_FILE
+from helpers import random_background
 from smf_kernels import ProductKeyMemory
-from smf_kernels.sparse import (AuthorsSparseUpdate, BackgroundStats, RowSparseAdamW, SparseMemoryController,
+from smf_kernels.sparse import (AuthorsSparseUpdate, RowSparseAdamW, SparseMemoryController,
                                 rows_moved_outside, score_slots, select_top_rows)
 from test_train_recipes import tiny_run_config, write_adapter_and_background
 
@@ -29,12 +30,8 @@ class Wrapper(nn.Module):
         return self.memory(x, valid_mask=valid)
 
 
-def background_for(model, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    stats = BackgroundStats.for_memories({"memory": model.memory})
-    for _ in range(5):
-        stats.add_batch("memory", torch.randint(0, 4, (model.memory.num_slots,), generator=generator))
-    return stats
+def background_for(model):
+    return random_background(model, documents=5, seed=0, most=3)
 
 
 def micro_batches(seed):

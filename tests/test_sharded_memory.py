@@ -14,14 +14,14 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from helpers import backends_under_test, rel_err
+from helpers import backends_under_test, random_background, rel_err
 from smf_kernels import ProductKeyMemory
 from smf_kernels.sharded import (LEDGER, ColumnShard, ShardedProductKeyMemory, column_bounds, ddp_ignored_names,
                                  shard_memories)
 from smf_kernels.sharded.layout import gradient_copies
 from smf_kernels.sharded import byte_model
 from smf_kernels.sharded.checkpoint import load_shards, replicated_optimizer_state, save_shard
-from smf_kernels.sparse import BackgroundStats, RowSparseAdamW, SparseMemoryController, clip_grad_norm_
+from smf_kernels.sparse import RowSparseAdamW, SparseMemoryController, clip_grad_norm_
 from sparse_oracle import dense_reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -217,11 +217,7 @@ def smf_steps(num_steps=3, sequences=8):
 
 
 def background(model):
-    stats = BackgroundStats.for_memories({"memory": model.memory})
-    generator = torch.Generator().manual_seed(2)
-    for _ in range(4):
-        stats.add_batch("memory", torch.randint(0, 3, (model.memory.num_slots,), generator=generator))
-    return stats
+    return random_background(model, documents=4, seed=2)
 
 
 def summed_loss(model, tokens, targets, valid):

@@ -5,9 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import MemoryLM, backends_under_test
+from helpers import MemoryLM, backends_under_test, random_background
 from smf_kernels.sparse import RowSparseAdamW, SparseMemoryController
-from smf_kernels.sparse.background import BackgroundStats
 from sparse_oracle import assert_matches_reference, dense_reference
 
 VOCAB, WIDTH, SEQ, ROWS = 40, 16, 5, 10
@@ -41,14 +40,6 @@ def loss_of(model, micro_batch):
     return (losses * valid.reshape(-1).to(losses.dtype)).sum() / total
 
 
-def background_for(model):
-    stats = BackgroundStats.for_memories({"memory": model.memory})
-    generator = torch.Generator().manual_seed(2)
-    for _ in range(5):
-        stats.add_batch("memory", torch.randint(0, 3, (model.memory.num_slots,), generator=generator))
-    return stats
-
-
 def run_path(model, controller, optimizer, steps, path, max_grad_norm):
     """The steps through the controller, filling the rows' gradient by ``path``: "kept" (reads kept until the
     step's end), "selected" (rows selected before the backward, after a counting forward when the step
@@ -80,7 +71,7 @@ def run_path(model, controller, optimizer, steps, path, max_grad_norm):
 def check_against_oracle(backend, path, micro_batches, max_grad_norm, dtype, tol, num_steps=3):
     torch.manual_seed(0)
     model = tiny_model(backend).to(dtype)
-    background = background_for(model)
+    background = random_background(model, documents=5, seed=2)
     steps = make_steps(num_steps, sequences=4, micro_batches=micro_batches)
     reference = dense_reference(model, steps, loss_of, background, rule="kl", rows_per_step=ROWS, lr=LR,
                                 weight_decay=WEIGHT_DECAY, max_grad_norm=max_grad_norm)
