@@ -22,7 +22,9 @@ from smf.report.table import summarize
 from smf.suite.config import SuiteConfig, suite_config_from_dict
 from smf.suite.plan import SuiteLayout, plan_runs, run_hash, stage_settings
 from smf.report.sweep_plot import plot_sweep
+from smf.report.matched_learning import format_cell, matched_learning
 from smf.suite.science import at_chosen_rates, learning_metric, sweep_rows
+from smf.suite.science import variant as result_variant
 from smf.suite.status import cell, write_status
 from smf.errors import ConfigError
 from smf.files import read_json_object
@@ -211,6 +213,110 @@ def write_reads_ablation(config: SuiteConfig, results: list[dict], out_dir: Path
     return [md_path, json_path]
 
 
+def write_matched_learning(config: SuiteConfig, results: list[dict], out_dir: Path) -> list[Path]:
+    """``matched_learning.md`` / ``.json``: old knowledge kept at each ``matched_learning`` level of new-task learning,
+    per method, read off each seed's sweep (:mod:`smf.report.matched_learning`), and the paired difference to full
+    finetuning."""
+    learn = learning_metric(results)
+    kept = "retain_acc"
+    if not any(kept in r["metrics"] for r in results):
+        return []
+    reference = ("full", "exact", "all")
+    rows = matched_learning(results, config.matched_learning, result_variant, learn, kept, reference)
+    rows.sort(key=lambda row: (config.conditions.index(row["method"][0]) if row["method"][0] in config.conditions
+                               else len(config.conditions), row["method"]))
+    levels = [str(level) for level in config.matched_learning]
+    title = metric_title(kept, config.labels)
+    lines = ["# Forgetting at matched learning\n",
+             f"{title} kept when each method has learned a given {metric_title(learn, config.labels)}, interpolated "
+             "between the two learning rates of each seed's sweep that bracket the level; mean ± 95% Student-t "
+             "interval over the seeds that reached it (k/n: only k of n seeds' sweeps measured the level; — : none "
+             "did, the level lies above every rate's learning or below the lowest rate's). Second table: the "
+             "difference to full finetuning, paired by seed.\n",
+             "| Method | " + " | ".join(f"kept @ {level}" for level in levels) + " |",
+             "| --- | " + " | ".join("---:" for _ in levels) + " |"]
+    for row in rows:
+        cells = [format_cell(c["mean"], c["half_width"], c["measured"], len(row["seeds"]))
+                 for c in (row["levels"][level] for level in levels)]
+        lines.append(f"| {variant_label(row['method'], config.model)} | " + " | ".join(cells) + " |")
+    if any("vs_reference" in c for row in rows for c in row["levels"].values()):
+        lines += ["", "| Method − full finetuning | " + " | ".join(f"@ {level}" for level in levels) + " |",
+                  "| --- | " + " | ".join("---:" for _ in levels) + " |"]
+        for row in rows:
+            if tuple(row["method"]) == reference:
+                continue
+            cells = []
+            for level in levels:
+                diff = row["levels"][level].get("vs_reference")
+                cells.append("—" if not diff else format_cell(diff["mean"], diff["half_width"], diff["pairs"],
+                                                             len(row["seeds"]), signed=True))
+            lines.append(f"| {variant_label(row['method'], config.model)} | " + " | ".join(cells) + " |")
+    md_path, json_path = out_dir / "matched_learning.md", out_dir / "matched_learning.json"
+    md_path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    json_path.write_text(json.dumps({"learn_metric": learn, "kept_metric": kept, "levels": config.matched_learning,
+                                     "rows": rows}, indent=1) + "\n", encoding="utf-8")
+    return [md_path, json_path]
+
+
+def write_environment(config: SuiteConfig, results: list[dict], out_dir: Path) -> list[Path]:
+    """``environment.md`` / ``.json``: what computed the results (each distinct environment recorded in a results
+    file, with its number of runs) and, for a suite with a world, each base: its fingerprint, where it came from,
+    its pretraining, and its own metrics (the base condition's run of that seed)."""
+    from smf.suite.science import base_root
+
+    environments: list[tuple[dict, int]] = []
+    for result in results:
+        env = result.get("environment") or {}
+        for index, (known, count) in enumerate(environments):
+            if known == env:
+                environments[index] = (known, count + 1)
+                break
+        else:
+            environments.append((env, 1))
+    lines = ["# Environment\n"]
+    if len(environments) > 1:
+        lines.append(f"**The results come from {len(environments)} different environments** (runs of another "
+                     "machine or version were mixed into this directory).\n")
+    for env, count in environments:
+        described = ", ".join(f"{k} {v}" for k, v in env.items() if v is not None) or "not recorded (older runs)"
+        lines.append(f"- {count} run(s): {described}")
+    bases = []
+    if config.world and config.pretrain:
+        for seed in (config.seeds if config.base_per_seed else (None,)):
+            marker_path = base_root(config.output_dir, seed) / "pretrain" / "pretrain_stage.json"
+            marker = json.loads(marker_path.read_text()) if marker_path.is_file() else {}
+            own = [r for r in results if r["condition"] == "base" and (seed is None or r["seed"] == seed)]
+            bases.append({"seed": seed, "fingerprint": marker.get("fingerprint"), "source": marker.get("source"),
+                          "epochs_trained": marker.get("epochs_trained"),
+                          "pretrain_old_qa_accuracy": marker.get("old_qa_accuracy"),
+                          "metrics": own[0]["metrics"] if own else None})
+        metrics = metric_keys(b["metrics"] for b in bases if b["metrics"])
+        lines += ["", "| Base (world and pretraining seed) | fingerprint | source | epochs | "
+                  + " | ".join(metric_title(m, config.labels) for m in metrics) + " |",
+                  "| --- | --- | --- | ---: | " + " | ".join("---:" for _ in metrics) + " |"]
+        for base in bases:
+            values = [("—" if not base["metrics"] or base["metrics"].get(m) is None else f"{base['metrics'][m]:.3f}")
+                      for m in metrics]
+            lines.append(f"| {'shared' if base['seed'] is None else base['seed']} | `{base['fingerprint']}` | "
+                         f"{base['source']} | {base['epochs_trained']} | " + " | ".join(values) + " |")
+    md_path, json_path = out_dir / "environment.md", out_dir / "environment.json"
+    md_path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    json_path.write_text(json.dumps({"environments": [{"runs": c, **e} for e, c in environments], "bases": bases},
+                                    indent=1) + "\n", encoding="utf-8")
+    return [md_path, json_path]
+
+
+def variant_label(method, model: str) -> str:
+    """A method key of :func:`smf.suite.science.variant` as a table label."""
+    condition, update, reads, *rest = method
+    label = display_name(condition, model)
+    if update != "exact":
+        label += f" ({update} update)"
+    if reads != "all":
+        label += f" ({reads} reads)"
+    return label + "".join(f" [{part}]" for part in rest if part)
+
+
 def write_report_page(config: SuiteConfig, out_dir: Path) -> Path:
     """``report.md``: the suite's ``notice`` (what its numbers mean), Table 1, the figure, and the other tables
     written beside them (the learning-rate sweep, the update ablation, the science diagnostics, the status)."""
@@ -226,7 +332,7 @@ def write_report_page(config: SuiteConfig, out_dir: Path) -> Path:
                   "![Pareto figure](pareto.png)\n"]
     else:
         lines.append("## Table 1\n\nNo run has results yet (suite_status.md says which ran and which failed).\n")
-    for name in ("lr_sweep.md", "science_diagnostics.md", "ablation_reads.md", "ablation_update.md", "accounting.md"):
+    for name in ("matched_learning.md", "environment.md", "lr_sweep.md", "science_diagnostics.md", "ablation_reads.md", "ablation_update.md", "accounting.md"):
         if (out_dir / name).is_file():
             text = (out_dir / name).read_text(encoding="utf-8")
             lines.append("#" + text if text.startswith("# ") else text)
@@ -254,6 +360,9 @@ def write_suite_report(suite_dir: str | Path) -> list[Path]:
                               include_paper=include_paper, model=config.model, labels=config.labels, intervals=sweep)
         if sweep:
             paths += write_sweep_table(config, results, layout.root)
+        if config.matched_learning:
+            paths += write_matched_learning(config, results, layout.root)
+        paths += write_environment(config, results, layout.root)
         if config.authors_update:
             paths += write_update_ablation(config, results, layout.root)
         if config.count_reads_ablation:

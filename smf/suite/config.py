@@ -55,9 +55,14 @@ class SuiteConfig:
     # model pretrained on it in {output_dir}/pretrain (smf.suite.science); empty: not used.
     world: dict = field(default_factory=dict)  # smf.data.world.WorldOptions
     pretrain: dict = field(default_factory=dict)  # smf.train.pretrain.PretrainOptions
+    # every seed gets a world and a base of its own (world and pretraining seed = the run's seed; smf.suite.science)
+    base_per_seed: bool = False
     # recipe (sparse, lora, full) -> learning rates, each run for every seed; the same number for every recipe the
     # conditions train; Table 1 reports each condition at the rate of its highest mean learning metric
     lr_sweep: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    # learning levels at which matched_learning.md reads each method's kept old knowledge off its sweep (needs
+    # lr_sweep; smf.report.matched_learning)
+    matched_learning: Annotated[tuple[Annotated[float, Field(gt=0, le=1)], ...], AsList, Distinct] = ()
     threads: PositiveInt | None = None  # torch.set_num_threads for the suite's process (None: torch's default)
     # sparse conditions also run with count_reads: loss (only the positions the loss scores count towards the
     # selection), beside the config's count_reads: ablation_reads.md
@@ -175,25 +180,34 @@ def _check_own_data(config: SuiteConfig) -> None:
 
 def _science_inputs(raw: dict) -> dict:
     """``raw`` with the world's files as its own data and the pretrained model as its model, when ``world`` /
-    ``pretrain`` are given (the suite writes them: :mod:`smf.suite.science`); ConfigError for what they replace."""
+    ``pretrain`` are given (the suite writes them: :mod:`smf.suite.science`; with ``base_per_seed``, those of the
+    first seed); ConfigError for what they replace."""
     if not raw.get("world") and not raw.get("pretrain"):
+        if raw.get("base_per_seed"):
+            raise ConfigError("base_per_seed needs world (and pretrain): it gives every seed a world of its own")
         return raw
     from smf.data.world import WorldOptions
+    from smf.suite.science import science_paths
     from smf.train.pretrain import PretrainOptions
 
     if raw.get("pretrain") and not raw.get("world"):
         raise ConfigError("pretrain needs world: the model is pretrained on the world's old knowledge")
-    WorldOptions.from_dict(mapping(raw["world"], "world"))
+    per_seed = bool(raw.get("base_per_seed"))
+    seeds = raw.get("seeds")
+    first = (seeds[0] if isinstance(seeds, list) and seeds else seeds) if per_seed else None
+    for key in ("world", "pretrain"):
+        if per_seed and isinstance(raw.get(key), dict) and "seed" in raw[key]:
+            raise ConfigError(f"base_per_seed: the {key} seed is each run's seed; remove {key}.seed")
+    seeded = {"seed": first} if per_seed and isinstance(first, int) else {}
+    WorldOptions.from_dict({**mapping(raw["world"], "world"), **seeded})
     root = Path(str(raw.get("output_dir", ""))).expanduser().resolve()
-    data = {role: str(root / "world" / f"{role}.jsonl") for role in
-            ("retrofit", "background", "train", "eval_learn", "eval_heldout", "eval_retain")}
+    data, model = science_paths(root, first if isinstance(first, int) else None)
     given = {key: value for key, value in mapping(raw.get("data"), "data").items() if value is not None}
     if given and given != data:  # a saved config holds the derived paths
         raise ConfigError("world and data cannot both be given: the world's files are the suite's data")
     raw = {**raw, "data": data}
     if raw.get("pretrain"):
-        PretrainOptions.from_dict(mapping(raw["pretrain"], "pretrain"))
-        model = str(root / "pretrain" / "final")
+        PretrainOptions.from_dict({**mapping(raw["pretrain"], "pretrain"), **seeded})
         if raw.get("model") not in (None, model):
             raise ConfigError("pretrain and model cannot both be given: the pretrained model is the suite's model")
         raw["model"] = model
@@ -220,6 +234,8 @@ def parse_suite_config(raw, base_dir: Path, *, source: str = "config", check_pat
         "labels": mapping(raw.get("labels"), "labels"),
         "lr_sweep": mapping(raw.get("lr_sweep"), "lr_sweep"),
     }, str)
+    if config.matched_learning and not config.lr_sweep:
+        raise ConfigError("matched_learning reads each method's sweep: give lr_sweep too")
     for stage in config.lr_sweep:
         if "lr" in config.stages.get(stage, {}) or "lr" in config.train:
             raise ConfigError(f"lr_sweep.{stage} and an lr in train or stages.{stage} cannot both be given")

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from smf.environment import environment
 from smf.errors import ConfigError
 from smf.eval.tasks import evaluate_model, load_eval_sets
 from smf.files import read_json_object, write_json_atomic
@@ -31,7 +32,7 @@ from smf.model.loading import FINAL_DIR, RUN_CONFIG, load_model, read_run_config
 from smf.suite.config import SuiteConfig
 from smf.suite.plan import (Run, SuiteLayout, merged_plan, options_fingerprint, plan_runs, run_hash,
                             sparse_stage_dirs, stage_config)
-from smf.suite.science import prepare_science_inputs
+from smf.suite.science import prepare_science_inputs, seed_config
 from smf.suite.status import write_status
 from smf.train.background import collect_background
 from smf.train.checkpoint import CHECKPOINT_FILE, LOG_FILE
@@ -46,7 +47,8 @@ STAGE_MARKER = "suite_stage.json"
 REPORT_FILES = ("table1.md", "table1.csv", "table1.tex", "pareto.png", "pareto.pdf", "accounting.md",
                 "accounting.json", "ablation_update.md", "ablation_update.json", "report.md", "lr_sweep.md",
                 "lr_sweep.json", "pareto_sweep.png", "ablation_reads.md", "ablation_reads.json",
-                "science_diagnostics.md", "science_diagnostics.json")
+                "science_diagnostics.md", "science_diagnostics.json", "matched_learning.md", "matched_learning.json",
+                "environment.md", "environment.json")
 ABLATION_FILES = ("ablation_update.md", "ablation_update.json")
 DATA_LOGGERS = ("smf.data.sources",)  # their warnings (e.g. fewer rows than asked) are the same for every run
 
@@ -127,7 +129,7 @@ class SuiteRunner:
         self.config = config
         self.layout = SuiteLayout(config.output_dir)
         self.device = pick_device(config.device)
-        self._eval_sets = None
+        self._eval_sets: dict = {}
 
     def pending(self) -> list[Run]:
         """Planned runs whose results file does not exist yet."""
@@ -135,7 +137,7 @@ class SuiteRunner:
 
     def train_stages(self, run: Run) -> dict[str, dict]:
         """Train (or reuse) every stage ``run`` needs; returns their markers by stage kind."""
-        config, layout = self.config, self.layout
+        config, layout = seed_config(self.config, run.seed), self.layout
         if run.recipe is None:
             return {}
         if run.recipe != "sparse":
@@ -155,15 +157,16 @@ class SuiteRunner:
     def evaluate(self, run: Run) -> tuple[dict, dict, str, dict]:
         """(metrics, seconds per task, artefact, rows scored / skipped per task) of ``run``'s trained model (the
         base model for base)."""
-        if self._eval_sets is None:
-            self._eval_sets = load_eval_sets(self.config.data, self.config.eval, self.config.protocol)
+        config = seed_config(self.config, run.seed)
+        if config.data not in self._eval_sets:  # one set per world (per seed with base_per_seed)
+            self._eval_sets = {config.data: load_eval_sets(config.data, config.eval, config.protocol)}
         run_dir = None if run.recipe is None else self.layout.train_dir(run)
-        model, tokenizer = load_model(self.config.model, run_dir, self.device)
-        artefact = self.config.model if run_dir is None else str(run_dir / FINAL_DIR)
+        model, tokenizer = load_model(config.model, run_dir, self.device)
+        artefact = config.model if run_dir is None else str(run_dir / FINAL_DIR)
         rows = {}
         try:
-            metrics, seconds = evaluate_model(model, tokenizer, self._eval_sets, self.config.eval,
-                                              self.layout.eval_dir(run), self.config.protocol, rows=rows)
+            metrics, seconds = evaluate_model(model, tokenizer, self._eval_sets[config.data], config.eval,
+                                              self.layout.eval_dir(run), config.protocol, rows=rows)
         finally:
             del model
             gc.collect()
@@ -173,7 +176,7 @@ class SuiteRunner:
 
     def run_one(self, run: Run) -> dict:
         """Train, evaluate and record ``run`` (or read its results if finished); returns the results."""
-        expected_hash = run_hash(self.config, run)
+        expected_hash = run_hash(seed_config(self.config, run.seed), run)
         path = self.layout.results_path(run)
         if path.is_file():
             return read_results(path, expected_hash)
@@ -186,7 +189,8 @@ class SuiteRunner:
             "sparse_steps": sparse_step_stats(self.layout.train_dir(run)) if run.recipe == "sparse" else None,
             "timing": {**{f"{kind}_s": marker["seconds"] for kind, marker in markers.items()},
                        "eval_s": eval_seconds, "wall_s": round(time.perf_counter() - started, 3)},
-            "eval_rows": eval_rows, "config_hash": expected_hash, "artefact": artefact, "model": self.config.model,
+            "eval_rows": eval_rows, "config_hash": expected_hash, "artefact": artefact,
+            "model": seed_config(self.config, run.seed).model, "environment": environment(),
             "finished_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }
         write_json_atomic(path, results)

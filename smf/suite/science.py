@@ -1,45 +1,102 @@
-"""The science preset's additions to a suite (docs/science.md): the synthetic world and the pretrained model it
-starts from, the learning-rate sweep's choice of the reported rate, and confidence intervals.
+"""The science preset's additions to a suite (docs/science.md): the synthetic worlds and the pretrained bases they
+start from, the learning-rate sweep's choice of the reported rate, and confidence intervals.
 
-- :func:`prepare_science_inputs`: before any run, ``{output_dir}/world/`` receives the world's files (rewritten only
-  when ``world.json`` records other options) and ``{output_dir}/pretrain/`` the model pretrained on them
-  (:func:`smf.train.pretrain.pretrain_world`: reused when finished, resumed from its checkpoint otherwise).
+- :func:`prepare_science_inputs`: before any run, the world's files go to ``world/`` and the base pretrained on them
+  to ``pretrain/`` (:func:`smf.train.pretrain.pretrain_world`: reused when finished and intact, copied from the
+  shipped bases when one has the same fingerprint, resumed from its checkpoint otherwise). With ``base_per_seed``,
+  every seed has a world and a base of its own (world seed and pretraining seed = the run's seed), in
+  ``bases/seed{S}/world`` and ``bases/seed{S}/pretrain``; :func:`seed_config` is the suite as one seed's runs see it.
 - :func:`chosen_rates`: with an ``lr_sweep``, each condition is reported at the rate whose mean learning metric over
   the seeds is highest (ties: the lower rate). The same rule for every method; it is chosen on the reported seeds,
   which flatters every method alike.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import logging
 import statistics
+from pathlib import Path
 
 from smf.report.intervals import with_intervals
 from smf.report.table import summarize
 
 logger = logging.getLogger(__name__)
 
+WORLD_ROLES = ("retrofit", "background", "train", "eval_learn", "eval_heldout", "eval_retain")
 
-def prepare_science_inputs(config) -> dict | None:
-    """Write the world and pretrain the model of ``config`` (a SuiteConfig) when it has ``world`` / ``pretrain``;
-    returns the pretraining marker (None without ``pretrain``)."""
+
+def base_root(output_dir: Path, seed: int | None) -> Path:
+    """Where the world and the base of ``seed`` live (``seed`` None: the suite's one shared world and base)."""
+    return output_dir if seed is None else output_dir / "bases" / f"seed{seed}"
+
+
+def science_paths(output_dir: Path, seed: int | None) -> tuple[dict[str, str], str]:
+    """(own-data role -> world file, base model directory) of ``seed``'s world (see :func:`base_root`)."""
+    root = base_root(output_dir, seed)
+    return ({role: str(root / "world" / f"{role}.jsonl") for role in WORLD_ROLES},
+            str(root / "pretrain" / "final"))
+
+
+def seed_config(config, seed: int):
+    """``config`` (a SuiteConfig) as the runs of ``seed`` see it: with ``base_per_seed``, that seed's world (data
+    files and world.seed), base (model and pretrain.seed); otherwise ``config`` itself."""
+    if not (config.world and config.base_per_seed):
+        return config
+    data, model = science_paths(config.output_dir, seed)
+    return dataclasses.replace(config, data=dataclasses.replace(config.data, **data),
+                               model=model if config.pretrain else config.model,
+                               world={**config.world, "seed": seed},
+                               pretrain={**config.pretrain, "seed": seed} if config.pretrain else {})
+
+
+def world_digest(world) -> str:
+    """16 hex digits of every row of every dataset of ``world`` (what its files hold)."""
+    rows = {role: [dict(row) for row in dataset] for role, dataset in sorted(world.datasets.items())}
+    return hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _write_world_if_changed(options, world_dir: Path) -> None:
+    """Build the world of ``options`` (fast) and write its files unless ``world.json`` records the same digest."""
+    from smf.data.world import build_world, write_world
+
+    world = build_world(options)
+    digest = world_digest(world)
+    record = world_dir / "world.json"
+    try:
+        recorded = json.loads(record.read_text()).get("digest") if record.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        logger.warning("%s cannot be read: the world's files are written again", record)
+        recorded = None
+    if recorded != digest or not all((world_dir / f"{role}.jsonl").is_file() for role in WORLD_ROLES):
+        logger.info("writing the world (%s) to %s", options, world_dir)
+        write_world(world, world_dir)
+        record.write_text(json.dumps({**json.loads(record.read_text()), "digest": digest}, indent=1))
+
+
+def prepare_science_inputs(config) -> dict[int | None, dict] | None:
+    """Write the world(s) and pretrain (or reuse, or copy) the base(s) of ``config`` (a SuiteConfig) when it has
+    ``world`` / ``pretrain``; returns seed (None: shared) -> pretraining marker, None without ``pretrain``."""
     if not config.world:
         return None
-    from smf.data.world import WorldOptions, build_world, write_world
+    from smf.data.world import WorldOptions
     from smf.train.pretrain import PretrainOptions, pretrain_world
 
-    options = WorldOptions.from_dict(config.world)
-    world_dir = config.output_dir / "world"
-    record = world_dir / "world.json"
-    if not (record.is_file() and json.loads(record.read_text()).get("options") == options.to_dict()):
-        logger.info("writing the world (%s) to %s", options, world_dir)
-        write_world(build_world(options), world_dir)
-    if not config.pretrain:
-        return None
-    marker = pretrain_world(options, PretrainOptions.from_dict(config.pretrain), config.output_dir / "pretrain")
-    logger.info("pretrained model: old-QA accuracy %.3f (chance %.3f), %s", marker["old_qa_accuracy"],
-                marker["chance"], "reused" if marker["skipped"] else f"{marker['seconds']:.0f} s")
-    return marker
+    markers = {}
+    for seed in (config.seeds if config.base_per_seed else (None,)):
+        own = config if seed is None else seed_config(config, seed)
+        options = WorldOptions.from_dict(own.world)
+        root = base_root(config.output_dir, seed)
+        _write_world_if_changed(options, root / "world")
+        if not config.pretrain:
+            continue
+        marker = pretrain_world(options, PretrainOptions.from_dict(own.pretrain), root / "pretrain")
+        logger.info("base%s %s: old-QA accuracy %.3f (chance %.3f), %s", "" if seed is None else f" of seed {seed}",
+                    marker["fingerprint"], marker["old_qa_accuracy"], marker["chance"],
+                    marker.get("source", "pretrained here") if marker["skipped"] else f"{marker['seconds']:.0f} s")
+        markers[seed] = marker
+    return markers or None
 
 
 def learning_metric(results: list[dict]) -> str:

@@ -83,41 +83,40 @@ def compute_diagnostics(config, results: list[dict], root: Path) -> dict:
     """The measurements of the module docstring for ``results`` (the suite's runs), reusing cached ones."""
     from smf.eval.tasks import load_eval_sets
     from smf.suite.plan import Run, SuiteLayout
-    from smf.suite.science import at_chosen_rates
+    from smf.suite.science import at_chosen_rates, seed_config
     from smf.train.distributed import pick_device
 
     layout, device = SuiteLayout(root), pick_device(config.device)
     path = root / DIAGNOSTICS_JSON
     cache = json.loads(path.read_text()) if path.is_file() else {}
     measured: dict = {"retrofit": {}, "sparse": {}, "alpha_reset": {}}
-    eval_sets = None
+    eval_sets: dict = {}  # per world (per seed with base_per_seed)
     sparse = [r for r in at_chosen_rates(results) if r.get("sparse_steps") is not None and not r.get("reads")
               and r.get("update", "exact") == "exact"]
     for result in sparse:
         run = Run(result["condition"], result["seed"], lr=result.get("lr"))
+        own = seed_config(config, run.seed)
+        if own.data not in eval_sets:
+            eval_sets[own.data] = load_eval_sets(own.data, own.eval, own.protocol)
         key = f"{run.retrofit_mode}-seed{run.seed}"
         if key not in measured["retrofit"]:
             entry = cache.get("retrofit", {}).get(key) or _measure(
-                config, layout.retrofit_dir(run.retrofit_mode, run.seed), device)
+                own, layout.retrofit_dir(run.retrofit_mode, run.seed), device)
             if "metrics" not in entry:
-                if eval_sets is None:
-                    eval_sets = load_eval_sets(config.data, config.eval, config.protocol)
-                entry["metrics"] = _retrofit_metrics(config, layout.retrofit_dir(run.retrofit_mode, run.seed),
-                                                     eval_sets, root / "eval-retrofit" / key, device)
+                entry["metrics"] = _retrofit_metrics(own, layout.retrofit_dir(run.retrofit_mode, run.seed),
+                                                     eval_sets[own.data], root / "eval-retrofit" / key, device)
             measured["retrofit"][key] = entry
         cached = cache.get("sparse", {}).get(run.name)
         measured["sparse"][run.name] = cached if cached and cached.get("hash") == result["config_hash"] else {
             "hash": result["config_hash"], "condition": run.condition, "seed": run.seed,
-            **_measure(config, layout.train_dir(run), device)}
+            **_measure(own, layout.train_dir(run), device)}
         if run.mode == "additive+s":
             cached = cache.get("alpha_reset", {}).get(run.name)
             if not (cached and cached.get("hash") == result["config_hash"]):
-                if eval_sets is None:
-                    eval_sets = load_eval_sets(config.data, config.eval, config.protocol)
                 cached = {"hash": result["config_hash"], "condition": run.condition, "seed": run.seed,
                           "trained": result["metrics"],
-                          **_alpha_reset_metrics(config, layout.train_dir(run), layout.retrofit_dir("additive", run.seed),
-                                                 eval_sets, root / "eval-alpha-reset" / run.name, device)}
+                          **_alpha_reset_metrics(own, layout.train_dir(run), layout.retrofit_dir("additive", run.seed),
+                                                 eval_sets[own.data], root / "eval-alpha-reset" / run.name, device)}
             measured["alpha_reset"][run.name] = cached
     path.write_text(json.dumps(measured, indent=1) + "\n", encoding="utf-8")
     return measured

@@ -1,19 +1,33 @@
-"""Pretraining a small Qwen-2 from scratch on a synthetic world's old knowledge (the science preset's model).
+"""Pretraining a small Qwen-2 from scratch on a synthetic world's old knowledge (the science preset's base model).
 
 :func:`pretrain_world` trains ``Qwen2ForCausalLM`` (sizes of :class:`PretrainOptions`) with the world tokenizer
 (:mod:`smf.data.world_tokenizer`) on the world's ``pretrain`` texts, one text per sequence followed by a blank line
 (as the held-out perplexity joins its texts), loss on every token, shuffled per epoch by (seed, epoch); AdamW,
-linear warm-up then cosine decay. (Packing the texts into 128-token sequences was tried: at the same number of tokens
-it took a quarter of the optimizer steps and reached 0.21 old-QA accuracy instead of 0.94.) The texts are short (about
-30 tokens), so the held-out perplexity's windows must be too (the science preset's 32). The run directory::
+linear warm-up then cosine decay over ``epochs``. (Packing the texts into 128-token sequences was tried: at the same
+number of tokens it took a quarter of the optimizer steps and reached 0.21 old-QA accuracy instead of 0.94.)
 
-    pretrain_checkpoint.pt    model, optimizer and step (every ``save_every`` steps; tensors only)
+**Stopping rule.** After every epoch the old-QA accuracy is measured; training stops at the first epoch end where it
+reaches ``target_accuracy`` (0.98), or after ``epochs``. A fixed number of epochs made the base depend on the machine:
+30 epochs gave 0.713 on one CPU and 1.000 on another (the memorisation of the old facts happens late and abruptly,
+and floating-point paths move when); trained to the target, every machine's base knows the old facts.
+
+**What identifies a base** (:func:`pretrain_fingerprint`): the world and pretrain options, :data:`CODE_VERSION`
+(bumped whenever this module or the world's generator would compute another base from the same options), a digest
+of the pretraining texts and one of the tokenizer's vocabulary and merges. A finished directory is reused only
+when its fingerprint matches and its files still have the digests recorded when they were written.
+
+**Shipped bases.** The science preset's bases are package assets (``smf/assets/science/base-seed{S}/``, 1.2 MB each,
+made by ``python -m smf.train.pretrain --config science --seed S --output-dir DIR``): where an asset's fingerprint
+equals the one asked for (and ``use_shipped`` is on), it is copied instead of pretrained, so every machine starts
+from the same weights, to the bit. The run directory::
+
+    pretrain_checkpoint.pt    model, optimizer, step and fingerprint (every ``save_every`` steps; tensors only)
     final/                    save_pretrained model + tokenizer (``--model DIR`` takes it)
-    pretrain_stage.json       written last: fingerprint (world + pretrain options), seconds, old-QA accuracy
+    pretrain_stage.json       written last: fingerprint, file digests, old-QA accuracy, epochs, seconds, source
 
-A directory whose marker matches the fingerprint is reused; one with a checkpoint of the same fingerprint resumes
-from it (the data order is a function of the step, so a resumed run ends where an uninterrupted one does); one of
-another fingerprint is refused. CPU-sized: about a minute of CPU per 10 epochs of the default world.
+A directory with a checkpoint of the same fingerprint resumes from it (the data order is a function of the step, so
+a resumed run ends where an uninterrupted one does); an unreadable checkpoint is discarded (logged) and training
+starts over; a directory of another fingerprint is refused.
 """
 from __future__ import annotations
 
@@ -22,14 +36,18 @@ import json
 import logging
 import math
 import random
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from typing import Annotated
+
 import torch
-from pydantic import NonNegativeInt, PositiveFloat, PositiveInt
+from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt
 from tqdm.auto import tqdm
 
+from smf.environment import environment
 from smf.errors import ConfigError
 from smf.files import read_json_object, write_json_atomic
 from smf.options import OPTIONS_CONFIG, checked
@@ -39,6 +57,8 @@ logger = logging.getLogger(__name__)
 CHECKPOINT = "pretrain_checkpoint.pt"
 MARKER = "pretrain_stage.json"
 FINAL = "final"
+CODE_VERSION = 2  # 2: the stopping rule on old-QA accuracy (1: a fixed number of epochs)
+SHIPPED = Path(__file__).resolve().parents[1] / "assets" / "science"
 
 
 @dataclass(frozen=True)
@@ -52,13 +72,15 @@ class PretrainOptions:
     num_layers: PositiveInt = 4
     num_heads: PositiveInt = 4
     num_kv_heads: PositiveInt = 2
-    epochs: PositiveInt = 40
+    epochs: PositiveInt = 40  # at most; the cosine schedule's length
+    target_accuracy: Annotated[float, Field(gt=0, le=1)] = 0.98  # stop at the first epoch end reaching it
     lr: PositiveFloat = 3e-3
     batch_size: PositiveInt = 32  # texts per step
     warmup_steps: NonNegativeInt = 50
     weight_decay: float = 0.0
     seed: NonNegativeInt = 0
     save_every: PositiveInt = 500  # optimizer steps between checkpoints (not part of the fingerprint)
+    use_shipped: bool = True  # copy a shipped base of the same fingerprint instead of pretraining (not fingerprinted)
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
@@ -73,11 +95,28 @@ class PretrainOptions:
         return asdict(self)
 
 
-def pretrain_fingerprint(world_options, options: PretrainOptions) -> str:
-    """16 hex digits of everything that decides the pretrained model (not ``save_every``)."""
-    settings = {"world": world_options.to_dict(),
-                "pretrain": {k: v for k, v in options.to_dict().items() if k != "save_every"}}
-    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def tokenizer_digest(tokenizer) -> str:
+    """16 hex digits of the tokenizer's vocabulary and merges (what decides every token id)."""
+    model = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
+    return _digest({"vocab": model["vocab"], "merges": model["merges"]})
+
+
+def pretrain_fingerprint(world_options, options: PretrainOptions, texts: list[str], tokenizer) -> str:
+    """16 hex digits of everything that decides the pretrained model (module docstring; not ``save_every`` nor
+    ``use_shipped``)."""
+    return _digest({"world": world_options.to_dict(), "code": CODE_VERSION, "texts": _digest(texts),
+                    "tokenizer": tokenizer_digest(tokenizer),
+                    "pretrain": {k: v for k, v in options.to_dict().items() if k not in ("save_every", "use_shipped")}})
+
+
+def file_digests(directory: Path) -> dict[str, str]:
+    """file name -> sha256 of every file in ``directory`` (a saved model and tokenizer)."""
+    return {path.name: hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(directory.iterdir()) if path.is_file()}
 
 
 def world_model(options: PretrainOptions, tokenizer):
@@ -120,47 +159,106 @@ def _lr_factor(step: int, warmup: int, total: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(total - warmup, 1)))
 
 
+def _finished(output_dir: Path, fingerprint: str) -> dict | None:
+    """The marker of a finished, intact base of ``fingerprint`` in ``output_dir``, None when there is none;
+    ConfigError when it is another base's, or its files changed since they were written."""
+    marker_path = output_dir / MARKER
+    if not marker_path.is_file():
+        return None
+    marker = read_json_object(marker_path, "pretraining marker", ("fingerprint",))
+    if marker["fingerprint"] != fingerprint:
+        raise ConfigError(f"{output_dir} holds a model pretrained with other world or pretrain options, or by an "
+                          "older pretraining; delete it or use another directory")
+    final = output_dir / FINAL
+    if not isinstance(marker.get("files"), dict) or not final.is_dir() or file_digests(final) != marker["files"]:
+        raise ConfigError(f"{final}: its files differ from those {marker_path} recorded (changed, truncated or "
+                          "missing); delete the directory to pretrain again")
+    return marker
+
+
+def _shipped(fingerprint: str) -> Path | None:
+    """The shipped base (``smf/assets/science/*``) of ``fingerprint``, if any."""
+    for directory in sorted(SHIPPED.glob("base-*")):
+        marker = directory / MARKER
+        if marker.is_file() and json.loads(marker.read_text()).get("fingerprint") == fingerprint:
+            return directory
+    return None
+
+
+def _copy_shipped(source: Path, output_dir: Path) -> dict:
+    marker = json.loads((source / MARKER).read_text())
+    final = output_dir / FINAL
+    final.mkdir(parents=True, exist_ok=True)
+    for name in marker["files"]:
+        shutil.copyfile(source / name, final / name)
+    if file_digests(final) != marker["files"]:
+        raise ConfigError(f"the shipped base {source} does not match its own record (a damaged install?); "
+                          "reinstall, or set pretrain.use_shipped: false to pretrain here")
+    marker = {**marker, "source": f"shipped ({source.name})"}
+    write_json_atomic(output_dir / MARKER, marker)
+    return marker
+
+
+def _load_checkpoint(path: Path, fingerprint: str, model, optimizer) -> int:
+    """The step of the checkpoint at ``path`` after loading it into ``model`` and ``optimizer``; 0 (logged) when
+    it cannot be read; ConfigError when it is another run's."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # truncated or not a torch file: start over rather than fail
+        logger.warning("%s cannot be read (%s); pretraining starts over", path, str(err).splitlines()[0][:120])
+        return 0
+    if not isinstance(state, dict) or state.get("fingerprint") != fingerprint:
+        raise ConfigError(f"{path} is from a run with other world or pretrain options (or none recorded); delete it")
+    try:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        return int(state["step"])
+    except (KeyError, RuntimeError, ValueError, TypeError) as err:
+        raise ConfigError(f"{path} does not hold this model's pretraining state "
+                          f"({str(err).splitlines()[0][:160]}); delete it") from None
+
+
 def pretrain_world(world_options, options: PretrainOptions, output_dir: str | Path) -> dict:
-    """Pretrain (or reuse, or resume) the model of ``world_options`` + ``options`` in ``output_dir`` (see the module
-    docstring). Returns the marker: {"fingerprint", "seconds", "old_qa_accuracy", "chance", "skipped"}."""
+    """Pretrain (or reuse, copy from the shipped bases, or resume) the model of ``world_options`` + ``options`` in
+    ``output_dir`` (see the module docstring). Returns the marker: {"fingerprint", "files", "seconds",
+    "old_qa_accuracy", "chance", "final_loss", "epochs_trained", "reached_target", "skipped", ...}."""
     from smf.data.world import build_world, chance_accuracy
     from smf.data.world_tokenizer import world_tokenizer
 
     output_dir = Path(output_dir)
-    fingerprint = pretrain_fingerprint(world_options, options)
-    marker_path = output_dir / MARKER
-    if marker_path.is_file():
-        marker = read_json_object(marker_path, "pretraining marker", ("fingerprint",))
-        if marker["fingerprint"] != fingerprint:
-            raise ConfigError(f"{output_dir} holds a model pretrained with other world or pretrain options; delete "
-                              "it or use another directory")
-        return {**marker, "skipped": True}
-    output_dir.mkdir(parents=True, exist_ok=True)
     world = build_world(world_options)
     tokenizer = world_tokenizer()
-    features = [tokenizer(row["text"] + "\n\n")["input_ids"] for row in world.datasets["pretrain"]]
+    texts = [row["text"] + "\n\n" for row in world.datasets["pretrain"]]
+    fingerprint = pretrain_fingerprint(world_options, options, texts, tokenizer)
+    marker = _finished(output_dir, fingerprint)
+    if marker is not None:
+        return {**marker, "skipped": True}
+    shipped = _shipped(fingerprint) if options.use_shipped else None
+    if shipped is not None:
+        logger.info("base %s: the shipped %s (same fingerprint)", fingerprint, shipped.name)
+        return {**_copy_shipped(shipped, output_dir), "skipped": True}
+    output_dir.mkdir(parents=True, exist_ok=True)
+    features = [tokenizer(text)["input_ids"] for text in texts]
     model = world_model(options, tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=options.lr, weight_decay=options.weight_decay)
     steps_per_epoch = len(features) // options.batch_size
     if steps_per_epoch == 0:
         raise ConfigError(f"pretrain: batch_size {options.batch_size} exceeds the {len(features)} pretraining texts")
     total = steps_per_epoch * options.epochs
-    step, checkpoint_path = 0, output_dir / CHECKPOINT
-    if checkpoint_path.is_file():
-        state = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
-        if state["fingerprint"] != fingerprint:
-            raise ConfigError(f"{checkpoint_path} is from a run with other world or pretrain options; delete it")
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        step = int(state["step"])
-        logger.info("pretraining resumes at step %d of %d", step, total)
-    started, batches_epoch = time.perf_counter(), None
-    model.train()
+    checkpoint_path = output_dir / CHECKPOINT
+    step = _load_checkpoint(checkpoint_path, fingerprint, model, optimizer) if checkpoint_path.is_file() else 0
+    if step:
+        logger.info("pretraining resumes at step %d of at most %d", step, total)
+    retain = world.datasets["eval_retain"]
+    started, batches_epoch, accuracy, loss = time.perf_counter(), None, None, None
+    if step and step % steps_per_epoch == 0:  # resumed at an epoch end: the rule may already have stopped there
+        accuracy = old_qa_accuracy(model.eval(), tokenizer, retain)
     with tqdm(total=total, initial=step, desc="pretrain", unit="step") as progress:
-        while step < total:
+        while step < total and not (accuracy is not None and accuracy >= options.target_accuracy):
             epoch, position = divmod(step, steps_per_epoch)
             if epoch != batches_epoch:
                 batches, batches_epoch = epoch_batches(features, options.batch_size, options.seed, epoch), epoch
+            model.train()
             batch = collate(batches[position], tokenizer.pad_token_id)
             for group in optimizer.param_groups:
                 group["lr"] = options.lr * _lr_factor(step, options.warmup_steps, total)
@@ -171,20 +269,33 @@ def pretrain_world(world_options, options: PretrainOptions, output_dir: str | Pa
             optimizer.zero_grad(set_to_none=True)
             step += 1
             progress.update(1)
-            progress.set_postfix(loss=f"{loss.item():.3f}")
-            if step % options.save_every == 0 or step == total:
+            progress.set_postfix(loss=f"{loss.item():.3f}", old_acc="?" if accuracy is None else f"{accuracy:.3f}")
+            end_of_epoch = step % steps_per_epoch == 0
+            if end_of_epoch:
+                accuracy = old_qa_accuracy(model.eval(), tokenizer, retain)
+            if step % options.save_every == 0 or step == total or (end_of_epoch and
+                                                                    accuracy >= options.target_accuracy):
                 torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
                             "fingerprint": fingerprint}, checkpoint_path)
     model.eval()
-    model.save_pretrained(output_dir / FINAL)
-    tokenizer.save_pretrained(output_dir / FINAL)
-    accuracy = old_qa_accuracy(model, tokenizer, world.datasets["eval_retain"])
-    marker = {"fingerprint": fingerprint, "seconds": round(time.perf_counter() - started, 3),
-              "old_qa_accuracy": accuracy, "chance": chance_accuracy(), "final_loss": round(loss.item(), 4),
-              "parameters": sum(p.numel() for p in model.parameters()), "steps": total}
-    write_json_atomic(marker_path, marker)
+    if accuracy is None or step % steps_per_epoch:  # the last epoch's end was not measured (a partial epoch)
+        accuracy = old_qa_accuracy(model, tokenizer, retain)
+    final = output_dir / FINAL
+    model.save_pretrained(final)
+    tokenizer.save_pretrained(final)
+    marker = {"fingerprint": fingerprint, "files": file_digests(final), "seconds": round(time.perf_counter() - started, 3),
+              "old_qa_accuracy": accuracy, "chance": chance_accuracy(),
+              "final_loss": None if loss is None else round(loss.item(), 4),
+              "parameters": sum(p.numel() for p in model.parameters()), "steps": step,
+              "epochs_trained": step // steps_per_epoch, "reached_target": accuracy >= options.target_accuracy,
+              "source": "pretrained here", "environment": environment()}
+    write_json_atomic(output_dir / MARKER, marker)
     checkpoint_path.unlink()
-    logger.info("pretrained: old-QA accuracy %.3f (chance %.3f)", accuracy, marker["chance"])
+    if not marker["reached_target"]:
+        logger.warning("pretraining stopped after %d epochs at old-QA accuracy %.3f, below the target %.2f: raise "
+                       "pretrain.epochs", options.epochs, accuracy, options.target_accuracy)
+    logger.info("pretrained: old-QA accuracy %.3f (chance %.3f) after %d epochs", accuracy, marker["chance"],
+                marker["epochs_trained"])
     return {**marker, "skipped": False}
 
 
@@ -208,3 +319,36 @@ def old_qa_accuracy(model, tokenizer, rows) -> float:
         logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits[:, -1]
         correct += sum(int(p == t) for p, t in zip(logits.argmax(-1).tolist(), targets[start:start + 64]))
     return correct / len(prompts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m smf.train.pretrain --config science --seed S --output-dir DIR``: pretrain the base of a suite
+    config's world and pretraining options (with ``base_per_seed``, world and pretraining seed ``S``) here, never
+    copying a shipped one: the command that remakes the shipped bases (``smf/assets/science/``)."""
+    import argparse
+
+    from smf.data.world import WorldOptions
+    from smf.suite.config import read_suite_file
+
+    parser = argparse.ArgumentParser(prog="python -m smf.train.pretrain", description=main.__doc__)
+    parser.add_argument("--config", default="science", help="suite config: a file or a shipped name")
+    parser.add_argument("--seed", type=int, default=0, help="world and pretraining seed (base_per_seed suites)")
+    parser.add_argument("--output-dir", required=True, help="where pretrain_stage.json and final/ go")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        raw = read_suite_file(args.config)
+        seeded = {"seed": args.seed} if raw.get("base_per_seed") else {}
+        world = WorldOptions.from_dict({**(raw.get("world") or {}), **seeded})
+        options = PretrainOptions.from_dict({**(raw.get("pretrain") or {}), **seeded, "use_shipped": False})
+        if raw.get("threads"):
+            torch.set_num_threads(raw["threads"])
+        marker = pretrain_world(world, options, args.output_dir)
+    except ConfigError as err:
+        parser.exit(2, f"error: {err}\n")
+    print(json.dumps({k: v for k, v in marker.items() if k != "environment"}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
