@@ -4,8 +4,8 @@ rows.
 :func:`dense_reference` replays optimizer steps on a float64 copy of a model with plain autograd (dense value
 gradients, the torch backend), selects each step's rows from its own read counts with the rule and background,
 clips the selected rows' gradients together with every other trainable gradient, and applies AdamW (or plain SGD,
-``optimizer="sgd"``) written out here row by row (no smf_kernels optimizer code). An exact sparse step must equal it: the same rows, the selected
-rows' values and moments within rounding, every other row and its state untouched.
+``optimizer="sgd"``) written out here row by row (no smf_kernels optimizer code). An exact sparse step must equal
+it: the same rows, the selected rows' values and moments within rounding, every other row and its state untouched.
 """
 from __future__ import annotations
 

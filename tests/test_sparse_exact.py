@@ -1,6 +1,7 @@
 """The exact sparse step against its oracle (tests/sparse_oracle.py): dense float64 gradients, AdamW (or SGD)
-restricted to the selected rows. Every way the controller fills the rows' gradient, on every backend, with and without gradient
-accumulation and clipping; DDP and sharded memories: tests/test_sparse_controller.py and test_sharded_memory.py."""
+restricted to the selected rows. Every way the controller fills the rows' gradient, on every backend, with and
+without gradient accumulation and clipping; DDP and sharded memories: tests/test_sparse_controller.py and
+test_sharded_memory.py."""
 import pytest
 import torch
 import torch.nn.functional as F

@@ -9,7 +9,7 @@ Usage (stage 2; only the memory values, plus e.g. a +S scale, are trainable)::
     controller.collect_background(background_loader)      # batch size 1, or:
     # controller.set_background(BackgroundStats.load("bg.safetensors", controller.memories))
     optimizer = RowSparseAdamW(controller.value_parameters() + extra_params, lr=5e-4)
-    # or RowSparseSGD(...): plain SGD on the selected rows (docs/method.md#the-row-optimizer)
+    # or RowSparseSGD(...): plain SGD on the selected rows (docs/method.md#the-row-optimizer-and-alphas-rate)
 
     for step_batches in loader:                            # one optimizer step
         controller.begin_step()                            # backwards keep their reads

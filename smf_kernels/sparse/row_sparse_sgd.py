@@ -1,4 +1,5 @@
-"""Row-sparse SGD: plain SGD on the rows a step updates, nothing else moves (docs/method.md#the-row-optimizer).
+"""Row-sparse SGD: plain SGD on the rows a step updates, nothing else moves
+(docs/method.md#the-row-optimizer-and-alphas-rate).
 
 The update Lin et al. (2025) train memory rows with: for every selected row ``r = rows[t]`` (with ``valid[t]``)::
 
