@@ -143,7 +143,7 @@ def test_chosen_rate_and_intervals():
     results = [{"condition": "lora", "seed": s, "lr": lr, "metrics": {"learn_acc": acc}}
                for s, lr, acc in [(0, 1e-3, 0.2), (1, 1e-3, 0.4), (0, 1e-2, 0.3), (1, 1e-2, 0.3),
                                   (0, 3e-2, 0.3), (1, 3e-2, 0.3)]]
-    assert chosen_rates(results) == {("lora", "exact", "all"): 1e-3}  # mean 0.3 = 0.3: ties go to the lower rate
+    assert chosen_rates(results) == {("lora", "exact", "all", None): 1e-3}  # mean 0.3 = 0.3: ties go to the lower rate
     records = [{"condition": "lora", "seed": r["seed"], **r["metrics"]} for r in results if r["lr"] == 1e-2]
     records[0]["learn_acc"] = 0.1
     (summary,) = with_intervals(summarize(records), records)

@@ -129,7 +129,7 @@ def test_additive_s_plans_the_additive_retrofit_and_the_ablation_its_own_train_d
     runs = plan_runs(suite)
     assert [run.name for run in runs] == ["replacement-kl-seed0", "additive-kl-seed0", "additive+s-kl-seed0",
                                           "additive+s-kl-authors-update-seed0"]
-    dirs = {run.name: sparse_stage_dirs(layout, run) for run in runs}
+    dirs = {run.name: sparse_stage_dirs(layout, run, suite) for run in runs}
     assert dirs["additive+s-kl-seed0"] == dirs["additive-kl-seed0"] == dirs["additive+s-kl-authors-update-seed0"]
     assert dirs["replacement-kl-seed0"][0].name == "replacement-seed0"
     ablation = runs[3]

@@ -27,8 +27,9 @@ def with_intervals(summaries: list[Summary], records: list[dict]) -> list[Summar
     for summary in summaries:
         stats = {}
         for metric, cell in summary.stats.items():
-            n = sum(1 for r in records if r["condition"] == summary.condition and r.get(metric) is not None)
+            n = sum(1 for r in records if (r["condition"], r.get("variant")) == (summary.condition, summary.variant)
+                    and r.get(metric) is not None)
             stats[metric] = None if cell is None else (
                 cell[0], t_quantile(n) * cell[1] / math.sqrt(n) if n > 1 else 0.0)
-        result.append(Summary(summary.condition, summary.n_seeds, stats))
+        result.append(Summary(summary.condition, summary.n_seeds, stats, summary.variant))
     return result

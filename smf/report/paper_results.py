@@ -40,12 +40,13 @@ DISPLAY_NAMES = {
 }
 
 
-def display_name(condition: str, model: str | None = None) -> str:
+def display_name(condition: str, model: str | None = None, variant: str | None = None) -> str:
     """The row name of ``condition``; the base row names the model actually used ("Base Qwen" for the
-    paper's model or when ``model`` is None, else "Base (model)")."""
+    paper's model or when ``model`` is None, else "Base (model)"); a run of a suite's ``variant`` adds it in
+    brackets ("Additive sparse (TF-IDF) [s1024-t16-sgd]")."""
     if condition == "base" and model is not None and model != DEFAULT_MODEL:
         return f"Base ({model.rstrip('/').rsplit('/', 1)[-1]})"
-    return DISPLAY_NAMES[condition]
+    return DISPLAY_NAMES[condition] + ("" if variant is None else f" [{variant}]")
 
 # Method family (colour in the figure) and slot-selection rule (marker; None for non-sparse).
 FAMILIES = {"base": "Base", "replacement-kl": "Replacement", "replacement-tfidf": "Replacement",

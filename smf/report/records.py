@@ -2,7 +2,8 @@
 record writer (:meth:`smf.suite.runner.SuiteRunner.run_one`) puts there, with its type, so that a hand-edited or
 damaged file is named in one line (file and field) instead of stopping the report with a traceback.
 
-A record: ``condition``, ``seed`` and ``update`` (optional, "exact") those of the run the file is named after;
+A record: ``condition``, ``seed``, ``update`` (optional, "exact") and ``variant`` (present only for a run of a suite's
+``variants``) those of the run the file is named after;
 ``metrics`` an object holding the metric key of every evaluated task (:data:`smf.eval.tasks.METRIC_OF_TASK`),
 each a finite number or null (accuracies in [0, 1], perplexities >= 1), and no key the evaluation does not
 write; ``timing`` an object of non-negative seconds (``eval_s`` one per task); ``sparse_steps`` null or the
@@ -104,6 +105,9 @@ def _check(record: dict, run, metric_keys: Iterable[str], known: set[str]) -> No
         _require(same, field, f"{expected!r} (the run the file is named after)", record[field])
     update = record.get("update", "exact")
     _require(update == run.update, "update", f"{run.update!r} (the run the file is named after)", update)
+    variant = record.get("variant")
+    _require(variant == run.variant, "variant", f"{run.variant!r} (the run the file is named after)"
+             if run.variant else "absent (the run the file is named after has no variant)", variant)
     _check_metrics(record.get("metrics"), metric_keys, known)
     _check_timing(record.get("timing"))
     _check_sparse_steps(record.get("sparse_steps"))

@@ -4,7 +4,8 @@ the parameter accounting of the configured model, and the status of every planne
 Files written into the suite directory: ``table1.md``, ``table1.csv``, ``table1.tex``,
 ``pareto.png``, ``pareto.pdf``, ``accounting.md``, ``accounting.json``, ``suite_status.md``,
 ``suite_status.json``, and with ``authors_update`` runs ``ablation_update.md`` / ``.json`` (this
-project's exact sparse update against the authors', see :func:`update_ablation`). The paper's
+project's exact sparse update against the authors', see :func:`update_ablation`), and for a science suite with
+``variants`` ``locality.md`` / ``.json`` (:mod:`smf.suite.locality_diagnostics`). The paper's
 numbers stand beside ours only when the suite's model is the paper's (``Qwen/Qwen2.5-0.5B-Instruct``).
 """
 from __future__ import annotations
@@ -73,26 +74,28 @@ def collect_results(layout: SuiteLayout, config: SuiteConfig) -> tuple[list[dict
 def table_records(results: list[dict], update: str = "exact") -> list[dict]:
     """Results files of runs with sparse ``update`` ("exact": Table 1; "authors": the ablation runs) ->
     the records of :mod:`smf.report.table`."""
-    return [{"condition": r["condition"], "seed": r["seed"], **r["metrics"]} for r in results
-            if r.get("update", "exact") == update and not r.get("reads")]
+    return [{"condition": r["condition"], "seed": r["seed"], **({"variant": r["variant"]} if r.get("variant") else {}),
+             **r["metrics"]} for r in results if r.get("update", "exact") == update and not r.get("reads")]
 
 
 UPDATE_NAMES = {"exact": "exact (this project)", "authors": "authors'"}
 
 
 def update_ablation(results: list[dict], conditions) -> list[dict]:
-    """One row per (condition, update) of the ablation: mean ± std of the three metrics over seeds, and
+    """One row per (condition, variant, update) of the ablation: mean ± std of the three metrics over seeds, and
     the mean per optimizer step of value rows selected and of rows moved outside the selection."""
     rows = []
-    for condition in conditions:
+    variants = list(dict.fromkeys(r.get("variant") for r in results))
+    for condition, variant in [(condition, variant) for condition in conditions for variant in variants]:
         for update in ("exact", "authors"):
             runs = [r for r in results if r["condition"] == condition and r.get("update", "exact") == update
-                    and not r.get("reads")]
+                    and not r.get("reads") and r.get("variant") == variant]
             if not runs:
                 continue
             (summary,) = summarize(table_records(runs, update))
             steps = [r["sparse_steps"] for r in runs if r.get("sparse_steps")]
-            rows.append({"condition": condition, "update": update, "seeds": len(runs), "metrics": summary.stats,
+            rows.append({"condition": condition, "variant": variant, "update": update, "seeds": len(runs),
+                         "metrics": summary.stats,
                          "selected_rows": sum(s["selected_rows"] for s in steps) / len(steps) if steps else None,
                          "rows_moved_outside": sum(s["rows_moved_outside"] for s in steps) / len(steps)
                          if steps else None})
@@ -101,7 +104,7 @@ def update_ablation(results: list[dict], conditions) -> list[dict]:
 
 def write_update_ablation(config: SuiteConfig, results: list[dict], out_dir: Path) -> list[Path]:
     """``ablation_update.md`` / ``.json``: :func:`update_ablation` of the suite's ``authors_update`` conditions."""
-    rows = update_ablation(at_chosen_rates(results) if config.lr_sweep else results, config.authors_update)
+    rows = update_ablation(at_chosen_rates(results) if config.swept else results, config.authors_update)
     metrics = metric_keys(r["metrics"] for r in results)
     arrows = {metric: "↑" if HIGHER_IS_BETTER[metric] else "↓" for metric in metrics}
     lines = ["# Sparse update ablation: this project's exact update vs the authors'\n",
@@ -116,7 +119,8 @@ def write_update_ablation(config: SuiteConfig, results: list[dict], out_dir: Pat
     for row in rows:
         cells = [("—" if row["metrics"][m] is None else f"{row['metrics'][m][0]:.3f} ± {row['metrics'][m][1]:.3f}")
                  for m in metrics]
-        lines.append(f"| {display_name(row['condition'], config.model)} | {UPDATE_NAMES[row['update']]} | "
+        lines.append(f"| {display_name(row['condition'], config.model, row['variant'])} | "
+                     f"{UPDATE_NAMES[row['update']]} | "
                      f"{row['seeds']} | " + " | ".join(cells) + f" | {cell(row['selected_rows'], 1)} | "
                      f"{cell(row['rows_moved_outside'], 1)} |")
     md_path, json_path = out_dir / "ablation_update.md", out_dir / "ablation_update.json"
@@ -131,7 +135,8 @@ def write_sweep_table(config: SuiteConfig, results: list[dict], out_dir: Path) -
     rows = [row for row in sweep_rows(results) if row["lr"] is not None]
     metrics = metric_keys(r["metrics"] for r in results)
     arrows = {metric: "↑" if HIGHER_IS_BETTER[metric] else "↓" for metric in metrics}
-    budget = ", ".join(f"{recipe} {list(rates)}" for recipe, rates in config.lr_sweep.items())
+    budget = ", ".join([f"{recipe} {list(rates)}" for recipe, rates in config.lr_sweep.items()]
+                       + [f"{name} {list(options['lr_sweep'])}" for name, options in config.variants.items()])
     lines = ["# Learning-rate sweep\n",
              f"Every method gets the same number of learning rates ({budget}), each run for every seed; Table 1 "
              f"reports each method at the rate with the highest mean {metric_title(learning_metric(results), config.labels)} "
@@ -140,12 +145,14 @@ def write_sweep_table(config: SuiteConfig, results: list[dict], out_dir: Path) -
                                                       for m in metrics) + " |",
              "| --- | ---: | :---: | ---: | " + " | ".join("---:" for _ in metrics) + " |"]
     order = {condition: index for index, condition in enumerate(config.conditions)}
-    for row in sorted(rows, key=lambda r: (order.get(r["condition"], 99), r["update"], r["reads"], r["lr"])):
+    variants = {name: index for index, name in enumerate(config.variants)}
+    for row in sorted(rows, key=lambda r: (order.get(r["condition"], 99), variants.get(r["variant"], -1), r["update"],
+                                           r["reads"], r["lr"])):
         cells = [("—" if row["metrics"][m] is None else f"{row['metrics'][m][0]:.3f} ± {row['metrics'][m][1]:.3f}")
                  for m in metrics]
-        method = display_name(row["condition"], config.model) + (" (authors' update)" if row["update"] == "authors"
-                                                                 else "") + (f" ({row['reads']} reads)" if
-                                                                             row["reads"] != "all" else "")
+        method = (display_name(row["condition"], config.model, row["variant"])
+                  + (" (authors' update)" if row["update"] == "authors" else "")
+                  + (f" ({row['reads']} reads)" if row["reads"] != "all" else ""))
         lines.append(f"| {method} | {row['lr']:g} | {'✓' if row['chosen'] else ''} | {row['seeds']} | "
                      + " | ".join(cells) + " |")
     learning = learning_metric(results)
@@ -187,7 +194,7 @@ def write_accounting(config: SuiteConfig, out_dir: Path) -> list[Path]:
 def write_reads_ablation(config: SuiteConfig, results: list[dict], out_dir: Path) -> list[Path]:
     """``ablation_reads.md`` / ``.json``: the ``count_reads_ablation`` conditions with the config's read counting
     and with ``count_reads: loss``, each at its own chosen rate (with a sweep), mean ± 95% interval over seeds."""
-    chosen = at_chosen_rates(results) if config.lr_sweep else results
+    chosen = at_chosen_rates(results) if config.swept else results
     rows = [row for row in sweep_rows([r for r in chosen if r.get("update", "exact") == "exact"])
             if row["condition"] in config.count_reads_ablation]
     metrics = metric_keys(r["metrics"] for r in results)
@@ -200,12 +207,15 @@ def write_reads_ablation(config: SuiteConfig, results: list[dict], out_dir: Path
              "| Method | Reads counted | LR | Seeds | " + " | ".join(f"{metric_title(m, config.labels)} {arrows[m]}"
                                                               for m in metrics) + " |",
              "| --- | --- | ---: | ---: | " + " | ".join("---:" for _ in metrics) + " |"]
-    for row in sorted(rows, key=lambda r: (config.conditions.index(r["condition"]), r["reads"] != "all")):
+    variants = {name: index for index, name in enumerate(config.variants)}
+    for row in sorted(rows, key=lambda r: (config.conditions.index(r["condition"]), variants.get(r["variant"], -1),
+                                           r["reads"] != "all")):
         cells = [("—" if row["metrics"][m] is None else f"{row['metrics'][m][0]:.3f} ± {row['metrics'][m][1]:.3f}")
                  for m in metrics]
         reads = default if row["reads"] == "all" else row["reads"]
         rate = "—" if row["lr"] is None else f"{row['lr']:g}"
-        lines.append(f"| {display_name(row['condition'], config.model)} | {reads} | {rate} | {row['seeds']} | "
+        lines.append(f"| {display_name(row['condition'], config.model, row['variant'])} | {reads} | {rate} | "
+                     f"{row['seeds']} | "
                      + " | ".join(cells) + " |")
     md_path, json_path = out_dir / "ablation_reads.md", out_dir / "ablation_reads.json"
     md_path.write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -320,7 +330,7 @@ def variant_label(method, model: str) -> str:
 def write_report_page(config: SuiteConfig, out_dir: Path) -> Path:
     """``report.md``: the suite's ``notice`` (what its numbers mean), Table 1, the figure, and the other tables
     written beside them (the learning-rate sweep, the update ablation, the science diagnostics, the status)."""
-    ci = bool(config.lr_sweep)
+    ci = config.swept
     spread = ("the 95% Student-t interval of the mean over seeds; each method at its chosen learning rate "
               "(lr_sweep.md)" if ci else "the sample standard deviation over seeds")
     lines = [f"# Suite `{config.name}`\n"]
@@ -332,7 +342,8 @@ def write_report_page(config: SuiteConfig, out_dir: Path) -> Path:
                   "![Pareto figure](pareto.png)\n"]
     else:
         lines.append("## Table 1\n\nNo run has results yet (suite_status.md says which ran and which failed).\n")
-    for name in ("matched_learning.md", "environment.md", "lr_sweep.md", "science_diagnostics.md", "ablation_reads.md", "ablation_update.md", "accounting.md"):
+    for name in ("matched_learning.md", "environment.md", "lr_sweep.md", "science_diagnostics.md", "locality.md",
+                 "ablation_reads.md", "ablation_update.md", "accounting.md"):
         if (out_dir / name).is_file():
             text = (out_dir / name).read_text(encoding="utf-8")
             lines.append("#" + text if text.startswith("# ") else text)
@@ -355,7 +366,7 @@ def write_suite_report(suite_dir: str | Path) -> list[Path]:
     paths = []
     if results:
         include_paper = config.model == DEFAULT_MODEL and not config.data.own  # the paper's numbers: the paper's data
-        sweep = bool(config.lr_sweep)  # Table 1 at each condition's chosen rate, 95% intervals (smf.suite.science)
+        sweep = config.swept  # Table 1 at each condition's chosen rate, 95% intervals (smf.suite.science)
         paths += write_report(table_records(at_chosen_rates(results) if sweep else results), layout.root,
                               include_paper=include_paper, model=config.model, labels=config.labels, intervals=sweep)
         if sweep:
@@ -371,6 +382,10 @@ def write_suite_report(suite_dir: str | Path) -> list[Path]:
             from smf.suite.science_diagnostics import write_science_diagnostics
 
             paths += write_science_diagnostics(config, results, layout.root)
+        if config.world and config.variants:  # the locality experiment: which rows moved, which old facts went
+            from smf.suite.locality_diagnostics import write_locality
+
+            paths += write_locality(config, results, layout.root)
     paths += write_accounting(config, layout.root)
     paths += write_status(config, layout.root, failed={**foreign, **refused})
     paths.append(write_report_page(config, layout.root))

@@ -1,5 +1,6 @@
 """The learning-rate sweep as a frontier figure: every (method, rate) mean point, learning (y) against each forgetting
-metric (x), each method's rates joined by a line, 95% intervals as error bars; the base model as a square.
+metric (x), each method's rates joined by a line, 95% intervals as error bars; the base model as a square. With a
+suite's ``variants``, each variant of a condition is a method of its own, coloured apart.
 Written by the suite report beside ``lr_sweep.md`` as ``pareto_sweep.png`` (docs/science.md)."""
 from __future__ import annotations
 
@@ -24,9 +25,11 @@ def plot_sweep(rows: list[dict], base: dict | None, out_path: Path, *, learning:
     figure, axes = plt.subplots(1, len(forgetting), figsize=(6.5 * len(forgetting) + 3, 5), squeeze=False)
     groups: dict[str, list[dict]] = {}
     for row in rows:
-        name = display_name(row["condition"], model) + ("" if row.get("reads", "all") == "all"
-                                                         else f" ({row['reads']} reads)")
+        name = display_name(row["condition"], model, row.get("variant")) + (
+            "" if row.get("reads", "all") == "all" else f" ({row['reads']} reads)")
         groups.setdefault(name, []).append(row)
+    variants = list(dict.fromkeys(row["variant"] for row in rows if row.get("variant")))
+    variant_colours = plt.get_cmap("tab20")
     for axis, metric in zip(axes[0], forgetting):
         for name, points in groups.items():
             points = sorted(points, key=lambda row: row["lr"])
@@ -37,8 +40,10 @@ def plot_sweep(rows: list[dict], base: dict | None, out_path: Path, *, learning:
                 style = ":"
             xs = [p["metrics"][metric][0] for p in points]
             ys = [p["metrics"][learning][0] for p in points]
+            colour = FAMILY_COLOURS.get(family, "#000") if not points[0].get("variant") else \
+                variant_colours(variants.index(points[0]["variant"]) % variant_colours.N)
             axis.errorbar(xs, ys, xerr=[p["metrics"][metric][1] for p in points],
-                          yerr=[p["metrics"][learning][1] for p in points], color=FAMILY_COLOURS.get(family, "#000"),
+                          yerr=[p["metrics"][learning][1] for p in points], color=colour,
                           linestyle=style, marker="o", markersize=4, capsize=2, label=name, alpha=0.85)
             for x, y, point in zip(xs, ys, points):
                 axis.annotate(f"{point['lr']:g}", (x, y), textcoords="offset points", xytext=(3, 3), fontsize=6)

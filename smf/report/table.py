@@ -2,7 +2,8 @@
 
 A result record is one finished run: ``{"condition": one of CONDITIONS, "seed": int,
 "medmcqa_acc": float, "wikitext_ppl": float, "triviaqa_acc": float}`` (own data: ``learn_acc``,
-``heldout_ppl``, ``retain_acc``, docs/own-data.md); a metric may be missing or None (not evaluated).
+``heldout_ppl``, ``retain_acc``, docs/own-data.md); a metric may be missing or None (not evaluated); a run of a suite's
+``variants`` also holds ``"variant"``, and each (condition, variant) is a row of its own.
 ``labels`` (metric key -> title) retitle the columns. The spread is the SAMPLE standard deviation over the seeds that
 measured the metric (n - 1 in the denominator), 0 for a single seed; "Seeds" counts runs. In
 every column the best mean (highest accuracy, lowest perplexity) is bold; ties for best are all
@@ -27,42 +28,43 @@ from smf.vocabulary import CONDITIONS
 
 @dataclass(frozen=True)
 class Summary:
-    """One condition's results: ``stats[metric]`` is (mean, std) over seeds, or None if never measured."""
+    """One condition's results: ``stats[metric]`` is (mean, std) over seeds, or None if never measured; ``variant``:
+    the suite variant the runs share (None: none)."""
 
     condition: str
     n_seeds: int
     stats: dict[str, tuple[float, float] | None]
+    variant: str | None = None
 
 
 def summarize(records: Sequence[dict]) -> list[Summary]:
-    """Group run records by condition (in the paper's order) and reduce each metric (:func:`metric_keys`) to
-    mean ± sample std."""
+    """Group run records by condition (in the paper's order; each condition's variants in the order they first
+    appear) and reduce each metric (:func:`metric_keys`) to mean ± sample std."""
     metrics = metric_keys(records)
-    by_condition: dict[str, dict[int, dict]] = {}
+    by_condition: dict[tuple[str, str | None], dict[int, dict]] = {}
     for record in records:
-        condition, seed = record.get("condition"), record.get("seed")
+        condition, seed, variant = record.get("condition"), record.get("seed"), record.get("variant")
         if condition not in DISPLAY_NAMES:
             raise ValueError(f"record condition must be one of {list(CONDITIONS)}, got {condition!r}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"record seed must be an int, got {seed!r} (condition {condition})")
-        if seed in by_condition.setdefault(condition, {}):
-            raise ValueError(f"two records for condition {condition!r} with seed {seed}")
+        if seed in by_condition.setdefault((condition, variant), {}):
+            where = condition if variant is None else f"{condition} [{variant}]"
+            raise ValueError(f"two records for condition {where!r} with seed {seed}")
         for metric in metrics:
             value = record.get(metric)
             if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value)):
                 raise ValueError(f"record {metric} must be a finite number or None, got {value!r}")
-        by_condition[condition][seed] = record
+        by_condition[(condition, variant)][seed] = record
     summaries = []
-    for condition in CONDITIONS:
-        if condition not in by_condition:
-            continue
-        runs = by_condition[condition].values()
+    for (condition, variant), by_seed in sorted(by_condition.items(), key=lambda item: CONDITIONS.index(item[0][0])):
+        runs = by_seed.values()
         stats = {}
         for metric in metrics:
             values = [float(run[metric]) for run in runs if run.get(metric) is not None]
             stats[metric] = ((statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0)
                              if values else None)
-        summaries.append(Summary(condition, len(runs), stats))
+        summaries.append(Summary(condition, len(runs), stats, variant))
     return summaries
 
 
@@ -100,7 +102,7 @@ def _formatted_grid(summaries, include_paper, bold, plus_minus, up, down, missin
     """Header row and body rows of display strings, shared by Markdown and LaTeX."""
     columns = _columns(summaries, include_paper)
     header = ["Method", *(_header(source, metric, up, down, labels) for source, metric, _ in columns), "Seeds"]
-    body = [[display_name(summary.condition, model)] for summary in summaries]
+    body = [[display_name(summary.condition, model, summary.variant)] for summary in summaries]
     for _, metric, cells in columns:
         best = _best_rows(cells, metric)
         for row, cell in enumerate(cells):
@@ -139,15 +141,18 @@ def to_latex(summaries: Sequence[Summary], *, include_paper: bool = False, model
 
 def to_csv(summaries: Sequence[Summary], *, include_paper: bool = False, model: str | None = None,
            labels: dict[str, str] | None = None) -> str:
-    """Machine-readable CSV: condition, method, seeds, then ``{metric}_mean`` / ``{metric}_std``
-    (and ``paper_{metric}_mean`` / ``paper_{metric}_std``) at full precision; empty when missing. The columns are
-    named by metric key, so ``labels`` (accepted like the other formats') does not change them."""
+    """Machine-readable CSV: condition, (variant, when a row has one,) method, seeds, then ``{metric}_mean`` /
+    ``{metric}_std`` (and ``paper_{metric}_mean`` / ``paper_{metric}_std``) at full precision; empty when missing. The
+    columns are named by metric key, so ``labels`` (accepted like the other formats') does not change them."""
     columns = _columns(summaries, include_paper)
     names = [f"{'paper_' if source == 'paper' else ''}{metric}" for source, metric, _ in columns]
+    variants = any(summary.variant is not None for summary in summaries)
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
-    writer.writerow(["condition", "method", "seeds", *(f"{name}_{part}" for name in names for part in ("mean", "std"))])
+    writer.writerow(["condition", *(["variant"] if variants else []), "method", "seeds",
+                     *(f"{name}_{part}" for name in names for part in ("mean", "std"))])
     for row, summary in enumerate(summaries):
         cells = [cell for _, _, column in columns for cell in ((column[row] or ("", "")))]
-        writer.writerow([summary.condition, display_name(summary.condition, model), summary.n_seeds, *cells])
+        writer.writerow([summary.condition, *([summary.variant or ""] if variants else []),
+                         display_name(summary.condition, model, summary.variant), summary.n_seeds, *cells])
     return buffer.getvalue()

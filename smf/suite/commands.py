@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         layout = SuiteLayout(config.output_dir)
         for planned in plan_runs(config):
-            print(f"{planned.name:<24} {'done' if layout.results_path(planned).is_file() else 'to do'}")
+            print(f"{planned.name:<46} {'done' if layout.results_path(planned).is_file() else 'to do'}")
         return 0
     run_suite(config)
     if not args.no_report:

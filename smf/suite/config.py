@@ -4,14 +4,20 @@ The keys are the fields of :class:`SuiteConfig`; ``smf/configs/suite_paper.yaml`
 Relative paths: ``data`` paths and a local ``model`` directory resolve against the folder of the config file (so a
 config and its data move together); ``output_dir`` against the working directory. ``model`` counts as a local path
 only when it starts with ``.``, ``/`` or ``~``. Options the suite sets itself per run (:data:`SUITE_OWNED`) may not
-appear in ``train`` or ``stages``."""
+appear in ``train``, ``stages`` or ``variants``.
+
+``variants`` (name -> trainer options and ``lr_sweep``): every sparse condition runs once per variant instead of once,
+with the variant's options applied after ``stages.{stage}`` to each stage that takes them, at the variant's own
+learning rates (as many as every other recipe's: the equal-budget rule); :mod:`smf.suite.plan` names the runs and the
+shared retrofit and background directories."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, Field, PositiveInt, ValidationInfo, field_validator
+from pydantic import AfterValidator, Field, PositiveFloat, PositiveInt, TypeAdapter, ValidationInfo, field_validator
 from pydantic_core import to_jsonable_python
 
 from smf.data.paths import DataPaths
@@ -29,6 +35,12 @@ SUITE_OWNED = ("output_dir", "adapter", "background", "recipe", "mode", "rule", 
                "model", "device", "protocol", "oasst_path", "medmcqa_path", "retrofit_data", "background_data",
                "train_data")
 TRAIN_KEYS = tuple(name for name in OPTIONS if name not in SUITE_OWNED)
+# What a variant may set: the options of the sparse conditions' stages (retrofit, background, train) but the rate,
+# which its lr_sweep gives.
+VARIANT_KEYS = tuple(name for name in TRAIN_KEYS if name != "lr"
+                     and any(name in takes(RunConfig, command) for command in ("retrofit", "background", "train")))
+VARIANT_NAME = re.compile(r"[a-z0-9][a-z0-9.+_-]*")  # a piece of a run's name and directory
+_RATES = TypeAdapter(tuple[PositiveFloat, ...], config=OPTIONS_CONFIG)
 
 
 @dataclass(frozen=True)
@@ -57,6 +69,9 @@ class SuiteConfig:
     pretrain: dict = field(default_factory=dict)  # smf.train.pretrain.PretrainOptions
     # every seed gets a world and a base of its own (world and pretraining seed = the run's seed; smf.suite.science)
     base_per_seed: bool = False
+    # variant name -> trainer options and lr_sweep (the rates of that variant): every sparse condition runs once
+    # per variant (see the module docstring); empty: once, with lr_sweep.sparse
+    variants: dict[str, dict] = field(default_factory=dict)
     # recipe (sparse, lora, full) -> learning rates, each run for every seed; the same number for every recipe the
     # conditions train; Table 1 reports each condition at the rate of its highest mean learning metric
     lr_sweep: dict[str, tuple[float, ...]] = field(default_factory=dict)
@@ -79,23 +94,36 @@ class SuiteConfig:
                 raise ValueError(f"labels: the title of {key!r} is empty")
         return labels
 
+    @field_validator("variants")
+    @classmethod
+    def _variants_of_sparse_conditions(cls, variants: dict, info: ValidationInfo) -> dict:
+        if variants and not any(c in SPARSE_CONDITIONS for c in info.data.get("conditions", ())):
+            raise ValueError(f"variants {list(variants)} vary the sparse conditions, and this suite has none; add one "
+                             f"to conditions ({', '.join(SPARSE_CONDITIONS)})")
+        return variants
+
     @field_validator("lr_sweep")
     @classmethod
     def _equal_sweeps(cls, sweep: dict, info: ValidationInfo) -> dict:
         from smf.suite.plan import condition_recipe
 
         trained = sorted({condition_recipe(c) for c in info.data.get("conditions", ()) if c != "base"})
+        variants = info.data.get("variants") or {}
         for recipe, rates in sweep.items():
             if recipe not in ("sparse", "lora", "full"):
                 raise ValueError(f"unknown recipe {recipe!r}; valid: sparse, lora, full")
             if not rates or len(set(rates)) != len(rates) or any(not rate > 0 for rate in rates):
                 raise ValueError(f"{recipe}: give distinct positive learning rates, got {list(rates)}")
-        if sweep:
-            missing = [recipe for recipe in trained if recipe not in sweep]
+        if variants and "sparse" in sweep:
+            raise ValueError("sparse: not used with variants (each variant runs at its own lr_sweep); remove it")
+        if sweep or variants:
+            missing = [recipe for recipe in trained if recipe not in sweep and not (recipe == "sparse" and variants)]
             if missing:
                 raise ValueError(f"no learning rates for {', '.join(missing)}: every trained recipe of the conditions "
                                  "gets a sweep")
-            sizes = {recipe: len(sweep[recipe]) for recipe in trained}
+            sizes = {recipe: len(sweep[recipe]) for recipe in trained if recipe in sweep}
+            sizes.update({f"variant {name}": len(options["lr_sweep"]) for name, options in variants.items()
+                          if "sparse" in trained})
             if len(set(sizes.values())) > 1:
                 raise ValueError(f"every recipe gets the same number of learning rates (the same tuning budget), "
                                  f"got {sizes}")
@@ -110,6 +138,16 @@ class SuiteConfig:
                 raise ValueError(f"{condition!r} is not a sparse condition of this suite; choose from "
                                  f"{', '.join(sparse) or '(none: add a sparse condition to conditions)'}")
         return tuple(c for c in sparse if c in chosen)
+
+    @property
+    def swept(self) -> bool:
+        """Whether runs carry learning rates of a sweep (``lr_sweep`` or ``variants``): the report then gives each
+        method at its chosen rate, with 95% intervals."""
+        return bool(self.lr_sweep or self.variants)
+
+    def variant_options(self, variant: str | None) -> dict:
+        """The trainer options ``variant`` sets (its lr_sweep left out); none for None."""
+        return {} if variant is None else {k: v for k, v in self.variants[variant].items() if k != "lr_sweep"}
 
     def to_dict(self) -> dict:
         """JSON-ready form; :func:`suite_config_from_dict` reads it back."""
@@ -127,6 +165,43 @@ def _train_options(raw, where: str, stage: str | None = None) -> dict:
             known = f"option {key!r} {why}" if key in OPTIONS else f"unknown key {key!r}"
             raise ConfigError(f"{where}: {known}; valid keys: {', '.join(valid)}")
     return checked_options(options, where)
+
+
+def _variants(raw) -> dict[str, dict]:
+    """The ``variants`` mapping: name -> its trainer options (checked like ``train``'s, :data:`VARIANT_KEYS`) and
+    ``lr_sweep`` (required: distinct positive rates)."""
+    if not isinstance(raw, dict | None):
+        raise ConfigError(f"variants must be a mapping of variant name -> options, got {type(raw).__name__}")
+    variants = {}
+    for name, options in (raw or {}).items():  # names kept as given (mapping() would read their - as _)
+        where = f"variants.{name}"
+        if not isinstance(name, str) or not VARIANT_NAME.fullmatch(name):
+            raise ConfigError(f"{where}: a variant's name is part of its runs' names: lower-case letters, digits and "
+                              ". + _ - (starting with a letter or digit)")
+        options = mapping(options, where)
+        if "lr_sweep" not in options:
+            raise ConfigError(f"{where}.lr_sweep is required: each variant runs at its own learning rates")
+        try:
+            rates = _RATES.validate_python(options.pop("lr_sweep"))
+        except ValueError as err:
+            raise ConfigError(f"{where}.lr_sweep: give positive finite learning rates ({err.errors()[0]['msg']})") \
+                from None
+        if not rates or len(set(rates)) != len(rates):
+            raise ConfigError(f"{where}.lr_sweep: give distinct positive learning rates, got {list(rates)}")
+        options = migrate_update_options(options, where)
+        for key in options:
+            if key not in VARIANT_KEYS:
+                why = "is set by the suite for each run" if key in SUITE_OWNED else \
+                    "comes from the variant's lr_sweep" if key == "lr" else \
+                    "is not an option of the sparse conditions' stages" if key in OPTIONS else "is unknown"
+                raise ConfigError(f"{where}: option {key!r} {why}; valid keys: lr_sweep, {', '.join(VARIANT_KEYS)}")
+        variants[name] = {**checked_options(options, where), "lr_sweep": rates}
+    same = {}
+    for name, options in variants.items():
+        twin = same.setdefault(repr(sorted((k, v) for k, v in options.items() if k != "lr_sweep")), name)
+        if twin != name:
+            raise ConfigError(f"variants.{name}: the same options as variants.{twin}; give each variant its own")
+    return variants
 
 
 def _input_path(value, base_dir: Path, where: str, check_exists: bool, kind: str = "dataset"):
@@ -232,17 +307,21 @@ def parse_suite_config(raw, base_dir: Path, *, source: str = "config", check_pat
                    for stage, options in mapping(raw.get("stages"), "stages", STAGE_COMMANDS).items()},
         "eval": _eval_settings(raw),
         "labels": mapping(raw.get("labels"), "labels"),
+        "variants": _variants(raw.get("variants")),
         "lr_sweep": mapping(raw.get("lr_sweep"), "lr_sweep"),
     }, str)
     if config.matched_learning and not config.lr_sweep:
         raise ConfigError("matched_learning reads each method's sweep: give lr_sweep too")
-    for stage in config.lr_sweep:
+    for stage in (*config.lr_sweep, *(["sparse"] if config.variants else [])):
         if "lr" in config.stages.get(stage, {}) or "lr" in config.train:
-            raise ConfigError(f"lr_sweep.{stage} and an lr in train or stages.{stage} cannot both be given")
+            swept = "variants" if stage == "sparse" and config.variants else f"lr_sweep.{stage}"
+            raise ConfigError(f"{swept} and an lr in train or stages.{stage} cannot both be given")
     _check_own_data(config)
     if check_paths:  # the trainer's checks of combinations (batch sizes, layers, device, backend) on every stage's
-        for stage in STAGE_COMMANDS:  # options now; the retrofit command's checks need no adapter
-            options = {**config.train, **config.stages.get(stage, {})}
+        for stage, variant in [(stage, None) for stage in STAGE_COMMANDS] + [  # options now (a variant's on the
+                (stage, name) for name in config.variants  # sparse stages); the retrofit command's checks need no
+                for stage in ("retrofit", "background", "sparse")]:  # adapter
+            options = {**config.train, **config.stages.get(stage, {}), **config.variant_options(variant)}
             build_config("retrofit", options, {"output_dir": str(config.output_dir), "device": config.device})
             if config.protocol == "authors" and options.get("oasst_languages", "en") != "en":
                 raise ConfigError(f"oasst_languages {options['oasst_languages']!r} is not used under protocol authors "

@@ -4,11 +4,16 @@ stage writes, and the fingerprints that tell whether something on disk came from
 Directory layout of a suite (``output_dir``)::
 
     suite_config.json                      the resolved config of the last `smf suite`
-    retrofit/{mode}-seed{s}/               stage 1, shared by both selection rules of a mode and seed
-    background/{mode}-seed{s}/             background statistics of that retrofit
-    train/{condition}-seed{s}/             stage 2 (sparse), or the LoRA / full-finetune baseline
-    eval/{condition}-seed{s}/{task}.jsonl  per-example evaluation output
-    results/{condition}-seed{s}.json       one finished run (written last, atomically)
+    retrofit/{mode}{tag}-seed{s}/          stage 1, shared by both selection rules of a mode and seed
+    background/{mode}{tag}-seed{s}/        background statistics of that retrofit
+    train/{run name}/                      stage 2 (sparse), or the LoRA / full-finetune baseline
+    eval/{run name}/{task}.jsonl           per-example evaluation output
+    results/{run name}.json                one finished run (written last, atomically)
+
+A run's name is ``{condition}[-{variant}][-authors-update][-loss-reads][-lr{rate}]-seed{s}``
+(``additive-tfidf-s1024-t16-sgd-lr0.1-seed0``). ``{tag}`` is empty without ``variants``; with them, it names the
+options of the run's variant that change the stage (:func:`stage_tag`: ``retrofit/additive-nkeys128-seed0``), so
+variants that retrofit alike (``rows_per_step`` or the row optimizer apart) share a retrofit and its background.
 
 The retrofit is done once per (mode family, seed): the seed drives the fresh memories'
 initialisation, so each seed of a sparse condition starts from its own retrofit. The families are
@@ -43,13 +48,15 @@ class Run:
     update: str = "exact"
     lr: float | None = None  # a learning rate of the suite's lr_sweep (None: the configured one)
     reads: str | None = None  # "loss": a count_reads ablation run (None: the configured count_reads)
+    variant: str | None = None  # a key of the suite's variants (None: the suite has none, or not a sparse run)
 
     @property
     def name(self) -> str:
         suffix = ("-authors-update" if self.update == "authors" else "") + (f"-{self.reads}-reads" if self.reads
                                                                              else "")
         rate = "" if self.lr is None else f"-lr{self.lr:g}"
-        return f"{self.condition}{suffix}{rate}-seed{self.seed}"
+        variant = "" if self.variant is None else f"-{self.variant}"
+        return f"{self.condition}{variant}{suffix}{rate}-seed{self.seed}"
 
     @property
     def recipe(self) -> str | None:
@@ -79,19 +86,25 @@ def condition_recipe(condition: str) -> str | None:
     return condition if condition in ("lora", "full") else "sparse"
 
 
-def _rates(config: SuiteConfig, condition: str) -> tuple:
-    """The learning rates ``condition`` runs at: its recipe's ``lr_sweep`` (None for base or without a sweep)."""
+def _settings(config: SuiteConfig, condition: str) -> list[tuple[str | None, float | None]]:
+    """(variant, learning rate) of every run ``condition`` makes per seed: a sparse condition once per variant at
+    the variant's rates (with ``variants``), else at every rate of its recipe's ``lr_sweep`` (None for base or
+    without a sweep)."""
     recipe = condition_recipe(condition)
-    return tuple(config.lr_sweep.get(recipe, (None,))) if recipe is not None else (None,)
+    if recipe == "sparse" and config.variants:
+        return [(name, lr) for name, options in config.variants.items() for lr in options["lr_sweep"]]
+    return [(None, lr) for lr in (config.lr_sweep.get(recipe, (None,)) if recipe is not None else (None,))]
 
 
 def plan_runs(config: SuiteConfig) -> list[Run]:
     """Every run of the suite, seed by seed (a partial suite has whole seeds done first): the Table 1
-    conditions (each at every rate of its ``lr_sweep``), then the ``authors_update`` ablation runs of that seed."""
+    conditions (each at every rate of its ``lr_sweep``, and a sparse one for every variant), then the
+    ``authors_update`` and ``count_reads_ablation`` runs of that seed."""
     return [run for seed in config.seeds
-            for run in [Run(c, seed, lr=lr) for c in config.conditions for lr in _rates(config, c)]
-            + [Run(c, seed, "authors", lr) for c in config.authors_update for lr in _rates(config, c)]
-            + [Run(c, seed, lr=lr, reads="loss") for c in config.count_reads_ablation for lr in _rates(config, c)]]
+            for run in [Run(c, seed, lr=lr, variant=v) for c in config.conditions for v, lr in _settings(config, c)]
+            + [Run(c, seed, "authors", lr, variant=v) for c in config.authors_update for v, lr in _settings(config, c)]
+            + [Run(c, seed, lr=lr, reads="loss", variant=v) for c in config.count_reads_ablation
+               for v, lr in _settings(config, c)]]
 
 
 @dataclass(frozen=True)
@@ -108,11 +121,11 @@ class SuiteLayout:
     def results_dir(self) -> Path:
         return self.root / "results"
 
-    def retrofit_dir(self, mode: str, seed: int) -> Path:
-        return self.root / "retrofit" / f"{mode}-seed{seed}"
+    def retrofit_dir(self, mode: str, seed: int, tag: str = "") -> Path:
+        return self.root / "retrofit" / f"{mode}{tag}-seed{seed}"
 
-    def background_dir(self, mode: str, seed: int) -> Path:
-        return self.root / "background" / f"{mode}-seed{seed}"
+    def background_dir(self, mode: str, seed: int, tag: str = "") -> Path:
+        return self.root / "background" / f"{mode}{tag}-seed{seed}"
 
     def train_dir(self, run: Run) -> Path:
         return self.root / "train" / run.name
@@ -127,17 +140,16 @@ class SuiteLayout:
 def stage_config(config: SuiteConfig, stage: str, seed: int, output_dir: Path, *, mode: str | None = None,
                  rule: str | None = None, adapter: Path | None = None, background: Path | None = None,
                  update: str | None = None, lr: float | None = None,
-                 count_reads: str | None = None) -> RunConfig:
+                 count_reads: str | None = None, variant: str | None = None) -> RunConfig:
     """The resolved trainer options of one stage (retrofit, background, sparse, lora, full).
 
-    Options: ``train`` < ``stages.{stage}`` < what the suite sets (model, device, data, seed, mode,
-    rule, directories; ``update`` "authors" for the update ablation; ``lr`` a rate of the sweep). The background
-    stage also
-    inherits ``stages.retrofit`` (its examples must be drawn exactly as the retrofit's were).
+    Options: ``train`` < ``stages.{stage}`` < the options of ``variant`` (a key of ``variants``) < what the suite sets
+    (model, device, data, seed, mode, rule, directories; ``update`` "authors" for the update ablation; ``lr`` a rate
+    of the sweep). The background stage also inherits ``stages.retrofit`` (its examples must be drawn exactly as the
+    retrofit's were).
     """
     command = STAGE_COMMANDS[stage]
-    inherited = config.stages.get("retrofit", {}) if stage == "background" else {}
-    options = {**config.train, **inherited, **config.stages.get(stage, {}), **({} if lr is None else {"lr": lr}),
+    options = {**_configured(config, stage), **config.variant_options(variant), **({} if lr is None else {"lr": lr}),
                **({} if count_reads is None else {"count_reads": count_reads})}
     suite_set = {"output_dir": str(output_dir), "model": config.model, "device": config.device, "seed": seed,
                  "protocol": config.protocol,
@@ -167,9 +179,31 @@ def stage_settings(config: SuiteConfig, stage: str) -> RunConfig:
     return build_config(command, options, given).resolved(stage)
 
 
-def sparse_stage_dirs(layout: SuiteLayout, run: Run) -> tuple[Path, Path]:
-    """(retrofit directory, background directory) that the sparse ``run`` trains from."""
-    return layout.retrofit_dir(run.retrofit_mode, run.seed), layout.background_dir(run.retrofit_mode, run.seed)
+def _configured(config: SuiteConfig, stage: str) -> dict:
+    """The options ``train`` and ``stages`` give ``stage`` (the background stage inherits ``stages.retrofit``)."""
+    inherited = config.stages.get("retrofit", {}) if stage == "background" else {}
+    return {**config.train, **inherited, **config.stages.get(stage, {})}
+
+
+def stage_tag(config: SuiteConfig, variant: str | None, stage: str) -> str:
+    """What the directory of the shared ``stage`` (retrofit, background) adds to its name for ``variant``: each
+    option of the variant that this stage, or the retrofit it starts from, takes with a value other than the
+    configured one (or the default), as ``-{option without underscores}{value}`` in option order
+    (``-nkeys128``); empty when there is none."""
+    options, changed = config.variant_options(variant), {}
+    for where in ("retrofit", "background")[:("retrofit", "background").index(stage) + 1]:
+        configured = _configured(config, where)
+        for name, value in only(RunConfig, STAGE_COMMANDS[where], options).items():
+            if value != configured.get(name, RunConfig.__dataclass_fields__[name].default):
+                changed[name] = "_".join(map(str, value)) if isinstance(value, (list, tuple)) else \
+                    f"{value:g}" if isinstance(value, float) else str(value)
+    return "".join(f"-{name.replace('_', '')}{shown}" for name, shown in changed.items())
+
+
+def sparse_stage_dirs(layout: SuiteLayout, run: Run, config: SuiteConfig) -> tuple[Path, Path]:
+    """(retrofit directory, background directory) that the sparse ``run`` of ``config`` trains from."""
+    return (layout.retrofit_dir(run.retrofit_mode, run.seed, stage_tag(config, run.variant, "retrofit")),
+            layout.background_dir(run.retrofit_mode, run.seed, stage_tag(config, run.variant, "background")))
 
 
 def _digest(obj) -> str:
@@ -208,6 +242,7 @@ def run_hash(config: SuiteConfig, run: Run) -> str:
     return _digest({
         **science, "model": config.model, "condition": run.condition, "seed": run.seed, "protocol": config.protocol,
         "update": run.update, **({"reads": run.reads} if run.reads else {}),
+        **({"variant": config.variant_options(run.variant)} if run.variant else {}),
         "train_data": ([config.data.oasst, config.data.medmcqa_train] + own_train) if stages else [],
         "stages": {stage: {name: value for name, value in {
             **config.train, **config.stages.get(stage, {}),

@@ -48,7 +48,7 @@ REPORT_FILES = ("table1.md", "table1.csv", "table1.tex", "pareto.png", "pareto.p
                 "accounting.json", "ablation_update.md", "ablation_update.json", "report.md", "lr_sweep.md",
                 "lr_sweep.json", "pareto_sweep.png", "ablation_reads.md", "ablation_reads.json",
                 "science_diagnostics.md", "science_diagnostics.json", "matched_learning.md", "matched_learning.json",
-                "environment.md", "environment.json")
+                "environment.md", "environment.json", "locality.md", "locality.json")
 ABLATION_FILES = ("ablation_update.md", "ablation_update.json")
 DATA_LOGGERS = ("smf.data.sources",)  # their warnings (e.g. fewer rows than asked) are the same for every run
 
@@ -143,15 +143,15 @@ class SuiteRunner:
         if run.recipe != "sparse":
             return {"train": ensure_stage("train", stage_config(config, run.recipe, run.seed, layout.train_dir(run),
                                                                 lr=run.lr))}
-        retrofit_dir, background_dir = sparse_stage_dirs(layout, run)
+        retrofit_dir, background_dir = sparse_stage_dirs(layout, run, config)
         markers = {"retrofit": ensure_stage("retrofit", stage_config(config, "retrofit", run.seed, retrofit_dir,
-                                                                     mode=run.retrofit_mode))}
+                                                                     mode=run.retrofit_mode, variant=run.variant))}
         markers["background"] = ensure_stage("background", stage_config(
-            config, "background", run.seed, background_dir, adapter=retrofit_dir))
+            config, "background", run.seed, background_dir, adapter=retrofit_dir, variant=run.variant))
         markers["train"] = ensure_stage("train", stage_config(
             config, "sparse", run.seed, layout.train_dir(run), mode=run.mode, rule=run.rule, adapter=retrofit_dir,
             background=background_dir, update="authors" if run.update == "authors" else None, lr=run.lr,
-            count_reads=run.reads))
+            count_reads=run.reads, variant=run.variant))
         return markers
 
     def evaluate(self, run: Run) -> tuple[dict, dict, str, dict]:
@@ -186,6 +186,7 @@ class SuiteRunner:
         results = {
             "condition": run.condition, "seed": run.seed, "update": run.update, "metrics": metrics,
             **({} if run.lr is None else {"lr": run.lr}), **({"reads": run.reads} if run.reads else {}),
+            **({"variant": run.variant} if run.variant else {}),
             "sparse_steps": sparse_step_stats(self.layout.train_dir(run)) if run.recipe == "sparse" else None,
             "timing": {**{f"{kind}_s": marker["seconds"] for kind, marker in markers.items()},
                        "eval_s": eval_seconds, "wall_s": round(time.perf_counter() - started, 3)},

@@ -105,16 +105,17 @@ def learning_metric(results: list[dict]) -> str:
     return "learn_acc" if "learn_acc" in keys else "medmcqa_acc"
 
 
-def variant(result: dict) -> tuple[str, str, str]:
-    """(condition, update, reads) of a results record: a method and its ablation variant."""
-    return result["condition"], result.get("update", "exact"), result.get("reads") or "all"
+def variant(result: dict) -> tuple[str, str, str, str | None]:
+    """(condition, update, reads, variant) of a results record: a method, its ablation and its suite variant (None
+    without ``variants``)."""
+    return result["condition"], result.get("update", "exact"), result.get("reads") or "all", result.get("variant")
 
 
-def chosen_rates(results: list[dict]) -> dict[tuple[str, str, str], float]:
+def chosen_rates(results: list[dict]) -> dict[tuple[str, str, str, str | None], float]:
     """:func:`variant` -> the swept rate with the highest mean learning metric over its seeds (ties: the lower
     rate); runs without a rate are left out."""
     metric = learning_metric(results)
-    means: dict[tuple[str, str, str], dict[float, list[float]]] = {}
+    means: dict[tuple[str, str, str, str | None], dict[float, list[float]]] = {}
     for result in results:
         if result.get("lr") is None:
             continue
@@ -131,16 +132,17 @@ def at_chosen_rates(results: list[dict]) -> list[dict]:
 
 
 def sweep_rows(results: list[dict]) -> list[dict]:
-    """One row per (condition, update, reads, rate): seeds, and per metric (mean, 95% half-width), with ``chosen``
-    (rate None: runs without a sweep)."""
+    """One row per (condition, update, reads, variant, rate): seeds, and per metric (mean, 95% half-width), with
+    ``chosen`` (rate None: runs without a sweep)."""
     chosen = chosen_rates(results)
     groups: dict[tuple, list[dict]] = {}
     for result in results:
         groups.setdefault((*variant(result), result.get("lr")), []).append(result)
     rows = []
-    for (condition, update, reads, rate), runs in groups.items():
+    for (condition, update, reads, name, rate), runs in groups.items():
         records = [{"condition": condition, "seed": r["seed"], **r["metrics"]} for r in runs]
         (summary,) = with_intervals(summarize(records), records)
-        rows.append({"condition": condition, "update": update, "reads": reads, "lr": rate, "seeds": len(runs),
-                     "chosen": rate is None or chosen[(condition, update, reads)] == rate, "metrics": summary.stats})
+        rows.append({"condition": condition, "update": update, "reads": reads, "variant": name, "lr": rate,
+                     "seeds": len(runs), "chosen": rate is None or chosen[(condition, update, reads, name)] == rate,
+                     "metrics": summary.stats})
     return rows

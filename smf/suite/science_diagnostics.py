@@ -82,7 +82,7 @@ def _retrofit_metrics(config, retrofit_dir: Path, eval_sets, out_dir: Path, devi
 def compute_diagnostics(config, results: list[dict], root: Path) -> dict:
     """The measurements of the module docstring for ``results`` (the suite's runs), reusing cached ones."""
     from smf.eval.tasks import load_eval_sets
-    from smf.suite.plan import Run, SuiteLayout
+    from smf.suite.plan import Run, SuiteLayout, sparse_stage_dirs
     from smf.suite.science import at_chosen_rates, seed_config
     from smf.train.distributed import pick_device
 
@@ -94,28 +94,28 @@ def compute_diagnostics(config, results: list[dict], root: Path) -> dict:
     sparse = [r for r in at_chosen_rates(results) if r.get("sparse_steps") is not None and not r.get("reads")
               and r.get("update", "exact") == "exact"]
     for result in sparse:
-        run = Run(result["condition"], result["seed"], lr=result.get("lr"))
+        run = Run(result["condition"], result["seed"], lr=result.get("lr"), variant=result.get("variant"))
         own = seed_config(config, run.seed)
         if own.data not in eval_sets:
             eval_sets[own.data] = load_eval_sets(own.data, own.eval, own.protocol)
-        key = f"{run.retrofit_mode}-seed{run.seed}"
+        retrofit_dir = sparse_stage_dirs(layout, run, own)[0]
+        key = retrofit_dir.name
         if key not in measured["retrofit"]:
-            entry = cache.get("retrofit", {}).get(key) or _measure(
-                own, layout.retrofit_dir(run.retrofit_mode, run.seed), device)
+            entry = cache.get("retrofit", {}).get(key) or _measure(own, retrofit_dir, device)
             if "metrics" not in entry:
-                entry["metrics"] = _retrofit_metrics(own, layout.retrofit_dir(run.retrofit_mode, run.seed),
-                                                     eval_sets[own.data], root / "eval-retrofit" / key, device)
+                entry["metrics"] = _retrofit_metrics(own, retrofit_dir, eval_sets[own.data],
+                                                     root / "eval-retrofit" / key, device)
             measured["retrofit"][key] = entry
         cached = cache.get("sparse", {}).get(run.name)
         measured["sparse"][run.name] = cached if cached and cached.get("hash") == result["config_hash"] else {
-            "hash": result["config_hash"], "condition": run.condition, "seed": run.seed,
+            "hash": result["config_hash"], "condition": run.condition, "variant": run.variant, "seed": run.seed,
             **_measure(own, layout.train_dir(run), device)}
         if run.mode == "additive+s":
             cached = cache.get("alpha_reset", {}).get(run.name)
             if not (cached and cached.get("hash") == result["config_hash"]):
-                cached = {"hash": result["config_hash"], "condition": run.condition, "seed": run.seed,
-                          "trained": result["metrics"],
-                          **_alpha_reset_metrics(own, layout.train_dir(run), layout.retrofit_dir("additive", run.seed),
+                cached = {"hash": result["config_hash"], "condition": run.condition, "variant": run.variant,
+                          "seed": run.seed, "trained": result["metrics"],
+                          **_alpha_reset_metrics(own, layout.train_dir(run), retrofit_dir,
                                                  eval_sets[own.data], root / "eval-alpha-reset" / run.name, device)}
             measured["alpha_reset"][run.name] = cached
     path.write_text(json.dumps(measured, indent=1) + "\n", encoding="utf-8")
@@ -154,14 +154,13 @@ def write_science_diagnostics(config, results: list[dict], root: Path) -> list[P
         by_mode.setdefault(key.rsplit("-seed", 1)[0], []).append(entry)
     for mode, entries in sorted(by_mode.items()):
         lines.append(f"| retrofit ({mode}) | {len(entries)} | " + " | ".join(_diagnostic_cells(entries)) + " |")
-    by_condition: dict[str, list] = {}
+    by_condition: dict[tuple, list] = {}
     for entry in measured["sparse"].values():
-        by_condition.setdefault(entry["condition"], []).append(entry)
-    for condition in config.conditions:
-        if condition in by_condition:
-            entries = by_condition[condition]
-            lines.append(f"| {display_name(condition, config.model)}, trained | {len(entries)} | "
-                         + " | ".join(_diagnostic_cells(entries)) + " |")
+        by_condition.setdefault((entry["condition"], entry.get("variant")), []).append(entry)
+    for (condition, variant), entries in sorted(by_condition.items(),
+                                                key=lambda item: config.conditions.index(item[0][0])):
+        lines.append(f"| {display_name(condition, config.model, variant)}, trained | {len(entries)} | "
+                     + " | ".join(_diagnostic_cells(entries)) + " |")
     retrofits = list(measured["retrofit"].values())
     if retrofits:
         metrics = metric_keys(entry["metrics"] for entry in retrofits)
@@ -183,16 +182,18 @@ def write_science_diagnostics(config, results: list[dict], root: Path) -> list[P
                   "| Method | Seeds | alpha trained | alpha retrofit | " + " | ".join(
                       f"{metric_title(m, config.labels)} trained | reset" for m in metrics) + " |",
                   "| --- | ---: | ---: | ---: | " + " | ".join("---: | ---:" for _ in metrics) + " |"]
-        by_reset: dict[str, list] = {}
+        by_reset: dict[tuple, list] = {}
         for entry in resets:
-            by_reset.setdefault(entry["condition"], []).append(entry)
-        for condition, entries in by_reset.items():
-            trained_alpha = [layer["alpha"] for name, entry in measured["sparse"].items() if entry["condition"] ==
-                             condition for layer in entry["layers"]]
+            by_reset.setdefault((entry["condition"], entry.get("variant")), []).append(entry)
+        for (condition, variant), entries in by_reset.items():
+            trained_alpha = [layer["alpha"] for name, entry in measured["sparse"].items() if
+                             (entry["condition"], entry.get("variant")) == (condition, variant)
+                             for layer in entry["layers"]]
             retrofit_alpha = [alpha for entry in entries for alpha in entry["alpha_retrofit"].values()]
             cells = [f"{_mean(e['trained'][m] for e in entries)} | {_mean(e['metrics'][m] for e in entries)}"
                      for m in metrics]
-            lines.append(f"| {display_name(condition, config.model)} | {len(entries)} | {_mean(trained_alpha)} | "
+            lines.append(f"| {display_name(condition, config.model, variant)} | {len(entries)} | "
+                         f"{_mean(trained_alpha)} | "
                          f"{_mean(retrofit_alpha)} | " + " | ".join(cells) + " |")
     md_path = root / DIAGNOSTICS_MD
     md_path.write_text("\n".join(lines) + "\n", encoding="utf-8")

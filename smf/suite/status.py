@@ -15,7 +15,8 @@ def _status_rows(config: SuiteConfig, layout: SuiteLayout, failed: dict[str, str
     rows = []
     for run in plan_runs(config):
         path = layout.results_path(run)
-        row = {"condition": run.condition, "update": run.update, "seed": run.seed, "lr": run.lr, "status": "pending",
+        row = {"condition": run.condition, "variant": run.variant, "update": run.update, "seed": run.seed, "lr": run.lr,
+               "status": "pending",
                "metrics": {},
                "train_s": None,
                "eval_s": None, "results": None}
@@ -52,8 +53,8 @@ def write_status(config: SuiteConfig, root: Path, failed: dict[str, str] | None 
              "| --- | ---: | --- | " + " | ".join("---:" for _ in metrics) + " | ---: | ---: | --- |"]
     for row in rows:
         values = " | ".join(cell(row["metrics"].get(metric)) for metric in metrics)
-        method = display_name(row["condition"], config.model) + (" (authors' update)" if row["update"] == "authors"
-                                                                 else "")
+        method = display_name(row["condition"], config.model, row["variant"]) + (
+            " (authors' update)" if row["update"] == "authors" else "")
         method += "" if row["lr"] is None else f" (lr {row['lr']:g})"
         lines.append(f"| {method} | {row['seed']} | {row['status']} | {values} | "
                      f"{cell(row['train_s'], 1)} | {cell(row['eval_s'], 1)} | {row['results'] or '—'} |")
