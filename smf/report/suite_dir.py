@@ -262,7 +262,7 @@ def write_environment(config: SuiteConfig, results: list[dict], out_dir: Path) -
     """``environment.md`` / ``.json``: what computed the results (each distinct environment recorded in a results
     file, with its number of runs) and, for a suite with a world, each base: its fingerprint, where it came from,
     its pretraining, and its own metrics (the base condition's run of that seed)."""
-    from smf.suite.science import base_root
+    from smf.suite.config import base_root
 
     environments: list[tuple[dict, int]] = []
     for result in results:
