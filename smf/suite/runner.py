@@ -48,6 +48,7 @@ REPORT_FILES = ("table1.md", "table1.csv", "table1.tex", "pareto.png", "pareto.p
                 "accounting.json", "ablation_update.md", "ablation_update.json", "report.md", "lr_sweep.md",
                 "lr_sweep.json", "pareto_sweep.png", "ablation_reads.md", "ablation_reads.json",
                 "science_diagnostics.md", "science_diagnostics.json", "matched_learning.md", "matched_learning.json",
+                "matched_learning.png",
                 "environment.md", "environment.json")
 ABLATION_FILES = ("ablation_update.md", "ablation_update.json")
 DATA_LOGGERS = ("smf.data.sources",)  # their warnings (e.g. fewer rows than asked) are the same for every run
