@@ -159,30 +159,35 @@ def test_science_suite_end_to_end(tmp_path):
     from smf.suite.runner import run_suite
 
     raw = yaml.safe_load((Path(__file__).parents[1] / "smf" / "configs" / "suite_science.yaml").read_text())
-    raw.update(output_dir=str(tmp_path / "suite"), seeds=[0], world=SMALL_WORLD,
-               pretrain={**SMALL_PRETRAIN, "epochs": 2},
+    raw.update(output_dir=str(tmp_path / "suite"), seeds=[3],  # base_per_seed: world seed 3, as SMALL_WORLD's
+               world={k: v for k, v in SMALL_WORLD.items() if k != "seed"},
+               pretrain={k: v for k, v in {**SMALL_PRETRAIN, "epochs": 2}.items() if k != "seed"},
                lr_sweep={"sparse": [1e-2], "lora": [1e-3], "full": [1e-3]})
+    assert raw["base_per_seed"] and raw["matched_learning"]
     raw["train"].update(layers=[0, 1], n_keys=8, topk=4, key_dim=16, rows_per_step=16, n_background=20)
     raw["stages"] = {"retrofit": {"epochs": 1}, "sparse": {"epochs": 1}, "lora": {"epochs": 1}, "full": {"epochs": 1}}
     path = tmp_path / "science.yaml"
     path.write_text(yaml.safe_dump(raw))
     config = load_suite_config(str(path))
     results = run_suite(config)
-    assert len(results) == len(config.conditions) + len(config.count_reads_ablation)
+    assert len(results) == len(config.conditions)
     assert {r["condition"] for r in results} == set(config.conditions)
-    assert sorted(r["condition"] for r in results if r.get("reads") == "loss") == sorted(config.count_reads_ablation)
     for result in results:
         assert set(result["metrics"]) == {"learn_acc", "heldout_ppl", "retain_acc"}
         assert (result.get("lr") is None) == (result["condition"] == "base")
     written = {p.name for p in write_suite_report(config.output_dir)}
-    assert {"table1.md", "pareto.png", "lr_sweep.md", "report.md", "ablation_reads.md",
-            "science_diagnostics.md"} <= written
+    assert {"table1.md", "pareto.png", "lr_sweep.md", "report.md", "science_diagnostics.md", "matched_learning.md",
+            "environment.md"} <= written
     diagnostics = json.loads((config.output_dir / "science_diagnostics.json").read_text())
-    assert set(diagnostics["retrofit"]) == {"replacement-seed0", "additive-seed0"}
-    assert sorted(diagnostics["alpha_reset"]) == ["additive+s-kl-lr0.01-seed0", "additive+s-tfidf-lr0.01-seed0"]
+    assert set(diagnostics["retrofit"]) == {"replacement-seed3", "additive-seed3"}
+    assert sorted(diagnostics["alpha_reset"]) == ["additive+s-kl-lr0.01-seed3", "additive+s-tfidf-lr0.01-seed3"]
     report = (config.output_dir / "report.md").read_text()
-    assert "95% Student-t interval" in report and "new-fact acc" in report
-    world = json.loads((config.output_dir / "world" / "world.json").read_text())
+    assert "95% Student-t interval" in report and "new-fact acc" in report and "# Environment" in report
+    environment = json.loads((config.output_dir / "environment.json").read_text())
+    (base,) = environment["bases"]
+    assert base["seed"] == 3 and base["metrics"] == next(r["metrics"] for r in results if r["condition"] == "base")
+    assert environment["environments"][0]["runs"] == len(results)
+    world = json.loads((config.output_dir / "bases" / "seed3" / "world" / "world.json").read_text())
     assert world["options"] == WorldOptions.from_dict(SMALL_WORLD).to_dict()
 
 

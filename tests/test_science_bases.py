@@ -99,7 +99,8 @@ def test_a_shipped_base_of_the_same_fingerprint_is_copied(base, tmp_path, monkey
 
 
 def test_every_seed_gets_its_own_world_and_base(tmp_path):
-    from smf.suite.science import prepare_science_inputs, seed_config
+    from smf.suite.config import seed_config
+    from smf.suite.science import prepare_science_inputs
 
     raw = {"name": "s", "output_dir": str(tmp_path), "seeds": [0, 1], "conditions": ["base", "additive-kl", "lora"],
            "device": "cpu", "base_per_seed": True, "world": {k: v for k, v in WORLD.items() if k != "seed"},

@@ -47,7 +47,8 @@ def test_report_of_paper_suite(paper_suite, capsys):
     suite_dir, written = paper_suite
     assert _report(suite_dir) == 0
     printed = capsys.readouterr().out.split()
-    expected = ["table1.md", "table1.csv", "table1.tex", "pareto.png", "pareto.pdf", "accounting.md",
+    expected = ["table1.md", "table1.csv", "table1.tex", "pareto.png", "pareto.pdf", "environment.md",
+                "environment.json", "accounting.md",
                 "accounting.json", "suite_status.md", "suite_status.json", "report.md"]
     assert [p.rsplit("/", 1)[-1] for p in printed] == expected
     assert all((suite_dir / name).stat().st_size > 0 for name in expected)

@@ -24,6 +24,7 @@ from smf.suite.config import SuiteConfig, suite_config_from_dict
 from smf.suite.plan import SuiteLayout, plan_runs, run_hash, stage_settings
 from smf.report.sweep_plot import plot_sweep
 from smf.report.matched_learning import format_cell, matched_learning
+from smf.report.matched_plot import plot_matched
 from smf.suite.science import at_chosen_rates, learning_metric, sweep_rows
 from smf.suite.science import variant as result_variant
 from smf.suite.status import cell, write_status
@@ -261,18 +262,22 @@ def write_matched_learning(config: SuiteConfig, results: list[dict], out_dir: Pa
                 cells.append("—" if not diff else format_cell(diff["mean"], diff["half_width"], diff["pairs"],
                                                              len(row["seeds"]), signed=True))
             lines.append(f"| {variant_label(row['method'], config.model)} | " + " | ".join(cells) + " |")
+    lines.append("\n![Forgetting at matched learning](matched_learning.png)\n")
+    png_path = plot_matched(rows, levels, {tuple(row["method"]): variant_label(row["method"], config.model)
+                                           for row in rows}, out_dir / "matched_learning.png",
+                            learn_title=metric_title(learn, config.labels), kept_title=title)
     md_path, json_path = out_dir / "matched_learning.md", out_dir / "matched_learning.json"
     md_path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     json_path.write_text(json.dumps({"learn_metric": learn, "kept_metric": kept, "levels": config.matched_learning,
                                      "rows": rows}, indent=1) + "\n", encoding="utf-8")
-    return [md_path, json_path]
+    return [md_path, json_path, png_path]
 
 
 def write_environment(config: SuiteConfig, results: list[dict], out_dir: Path) -> list[Path]:
     """``environment.md`` / ``.json``: what computed the results (each distinct environment recorded in a results
     file, with its number of runs) and, for a suite with a world, each base: its fingerprint, where it came from,
     its pretraining, and its own metrics (the base condition's run of that seed)."""
-    from smf.suite.science import base_root
+    from smf.suite.config import base_root
 
     environments: list[tuple[dict, int]] = []
     for result in results:

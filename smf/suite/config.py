@@ -12,6 +12,7 @@ learning rates (as many as every other recipe's: the equal-budget rule); :mod:`s
 shared retrofit and background directories."""
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -253,6 +254,33 @@ def _check_own_data(config: SuiteConfig) -> None:
         raise ConfigError("data.background is not used: no sparse condition computes background statistics")
 
 
+WORLD_ROLES = ("retrofit", "background", "train", "eval_learn", "eval_heldout", "eval_retain")
+
+
+def base_root(output_dir: Path, seed: int | None) -> Path:
+    """Where the world and the base of ``seed`` live (``seed`` None: the suite's one shared world and base)."""
+    return output_dir if seed is None else output_dir / "bases" / f"seed{seed}"
+
+
+def science_paths(output_dir: Path, seed: int | None) -> tuple[dict[str, str], str]:
+    """(own-data role -> world file, base model directory) of ``seed``'s world (see :func:`base_root`)."""
+    root = base_root(output_dir, seed)
+    return ({role: str(root / "world" / f"{role}.jsonl") for role in WORLD_ROLES},
+            str(root / "pretrain" / "final"))
+
+
+def seed_config(config, seed: int):
+    """``config`` (a SuiteConfig) as the runs of ``seed`` see it: with ``base_per_seed``, that seed's world (data
+    files and world.seed), base (model and pretrain.seed); otherwise ``config`` itself."""
+    if not (config.world and config.base_per_seed):
+        return config
+    data, model = science_paths(config.output_dir, seed)
+    return dataclasses.replace(config, data=dataclasses.replace(config.data, **data),
+                               model=model if config.pretrain else config.model,
+                               world={**config.world, "seed": seed},
+                               pretrain={**config.pretrain, "seed": seed} if config.pretrain else {})
+
+
 def _science_inputs(raw: dict) -> dict:
     """``raw`` with the world's files as its own data and the pretrained model as its model, when ``world`` /
     ``pretrain`` are given (the suite writes them: :mod:`smf.suite.science`; with ``base_per_seed``, those of the
@@ -262,7 +290,6 @@ def _science_inputs(raw: dict) -> dict:
             raise ConfigError("base_per_seed needs world (and pretrain): it gives every seed a world of its own")
         return raw
     from smf.data.world import WorldOptions
-    from smf.suite.science import science_paths
     from smf.train.pretrain import PretrainOptions
 
     if raw.get("pretrain") and not raw.get("world"):

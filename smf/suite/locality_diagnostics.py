@@ -222,7 +222,7 @@ def compute_locality(config, results: list[dict], root: Path) -> dict:
     """:func:`run_locality` of every sparse run in ``results`` (the suite's runs), by run name, reusing cached ones."""
     from smf.model.loading import load_model
     from smf.suite.plan import Run, SuiteLayout, sparse_stage_dirs
-    from smf.suite.science import seed_config
+    from smf.suite.config import seed_config
     from smf.train.distributed import pick_device
 
     layout, device = SuiteLayout(root), pick_device(config.device)

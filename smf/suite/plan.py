@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from smf.options import only
-from smf.suite.config import STAGE_COMMANDS, SuiteConfig
+from smf.suite.config import STAGE_COMMANDS, SuiteConfig, seed_config
 from smf.train.config import RunConfig, build_config, fingerprint_form
 from smf.vocabulary import CONDITIONS, FINGERPRINT_SPELLINGS, RETROFIT_MODE, split_condition
 
@@ -231,7 +231,9 @@ def options_fingerprint(options: dict) -> str:
 
 def run_hash(config: SuiteConfig, run: Run) -> str:
     """Hash of everything that decides ``run``'s numbers: model, data, the options of its stages
-    as configured, its seed and condition, and the evaluation settings."""
+    as configured, its seed and condition, and the evaluation settings (of the world and base of its seed, with
+    ``base_per_seed``)."""
+    config = seed_config(config, run.seed)
     stages = {"base": (), "lora": ("lora",), "full": ("full",)}.get(run.condition,
                                                                       ("retrofit", "background", "sparse"))
     trained = condition_recipe(run.condition)

@@ -29,10 +29,10 @@ from smf.errors import ConfigError
 from smf.eval.tasks import evaluate_model, load_eval_sets
 from smf.files import read_json_object, write_json_atomic
 from smf.model.loading import FINAL_DIR, RUN_CONFIG, load_model, read_run_config
-from smf.suite.config import SuiteConfig
+from smf.suite.config import SuiteConfig, seed_config
 from smf.suite.plan import (Run, SuiteLayout, merged_plan, options_fingerprint, plan_runs, run_hash,
                             sparse_stage_dirs, stage_config)
-from smf.suite.science import prepare_science_inputs, seed_config
+from smf.suite.science import prepare_science_inputs
 from smf.suite.status import write_status
 from smf.train.background import collect_background
 from smf.train.checkpoint import CHECKPOINT_FILE, LOG_FILE
@@ -48,7 +48,7 @@ REPORT_FILES = ("table1.md", "table1.csv", "table1.tex", "pareto.png", "pareto.p
                 "accounting.json", "ablation_update.md", "ablation_update.json", "report.md", "lr_sweep.md",
                 "lr_sweep.json", "pareto_sweep.png", "ablation_reads.md", "ablation_reads.json",
                 "science_diagnostics.md", "science_diagnostics.json", "matched_learning.md", "matched_learning.json",
-                "environment.md", "environment.json", "locality.md", "locality.json")
+                "matched_learning.png", "environment.md", "environment.json", "locality.md", "locality.json")
 ABLATION_FILES = ("ablation_update.md", "ablation_update.json")
 DATA_LOGGERS = ("smf.data.sources",)  # their warnings (e.g. fewer rows than asked) are the same for every run
 
@@ -176,7 +176,7 @@ class SuiteRunner:
 
     def run_one(self, run: Run) -> dict:
         """Train, evaluate and record ``run`` (or read its results if finished); returns the results."""
-        expected_hash = run_hash(seed_config(self.config, run.seed), run)
+        expected_hash = run_hash(self.config, run)
         path = self.layout.results_path(run)
         if path.is_file():
             return read_results(path, expected_hash)

@@ -5,14 +5,14 @@ start from, the learning-rate sweep's choice of the reported rate, and confidenc
   to ``pretrain/`` (:func:`smf.train.pretrain.pretrain_world`: reused when finished and intact, copied from the
   shipped bases when one has the same fingerprint, resumed from its checkpoint otherwise). With ``base_per_seed``,
   every seed has a world and a base of its own (world seed and pretraining seed = the run's seed), in
-  ``bases/seed{S}/world`` and ``bases/seed{S}/pretrain``; :func:`seed_config` is the suite as one seed's runs see it.
+  ``bases/seed{S}/world`` and ``bases/seed{S}/pretrain``; :func:`smf.suite.config.seed_config` is the suite as
+  one seed's runs see it.
 - :func:`chosen_rates`: with an ``lr_sweep``, each condition is reported at the rate whose mean learning metric over
   the seeds is highest (ties: the lower rate). The same rule for every method; it is chosen on the reported seeds,
   which flatters every method alike.
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -20,36 +20,10 @@ import statistics
 from pathlib import Path
 
 from smf.report.intervals import with_intervals
+from smf.suite.config import WORLD_ROLES, base_root, seed_config
 from smf.report.table import summarize
 
 logger = logging.getLogger(__name__)
-
-WORLD_ROLES = ("retrofit", "background", "train", "eval_learn", "eval_heldout", "eval_retain")
-
-
-def base_root(output_dir: Path, seed: int | None) -> Path:
-    """Where the world and the base of ``seed`` live (``seed`` None: the suite's one shared world and base)."""
-    return output_dir if seed is None else output_dir / "bases" / f"seed{seed}"
-
-
-def science_paths(output_dir: Path, seed: int | None) -> tuple[dict[str, str], str]:
-    """(own-data role -> world file, base model directory) of ``seed``'s world (see :func:`base_root`)."""
-    root = base_root(output_dir, seed)
-    return ({role: str(root / "world" / f"{role}.jsonl") for role in WORLD_ROLES},
-            str(root / "pretrain" / "final"))
-
-
-def seed_config(config, seed: int):
-    """``config`` (a SuiteConfig) as the runs of ``seed`` see it: with ``base_per_seed``, that seed's world (data
-    files and world.seed), base (model and pretrain.seed); otherwise ``config`` itself."""
-    if not (config.world and config.base_per_seed):
-        return config
-    data, model = science_paths(config.output_dir, seed)
-    return dataclasses.replace(config, data=dataclasses.replace(config.data, **data),
-                               model=model if config.pretrain else config.model,
-                               world={**config.world, "seed": seed},
-                               pretrain={**config.pretrain, "seed": seed} if config.pretrain else {})
-
 
 def world_digest(world) -> str:
     """16 hex digits of every row of every dataset of ``world`` (what its files hold)."""

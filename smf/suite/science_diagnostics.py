@@ -82,8 +82,9 @@ def _retrofit_metrics(config, retrofit_dir: Path, eval_sets, out_dir: Path, devi
 def compute_diagnostics(config, results: list[dict], root: Path) -> dict:
     """The measurements of the module docstring for ``results`` (the suite's runs), reusing cached ones."""
     from smf.eval.tasks import load_eval_sets
+    from smf.suite.config import seed_config
     from smf.suite.plan import Run, SuiteLayout, sparse_stage_dirs
-    from smf.suite.science import at_chosen_rates, seed_config
+    from smf.suite.science import at_chosen_rates
     from smf.train.distributed import pick_device
 
     layout, device = SuiteLayout(root), pick_device(config.device)
