@@ -183,6 +183,9 @@ def test_science_suite_end_to_end(tmp_path):
     assert sorted(diagnostics["alpha_reset"]) == ["additive+s-kl-lr0.01-seed3", "additive+s-tfidf-lr0.01-seed3"]
     report = (config.output_dir / "report.md").read_text()
     assert "95% Student-t interval" in report and "new-fact acc" in report and "# Environment" in report
+    matched = json.loads((config.output_dir / "matched_learning.json").read_text())["rows"]
+    assert all("vs_reference" in cell for row in matched if row["method"][0] != "full"
+               for cell in row["levels"].values())  # every method compared with full finetuning
     environment = json.loads((config.output_dir / "environment.json").read_text())
     (base,) = environment["bases"]
     assert base["seed"] == 3 and base["metrics"] == next(r["metrics"] for r in results if r["condition"] == "base")

@@ -24,7 +24,7 @@ def plot_matched(rows: list[dict], levels: list[str], labels: dict[tuple, str], 
     Returns the PNG path."""
     figure, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
     spread = 0.5 / max(len(rows), 1)
-    variants = sorted({tuple(row["method"])[3:] for row in rows})
+    variants = sorted({tuple(row["method"])[3:] for row in rows}, key=str)
     for index, row in enumerate(rows):
         method = tuple(row["method"])
         condition = method[0]

@@ -232,7 +232,7 @@ def write_matched_learning(config: SuiteConfig, results: list[dict], out_dir: Pa
     kept = "retain_acc"
     if not any(kept in r["metrics"] for r in results):
         return []
-    reference = ("full", "exact", "all")
+    reference = result_variant({"condition": "full"})
     rows = matched_learning(results, config.matched_learning, result_variant, learn, kept, reference)
     rows.sort(key=lambda row: (config.conditions.index(row["method"][0]) if row["method"][0] in config.conditions
                                else len(config.conditions), row["method"]))
@@ -254,7 +254,7 @@ def write_matched_learning(config: SuiteConfig, results: list[dict], out_dir: Pa
         lines += ["", "| Method − full finetuning | " + " | ".join(f"@ {level}" for level in levels) + " |",
                   "| --- | " + " | ".join("---:" for _ in levels) + " |"]
         for row in rows:
-            if tuple(row["method"]) == reference:
+            if tuple(row["method"]) == tuple(reference):
                 continue
             cells = []
             for level in levels:
