@@ -180,3 +180,22 @@ def test_question_reads_weigh_each_real_token_and_head_once(tmp_path):
     total = torch.bincount(layer.question, weights=layer.weight, minlength=3)
     assert total.tolist() == pytest.approx((2 * tokens).tolist())  # softmax weights sum to 1 per token and head
     assert int(layer.slot.max()) < 16
+
+
+def test_locality_preset_shares_the_science_base_and_plans_its_grid():
+    from smf.train.config import RunConfig
+
+    if "row_optimizer" not in RunConfig.__dataclass_fields__:
+        pytest.skip("the preset's SGD variants need the row_optimizer option (branch sparse); remove at the merge")
+    science = yaml.safe_load((LOCALITY.parent / "suite_science.yaml").read_text())
+    raw = yaml.safe_load(LOCALITY.read_text())
+    assert {key: raw[key] for key in ("world", "pretrain", "train")} == \
+        {key: science[key] for key in ("world", "pretrain", "train")}
+    config = load_suite_config("locality")
+    runs = plan_runs(config)
+    assert len(runs) == len(config.seeds) * (1 + 12 * 5 + 5)
+    grid = {(o["n_keys"], o["rows_per_step"], o["row_optimizer"]) for o in config.variants.values()}
+    assert grid == {(n, t if t else n * n, opt) for n in (32, 128) for t in (16, 128, None) for opt in ("adamw", "sgd")}
+    layout = SuiteLayout(config.output_dir)
+    retrofits = {sparse_stage_dirs(layout, run, config)[0].name for run in runs if run.recipe == "sparse"}
+    assert retrofits == {f"additive{tag}-seed{s}" for tag in ("", "-nkeys128") for s in config.seeds}
