@@ -25,6 +25,7 @@ RETROFIT_MODE = {"replacement": "replacement", "additive": "additive", "additive
 RULES = ("tfidf", "kl")  # smf_kernels.sparse.selection.RULES: the slot scoring rules
 BACKENDS = ("torch", "triton", "ext")  # smf_kernels.backends.BACKENDS: the kernel backends
 SPARSE_UPDATES = ("exact", "dense_masked", "authors")  # smf train --update (it replaced --optimizer)
+ROW_OPTIMIZERS = ("adamw", "sgd")  # smf train --row-optimizer: RowSparseAdamW or RowSparseSGD (--update exact)
 # Removed command-line options -> what replaced them (docs/method.md#migrating-from---optimizer), for parse errors.
 REMOVED_OPTIONS = {
     "--optimizer": "--optimizer is now --update (row_sparse -> exact; dense_masked and authors keep their names)",
@@ -52,8 +53,8 @@ DEPRECATED_SPELLINGS = {"additive_s": "additive+s", "row-sparse": "row_sparse", 
 # What the suite's fingerprints hash instead (smf.suite.plan), so that directories written before the renames match.
 FINGERPRINT_SPELLINGS = {"row_sparse": "row-sparse", "dense_masked": "dense-masked"}
 
-__all__ = ["CONDITIONS", "DEFAULT_MODEL", "EVAL_ROLES", "MEMORY_MODES", "RECIPES", "RULES", "SPARSE_CONDITIONS",
-           "SPARSE_UPDATES", "TASKS", "TINY_MODEL", "canonical", "check_layers", "split_condition"]
+__all__ = ["CONDITIONS", "DEFAULT_MODEL", "EVAL_ROLES", "MEMORY_MODES", "RECIPES", "ROW_OPTIMIZERS", "RULES",
+           "SPARSE_CONDITIONS", "SPARSE_UPDATES", "TASKS", "TINY_MODEL", "canonical", "check_layers", "split_condition"]
 
 
 def canonical(value, argument: str):

@@ -1,6 +1,7 @@
 """Argument validation shared by the public ops: clear errors, nothing clamped."""
 from __future__ import annotations
 
+import numbers
 
 import torch
 
@@ -15,6 +16,26 @@ def check_tensor(name: str, t: object, *, ndim: int, dtypes: tuple[torch.dtype, 
     if t.dtype not in dtypes:
         names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise TypeError(f"{name} must have dtype in ({names}), got {str(t.dtype).replace('torch.', '')}")
+
+
+def check_scalar(name: str, value: object) -> None:
+    """TypeError / ValueError naming ``name`` unless ``value`` is a real number (not a bool) or a one-element
+    floating tensor, as torch.optim takes hyper-parameters; their range is each optimizer's check."""
+    expected = f"{name} must be a real number or a 0-d floating tensor"
+    if isinstance(value, torch.Tensor):
+        if not value.is_floating_point():
+            raise TypeError(f"{expected}, got a tensor of dtype {str(value.dtype).replace('torch.', '')}")
+        if value.numel() != 1:
+            raise ValueError(f"{expected}, got a tensor of shape {tuple(value.shape)}")
+        if value.device.type == "meta":
+            raise ValueError(f"{expected} holding a value, got a meta tensor")
+    elif isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{expected}, got {type(value).__name__}")
+    else:
+        try:
+            float(value)
+        except OverflowError:
+            raise ValueError(f"{name} must be a finite number >= 0, got an int too large for a float") from None
 
 
 def check_same_device(reference_name: str, reference: torch.Tensor, **others: torch.Tensor | None) -> None:

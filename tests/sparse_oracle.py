@@ -1,10 +1,11 @@
-"""The oracle of the exact sparse update: dense float64 gradients, then AdamW restricted to the selected rows.
+"""The oracle of the exact sparse update: dense float64 gradients, then AdamW (or SGD) restricted to the selected
+rows.
 
 :func:`dense_reference` replays optimizer steps on a float64 copy of a model with plain autograd (dense value
 gradients, the torch backend), selects each step's rows from its own read counts with the rule and background,
-clips the selected rows' gradients together with every other trainable gradient, and applies AdamW written out
-here row by row (no smf_kernels optimizer code). An exact sparse step must equal it: the same rows, the selected
-rows' values and moments within rounding, every other row and its state untouched.
+clips the selected rows' gradients together with every other trainable gradient, and applies AdamW (or plain SGD,
+``optimizer="sgd"``) written out here row by row (no smf_kernels optimizer code). An exact sparse step must equal
+it: the same rows, the selected rows' values and moments within rounding, every other row and its state untouched.
 """
 from __future__ import annotations
 
@@ -39,14 +40,19 @@ def _adamw_(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_decay
     param.sub_(lr * (exp_avg / correction1) / denom)
 
 
+def _sgd_(param, grad, lr, weight_decay):
+    """torch.optim.SGD's update of one tensor (float64, no momentum): weight decay added to the gradient."""
+    param.sub_(lr * (grad + weight_decay * param))
+
+
 def dense_reference(model: nn.Module, steps: list[list], loss_fn: Callable, background: BackgroundStats, *,
                     rule: str, rows_per_step: int, lr: float, weight_decay: float,
-                    max_grad_norm: float | None, betas=(0.9, 0.999), eps=1e-8) -> dict:
+                    max_grad_norm: float | None, betas=(0.9, 0.999), eps=1e-8, optimizer: str = "adamw") -> dict:
     """Replays ``steps`` (each a list of micro-batches; ``loss_fn(model, micro_batch)`` a scalar loss to
-    backward) from ``model``'s current state, which is left untouched.
+    backward) from ``model``'s current state, which is left untouched; ``optimizer`` "adamw" or "sgd".
 
     Returns {"rows": per step {layer: (T',) rows}, "params": {name: float64 tensor} of the trainable
-    parameters, "state": {layer: (exp_avg, exp_avg_sq, row_step)} of every memory's values}.
+    parameters, "state": {layer: (exp_avg, exp_avg_sq, row_step)} of every memory's values (AdamW; SGD: {})}.
     """
     ref = copy.deepcopy(model).double()
     memories = {name: m for name, m in ref.named_modules() if isinstance(m, ProductKeyMemory)}
@@ -85,7 +91,15 @@ def dense_reference(model: nn.Module, steps: list[list], loss_fn: Callable, back
             grads = {pname: g * coef for pname, g in grads.items()}
         with torch.no_grad():
             for pname, param in trainable.items():
-                if pname in tables:
+                if optimizer == "sgd":
+                    if pname in tables:
+                        selected = rows[tables[pname]]
+                        p = param[selected]
+                        _sgd_(p, grads[pname], lr, weight_decay)
+                        param[selected] = p
+                    elif param.grad is not None:
+                        _sgd_(param, grads[pname], lr, weight_decay)
+                elif pname in tables:
                     layer = tables[pname]
                     exp_avg, exp_avg_sq, row_step = state[layer]
                     selected = rows[layer]
@@ -99,15 +113,15 @@ def dense_reference(model: nn.Module, steps: list[list], loss_fn: Callable, back
                     entry[2] += 1
                     _adamw_(param, grads[pname], entry[0], entry[1], float(entry[2]), lr, betas, eps, weight_decay)
     return {"rows": all_rows, "params": {name: p.detach().clone() for name, p in trainable.items()},
-            "state": state}
+            "state": state if optimizer == "adamw" else {}}
 
 
 def assert_matches_reference(reference: dict, rows: list[dict], params: dict, optimizer_state: dict,
                              start: dict, tol: float) -> None:
     """``rows`` (per step), ``params`` (name -> trained tensor), ``optimizer_state`` (layer -> the values'
-    RowSparseAdamW state) and ``start`` (name -> tensor before training) against ``reference``: the same rows,
-    the trained tensors within ``tol`` (relative, float64), and every row never selected bit-identical to its
-    start with zero moments and step count."""
+    RowSparseAdamW state; RowSparseSGD keeps none) and ``start`` (name -> tensor before training) against
+    ``reference``: the same rows, the trained tensors within ``tol`` (relative, float64), and every row never
+    selected bit-identical to its start (with zero moments and step count under AdamW)."""
     assert len(rows) == len(reference["rows"])
     for got, want in zip(rows, reference["rows"]):
         assert set(got) == set(want)
@@ -117,11 +131,15 @@ def assert_matches_reference(reference: dict, rows: list[dict], params: dict, op
         got = params[name].detach().double().cpu()
         err = float((got - want).norm() / want.norm().clamp_min(1e-30))
         assert err < tol, (name, err)
-    for layer, (exp_avg, exp_avg_sq, row_step) in reference["state"].items():
+    for layer in reference["rows"][0]:
         key = f"{layer}.values" if layer else "values"
-        never = torch.ones(row_step.shape[0], dtype=torch.bool)
+        never = torch.ones(start[key].shape[0], dtype=torch.bool)
         never[torch.cat([step_rows[layer] for step_rows in reference["rows"]])] = False
         assert torch.equal(params[key].detach().cpu()[never], start[key].cpu()[never])
+        if layer not in reference["state"]:
+            assert not optimizer_state[layer]  # RowSparseSGD keeps no state
+            continue
+        exp_avg, exp_avg_sq, row_step = reference["state"][layer]
         state = optimizer_state[layer]
         assert torch.equal(state["row_step"].cpu(), row_step)
         assert not state["exp_avg"].cpu()[never].any() and not state["exp_avg_sq"].cpu()[never].any()

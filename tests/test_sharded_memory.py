@@ -21,7 +21,7 @@ from smf_kernels.sharded import (LEDGER, ColumnShard, ShardedProductKeyMemory, c
 from smf_kernels.sharded.layout import gradient_copies
 from smf_kernels.sharded import byte_model
 from smf_kernels.sharded.checkpoint import load_shards, replicated_optimizer_state, save_shard
-from smf_kernels.sparse import RowSparseAdamW, SparseMemoryController, clip_grad_norm_
+from smf_kernels.sparse import RowSparseAdamW, RowSparseSGD, SparseMemoryController, clip_grad_norm_
 from sparse_oracle import dense_reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -226,8 +226,10 @@ def summed_loss(model, tokens, targets, valid):
     return (losses * valid.reshape(-1)).sum()
 
 
-# how the rows' gradient is filled: rows selected before one micro-batch's backward; reads kept over two
-VARIANTS = ("early", "kept")
+# how the rows' gradient is filled: rows selected before one micro-batch's backward; reads kept over two (and
+# those rows updated by RowSparseSGD, at a rate that moves them as much as AdamW's 1e-2 does)
+VARIANTS = ("early", "kept", "sgd")
+ROW_OPTIMIZERS = {"early": ("adamw", 1e-2), "kept": ("adamw", 1e-2), "sgd": ("sgd", 3.0)}
 
 
 def run_smf(model, wrapped, steps, ranks_slice, scale, *, variant, rows=ROWS):
@@ -236,7 +238,9 @@ def run_smf(model, wrapped, steps, ranks_slice, scale, *, variant, rows=ROWS):
     selected rows per step."""
     early = variant == "early"
     controller = SparseMemoryController(model, rule="kl", rows_per_step=rows, background=background(model))
-    optimizer = RowSparseAdamW([model.memory.values, model.alpha], lr=1e-2)
+    name, lr = ROW_OPTIMIZERS[variant]
+    optimizer = {"adamw": RowSparseAdamW, "sgd": RowSparseSGD}[name]([model.memory.values, model.alpha], lr=lr,
+                                                                    weight_decay=1e-2)
     selected = []
     for tokens, targets, valid in steps:
         tokens, targets, valid = tokens[ranks_slice], targets[ranks_slice], valid[ranks_slice]
@@ -283,8 +287,10 @@ def test_sharded_smf_steps_select_the_same_rows_and_end_with_the_same_weights(ra
         steps = [[(*chunk, int(valid.sum())) for chunk in zip(tokens.chunk(chunks), targets.chunk(chunks),
                                                                valid.chunk(chunks))]
                  for tokens, targets, valid in smf_steps()]
+        name, lr = ROW_OPTIMIZERS[variant]
         reference = dense_reference(model, steps, lambda m, b: summed_loss(m, *b[:3]) / b[3], background(model),
-                                    rule="kl", rows_per_step=ROWS, lr=1e-2, weight_decay=1e-2, max_grad_norm=0.05)
+                                    rule="kl", rows_per_step=ROWS, lr=lr, weight_decay=1e-2, max_grad_norm=0.05,
+                                    optimizer=name)
         selected = run_smf(model, model, smf_steps(), slice(None), None, variant=variant)
         assert all(torch.equal(a, b["memory"]) for a, b in zip(selected, reference["rows"]))
         assert rel_err(model.memory.values.detach().double(), reference["params"]["memory.values"]) < 1e-5

@@ -1,12 +1,13 @@
-"""The exact sparse step against its oracle (tests/sparse_oracle.py): dense float64 gradients, AdamW restricted to
-the selected rows. Every way the controller fills the rows' gradient, on every backend, with and without gradient
-accumulation and clipping; DDP and sharded memories: tests/test_sparse_controller.py and test_sharded_memory.py."""
+"""The exact sparse step against its oracle (tests/sparse_oracle.py): dense float64 gradients, AdamW (or SGD)
+restricted to the selected rows. Every way the controller fills the rows' gradient, on every backend, with and
+without gradient accumulation and clipping; DDP and sharded memories: tests/test_sparse_controller.py and
+test_sharded_memory.py."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from helpers import MemoryLM, backends_under_test, random_background
-from smf_kernels.sparse import RowSparseAdamW, SparseMemoryController
+from smf_kernels.sparse import RowSparseAdamW, RowSparseSGD, SparseMemoryController
 from sparse_oracle import assert_matches_reference, dense_reference
 
 VOCAB, WIDTH, SEQ, ROWS = 40, 16, 5, 10
@@ -68,20 +69,23 @@ def run_path(model, controller, optimizer, steps, path, max_grad_norm):
     return selected
 
 
-def check_against_oracle(backend, path, micro_batches, max_grad_norm, dtype, tol, num_steps=3):
+OPTIMIZERS = {"adamw": RowSparseAdamW, "sgd": RowSparseSGD}
+
+
+def check_against_oracle(backend, path, micro_batches, max_grad_norm, dtype, tol, num_steps=3, optimizer="adamw"):
     torch.manual_seed(0)
     model = tiny_model(backend).to(dtype)
     background = random_background(model, documents=5, seed=2)
     steps = make_steps(num_steps, sequences=4, micro_batches=micro_batches)
     reference = dense_reference(model, steps, loss_of, background, rule="kl", rows_per_step=ROWS, lr=LR,
-                                weight_decay=WEIGHT_DECAY, max_grad_norm=max_grad_norm)
+                                weight_decay=WEIGHT_DECAY, max_grad_norm=max_grad_norm, optimizer=optimizer)
     start = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
     controller = SparseMemoryController(model, rule="kl", rows_per_step=ROWS, background=background)
-    optimizer = RowSparseAdamW([model.memory.values, model.alpha], lr=LR, weight_decay=WEIGHT_DECAY)
-    rows = run_path(model, controller, optimizer, steps, path, max_grad_norm)
+    optim = OPTIMIZERS[optimizer]([model.memory.values, model.alpha], lr=LR, weight_decay=WEIGHT_DECAY)
+    rows = run_path(model, controller, optim, steps, path, max_grad_norm)
     assert model.memory.values.grad is None
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    assert_matches_reference(reference, rows, params, {"memory": optimizer.state[model.memory.values]}, start, tol)
+    assert_matches_reference(reference, rows, params, {"memory": optim.state[model.memory.values]}, start, tol)
 
 
 PATHS = [("kept", 3), ("selected", 3), ("selected", 1), ("in-backward", 1)]
@@ -98,3 +102,15 @@ def test_the_exact_step_is_dense_adamw_restricted_to_the_selected_rows(path, mic
 @pytest.mark.parametrize("path, micro_batches", [("kept", 2), ("selected", 1)])
 def test_every_backend_makes_the_exact_step_in_float32(backend, path, micro_batches):
     check_against_oracle(backend, path, micro_batches, 0.05, torch.float32, 1e-5, num_steps=2)
+
+
+@pytest.mark.parametrize("path, micro_batches", PATHS)
+def test_the_exact_step_with_sgd_is_dense_sgd_restricted_to_the_selected_rows(path, micro_batches):
+    """RowSparseSGD (--row-optimizer sgd), float64, clipped every step: the oracle's rows and values, and every
+    other row bit-identical."""
+    check_against_oracle(None, path, micro_batches, 0.05, torch.float64, 1e-10, optimizer="sgd")
+
+
+@pytest.mark.parametrize("backend", backends_under_test())
+def test_every_backend_makes_the_exact_sgd_step_in_float32(backend):
+    check_against_oracle(backend, "kept", 2, None, torch.float32, 1e-5, num_steps=2, optimizer="sgd")

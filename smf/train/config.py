@@ -16,8 +16,9 @@ from smf.data.protocol import DEFAULT_PROTOCOL, PROTOCOLS
 from smf.errors import ConfigError
 from smf.options import (OPTIONS_CONFIG, AsList, DatasetPath, ExistingDir, ExistingPath, Seed, checked, flag, only,
                          option, read_file)
-from smf.vocabulary import (BACKENDS, COUNT_READS, DEFAULT_MODEL, LOSS_ON, MEMORY_MODES, RULES, SPARSE_UPDATES,
-                            TINY_MEMORY_KWARGS, TINY_MEMORY_LAYERS, TINY_MODEL, TRAIN_RECIPES, check_layers)
+from smf.vocabulary import (BACKENDS, COUNT_READS, DEFAULT_MODEL, LOSS_ON, MEMORY_MODES, ROW_OPTIMIZERS, RULES,
+                            SPARSE_UPDATES, TINY_MEMORY_KWARGS, TINY_MEMORY_LAYERS, TINY_MODEL, TRAIN_RECIPES,
+                            check_layers)
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,10 @@ class RunConfig:
         "exact", "exact: only the selected rows and their AdamW state move (--recipe sparse); the ablations "
         "dense_masked and authors (one process): docs/method.md#the-sparse-update-exact-default-and-the-authors-"
         "ablation", TRAIN)
+    row_optimizer: Literal[ROW_OPTIMIZERS] = option(
+        "adamw", "how --update exact steps the selected rows: adamw (row-sparse AdamW, the paper's) or sgd (plain "
+        "SGD, as Lin et al. 2025: a row moves with its gradient; docs/method.md#the-row-optimizer-and-alphas-rate)",
+        TRAIN)
     count_reads: Literal[COUNT_READS] = option(
         "all", "which tokens' memory reads steer the row selection (--recipe sparse): all = every non-padding token "
         "(the paper's), loss = only the positions whose next token the loss scores (docs/own-data.md#read-counting)",
@@ -127,7 +132,11 @@ class RunConfig:
     # optimisation
     epochs: PositiveInt | None = option(None, "epochs", FIT)
     lr: PositiveFloat | None = option(None, "peak learning rate", FIT)
-    weight_decay: NonNegativeFloat = option(0.0, "AdamW weight decay", FIT)
+    alpha_lr: PositiveFloat | None = option(None, "peak learning rate of alpha, the memory branch's scale, in its own "
+                                            "parameter group (the schedule scales it like --lr; the paper's +S: "
+                                            "5e-4); only where alpha trains", FIT, shown="the run's --lr")
+    weight_decay: NonNegativeFloat = option(0.0, "weight decay (AdamW: decoupled; --row-optimizer sgd: added to the "
+                                            "selected rows' and alpha's gradient, as torch.optim.SGD)", FIT)
     warmup_steps: NonNegativeInt = option(100, "linear warm-up steps before the cosine decay", FIT)
     global_batch_size: PositiveInt = option(16, "examples per optimizer step, over all processes", FIT)
     micro_batch_size: PositiveInt = option(4, "examples per forward/backward, per process (gradient accumulation)", FIT)
@@ -262,8 +271,8 @@ def unused_options(config: RunConfig, command: str) -> dict[str, str]:
     if command == "train":
         if config.recipe != "sparse":
             why = f"only --recipe sparse uses it (this run is --recipe {config.recipe})"
-            unused.update(dict.fromkeys(("adapter", "background", "rule", "rows_per_step", "update", "mode",
-                                         "backend"), why))
+            unused.update(dict.fromkeys(("adapter", "background", "rule", "rows_per_step", "update", "row_optimizer",
+                                         "mode", "backend"), why))
         if config.recipe != "lora":
             unused.update(dict.fromkeys(("lora_r", "lora_alpha", "lora_dropout"),
                                         f"only --recipe lora uses it (this run is --recipe {config.recipe})"))
@@ -288,7 +297,37 @@ def unused_options(config: RunConfig, command: str) -> dict[str, str]:
             unused["n_examples"] = "own background texts are the first --n-background rows of --background-data"
     if command == "retrofit" and config.mode == "replacement":
         unused["alpha_init"] = "--mode replacement has no alpha (the memory replaces the MLP)"
+    if command == "train" and config.recipe == "sparse" and config.update != "exact":
+        unused["row_optimizer"] = f"--update {config.update} steps torch AdamW; only --update exact steps rows with it"
+    if command in ("retrofit", "train") and config.alpha_lr is not None:
+        why = frozen_alpha(config, command)
+        if why:
+            unused["alpha_lr"] = why
     return unused
+
+
+def frozen_alpha(config: RunConfig, command: str) -> str | None:
+    """Why a ``command`` run of ``config`` trains no alpha (so that --alpha-lr has nothing to set), or None when
+    it trains one: a retrofit in an additive mode, --recipe sparse in mode additive+s, --recipe full from an adapter
+    with an alpha. Reads the adapter's config (a small JSON file) when the mode is the adapter's."""
+    if command == "retrofit":
+        return "--mode replacement has no alpha (the memory replaces the MLP)" if config.mode == "replacement" else None
+    if config.recipe == "lora" or (config.recipe == "full" and config.adapter is None):
+        return f"--recipe {config.recipe} trains no memory, so no alpha"
+    from smf.model.adapter import read_adapter_config  # deferred: smf.model imports torch
+    from smf.model.loading import adapter_dir
+
+    directory = adapter_dir(config.adapter)  # ConfigError naming --adapter
+    try:
+        saved = read_adapter_config(directory)["mode"]
+    except ValueError as err:
+        raise ConfigError(f"--adapter: {err}") from None
+    mode = (config.mode or saved) if config.recipe == "sparse" else saved
+    if mode == "replacement":
+        return "the adapter's memories are in mode replacement, which has no alpha"
+    if config.recipe == "sparse" and mode != "additive+s":
+        return f"--recipe sparse in mode {mode} keeps alpha frozen (mode additive+s trains it: --mode additive+s)"
+    return None
 
 
 def refuse_unused(config: RunConfig, command: str, cli_options: dict, file_options: dict) -> None:

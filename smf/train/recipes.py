@@ -2,9 +2,10 @@
 
 - ``retrofit``: fresh memories at ``layers``; every memory parameter (+ alpha) trains; AdamW.
 - ``sparse``: memories from the retrofit adapter; only value rows picked each step by the
-  :class:`SparseMemoryController` train (+ alpha in mode additive+s); :class:`RowSparseAdamW`
-  (``--update exact``; the ablations ``--update dense_masked`` and ``--update authors`` step torch AdamW,
-  :mod:`smf_kernels.sparse.ablations`).
+  :class:`SparseMemoryController` train (+ alpha in mode additive+s); :class:`RowSparseAdamW`, or
+  :class:`RowSparseSGD` with ``--row-optimizer sgd`` (``--update exact``; the ablations ``--update dense_masked``
+  and ``--update authors`` step torch AdamW, :mod:`smf_kernels.sparse.ablations`).
+- ``--alpha-lr``: alpha in its own parameter group at that rate, in any recipe where it trains.
 - ``lora``: peft LoRA on the seven projections; AdamW.
 - ``full``: every parameter of the base model, or of the base model with the memories of ``adapter`` (their
   values, keys, projections and alpha too); AdamW.
@@ -28,7 +29,7 @@ from smf.train.distributed import World
 from smf.train.sharding import ShardedDenseStep, shard_model_memories
 from smf.train.steps import AblationStep, DenseStep, SparseStep, StepHooks, bf16_autocast
 from smf_kernels.sparse import (AuthorsSparseUpdate, BackgroundStats, DenseMaskedUpdate, RowSparseAdamW,
-                                 SparseMemoryController)
+                                 RowSparseSGD, SparseMemoryController)
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +71,25 @@ def set_sparse_mode(model: nn.Module, mode: str | None) -> None:
     set_memory_mode(model, mode)
 
 
-def _adamw(params, config: RunConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+# The optimizer of each --row-optimizer (--recipe sparse --update exact); the ablations and the other recipes step
+# torch AdamW.
+ROW_OPTIMIZERS = {"adamw": RowSparseAdamW, "sgd": RowSparseSGD}
+
+
+def param_groups(model: nn.Module, trainable: list[nn.Parameter], alpha_lr: float | None) -> list[dict]:
+    """The optimizer's parameter groups: every trainable parameter at the run's rate, or, with ``alpha_lr``, the
+    trainable alphas (the memory branches' scales) in a second group at that rate (the LR schedule scales every
+    group alike). Where no alpha trains, ``alpha_lr`` sets nothing (the command line refuses it before loading:
+    :func:`smf.train.config.frozen_alpha`) and is logged."""
+    if alpha_lr is None:
+        return [{"params": trainable}]
+    alphas = {id(block.alpha) for block in memory_blocks(model)
+              if block.alpha is not None and block.alpha.requires_grad}
+    if not alphas:
+        logger.warning("alpha_lr %g sets nothing: this run trains no alpha", alpha_lr)
+        return [{"params": trainable}]
+    return [{"params": [p for p in trainable if id(p) not in alphas]},
+            {"params": [p for p in trainable if id(p) in alphas], "lr": alpha_lr}]
 
 
 def build_setup(config: RunConfig, world: World) -> TrainingSetup:
@@ -133,10 +151,10 @@ def build_setup(config: RunConfig, world: World) -> TrainingSetup:
         cast_like_the_authors(model, keep_fp32=() if recipe == "full" else trainable)
         logger.info("protocol %s: bf16 weights, %s", config.protocol,
                     "no fp32 master copy" if recipe == "full" else "the trainable parameters fp32")
-    if recipe == "sparse" and config.update == "exact":
-        optimizer = RowSparseAdamW(trainable, lr=config.lr, weight_decay=config.weight_decay)
-    else:
-        optimizer = _adamw(trainable, config)
+    groups = param_groups(model, trainable, config.alpha_lr)
+    exact = recipe == "sparse" and config.update == "exact"
+    kind = ROW_OPTIMIZERS[config.row_optimizer] if exact else torch.optim.AdamW
+    optimizer = kind(groups, lr=config.lr, weight_decay=config.weight_decay)
     logger.info("recipe %s: %d of %d parameters trainable (%s)", recipe, counts["trainable"], counts["total"],
                 type(optimizer).__name__)
     return TrainingSetup(model, tokenizer, optimizer, step)

@@ -16,34 +16,13 @@ Every other row, its moments and its step count keep their bits.
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 
-from smf_kernels._checks import FLOAT_DTYPES, check_ascending, check_index_range, check_same_device, check_tensor
+from smf_kernels._checks import (FLOAT_DTYPES, check_ascending, check_index_range, check_same_device, check_scalar,
+                                 check_tensor)
 from smf_kernels._precision import accumulation_dtype, no_autocast
 from smf_kernels.backends import implementation, resolve_backend, torch_impl
-
-
-def _check_scalar(name: str, value: object) -> None:
-    """TypeError / ValueError naming ``name`` unless ``value`` is a real number (not a bool) or a one-element
-    floating tensor, as torch.optim.AdamW takes them; the value itself is checked inside the op
-    (:func:`check_hyper_parameters`)."""
-    expected = f"{name} must be a real number or a 0-d floating tensor"
-    if isinstance(value, torch.Tensor):
-        if not value.is_floating_point():
-            raise TypeError(f"{expected}, got a tensor of dtype {str(value.dtype).replace('torch.', '')}")
-        if value.numel() != 1:
-            raise ValueError(f"{expected}, got a tensor of shape {tuple(value.shape)}")
-        if value.device.type == "meta":
-            raise ValueError(f"{expected} holding a value, got a meta tensor")
-    elif isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{expected}, got {type(value).__name__}")
-    else:
-        try:
-            float(value)
-        except OverflowError:
-            raise ValueError(f"{name} must be a finite number >= 0, got an int too large for a float") from None
 
 
 def check_hyper_parameters(lr: torch.Tensor | float | None, beta1: float, beta2: float, eps: float,
@@ -151,7 +130,7 @@ def row_adamw_(
         raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
     for name, value in (("lr", lr), ("betas[0]", betas[0]), ("betas[1]", betas[1]), ("eps", eps),
                         ("weight_decay", weight_decay)):
-        _check_scalar(name, value)
+        check_scalar(name, value)
     beta1, beta2, eps, weight_decay = float(betas[0]), float(betas[1]), float(eps), float(weight_decay)
     # numbers on the host now (a clear error on any device); a tensor lr inside the op, where compiled steps run
     check_hyper_parameters(None if isinstance(lr, torch.Tensor) else lr, beta1, beta2, eps, weight_decay)

@@ -9,6 +9,7 @@ Usage (stage 2; only the memory values, plus e.g. a +S scale, are trainable)::
     controller.collect_background(background_loader)      # batch size 1, or:
     # controller.set_background(BackgroundStats.load("bg.safetensors", controller.memories))
     optimizer = RowSparseAdamW(controller.value_parameters() + extra_params, lr=5e-4)
+    # or RowSparseSGD(...): plain SGD on the selected rows (docs/method.md#the-row-optimizer-and-alphas-rate)
 
     for step_batches in loader:                            # one optimizer step
         controller.begin_step()                            # backwards keep their reads
@@ -33,6 +34,7 @@ from smf_kernels.sparse.clipping import clip_grad_norm_
 from smf_kernels.sparse.controller import RowGradients, SparseMemoryController
 from smf_kernels.sparse.row_grad_sink import RowGradSink
 from smf_kernels.sparse.row_sparse_adamw import RowSparseAdamW
+from smf_kernels.sparse.row_sparse_sgd import RowSparseSGD
 from smf_kernels.sparse.selection import kl_scores, score_slots, select_top_rows, tfidf_scores
 from smf_kernels.sparse.step_checks import NonFiniteGradientError, StepMisuseError
 
@@ -44,6 +46,7 @@ __all__ = [
     "RowGradSink",
     "RowGradients",
     "RowSparseAdamW",
+    "RowSparseSGD",
     "SparseMemoryController",
     "StepMisuseError",
     "clip_grad_norm_",

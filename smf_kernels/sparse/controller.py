@@ -93,7 +93,7 @@ class RowGradients:
 
     def apply(self, optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor | None = None) -> None:
         """Update each layer's selected rows (their gradient times ``grad_scale``, e.g. a clipping coefficient)
-        with ``optimizer``, a :class:`RowSparseAdamW` holding the values."""
+        with ``optimizer``, a :class:`RowSparseAdamW` or :class:`RowSparseSGD` holding the values."""
         for values, rows, grad, valid in self.tables.values():
             optimizer.step_rows(values, rows, grad, grad_scale=grad_scale, valid=valid)
 
@@ -295,7 +295,8 @@ class SparseMemoryController:
                     ) -> dict[str, torch.Tensor]:
         """:meth:`end_step`, then check every gradient of the step for inf / NaN (see ``nonfinite``), clip all
         of them to ``max_grad_norm`` (when given) with the rows' gradients in the norm, step ``optimizer`` (a
-        :class:`RowSparseAdamW` holding the values: the other parameters, then the selected rows) and zero its
+        :class:`RowSparseAdamW` or :class:`RowSparseSGD` holding the values: the other parameters, then the
+        selected rows) and zero its
         gradients. A refused call (misuse, a wrong optimizer) changes nothing.
 
         Returns:
@@ -304,7 +305,8 @@ class SparseMemoryController:
         """
         self._check_can_end("finish_step")
         if not hasattr(optimizer, "step_rows"):
-            raise TypeError(f"the sparse update needs a RowSparseAdamW (step_rows), got {type(optimizer).__name__}")
+            raise TypeError("the sparse update needs an optimizer with step_rows (RowSparseAdamW or RowSparseSGD), "
+                            f"got {type(optimizer).__name__}")
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
         missing = [f"{name}.values" for name, m in self.memories.items() if id(m.values) not in held]
         if missing:
