@@ -183,10 +183,6 @@ def test_question_reads_weigh_each_real_token_and_head_once(tmp_path):
 
 
 def test_locality_preset_shares_the_science_base_and_plans_its_grid():
-    from smf.train.config import RunConfig
-
-    if "row_optimizer" not in RunConfig.__dataclass_fields__:
-        pytest.skip("the preset's SGD variants need the row_optimizer option (branch sparse); remove at the merge")
     science = yaml.safe_load((LOCALITY.parent / "suite_science.yaml").read_text())
     raw = yaml.safe_load(LOCALITY.read_text())
     assert {key: raw[key] for key in ("world", "pretrain", "train")} == \
