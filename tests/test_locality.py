@@ -90,18 +90,23 @@ def test_locality_measures_on_hand_made_tensors():
     changed = changed_rows(before, after)
     assert changed.tolist() == [True, False, True, False]
     assert row_growth(before, after, changed).tolist() == pytest.approx([0.6, 0.5])
-    # question 0 reads rows 0 (0.25) and 1 (0.75); question 1 reads rows 2 (0.5) and 3 (0.5), twice
-    reads = Reads(question=torch.tensor([0, 0, 1, 1, 1, 1]), slot=torch.tensor([0, 1, 2, 3, 2, 3]),
-                  weight=torch.tensor([0.25, 0.75, 0.5, 0.5, 0.5, 0.5], dtype=torch.float64), questions=2)
+    # question 0, one token: rows 0 (0.25) and 1 (0.75); question 1: rows 2 and 3, then (its last token) 3 and 1
+    reads = Reads(question=torch.tensor([0, 0, 1, 1, 1, 1]), slot=torch.tensor([0, 1, 2, 3, 3, 1]),
+                  weight=torch.tensor([0.25, 0.75, 0.5, 0.5, 0.5, 0.5], dtype=torch.float64),
+                  last=torch.tensor([True, True, False, False, True, True]), questions=2)
     on, total = weight_on(reads, changed)
-    assert on.tolist() == [0.25, 1.0] and total.tolist() == [1.0, 2.0]
+    assert on.tolist() == [0.25, 0.5] and total.tolist() == [1.0, 2.0]
+    on, total = weight_on(reads, changed, last_only=True)
+    assert on.tolist() == [0.25, 0.0] and total.tolist() == [1.0, 1.0]
     result = run_locality({1: before}, {1: after}, {1: reads}, [True, True], [True, False])
     assert result["layers"]["1"] == {"slots": 4, "rows_changed": 2, "rows_changed_fraction": 0.5,
-                                     "median_growth": pytest.approx(0.55), "read_share": pytest.approx(0.375)}
+                                     "median_growth": pytest.approx(0.55), "read_share": pytest.approx(0.25),
+                                     "answer_read_share": pytest.approx(0.125)}
     assert result["overall"]["rows_changed_fraction"] == 0.5
     quartiles = result["quartiles"]
     assert [q["questions"] for q in quartiles] == [1, 1, 0, 0]
-    assert quartiles[0]["share_low"] == 0.25 and quartiles[1]["kept"] == 0.0 and quartiles[2]["acc_after"] is None
+    assert quartiles[0]["share_low"] == 0.25 and quartiles[0]["kept"] == 1.0  # ties: in question order
+    assert quartiles[1]["kept"] == 0.0 and quartiles[2]["acc_after"] is None
 
 
 def test_quartiles_split_by_share_lowest_first():
@@ -179,4 +184,21 @@ def test_question_reads_weigh_each_real_token_and_head_once(tmp_path):
     tokens = torch.tensor([len(tokenizer(p)["input_ids"]) for p in prompts], dtype=torch.float64)
     total = torch.bincount(layer.question, weights=layer.weight, minlength=3)
     assert total.tolist() == pytest.approx((2 * tokens).tolist())  # softmax weights sum to 1 per token and head
+    last = torch.bincount(layer.question, weights=layer.weight * layer.last.double(), minlength=3)
+    assert last.tolist() == pytest.approx([2.0, 2.0, 2.0])  # one last token per question, whatever its padding
     assert int(layer.slot.max()) < 16
+
+
+def test_locality_preset_shares_the_science_base_and_plans_its_grid():
+    science = yaml.safe_load((LOCALITY.parent / "suite_science.yaml").read_text())
+    raw = yaml.safe_load(LOCALITY.read_text())
+    assert {key: raw[key] for key in ("world", "pretrain", "train")} == \
+        {key: science[key] for key in ("world", "pretrain", "train")}
+    config = load_suite_config("locality")
+    runs = plan_runs(config)
+    assert len(runs) == len(config.seeds) * (1 + 12 * 5 + 5)
+    grid = {(o["n_keys"], o["rows_per_step"], o["row_optimizer"]) for o in config.variants.values()}
+    assert grid == {(n, t if t else n * n, opt) for n in (32, 128) for t in (16, 128, None) for opt in ("adamw", "sgd")}
+    layout = SuiteLayout(config.output_dir)
+    retrofits = {sparse_stage_dirs(layout, run, config)[0].name for run in runs if run.recipe == "sparse"}
+    assert retrofits == {f"additive{tag}-seed{s}" for tag in ("", "-nkeys128") for s in config.seeds}

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, Field, PositiveFloat, PositiveInt, TypeAdapter, ValidationInfo, field_validator
+from pydantic import (AfterValidator, Field, PositiveFloat, PositiveInt, TypeAdapter, ValidationError, ValidationInfo,
+                      field_validator)
 from pydantic_core import to_jsonable_python
 
 from smf.data.paths import DataPaths
@@ -184,7 +185,7 @@ def _variants(raw) -> dict[str, dict]:
             raise ConfigError(f"{where}.lr_sweep is required: each variant runs at its own learning rates")
         try:
             rates = _RATES.validate_python(options.pop("lr_sweep"))
-        except ValueError as err:
+        except ValidationError as err:
             raise ConfigError(f"{where}.lr_sweep: give positive finite learning rates ({err.errors()[0]['msg']})") \
                 from None
         if not rates or len(set(rates)) != len(rates):

@@ -9,7 +9,8 @@ all layers together:
 - **read share**: for each old-fact question (the ``eval_retain`` prompts, as the evaluation asks them), the share of
   its read weight that falls on changed rows: the memory's softmax read weights of every prompt token and head in the
   *retrofit* model (what the old facts relied on), summed over the changed rows, over their sum over all rows (over
-  all layers: the sums of every layer). The table gives the mean over the questions;
+  all layers: the sums of every layer). The table gives the mean over the questions; the **answer read share** is the
+  same over each question's last token alone (the position whose next token is the answer);
 - **by quartile**: the questions split into four equal groups by their read share (lowest first), each with the
   range of its shares, the retrofit's old-fact accuracy on them, the run's (its ``eval/{run}/retain.jsonl``,
   recomputed when missing) and kept: of the questions the retrofit answered, the fraction the run still answers.
@@ -40,11 +41,13 @@ QUARTILES = 4
 class Reads:
     """Read weights of one memory layer over a set of questions: flat over every (question, token, head, k) read,
     ``question`` (E,) int64 the question each read belongs to, ``slot`` (E,) int64 the row read, ``weight`` (E,)
-    float64 its softmax weight; ``questions`` the number of questions."""
+    float64 its softmax weight, ``last`` (E,) bool whether it is a read of the question's last token (whose next
+    token is the answer); ``questions`` the number of questions."""
 
     question: torch.Tensor
     slot: torch.Tensor
     weight: torch.Tensor
+    last: torch.Tensor
     questions: int
 
 
@@ -62,11 +65,12 @@ def row_growth(before: torch.Tensor, after: torch.Tensor, changed: torch.Tensor)
     return (after - before).norm(dim=-1) / before.norm(dim=-1)
 
 
-def weight_on(reads: Reads, changed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weight on the ``changed`` (M,) bool rows, all weight), each (questions,) float64 summed per question."""
-    on = torch.bincount(reads.question, weights=reads.weight * changed[reads.slot].double(),
-                        minlength=reads.questions)
-    return on, torch.bincount(reads.question, weights=reads.weight, minlength=reads.questions)
+def weight_on(reads: Reads, changed: torch.Tensor, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight on the ``changed`` (M,) bool rows, all weight), each (questions,) float64 summed per question over
+    every read, or with ``last_only`` over the reads of each question's last token."""
+    weight = reads.weight * reads.last.double() if last_only else reads.weight
+    on = torch.bincount(reads.question, weights=weight * changed[reads.slot].double(), minlength=reads.questions)
+    return on, torch.bincount(reads.question, weights=weight, minlength=reads.questions)
 
 
 def _median(values: torch.Tensor) -> float | None:
@@ -99,27 +103,32 @@ def run_locality(before: dict[int, torch.Tensor], after: dict[int, torch.Tensor]
     """The measurements of the module docstring for one run: ``before`` / ``after`` the value table (M, D) of each
     memory layer (by layer index) in the retrofit and after the run, ``reads`` the retrofit's reads of the old
     questions per layer, ``correct_before`` / ``correct_after`` per question. Returns ``{"layers": {layer: {slots,
-    rows_changed, rows_changed_fraction, median_growth, read_share}}, "overall": {same}, "quartiles": [...]}``, the
-    layers keyed by their index as a string (as JSON keeps them)."""
+    rows_changed, rows_changed_fraction, median_growth, read_share, answer_read_share}}, "overall": {same},
+    "quartiles": [...]}`` (``answer_read_share``: the read share of the questions' last tokens alone), the layers
+    keyed by their index as a string (as JSON keeps them)."""
     if set(before) != set(after) or set(before) != set(reads):
         raise ValueError(f"before, after and reads must cover the same layers, got {sorted(before)}, "
                          f"{sorted(after)} and {sorted(reads)}")
-    layers, growths, on_all, total_all = {}, [], 0, 0
+    layers, growths, on_all, total_all, last_on_all, last_total_all = {}, [], 0, 0, 0, 0
     for layer in sorted(before):
         changed = changed_rows(before[layer], after[layer])
         growth = row_growth(before[layer], after[layer], changed)
         on, total = weight_on(reads[layer], changed)
+        last_on, last_total = weight_on(reads[layer], changed, last_only=True)
         layers[str(layer)] = {"slots": changed.numel(), "rows_changed": int(changed.sum()),
-                         "rows_changed_fraction": float(changed.double().mean()), "median_growth": _median(growth),
-                         "read_share": float((on / total).mean())}
+                              "rows_changed_fraction": float(changed.double().mean()),
+                              "median_growth": _median(growth), "read_share": float((on / total).mean()),
+                              "answer_read_share": float((last_on / last_total).mean())}
         growths.append(growth)
         on_all, total_all = on_all + on, total_all + total
+        last_on_all, last_total_all = last_on_all + last_on, last_total_all + last_total
     slots = sum(entry["slots"] for entry in layers.values())
     changed_total = sum(entry["rows_changed"] for entry in layers.values())
     share = on_all / total_all
     return {"layers": layers,
             "overall": {"slots": slots, "rows_changed": changed_total, "rows_changed_fraction": changed_total / slots,
-                        "median_growth": _median(torch.cat(growths)), "read_share": float(share.mean())},
+                        "median_growth": _median(torch.cat(growths)), "read_share": float(share.mean()),
+                        "answer_read_share": float((last_on_all / last_total_all).mean())},
             "quartiles": quartile_rows(share, correct_before, correct_after)}
 
 
@@ -162,11 +171,15 @@ def question_reads(model, tokenizer, prompts: list[str], batch_size: int = 64) -
             model(input_ids=input_ids.to(device), attention_mask=mask.to(device))
         valid = mask.bool().reshape(-1)
         questions = torch.arange(start, start + len(encoded)).repeat_interleave(mask.shape[1])[valid]
+        lengths = torch.tensor([len(ids) for ids in encoded])
+        last = (torch.arange(mask.shape[1]) == (lengths - 1).unsqueeze(1)).reshape(-1)[valid]
         for layer, ((scores, indices),) in kept.items():
             weights = torch.softmax(scores.double(), dim=-1).cpu()[valid].reshape(len(questions), -1)
             slots = indices.cpu()[valid].reshape(len(questions), -1)
-            parts[layer].append((questions.repeat_interleave(slots.shape[1]), slots.reshape(-1), weights.reshape(-1)))
-    return {layer: Reads(*(torch.cat([part[i] for part in layer_parts]) for i in range(3)), questions=len(prompts))
+            per_token = slots.shape[1]
+            parts[layer].append((questions.repeat_interleave(per_token), slots.reshape(-1), weights.reshape(-1),
+                                 last.repeat_interleave(per_token)))
+    return {layer: Reads(*(torch.cat([part[i] for part in layer_parts]) for i in range(4)), questions=len(prompts))
             for layer, layer_parts in parts.items()}
 
 
@@ -284,27 +297,31 @@ def write_locality(config, results: list[dict], root: Path) -> list[Path]:
              "Per sparse run, over every memory layer: **rows changed**, the fraction of value rows that differ after "
              "the run; **growth**, the median of ||v_after - v_before|| / ||v_before|| over the changed rows; **read "
              "share**, per old-fact question, the share of the retrofit model's read weight (softmax weights of every "
-             "prompt token and head) that falls on changed rows, averaged over the questions. Then the old-fact "
+             "prompt token and head) that falls on changed rows, averaged over the questions; **answer read share** "
+             "the same over each question's last token alone (the position that predicts the answer). Then the old-fact "
              "questions in quartiles of their read share (Q1 lowest): old-fact accuracy of the retrofit and after the "
              "run, and kept (of the questions the retrofit answered, the fraction still answered). Means over seeds "
              "(smf/suite/locality_diagnostics.py).\n",
-             f"| Method | LR | Seeds | {learn} | {retain} | Rows changed | Growth | Read share | {quartiles} |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in range(QUARTILES))
-             + " |"]
+             f"| Method | LR | Seeds | {learn} | {retain} | Rows changed | Growth | Read share | Answer read share | "
+             f"{quartiles} |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
+             + " | ".join("---:" for _ in range(QUARTILES)) + " |"]
     for key in order:
         entries = groups[key]
         cells = [_mean(e["metrics"].get("learn_acc") for e in entries),
                  _mean(e["metrics"].get("retain_acc") for e in entries),
                  _mean((e["overall"]["rows_changed_fraction"] for e in entries), 3),
                  _mean((e["overall"]["median_growth"] for e in entries), 3),
-                 _mean((e["overall"]["read_share"] for e in entries), 3)]
+                 _mean((e["overall"]["read_share"] for e in entries), 3),
+                 _mean((e["overall"]["answer_read_share"] for e in entries), 3)]
         cells += [f"{_mean(e['quartiles'][q]['acc_before'] for e in entries)} → "
                   f"{_mean(e['quartiles'][q]['acc_after'] for e in entries)} "
                   f"({_mean(e['quartiles'][q]['kept'] for e in entries)})" for q in range(QUARTILES)]
         rate = "—" if key[4] is None else f"{key[4]:g}"
         lines.append(f"| {method(key)} | {rate} | {len(entries)} | " + " | ".join(cells) + " |")
-    lines += ["\n## Per memory layer\n", "| Method | LR | Layer | Slots | Rows changed | Growth | Read share |",
-              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines += ["\n## Per memory layer\n",
+              "| Method | LR | Layer | Slots | Rows changed | Growth | Read share | Answer read share |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for key in order:
         entries = groups[key]
         for layer in entries[0]["layers"]:
@@ -312,7 +329,8 @@ def write_locality(config, results: list[dict], root: Path) -> list[Path]:
             rate = "—" if key[4] is None else f"{key[4]:g}"
             lines.append(f"| {method(key)} | {rate} | {layer} | {per_layer[0]['slots']} | "
                          f"{_mean(p['rows_changed_fraction'] for p in per_layer)} | "
-                         f"{_mean(p['median_growth'] for p in per_layer)} | {_mean(p['read_share'] for p in per_layer)} |")
+                         f"{_mean(p['median_growth'] for p in per_layer)} | {_mean(p['read_share'] for p in per_layer)} "
+                         f"| {_mean(p['answer_read_share'] for p in per_layer)} |")
     md_path = root / LOCALITY_MD
     md_path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return [md_path, root / LOCALITY_JSON]
