@@ -338,8 +338,8 @@ def parse_suite_config(raw, base_dir: Path, *, source: str = "config", check_pat
         "variants": _variants(raw.get("variants")),
         "lr_sweep": mapping(raw.get("lr_sweep"), "lr_sweep"),
     }, str)
-    if config.matched_learning and not config.lr_sweep:
-        raise ConfigError("matched_learning reads each method's sweep: give lr_sweep too")
+    if config.matched_learning and not (config.lr_sweep or config.variants):
+        raise ConfigError("matched_learning reads each method's sweep: give lr_sweep (or variants) too")
     for stage in (*config.lr_sweep, *(["sparse"] if config.variants else [])):
         if "lr" in config.stages.get(stage, {}) or "lr" in config.train:
             swept = "variants" if stage == "sparse" and config.variants else f"lr_sweep.{stage}"
