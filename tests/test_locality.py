@@ -155,6 +155,7 @@ def test_locality_suite_end_to_end(tmp_path, monkeypatch):
     assert {"locality.md", "locality.json", "table1.md", "lr_sweep.md"} <= written
     assert "Additive sparse (TF-IDF) [k4-t2]" in (root / "table1.md").read_text()
     assert "Additive sparse (TF-IDF) [k8-tall]" in (root / "lr_sweep.md").read_text()
+    assert "k4-t2: n_keys=4, rows_per_step=2" in (root / "accounting.md").read_text()
     measured = json.loads((root / "locality.json").read_text())["runs"]
     assert sorted(measured) == ["additive-tfidf-k4-t2-lr0.3-seed0", "additive-tfidf-k8-tall-lr0.3-seed0"]
     for name, entry in measured.items():
