@@ -81,6 +81,15 @@ def test_variants_are_checked_in_one_line(tmp_path, change, message):
     assert "\n" not in str(error.value)
 
 
+def test_a_variants_combination_is_checked_naming_it(tmp_path):
+    raw = yaml.safe_load(LOCALITY.read_text())
+    raw.update(output_dir=str(tmp_path), variants={"tiny-k": {"n_keys": 2, "lr_sweep": [1, 2, 3, 4, 5]}})
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match=r"^variants.tiny-k: --topk 8 must be <= --n-keys 2$"):
+        load_suite_config(str(path))
+
+
 def test_locality_measures_on_hand_made_tensors():
     before = torch.tensor([[3.0, 4.0], [1.0, 0.0], [0.0, 2.0], [1.0, 1.0]])
     after = before.clone()
@@ -146,6 +155,7 @@ def test_locality_suite_end_to_end(tmp_path, monkeypatch):
     assert {"locality.md", "locality.json", "table1.md", "lr_sweep.md"} <= written
     assert "Additive sparse (TF-IDF) [k4-t2]" in (root / "table1.md").read_text()
     assert "Additive sparse (TF-IDF) [k8-tall]" in (root / "lr_sweep.md").read_text()
+    assert "k4-t2: n_keys=4, rows_per_step=2" in (root / "accounting.md").read_text()
     measured = json.loads((root / "locality.json").read_text())["runs"]
     assert sorted(measured) == ["additive-tfidf-k4-t2-lr0.3-seed0", "additive-tfidf-k8-tall-lr0.3-seed0"]
     for name, entry in measured.items():

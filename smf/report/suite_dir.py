@@ -168,6 +168,16 @@ def write_sweep_table(config: SuiteConfig, results: list[dict], out_dir: Path) -
     return [md_path, json_path, figure]
 
 
+def _variant_sizes(config: SuiteConfig) -> str:
+    """What the accounting's header adds for a suite with ``variants``: each variant's options (its runs differ from
+    the counts below by them)."""
+    if not config.variants:
+        return ""
+    options = ["{}: {}".format(name, ", ".join(f"{key}={value}" for key, value in config.variant_options(name).items())
+                               or "as configured") for name in config.variants]
+    return f"; the variants set ({'; '.join(options)})"
+
+
 def write_accounting(config: SuiteConfig, out_dir: Path) -> list[Path]:
     """Parameter accounting of the configured model and memory sizes (modules on the meta device)."""
     retrofit = stage_settings(config, "retrofit")
@@ -185,7 +195,7 @@ def write_accounting(config: SuiteConfig, out_dir: Path) -> list[Path]:
     header = (f"Parameter accounting for `{config.model}` ({base_parameters:,} parameters): memories at layers "
               f"{list(retrofit.layers)}, n_keys={retrofit.n_keys}, heads={retrofit.heads}, topk={retrofit.topk}, "
               f"key_dim={retrofit.key_dim}; T={rows_per_step} rows per layer per step; "
-              f"LoRA r={lora_rank}.\n\n")
+              f"LoRA r={lora_rank}{_variant_sizes(config)}.\n\n")
     md_path, json_path = out_dir / "accounting.md", out_dir / "accounting.json"
     md_path.write_text(header + accounting_markdown(rows, base_parameters), encoding="utf-8")
     json_path.write_text(json.dumps([dataclasses.asdict(row) for row in rows], indent=2) + "\n", encoding="utf-8")

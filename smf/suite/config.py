@@ -350,7 +350,12 @@ def parse_suite_config(raw, base_dir: Path, *, source: str = "config", check_pat
                 (stage, name) for name in config.variants  # sparse stages); the retrofit command's checks need no
                 for stage in ("retrofit", "background", "sparse")]:  # adapter
             options = {**config.train, **config.stages.get(stage, {}), **config.variant_options(variant)}
-            build_config("retrofit", options, {"output_dir": str(config.output_dir), "device": config.device})
+            try:
+                build_config("retrofit", options, {"output_dir": str(config.output_dir), "device": config.device})
+            except ConfigError as err:
+                if variant is None:
+                    raise
+                raise ConfigError(f"variants.{variant}: {err}") from None
             if config.protocol == "authors" and options.get("oasst_languages", "en") != "en":
                 raise ConfigError(f"oasst_languages {options['oasst_languages']!r} is not used under protocol authors "
                                   "(it takes the English replies, as the authors' code does); use protocol clean")
