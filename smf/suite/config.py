@@ -7,6 +7,7 @@ only when it starts with ``.``, ``/`` or ``~``. Options the suite sets itself pe
 appear in ``train`` or ``stages``."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
@@ -173,6 +174,29 @@ def _check_own_data(config: SuiteConfig) -> None:
         raise ConfigError("data.background is not used: no sparse condition computes background statistics")
 
 
+def _check_own_files(config: SuiteConfig) -> None:
+    """Every own-data file read and checked now, before any model loads (ConfigError naming the key, the file, the
+    line and what was expected): its schema for its role, and a training file's rows (the first ``n_examples``)
+    against one global batch of every stage that trains on it."""
+    from smf.data.own_data import load_own, one_batch_or_more
+    from smf.data.paths import OWN_SCHEMAS, OWN_KEYS
+    from smf.suite.plan import condition_recipe
+
+    trained = {condition_recipe(c) for c in config.conditions} - {None}
+    stages = {"retrofit": ["retrofit"] if "sparse" in trained else [],
+              "train": [stage for stage in ("sparse", "lora", "full") if stage in trained]}
+    defaults = {field.name: field.default for field in dataclasses.fields(RunConfig)}
+    for key in OWN_KEYS:
+        path = getattr(config.data, key)
+        if path is None:
+            continue
+        rows, _ = load_own(path, f"data.{key}", OWN_SCHEMAS[key])
+        for stage in stages.get(key, ()):
+            options = {**defaults, **config.train, **config.stages.get(stage, {})}
+            one_batch_or_more(rows, options["n_examples"], options["global_batch_size"], f"data.{key} {path!r}",
+                              f"global_batch_size (train or stages.{stage})")
+
+
 def _science_inputs(raw: dict) -> dict:
     """``raw`` with the world's files as its own data and the pretrained model as its model, when ``world`` /
     ``pretrain`` are given (the suite writes them: :mod:`smf.suite.science`); ConfigError for what they replace."""
@@ -224,6 +248,8 @@ def parse_suite_config(raw, base_dir: Path, *, source: str = "config", check_pat
         if "lr" in config.stages.get(stage, {}) or "lr" in config.train:
             raise ConfigError(f"lr_sweep.{stage} and an lr in train or stages.{stage} cannot both be given")
     _check_own_data(config)
+    if check_paths and config.data.own and not config.world:  # the world's files are written by the suite
+        _check_own_files(config)
     if check_paths:  # the trainer's checks of combinations (batch sizes, layers, device, backend) on every stage's
         for stage in STAGE_COMMANDS:  # options now; the retrofit command's checks need no adapter
             options = {**config.train, **config.stages.get(stage, {})}
