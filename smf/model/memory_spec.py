@@ -5,7 +5,8 @@ which must run without smf: so this module imports nothing but the standard libr
 ``config.smf_memories`` (written by ``smf.model.attach_memories``) is a dict: ``layers`` (distinct 0-based
 decoder layer indices), ``mode`` (one of :data:`MEMORY_MODES`), ``memory_kwargs`` (the memory's sizes, keys of
 :data:`MEMORY_SIZES`), ``layers_path`` (dotted path of the decoder layer list, from the causal LM) and
-``mlp_attr`` (each layer's feed-forward attribute).
+``mlp_attr`` (each layer's feed-forward attribute). A model with memories loads from a checkpoint only whole:
+:func:`load_whole` refuses one that lacks a memory tensor.
 """
 CONFIG_KEY = "smf_memories"  # the config attribute recording a model's memories
 # The auto classes a saved model with memories is mapped for (where transformers has the base architecture's
@@ -85,3 +86,32 @@ def layers_path_in(spec: dict, model) -> str:
     if prefix and hasattr(model, prefix):
         return f"{prefix}.{rest}"
     return rest
+
+
+def missing_memory_tensors(model, missing_keys) -> list[str]:
+    """The names in ``missing_keys`` (those a ``from_pretrained`` load did not find in the checkpoint) of
+    ``model``'s memory tensors: each memory block's ``alpha`` and its memory's state (keys, values, projections)."""
+    names = set()
+    for prefix, module in model.named_modules():
+        memory = getattr(module, "memory", None)
+        if hasattr(module, "alpha") and hasattr(memory, "state_dict"):
+            names.add(f"{prefix}.alpha")
+            names.update(f"{prefix}.memory.{name}" for name in memory.state_dict())
+    return sorted(key for key in missing_keys if key in names)
+
+
+def load_whole(load, args: tuple, kwargs: dict):
+    """``load(*args, **kwargs)`` (a ``from_pretrained`` of a class with memories), refused with a ValueError naming
+    the directory and the memory tensors its checkpoint lacks: transformers would leave them uninitialised (NaN or
+    any value) while its load report calls them newly initialised."""
+    wanted = kwargs.pop("output_loading_info", False)
+    model, info = load(*args, output_loading_info=True, **kwargs)
+    missing = missing_memory_tensors(model, info["missing_keys"])
+    if missing:
+        where = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+        others = len(info["missing_keys"]) - len(missing)  # a head's own new weights; or a layout of another class
+        raise ValueError(f"{where}: the checkpoint lacks the memory tensors {shown}"
+                         f"{f' (and {others} other weights {type(model).__name__} has)' if others else ''}; a model "
+                         "with memories loads only whole (restore the weights file, or save the model again)")
+    return (model, info) if wanted else model
