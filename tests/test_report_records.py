@@ -184,7 +184,7 @@ _JSON = st.recursive(
 _PLACES = [("condition",), ("seed",), ("update",), ("metrics",), ("metrics", "medmcqa_acc"),
            ("metrics", "wikitext_ppl"), ("metrics", "triviaqa_acc"), ("metrics", "extra"), ("timing",),
            ("timing", "eval_s"), ("timing", "eval_s", "medmcqa"), ("timing", "train_s"), ("sparse_steps",),
-           ("config_hash",), ("artefact",), ("model",), ("finished_at",)]
+           ("config_hash",), ("artefact",), ("model",), ("finished_at",), ("lr",), ("reads",)]
 
 
 @settings(max_examples=30, deadline=None, derandomize=True, database=None,
@@ -281,3 +281,14 @@ def test_the_sweep_report_with_a_null_learning_metric_is_one_line_and_the_others
     seeds = {(row["condition"], row["lr"]): row["seeds"]
              for row in json.loads((sweep_suite / "lr_sweep.json").read_text())}
     assert seeds == {("additive-kl", 0.01): 3, ("additive-kl", 0.1): 3, ("lora", 0.001): 2, ("lora", 0.01): 3}
+
+
+def test_a_sweep_without_its_learning_metric_is_refused_by_the_config(tmp_path):
+    """The report would have nothing to choose a rate by (before: a KeyError in the report)."""
+    from smf.errors import ConfigError
+    from smf.suite.config import load_suite_config
+
+    with pytest.raises(ConfigError, match=r"lr_sweep: the sweep chooses each rate by the learning metric: eval.tasks "
+                                          r"\['wikitext'\] must include learn \(own data\) or medmcqa"):
+        load_suite_config("paper", {"output_dir": str(tmp_path), "conditions": ["base", "lora"], "authors_update": [],
+                                    "lr_sweep": {"lora": [1e-3]}, "eval": {"tasks": ["wikitext"]}})

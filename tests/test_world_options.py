@@ -18,6 +18,7 @@ from test_cli_smf import run_main
     ({"bio_renders": 100, "retrofit_renders": 30, "background_renders": 32}, "world: bio_renders + retrofit_renders + background_renders + 1 held-out = 163 biographies of one person "
      f"exceed the {BIOGRAPHIES_PER_PERSON}"),
     ({"n_old": 5, "heldout_people": 6, "n_retain": 1}, "world: heldout_people 6 exceeds n_old 5"),
+    ({"bio_render": 8}, "world: unknown key 'bio_render'; valid keys: seed, n_old"),  # a typo was ignored
 ])
 def test_an_unbuildable_world_is_refused_by_its_options(options, message):
     with pytest.raises(ConfigError) as refused:

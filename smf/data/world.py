@@ -35,7 +35,7 @@ from pathlib import Path
 
 from pydantic import NonNegativeInt, PositiveInt
 
-from smf.options import OPTIONS_CONFIG, checked, section_names
+from smf.options import OPTIONS_CONFIG, checked, mapping, section_names
 
 __all__ = ["ATTRIBUTES", "FIRST_NAMES", "FAMILY_NAMES", "Person", "World", "WorldOptions", "build_world",
            "chance_accuracy", "qa_text", "world_words", "write_world"]
@@ -111,8 +111,8 @@ class WorldOptions:
 
     @classmethod
     def from_dict(cls, raw: dict | None) -> "WorldOptions":
-        """Checked options (ConfigError naming a bad key or value)."""
-        return checked(cls, dict(raw or {}), section_names("world"))
+        """Checked options (ConfigError naming a bad or unknown key or value)."""
+        return checked(cls, mapping(raw, "world", cls.__dataclass_fields__), section_names("world"))
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -135,10 +135,11 @@ def run(args: argparse.Namespace) -> int:
         output_dir = Path(args.output_dir)
     else:
         output_dir = Path(args.adapter) / "eval" if args.adapter is not None else Path("smf-eval")
-    eval_sets = load_eval_sets(data, settings, protocol)  # bad data fails before the model loads
+    own_sets = load_eval_sets(data, settings, protocol) if data.own else None  # read and checked before the model
     model, tokenizer = load_model(args.model, args.adapter, pick_device(args.device), backend=args.backend)
     rows = {}
-    metrics, seconds = evaluate_model(model, tokenizer, eval_sets, settings, output_dir, protocol, rows=rows)
+    metrics, seconds = evaluate_model(model, tokenizer, own_sets or load_eval_sets(data, settings, protocol), settings,
+                                      output_dir, protocol, rows=rows)
     summary = {"model": args.model, "adapter": args.adapter, "protocol": protocol, "metrics": metrics,
                "eval_s": seconds, "eval_rows": rows,
                "settings": {**dataclasses.asdict(settings), "tasks": list(settings.tasks)}}

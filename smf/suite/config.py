@@ -95,6 +95,10 @@ class SuiteConfig:
             if len(set(sizes.values())) > 1:
                 raise ValueError(f"every recipe gets the same number of learning rates (the same tuning budget), "
                                  f"got {sizes}")
+            evaluated = info.data["eval"].tasks if "eval" in info.data else ()
+            if not {"learn", "medmcqa"} & set(evaluated):
+                raise ValueError(f"the sweep chooses each rate by the learning metric: eval.tasks {list(evaluated)} "
+                                 "must include learn (own data) or medmcqa")
         return sweep
 
     @field_validator("authors_update", "count_reads_ablation")
