@@ -30,6 +30,10 @@ BAD_FILES = {  # name: (file name, bytes, what the one line must say)
     "a truncated JSON array": ("t.json", b'[{"text": "a"},\n {"text": "b"', "line 2: expected a JSON array of row "
                                                                             "objects"),
     "a number in a JSON array": ("n.json", b'[{"text": "a"}, 5]', "item 1: expected a JSON object (a row), got int"),
+    "an unpaired surrogate escape": ("s.jsonl", b'{"text": "a"}\n{"text": "a\\ud800b"}\n',
+                                     "line 2: expected Unicode text, got an unpaired surrogate escape (\\ud800)"),
+    "nested too deeply": ("d.jsonl", b"[" * 100_000 + b"]" * 100_000, "line 1: expected a JSON object per line "
+                                                                      "(nested too deeply)"),
     "a bad row after a blank line": ("r.jsonl", b'{"text": "a"}\n\n{"text": 7}\n', "line 3: 'text' must be a string"),
 }
 

@@ -15,8 +15,9 @@ from test_cli_smf import run_main
 @pytest.mark.parametrize("options, message", [
     ({"n_old": 2, "n_new": 3, "heldout_people": 1, "n_retain": 1}, "world: n_new 3: only 0 new names combine"),
     ({"bio_renders": 170}, "world: bio_renders + retrofit_renders + background_renders + 1 held-out = 173"),
-    ({"bio_renders": 100, "retrofit_renders": 30, "background_renders": 32}, "world: bio_renders + retrofit_renders + background_renders + 1 held-out = 163 biographies of one person "
-     f"exceed the {BIOGRAPHIES_PER_PERSON}"),
+    ({"bio_renders": 100, "retrofit_renders": 30, "background_renders": 32},
+     f"world: bio_renders + retrofit_renders + background_renders + 1 held-out = 163 biographies of one person exceed "
+     f"the {BIOGRAPHIES_PER_PERSON}"),
     ({"n_old": 5, "heldout_people": 6, "n_retain": 1}, "world: heldout_people 6 exceeds n_old 5"),
     ({"bio_render": 8}, "world: unknown key 'bio_render'; valid keys: seed, n_old"),  # a typo was ignored
 ])
@@ -65,3 +66,21 @@ def test_suite_refuses_an_unbuildable_world_in_one_line(tmp_path, capsys):
         code, err = run_main(["suite", "--config", str(tmp_path / "suite.yaml"), *dry_run], capsys)
         one_line_error(code, err, "world: n_new 3: only 0 new names")
     assert not (tmp_path / "out").exists()
+
+
+def test_world_sizes_are_those_it_builds():
+    options = WorldOptions.from_dict({"seed": 3, "n_old": 12, "n_new": 5, "bio_renders": 2, "retrofit_renders": 2,
+                                      "background_renders": 3, "heldout_people": 4, "n_retain": 7})
+    assert options.sizes() == {role: len(rows) for role, rows in build_world(options).datasets.items()}
+
+
+def test_suite_refuses_a_world_whose_train_set_is_short_of_one_batch(tmp_path, capsys):
+    """Before: refused by the trainer after pretraining, the base run, the retrofit and the background."""
+    config = {"model": "tiny", "output_dir": str(tmp_path / "out"), "seeds": [0], "device": "cpu",
+              "conditions": ["base", "additive-kl"], "protocol": "clean",
+              "world": {"n_old": 40, "n_new": 2, "heldout_people": 10, "n_retain": 40},
+              "train": {"global_batch_size": 16, "micro_batch_size": 4}}
+    (tmp_path / "suite.yaml").write_text(yaml.safe_dump(config))
+    code, err = run_main(["suite", "--config", str(tmp_path / "suite.yaml"), "--dry-run"], capsys)
+    one_line_error(code, err, "world: the train set: 12 rows, fewer than one global batch of 16; lower "
+                              "global_batch_size (train or stages.sparse) or add rows")

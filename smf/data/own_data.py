@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 from smf.data.causal_lm import IGNORE_INDEX, trainable
@@ -96,12 +97,17 @@ def _parsed(raw: bytes, where: str, path: Path, line: int, expected: str):
         raise ConfigError(f"{where} {str(path)!r}, line {line}: not UTF-8 text (byte 0x{raw[err.start]:02x}); save "
                           "the file as UTF-8") from None
     try:
-        return json.loads(text)
+        value = json.loads(text)
+        json.dumps(value, ensure_ascii=False).encode("utf-8")  # an escaped lone surrogate (\ud800) is no text
     except json.JSONDecodeError as err:
         raise ConfigError(f"{where} {str(path)!r}, line {line + err.lineno - 1}: expected {expected} ({err.msg} at "
                           f"column {err.colno})") from None
     except RecursionError:
         raise ConfigError(f"{where} {str(path)!r}, line {line}: expected {expected} (nested too deeply)") from None
+    except UnicodeEncodeError as err:
+        raise ConfigError(f"{where} {str(path)!r}, line {line}: expected Unicode text, got an unpaired surrogate "
+                          f"escape (\\u{ord(err.object[err.start]):04x})") from None
+    return value
 
 
 def load_own(path: str | Path, where: str, schemas: tuple[str, ...] = SCHEMAS) -> tuple[list[dict], str]:
@@ -132,8 +138,8 @@ def load_own(path: str | Path, where: str, schemas: tuple[str, ...] = SCHEMAS) -
     return rows, schema
 
 
-def one_batch_or_more(rows: list[dict], n_examples: int | None, global_batch_size: int, where: str,
-                      batch_name: str) -> list[dict]:
+def one_batch_or_more(rows: Sequence, n_examples: int | None, global_batch_size: int, where: str,
+                      batch_name: str) -> Sequence:
     """The first ``n_examples`` of ``rows`` (all with None) of the file ``where`` names, refused in one line unless
     they fill one global batch (``batch_name``: the option that sets its size)."""
     used = rows[:n_examples]

@@ -117,6 +117,16 @@ class WorldOptions:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def sizes(self) -> dict[str, int]:
+        """Rows of each dataset of the world (the module docstring's table), known without building it."""
+        questions = sum(len(templates) for _, _, templates in ATTRIBUTES.values())
+        old_qa = self.n_old * questions
+        return {"pretrain": self.n_old * self.bio_renders + old_qa,
+                "retrofit": self.n_old * self.retrofit_renders + old_qa,
+                "background": self.n_old * self.background_renders + old_qa, "train": self.n_new * questions,
+                "eval_learn": self.n_new * len(ATTRIBUTES), "eval_heldout": self.heldout_people,
+                "eval_retain": self.n_retain}
+
 
 @dataclass(frozen=True)
 class Person:

@@ -181,23 +181,28 @@ def _check_own_data(config: SuiteConfig) -> None:
 def _check_own_files(config: SuiteConfig) -> None:
     """Every own-data file read and checked now, before any model loads (ConfigError naming the key, the file, the
     line and what was expected): its schema for its role, and a training file's rows (the first ``n_examples``)
-    against one global batch of every stage that trains on it."""
+    against one global batch of every stage that trains on it. A world's sets (written later) by their sizes."""
     from smf.data.own_data import load_own, one_batch_or_more
-    from smf.data.paths import OWN_SCHEMAS, OWN_KEYS
+    from smf.data.paths import OWN_KEYS, OWN_SCHEMAS
+    from smf.data.world import WorldOptions
     from smf.suite.plan import condition_recipe
 
     trained = {condition_recipe(c) for c in config.conditions} - {None}
     stages = {"retrofit": ["retrofit"] if "sparse" in trained else [],
               "train": [stage for stage in ("sparse", "lora", "full") if stage in trained]}
     defaults = {field.name: field.default for field in dataclasses.fields(RunConfig)}
+    sizes = WorldOptions.from_dict(config.world).sizes() if config.world else {}
     for key in OWN_KEYS:
         path = getattr(config.data, key)
-        if path is None:
+        if path is None or (config.world and not stages.get(key)):
             continue
-        rows, _ = load_own(path, f"data.{key}", OWN_SCHEMAS[key])
+        if config.world:
+            rows, where = range(sizes[key]), f"world: the {key} set"
+        else:
+            (rows, _), where = load_own(path, f"data.{key}", OWN_SCHEMAS[key]), f"data.{key} {path!r}"
         for stage in stages.get(key, ()):
             options = {**defaults, **config.train, **config.stages.get(stage, {})}
-            one_batch_or_more(rows, options["n_examples"], options["global_batch_size"], f"data.{key} {path!r}",
+            one_batch_or_more(rows, options["n_examples"], options["global_batch_size"], where,
                               f"global_batch_size (train or stages.{stage})")
 
 
@@ -252,7 +257,7 @@ def parse_suite_config(raw, base_dir: Path, *, source: str = "config", check_pat
         if "lr" in config.stages.get(stage, {}) or "lr" in config.train:
             raise ConfigError(f"lr_sweep.{stage} and an lr in train or stages.{stage} cannot both be given")
     _check_own_data(config)
-    if check_paths and config.data.own and not config.world:  # the world's files are written by the suite
+    if check_paths and config.data.own:
         _check_own_files(config)
     if check_paths:  # the trainer's checks of combinations (batch sizes, layers, device, backend) on every stage's
         for stage in STAGE_COMMANDS:  # options now; the retrofit command's checks need no adapter
