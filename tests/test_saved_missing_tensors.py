@@ -51,13 +51,13 @@ def _plain_saved_class(directory, monkeypatch):
     return getattr(module, module.MODEL_CLASS_NAME)
 
 
-LOADERS = {
-    "smf.model.from_pretrained": lambda directory, monkeypatch: from_pretrained(directory),
-    "AutoModelForCausalLM with smf": lambda directory, monkeypatch: tf.AutoModelForCausalLM.from_pretrained(
-        directory, trust_remote_code=True),
-    "AutoModel with smf": lambda directory, monkeypatch: tf.AutoModel.from_pretrained(directory),
-    "the saved code's plain class": lambda directory, monkeypatch: _plain_saved_class(
-        directory, monkeypatch).from_pretrained(directory),
+LOADERS = {  # name: load(directory, monkeypatch, **from_pretrained options)
+    "smf.model.from_pretrained": lambda directory, monkeypatch, **kw: from_pretrained(directory, **kw),
+    "AutoModelForCausalLM with smf": lambda directory, monkeypatch, **kw: tf.AutoModelForCausalLM.from_pretrained(
+        directory, trust_remote_code=True, **kw),
+    "AutoModel with smf": lambda directory, monkeypatch, **kw: tf.AutoModel.from_pretrained(directory, **kw),
+    "the saved code's plain class": lambda directory, monkeypatch, **kw: _plain_saved_class(
+        directory, monkeypatch).from_pretrained(directory, **kw),
 }
 
 
@@ -76,6 +76,19 @@ def test_a_checkpoint_lacking_a_memory_tensor_is_refused_naming_it(saved, tmp_pa
         assert named == [f"{prefix}layers.{i}.{missing[0]}" for i in (2, 5)]
     else:
         assert named == sorted(prefix + name for name in missing)
+
+
+@pytest.mark.parametrize("loader", sorted(LOADERS))
+def test_a_memory_tensor_of_another_shape_is_refused_even_when_mismatches_are_ignored(saved, tmp_path, monkeypatch,
+                                                                                     loader):
+    """``ignore_mismatched_sizes=True`` made transformers leave such a tensor uninitialised (NaN values)."""
+    directory = _without(saved, tmp_path, "layers.5.mlp.memory.values")
+    weights = load_file(directory / "model.safetensors")
+    weights["model.layers.5.mlp.memory.values"] = torch.zeros(10, 64)
+    save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"the checkpoint holds the memory tensors (model\.)?layers\.5\.mlp\.memory"
+                                         r"\.values in other shapes; a model with memories loads only whole"):
+        LOADERS[loader](directory, monkeypatch, ignore_mismatched_sizes=True)
 
 
 @pytest.mark.parametrize("loader", sorted(LOADERS))

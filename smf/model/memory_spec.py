@@ -88,30 +88,41 @@ def layers_path_in(spec: dict, model) -> str:
     return rest
 
 
-def missing_memory_tensors(model, missing_keys) -> list[str]:
-    """The names in ``missing_keys`` (those a ``from_pretrained`` load did not find in the checkpoint) of
-    ``model``'s memory tensors: each memory block's ``alpha`` and its memory's state (keys, values, projections)."""
+def memory_tensors_in(model, keys) -> list[str]:
+    """The names among ``keys`` (a ``from_pretrained`` load's missing or mismatched ones) of ``model``'s memory
+    tensors: each memory block's ``alpha`` and its memory's state (keys, values, projections)."""
     names = set()
     for prefix, module in model.named_modules():
         memory = getattr(module, "memory", None)
         if hasattr(module, "alpha") and hasattr(memory, "state_dict"):
             names.add(f"{prefix}.alpha")
             names.update(f"{prefix}.memory.{name}" for name in memory.state_dict())
-    return sorted(key for key in missing_keys if key in names)
+    return sorted(key for key in keys if key in names)
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
 
 def load_whole(load, args: tuple, kwargs: dict):
     """``load(*args, **kwargs)`` (a ``from_pretrained`` of a class with memories), refused with a ValueError naming
-    the directory and the memory tensors its checkpoint lacks: transformers would leave them uninitialised (NaN or
-    any value) while its load report calls them newly initialised."""
+    the directory and the memory tensors its checkpoint lacks (or holds in another shape, under
+    ``ignore_mismatched_sizes=True``): transformers would leave them uninitialised (NaN or any value) while its load
+    report calls them newly initialised."""
     wanted = kwargs.pop("output_loading_info", False)
     model, info = load(*args, output_loading_info=True, **kwargs)
-    missing = missing_memory_tensors(model, info["missing_keys"])
-    if missing:
+    missing = memory_tensors_in(model, info["missing_keys"])
+    mismatched = memory_tensors_in(model, [key if isinstance(key, str) else key[0]
+                                           for key in info.get("mismatched_keys", ())])
+    if missing or mismatched:
         where = args[0] if args else kwargs.get("pretrained_model_name_or_path")
-        shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
         others = len(info["missing_keys"]) - len(missing)  # a head's own new weights; or a layout of another class
-        raise ValueError(f"{where}: the checkpoint lacks the memory tensors {shown}"
-                         f"{f' (and {others} other weights {type(model).__name__} has)' if others else ''}; a model "
-                         "with memories loads only whole (restore the weights file, or save the model again)")
+        problems = []
+        if missing:
+            problems.append(f"lacks the memory tensors {_listed(missing)}"
+                            + (f" (and {others} other weights {type(model).__name__} has)" if others else ""))
+        if mismatched:
+            problems.append(f"holds the memory tensors {_listed(mismatched)} in other shapes")
+        raise ValueError(f"{where}: the checkpoint {' and '.join(problems)}; a model with memories loads only whole "
+                         "(restore the weights file, or save the model again)")
     return (model, info) if wanted else model
