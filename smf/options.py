@@ -107,6 +107,12 @@ def flag(name: str) -> str:
 _adapter = functools.cache(TypeAdapter)  # one validator per config class
 
 
+def section_names(section: str):
+    """The ``name_of`` of :func:`checked` for the options under the config key ``section``: ``world: option 'n_new'``,
+    and ``world`` alone for a check of the options together (a ``__post_init__``'s, whose message names them)."""
+    return lambda name: f"{section}: option {name!r}" if name else section
+
+
 def checked(cls, options: dict, name_of=flag):
     """``cls(**options)`` with every value checked and coerced to its field's type by pydantic (YAML's ``5e-4``, a
     string, as a float; old spellings mapped, with a warning); a ConfigError naming the first bad option as

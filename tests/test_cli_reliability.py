@@ -197,6 +197,10 @@ def test_eval_of_an_adapter_that_is_not_what_it_claims_is_one_line(tmp_path, cap
      "--lora-r is not used by this run: only --recipe lora uses it"),
     (["train", "--recipe", "lora", "--update", "authors"], "--update is not used by this run: only --recipe sparse "
                                                            "uses it"),
+    (["train", "--recipe", "full", "--update", "exact"], "--update is not used by this run: only --recipe sparse "
+                                                         "uses it"),  # a flag at its default is ignored all the same
+    (["train", "--recipe", "lora", "--count-reads", "all"], "--count-reads is not used by this run"),
+    (["retrofit", "--oasst-languages", "en"], "--oasst-languages is not used by this run: the authors protocol"),
 ])
 def test_a_flag_the_run_would_ignore_is_refused_with_the_reason(tmp_path, capsys, argv, message):
     argv = [arg.replace("{d}", str(tmp_path)) for arg in argv]
@@ -214,7 +218,6 @@ def test_what_a_run_uses_is_accepted_and_a_config_file_key_it_ignores_is_logged(
     out = ["--output-dir", str(tmp_path / "run")]
     assert parse(["retrofit", "--preset", "tiny", "--protocol", "clean", "--oasst-languages", "de,en", *out]
                  ).oasst_languages == "de,en"
-    assert parse(["retrofit", "--preset", "tiny", "--oasst-languages", "en", *out]).protocol == "authors"  # default
     assert parse(["train", "--preset", "tiny", "--recipe", "lora", "--lora-r", "4", *out]).lora_r == 4
     (tmp_path / "shared.yaml").write_text("rows_per_step: 8\nlora_r: 4\n")  # one file for several recipes
     assert parse(["train", "--config", str(tmp_path / "shared.yaml"), "--preset", "tiny", "--recipe", "lora", *out]

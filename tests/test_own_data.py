@@ -54,9 +54,9 @@ def test_schema_is_told_by_the_columns_and_bad_rows_are_refused_by_row(tmp_path)
     assert detect_schema(["question", "choices", "label", "answers"], "x") == "mc"
     with pytest.raises(ConfigError, match="match no schema"):
         detect_schema(["prompt"], "--train-data")
-    bad = [({"question": "q?", "answers": []}, "row 1: 'answers' must be a non-empty list"),
-           ({"question": "q?", "choices": ["a"], "label": 0}, "row 1: 'choices' must be a list of 2 or more"),
-           ({"question": "q?", "choices": ["a", "b"], "label": 2}, "row 1: 'label' must be an int index")]
+    bad = [({"question": "q?", "answers": []}, "line 2: 'answers' must be a non-empty list"),
+           ({"question": "q?", "choices": ["a"], "label": 0}, "line 2: 'choices' must be a list of 2 or more"),
+           ({"question": "q?", "choices": ["a", "b"], "label": 2}, "line 2: 'label' must be an int index")]
     for row, message in bad:
         good = {key: value for key, value in {"question": "p?", "answers": ["x"], "choices": ["a", "b"],
                                               "label": 1}.items() if key in row}

@@ -184,7 +184,7 @@ _JSON = st.recursive(
 _PLACES = [("condition",), ("seed",), ("update",), ("metrics",), ("metrics", "medmcqa_acc"),
            ("metrics", "wikitext_ppl"), ("metrics", "triviaqa_acc"), ("metrics", "extra"), ("timing",),
            ("timing", "eval_s"), ("timing", "eval_s", "medmcqa"), ("timing", "train_s"), ("sparse_steps",),
-           ("config_hash",), ("artefact",), ("model",), ("finished_at",)]
+           ("config_hash",), ("artefact",), ("model",), ("finished_at",), ("lr",), ("reads",)]
 
 
 @settings(max_examples=30, deadline=None, derandomize=True, database=None,
@@ -217,3 +217,78 @@ def test_any_json_value_anywhere_in_a_record_is_taken_or_refused_naming_the_fiel
             assert str(path) in message and place[0] in message and "\n" not in message, message
     finally:
         path.write_text(good)
+
+
+@pytest.fixture
+def sweep_suite(tmp_path):
+    """A paper-config suite with a two-rate lr_sweep (base, additive-kl, lora; three seeds), a results file for
+    every run: base unswept, each other run at its rate."""
+    import random
+
+    from smf.files import write_json_atomic
+    from smf.suite.config import load_suite_config
+    from smf.suite.plan import plan_runs, run_hash
+
+    config = load_suite_config("paper", {"output_dir": str(tmp_path / "suite"), "authors_update": [],
+                                         "conditions": ["base", "additive-kl", "lora"],
+                                         "lr_sweep": {"sparse": [1e-2, 1e-1], "lora": [1e-3, 1e-2]}})
+    layout = SuiteLayout(config.output_dir)
+    write_json_atomic(layout.config_file, config.to_dict())
+    rng = random.Random(0)
+    for run in plan_runs(config):
+        write_json_atomic(layout.results_path(run), {
+            "condition": run.condition, "seed": run.seed, **({} if run.lr is None else {"lr": run.lr}),
+            "metrics": {"medmcqa_acc": rng.uniform(0.3, 0.4), "wikitext_ppl": rng.uniform(12, 19),
+                        "triviaqa_acc": rng.uniform(0.15, 0.26)},
+            "timing": {"eval_s": {"medmcqa": 1.0, "wikitext": 2.0, "triviaqa": 3.0}},
+            "config_hash": run_hash(config, run)})
+    return config.output_dir
+
+
+SWEEP_CASES = {  # name: (run file, edit, the field the one line must name)
+    "learning metric null": ("lora-lr0.001-seed1", _set(("metrics", "medmcqa_acc"), None), "metrics.medmcqa_acc"),
+    "rate missing": ("lora-lr0.01-seed0", _drop("lr"), "field lr must be 0.01"),
+    "rate another file's": ("additive-kl-lr0.1-seed2", _set(("lr",), 0.01), "field lr must be 0.1"),
+    "rate a string": ("additive-kl-lr0.01-seed0", _set(("lr",), "0.01"), "field lr must be 0.01"),
+    "rate null": ("additive-kl-lr0.01-seed0", _set(("lr",), None), "field lr must be 0.01"),
+    "rate in an unswept run": ("base-seed0", _set(("lr",), 0.01), "field lr must be absent"),
+    "reads of another run": ("lora-lr0.01-seed0", _set(("reads",), "loss"), "field reads must be null"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SWEEP_CASES))
+def test_a_sweep_results_file_with_a_wrong_rate_or_no_learning_metric_is_refused(sweep_suite, name):
+    """Before: a null learning metric crashed the sweep's mean, a file without its rate (or with another) was
+    mixed into Table 1 as a second record of its condition."""
+    run_name, edit, field = SWEEP_CASES[name]
+    path = SuiteLayout(sweep_suite).results_dir / f"{run_name}.json"
+    record = json.loads(path.read_text())
+    edit(record)
+    path.write_text(json.dumps(record))
+    results, refused, foreign = collect_results(SuiteLayout(sweep_suite), load_suite_dir(sweep_suite))
+    assert list(refused) == [run_name] and not foreign and len(results) == 14
+    assert str(path) in refused[run_name] and field in refused[run_name] and "\n" not in refused[run_name]
+
+
+def test_the_sweep_report_with_a_null_learning_metric_is_one_line_and_the_others_render(sweep_suite, capsys):
+    path = SuiteLayout(sweep_suite).results_dir / "lora-lr0.001-seed1.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "metrics": {
+        "medmcqa_acc": None, "wikitext_ppl": 14.0, "triviaqa_acc": 0.2}}))
+    code, err = run_main(["report", "--suite-dir", str(sweep_suite)], capsys)
+    one_line_error(code, err, f"{path}: field metrics.medmcqa_acc must be a finite number (the sweep chooses the "
+                              "rate by it), got null")
+    assert set(_seeds(sweep_suite)) == {"base", "additive-kl", "lora"}
+    seeds = {(row["condition"], row["lr"]): row["seeds"]
+             for row in json.loads((sweep_suite / "lr_sweep.json").read_text())}
+    assert seeds == {("additive-kl", 0.01): 3, ("additive-kl", 0.1): 3, ("lora", 0.001): 2, ("lora", 0.01): 3}
+
+
+def test_a_sweep_without_its_learning_metric_is_refused_by_the_config(tmp_path):
+    """The report would have nothing to choose a rate by (before: a KeyError in the report)."""
+    from smf.errors import ConfigError
+    from smf.suite.config import load_suite_config
+
+    with pytest.raises(ConfigError, match=r"lr_sweep: the sweep chooses each rate by the learning metric: eval.tasks "
+                                          r"\['wikitext'\] must include learn \(own data\) or medmcqa"):
+        load_suite_config("paper", {"output_dir": str(tmp_path), "conditions": ["base", "lora"], "authors_update": [],
+                                    "lr_sweep": {"lora": [1e-3]}, "eval": {"tasks": ["wikitext"]}})

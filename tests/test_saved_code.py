@@ -137,11 +137,15 @@ def test_every_mapped_head_loads_its_memories_with_smf_and_with_the_saved_code(t
     ids = torch.randint(0, 256, (2, 7))
     want = model.model(ids).last_hidden_state
     for auto_name in AUTO_CLASSES:
-        if plain:
-            loaded = getattr(module, auto_map[auto_name].split(".")[1]).from_pretrained(tmp_path / "saved",
-                                                                                        num_labels=2)
-        else:
-            loaded = getattr(tf, auto_name).from_pretrained(tmp_path / "saved", trust_remote_code=True, num_labels=2)
+        load = (getattr(module, auto_map[auto_name].split(".")[1]).from_pretrained if plain else
+                lambda *args, **kwargs: getattr(tf, auto_name).from_pretrained(*args, trust_remote_code=True, **kwargs))
+        if auto_name == "AutoModelForQuestionAnswering":  # transformers' Qwen-2 head keeps its decoder under
+            # 'transformer', the causal LM's checkpoint under 'model': no weight of it loads, memories included
+            with pytest.raises(ValueError, match=r"lacks the memory tensors transformer\.layers\.2\.mlp\.memory\."
+                                                 r".* \(and \d+ other weights"):
+                load(tmp_path / "saved", num_labels=2)
+            continue
+        loaded = load(tmp_path / "saved", num_labels=2)
         memories = [m for m in loaded.modules() if type(m).__name__.endswith("ProductKeyMemory")]
         assert len(memories) == 2, auto_name
         assert all(isinstance(m, ProductKeyMemory) != plain for m in memories), auto_name

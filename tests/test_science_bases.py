@@ -121,3 +121,12 @@ def test_every_seed_gets_its_own_world_and_base(tmp_path):
     record.write_text(record.read_text()[:20])  # truncated: the world is written again, not reused
     prepare_science_inputs(config)
     assert json.loads(record.read_text())["options"]["seed"] == 1
+
+
+def test_pretrain_options_refuse_unknown_keys_and_name_the_section():
+    with pytest.raises(ConfigError, match="epochz"):
+        PretrainOptions.from_dict({"epochz": 3})
+    with pytest.raises(ConfigError, match=r"^pretrain: hidden_size \(30\) must be a multiple"):
+        PretrainOptions.from_dict({"hidden_size": 30, "num_heads": 4})
+    with pytest.raises(ConfigError, match="target_accuracy"):
+        PretrainOptions.from_dict({"target_accuracy": 1.5})

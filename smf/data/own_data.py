@@ -15,7 +15,9 @@ Training text of a qa row: ``"Question: {question}\\nAnswer: {answers[0]}"``; of
 """
 from __future__ import annotations
 
+import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 from smf.data.causal_lm import IGNORE_INDEX, trainable
@@ -64,22 +66,88 @@ def _row_error(schema: str, row: dict) -> str | None:
     return None
 
 
+def _json_rows(path: Path, where: str) -> tuple[list[dict], list[str]]:
+    """(rows, where each is: ``line N`` / ``item N``) of a .jsonl or .json file, read exactly: UTF-8 (a leading BOM
+    skipped), JSON lines of objects (blank lines skipped), or, in a .json file, one array of objects. ConfigError
+    naming ``where``, the file, the line and what was expected otherwise."""
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise ConfigError(f"{where} {str(path)!r} cannot be read ({err.strerror})") from None
+    lines = data.removeprefix(b"\xef\xbb\xbf").split(b"\n")
+    if path.suffix == ".json" and data.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"["):  # one array of objects
+        items = _parsed(b"\n".join(lines), where, path, 1, "a JSON array of row objects")
+        rows = [(f"item {index}", item) for index, item in enumerate(items)]
+    else:
+        rows = [(f"line {number}", _parsed(line, where, path, number, "a JSON object per line"))
+                for number, line in enumerate(lines, 1) if line.strip()]
+    for place, row in rows:
+        if not isinstance(row, dict):
+            raise ConfigError(f"{where} {str(path)!r}, {place}: expected a JSON object (a row), got "
+                              f"{type(row).__name__} {str(row)[:40]!r}")
+    return [row for _, row in rows], [place for place, _ in rows]
+
+
+def _parsed(raw: bytes, where: str, path: Path, line: int, expected: str):
+    """The JSON value of ``raw`` (line ``line`` of ``path`` onwards); ConfigError saying why it is not one."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line += raw[:err.start].count(b"\n")
+        raise ConfigError(f"{where} {str(path)!r}, line {line}: not UTF-8 text (byte 0x{raw[err.start]:02x}); save "
+                          "the file as UTF-8") from None
+    try:
+        value = json.loads(text)
+        json.dumps(value, ensure_ascii=False).encode("utf-8")  # an escaped lone surrogate (\ud800) is no text
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{where} {str(path)!r}, line {line + err.lineno - 1}: expected {expected} ({err.msg} at "
+                          f"column {err.colno})") from None
+    except RecursionError:
+        raise ConfigError(f"{where} {str(path)!r}, line {line}: expected {expected} (nested too deeply)") from None
+    except UnicodeEncodeError as err:
+        raise ConfigError(f"{where} {str(path)!r}, line {line}: expected Unicode text, got an unpaired surrogate "
+                          f"escape (\\u{ord(err.object[err.start]):04x})") from None
+    return value
+
+
 def load_own(path: str | Path, where: str, schemas: tuple[str, ...] = SCHEMAS) -> tuple[list[dict], str]:
     """(rows as dicts, schema) of the dataset at ``path``, every row checked against its schema, which must be one
-    of ``schemas``; ConfigError naming ``where`` (the flag or config key) otherwise."""
-    dataset = load_split(None, None, "train", path)
-    schema = detect_schema(dataset.column_names, f"{where} {str(path)!r}")
+    of ``schemas``; ConfigError naming ``where`` (the flag or config key), the file and the line (the row of a
+    .parquet file or a save_to_disk directory) otherwise. A .jsonl / .json file is read exactly as written
+    (:func:`_json_rows`); a row's missing column reads as null."""
+    path = Path(path)
+    if path.suffix in (".jsonl", ".json") and path.is_file():
+        found, places = _json_rows(path, where)
+        columns = list(dict.fromkeys(key for row in found for key in row))
+    else:
+        dataset = load_split(None, None, "train", path)
+        found, columns = list(dataset), dataset.column_names
+        places = [f"row {index}" for index in range(len(found))]
+    if not found:
+        raise ConfigError(f"{where} {str(path)!r} holds no rows (expected {' or '.join(schemas)} rows: "
+                          "docs/own-data.md)")
+    schema = detect_schema(columns, f"{where} {str(path)!r}")
     if schema not in schemas:
         raise ConfigError(f"{where} {str(path)!r} holds {schema} rows; {where} takes {' or '.join(schemas)} rows "
                           "(docs/own-data.md)")
-    rows = [{column: row[column] for column in SCHEMA_COLUMNS[schema]} for row in dataset]
-    if not rows:
-        raise ConfigError(f"{where} {str(path)!r} holds no rows")
-    for index, row in enumerate(rows):
+    rows = [{column: row.get(column) for column in SCHEMA_COLUMNS[schema]} for row in found]
+    for place, row in zip(places, rows):
         error = _row_error(schema, row)
         if error is not None:
-            raise ConfigError(f"{where} {str(path)!r}, row {index}: {error}")
+            raise ConfigError(f"{where} {str(path)!r}, {place}: {error}")
     return rows, schema
+
+
+def one_batch_or_more(rows: Sequence, n_examples: int | None, global_batch_size: int, where: str,
+                      batch_name: str) -> Sequence:
+    """The first ``n_examples`` of ``rows`` (all with None) of the file ``where`` names, refused in one line unless
+    they fill one global batch (``batch_name``: the option that sets its size)."""
+    used = rows[:n_examples]
+    if len(used) < global_batch_size:
+        cut = "" if len(used) == len(rows) else f" of its {len(rows)} (n_examples)"
+        raise ConfigError(f"{where}: {len(used)} rows{cut}, fewer than one global batch of {global_batch_size}; "
+                          f"lower {batch_name} or add rows")
+    return used
 
 
 def training_text(row: dict, schema: str) -> tuple[str, str]:

@@ -26,14 +26,16 @@ Every attribute value is one word and no value contains another, so the QA rule'
 """
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pydantic import NonNegativeInt, PositiveInt
 
-from smf.options import OPTIONS_CONFIG, checked
+from smf.options import OPTIONS_CONFIG, checked, mapping, section_names
 
 __all__ = ["ATTRIBUTES", "FIRST_NAMES", "FAMILY_NAMES", "Person", "World", "WorldOptions", "build_world",
            "chance_accuracy", "qa_text", "world_words", "write_world"]
@@ -70,6 +72,9 @@ ATTRIBUTES = {
     ),
 }
 
+# Distinct biographies of one person: a template per attribute, the sentences in any order (:func:`_biography`).
+BIOGRAPHIES_PER_PERSON = math.prod(len(bios) for _, bios, _ in ATTRIBUTES.values()) * math.factorial(len(ATTRIBUTES))
+
 
 @dataclass(frozen=True)
 class WorldOptions:
@@ -87,6 +92,7 @@ class WorldOptions:
     n_retain: PositiveInt = 300  # old facts asked in eval_retain
 
     def __post_init__(self) -> None:
+        """ValueError, naming the options, for a world :func:`build_world` could not build (every failure it has)."""
         combinations = len(FIRST_NAMES) * len(FAMILY_NAMES)
         if self.n_old + self.n_new > combinations:
             raise ValueError(f"n_old + n_new = {self.n_old + self.n_new} exceeds the {combinations} distinct names")
@@ -94,14 +100,32 @@ class WorldOptions:
             raise ValueError(f"heldout_people {self.heldout_people} exceeds n_old {self.n_old}")
         if self.n_retain > self.n_old * len(ATTRIBUTES):
             raise ValueError(f"n_retain {self.n_retain} exceeds the {self.n_old * len(ATTRIBUTES)} old facts")
+        renders = self.bio_renders + self.retrofit_renders + self.background_renders + 1  # + a held-out one
+        if renders > BIOGRAPHIES_PER_PERSON:
+            raise ValueError(f"bio_renders + retrofit_renders + background_renders + 1 held-out = {renders} "
+                             f"biographies of one person exceed the {BIOGRAPHIES_PER_PERSON} distinct ones")
+        new_names = len(_names(_world_rng(self.seed), self)[1])
+        if new_names < self.n_new:
+            raise ValueError(f"n_new {self.n_new}: only {new_names} new names combine name parts of the {self.n_old} "
+                             f"old people (seed {self.seed}); lower n_new or raise n_old")
 
     @classmethod
     def from_dict(cls, raw: dict | None) -> "WorldOptions":
-        """Checked options (ConfigError naming a bad key or value)."""
-        return checked(cls, dict(raw or {}), lambda name: f"world: option {name!r}")
+        """Checked options (ConfigError naming a bad or unknown key or value)."""
+        return checked(cls, mapping(raw, "world", cls.__dataclass_fields__), section_names("world"))
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def sizes(self) -> dict[str, int]:
+        """Rows of each dataset of the world (the module docstring's table), known without building it."""
+        questions = sum(len(templates) for _, _, templates in ATTRIBUTES.values())
+        old_qa = self.n_old * questions
+        return {"pretrain": self.n_old * self.bio_renders + old_qa,
+                "retrofit": self.n_old * self.retrofit_renders + old_qa,
+                "background": self.n_old * self.background_renders + old_qa, "train": self.n_new * questions,
+                "eval_learn": self.n_new * len(ATTRIBUTES), "eval_heldout": self.heldout_people,
+                "eval_retain": self.n_retain}
 
 
 @dataclass(frozen=True)
@@ -146,16 +170,23 @@ def world_words() -> list[str]:
     return list(dict.fromkeys(words))
 
 
-def _people(rng: random.Random, options: WorldOptions) -> tuple[list[Person], list[Person]]:
-    """Old and new people: distinct names; every name part of a new person is carried by some old person."""
+def _world_rng(seed: int) -> random.Random:
+    """The generator every draw of the world of ``seed`` comes from, in order (names first)."""
+    return random.Random(f"smf-world:{seed}")
+
+
+def _names(rng: random.Random, options: WorldOptions) -> tuple[list[tuple], list[tuple]]:
+    """(old, new) (first, family) names, distinct: up to ``n_new`` new ones, each part carried by an old name."""
     names = [(first, family) for first in FIRST_NAMES for family in FAMILY_NAMES]
     rng.shuffle(names)
     old_names, rest = names[:options.n_old], names[options.n_old:]
     old_firsts, old_families = {f for f, _ in old_names}, {f for _, f in old_names}
-    new_names = [name for name in rest if name[0] in old_firsts and name[1] in old_families][:options.n_new]
-    if len(new_names) < options.n_new:
-        raise ValueError(f"only {len(new_names)} new names combine name parts of the {options.n_old} old people; "
-                         f"lower n_new or raise n_old")
+    return old_names, [name for name in rest if name[0] in old_firsts and name[1] in old_families][:options.n_new]
+
+
+def _people(rng: random.Random, options: WorldOptions) -> tuple[list[Person], list[Person]]:
+    """Old and new people (:func:`_names`; the options' check ensures ``n_new`` new names)."""
+    old_names, new_names = _names(rng, options)
 
     def person(first, family):
         return Person(first, family, {attribute: rng.choice(values) for attribute, (values, _, _) in
@@ -177,8 +208,17 @@ def _question(person: Person, attribute: str, template: int) -> dict:
             "answers": [person.facts[attribute]]}
 
 
+def _all_biographies(person: Person) -> list[str]:
+    """Every distinct render of ``person`` (:data:`BIOGRAPHIES_PER_PERSON`), in a fixed order."""
+    choices = [[bio.format(name=person.name, value=person.facts[attribute]) for bio in bios]
+               for attribute, (_, bios, _) in ATTRIBUTES.items()]
+    return [" ".join(order) for sentences in itertools.product(*choices)
+            for order in itertools.permutations(sentences)]
+
+
 def _renders(rng: random.Random, people: list[Person], per_person: int, taken: set) -> list[dict]:
-    """``per_person`` biographies of each person, none equal to a text in ``taken`` (which they join)."""
+    """``per_person`` biographies of each person, none equal to a text in ``taken`` (which they join): random
+    renders, or after 100 repeats one drawn from those left (the options' check ensures one is left)."""
     rows = []
     for person in people:
         for _ in range(per_person):
@@ -187,7 +227,7 @@ def _renders(rng: random.Random, people: list[Person], per_person: int, taken: s
                 if text not in taken:
                     break
             else:
-                raise ValueError(f"could not render a new biography of {person.name}: too many renders asked")
+                text = rng.choice([text for text in _all_biographies(person) if text not in taken])
             taken.add(text)
             rows.append({"text": text})
     return rows
@@ -199,7 +239,7 @@ def build_world(options: WorldOptions | dict | None = None) -> World:
 
     if not isinstance(options, WorldOptions):
         options = WorldOptions.from_dict(options)
-    rng = random.Random(f"smf-world:{options.seed}")
+    rng = _world_rng(options.seed)
     old, new = _people(rng, options)
     taken: set = set()
     pretrain = _renders(rng, old, options.bio_renders, taken)

@@ -135,9 +135,10 @@ def run(args: argparse.Namespace) -> int:
         output_dir = Path(args.output_dir)
     else:
         output_dir = Path(args.adapter) / "eval" if args.adapter is not None else Path("smf-eval")
+    own_sets = load_eval_sets(data, settings, protocol) if data.own else None  # read and checked before the model
     model, tokenizer = load_model(args.model, args.adapter, pick_device(args.device), backend=args.backend)
     rows = {}
-    metrics, seconds = evaluate_model(model, tokenizer, load_eval_sets(data, settings, protocol), settings,
+    metrics, seconds = evaluate_model(model, tokenizer, own_sets or load_eval_sets(data, settings, protocol), settings,
                                       output_dir, protocol, rows=rows)
     summary = {"model": args.model, "adapter": args.adapter, "protocol": protocol, "metrics": metrics,
                "eval_s": seconds, "eval_rows": rows,

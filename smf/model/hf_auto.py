@@ -34,7 +34,7 @@ import transformers
 from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
 
-from smf.model.memory_spec import AUTO_CLASSES, CONFIG_KEY, check_memory_spec
+from smf.model.memory_spec import AUTO_CLASSES, CONFIG_KEY, check_memory_spec, load_whole
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,8 @@ def _base_class(config_class: type, auto_name: str = "AutoModelForCausalLM") -> 
 def memory_model_class(config_class: type, auto_name: str = "AutoModelForCausalLM") -> type:
     """The model class of ``auto_name`` (one of :data:`~smf.model.memory_spec.AUTO_CLASSES`) for a memory
     config class: the base architecture's class whose ``__init__`` attaches the memories recorded in
-    ``config.smf_memories`` (checked first: a ValueError naming the field)."""
+    ``config.smf_memories`` (checked first: a ValueError naming the field), and whose ``from_pretrained`` refuses a
+    checkpoint lacking a memory tensor (:func:`~smf.model.memory_spec.load_whole`)."""
     if (config_class, auto_name) not in _model_classes:
         base_model = _base_class(config_class, auto_name)
 
@@ -115,8 +116,12 @@ def memory_model_class(config_class: type, auto_name: str = "AutoModelForCausalL
             base_model.__init__(self, config, *args, **kwargs)
             _attach[0](self, spec)
 
+        def from_pretrained(cls, *args, **kwargs):
+            return load_whole(super(model_class, cls).from_pretrained, args, kwargs)
+
         name = f"{base_model.__name__}WithSmfMemories"
         model_class = type(name, (base_model,), {"config_class": config_class, "__init__": __init__,
+                                                 "from_pretrained": classmethod(from_pretrained),
                                                  "__module__": __name__})
         globals()[name] = model_class
         _share_conversions(base_model.__name__, name)

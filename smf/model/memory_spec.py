@@ -5,7 +5,8 @@ which must run without smf: so this module imports nothing but the standard libr
 ``config.smf_memories`` (written by ``smf.model.attach_memories``) is a dict: ``layers`` (distinct 0-based
 decoder layer indices), ``mode`` (one of :data:`MEMORY_MODES`), ``memory_kwargs`` (the memory's sizes, keys of
 :data:`MEMORY_SIZES`), ``layers_path`` (dotted path of the decoder layer list, from the causal LM) and
-``mlp_attr`` (each layer's feed-forward attribute).
+``mlp_attr`` (each layer's feed-forward attribute). A model with memories loads from a checkpoint only whole:
+:func:`load_whole` refuses one that lacks a memory tensor.
 """
 CONFIG_KEY = "smf_memories"  # the config attribute recording a model's memories
 # The auto classes a saved model with memories is mapped for (where transformers has the base architecture's
@@ -85,3 +86,43 @@ def layers_path_in(spec: dict, model) -> str:
     if prefix and hasattr(model, prefix):
         return f"{prefix}.{rest}"
     return rest
+
+
+def memory_tensors_in(model, keys) -> list[str]:
+    """The names among ``keys`` (a ``from_pretrained`` load's missing or mismatched ones) of ``model``'s memory
+    tensors: each memory block's ``alpha`` and its memory's state (keys, values, projections)."""
+    names = set()
+    for prefix, module in model.named_modules():
+        memory = getattr(module, "memory", None)
+        if hasattr(module, "alpha") and hasattr(memory, "state_dict"):
+            names.add(f"{prefix}.alpha")
+            names.update(f"{prefix}.memory.{name}" for name in memory.state_dict())
+    return sorted(key for key in keys if key in names)
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
+def load_whole(load, args: tuple, kwargs: dict):
+    """``load(*args, **kwargs)`` (a ``from_pretrained`` of a class with memories), refused with a ValueError naming
+    the directory and the memory tensors its checkpoint lacks (or holds in another shape, under
+    ``ignore_mismatched_sizes=True``): transformers would leave them uninitialised (NaN or any value) while its load
+    report calls them newly initialised."""
+    wanted = kwargs.pop("output_loading_info", False)
+    model, info = load(*args, output_loading_info=True, **kwargs)
+    missing = memory_tensors_in(model, info["missing_keys"])
+    mismatched = memory_tensors_in(model, [key if isinstance(key, str) else key[0]
+                                           for key in info.get("mismatched_keys", ())])
+    if missing or mismatched:
+        where = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        others = len(info["missing_keys"]) - len(missing)  # a head's own new weights; or a layout of another class
+        problems = []
+        if missing:
+            problems.append(f"lacks the memory tensors {_listed(missing)}"
+                            + (f" (and {others} other weights {type(model).__name__} has)" if others else ""))
+        if mismatched:
+            problems.append(f"holds the memory tensors {_listed(mismatched)} in other shapes")
+        raise ValueError(f"{where}: the checkpoint {' and '.join(problems)}; a model with memories loads only whole "
+                         "(restore the weights file, or save the model again)")
+    return (model, info) if wanted else model

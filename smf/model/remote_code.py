@@ -22,7 +22,8 @@ Layout (``config.smf_memories``, checked at load by ``check_memory_spec``, the r
 memory; ``additive`` / ``additive+s``: ``mlp(h) + alpha * memory(h)``), ``memory_kwargs`` (n_keys, heads, topk,
 key_dim, value_dim) and where the decoder layers are in the causal LM (``layers_path``, ``mlp_attr``). In the
 additive modes the MLP module keeps its weights under their own names and gains ``memory`` and ``alpha``. The
-memories and ``alpha`` stay float32 whatever the model's dtype.
+memories and ``alpha`` stay float32 whatever the model's dtype. ``from_pretrained`` refuses a checkpoint that lacks
+a memory tensor (transformers would leave it uninitialised), naming the tensors.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 # --- begin memory_spec: save_pretrained puts the text of smf/model/memory_spec.py here ---
 from smf.model.memory_spec import (AUTO_CLASSES, CONFIG_KEY, MemorySpecError,  # noqa: F401
-                                   check_memory_spec, layers_path_in)
+                                   check_memory_spec, layers_path_in, load_whole)
 # --- end memory_spec ---
 
 BASE_MODEL_TYPE = "qwen2"
@@ -255,6 +256,12 @@ def _model_init(self, config, *args, **kwargs):
         attach_memories(self, spec)
 
 
+def _from_pretrained(cls, *args, **kwargs):
+    """The base class's ``from_pretrained``, refusing a checkpoint that lacks a memory tensor (``load_whole``)."""
+    mine = next(klass for klass in cls.__mro__ if klass.__name__ in _bases and klass.__module__ == __name__)
+    return load_whole(super(mine, cls).from_pretrained, args, kwargs)
+
+
 def _share_conversions(base_key: str, key: str) -> None:
     """Give ``key`` the checkpoint key conversions transformers (5.x) applies to ``base_key``, if any."""
     try:
@@ -281,6 +288,7 @@ for _auto_name in AUTO_CLASSES:
     _name = f"{_base.__name__}WithSmfMemories"
     _bases[_name] = _base
     globals()[_name] = type(_name, (_base,), {"config_class": config_class, "__init__": _model_init,
+                                              "from_pretrained": classmethod(_from_pretrained),
                                               "__module__": __name__})
     _share_conversions(_base.__name__, _name)
     # a head builds its decoder with AutoModel.from_config(config): this file's class, with no prompt for code

@@ -8,7 +8,9 @@ A record: ``condition``, ``seed``, ``update`` (optional, "exact") and ``variant`
 each a finite number or null (accuracies in [0, 1], perplexities >= 1), and no key the evaluation does not
 write; ``timing`` an object of non-negative seconds (``eval_s`` one per task); ``sparse_steps`` null or the
 step statistics; ``config_hash``, ``artefact``, ``model`` and ``finished_at`` strings (the last three optional:
-older files lack them).
+older files lack them). A run of an ``lr_sweep`` holds ``lr``, the rate in its file name, and a number (not null)
+for the learning metric the sweep ranks rates by (``learn_acc``, else ``medmcqa_acc``); a run without a swept rate
+holds no ``lr``. ``reads`` is absent or the run's (``loss``: a count_reads ablation run).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from smf.errors import ConfigError
 STAGE_SECONDS = ("retrofit_s", "background_s", "train_s", "wall_s")
 SPARSE_STEP_FIELDS = ("steps", "selected_rows", "rows_moved_outside")
 OPTIONAL_STRINGS = ("artefact", "model", "finished_at")
+LEARNING_METRICS = ("learn_acc", "medmcqa_acc")  # a sweep's ranking metric: own data's, else the paper's
 
 
 _MISSING = object()  # the value shown for a field that is not there
@@ -96,6 +99,17 @@ def _check_sparse_steps(steps: object) -> None:
         _require(_is_number(steps[key]) and steps[key] >= 0, f"sparse_steps.{key}", "a number >= 0", steps[key])
 
 
+def _check_rate(record: dict, run) -> None:
+    """``lr``: absent for a run without a swept rate, else the rate in the file's name (exactly: both are the
+    config's float)."""
+    if run.lr is None:
+        _require("lr" not in record, "lr", "absent (the run the file is named after has no swept rate)",
+                 record.get("lr"))
+        return
+    rate = record.get("lr", _MISSING)
+    _require(_is_number(rate) and rate == run.lr, "lr", f"{run.lr:g} (the rate the file is named after)", rate)
+
+
 def _check(record: dict, run, metric_keys: Iterable[str], known: set[str]) -> None:
     hash_ = record.get("config_hash", _MISSING)
     _require(isinstance(hash_, str), "config_hash", "the run's configuration hash (a string)", hash_)
@@ -108,7 +122,15 @@ def _check(record: dict, run, metric_keys: Iterable[str], known: set[str]) -> No
     variant = record.get("variant")
     _require(variant == run.variant, "variant", f"{run.variant!r} (the run the file is named after)"
              if run.variant else "absent (the run the file is named after has no variant)", variant)
+    reads = record.get("reads")
+    _require(reads == run.reads, "reads", f"{_shown(run.reads)} (the run the file is named after)",
+             record.get("reads", _MISSING))
+    _check_rate(record, run)
     _check_metrics(record.get("metrics"), metric_keys, known)
+    learning = next((key for key in LEARNING_METRICS if key in metric_keys), None)
+    if run.lr is not None and learning is not None:
+        _require(record["metrics"][learning] is not None, f"metrics.{learning}",
+                 "a finite number (the sweep chooses the rate by it)", None)
     _check_timing(record.get("timing"))
     _check_sparse_steps(record.get("sparse_steps"))
     for field in OPTIONAL_STRINGS:

@@ -58,10 +58,8 @@ def overrides_from_args(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from smf.report.suite_dir import write_suite_report
     from smf.suite.config import load_suite_config
     from smf.suite.plan import SuiteLayout, plan_runs
-    from smf.suite.runner import run_suite
 
     config = load_suite_config(args.config, overrides_from_args(args))
     if args.dry_run:
@@ -69,6 +67,9 @@ def run(args: argparse.Namespace) -> int:
         for planned in plan_runs(config):
             print(f"{planned.name:<46} {'done' if layout.results_path(planned).is_file() else 'to do'}")
         return 0
+    from smf.report.suite_dir import write_suite_report  # imported after the config's checks: they fail in seconds
+    from smf.suite.runner import run_suite
+
     run_suite(config)
     if not args.no_report:
         for path in write_suite_report(config.output_dir):

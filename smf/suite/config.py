@@ -129,6 +129,10 @@ class SuiteConfig:
             if len(set(sizes.values())) > 1:
                 raise ValueError(f"every recipe gets the same number of learning rates (the same tuning budget), "
                                  f"got {sizes}")
+            evaluated = info.data["eval"].tasks if "eval" in info.data else ()
+            if not {"learn", "medmcqa"} & set(evaluated):
+                raise ValueError(f"the sweep chooses each rate by the learning metric: eval.tasks {list(evaluated)} "
+                                 "must include learn (own data) or medmcqa")
         return sweep
 
     @field_validator("authors_update", "count_reads_ablation")
@@ -282,6 +286,34 @@ def seed_config(config, seed: int):
                                pretrain={**config.pretrain, "seed": seed} if config.pretrain else {})
 
 
+def _check_own_files(config: SuiteConfig) -> None:
+    """Every own-data file read and checked now, before any model loads (ConfigError naming the key, the file, the
+    line and what was expected): its schema for its role, and a training file's rows (the first ``n_examples``)
+    against one global batch of every stage that trains on it. A world's sets (written later) by their sizes."""
+    from smf.data.own_data import load_own, one_batch_or_more
+    from smf.data.paths import OWN_KEYS, OWN_SCHEMAS
+    from smf.data.world import WorldOptions
+    from smf.suite.plan import condition_recipe
+
+    trained = {condition_recipe(c) for c in config.conditions} - {None}
+    stages = {"retrofit": ["retrofit"] if "sparse" in trained else [],
+              "train": [stage for stage in ("sparse", "lora", "full") if stage in trained]}
+    defaults = {field.name: field.default for field in dataclasses.fields(RunConfig)}
+    sizes = WorldOptions.from_dict(config.world).sizes() if config.world else {}
+    for key in OWN_KEYS:
+        path = getattr(config.data, key)
+        if path is None or (config.world and not stages.get(key)):
+            continue
+        if config.world:
+            rows, where = range(sizes[key]), f"world: the {key} set"
+        else:
+            (rows, _), where = load_own(path, f"data.{key}", OWN_SCHEMAS[key]), f"data.{key} {path!r}"
+        for stage in stages.get(key, ()):
+            options = {**defaults, **config.train, **config.stages.get(stage, {})}
+            one_batch_or_more(rows, options["n_examples"], options["global_batch_size"], where,
+                              f"global_batch_size (train or stages.{stage})")
+
+
 def _science_inputs(raw: dict) -> dict:
     """``raw`` with the world's files as its own data and the pretrained model as its model, when ``world`` /
     ``pretrain`` are given (the suite writes them: :mod:`smf.suite.science`; with ``base_per_seed``, those of the
@@ -302,7 +334,8 @@ def _science_inputs(raw: dict) -> dict:
         if per_seed and isinstance(raw.get(key), dict) and "seed" in raw[key]:
             raise ConfigError(f"base_per_seed: the {key} seed is each run's seed; remove {key}.seed")
     seeded = {"seed": first} if per_seed and isinstance(first, int) else {}
-    WorldOptions.from_dict({**mapping(raw["world"], "world"), **seeded})
+    for seed in (seeds if per_seed and isinstance(seeds, list) else [None]):  # every seed's world must build
+        WorldOptions.from_dict({**mapping(raw["world"], "world"), **({"seed": seed} if isinstance(seed, int) else {})})
     root = Path(str(raw.get("output_dir", ""))).expanduser().resolve()
     data, model = science_paths(root, first if isinstance(first, int) else None)
     given = {key: value for key, value in mapping(raw.get("data"), "data").items() if value is not None}
@@ -345,6 +378,8 @@ def parse_suite_config(raw, base_dir: Path, *, source: str = "config", check_pat
             swept = "variants" if stage == "sparse" and config.variants else f"lr_sweep.{stage}"
             raise ConfigError(f"{swept} and an lr in train or stages.{stage} cannot both be given")
     _check_own_data(config)
+    if check_paths and config.data.own:
+        _check_own_files(config)
     if check_paths:  # the trainer's checks of combinations (batch sizes, layers, device, backend) on every stage's
         for stage, variant in [(stage, None) for stage in STAGE_COMMANDS] + [  # options now (a variant's on the
                 (stage, name) for name in config.variants  # sparse stages); the retrofit command's checks need no

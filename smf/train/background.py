@@ -24,7 +24,7 @@ from smf.model.loading import RUN_CONFIG, load_with_adapter, read_run_config
 from smf.model.precision import authors_bf16_weights, cast_like_the_authors
 from smf.train.artifacts import write_run_config
 from smf.train.config import TINY_PRESET, RunConfig, unused_options
-from smf.train.data import background_features
+from smf.train.data import background_features, check_own_rows
 from smf.train.distributed import World, barrier, setup_distributed
 from smf.train.recipes import BACKGROUND_FILE
 from smf.train.run_dir import RunFiles, claim_output_dir
@@ -84,6 +84,7 @@ def collect_background(config: RunConfig) -> Path:
     config = with_own_background(config)
     if config.background_data is None:  # own background texts are the user's choice: nothing to hold out
         check_held_out_split(config)
+    check_own_rows(config)  # before any model loads
     world = setup_distributed(config.device)
     output_dir = Path(config.output_dir)
     with claim_output_dir(output_dir, world) as files:

@@ -331,11 +331,12 @@ def frozen_alpha(config: RunConfig, command: str) -> str | None:
 
 
 def refuse_unused(config: RunConfig, command: str, cli_options: dict, file_options: dict) -> None:
-    """ConfigError for a command-line flag the run would ignore (given a value other than its default), with the
-    reason; a logged warning for such a key of a config file (one file may serve several commands and recipes)."""
+    """ConfigError for a command-line flag the run would ignore (whatever its value: ``--recipe lora --update exact``
+    too), with the reason; a logged warning for such a key of a config file given a value other than its default
+    (one file may serve several commands and recipes)."""
     defaults = {field.name: field.default for field in dataclasses.fields(RunConfig)}
     for name, why in unused_options(config, command).items():
-        if name in cli_options and cli_options[name] != defaults[name]:
+        if name in cli_options:
             raise ConfigError(f"{flag(name)} is not used by this run: {why}; drop it")
         if name in file_options and file_options[name] != defaults[name]:
             logger.warning("--config: %s %r is not used by this run: %s", name, file_options[name], why)

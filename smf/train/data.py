@@ -8,6 +8,7 @@ So the data position of a run is a function of the step alone, which makes resum
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from smf.data import (
     tokenize_examples,
 )
 from smf.data import medmcqa, oasst
-from smf.data.own_data import load_own, own_features
+from smf.data.own_data import load_own, one_batch_or_more, own_features
 from smf.data.paths import OWN_SCHEMAS
 from smf.errors import ConfigError
 from smf.train.config import RunConfig
@@ -50,16 +51,36 @@ def _oasst_split(config: RunConfig, tokenizer, n_background: int) -> tuple[list[
             [oasst.format_example(pair, tokenizer) for pair in background])
 
 
+def own_rows(config: RunConfig) -> tuple[list[dict], str]:
+    """(rows, schema) of the own-data file the stage reads: --retrofit-data or --train-data (the first
+    ``n_examples`` rows, at least one global batch), --background-data (the first ``n_background``); ConfigError in
+    one line naming the file, line and what was expected. Reads no model: :func:`check_own_rows` runs it first."""
+    if config.recipe == "background":
+        rows, schema = load_own(config.background_data, "--background-data", OWN_SCHEMAS["background"])
+        return rows[:config.n_background], schema
+    key = "retrofit" if config.recipe == "retrofit" else "train"
+    path = getattr(config, f"{key}_data")
+    rows, schema = load_own(path, f"--{key}-data", OWN_SCHEMAS[key])
+    return one_batch_or_more(rows, config.n_examples, config.global_batch_size, f"--{key}-data {path!r}",
+                             "--global-batch-size"), schema
+
+
+def check_own_rows(config: RunConfig) -> None:
+    """:func:`own_rows` of a stage on own data, read before any model loads (so bad data fails in seconds)."""
+    if config.own_data():
+        own_rows(config)
+
+
 def training_features(config: RunConfig, tokenizer) -> list[dict]:
     """Tokenised {"input_ids", "labels"} of the recipe's training set: the own-data file (--retrofit-data,
     --train-data; the first ``n_examples`` rows, all by default), else oasst1 for retrofit and MedMCQA otherwise."""
     if config.own_data():
         key = "retrofit" if config.recipe == "retrofit" else "train"
-        rows, schema = load_own(getattr(config, f"{key}_data"), f"--{key}-data", OWN_SCHEMAS[key])
+        rows, schema = own_rows(config)
         if schema == "text" and config.loss_on == "answer":
             logger.warning("--loss-on answer: %s holds text rows, which have no prompt; every token is trained",
                            getattr(config, f"{key}_data"))
-        features = own_features(tokenizer, rows[:config.n_examples], schema, config.loss_on, config.max_length)
+        features = own_features(tokenizer, rows, schema, config.loss_on, config.max_length)
         logger.info("%s: %d training examples from %s (%s rows, loss on %s tokens)", config.recipe, len(features),
                     getattr(config, f"{key}_data"), schema, "every" if config.loss_on == "all" else "the answer")
         return features
@@ -78,8 +99,8 @@ def background_features(config: RunConfig, tokenizer) -> list[dict]:
     pairs; ``authors``: the first ``n_background`` of the authors' draw from the same pool. Own data
     (``background_data``): its first ``n_background`` texts."""
     if config.background_data is not None:
-        rows, schema = load_own(config.background_data, "--background-data", OWN_SCHEMAS["background"])
-        return own_features(tokenizer, rows[:config.n_background], schema, max_length=config.max_length)
+        rows, schema = own_rows(dataclasses.replace(config, recipe="background"))
+        return own_features(tokenizer, rows, schema, max_length=config.max_length)
     _, examples = _oasst_split(config, tokenizer, config.n_background)
     return tokenize_examples(tokenizer, examples, max_length=config.max_length)
 

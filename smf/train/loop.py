@@ -34,7 +34,7 @@ from smf.model.read_mask import reads_counted_at_loss
 from smf.train.artifacts import save_final, write_run_config
 from smf.train.checkpoint import CHECKPOINT_FILE, LOG_FILE, load_checkpoint, rng_state, save_checkpoint, truncate_log
 from smf.train.config import RunConfig
-from smf.train.data import StepPlan, collate, target_tokens, training_features
+from smf.train.data import StepPlan, check_own_rows, collate, target_tokens, training_features
 from smf.train.distributed import World, all_reduce_sum, barrier, gather_objects, setup_distributed
 from smf.train.recipes import TrainingSetup, build_setup
 from smf.train.run_dir import RunFiles, claim_output_dir
@@ -148,8 +148,10 @@ def write_memory_diagnostics(model: nn.Module, features: list[dict], collator: C
 def train(config: RunConfig) -> dict:
     """Train ``config.recipe`` (a resolved RunConfig); returns {"step", "total_steps", "final_dir" or None}.
 
-    The output directory is locked for the run and cleaned up if it fails (:mod:`smf.train.run_dir`).
+    The output directory is locked for the run and cleaned up if it fails (:mod:`smf.train.run_dir`); own data is
+    checked before either (:func:`~smf.train.data.check_own_rows`).
     """
+    check_own_rows(config)
     world = setup_distributed(config.device)
     with claim_output_dir(Path(config.output_dir), world) as files:
         return _train(config, world, files)

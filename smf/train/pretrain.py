@@ -50,7 +50,7 @@ from tqdm.auto import tqdm
 from smf.environment import environment
 from smf.errors import ConfigError
 from smf.files import read_json_object, write_json_atomic
-from smf.options import OPTIONS_CONFIG, checked
+from smf.options import OPTIONS_CONFIG, checked, mapping, section_names
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class PretrainOptions:
 
     @classmethod
     def from_dict(cls, raw: dict | None) -> "PretrainOptions":
-        return checked(cls, dict(raw or {}), lambda name: f"pretrain: option {name!r}")
+        return checked(cls, mapping(raw, "pretrain", cls.__dataclass_fields__), section_names("pretrain"))
 
     def to_dict(self) -> dict:
         return asdict(self)
