@@ -6,7 +6,7 @@ import logging
 from pathlib import Path
 
 from smf.errors import ConfigError
-from smf.options import ListAction
+from smf.options import ListAction, positive_int
 from smf.vocabulary import CONDITIONS, SPARSE_CONDITIONS
 
 logger = logging.getLogger(__name__)
@@ -31,6 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser, command: str = "suite") -> No
                         metavar="CONDITION", help="override the config's authors_update: the sparse conditions also "
                         "run with the authors' update (ablation_update.md), or 'none' for no ablation runs")
     parser.add_argument("--device", help="override the config's torch device (auto, cpu, cuda, cuda:1, ...)")
+    parser.add_argument("--threads", type=positive_int, metavar="N", help="override the config's threads: torch threads of "
+                        "the suite's process (default: the config's, else 1 for model tiny, else torch's default)")
     parser.add_argument("--dry-run", action="store_true", help="list the runs and whether each is done; run none")
     parser.add_argument("--no-report", action="store_true", help="skip `smf report` at the end")
 
@@ -41,7 +43,7 @@ def overrides_from_args(args: argparse.Namespace) -> dict:
     suite no longer runs)."""
     from smf.suite.config import read_suite_file
 
-    overrides = {key: getattr(args, key) for key in ("output_dir", "seeds", "conditions", "device")
+    overrides = {key: getattr(args, key) for key in ("output_dir", "seeds", "conditions", "device", "threads")
                  if getattr(args, key) is not None}
     if args.authors_update is not None:
         if "none" in args.authors_update and len(args.authors_update) > 1:

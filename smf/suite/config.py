@@ -27,7 +27,7 @@ from smf.vocabulary import CONDITIONS, SPARSE_CONDITIONS, TASKS
 
 SUITE_OWNED = ("output_dir", "adapter", "background", "recipe", "mode", "rule", "seed", "resume", "max_steps",
                "model", "device", "protocol", "oasst_path", "medmcqa_path", "retrofit_data", "background_data",
-               "train_data")
+               "train_data", "threads")
 TRAIN_KEYS = tuple(name for name in OPTIONS if name not in SUITE_OWNED)
 
 
@@ -58,7 +58,7 @@ class SuiteConfig:
     # recipe (sparse, lora, full) -> learning rates, each run for every seed; the same number for every recipe the
     # conditions train; Table 1 reports each condition at the rate of its highest mean learning metric
     lr_sweep: dict[str, tuple[float, ...]] = field(default_factory=dict)
-    threads: PositiveInt | None = None  # torch.set_num_threads for the suite's process (None: torch's default)
+    threads: PositiveInt | None = None  # torch threads of the suite's process (None: 1 for model tiny, else torch's)
     # sparse conditions also run with count_reads: loss (only the positions the loss scores count towards the
     # selection), beside the config's count_reads: ablation_reads.md
     count_reads_ablation: Annotated[tuple[str, ...], AsList, Distinct] = ()
