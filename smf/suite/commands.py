@@ -62,14 +62,12 @@ def overrides_from_args(args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace) -> int:
     from smf.report.suite_dir import write_suite_report
     from smf.suite.config import load_suite_config
-    from smf.suite.plan import SuiteLayout, plan_runs
+    from smf.suite.dry_run import dry_run_lines
     from smf.suite.runner import run_suite
 
     config = load_suite_config(args.config, overrides_from_args(args))
     if args.dry_run:
-        layout = SuiteLayout(config.output_dir)
-        for planned in plan_runs(config):
-            print(f"{planned.name:<24} {'done' if layout.results_path(planned).is_file() else 'to do'}")
+        print("\n".join(dry_run_lines(config)))
         return 0
     run_suite(config)
     if not args.no_report:
