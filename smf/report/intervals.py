@@ -22,13 +22,13 @@ def t_quantile(seeds: int) -> float:
 
 def with_intervals(summaries: list[Summary], records: list[dict]) -> list[Summary]:
     """``summaries`` (of :func:`smf.report.table.summarize` over ``records``) with each std replaced by the 95%
-    interval's half-width, t(n-1) * std / sqrt(n) over the n seeds that measured the metric (0 for one seed)."""
+    interval's half-width, t(n-1) * std / sqrt(n) over the n seeds that measured the metric (None for one seed)."""
     result = []
     for summary in summaries:
         stats = {}
         for metric, cell in summary.stats.items():
             n = sum(1 for r in records if r["condition"] == summary.condition and r.get(metric) is not None)
             stats[metric] = None if cell is None else (
-                cell[0], t_quantile(n) * cell[1] / math.sqrt(n) if n > 1 else 0.0)
+                cell[0], t_quantile(n) * cell[1] / math.sqrt(n) if n > 1 else None)
         result.append(Summary(summary.condition, summary.n_seeds, stats))
     return result
