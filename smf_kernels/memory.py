@@ -106,12 +106,13 @@ class ProductKeyMemory(nn.Module):
         if (name in _PROJECTIONS and isinstance(value, nn.Module) and not isinstance(value, nn.Linear)
                 and isinstance(self._modules.get(name), nn.Linear)):
             warnings.warn(
-                f"the {name} of a ProductKeyMemory is being replaced by a {type(value).__module__}."
-                f"{type(value).__qualname__} (peft wraps every "
-                "module its target_modules names match, and a plain list such as [..., 'gate_proj', ...] matches "
-                "the memory's own projections too): the memory would then train outside Sparse Memory Finetuning. "
-                "Target the decoder layers only: smf.model.apply_lora(model), or "
-                "LoraConfig(target_modules=smf.model.LORA_TARGET_REGEX)", UserWarning, stacklevel=2)
+                f"peft wraps the {name} of a ProductKeyMemory in a {type(value).__module__}."
+                f"{type(value).__qualname__}: LoRA will train this memory projection, outside Sparse Memory "
+                "Finetuning (target_modules matched it: a list such as [..., 'gate_proj', ...] or 'all-linear' "
+                "matches the memories' own projections). To leave the memories alone, add "
+                r"exclude_modules=r'.*\.memory\..*' to the LoraConfig (peft >= 0.14), or target the decoder "
+                "layers only: smf.model.apply_lora(model), or LoraConfig(target_modules=smf.model.LORA_TARGET_REGEX)",
+                UserWarning, stacklevel=2)
         super().__setattr__(name, value)
 
     def config(self) -> dict:
