@@ -2,7 +2,7 @@
 
 The tiny model's matrices (hidden 64) gain nothing from a second thread, and on a machine other jobs load, two
 threads per process spin-wait for each other's core: ten forwards of the tiny model with memories took 36.6 s
-at two threads against 2.3 s at one (README, "Threads"). Larger models keep torch's default."""
+at two threads against 2.3 s at one (README, "Tests and threads"). Larger models keep torch's default."""
 from __future__ import annotations
 
 import logging

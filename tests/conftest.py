@@ -17,7 +17,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # One torch (OpenMP) thread per test process, and per process a test starts: the tests' matrices are small, and on
-# a machine other jobs load, a second thread makes them 15-30x slower (README, "Threads"). Override:
+# a machine other jobs load, a second thread makes them 15-30x slower (README, "Tests and threads"). Override:
 # OMP_NUM_THREADS=4 python -m pytest ...
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
