@@ -111,7 +111,9 @@ def test_a_removed_update_option_is_refused_with_what_replaced_it(capsys):
     assert "--fused-update is gone" in err and "--sparse-backward" not in err
 
 
-def test_threads_one_for_the_tiny_model_unless_given_and_the_flags_take_them(monkeypatch):
+def test_threads_one_for_a_small_model_unless_given_and_the_flags_take_them(monkeypatch, tmp_path):
+    import json
+
     import torch
 
     from smf.suite.commands import overrides_from_args
@@ -119,11 +121,17 @@ def test_threads_one_for_the_tiny_model_unless_given_and_the_flags_take_them(mon
 
     calls = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    (tmp_path / "narrow").mkdir()
+    (tmp_path / "narrow" / "config.json").write_text(json.dumps({"hidden_size": 128}))
+    (tmp_path / "wide").mkdir()
+    (tmp_path / "wide" / "config.json").write_text(json.dumps({"hidden_size": 896}))
     use_threads(None, "tiny")
     use_threads(3, "tiny")
-    use_threads(None, "Qwen/Qwen2.5-0.5B")  # another model keeps torch's default: no call
+    use_threads(None, str(tmp_path / "narrow"))  # a local model of hidden size 128: small too
+    use_threads(None, str(tmp_path / "wide"))  # larger models, and hub ids (never read), keep torch's default
+    use_threads(None, "Qwen/Qwen2.5-0.5B")
     use_threads(2, "Qwen/Qwen2.5-0.5B")
-    assert calls == [1, 3, 2]
+    assert calls == [1, 3, 1, 2]
     parser = build_parser()
     assert config_from_args(parser.parse_args(["train", "--preset", "tiny", "--recipe", "lora", "--output-dir",
                                                "x", "--threads", "2"]), "train").threads == 2

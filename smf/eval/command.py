@@ -56,8 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser, command: str = "eval") -> Non
                                                           "cuda, cuda:1, ... (default: auto)")
     parser.add_argument("--backend", choices=BACKENDS, help="memory kernel backend of a model with memories; it must "
                         "run on --device (default: automatic: triton on CUDA, else ext when built, else torch)")
-    parser.add_argument("--threads", type=positive_int, metavar="N", help="torch threads of this process (default: 1 for the "
-                        "tiny model, else torch's default)")
+    parser.add_argument("--threads", type=positive_int, metavar="N", help="torch threads of this process (default: "
+                        "1 for a small model: tiny, or a local one of hidden size <= 256; else torch's default)")
     parser.add_argument("--output-dir", metavar="DIR",
                         help="where metrics.json and the per-example jsonl files go (default: eval/ inside "
                              "--adapter, else ./smf-eval)")

@@ -31,8 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser, command: str = "suite") -> No
                         metavar="CONDITION", help="override the config's authors_update: the sparse conditions also "
                         "run with the authors' update (ablation_update.md), or 'none' for no ablation runs")
     parser.add_argument("--device", help="override the config's torch device (auto, cpu, cuda, cuda:1, ...)")
-    parser.add_argument("--threads", type=positive_int, metavar="N", help="override the config's threads: torch threads of "
-                        "the suite's process (default: the config's, else 1 for model tiny, else torch's default)")
+    parser.add_argument("--threads", type=positive_int, metavar="N", help="override the config's threads: torch "
+                        "threads of the suite's process (default: the config's, else 1 for a small model, else "
+                        "torch's default)")
     parser.add_argument("--dry-run", action="store_true", help="list the runs and whether each is done; run none")
     parser.add_argument("--no-report", action="store_true", help="skip `smf report` at the end")
 

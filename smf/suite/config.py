@@ -58,7 +58,7 @@ class SuiteConfig:
     # recipe (sparse, lora, full) -> learning rates, each run for every seed; the same number for every recipe the
     # conditions train; Table 1 reports each condition at the rate of its highest mean learning metric
     lr_sweep: dict[str, tuple[float, ...]] = field(default_factory=dict)
-    threads: PositiveInt | None = None  # torch threads of the suite's process (None: 1 for model tiny, else torch's)
+    threads: PositiveInt | None = None  # torch threads of the suite's process (None: 1 for a small model, else torch's)
     # sparse conditions also run with count_reads: loss (only the positions the loss scores count towards the
     # selection), beside the config's count_reads: ablation_reads.md
     count_reads_ablation: Annotated[tuple[str, ...], AsList, Distinct] = ()
