@@ -106,7 +106,8 @@ class PlainProductKeyMemory(nn.Module):
                 "this memory projection (target_modules matched it: a list such as [..., 'gate_proj', ...] or "
                 "'all-linear' matches the memories' own projections). To leave the memories alone, add "
                 r"exclude_modules=r'.*\.memory\..*' to the LoraConfig (peft >= 0.14), or target the decoder layers "
-                r"only: LoraConfig(target_modules=r'.*layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)')",
+                r"only: LoraConfig(target_modules="
+                r"r'.*layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)')",
                 UserWarning, stacklevel=2)
         super().__setattr__(name, value)
 
