@@ -2,7 +2,8 @@
 
 Saves a tiny Qwen-2 with memories, loads it back with smf (``smf.model.from_pretrained``) and through the code
 saved beside it in a process that cannot import smf (``trust_remote_code=True``), both with the saved logits,
-then runs one ``SparseMemoryTrainer`` step and checks that only selected value rows changed.
+then runs one ``SparseMemoryTrainer`` step and checks that only selected value rows changed and that its log holds
+``grad_norm`` (4.57 logs none of its own: the trainer sets ``max_grad_norm`` to 0 and clips itself).
 Prints one line per check; exits non-zero on the first failure.
 """
 import subprocess
@@ -76,14 +77,16 @@ def main() -> None:
         controller.collect_background([{"input_ids": ids[i:i + 1]} for i in range(2)])
         before = {name: memory.values.detach().clone() for name, memory in controller.memories.items()}
         args = TrainingArguments(output_dir=str(Path(tmp) / "trainer"), max_steps=1, per_device_train_batch_size=2,
-                                 learning_rate=1e-2, report_to=[], save_strategy="no", use_cpu=True)
+                                 learning_rate=1e-2, report_to=[], save_strategy="no", use_cpu=True, logging_steps=1)
         trainer = SparseMemoryTrainer(model=loaded, args=args, train_dataset=Sequences(), controller=controller)
         trainer.train()
         for name, memory in controller.memories.items():
             changed = (memory.values.detach() != before[name]).any(dim=1).nonzero().squeeze(1)
             selected = set(trainer.last_selected_rows[name].tolist())
             assert 0 < changed.numel() <= 6 and set(changed.tolist()) <= selected, (name, changed, selected)
-        print("SparseMemoryTrainer: one step, only selected rows changed")
+        logged = [log for log in trainer.state.log_history if "loss" in log]
+        assert logged and all(log.get("grad_norm", 0) > 0 for log in logged), logged
+        print("SparseMemoryTrainer: one step, only selected rows changed, grad_norm logged")
 
 
 if __name__ == "__main__":

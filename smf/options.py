@@ -156,6 +156,13 @@ def read_file(path: str | Path, valid=None) -> dict:
     return mapping(raw, f"--config {str(path)!r}", valid)
 
 
+def positive_int(text: str) -> int:
+    """An argparse ``type``: ``text`` as an integer >= 1 (argparse's one-line error naming the flag otherwise)."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
 class ListAction(argparse.Action):
     """A list flag that takes its items space- or comma-separated, or both: ``--seeds 0 1``, ``--seeds 0,1``.
     Each item is converted by ``item_type`` and, with ``item_choices``, must be one of them (an argparse error

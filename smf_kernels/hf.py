@@ -150,8 +150,8 @@ class SparseMemoryTrainer(Trainer):
         self._row_gradients = gradients
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if "grad_norm" in logs and self._sparse_grad_norm is not None:
-            logs["grad_norm"] = self._sparse_grad_norm
+        if ("grad_norm" in logs or "loss" in logs) and self._sparse_grad_norm is not None:  # transformers 4.57
+            logs["grad_norm"] = self._sparse_grad_norm  # logs no norm of its own when max_grad_norm is 0
         if "loss" in logs and self._steps_since_log:  # a training log
             rows = self._rows_since_log / self._steps_since_log
             logs["selected_rows"] = rows

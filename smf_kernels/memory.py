@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from smf_kernels._precision import no_autocast
+from smf_kernels.backends import construction_error
 from smf_kernels.ops import GradientSink, product_key_topk, weighted_gather
 
 
@@ -78,6 +79,9 @@ class ProductKeyMemory(nn.Module):
             raise ValueError(f"key_dim must be even (it is split into two halves), got {key_dim}")
         if topk > n_keys:
             raise ValueError(f"topk must be <= n_keys, got topk={topk}, n_keys={n_keys}")
+        error = construction_error(backend)
+        if error is not None:
+            raise ValueError(f"backend: {error}")
         value_dim = d_model if value_dim is None else value_dim
         if isinstance(value_dim, bool) or not isinstance(value_dim, int) or value_dim < 1:
             raise ValueError(f"value_dim must be a positive int or None, got {value_dim!r}")
@@ -102,12 +106,13 @@ class ProductKeyMemory(nn.Module):
         if (name in _PROJECTIONS and isinstance(value, nn.Module) and not isinstance(value, nn.Linear)
                 and isinstance(self._modules.get(name), nn.Linear)):
             warnings.warn(
-                f"the {name} of a ProductKeyMemory is being replaced by a {type(value).__module__}."
-                f"{type(value).__qualname__} (peft wraps every "
-                "module its target_modules names match, and a plain list such as [..., 'gate_proj', ...] matches "
-                "the memory's own projections too): the memory would then train outside Sparse Memory Finetuning. "
-                "Target the decoder layers only: smf.model.apply_lora(model), or "
-                "LoraConfig(target_modules=smf.model.LORA_TARGET_REGEX)", UserWarning, stacklevel=2)
+                f"peft wraps the {name} of a ProductKeyMemory in a {type(value).__module__}."
+                f"{type(value).__qualname__}: LoRA will train this memory projection, outside Sparse Memory "
+                "Finetuning (target_modules matched it: a list such as [..., 'gate_proj', ...] or 'all-linear' "
+                "matches the memories' own projections). To leave the memories alone, add "
+                r"exclude_modules=r'.*\.memory\..*' to the LoraConfig (peft >= 0.14), or target the decoder "
+                "layers only: smf.model.apply_lora(model), or LoraConfig(target_modules=smf.model.LORA_TARGET_REGEX)",
+                UserWarning, stacklevel=2)
         super().__setattr__(name, value)
 
     def config(self) -> dict:
@@ -182,6 +187,9 @@ class ProductKeyMemory(nn.Module):
         valid_mask: optional bool tensor of shape x.shape[:-1]; tokens where it is
         False (padding) are computed but not added to ``read_counts``.
         """
+        if not x.is_floating_point():  # token ids passed by mistake would otherwise be cast to floats
+            raise TypeError(f"x must be a floating-point tensor (..., d_model={self.d_model}) of hidden states, got "
+                            f"dtype {str(x.dtype).replace('torch.', '')}")
         if x.shape[-1] != self.d_model:
             raise ValueError(f"x must have shape (..., d_model={self.d_model}), got {tuple(x.shape)}")
         if valid_mask is not None and valid_mask.shape != x.shape[:-1]:

@@ -16,6 +16,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One torch (OpenMP) thread per test process, and per process a test starts: the tests' matrices are small, and on
+# a machine other jobs load, a second thread makes them 15-30x slower (README, "Tests and threads"). Override:
+# OMP_NUM_THREADS=4 python -m pytest ...
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import logging  # noqa: E402
 
@@ -50,8 +54,8 @@ def _seed_and_restore_determinism():
 
 @pytest.fixture
 def one_thread():
-    """One torch thread for tests of the tiny model: it gains nothing from threads, and on a
-    shared 2-core machine they only spin-wait."""
+    """One torch thread for the training tests of the tiny model even when OMP_NUM_THREADS overrides the session's
+    one: the tiny model gains nothing from threads, and several processes' threads only spin-wait."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -40,6 +40,14 @@ def gather_inputs(shape, dtype, requires_grad=False):
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float64: 1e-12}
 
 
+def dry_run_names(out: str) -> list[str]:
+    """The run names ``smf suite --dry-run`` printed in ``out``: the lines between its "run  state" header and its
+    "total:" line."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split() == ["run", "state"])
+    return [line.split()[0] for line in lines[start + 1:-1]]
+
+
 def load_benchmark(name: str):
     """benchmarks/<name>.py as a module (the benchmarks are scripts, not a package)."""
     path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"

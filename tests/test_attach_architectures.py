@@ -17,7 +17,8 @@ CONFIGS = {
     "gpt2": lambda: tf.GPT2Config(vocab_size=300, n_embd=64, n_layer=3, n_head=4, n_positions=64),
     "gpt_neox": lambda: tf.GPTNeoXConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                                          num_attention_heads=4, max_position_embeddings=64),
-}
+    "falcon": lambda: tf.FalconConfig(vocab_size=300, hidden_size=64, num_hidden_layers=3, num_attention_heads=4),
+}  # falcon: by smf.model.LAYOUTS alone (transformer.h[i].mlp)
 OVERRIDES = {"gpt2": dict(layers_path="transformer.h", mlp_attr="mlp"),
              "gpt_neox": dict(layers_path="gpt_neox.layers", mlp_attr="mlp")}
 

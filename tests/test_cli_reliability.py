@@ -21,6 +21,7 @@ from smf.cli import build_parser, main
 from smf.options import flag, takes
 from smf.train.commands import COMMANDS, config_from_args
 from smf.train.config import RunConfig
+from helpers import dry_run_names
 from test_cli_smf import run_main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -277,14 +278,13 @@ def test_a_write_refused_anywhere_in_a_run_is_one_line(tmp_path, capsys, monkeyp
 def test_suite_conditions_without_the_ablations_condition_drop_its_ablation(capsys):
     for argv in (["--seeds", "0", "--conditions", "base,lora"], ["--seeds", "0", "--conditions", "base", "lora"]):
         assert main(["--log-level", "ERROR", "suite", "--config", "tiny", "--dry-run", *argv]) == 0
-        assert [line.split()[0] for line in capsys.readouterr().out.splitlines()] == ["base-seed0", "lora-seed0"]
+        assert dry_run_names(capsys.readouterr().out) == ["base-seed0", "lora-seed0"]
     assert main(["suite", "--config", "tiny", "--dry-run", "--seeds", "0,1", "--conditions", "additive-kl"]) == 0
-    planned = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
-    assert planned == ["additive-kl-seed0", "additive-kl-authors-update-seed0", "additive-kl-seed1",
-                       "additive-kl-authors-update-seed1"]
+    assert dry_run_names(capsys.readouterr().out) == ["additive-kl-seed0", "additive-kl-authors-update-seed0",
+                                                      "additive-kl-seed1", "additive-kl-authors-update-seed1"]
     assert main(["suite", "--config", "tiny", "--dry-run", "--seeds", "0", "--conditions", "additive-kl",
                  "--authors-update", "none"]) == 0
-    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()] == ["additive-kl-seed0"]
+    assert dry_run_names(capsys.readouterr().out) == ["additive-kl-seed0"]
     code, err = run_main(["suite", "--config", "tiny", "--dry-run", "--conditions", "base", "--authors-update",
                           "additive-kl"], capsys)
     one_line_error(code, err, "authors_update: 'additive-kl' is not a sparse condition of this suite")

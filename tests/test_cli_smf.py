@@ -109,3 +109,31 @@ def test_a_removed_update_option_is_refused_with_what_replaced_it(capsys):
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "unrecognized arguments" in err and "--optimizer is now --update (row_sparse -> exact" in err
     assert "--fused-update is gone" in err and "--sparse-backward" not in err
+
+
+def test_threads_one_for_a_small_model_unless_given_and_the_flags_take_them(monkeypatch, tmp_path):
+    import json
+
+    import torch
+
+    from smf.suite.commands import overrides_from_args
+    from smf.threads import use_threads
+
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    (tmp_path / "narrow").mkdir()
+    (tmp_path / "narrow" / "config.json").write_text(json.dumps({"hidden_size": 128}))
+    (tmp_path / "wide").mkdir()
+    (tmp_path / "wide" / "config.json").write_text(json.dumps({"hidden_size": 896}))
+    use_threads(None, "tiny")
+    use_threads(3, "tiny")
+    use_threads(None, str(tmp_path / "narrow"))  # a local model of hidden size 128: small too
+    use_threads(None, str(tmp_path / "wide"))  # larger models, and hub ids (never read), keep torch's default
+    use_threads(None, "Qwen/Qwen2.5-0.5B")
+    use_threads(2, "Qwen/Qwen2.5-0.5B")
+    assert calls == [1, 3, 1, 2]
+    parser = build_parser()
+    assert config_from_args(parser.parse_args(["train", "--preset", "tiny", "--recipe", "lora", "--output-dir",
+                                               "x", "--threads", "2"]), "train").threads == 2
+    assert overrides_from_args(parser.parse_args(["suite", "--config", "tiny", "--threads", "2"]))["threads"] == 2
+    assert parser.parse_args(["eval", "--model", "tiny", "--threads", "4"]).threads == 4

@@ -332,7 +332,6 @@ def test_product_key_memory_forward_backward_under_each_update_rows_choice(backe
 # The controller sits above the ops, which are fuzzed on every backend above; under the Triton
 # interpreter its multi-step cases cost over a minute, so they run on the other backends.
 @pytest.mark.parametrize("backend", [b for b in _backends() if b != "triton"])
-@pytest.mark.filterwarnings("ignore:rows_per_step=.*not sparse")  # T up to 20 on memories of 16 and 9 slots
 @FUZZ
 @given(data=st.data())
 def test_controller_steps_update_only_selected_read_rows(backend, data):

@@ -33,7 +33,6 @@ CONFIGS = {
     "gpt_neox": lambda: tf.GPTNeoXConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                                          num_attention_heads=4, max_position_embeddings=64),
 }
-OVERRIDES = {"falcon": dict(layers_path="transformer.h")}
 
 # Runs in a fresh interpreter that cannot import smf: loads each directory with trust_remote_code=True
 # and prints, per directory, whether the logits equal the saved ones bit for bit, and the dtypes.
@@ -156,9 +155,9 @@ def test_without_smf_trust_remote_code_loads_equal_logits_in_the_saved_dtype(tmp
         attach_memories(model, (2, 5), mode, backend="torch", **TINY_MEMORY_KWARGS)
         directories.append(_save(model, tmp_path / mode, 256))
     directories.append(_save(_bf16_model(tmp_path), tmp_path / "bf16", 256))
-    for arch in ("gpt_neox", "falcon"):  # a checkpoint key conversion; a layout named by hand
+    for arch in ("gpt_neox", "falcon"):  # a checkpoint key conversion; a layout of smf.model.LAYOUTS
         model = tf.AutoModelForCausalLM.from_config(CONFIGS[arch]()).eval()
-        attach_memories(model, (1,), "additive", backend="torch", **TINY_MEMORY_KWARGS, **OVERRIDES.get(arch, {}))
+        attach_memories(model, (1,), "additive", backend="torch", **TINY_MEMORY_KWARGS)
         directories.append(_save(model, tmp_path / arch, 300))
     assert (tmp_path / "bf16" / REMOTE_CODE_FILE).is_file()
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"] == \
@@ -177,7 +176,7 @@ def test_with_smf_imported_every_architecture_loads_without_registering_by_hand(
     directories = []
     for arch, config in CONFIGS.items():
         model = tf.AutoModelForCausalLM.from_config(config()).eval()
-        attach_memories(model, (0, 2), "additive", backend="torch", **TINY_MEMORY_KWARGS, **OVERRIDES.get(arch, {}))
+        attach_memories(model, (0, 2), "additive", backend="torch", **TINY_MEMORY_KWARGS)
         directories.append(_save(model, tmp_path / arch, 300))
     results = _run(WITH_SMF, directories, tmp_path, with_smf=True)
     assert {Path(d).name: r for d, r in results.items()} == {

@@ -41,10 +41,20 @@ def test_peft_with_the_documented_targets_stays_out_of_the_memories():
     _check_stacked(get_peft_model(model, config), before)
 
 
+@pytest.mark.parametrize("targets", [list(LORA_TARGETS), "all-linear"])
+def test_the_usual_targets_with_the_documented_exclusion_stay_out_of_the_memories(targets):
+    """The workaround the memories' warning and docs/hf.md give, which needs no smf: exclude_modules."""
+    model = _model_with_memories()
+    before = [{k: v.clone() for k, v in b.memory.state_dict().items()} for b in memory_blocks(model)]
+    config = LoraConfig(r=4, target_modules=targets, exclude_modules=r".*\.memory\..*", task_type="CAUSAL_LM")
+    _check_stacked(get_peft_model(model, config), before)
+
+
 def test_a_plain_list_of_names_would_reach_the_memory_gate():
     """Why the regex: peft matches names by suffix, and the memory has its own gate_proj (which warns)."""
     config = LoraConfig(r=4, target_modules=list(LORA_TARGETS), task_type="CAUSAL_LM")
-    with pytest.warns(UserWarning, match=r"gate_proj of a ProductKeyMemory is being replaced by a peft\..*"
+    with pytest.warns(UserWarning, match=r"peft wraps the gate_proj of a ProductKeyMemory in a peft\..*LoRA will "
+                                         r"train this memory projection.*exclude_modules=r'\.\*\\\.memory.*"
                                          r"smf.model.apply_lora\(model\).*LORA_TARGET_REGEX"):
         names = _lora_module_names(get_peft_model(_model_with_memories(), config))
     assert "base_model.model.model.layers.2.mlp.memory.gate_proj" in names

@@ -100,6 +100,10 @@ def test_bad_arguments_raise():
         mem(torch.randn(2, 3, 40), valid_mask=torch.ones(2, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="1-D int64"):
         mem.set_update_rows(torch.tensor([1.0]))
+    with pytest.raises(TypeError, match="x must be a floating-point tensor .* got dtype int64"):
+        mem(torch.ones(2, 40, dtype=torch.int64))  # token ids by mistake: refused, not cast to floats
+    with pytest.raises(ValueError, match="backend: unknown backend 'cuda'"):  # a device name is no backend
+        ProductKeyMemory(40, **SMALL, backend="cuda")
 
 
 def test_compiles_without_graph_breaks_with_counting():

@@ -2,6 +2,7 @@
 evaluation roles and their metric keys, the CLI flags and suite keys (refused when mixed with the paper's), and
 a reduced own-data suite end to end with its labels in Table 1."""
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -85,13 +86,16 @@ def test_training_text_and_answer_only_loss():
         == "yes"
 
 
-def test_roles_are_scored_by_their_stand_ins_rule_under_their_metric_keys(own_files, tmp_path):
+def test_roles_are_scored_by_their_stand_ins_rule_under_their_metric_keys(own_files, tmp_path, caplog):
     model, tokenizer = tiny_model(), tiny_tokenizer()
     data = DataPaths(**{key: own_files[key] for key in ("eval_learn", "eval_heldout", "eval_retain")})
     settings = EvalSettings(tasks=("learn", "heldout", "retain"), triviaqa_max_new_tokens=4, wikitext_window=64,
                             wikitext_stride=32)
-    metrics, _ = evaluate_model(model, tokenizer, load_eval_sets(data, settings, "clean"), settings, tmp_path,
-                                "clean")
+    with caplog.at_level(logging.INFO, logger="smf.eval"):
+        metrics, _ = evaluate_model(model, tokenizer, load_eval_sets(data, settings, "clean"), settings, tmp_path,
+                                    "clean")
+    logged = [record.getMessage().split()[:2] for record in caplog.records if record.name.startswith("smf.eval")]
+    assert logged == [["learn", "accuracy"], ["heldout", "perplexity"], ["retain", "accuracy"]]  # not the paper's
     assert set(metrics) == {"learn_acc", "heldout_ppl", "retain_acc"}
     assert 0 <= metrics["learn_acc"] <= 1 and 0 <= metrics["retain_acc"] <= 1 and metrics["heldout_ppl"] > 1
     retain = [json.loads(line) for line in (tmp_path / "retain.jsonl").read_text().splitlines()]

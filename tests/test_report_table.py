@@ -31,7 +31,7 @@ def test_mean_and_sample_std_per_condition():
             assert std == pytest.approx(statistics.stdev(values))  # n - 1 in the denominator
         assert summary.n_seeds == 3
     single = summarize([dict(records[0], seed=7)])
-    assert single[0].stats["medmcqa_acc"] == (records[0]["medmcqa_acc"], 0.0)
+    assert single[0].stats["medmcqa_acc"] == (records[0]["medmcqa_acc"], None)  # one seed: no spread
 
 
 def test_markdown_bolds_best_per_column_and_shows_mean_pm_std():
@@ -42,11 +42,12 @@ def test_markdown_bolds_best_per_column_and_shows_mean_pm_std():
     ]
     lines = to_markdown(summarize(records)).splitlines()
     assert lines[0] == "| Method | MedMCQA acc ↑ | WikiText PPL ↓ | TriviaQA acc ↑ | Seeds |"
-    assert lines[2] == "| Base Qwen | 0.300 ± 0.000 | **13.000** ± 0.000 | **0.250** ± 0.000 | 1 |"
+    assert lines[2] == "| Base Qwen | 0.300 | **13.000** | **0.250** | 1 |"  # one seed: no ± 0.000
     assert lines[3] == "| LoRA | **0.390** ± 0.014 | 15.500 ± 0.707 | 0.210 ± 0.014 | 2 |"
     latex = to_latex(summarize(records))
-    assert "Base Qwen & 0.300 $\\pm$ 0.000 & \\textbf{13.000} $\\pm$ 0.000 & \\textbf{0.250} $\\pm$ 0.000 & 1 \\\\" \
-        in latex
+    assert "Base Qwen & 0.300 & \\textbf{13.000} & \\textbf{0.250} & 1 \\\\" in latex
+    assert "LoRA & \\textbf{0.390} $\\pm$ 0.014 & 15.500 $\\pm$ 0.707 & 0.210 $\\pm$ 0.014 & 2 \\\\" in latex
+    assert to_csv(summarize(records)).splitlines()[1] == "base,Base Qwen,1,0.3,,13.0,,0.25,"
     assert latex.startswith("\\begin{tabular}{lcccc}") and "\\toprule" in latex and "\\bottomrule" in latex
 
 
@@ -95,7 +96,7 @@ def test_no_bold_when_every_value_of_a_column_ties_and_base_row_names_the_model(
     records = [{"condition": c, "seed": 0, "medmcqa_acc": 0.25, "wikitext_ppl": 13.0 + i, "triviaqa_acc": 0.0}
                for i, c in enumerate(["base", "lora", "full"])]
     lines = to_markdown(summarize(records), model="tiny").splitlines()
-    assert lines[2] == "| Base (tiny) | 0.250 ± 0.000 | **13.000** ± 0.000 | 0.000 ± 0.000 | 1 |"
+    assert lines[2] == "| Base (tiny) | 0.250 | **13.000** | 0.000 | 1 |"
     assert "**" not in lines[3] + lines[4]
     assert "Base (Qwen2.5-1.5B)" in to_csv(summarize(records), model="Qwen/Qwen2.5-1.5B")
     assert "Base Qwen" in to_latex(summarize(records), model="Qwen/Qwen2.5-0.5B-Instruct")

@@ -149,6 +149,8 @@ def test_chosen_rate_and_intervals():
     (summary,) = with_intervals(summarize(records), records)
     mean, half = summary.stats["learn_acc"]
     assert mean == pytest.approx(0.2) and half == pytest.approx(12.706 * 0.1414213 / 2 ** 0.5, rel=1e-4)
+    (summary,) = with_intervals(summarize(records[:1]), records[:1])
+    assert summary.stats["learn_acc"] == (0.1, None)  # one seed: no interval
     assert t_quantile(3) == 4.303
 
 

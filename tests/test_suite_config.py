@@ -1,4 +1,5 @@
 """Suite config: shipped configs, path resolution, and one clear error per kind of bad input (CLI exit 2)."""
+import json
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,8 @@ from smf.report import CONDITIONS
 from smf.suite.config import TRAIN_KEYS, load_suite_config
 from smf.errors import ConfigError
 from smf.vocabulary import DEFAULT_MODEL
+
+from helpers import dry_run_names
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TINY_DATA = Path(smf.__file__).resolve().parent / "assets" / "tiny"  # package data
@@ -110,13 +113,34 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):
     assert "--adapter: no such directory" in capsys.readouterr().err
 
 
-def test_dry_run_lists_the_plan_and_runs_nothing(tmp_path, monkeypatch, capsys):
+def test_dry_run_lists_the_plan_with_totals_and_runs_nothing(tmp_path, monkeypatch, capsys):
+    from smf.suite.plan import SuiteLayout, plan_runs, run_hash
+
     monkeypatch.chdir(tmp_path)
     assert cli.main(["suite", "--config", "tiny", "--dry-run"]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 2 * (len(CONDITIONS) + 1)  # + the authors'-update run of additive-kl per seed
-    assert lines[0].split() == ["base-seed0", "to", "do"] and lines[-1].split()[0] == "additive-kl-authors-update-seed1"
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    runs = 2 * (len(CONDITIONS) + 1)  # + the authors'-update run of additive-kl per seed
+    assert lines[0] == f"suite tiny: {runs} runs, seeds 0, 1, into {tmp_path / 'runs' / 'suite-tiny'}"
+    names = dry_run_names(out)
+    assert len(names) == runs and names[0] == "base-seed0" and names[-1] == "additive-kl-authors-update-seed1"
+    assert lines[-1].startswith(f"total: {runs} runs, 0 done, {runs} to do; no time estimate")
     assert not (tmp_path / "runs").exists()
+    # two finished runs (one written by other settings): the estimate is their mean times the runs to do
+    config = load_suite_config("tiny")
+    layout = SuiteLayout(config.output_dir)
+    layout.results_dir.mkdir(parents=True)
+    first, second = plan_runs(config)[:2]
+    layout.results_path(first).write_text(json.dumps({"config_hash": run_hash(config, first),
+                                                      "timing": {"wall_s": 90.0}}))
+    layout.results_path(second).write_text(json.dumps({"config_hash": "other", "timing": {"wall_s": 1.0}}))
+    assert cli.main(["suite", "--config", "tiny", "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].split() == ["base-seed0", "done"] and "refused: written with other settings" in lines[3]
+    assert lines[-1].startswith(f"total: {runs} runs, 1 done, {runs - 2} to do, 1 refused; about 27 min 00 s left")
+    assert cli.main(["suite", "--config", "science", "--dry-run"]) == 0  # its pretraining comes first
+    assert capsys.readouterr().out.splitlines()[1] == ("before the runs: the world (world/) and the model pretrained "
+                                                       "on it (pretrain/): to do")
 
 
 def test_additive_s_plans_the_additive_retrofit_and_the_ablation_its_own_train_dir(tmp_path):

@@ -37,6 +37,8 @@ def load_split(hub_id: str, config: str | None, split: str, path: str | Path | N
     error = dataset_path_error(str(path))
     if error is not None:
         raise ConfigError(f"dataset path: {error}")
+    bars = not datasets.utils.are_progress_bars_disabled()
+    datasets.utils.disable_progress_bars()  # a local file's "Generating train split" bar, once per read, says nothing
     try:
         if path.is_dir():
             loaded = datasets.load_from_disk(str(path))
@@ -53,6 +55,9 @@ def load_split(hub_id: str, config: str | None, split: str, path: str | Path | N
             raise
         cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"dataset {str(path)!r} cannot be read ({cause})") from err
+    finally:
+        if bars:
+            datasets.utils.enable_progress_bars()
 
 
 def subset(dataset, n: int | None = None, seed: int | None = None):

@@ -12,7 +12,7 @@ from smf.data.paths import DataPaths
 from smf.data.protocol import DEFAULT_PROTOCOL, PROTOCOLS
 from smf.errors import ConfigError
 from smf.eval.settings import EvalSettings
-from smf.options import ListAction
+from smf.options import ListAction, positive_int
 from smf.vocabulary import BACKENDS, DEFAULT_MODEL, EVAL_ROLES, TASKS
 
 logger = logging.getLogger(__name__)
@@ -56,6 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser, command: str = "eval") -> Non
                                                           "cuda, cuda:1, ... (default: auto)")
     parser.add_argument("--backend", choices=BACKENDS, help="memory kernel backend of a model with memories; it must "
                         "run on --device (default: automatic: triton on CUDA, else ext when built, else torch)")
+    parser.add_argument("--threads", type=positive_int, metavar="N", help="torch threads of this process (default: "
+                        "1 for a small model: tiny, or a local one of hidden size <= 256; else torch's default)")
     parser.add_argument("--output-dir", metavar="DIR",
                         help="where metrics.json and the per-example jsonl files go (default: eval/ inside "
                              "--adapter, else ./smf-eval)")
@@ -125,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
     from smf.eval.tasks import evaluate_model, load_eval_sets
     from smf.files import write_json_atomic
     from smf.model.loading import load_model
+    from smf.threads import use_threads
     from smf.train.config import check_device_and_backend
     from smf.train.distributed import pick_device
 
@@ -137,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
         output_dir = Path(args.adapter) / "eval" if args.adapter is not None else Path("smf-eval")
     own_sets = load_eval_sets(data, settings, protocol) if data.own else None  # read and checked before the model
     model, tokenizer = load_model(args.model, args.adapter, pick_device(args.device), backend=args.backend)
+    use_threads(args.threads, model.config._name_or_path)
     rows = {}
     metrics, seconds = evaluate_model(model, tokenizer, own_sets or load_eval_sets(data, settings, protocol), settings,
                                       output_dir, protocol, rows=rows)

@@ -43,17 +43,18 @@ def encode_choices(tokenizer, row: dict, protocol: str | Protocol = DEFAULT_PROT
 
 def evaluate_multiple_choice(model: nn.Module, tokenizer, rows: list[dict], *, questions_per_batch: int = 8,
                              output_path: str | Path | None = None,
-                             protocol: str | Protocol = DEFAULT_PROTOCOL) -> float:
+                             protocol: str | Protocol = DEFAULT_PROTOCOL, name: str = "multiple choice") -> float:
     """Accuracy over every mc row (``{"question", "choices", "label"}``); the choices of ``questions_per_batch``
     questions go through the model as one padded batch. With ``output_path``, one JSON line per question: id (its
-    row index), scores (one per choice), prediction, label, correct."""
+    row index), scores (one per choice), prediction, label, correct. ``name`` titles the progress bar and the log
+    line (an own-data role: learn, retain)."""
     if not rows:
         raise ValueError("rows must hold at least one question")
     pad_id = pad_token_id(tokenizer)
     records = []
     with evaluating(model):
         for start, batch in tqdm(list(zip(range(0, len(rows), questions_per_batch),
-                                          batched(rows, questions_per_batch))), desc="multiple choice", unit="batch"):
+                                          batched(rows, questions_per_batch))), desc=name, unit="batch"):
             pairs = [encode_choices(tokenizer, row, protocol) for row in batch]
             scores = mean_continuation_logprobs(model, [pair for row_pairs in pairs for pair in row_pairs], pad_id)
             offset = 0
@@ -64,7 +65,7 @@ def evaluate_multiple_choice(model: nn.Module, tokenizer, rows: list[dict], *, q
                 records.append({"id": index, "scores": row_scores.tolist(), "prediction": prediction,
                                 "label": int(row["label"]), "correct": prediction == int(row["label"])})
     accuracy = sum(record["correct"] for record in records) / len(records)
-    logger.info("multiple-choice accuracy %.4f on %d questions", accuracy, len(records))
+    logger.info("%s accuracy %.4f on %d questions", name, accuracy, len(records))
     if output_path is not None:
         write_jsonl(output_path, records)
     return accuracy

@@ -6,6 +6,7 @@ Metric keys (those of a Table 1 record): ``medmcqa_acc``, ``wikitext_ppl``, ``tr
 """
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 
@@ -82,19 +83,21 @@ def evaluate_model(model: nn.Module, tokenizer, eval_sets: dict[str, object], se
             max_new_tokens=settings.triviaqa_max_new_tokens, output_path=path, protocol=protocol),
         "heldout": lambda own, path: evaluate_wikitext(
             model, tokenizer, own[0], window=settings.wikitext_window, stride=settings.wikitext_stride,
-            windows_per_batch=settings.wikitext_windows_per_batch, output_path=path, protocol=protocol),
+            windows_per_batch=settings.wikitext_windows_per_batch, output_path=path, protocol=protocol,
+            name="heldout"),
     }
 
-    def accuracy(own, path):  # learn and retain: a qa file by the TriviaQA rule, an mc file by the MedMCQA rule
+    def accuracy(role, own, path):  # learn and retain: a qa file by the TriviaQA rule, an mc file by the MedMCQA rule
         rows, schema = own
         if schema == "mc":
             return evaluate_multiple_choice(model, tokenizer, rows, output_path=path, protocol=protocol,
-                                            questions_per_batch=settings.medmcqa_questions_per_batch)
+                                            questions_per_batch=settings.medmcqa_questions_per_batch, name=role)
         return evaluate_triviaqa(model, tokenizer, as_triviaqa_rows(rows), limit=None,
                                  batch_size=settings.triviaqa_batch_size,
-                                 max_new_tokens=settings.triviaqa_max_new_tokens, output_path=path, protocol=protocol)
+                                 max_new_tokens=settings.triviaqa_max_new_tokens, output_path=path, protocol=protocol,
+                                 name=role)
 
-    runners.update(learn=accuracy, retain=accuracy)
+    runners.update(learn=functools.partial(accuracy, "learn"), retain=functools.partial(accuracy, "retain"))
     metrics, seconds = {}, {}
     for task, task_rows in eval_sets.items():
         started = time.perf_counter()

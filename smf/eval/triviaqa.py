@@ -118,9 +118,11 @@ def evaluate_triviaqa(
     max_new_tokens: int = 32,
     output_path: str | Path | None = None,
     protocol: str | Protocol = DEFAULT_PROTOCOL,
+    name: str = "TriviaQA",
 ) -> float:
     """Accuracy on the first ``limit`` examples (TriviaQA rc.nocontext schema: question, question_id, answer;
-    a list of dicts or a ``datasets.Dataset``). The prompt is :func:`smf.data.triviaqa_prompt`.
+    a list of dicts or a ``datasets.Dataset``). The prompt is :func:`smf.data.triviaqa_prompt`. ``name`` titles
+    the progress bar and the log line (an own-data role: learn, retain).
 
     With ``output_path``, writes one JSON line per question: id, prediction, correct.
     """
@@ -132,13 +134,13 @@ def evaluate_triviaqa(
     config = greedy_config(model, tokenizer, max_new_tokens, protocol)
     records = []
     with evaluating(model):
-        for batch in tqdm(list(batched(questions, batch_size)), desc="TriviaQA", unit="batch"):
+        for batch in tqdm(list(batched(questions, batch_size)), desc=name, unit="batch"):
             predictions = generate_answers(model, tokenizer, [triviaqa_prompt(ex, protocol) for ex in batch], config)
             for example, prediction in zip(batch, predictions):
                 records.append({"id": example.get("question_id"), "prediction": prediction,
                                 "correct": is_correct(prediction, example["answer"], protocol)})
     accuracy = sum(record["correct"] for record in records) / len(records)
-    logger.info("TriviaQA accuracy %.4f on %d questions", accuracy, len(records))
+    logger.info("%s accuracy %.4f on %d questions", name, accuracy, len(records))
     if output_path is not None:
         write_jsonl(output_path, records)
     return accuracy

@@ -85,9 +85,11 @@ def evaluate_wikitext(
     windows_per_batch: int = 8,
     output_path: str | Path | None = None,
     protocol: str | Protocol = DEFAULT_PROTOCOL,
+    name: str = "WikiText",
 ) -> float:
     """Perplexity of the protocol's lines of ``rows`` (WikiText schema; a list of dicts or a
-    ``datasets.Dataset``), see the module docstring.
+    ``datasets.Dataset``), see the module docstring. ``name`` titles the progress bar and the log line (an
+    own-data role: heldout).
 
     With ``output_path``, writes one JSON line per window: window, begin, end, scored (number
     of tokens scored), nll_sum.
@@ -105,7 +107,7 @@ def evaluate_wikitext(
     pad_id = pad_token_id(tokenizer)
     nll_sums = []
     with evaluating(model):
-        for batch in tqdm(list(batched(windows, windows_per_batch)), desc="WikiText", unit="batch"):
+        for batch in tqdm(list(batched(windows, windows_per_batch)), desc=name, unit="batch"):
             nll_sums.append(window_nll_sums(model, token_ids, batch, pad_id))
     nll_sums = torch.cat(nll_sums)
     scored = sum(end - first_target for _, end, first_target in windows)  # == len(token_ids) - 1
@@ -115,7 +117,7 @@ def evaluate_wikitext(
         perplexity = math.exp((nll_sums.sum().item() + (first_weight - 1) * nll_sums[0].item()) / len(token_ids))
     else:
         perplexity = math.exp(nll_sums.sum().item() / scored)
-    logger.info("WikiText perplexity %.4f over %d scored tokens in %d windows", perplexity, scored, len(windows))
+    logger.info("%s perplexity %.4f over %d scored tokens in %d windows", name, perplexity, scored, len(windows))
     if output_path is not None:
         write_jsonl(output_path, ({"window": i, "begin": begin, "end": end, "scored": end - first_target,
                                    "nll_sum": nll_sum} for i, ((begin, end, first_target), nll_sum)

@@ -1,6 +1,6 @@
 """Insert product-key memories into a decoder-only causal LM (docs/method.md#placement-in-qwen-2): Qwen-2 and
 any model with
-``model.layers[i].mlp``, GPT-2 / GPT-NeoX by table, other layouts by naming them."""
+``model.layers[i].mlp``, GPT-2 / GPT-NeoX / Falcon by table, other layouts by naming them."""
 from __future__ import annotations
 
 import contextlib
@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 LAYOUTS = {
     "gpt2": ("transformer.h", "mlp"),
     "gpt_neox": ("gpt_neox.layers", "mlp"),
+    "falcon": ("transformer.h", "mlp"),
 }
 DEFAULT_LAYOUT = ("model.layers", "mlp")
 SCALED_KWARGS = ("n_keys", "heads", "topk", "key_dim")  # sizes scaled to the model when not given

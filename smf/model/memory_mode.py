@@ -39,5 +39,5 @@ def set_memory_mode(model: nn.Module, mode: str) -> list[MemoryBlock]:
         recorded["mode"] = mode
     if mode != current:
         logger.info("memories switched from %s to %s (alpha %s)", current, mode,
-                    ", ".join(f"{float(block.alpha):.4g}" for block in blocks))
+                    ", ".join(f"{float(block.alpha.detach()):.4g}" for block in blocks))
     return blocks

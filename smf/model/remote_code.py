@@ -103,10 +103,12 @@ class PlainProductKeyMemory(nn.Module):
         if (name in _PROJECTIONS and isinstance(value, nn.Module) and not isinstance(value, nn.Linear)
                 and isinstance(self._modules.get(name), nn.Linear)):
             warnings.warn(
-                f"the {name} of a product-key memory is being replaced by a {type(value).__qualname__} (peft wraps "
-                "every module its target_modules names match: a list such as [..., 'gate_proj', ...] or "
-                "'all-linear' matches the memory's own projections too). Target the decoder layers only, e.g. "
-                r"LoraConfig(target_modules=r'.*layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)')",
+                f"peft wraps the {name} of a product-key memory in a {type(value).__qualname__}: LoRA will train "
+                "this memory projection (target_modules matched it: a list such as [..., 'gate_proj', ...] or "
+                "'all-linear' matches the memories' own projections). To leave the memories alone, add "
+                r"exclude_modules=r'.*\.memory\..*' to the LoraConfig (peft >= 0.14), or target the decoder layers "
+                r"only: LoraConfig(target_modules="
+                r"r'.*layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)')",
                 UserWarning, stacklevel=2)
         super().__setattr__(name, value)
 

@@ -22,7 +22,7 @@ def t_quantile(seeds: int) -> float:
 
 def with_intervals(summaries: list[Summary], records: list[dict]) -> list[Summary]:
     """``summaries`` (of :func:`smf.report.table.summarize` over ``records``) with each std replaced by the 95%
-    interval's half-width, t(n-1) * std / sqrt(n) over the n seeds that measured the metric (0 for one seed)."""
+    interval's half-width, t(n-1) * std / sqrt(n) over the n seeds that measured the metric (None for one seed)."""
     result = []
     for summary in summaries:
         stats = {}
@@ -30,6 +30,6 @@ def with_intervals(summaries: list[Summary], records: list[dict]) -> list[Summar
             n = sum(1 for r in records if (r["condition"], r.get("variant")) == (summary.condition, summary.variant)
                     and r.get(metric) is not None)
             stats[metric] = None if cell is None else (
-                cell[0], t_quantile(n) * cell[1] / math.sqrt(n) if n > 1 else 0.0)
+                cell[0], t_quantile(n) * cell[1] / math.sqrt(n) if n > 1 else None)
         result.append(Summary(summary.condition, summary.n_seeds, stats, summary.variant))
     return result

@@ -89,6 +89,7 @@ def _draw_panel(axis, summaries: Sequence[Summary], x_metric: str, maximize_x: b
         [(s.stats[x_metric][0], s.stats[y_metric][0]) for s in labelled]))) if labelled else {}
     for summary in points:
         (x, x_std), (y, y_std) = summary.stats[x_metric], summary.stats[y_metric]
+        x_std = x_std or 0.0  # None: one seed, no spread
         colour = FAMILY_COLOURS[FAMILIES[summary.condition]]
         rule = SELECTION_RULES.get(summary.condition)
         marker = RULE_MARKERS[rule] if rule else BASELINE_MARKERS[summary.condition]

@@ -19,7 +19,7 @@ from smf.report import accounting_markdown, parameter_accounting, write_report
 from smf.report.accounting import model_architecture
 from smf.report.paper_results import HIGHER_IS_BETTER, display_name, metric_keys, metric_title
 from smf.report.records import check_results_record
-from smf.report.table import summarize
+from smf.report.table import stat_text, summarize
 from smf.suite.config import SuiteConfig, suite_config_from_dict
 from smf.suite.plan import SuiteLayout, plan_runs, run_hash, stage_settings
 from smf.report.sweep_plot import plot_sweep
@@ -79,6 +79,11 @@ def table_records(results: list[dict], update: str = "exact") -> list[dict]:
              **r["metrics"]} for r in results if r.get("update", "exact") == update and not r.get("reads")]
 
 
+def _cells(row: dict, metrics) -> list[str]:
+    """The ``mean ± spread`` cells of a row's ``metrics`` (— where it was never measured)."""
+    return ["—" if row["metrics"][m] is None else stat_text(row["metrics"][m]) for m in metrics]
+
+
 UPDATE_NAMES = {"exact": "exact (this project)", "authors": "authors'"}
 
 
@@ -118,8 +123,7 @@ def write_update_ablation(config: SuiteConfig, results: list[dict], out_dir: Pat
              + " | Rows selected / step | Rows moved outside the selection / step |",
              "| --- | --- | ---: | " + " | ".join("---:" for _ in metrics) + " | ---: | ---: |"]
     for row in rows:
-        cells = [("—" if row["metrics"][m] is None else f"{row['metrics'][m][0]:.3f} ± {row['metrics'][m][1]:.3f}")
-                 for m in metrics]
+        cells = _cells(row, metrics)
         lines.append(f"| {display_name(row['condition'], config.model, row['variant'])} | "
                      f"{UPDATE_NAMES[row['update']]} | "
                      f"{row['seeds']} | " + " | ".join(cells) + f" | {cell(row['selected_rows'], 1)} | "
@@ -149,8 +153,7 @@ def write_sweep_table(config: SuiteConfig, results: list[dict], out_dir: Path) -
     variants = {name: index for index, name in enumerate(config.variants)}
     for row in sorted(rows, key=lambda r: (order.get(r["condition"], 99), variants.get(r["variant"], -1), r["update"],
                                            r["reads"], r["lr"])):
-        cells = [("—" if row["metrics"][m] is None else f"{row['metrics'][m][0]:.3f} ± {row['metrics'][m][1]:.3f}")
-                 for m in metrics]
+        cells = _cells(row, metrics)
         method = (display_name(row["condition"], config.model, row["variant"])
                   + (" (authors' update)" if row["update"] == "authors" else "")
                   + (f" ({row['reads']} reads)" if row["reads"] != "all" else ""))
@@ -221,8 +224,7 @@ def write_reads_ablation(config: SuiteConfig, results: list[dict], out_dir: Path
     variants = {name: index for index, name in enumerate(config.variants)}
     for row in sorted(rows, key=lambda r: (config.conditions.index(r["condition"]), variants.get(r["variant"], -1),
                                            r["reads"] != "all")):
-        cells = [("—" if row["metrics"][m] is None else f"{row['metrics'][m][0]:.3f} ± {row['metrics'][m][1]:.3f}")
-                 for m in metrics]
+        cells = _cells(row, metrics)
         reads = default if row["reads"] == "all" else row["reads"]
         rate = "—" if row["lr"] is None else f"{row['lr']:g}"
         lines.append(f"| {display_name(row['condition'], config.model, row['variant'])} | {reads} | {rate} | "

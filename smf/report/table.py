@@ -28,8 +28,8 @@ from smf.vocabulary import CONDITIONS
 
 @dataclass(frozen=True)
 class Summary:
-    """One condition's results: ``stats[metric]`` is (mean, std) over seeds, or None if never measured; ``variant``:
-    the suite variant the runs share (None: none)."""
+    """One condition's results: ``stats[metric]`` is (mean, std) over seeds (std None from one seed: no spread), or
+    None if never measured; ``variant``: the suite variant the runs share (None: none)."""
 
     condition: str
     n_seeds: int
@@ -62,7 +62,7 @@ def summarize(records: Sequence[dict]) -> list[Summary]:
         stats = {}
         for metric in metrics:
             values = [float(run[metric]) for run in runs if run.get(metric) is not None]
-            stats[metric] = ((statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0)
+            stats[metric] = ((statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None)
                              if values else None)
         summaries.append(Summary(condition, len(runs), stats, variant))
     return summaries
@@ -98,6 +98,13 @@ def _header(source: str, metric: str, up: str, down: str, labels: dict | None) -
     return f"{metric_title(metric, labels)} {arrow}" + (" (paper)" if source == "paper" else "")
 
 
+def stat_text(cell: tuple[float, float | None], plus_minus: str = " ± ", bold=str) -> str:
+    """``mean ± spread`` to 3 decimals (``bold`` applied to the mean); the mean alone when the spread is None (one
+    seed: no interval to show)."""
+    mean = bold(f"{cell[0]:.3f}")
+    return mean if cell[1] is None else f"{mean}{plus_minus}{cell[1]:.3f}"
+
+
 def _formatted_grid(summaries, include_paper, bold, plus_minus, up, down, missing, model, labels=None):
     """Header row and body rows of display strings, shared by Markdown and LaTeX."""
     columns = _columns(summaries, include_paper)
@@ -109,8 +116,7 @@ def _formatted_grid(summaries, include_paper, bold, plus_minus, up, down, missin
             if cell is None:
                 body[row].append(missing)
                 continue
-            mean = f"{cell[0]:.3f}"
-            body[row].append(f"{bold(mean) if row in best else mean}{plus_minus}{cell[1]:.3f}")
+            body[row].append(stat_text(cell, plus_minus, bold if row in best else str))
     for row, summary in enumerate(summaries):
         body[row].append(str(summary.n_seeds))
     return header, body

@@ -6,7 +6,7 @@ import logging
 from pathlib import Path
 
 from smf.errors import ConfigError
-from smf.options import ListAction
+from smf.options import ListAction, positive_int
 from smf.vocabulary import CONDITIONS, SPARSE_CONDITIONS
 
 logger = logging.getLogger(__name__)
@@ -31,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser, command: str = "suite") -> No
                         metavar="CONDITION", help="override the config's authors_update: the sparse conditions also "
                         "run with the authors' update (ablation_update.md), or 'none' for no ablation runs")
     parser.add_argument("--device", help="override the config's torch device (auto, cpu, cuda, cuda:1, ...)")
+    parser.add_argument("--threads", type=positive_int, metavar="N", help="override the config's threads: torch "
+                        "threads of the suite's process (default: the config's, else 1 for a small model, else "
+                        "torch's default)")
     parser.add_argument("--dry-run", action="store_true", help="list the runs and whether each is done; run none")
     parser.add_argument("--no-report", action="store_true", help="skip `smf report` at the end")
 
@@ -41,7 +44,7 @@ def overrides_from_args(args: argparse.Namespace) -> dict:
     suite no longer runs)."""
     from smf.suite.config import read_suite_file
 
-    overrides = {key: getattr(args, key) for key in ("output_dir", "seeds", "conditions", "device")
+    overrides = {key: getattr(args, key) for key in ("output_dir", "seeds", "conditions", "device", "threads")
                  if getattr(args, key) is not None}
     if args.authors_update is not None:
         if "none" in args.authors_update and len(args.authors_update) > 1:
@@ -59,13 +62,11 @@ def overrides_from_args(args: argparse.Namespace) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from smf.suite.config import load_suite_config
-    from smf.suite.plan import SuiteLayout, plan_runs
+    from smf.suite.dry_run import dry_run_lines
 
     config = load_suite_config(args.config, overrides_from_args(args))
     if args.dry_run:
-        layout = SuiteLayout(config.output_dir)
-        for planned in plan_runs(config):
-            print(f"{planned.name:<46} {'done' if layout.results_path(planned).is_file() else 'to do'}")
+        print("\n".join(dry_run_lines(config)))
         return 0
     from smf.report.suite_dir import write_suite_report  # imported after the config's checks: they fail in seconds
     from smf.suite.runner import run_suite

@@ -35,7 +35,7 @@ from smf.vocabulary import CONDITIONS, SPARSE_CONDITIONS, TASKS
 
 SUITE_OWNED = ("output_dir", "adapter", "background", "recipe", "mode", "rule", "seed", "resume", "max_steps",
                "model", "device", "protocol", "oasst_path", "medmcqa_path", "retrofit_data", "background_data",
-               "train_data")
+               "train_data", "threads")
 TRAIN_KEYS = tuple(name for name in OPTIONS if name not in SUITE_OWNED)
 # What a variant may set: the options of the sparse conditions' stages (retrofit, background, train) but the rate,
 # which its lr_sweep gives.
@@ -80,7 +80,7 @@ class SuiteConfig:
     # learning levels at which matched_learning.md reads each method's kept old knowledge off its sweep (needs
     # lr_sweep; smf.report.matched_learning)
     matched_learning: Annotated[tuple[Annotated[float, Field(gt=0, le=1)], ...], AsList, Distinct] = ()
-    threads: PositiveInt | None = None  # torch.set_num_threads for the suite's process (None: torch's default)
+    threads: PositiveInt | None = None  # torch threads of the suite's process (None: 1 for a small model, else torch's)
     # sparse conditions also run with count_reads: loss (only the positions the loss scores count towards the
     # selection), beside the config's count_reads: ablation_reads.md
     count_reads_ablation: Annotated[tuple[str, ...], AsList, Distinct] = ()

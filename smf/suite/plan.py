@@ -35,7 +35,7 @@ from smf.vocabulary import CONDITIONS, FINGERPRINT_SPELLINGS, RETROFIT_MODE, spl
 
 SUITE_CONFIG_FILE = "suite_config.json"
 # Options that say where a stage lives and runs, whether it resumed and how often it saved, not what it computes.
-IGNORED_OPTIONS = ("output_dir", "adapter", "background", "resume", "save_every", "device")
+IGNORED_OPTIONS = ("output_dir", "adapter", "background", "resume", "save_every", "device", "threads")
 
 
 @dataclass(frozen=True)

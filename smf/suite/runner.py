@@ -34,6 +34,7 @@ from smf.suite.plan import (Run, SuiteLayout, merged_plan, options_fingerprint, 
                             sparse_stage_dirs, stage_config)
 from smf.suite.science import prepare_science_inputs
 from smf.suite.status import write_status
+from smf.threads import use_threads
 from smf.train.background import collect_background
 from smf.train.checkpoint import CHECKPOINT_FILE, LOG_FILE
 from smf.train.config import RunConfig
@@ -229,8 +230,7 @@ class SuiteRunner:
         """Every planned run, skipping finished ones; returns their results in plan order."""
         runs = plan_runs(self.config)
         self.config.output_dir.mkdir(parents=True, exist_ok=True)
-        if self.config.threads is not None:
-            torch.set_num_threads(self.config.threads)
+        use_threads(self.config.threads, self.config.model)
         prepare_science_inputs(self.config)  # the world's files and the pretrained model, when configured
         recorded = self.record_plan()
         todo = len(self.pending())

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from smf.options import add_flags, only, shown_value
+from smf.threads import use_threads
 from smf.train.config import (OPTIONS, RECIPE_DEFAULTS, STAGE_COMMANDS, TINY_PRESET, RunConfig, build_config,
                               read_config_file, refuse_unused)
 
@@ -22,6 +23,7 @@ def run(args: argparse.Namespace) -> int:
     """Run ``args.command`` (retrofit, background or train) with the options in ``args``."""
     config = config_from_args(args, args.command)
     config = config.resolved(config.recipe if args.command == "train" else args.command)
+    use_threads(config.threads, config.model)
     if args.command == "background":
         from smf.train.background import collect_background as run_stage
     else:

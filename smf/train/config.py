@@ -144,6 +144,8 @@ class RunConfig:
     seed: Seed = option(0, "training seed (memory init, epoch order, dropout)", FIT)
     bf16: Literal["auto", "on", "off"] = option("auto", "bf16 autocast (auto: on if the CUDA device has bf16)", FIT)
     device: str = option("auto", "torch device: auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...", ALL)
+    threads: PositiveInt | None = option(None, "torch threads of this process", ALL,
+                                         shown="1 for a small model (tiny, or local of hidden size <= 256)")
     compile: bool = option(False, "torch.compile the model, mode reduce-overhead (CUDA graphs on a GPU); --recipe "
                            "sparse then selects the rows before (or, one micro-batch, in) the backward, a step "
                            "without graph breaks (one process)", FIT)

@@ -40,6 +40,7 @@ from smf.train.recipes import TrainingSetup, build_setup
 from smf.train.run_dir import RunFiles, claim_output_dir
 from smf.train.sharding import SHARDS_DIR, remove_stale_shards, save_memory_shards
 from smf.train.steps import bf16_autocast
+from smf.vocabulary import TINY_MODEL
 from smf_kernels.sharded import unsharded_memories
 
 logger = logging.getLogger(__name__)
@@ -129,16 +130,22 @@ DIAGNOSTIC_EXAMPLES = 32  # training examples the retrofit's memory diagnostics 
 
 
 def write_memory_diagnostics(model: nn.Module, features: list[dict], collator: CausalLMCollator,
-                             device: torch.device, path: Path) -> None:
+                             device: torch.device, path: Path, tiny: bool = False) -> None:
     """:func:`smf.model.memory_diagnostics` of the retrofit memories on the first :data:`DIAGNOSTIC_EXAMPLES`
-    training examples (warning when a memory is inert), written to ``path`` as JSON."""
+    training examples, written to ``path`` as JSON. An inert memory is warned about, except on the tiny model
+    (``tiny``), a random model retrofitted for seconds, whose memories are expected to be: one info line says so."""
     from smf.files import write_json_atomic
-    from smf.model.diagnostics import memory_diagnostics
+    from smf.model.diagnostics import memory_blocks, memory_diagnostics
 
     examples = features[:DIAGNOSTIC_EXAMPLES]
     batches = [collate(examples, list(range(start, min(start + 4, len(examples)))), collator, device)
                for start in range(0, len(examples), 4)]
-    diagnostics = memory_diagnostics(model, batches)
+    logger.info("memory diagnostics: each memory switched off in turn, on %d training examples (%d forwards)",
+                len(examples), len(batches) * (len(memory_blocks(model)) + 2))
+    diagnostics = memory_diagnostics(model, batches, warn=not tiny)
+    if tiny and diagnostics.inert_layers:
+        logger.info("the memories at layers %s are inert, as expected of the tiny preset (a random model "
+                    "retrofitted for seconds); on a real model this is a warning", diagnostics.inert_layers)
     write_json_atomic(path, diagnostics.to_dict())
     logger.info("memory diagnostics (%s) written to %s", "; ".join(
         f"layer {layer.layer}: alpha {layer.alpha}, KL off {layer.kl_off:.3g}, share {layer.branch_share:.3g}"
@@ -246,7 +253,7 @@ def _train(config: RunConfig, world: World, files: RunFiles) -> dict:
                 logger.info("saved the final %s artefact to %s", config.recipe, final_dir)
                 if config.recipe == "retrofit":
                     write_memory_diagnostics(setup.model, features, collator, world.device,
-                                             files.path(DIAGNOSTICS_FILE))
+                                             files.path(DIAGNOSTICS_FILE), tiny=config.model == TINY_MODEL)
         barrier(world)
     else:
         logger.info("stopped at step %d of %d (--max-steps); --resume continues the run", step, total_steps)

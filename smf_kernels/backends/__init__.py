@@ -80,6 +80,18 @@ def refresh() -> None:
     _load.cache_clear()
 
 
+def construction_error(name: str | None) -> str | None:
+    """Why ``backend=name`` can run on no device (an unknown name, or a module that cannot be imported: an
+    extension not built, Triton missing), else None; None is the automatic choice. Whether a backend runs on a
+    given device is checked when it runs (:func:`resolve_backend`)."""
+    if name is None:
+        return None
+    if name not in BACKENDS:
+        return f"unknown backend {name!r}; expected one of {BACKENDS} or None (automatic)"
+    module, reason = _load(name)
+    return None if module is not None else f"backend {name!r} could not be imported ({reason})"
+
+
 def unavailable_reason(name: str, device: torch.device | str) -> str | None:
     """None if backend ``name`` can run on ``device`` (a torch.device or a string such as "cpu"),
     else a human-readable reason."""

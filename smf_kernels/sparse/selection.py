@@ -8,26 +8,27 @@ depends on the data, so it reads one scalar back to the host; the only host sync
 """
 from __future__ import annotations
 
-import warnings
+import logging
 from collections.abc import Mapping
 
 import torch
 
 from smf_kernels._checks import check_tensor
 
+logger = logging.getLogger(__name__)
 RULES = ("tfidf", "kl")
 KL_EPS = 1e-8
 
 
 def warn_if_not_sparse(num_slots: Mapping[str, int], rows_per_step: int) -> None:
-    """Warn (UserWarning) when T = ``rows_per_step`` reaches the slot count of a memory (``num_slots``: layer
+    """Log a warning when T = ``rows_per_step`` reaches the slot count of a memory (``num_slots``: layer
     name -> n_keys ** 2): every row a step reads is then updated, so nothing is sparse."""
     full = {name or "<the model>": slots for name, slots in num_slots.items() if rows_per_step >= slots}
     if full:
-        warnings.warn(f"rows_per_step={rows_per_step} is not below the number of slots of {full}: every row a step "
-                      "reads is updated, so the update is not sparse. Pass a rows_per_step below the slot count "
-                      "(the paper: 512 of 16,384 slots per layer; the tiny preset: 32 of 256; `smf train "
-                      "--rows-per-step`)", UserWarning, stacklevel=3)
+        logger.warning("rows_per_step=%d is not below the number of slots of %s: every row a step reads is updated, "
+                       "so the update is not sparse. Pass a rows_per_step below the slot count (the paper: 512 of "
+                       "16,384 slots per layer; the tiny preset: 32 of 256; `smf train --rows-per-step`)",
+                       rows_per_step, full)
 
 
 def _check_counts(counts: torch.Tensor) -> None:

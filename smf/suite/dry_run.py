@@ -1,0 +1,72 @@
+"""``smf suite --dry-run``: what a suite would do, without doing it: the steps before the runs (the science
+preset's world and pretrained model), one line per planned run with its state, and the totals with a time
+estimate from the runs already finished."""
+from __future__ import annotations
+
+import statistics
+
+from smf.files import read_json_object
+from smf.suite.config import SuiteConfig
+from smf.suite.plan import SuiteLayout, plan_runs, run_hash
+
+
+def _pretraining_state(config: SuiteConfig) -> str:
+    """'done (N s)', 'to do' or 'to do (resumes its checkpoint)' for the pretraining of ``config``."""
+    from smf.data.world import WorldOptions
+    from smf.train.pretrain import MARKER, PretrainOptions, pretrain_fingerprint
+
+    directory = config.output_dir / "pretrain"
+    marker = directory / MARKER
+    if marker.is_file():
+        recorded = read_json_object(marker, "pretraining marker")
+        fingerprint = pretrain_fingerprint(WorldOptions.from_dict(config.world),
+                                           PretrainOptions.from_dict(config.pretrain))
+        if recorded.get("fingerprint") != fingerprint:
+            return "refused: it holds a model pretrained with other world or pretrain options"
+        return f"done ({recorded.get('seconds', 0):.0f} s)"
+    return "to do (resumes its checkpoint)" if directory.is_dir() and any(directory.iterdir()) else "to do"
+
+
+def _run_state(layout: SuiteLayout, config: SuiteConfig, run) -> tuple[str, float | None]:
+    """(state, wall seconds of a finished run) of a planned run."""
+    path = layout.results_path(run)
+    if not path.is_file():
+        return "to do", None
+    results = read_json_object(path, "suite results file")
+    if results.get("config_hash") != run_hash(config, run):
+        return "refused: written with other settings (delete it to recompute)", None
+    return "done", results.get("timing", {}).get("wall_s")
+
+
+def _duration(seconds: float) -> str:
+    minutes, seconds = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min" if hours else f"{minutes} min {seconds:02d} s"
+
+
+def dry_run_lines(config: SuiteConfig) -> list[str]:
+    """The lines ``smf suite --dry-run`` prints for ``config``."""
+    layout = SuiteLayout(config.output_dir)
+    runs = plan_runs(config)
+    lines = [f"suite {config.name}: {len(runs)} runs, seeds {', '.join(map(str, config.seeds))}, "
+             f"into {config.output_dir}"]
+    if config.pretrain:
+        lines.append(f"before the runs: the world (world/) and the model pretrained on it (pretrain/): "
+                     f"{_pretraining_state(config)}")
+    width = max(len(run.name) for run in runs)
+    lines.append(f"{'run':<{width}}  state")
+    states = [_run_state(layout, config, run) for run in runs]
+    lines += [f"{run.name:<{width}}  {state}" for run, (state, _) in zip(runs, states)]
+    done = [seconds for state, seconds in states if state == "done"]
+    todo = sum(state == "to do" for state, _ in states)
+    total = f"total: {len(runs)} runs, {len(done)} done, {todo} to do"
+    if len(done) + todo < len(runs):
+        total += f", {len(runs) - len(done) - todo} refused"
+    timed = [seconds for seconds in done if seconds is not None]
+    if todo and timed:
+        total += (f"; about {_duration(statistics.fmean(timed) * todo)} left at the finished runs' mean of "
+                  f"{statistics.fmean(timed):.0f} s per run on this machine (the first runs of a seed also train "
+                  "the stages later ones share)")
+    elif todo:
+        total += "; no time estimate before a run has finished (README and docs/*.md give measured times)"
+    return lines + [total]
