@@ -32,9 +32,9 @@ def run_config(root, recipe, micro_batch_size, adapter):
     return build_config("train", {}, options).resolved(recipe)
 
 
-def write_adapter_and_background(directory):
+def write_adapter_and_background(directory, mode="additive+s"):
     model = tiny_model()
-    attach_memories(model, TINY_MEMORY_LAYERS, "additive+s", **TINY_MEMORY_KWARGS)
+    attach_memories(model, TINY_MEMORY_LAYERS, mode, **TINY_MEMORY_KWARGS)
     model.config._name_or_path = "tiny"
     save_memory_adapter(model, directory)
     stats = BackgroundStats.for_memories(SparseMemoryController(model).memories)
