@@ -21,7 +21,6 @@ import logging
 from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -29,6 +28,7 @@ from smf.errors import ConfigError
 from smf.model import memory_blocks
 from smf.train.distributed import World
 from smf.train.steps import StepHooks
+from smf_kernels.fsdp import average_gradients
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +91,8 @@ class FSDPStep(StepHooks):
     trainable parameters outside FSDP that ``inner`` does not reduce itself are averaged over the processes (one
     all_reduce). Everything else is ``inner``'s."""
 
-    def __init__(self, inner: StepHooks, model: nn.Module, world: World) -> None:
-        self.inner, self.world = inner, world
+    def __init__(self, inner: StepHooks, model: nn.Module) -> None:
+        self.inner = inner
         reduced_by_inner = set(inner.ddp_ignored_names())
         self._replicated = [p for name, p in model.named_parameters() if p.requires_grad
                             and not isinstance(p, DTensor) and name not in reduced_by_inner]
@@ -111,13 +111,7 @@ class FSDPStep(StepHooks):
         self.inner.after_forward()
 
     def finish_step(self, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> None:
-        grads = [p.grad for p in self._replicated if p.grad is not None]
-        if grads:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat)
-            flat.div_(self.world.size)
-            for grad, part in zip(grads, flat.split([g.numel() for g in grads])):
-                grad.copy_(part.view_as(grad))
+        average_gradients(self._replicated)
         self.inner.finish_step(optimizer, max_grad_norm)
 
     def step_log(self) -> dict:

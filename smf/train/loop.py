@@ -180,7 +180,7 @@ def _train(config: RunConfig, world: World, files: RunFiles) -> dict:
     scheduler = cosine_schedule(setup.optimizer, config.warmup_steps, total_steps)
     if config.fsdp:
         shard_base_model(setup.model, setup.optimizer, world)
-        setup.step = FSDPStep(setup.step, setup.model, world)
+        setup.step = FSDPStep(setup.step, setup.model)
     wrapped = _wrap_for_ddp(setup, world)
     if config.compile:
         wrapped = torch.compile(wrapped, mode="reduce-overhead")
