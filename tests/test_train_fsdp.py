@@ -1,5 +1,5 @@
 """``smf train --fsdp`` with 2 gloo processes (the base model under FSDP2, the memories left out of it): sparse
-in each memory mode, LoRA and full finetuning end, loaded into one process (``smf.model.load_run``), with the
+in each memory mode (and with --shard-memories), LoRA and full finetuning end, loaded into one process (``smf.model.load_run``), with the
 weights of one process without FSDP on the same global batches, after the same losses and, for sparse, the
 same selected rows; a run killed after an optimizer step resumes from its consolidated checkpoint bit-identical
 to an unbroken one."""
@@ -27,7 +27,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 WORLD, KILL_AT = 2, 2
 MODES = ("additive", "additive+s", "replacement")
-RUNS = tuple(f"sparse-{mode}" for mode in MODES) + ("lora", "full")
+# sparse in each mode with replicated memories, additive+s with them split by columns too (--shard-memories)
+RUNS = tuple(f"sparse-{mode}" for mode in MODES) + ("sharded-additive+s", "lora", "full")
 # 2 steps of 4 examples; protocol clean (its loss does not depend on how a step is split into micro-batches);
 # no LoRA dropout (its random masks differ between 2 processes and 1)
 COMMON = {"preset": "tiny", "n_examples": 8, "global_batch_size": 4, "epochs": 1, "lr": 1e-2, "warmup_steps": 1,
@@ -35,7 +36,7 @@ COMMON = {"preset": "tiny", "n_examples": 8, "global_batch_size": 4, "epochs": 1
 
 
 def run_config(root, run, micro_batch_size, directory=None, **options):
-    recipe = run.split("-")[0]
+    recipe = "sparse" if run.startswith("sharded") else run.split("-")[0]
     options = {**COMMON, "recipe": recipe, "output_dir": str(root / (directory or run)),
                "micro_batch_size": micro_batch_size, **options}
     if recipe == "sparse":
@@ -53,7 +54,7 @@ def _worker(rank, init_file, root, job):
     try:
         if job == "runs":  # every run, then the one killed (last: the kill ends these processes)
             for run in RUNS:
-                train(run_config(root, run, 1, fsdp=True))
+                train(run_config(root, run, 1, fsdp=True, shard_memories=run.startswith("sharded")))
             import smf.train.loop as loop
 
             real_check = loop.check_finite
@@ -110,7 +111,7 @@ def test_fsdp_runs_match_one_process_and_load_into_one(runs, run):
             assert rel_err(got[name], tensor) < 1e-5, (run, name)
     assert rel_err(torch.cat([t.flatten() for t in got.values()]),
                    torch.cat([t.flatten() for t in expected.values()])) < 1e-6
-    if run.startswith("sparse"):  # the same rows moved, and only they
+    if run not in ("lora", "full"):  # the same rows moved, and only they
         initial = load_file(str(runs / f"adapter-{run.split('-', 1)[1]}" / ADAPTER_WEIGHTS))
         finals = [load_file(str(runs / name / "final" / ADAPTER_WEIGHTS)) for name in (run, f"single-{run}")]
         for name in (n for n in initial if n.endswith("values")):

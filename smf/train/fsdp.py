@@ -97,10 +97,6 @@ class FSDPStep(StepHooks):
         self._replicated = [p for name, p in model.named_parameters() if p.requires_grad
                             and not isinstance(p, DTensor) and name not in reduced_by_inner]
 
-    @property
-    def controller(self):
-        return self.inner.controller
-
     def ddp_ignored_names(self) -> list[str]:
         return self.inner.ddp_ignored_names()
 
