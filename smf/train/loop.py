@@ -246,8 +246,8 @@ def _train(config: RunConfig, world: World, files: RunFiles) -> dict:
                     save_checkpoint(checkpoint_path, step=step, model=setup.model, optimizer=setup.optimizer,
                                     scheduler=scheduler, rng_states=rng_states, run_options=config.to_dict(),
                                     shards=shards)
-                if shards is not None:
-                    remove_stale_shards(output_dir, shards)
+            if world.is_main and shards is not None:
+                remove_stale_shards(output_dir, shards)
             barrier(world)
     progress.close()
 
