@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 
 import torch
 from transformers import Trainer, TrainerCallback
 
+from smf_kernels.fsdp import average_gradients
 from smf_kernels.sparse import step_checks
 from smf_kernels.sparse.ablations import DenseMaskedUpdate
 from smf_kernels.sparse.controller import RowGradients, SparseMemoryController
@@ -97,6 +99,7 @@ class SparseMemoryTrainer(Trainer):
                              "checkpointing would re-run each forward in the backward and count them twice: leave "
                              "it off in TrainingArguments and call model.gradient_checkpointing_disable()")
         self.controller = controller
+        self._outside_fsdp = self._keep_out_of_fsdp2()
         self.sparse_max_grad_norm = self.args.max_grad_norm
         self.args = copy.copy(self.args)
         self.args.max_grad_norm = 0.0  # clipping happens in training_step, with the rows' compact gradients
@@ -107,6 +110,23 @@ class SparseMemoryTrainer(Trainer):
         self._total_rows = sum(memory.num_slots for memory in controller.memories.values())
         self._rows_since_log, self._steps_since_log = 0, 0
         self.add_callback(_ApplyRowGradients(self))
+
+    def _keep_out_of_fsdp2(self) -> list[torch.nn.Parameter]:
+        """Under accelerate's FSDP2: the memories and every trainable parameter (the values; ``alpha``, a scalar
+        FSDP2 cannot shard) join the plugin's ignored modules, so they stay plain tensors on every rank; returns
+        the trainable ones other than the values, whose gradients :meth:`_end_smf_step` averages over the ranks
+        (the controller averages the rows'). Elsewhere: [] (DDP reduces them)."""
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+        if plugin is None or getattr(plugin, "fsdp_version", 1) != 2:
+            return []
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        kept = {p for memory in self.controller.memories.values() for p in memory.parameters()} | set(trainable)
+        ignored = plugin.ignored_modules or []
+        if isinstance(ignored, str):  # accelerate's regex over module names
+            ignored = [module for name, module in self.model.named_modules() if re.fullmatch(ignored, name)]
+        plugin.ignored_modules = [*ignored, torch.nn.ParameterList(list(kept))]
+        values = {id(p) for p in self.controller.value_parameters()}
+        return [p for p in trainable if id(p) not in values]
 
     def create_optimizer(self, model=None):
         if self.optimizer is None:
@@ -130,6 +150,7 @@ class SparseMemoryTrainer(Trainer):
         return loss
 
     def _end_smf_step(self) -> None:
+        average_gradients(self._outside_fsdp)
         gradients = self.controller.end_step()
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         bad = gradients.nonfinite(params)

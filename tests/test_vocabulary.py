@@ -86,5 +86,5 @@ def test_conditions_and_layer_checks():
 def test_options_added_later_keep_old_fingerprints_at_their_old_behaviour():
     old = hashlib.sha256(json.dumps({"lr": 0.1}, sort_keys=True).encode()).hexdigest()[:16]
     assert options_fingerprint({"lr": 0.1, "count_reads": "all", "loss_on": "all", "train_data": None,
-                                "batch_size": 1}) == old
+                                "batch_size": 1, "fsdp": False}) == old
     assert options_fingerprint({"lr": 0.1, "count_reads": "loss"}) != old

@@ -218,7 +218,7 @@ def _digest(obj) -> str:
 # Options added after suites were first fingerprinted, with the value that computes what was computed before they
 # existed: left out of the fingerprint at that value, so suite directories written before them still match.
 LATER_OPTIONS = {"retrofit_data": None, "background_data": None, "train_data": None, "loss_on": "all",
-                 "count_reads": "all", "batch_size": 1, "row_optimizer": "adamw", "alpha_lr": None}
+                 "count_reads": "all", "batch_size": 1, "row_optimizer": "adamw", "alpha_lr": None, "fsdp": False}
 
 
 def options_fingerprint(options: dict) -> str:

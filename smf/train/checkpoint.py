@@ -4,6 +4,8 @@
 (by name in the unwrapped model), the optimizer and scheduler states, the RNG states of python,
 numpy and torch (CPU and CUDA) of every rank, and the step (which fixes the data position, see
 :mod:`smf.train.data`). Frozen parameters are rebuilt from the base model / adapter on resume.
+Parameters sharded by FSDP2 (``--fsdp``) are saved whole, as one process saves them
+(:func:`smf.train.fsdp.consolidated`), and each rank takes its part back on resume.
 Memories split over the processes (``--shard-memories``) keep their value columns and the optimizer
 state split like them in one file per rank, which ``checkpoint.pt`` names (:mod:`smf.train.sharding`).
 The file is written to a temporary name, synced and renamed over the old one, so a crash while
@@ -27,6 +29,7 @@ from torch import nn
 
 from smf.errors import ConfigError
 from smf.files import write_atomic, write_text_atomic
+from smf.train.fsdp import local_part, local_part_of, shard_optimizer_state
 from smf.train.sharding import load_memory_shards
 from smf_kernels.sharded.checkpoint import replicated_optimizer_state, sharded_parameters
 
@@ -166,13 +169,14 @@ def load_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim.Opti
             load_memory_shards(path.parent, state["shards"], model, optimizer, state["optimizer"])
         else:
             optimizer.load_state_dict(state["optimizer"])
+            shard_optimizer_state(optimizer)  # whole moments of FSDP-sharded parameters -> this rank's part
         scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"][rank % saved_world])
     except (KeyError, ValueError, TypeError, IndexError, RuntimeError) as err:
         raise ConfigError(f"{path}: its optimizer, scheduler or RNG state does not fit this run: {err}") from err
     with torch.no_grad():
         for name, param in params.items():
-            param.copy_(state["trainable"][name])
+            local_part_of(param).copy_(local_part(state["trainable"][name], param))
     return int(state["step"])
 
 

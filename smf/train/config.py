@@ -99,6 +99,9 @@ class RunConfig:
     shard_memories: bool = option(False, "split every memory's value table and its optimizer state by columns over the "
                                   "torchrun processes, for memories larger than one device (retrofit, --recipe "
                                   "sparse; docs/sharding.md)", FIT)
+    fsdp: bool = option(False, "shard the base model (decoder layers, embeddings) and its optimizer state over the "
+                        "torchrun processes with FSDP2; the memories stay out of it, replicated or split by "
+                        "--shard-memories (docs/sharding.md#the-base-model-under-fsdp2)", TRAIN)
     # LoRA
     lora_r: PositiveInt = option(16, "LoRA rank (--recipe lora)", TRAIN)
     lora_alpha: PositiveInt = option(32, "LoRA alpha (--recipe lora)", TRAIN)
@@ -379,6 +382,9 @@ def build_config(command: str, file_options: dict, cli_options: dict) -> RunConf
     if config.shard_memories and command == "train" and (not sparse or config.update == "authors"):
         raise ConfigError(f"--shard-memories splits the memories of retrofit and --recipe sparse runs, not of --recipe "
                           f"{config.recipe}{' --update authors (one process)' if sparse else ''}")
+    if command == "train" and config.fsdp and config.compile:
+        raise ConfigError("--fsdp is not available with --compile (the compiled step is not written for FSDP2's "
+                          "hooks); drop one of them")
     if command == "train" and config.count_reads == "loss" and config.compile:
         raise ConfigError("--count-reads loss is not available with --compile (its mask is set by a forward hook); "
                           "drop one of them")

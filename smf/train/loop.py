@@ -36,6 +36,7 @@ from smf.train.checkpoint import CHECKPOINT_FILE, LOG_FILE, load_checkpoint, rng
 from smf.train.config import RunConfig
 from smf.train.data import StepPlan, check_own_rows, collate, target_tokens, training_features
 from smf.train.distributed import World, all_reduce_sum, barrier, gather_objects, setup_distributed
+from smf.train.fsdp import FSDPStep, check_fsdp_world, consolidated, local_part_of, set_gradient_sync, shard_base_model
 from smf.train.recipes import TrainingSetup, build_setup
 from smf.train.run_dir import RunFiles, claim_output_dir
 from smf.train.sharding import SHARDS_DIR, remove_stale_shards, save_memory_shards
@@ -68,10 +69,15 @@ def summed_token_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def check_finite(setup: TrainingSetup, step: int) -> None:
-    """ConfigError if a trainable parameter holds inf or NaN after optimizer step ``step`` (the run diverged)."""
-    for name, param in setup.trainable_parameters().items():
-        if not bool(torch.isfinite(param).all()):
+def check_finite(setup: TrainingSetup, step: int, world: World) -> None:
+    """ConfigError if a trainable parameter holds inf or NaN after optimizer step ``step`` (the run diverged).
+    Under FSDP every rank checks its part and the ranks agree (one all_reduce), so all of them raise."""
+    named = setup.trainable_parameters()
+    bad = torch.stack([~torch.isfinite(local_part_of(p)).all() for p in named.values()]).int()
+    if isinstance(setup.step, FSDPStep):
+        all_reduce_sum(bad, world)
+    for name, flag in zip(named, bad.tolist()):
+        if flag:
             raise ConfigError(f"training diverged: after step {step} {name} holds non-finite values; lower --lr or "
                               "--max-grad-norm")
 
@@ -80,6 +86,8 @@ def _wrap_for_ddp(setup: TrainingSetup, world: World) -> nn.Module:
     """DDP over the parameters DDP should reduce (not those the recipe's step reduces itself)."""
     if world.size == 1:
         return setup.model
+    if isinstance(setup.step, FSDPStep):
+        return setup.model  # the base model is under FSDP2, the rest reduced by the step (smf.train.fsdp)
     ignored = setup.step.ddp_ignored_names()
     if not any(p.requires_grad for name, p in setup.model.named_parameters() if name not in ignored):
         return setup.model  # only memory values train: nothing left for DDP
@@ -100,6 +108,8 @@ def run_step(wrapped: nn.Module, setup: TrainingSetup, scheduler, micro_batches:
         last = index == len(micro_batches) - 1
         no_sync = wrapped.no_sync() if isinstance(wrapped, nn.parallel.DistributedDataParallel) and not last \
             else contextlib.nullcontext()
+        if isinstance(setup.step, FSDPStep):
+            set_gradient_sync(setup.model, last)
         tokens = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum()) if per_micro_batch else num_tokens
         with no_sync:
             with autocast():
@@ -165,6 +175,8 @@ def train(config: RunConfig) -> dict:
 
 
 def _train(config: RunConfig, world: World, files: RunFiles) -> dict:
+    if config.fsdp:
+        check_fsdp_world(world)
     _prepare_output_dir(config, world, files)
     output_dir = Path(config.output_dir)
     logger.info("run options: %s", json.dumps(config.to_dict()))
@@ -175,6 +187,9 @@ def _train(config: RunConfig, world: World, files: RunFiles) -> dict:
                     config.seed)
     total_steps = plan.steps_per_epoch * config.epochs
     scheduler = cosine_schedule(setup.optimizer, config.warmup_steps, total_steps)
+    if config.fsdp:
+        shard_base_model(setup.model, setup.optimizer, world)
+        setup.step = FSDPStep(setup.step, setup.model)
     wrapped = _wrap_for_ddp(setup, world)
     if config.compile:
         wrapped = torch.compile(wrapped, mode="reduce-overhead")
@@ -231,23 +246,26 @@ def _train(config: RunConfig, world: World, files: RunFiles) -> dict:
             progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{seen_tokens / elapsed:.0f}")
             progress.update(1)
         if step % config.save_every == 0 or step == stop:
-            check_finite(setup, step)  # never a checkpoint (or final artefact) of non-finite weights
+            check_finite(setup, step, world)  # never a checkpoint (or final artefact) of non-finite weights
             rng_states = gather_objects(rng_state(), world)
             files.path(SHARDS_DIR)  # this run's, if it creates it
             shards = save_memory_shards(output_dir, step, setup.model, setup.optimizer, world)  # None: unsharded
-            if world.is_main:
-                save_checkpoint(checkpoint_path, step=step, model=setup.model, optimizer=setup.optimizer,
-                                scheduler=scheduler, rng_states=rng_states, run_options=config.to_dict(),
-                                shards=shards)
-                if shards is not None:
-                    remove_stale_shards(output_dir, shards)
+            with consolidated(setup.model, setup.optimizer, world):  # whole FSDP tensors on rank 0
+                if world.is_main:
+                    save_checkpoint(checkpoint_path, step=step, model=setup.model, optimizer=setup.optimizer,
+                                    scheduler=scheduler, rng_states=rng_states, run_options=config.to_dict(),
+                                    shards=shards)
+            if world.is_main and shards is not None:
+                remove_stale_shards(output_dir, shards)
             barrier(world)
     progress.close()
 
     final_dir = None
     if step == total_steps:
         final_dir = files.path(FINAL_DIR)
-        with unsharded_memories(setup.model):  # rank 0 holds whole copies of sharded memories meanwhile
+        # rank 0 holds whole copies of sharded memories and of the FSDP-sharded parameters it saves meanwhile
+        with unsharded_memories(setup.model), consolidated(setup.model, None, world,
+                                                           trainable_only=config.recipe != "full"):
             if world.is_main:
                 save_final(setup.model, setup.tokenizer, config.recipe, final_dir)
                 logger.info("saved the final %s artefact to %s", config.recipe, final_dir)

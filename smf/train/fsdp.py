@@ -1,0 +1,194 @@
+"""``--fsdp``: the base model under FSDP2 (``torch.distributed.fsdp.fully_shard``), the memories left out of it
+(docs/sharding.md#the-base-model-under-fsdp2).
+
+- :func:`shard_base_model` wraps every decoder layer (the classes a transformers model names in
+  ``_no_split_modules``), the input embeddings (unless tied to the output head, which then shares the root's
+  group) and the model with ``fully_shard`` over all processes. Every memory parameter (the memory modules
+  and ``alpha``) is passed as ``ignored_params``: it stays a plain tensor, replicated (or column-sharded by
+  ``--shard-memories``), so the row selection, the row-sparse update and its exactness are those of DDP.
+- :class:`FSDPStep` wraps a recipe's step: FSDP reduce-scatters (averages) the gradients of the parameters it
+  shards; the trainable parameters it leaves alone are averaged here, as DDP would, unless the step reduces
+  them itself (the controller's value rows, a column shard's values). Clipping then takes the norm of every
+  gradient, FSDP's shards included (a shard's squared norm is summed over the ranks).
+- Checkpoints are consolidated: :func:`consolidated` lets rank 0 see the whole tensors of the sharded
+  parameters and their optimizer state, so ``checkpoint.pt`` and ``final/`` are those a single process
+  writes; :func:`local_part` and :func:`shard_optimizer_state` give each rank its part back on resume.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from smf.errors import ConfigError
+from smf.model import memory_blocks
+from smf.train.distributed import World
+from smf.train.steps import StepHooks
+from smf_kernels.fsdp import average_gradients
+
+logger = logging.getLogger(__name__)
+
+
+def memory_parameters(model: nn.Module) -> set[nn.Parameter]:
+    """Every parameter of the memory blocks' memories and their ``alpha``: what FSDP must leave alone."""
+    params = set()
+    for block in memory_blocks(model):
+        params.update(block.memory.parameters())
+        if block.alpha is not None:
+            params.add(block.alpha)
+    return params
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` whose class a transformers model (also inside a peft wrapper) names in its
+    ``_no_split_modules``: its decoder layers. ConfigError when there are none."""
+    classes = {name for module in model.modules() for name in (getattr(module, "_no_split_modules", None) or ())}
+    layers = [module for module in model.modules() if type(module).__name__ in classes]
+    if not layers:
+        raise ConfigError(f"--fsdp: {type(model).__name__} names no decoder-layer class (_no_split_modules) to shard")
+    return layers
+
+
+def shard_base_model(model: nn.Module, optimizer: torch.optim.Optimizer, world: World) -> None:
+    """``fully_shard`` the decoder layers, the untied input embeddings and ``model`` over all ``world`` processes,
+    the memories left out (see the module docstring), and point ``optimizer`` (built on the model, no state yet)
+    at the sharded parameters that replace the model's. Collective."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if optimizer.state:
+        raise RuntimeError("shard_base_model: the optimizer already holds state; shard before the first step")
+    names = {id(param): name for name, param in model.named_parameters()}
+    mesh = init_device_mesh(world.device.type, (world.size,))
+    ignored = memory_parameters(model)
+    layers = decoder_layers(model)
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, ignored_params=ignored)
+    embeddings = model.get_input_embeddings()
+    output = model.get_output_embeddings()
+    tied = output is not None and output.weight is embeddings.weight
+    if not tied:
+        fully_shard(embeddings, mesh=mesh, ignored_params=ignored)
+    fully_shard(model, mesh=mesh, ignored_params=ignored)
+    sharded = dict(model.named_parameters())
+    for group in optimizer.param_groups:
+        group["params"] = [sharded[names[id(param)]] for param in group["params"]]
+    logger.info("--fsdp: %d decoder layers%s and the rest of the base model sharded over %d processes; %d memory "
+                "parameters left out", len(layers), "" if tied else ", the embeddings", world.size, len(ignored))
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Whether the next backward reduce-scatters FSDP's gradients (off for all but a step's last micro-batch)."""
+    model.set_requires_gradient_sync(enabled)
+
+
+class FSDPStep(StepHooks):
+    """``inner`` (a recipe's step) on a model under FSDP2: before ``inner`` clips and steps, the gradients of the
+    trainable parameters outside FSDP that ``inner`` does not reduce itself are averaged over the processes (one
+    all_reduce). Everything else is ``inner``'s."""
+
+    def __init__(self, inner: StepHooks, model: nn.Module) -> None:
+        self.inner = inner
+        reduced_by_inner = set(inner.ddp_ignored_names())
+        self._replicated = [p for name, p in model.named_parameters() if p.requires_grad
+                            and not isinstance(p, DTensor) and name not in reduced_by_inner]
+
+    def ddp_ignored_names(self) -> list[str]:
+        return self.inner.ddp_ignored_names()
+
+    def begin_step(self, model: nn.Module, micro_batches: list[dict]) -> None:
+        self.inner.begin_step(model, micro_batches)
+
+    def after_forward(self) -> None:
+        self.inner.after_forward()
+
+    def finish_step(self, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> None:
+        average_gradients(self._replicated)
+        self.inner.finish_step(optimizer, max_grad_norm)
+
+    def step_log(self) -> dict:
+        return self.inner.step_log()
+
+
+def local_part_of(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor``: a DTensor's local shard, else ``tensor`` itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _full(tensor: torch.Tensor, keep: bool) -> torch.Tensor | None:
+    """The whole of DTensor ``tensor`` on the CPU where ``keep``, else None (collective: every rank calls it)."""
+    whole = tensor.full_tensor()
+    return whole.cpu() if keep else None
+
+
+@contextlib.contextmanager
+def consolidated(model: nn.Module, optimizer: torch.optim.Optimizer | None, world: World,
+                 trainable_only: bool = True) -> Iterator[None]:
+    """Within the block, rank 0's ``model`` holds plain whole (CPU) tensors in place of its FSDP-sharded
+    parameters (the trainable ones, or all of them), and ``optimizer`` the whole state of those parameters; the
+    other ranks are unchanged. Collective: every rank enters it. Everything is put back afterwards."""
+    keep = world.is_main
+    swapped_params: list[tuple[nn.Module, str, nn.Parameter]] = []
+    swapped_state: list[tuple[nn.Parameter, dict]] = []
+    try:
+        whole: dict[int, nn.Parameter] = {}
+        for module in model.modules():
+            for name, param in list(module._parameters.items()):
+                if not isinstance(param, DTensor) or (trainable_only and not param.requires_grad):
+                    continue
+                if id(param) not in whole:  # a tied parameter is gathered once and stays tied
+                    full = _full(param.detach(), keep)
+                    whole[id(param)] = None if full is None else nn.Parameter(full, requires_grad=param.requires_grad)
+                if keep:
+                    module._parameters[name] = whole[id(param)]
+                    swapped_params.append((module, name, param))
+        if optimizer is not None:
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    state = optimizer.state.get(param)
+                    if not isinstance(param, DTensor) or not state:
+                        continue
+                    full = {key: _full(value, keep) if isinstance(value, DTensor) else value
+                            for key, value in state.items()}
+                    if keep:
+                        swapped_state.append((param, state))
+                        optimizer.state[param] = full
+        yield
+    finally:
+        for module, name, param in swapped_params:
+            module._parameters[name] = param
+        for param, state in swapped_state:
+            optimizer.state[param] = state
+
+
+def local_part(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``whole`` (a checkpoint's whole tensor) as DTensor ``like`` holds it; ``whole`` itself
+    when ``like`` is a plain tensor."""
+    if not isinstance(like, DTensor):
+        return whole
+    return distribute_tensor(whole.to(like.device), like.device_mesh, like.placements, src_data_rank=None).to_local()
+
+
+def shard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """After ``optimizer.load_state_dict`` of a consolidated state: the state of each DTensor parameter that
+    loaded as a whole plain tensor of its shape becomes a DTensor laid out like the parameter."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if not isinstance(param, DTensor):
+                continue
+            state = optimizer.state.get(param, {})
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == param.shape:
+                    state[key] = distribute_tensor(value.to(param.device), param.device_mesh, param.placements,
+                                                   src_data_rank=None)
+
+
+def check_fsdp_world(world: World) -> None:
+    """ConfigError when ``--fsdp`` runs in one process (there is nothing to shard over)."""
+    if world.size == 1:
+        raise ConfigError("--fsdp shards the base model over the torchrun processes; this run has one process "
+                          "(launch it with torchrun --nproc-per-node N, N >= 2, or drop --fsdp)")

@@ -1,0 +1,23 @@
+"""Run a script (argv[1:]) under ``accelerate launch --config_file docs/accelerate/fsdp2.yaml`` on CPU with FSDP2:
+accelerate enables FSDP only on accelerators (its AcceleratorState leaves a CPU job MULTI_CPU, i.e. DDP), so every
+Trainer's accelerator is switched to FSDP with the plugin that accelerate launch's environment describes (the
+config file's fsdp_config). Test-only: tests/test_hf_fsdp2.py."""
+import runpy
+import sys
+
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from transformers import Trainer
+
+_create_accelerator = Trainer.create_accelerator_and_postprocess
+
+
+def _with_fsdp2(self):
+    _create_accelerator(self)
+    self.accelerator.state.distributed_type = DistributedType.FSDP
+    self.accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()  # from accelerate launch's FSDP_* env
+    self.is_fsdp_enabled = True
+
+
+Trainer.create_accelerator_and_postprocess = _with_fsdp2
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
