@@ -178,6 +178,10 @@ def test_locality_suite_end_to_end(tmp_path, monkeypatch):
     from smf.suite.locality_diagnostics import compute_locality
 
     assert compute_locality(config, list(results.values()), root) == measured
+    older = json.loads((root / "locality.json").read_text())
+    (root / "locality.json").write_text(json.dumps({"runs": older["runs"]}))  # a cache of an older version
+    with pytest.raises(AssertionError, match="recomputed"):  # is measured again, not read with missing fields
+        compute_locality(config, list(results.values()), root)
 
 
 def test_question_reads_weigh_each_real_token_and_head_once(tmp_path):

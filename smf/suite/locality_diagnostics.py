@@ -34,6 +34,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 LOCALITY_JSON, LOCALITY_MD = "locality.json", "locality.md"
+CACHE_VERSION = 2  # bumped when a run's measurements gain or change a field: older caches are measured again
 QUARTILES = 4
 
 
@@ -240,7 +241,8 @@ def compute_locality(config, results: list[dict], root: Path) -> dict:
 
     layout, device = SuiteLayout(root), pick_device(config.device)
     path = root / LOCALITY_JSON
-    cache = json.loads(path.read_text(encoding="utf-8")).get("runs", {}) if path.is_file() else {}
+    saved = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    cache = saved.get("runs", {}) if saved.get("version") == CACHE_VERSION else {}
     retrofits: dict = {}  # per world (per seed with base_per_seed)
     measured = {}
     for result in results:
@@ -263,7 +265,7 @@ def compute_locality(config, results: list[dict], root: Path) -> dict:
                               "metrics": result["metrics"],
                               **run_locality(before, _values(model), reads, correct_before, correct_after)}
         del model
-    path.write_text(json.dumps({"runs": measured}, indent=1) + "\n", encoding="utf-8")
+    path.write_text(json.dumps({"version": CACHE_VERSION, "runs": measured}, indent=1) + "\n", encoding="utf-8")
     return measured
 
 
