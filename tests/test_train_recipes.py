@@ -308,12 +308,13 @@ def test_a_run_that_diverges_fails_clearly(tmp_path, lr, message, checkpoint):
 
 
 def test_no_checkpoint_holds_non_finite_weights(tmp_path):
-    setup = build_setup(tiny_run_config(tmp_path, "train", "lora"), World(0, 1, torch.device("cpu")))
-    loop.check_finite(setup, 3)
+    world = World(0, 1, torch.device("cpu"))
+    setup = build_setup(tiny_run_config(tmp_path, "train", "lora"), world)
+    loop.check_finite(setup, 3, world)
     with torch.no_grad():
         next(iter(setup.trainable_parameters().values()))[0] = float("nan")
     with pytest.raises(ConfigError, match="training diverged: after step 3 .* holds non-finite values"):
-        loop.check_finite(setup, 3)
+        loop.check_finite(setup, 3, world)
 
 
 def test_a_non_finite_gradient_stops_a_sparse_run_with_one_line_and_moves_nothing(tmp_path):
