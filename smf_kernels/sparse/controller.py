@@ -44,7 +44,7 @@ from smf_kernels.sharded.layout import gradient_copies, is_split, shard_of
 from smf_kernels.sparse import step_checks
 from smf_kernels.sparse.background import BackgroundStats
 from smf_kernels.sparse.background_collection import collect_background
-from smf_kernels.sparse.clipping import norm_and_clip_coefficient
+from smf_kernels.sparse.clipping import check_max_norm, norm_and_clip_coefficient
 from smf_kernels.sparse.row_grad_sink import RowGradSink
 from smf_kernels.sparse.selection import RULES, score_slots, select_rows_padded, warn_if_not_sparse
 
@@ -79,7 +79,9 @@ class RowGradients:
     def clip_(self, parameters: Iterable[torch.Tensor], max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(total norm, clipping coefficient) of the gradients of ``parameters`` together with the rows' (a
         sharded table's shard counting as the whole table); the parameters' gradients are scaled in place, the
-        rows' are not: pass the coefficient to :meth:`apply` (the update's second phase)."""
+        rows' are not: pass the coefficient to :meth:`apply` (the update's second phase). ``max_norm``: a number
+        > 0 (inf: no clipping); NaN, a negative or a non-number is refused before anything is scaled."""
+        max_norm = check_max_norm(max_norm)
         with_grad = [p for p in parameters if p.grad is not None]
         if any(p.grad.is_sparse for p in with_grad):
             raise RuntimeError("a sparse .grad in a sparse step: the exact update keeps the rows' gradient compact")
@@ -203,18 +205,21 @@ class SparseMemoryController:
                 raise step_checks.gradient_from_outside(f"{name}.values")
         self._sinks = {}
         for name, memory in self.memories.items():
-            values = memory.values
-            chooser = None
-            if select_before_backward:
-                self._background_tensors(name, values.device)  # made now: a backward that selects mutates nothing
-                chooser = self._chooser(name)
-            self._sinks[name] = RowGradSink(values, min(self.rows_per_step, values.shape[0]),
-                                            keep_reads=not select_before_backward, chooser=chooser)
+            self._sinks[name] = self._make_sink(name, memory.values, select_before_backward)
             memory.reset_read_counts()
             memory.set_read_counting(True)
             memory.set_update_rows(self._sinks[name])
         self._selected = False
         self._in_step = True
+
+    def _make_sink(self, name: str, values: nn.Parameter, select_before_backward: bool) -> RowGradSink:
+        """Where layer ``name``'s backwards put their value gradient this step (the ablations keep it dense)."""
+        chooser = None
+        if select_before_backward:
+            self._background_tensors(name, values.device)  # made now: a backward that selects mutates nothing
+            chooser = self._chooser(name)
+        return RowGradSink(values, min(self.rows_per_step, values.shape[0]), keep_reads=not select_before_backward,
+                           chooser=chooser)
 
     def _chooser(self, name: str) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
         def choose() -> tuple[torch.Tensor, torch.Tensor]:
@@ -278,6 +283,7 @@ class SparseMemoryController:
         self._check_can_end("end_step")
         kept = any(sink.keep_reads for sink in self._sinks.values())
         counts = self._step_counts() if kept else None
+        reached = self._reached()
         tables = {}
         for name, memory in self.memories.items():
             values, sink = memory.values, self._sinks[name]
@@ -286,6 +292,7 @@ class SparseMemoryController:
                 sink.fill(values, rows, valid)
             else:  # the rows the backwards used (set by select_rows, or chosen by the backward from the counts)
                 rows, valid = sink.selection()
+            valid = valid & reached[name]  # no backward reached the table: none of its rows moves
             tables[name] = (values, rows, self._average_over_ranks(values, sink.grad), valid)
         self._close()
         return RowGradients(tables, {id(p): n for n, p in self.model.named_parameters()}, self.process_group,
@@ -303,6 +310,7 @@ class SparseMemoryController:
             layer name -> (T',) int64 selected rows (ascending), T' = min(T, #read); empty rows for every layer
             when the step was skipped (``nonfinite="skip"``).
         """
+        max_grad_norm = None if max_grad_norm is None else check_max_norm(max_grad_norm)
         self._check_can_end("finish_step")
         if not hasattr(optimizer, "step_rows"):
             raise TypeError("the sparse update needs an optimizer with step_rows (RowSparseAdamW or RowSparseSGD), "
@@ -324,6 +332,14 @@ class SparseMemoryController:
         gradients.apply(optimizer, grad_scale=coef)
         optimizer.zero_grad(set_to_none=True)
         return gradients.selected
+
+    def _reached(self) -> dict[str, torch.Tensor]:
+        """Layer -> 0-d bool: whether a backward of the step reached its table on any rank (one all_reduce when
+        there are several ranks, so that every rank keeps or drops the same rows; no host sync)."""
+        names = list(self._sinks)
+        flags = torch.stack([self._sinks[name].reached for name in names]).to(torch.int32)
+        self._all_reduce_sum(flags)
+        return dict(zip(names, (flags > 0).unbind()))
 
     def _check_can_end(self, method: str) -> None:
         if not self._in_step:
