@@ -23,7 +23,7 @@ from smf.options import (OPTIONS_CONFIG, AsList, Distinct, Seed, checked, choice
                          read_file, takes)
 from smf.train.config import (CONFIGS, OPTIONS, STAGE_COMMANDS, RunConfig, build_config, checked_options,
                               migrate_update_options)
-from smf.vocabulary import CONDITIONS, SPARSE_CONDITIONS, TASKS
+from smf.vocabulary import CONDITIONS, SPARSE_CONDITIONS, TASKS, condition_recipe
 
 SUITE_OWNED = ("output_dir", "adapter", "background", "recipe", "mode", "rule", "seed", "resume", "max_steps",
                "model", "device", "protocol", "oasst_path", "medmcqa_path", "retrofit_data", "background_data",
@@ -77,8 +77,6 @@ class SuiteConfig:
     @field_validator("lr_sweep")
     @classmethod
     def _equal_sweeps(cls, sweep: dict, info: ValidationInfo) -> dict:
-        from smf.suite.plan import condition_recipe
-
         trained = sorted({condition_recipe(c) for c in info.data.get("conditions", ()) if c != "base"})
         for recipe, rates in sweep.items():
             if recipe not in ("sparse", "lora", "full"):

@@ -93,6 +93,26 @@ class RowGradients:
             param.grad.mul_(coef.to(param.grad.dtype))
         return total, coef
 
+    def check_and_clip(self, parameters: Iterable[torch.Tensor], max_grad_norm: float | None, nonfinite: str
+                       ) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+        """The first half of every sparse step's finish (then the optimizer steps the other parameters and
+        :meth:`apply` the rows): check every gradient of the step for inf / NaN and clip them all to
+        ``max_grad_norm`` (None: no clipping) with the rows in the norm.
+
+        Returns (total norm, clipping coefficient for :meth:`apply`), both None without clipping; None when a
+        gradient is non-finite and ``nonfinite`` is "skip": the gradients of ``parameters`` are then dropped
+        (set to None) and nothing may step. With "raise" they are dropped and
+        :class:`~smf_kernels.sparse.step_checks.NonFiniteGradientError` raised.
+        """
+        params = list(parameters)
+        bad = self.nonfinite(params)
+        if bad:
+            for param in params:
+                param.grad = None
+            step_checks.handle_nonfinite(bad, nonfinite)
+            return None
+        return (None, None) if max_grad_norm is None else self.clip_(params, max_grad_norm)
+
     def apply(self, optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor | None = None) -> None:
         """Update each layer's selected rows (their gradient times ``grad_scale``, e.g. a clipping coefficient)
         with ``optimizer``, a :class:`RowSparseAdamW` or :class:`RowSparseSGD` holding the values."""
@@ -321,15 +341,12 @@ class SparseMemoryController:
             raise ValueError(f"the optimizer does not hold {', '.join(missing)}")
         gradients = self.end_step()
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        bad = gradients.nonfinite(params)
-        if bad:
-            optimizer.zero_grad(set_to_none=True)
-            step_checks.handle_nonfinite(bad, self.nonfinite)
+        clipped = gradients.check_and_clip(params, max_grad_norm, self.nonfinite)
+        if clipped is None:
             self.skipped_steps += 1
             return {name: rows[:0] for name, rows in gradients.selected.items()}
-        coef = None if max_grad_norm is None else gradients.clip_(params, max_grad_norm)[1]
         optimizer.step()  # the parameters with a .grad (e.g. alpha); the values have none
-        gradients.apply(optimizer, grad_scale=coef)
+        gradients.apply(optimizer, grad_scale=clipped[1])
         optimizer.zero_grad(set_to_none=True)
         return gradients.selected
 
