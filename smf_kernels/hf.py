@@ -22,7 +22,6 @@ import logging
 import torch
 from transformers import Trainer, TrainerCallback
 
-from smf_kernels.sparse.ablations import DenseMaskedUpdate
 from smf_kernels.sparse.controller import RowGradients, SparseMemoryController
 from smf_kernels.sparse.fill import Fill, plan_fill
 from smf_kernels.sparse.row_sparse_adamw import RowSparseAdamW
@@ -83,7 +82,7 @@ class SparseMemoryTrainer(Trainer):
 
     def __init__(self, *args, controller: SparseMemoryController, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        if not isinstance(controller, SparseMemoryController) or isinstance(controller, DenseMaskedUpdate):
+        if not isinstance(controller, SparseMemoryController):
             raise TypeError(f"controller must be a SparseMemoryController (the exact update), got "
                             f"{type(controller).__name__}")
         if self.args.fp16:

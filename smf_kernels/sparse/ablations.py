@@ -32,7 +32,7 @@ from smf_kernels.ops.weighted_gather import GradientSink
 from smf_kernels.sparse import step_checks
 from smf_kernels.sparse.background import BackgroundStats
 from smf_kernels.sparse.clipping import check_max_norm, clip_grad_norm_
-from smf_kernels.sparse.controller import SparseMemoryController
+from smf_kernels.sparse.controller import MemoryStep
 from smf_kernels.sharded.layout import gradient_copies
 
 
@@ -68,29 +68,26 @@ class DenseGradSink(GradientSink):
         self.closed = True
 
 
-class DenseMaskedUpdate(SparseMemoryController):
+class DenseMaskedUpdate(MemoryStep):
     """The exact update's selection with a masked dense gradient and a dense optimizer (see the module docstring).
 
-    Arguments and use as :class:`SparseMemoryController`, with ``torch.optim.AdamW`` over the values and no
-    :meth:`select_rows` / :meth:`end_step`. Under DDP the values are reduced here (``ddp_ignored_names``).
+    Arguments as :class:`~smf_kernels.sparse.SparseMemoryController` (both are :class:`MemoryStep` kinds); use:
+    ``begin_step()``, the step's forwards and backwards, ``finish_step(optimizer, max_grad_norm=...)`` with
+    ``torch.optim.AdamW`` over the values. Under DDP the values are reduced here (``ddp_ignored_names``).
     """
 
     def begin_step(self, *, select_before_backward: bool = False) -> None:
-        """Start a step: zero and count reads; the backwards write dense value gradients into the step's sinks."""
+        """Start a step: zero and count reads; the backwards write dense value gradients into the step's sinks.
+        ``select_before_backward=True`` (the exact update's fill) is refused: this update selects at the end."""
         if select_before_backward:
             raise ValueError("select_before_backward is the exact update's; this update selects at the step's end")
-        super().begin_step()
+        self._begin()
 
-    def _make_sink(self, name: str, values: nn.Parameter, select_before_backward: bool) -> DenseGradSink:
+    def _make_sink(self, name: str, values: nn.Parameter) -> DenseGradSink:
         return DenseGradSink(values.device)
 
     def after_forward(self) -> None:
         """Nothing to do between a forward and its backward (the rows are chosen at the step's end)."""
-
-    def select_rows(self):
-        raise RuntimeError(f"{type(self).__name__} selects its rows and ends its steps in finish_step(optimizer)")
-
-    end_step = select_rows
 
     def finish_step(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None
                     ) -> dict[str, torch.Tensor]:
@@ -156,17 +153,17 @@ class AuthorsSparseUpdate(DenseMaskedUpdate):
         super().__init__(model, rule=rule, rows_per_step=rows_per_step, background=background, nonfinite=nonfinite)
         self._masks = {name: torch.zeros(m.num_slots, dtype=torch.bool, device=m.values.device)
                        for name, m in self.memories.items()}
-        self._step_rows: dict[str, torch.Tensor] = {}
+        self._used_rows: dict[str, torch.Tensor] = {}  # layer -> (M,) bool: selected by a micro-batch of the step
         self._handles: list[Any] = []
 
     def begin_step(self, *, select_before_backward: bool = False) -> None:
         """Start an optimizer step: dense value gradients, masked by each micro-batch's selection."""
         super().begin_step(select_before_backward=select_before_backward)
-        self._step_rows = {name: torch.zeros_like(mask) for name, mask in self._masks.items()}
+        self._used_rows = {name: torch.zeros_like(mask) for name, mask in self._masks.items()}
         for memory in self.memories.values():
             self._handles.append(memory.register_forward_pre_hook(_count_padding_too, with_kwargs=True))
 
-    def _make_sink(self, name: str, values: nn.Parameter, select_before_backward: bool) -> DenseGradSink:
+    def _make_sink(self, name: str, values: nn.Parameter) -> DenseGradSink:
         return DenseGradSink(values.device, mask=self._masks[name])  # the mask of the micro-batch being backwarded
 
     def _close(self) -> None:
@@ -186,7 +183,7 @@ class AuthorsSparseUpdate(DenseMaskedUpdate):
             selected[name] = rows[valid]
             self._masks[name].zero_()
             self._masks[name][selected[name]] = True
-            self._step_rows[name][selected[name]] = True
+            self._used_rows[name][selected[name]] = True
             memory.reset_read_counts()
         return selected
 
@@ -200,7 +197,7 @@ class AuthorsSparseUpdate(DenseMaskedUpdate):
         rows = {}
         for name, memory in self.memories.items():
             memory.values.grad = self._sinks[name].grad
-            used = self._step_rows[name] if memory.values.grad is not None else torch.zeros_like(self._masks[name])
+            used = self._used_rows[name] if memory.values.grad is not None else torch.zeros_like(self._masks[name])
             rows[name] = used.nonzero().squeeze(1)
         self._close()
         return self._dense_step(optimizer, max_grad_norm, rows, torch.nn.utils.clip_grad_norm_)

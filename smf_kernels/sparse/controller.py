@@ -45,6 +45,7 @@ from smf_kernels.sparse import step_checks
 from smf_kernels.sparse.background import BackgroundStats
 from smf_kernels.sparse.background_collection import collect_background
 from smf_kernels.sparse.clipping import check_max_norm, norm_and_clip_coefficient
+from smf_kernels.ops.weighted_gather import GradientSink
 from smf_kernels.sparse.row_grad_sink import RowGradSink
 from smf_kernels.sparse.selection import RULES, score_slots, select_rows_padded, warn_if_not_sparse
 
@@ -120,8 +121,11 @@ class RowGradients:
             optimizer.step_rows(values, rows, grad, grad_scale=grad_scale, valid=valid)
 
 
-class SparseMemoryController:
-    """Selects and updates the value rows of every ProductKeyMemory in ``model`` (see module docstring).
+class MemoryStep:
+    """What every sparse step over the value rows of ``model``'s ProductKeyMemory layers shares: read counting,
+    the background statistics and the top-T selection, the step's gradient sinks (each update makes its own,
+    :meth:`_make_sink`), the misuse checks and :meth:`abort_step`. The exact update
+    (:class:`SparseMemoryController`) and the ablations (:mod:`smf_kernels.sparse.ablations`) are its kinds.
 
     Args:
         model: any nn.Module; its ProductKeyMemory submodules are found with ``named_modules()`` and named by
@@ -153,8 +157,7 @@ class SparseMemoryController:
         self.background: BackgroundStats | None = None
         self.skipped_steps = 0
         self._in_step = False
-        self._sinks: dict[str, RowGradSink] = {}
-        self._selected = False
+        self._sinks: dict[str, GradientSink] = {}
         self._background_on: dict[tuple[str, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
         if background is not None:
             self.set_background(background)
@@ -205,14 +208,9 @@ class SparseMemoryController:
         :meth:`abort_step`)."""
         return self._in_step
 
-    def begin_step(self, *, select_before_backward: bool = False) -> None:
-        """Start an optimizer step: zero counts, count reads, give every memory its row-gradient sink.
-
-        select_before_backward: the rows are known before the first backward (:meth:`select_rows` between the
-            step's forwards and its first backward, or, in one process, chosen by that backward from the
-            counts), and every backward adds only their (T, D) gradient. Otherwise (the default) backwards keep
-            their reads and the step's end computes the selected rows' gradient from them.
-        """
+    def _begin(self, **sink_options) -> None:
+        """Start an optimizer step: refuse misuse, zero counts, count reads, give every memory this update's
+        sink (:meth:`_make_sink` with ``sink_options``)."""
         if self.background is None:
             raise RuntimeError("no background statistics: pass background=, call set_background() "
                                "or collect_background() first")
@@ -225,15 +223,101 @@ class SparseMemoryController:
                 raise step_checks.gradient_from_outside(f"{name}.values")
         self._sinks = {}
         for name, memory in self.memories.items():
-            self._sinks[name] = self._make_sink(name, memory.values, select_before_backward)
+            self._sinks[name] = self._make_sink(name, memory.values, **sink_options)
             memory.reset_read_counts()
             memory.set_read_counting(True)
             memory.set_update_rows(self._sinks[name])
-        self._selected = False
         self._in_step = True
 
-    def _make_sink(self, name: str, values: nn.Parameter, select_before_backward: bool) -> RowGradSink:
-        """Where layer ``name``'s backwards put their value gradient this step (the ablations keep it dense)."""
+    def _make_sink(self, name: str, values: nn.Parameter, **sink_options) -> GradientSink:
+        """Where layer ``name``'s backwards put their value gradient this step (each update its own)."""
+        raise NotImplementedError
+
+    def abort_step(self) -> None:
+        """Discard the step in progress, e.g. after one of its forwards or backwards raised: its read counts,
+        its sinks (a later backward of its graph raises) and the memories' value gradients are dropped, and the
+        next :meth:`begin_step` starts afresh. Gradients of other parameters are the caller's
+        (``optimizer.zero_grad()``). A no-op when no step is in progress::
+
+            controller.begin_step()
+            try:
+                ...  # the step's forwards and backwards
+            except BaseException:
+                controller.abort_step()
+                raise
+            controller.finish_step(optimizer)
+        """
+        if not self._in_step:
+            return
+        self._close()
+        for memory in self.memories.values():
+            memory.values.grad = None
+
+    def _reached(self) -> dict[str, torch.Tensor]:
+        """Layer -> 0-d bool: whether a backward of the step reached its table on any rank (one all_reduce when
+        there are several ranks, so that every rank keeps or drops the same rows; no host sync)."""
+        names = list(self._sinks)
+        flags = torch.stack([self._sinks[name].reached for name in names]).to(torch.int32)
+        self._all_reduce_sum(flags)
+        return dict(zip(names, (flags > 0).unbind()))
+
+    def _check_can_end(self, method: str) -> None:
+        if not self._in_step:
+            raise step_checks.not_begun(method)
+        for name, memory in self.memories.items():
+            if memory.values.grad is not None:
+                raise step_checks.gradient_from_outside(f"{name}.values")
+
+    def _close(self) -> None:
+        for sink in self._sinks.values():
+            sink.close()
+        for memory in self.memories.values():
+            memory.set_read_counting(False)
+            memory.set_update_rows(None)
+            memory.reset_read_counts()
+        self._sinks = {}
+        self._in_step = False
+
+    def _background_tensors(self, name: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``name``'s background (doc_freq, reads) on ``device``: the statistics live on the CPU, copied
+        once per device (begin_step makes the copies, so a backward that selects mutates nothing)."""
+        key = (name, device)
+        if key not in self._background_on:
+            self._background_on[key] = (self.background.doc_freq[name].to(device),
+                                        self.background.reads[name].to(device))
+        return self._background_on[key]
+
+    def _padded_selection(self, name: str, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows (T,) ascending, valid (T,) bool): the step's selection at a fixed size, no host sync."""
+        doc_freq, reads = self._background_tensors(name, counts.device)
+        scores = score_slots(self.rule, counts, doc_freq, reads, self.background.num_batches[name])
+        return select_rows_padded(scores, counts, self.rows_per_step)
+
+    def _step_counts(self) -> dict[str, torch.Tensor]:
+        """Each layer's (M,) int64 read counts of the whole step, summed over ranks (one all_reduce)."""
+        names = list(self.memories)
+        packed = torch.cat([self.memories[name].read_counts for name in names])
+        self._all_reduce_sum(packed)
+        return dict(zip(names, packed.split([self.memories[name].num_slots for name in names])))
+
+
+class SparseMemoryController(MemoryStep):
+    """Selects and updates the value rows of every ProductKeyMemory in ``model`` exactly (see module
+    docstring); its arguments are :class:`MemoryStep`'s."""
+
+    def begin_step(self, *, select_before_backward: bool = False) -> None:
+        """Start an optimizer step: zero counts, count reads, give every memory its row-gradient sink.
+
+        select_before_backward: the rows are known before the first backward (:meth:`select_rows` between the
+            step's forwards and its first backward, or, in one process, chosen by that backward from the
+            counts), and every backward adds only their (T, D) gradient. Otherwise (the default) backwards keep
+            their reads and the step's end computes the selected rows' gradient from them
+            (:func:`smf_kernels.sparse.fill.plan_fill` chooses for a training loop).
+        """
+        self._begin(select_before_backward=select_before_backward)
+        self._selected = False
+
+    def _make_sink(self, name: str, values: nn.Parameter, *, select_before_backward: bool) -> RowGradSink:
         chooser = None
         if select_before_backward:
             self._background_tensors(name, values.device)  # made now: a backward that selects mutates nothing
@@ -271,26 +355,6 @@ class SparseMemoryController:
             self.memories[name].set_read_counting(False)  # the step's selection is made
         self._selected = True
         return selected
-
-    def abort_step(self) -> None:
-        """Discard the step in progress, e.g. after one of its forwards or backwards raised: its read counts,
-        its sinks (a later backward of its graph raises) and the memories' value gradients are dropped, and the
-        next :meth:`begin_step` starts afresh. Gradients of other parameters are the caller's
-        (``optimizer.zero_grad()``). A no-op when no step is in progress::
-
-            controller.begin_step()
-            try:
-                ...  # the step's forwards and backwards
-            except BaseException:
-                controller.abort_step()
-                raise
-            controller.finish_step(optimizer)
-        """
-        if not self._in_step:
-            return
-        self._close()
-        for memory in self.memories.values():
-            memory.values.grad = None
 
     def end_step(self) -> RowGradients:
         """End the step's forwards and backwards without touching the optimizer: select the rows from the step's
@@ -349,53 +413,6 @@ class SparseMemoryController:
         gradients.apply(optimizer, grad_scale=clipped[1])
         optimizer.zero_grad(set_to_none=True)
         return gradients.selected
-
-    def _reached(self) -> dict[str, torch.Tensor]:
-        """Layer -> 0-d bool: whether a backward of the step reached its table on any rank (one all_reduce when
-        there are several ranks, so that every rank keeps or drops the same rows; no host sync)."""
-        names = list(self._sinks)
-        flags = torch.stack([self._sinks[name].reached for name in names]).to(torch.int32)
-        self._all_reduce_sum(flags)
-        return dict(zip(names, (flags > 0).unbind()))
-
-    def _check_can_end(self, method: str) -> None:
-        if not self._in_step:
-            raise step_checks.not_begun(method)
-        for name, memory in self.memories.items():
-            if memory.values.grad is not None:
-                raise step_checks.gradient_from_outside(f"{name}.values")
-
-    def _close(self) -> None:
-        for sink in self._sinks.values():
-            sink.close()
-        for memory in self.memories.values():
-            memory.set_read_counting(False)
-            memory.set_update_rows(None)
-            memory.reset_read_counts()
-        self._sinks = {}
-        self._in_step = False
-
-    def _background_tensors(self, name: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``name``'s background (doc_freq, reads) on ``device``: the statistics live on the CPU, copied
-        once per device (begin_step makes the copies, so a backward that selects mutates nothing)."""
-        key = (name, device)
-        if key not in self._background_on:
-            self._background_on[key] = (self.background.doc_freq[name].to(device),
-                                        self.background.reads[name].to(device))
-        return self._background_on[key]
-
-    def _padded_selection(self, name: str, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows (T,) ascending, valid (T,) bool): the step's selection at a fixed size, no host sync."""
-        doc_freq, reads = self._background_tensors(name, counts.device)
-        scores = score_slots(self.rule, counts, doc_freq, reads, self.background.num_batches[name])
-        return select_rows_padded(scores, counts, self.rows_per_step)
-
-    def _step_counts(self) -> dict[str, torch.Tensor]:
-        """Each layer's (M,) int64 read counts of the whole step, summed over ranks (one all_reduce)."""
-        names = list(self.memories)
-        packed = torch.cat([self.memories[name].read_counts for name in names])
-        self._all_reduce_sum(packed)
-        return dict(zip(names, packed.split([self.memories[name].num_slots for name in names])))
 
     def _average_over_ranks(self, values: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
         """``grad`` (this rank's gradient of rows of ``values``) averaged over the data-parallel ranks, in place.

@@ -99,12 +99,12 @@ class RowSparseAdamW(torch.optim.Optimizer):
                 if param.grad is None:
                     continue
                 if param.grad.is_sparse:
-                    self._row_step(param, group)
+                    self._coo_step(param, group)
                 else:
                     self._dense_step(param, group)
         return loss
 
-    def _row_step(self, param: torch.Tensor, group: dict) -> None:
+    def _coo_step(self, param: torch.Tensor, group: dict) -> None:
         grad = param.grad.coalesce()
         rows, grad_rows = grad.indices()[0], grad.values()  # (R,) ascending, (R, D)
         self._update_rows(param, group, rows, grad_rows.to(accumulation_dtype(param.dtype)), None, None)
