@@ -55,6 +55,11 @@ class RowSparseAdamW(torch.optim.Optimizer):
         if not isinstance(saved_groups, list) or not isinstance(state_dict.get("state"), dict):
             raise ValueError("state_dict must be a dict with 'state' (a dict) and 'param_groups' (a list), as "
                              "state_dict() returns")
+        for index, saved in enumerate(saved_groups):
+            missing = [key for key in ("betas", "eps") if not isinstance(saved, dict) or key not in saved]
+            if missing:
+                raise ValueError(f"param group {index} of this state lacks {', '.join(missing)}: it was saved by "
+                                 "another optimizer (RowSparseSGD?); resume with the optimizer that wrote it")
         if len(saved_groups) != len(self.param_groups) or any(
                 len(saved.get("params", ())) != len(group["params"])
                 for saved, group in zip(saved_groups, self.param_groups)):
