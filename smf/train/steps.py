@@ -54,11 +54,13 @@ class StepHooks:
 
 
 class DenseStep(StepHooks):
-    """Every trainable parameter steps: clip the global gradient norm, step, zero the gradients."""
+    """Every trainable parameter steps: clip the global gradient norm (``clip``, torch's by default), step, zero
+    the gradients."""
+
+    clip = staticmethod(torch.nn.utils.clip_grad_norm_)
 
     def finish_step(self, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> None:
-        torch.nn.utils.clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]],
-                                       max_grad_norm)
+        self.clip([p for group in optimizer.param_groups for p in group["params"]], max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 

@@ -230,7 +230,8 @@ class MemoryStep:
         self._in_step = True
 
     def _make_sink(self, name: str, values: nn.Parameter, **sink_options) -> GradientSink:
-        """Where layer ``name``'s backwards put their value gradient this step (each update its own)."""
+        """Where layer ``name``'s backwards put their value gradient this step (each update its own): a
+        GradientSink with ``reached`` (a 0-d bool tensor: a backward reached the table) and ``close()``."""
         raise NotImplementedError
 
     def abort_step(self) -> None:
