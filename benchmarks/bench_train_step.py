@@ -94,8 +94,9 @@ def build_setup(recipe: str, tiny: bool, device: torch.device, rows_per_step: in
             for _ in range(4):  # four background documents with random reads
                 background.add_batch(name, torch.randint(0, 3, (module.values.shape[0],), generator=generator))
         controller.set_background(background)
-        step = SparseStep(controller, bf16_autocast(config.bf16, device), compiled=compile)
-        step.count_first = count_first or compile
+        # count_first: a bound above any slot count, so that plan_fill counts first under accumulation
+        step = SparseStep(controller, bf16_autocast(config.bf16, device), compiled=compile,
+                          step_tokens=2 ** 62 if count_first else None)
         optimizer = RowSparseAdamW(trainable, lr=lr)
     else:
         optimizer = torch.optim.AdamW(trainable, lr=lr)

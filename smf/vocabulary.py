@@ -54,7 +54,8 @@ DEPRECATED_SPELLINGS = {"additive_s": "additive+s", "row-sparse": "row_sparse", 
 FINGERPRINT_SPELLINGS = {"row_sparse": "row-sparse", "dense_masked": "dense-masked"}
 
 __all__ = ["CONDITIONS", "DEFAULT_MODEL", "EVAL_ROLES", "MEMORY_MODES", "RECIPES", "ROW_OPTIMIZERS", "RULES",
-           "SPARSE_CONDITIONS", "SPARSE_UPDATES", "TASKS", "TINY_MODEL", "canonical", "check_layers", "split_condition"]
+           "SPARSE_CONDITIONS", "SPARSE_UPDATES", "TASKS", "TINY_MODEL", "canonical", "check_layers", "condition_recipe",
+           "split_condition"]
 
 
 def canonical(value, argument: str):
@@ -75,6 +76,13 @@ def split_condition(condition: str) -> tuple[str, str]:
         raise ConfigError(f"condition must be one of {', '.join(SPARSE_CONDITIONS)}; got {condition!r}")
     mode, rule = condition.rsplit("-", 1)
     return mode, rule
+
+
+def condition_recipe(condition: str) -> str | None:
+    """What a condition trains: None (base: no training), 'lora', 'full' or 'sparse'."""
+    if condition == "base":
+        return None
+    return condition if condition in ("lora", "full") else "sparse"
 
 
 def check_layers(layers, num_layers: int | None = None, argument: str = "layers") -> tuple[int, ...]:

@@ -24,9 +24,8 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from smf_kernels.fsdp import average_gradients
-from smf_kernels.sparse import step_checks
-from smf_kernels.sparse.ablations import DenseMaskedUpdate
 from smf_kernels.sparse.controller import RowGradients, SparseMemoryController
+from smf_kernels.sparse.fill import Fill, plan_fill
 from smf_kernels.sparse.row_sparse_adamw import RowSparseAdamW
 
 logger = logging.getLogger(__name__)
@@ -56,10 +55,11 @@ class SparseMemoryTrainer(Trainer):
         controller: a :class:`SparseMemoryController` over the same model, with its background
             statistics set (``collect_background`` / ``set_background``).
 
-    Per optimizer step: the first micro-batch's ``training_step`` calls ``controller.begin_step()`` (backwards
-    keep their reads; no second forward); after the last micro-batch's backward, ``controller.end_step()``
-    selects the step's rows (from the reads of every micro-batch of the step) and computes their compact (T, D)
-    gradient; every gradient of the step is checked for inf / NaN (the controller's ``nonfinite``: raise, or
+    Per optimizer step: the first micro-batch's ``training_step`` begins the step with the fill
+    :func:`smf_kernels.sparse.fill.plan_fill` chooses, as ``smf train`` does (one micro-batch: rows selected
+    between its forward and backward; under gradient accumulation: backwards keep their reads, no second
+    forward); after the last micro-batch's backward, ``controller.end_step()`` computes the selected rows'
+    compact (T, D) gradient; every gradient of the step is checked for inf / NaN (the controller's ``nonfinite``: raise, or
     skip the step: no parameter moves), the rows' gradients join the global norm, which clips everything to
     ``args.max_grad_norm``, and the rows are updated right before the Trainer's optimizer steps the other
     parameters. The values never get a ``.grad``, so the Trainer's own clipping (switched off: ``self.args.
@@ -84,7 +84,7 @@ class SparseMemoryTrainer(Trainer):
 
     def __init__(self, *args, controller: SparseMemoryController, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        if not isinstance(controller, SparseMemoryController) or isinstance(controller, DenseMaskedUpdate):
+        if not isinstance(controller, SparseMemoryController):
             raise TypeError(f"controller must be a SparseMemoryController (the exact update), got "
                             f"{type(controller).__name__}")
         if self.args.fp16:
@@ -105,6 +105,7 @@ class SparseMemoryTrainer(Trainer):
         self.args.max_grad_norm = 0.0  # clipping happens in training_step, with the rows' compact gradients
         self.last_selected_rows: dict[str, torch.Tensor] = {}
         self._row_gradients: RowGradients | None = None
+        self._fill: Fill | None = None  # the step's fill, chosen when it begins
         self._sparse_grad_norm: float | None = None
         self._row_grad_scale: torch.Tensor | None = None
         self._total_rows = sum(memory.num_slots for memory in controller.memories.values())
@@ -138,8 +139,10 @@ class SparseMemoryTrainer(Trainer):
         return super().create_optimizer(model)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        if not self.controller.in_step:  # compiled: the backward chooses the rows from the counts
-            self.controller.begin_step(select_before_backward=bool(self.args.torch_compile))
+        if not self.controller.in_step:  # the step's fill, chosen as smf train chooses it (plan_fill)
+            self._fill = plan_fill(self.args.gradient_accumulation_steps, compiled=bool(self.args.torch_compile),
+                                   world=self.args.world_size)
+            self.controller.begin_step(select_before_backward=self._fill.rows_first)
         try:
             loss = super().training_step(model, inputs, num_items_in_batch)
             if self.accelerator.sync_gradients:  # the step's last micro-batch: the Trainer steps next
@@ -149,26 +152,31 @@ class SparseMemoryTrainer(Trainer):
             raise
         return loss
 
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        """The Trainer's loss; in a step of one eager micro-batch, the rows are then selected from its forward's
+        counts, before its backward (which writes only their gradient)."""
+        result = super().compute_loss(model, inputs, *args, **kwargs)
+        if self.controller.in_step and self._fill is not None and self._fill.select_after_forward:
+            self.controller.select_rows()
+        return result
+
     def _end_smf_step(self) -> None:
         average_gradients(self._outside_fsdp)
         gradients = self.controller.end_step()
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        bad = gradients.nonfinite(params)
-        if bad:  # nothing moves this step: no gradient reaches the optimizer
-            for param in params:
-                param.grad = None
-            step_checks.handle_nonfinite(bad, self.controller.nonfinite)
+        max_norm = self.sparse_max_grad_norm if self.sparse_max_grad_norm and self.sparse_max_grad_norm > 0 \
+            else float("inf")  # the Trainer's convention: no clipping at 0 or below
+        clipped = gradients.check_and_clip(params, max_norm, self.controller.nonfinite)
+        if clipped is None:  # skipped: no gradient reaches the optimizer, nothing moves this step
             self.controller.skipped_steps += 1
             self.last_selected_rows, self._row_gradients, self._sparse_grad_norm = {}, None, float("nan")
             return
         self.last_selected_rows = gradients.selected
         self._rows_since_log += sum(int(rows.numel()) for rows in self.last_selected_rows.values())
         self._steps_since_log += 1
-        max_norm = self.sparse_max_grad_norm if self.sparse_max_grad_norm and self.sparse_max_grad_norm > 0 \
-            else float("inf")
-        total, self._row_grad_scale = gradients.clip_(params, max_norm)
+        total, self._row_grad_scale = clipped
         self._sparse_grad_norm = float(total)
-        self._row_gradients = gradients
+        self._row_gradients = gradients  # applied right before the optimizer step (_ApplyRowGradients)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if ("grad_norm" in logs or "loss" in logs) and self._sparse_grad_norm is not None:  # transformers 4.57

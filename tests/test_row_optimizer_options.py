@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from smf.errors import ConfigError
 from smf.model.adapter import ADAPTER_WEIGHTS
 from smf.suite.plan import options_fingerprint
 from smf.train import build_config, train
@@ -73,6 +74,9 @@ def test_a_row_sparse_sgd_run_moves_values_and_alpha_and_resumes_bit_identical(t
     assert all(torch.equal(whole[name], resumed[name]) for name in whole)
     for kind in ("values", "alpha"):
         assert any(not torch.equal(start[n], whole[n]) for n in start if n.endswith(kind)), kind
+    train(sparse_config(tmp_path / "switched", adapter, max_steps=1))  # AdamW
+    with pytest.raises(ConfigError, match="saved by another optimizer"):  # not a silent switch of optimizer
+        train(sparse_config(tmp_path / "switched", adapter, resume=True, row_optimizer="sgd"))
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -85,3 +85,20 @@ def test_bad_row_arguments_are_refused():
     with pytest.raises(ValueError, match="through step_rows"):
         optimizer.step()
     assert not table.detach().any()
+
+
+def test_the_state_of_the_other_row_optimizer_is_refused_on_load():
+    """Resuming with the other --row-optimizer would silently change the optimizer (SGD ignoring AdamW's moments;
+    AdamW starting fresh moments from SGD's groups, then failing on their missing betas)."""
+    from smf_kernels.sparse import RowSparseAdamW
+
+    table = torch.nn.Parameter(torch.randn(4, 3))
+    adamw = RowSparseAdamW([table], lr=0.1)
+    adamw.step_rows(table, torch.tensor([1]), torch.ones(1, 3))
+    with pytest.raises(ValueError, match="saved by another optimizer .*exp_avg"):
+        RowSparseSGD([table], lr=0.1).load_state_dict(adamw.state_dict())
+    with pytest.raises(ValueError, match="lacks betas, eps: it was saved by another optimizer"):
+        RowSparseAdamW([table], lr=0.1).load_state_dict(RowSparseSGD([table], lr=0.1).state_dict())
+    sgd = RowSparseSGD([table], lr=0.5)
+    sgd.load_state_dict(RowSparseSGD([table], lr=0.1).state_dict())  # its own state loads
+    assert sgd.param_groups[0]["lr"] == 0.1

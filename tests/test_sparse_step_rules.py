@@ -1,6 +1,9 @@
 """Issue 34, items 2 and 3: a non-finite gradient never writes NaN into a row whose own gradient was finite (the
 step raises naming the parameter, or is skipped and counted), and every sparse step path refuses the same misuse
-the same way before anything changes."""
+the same way before anything changes. Issue 42, items 1, 2 and 8: a clip norm that would corrupt the step is
+refused, a step without a backward moves nothing, and the ablations refuse a forward from before the step."""
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,6 +13,7 @@ from smf_kernels import ProductKeyMemory
 from smf_kernels.sparse import (AuthorsSparseUpdate, DenseMaskedUpdate, NonFiniteGradientError, RowSparseAdamW,
                                 SparseMemoryController, StepMisuseError)
 from smf_kernels.sparse.background import BackgroundStats
+from smf_kernels.sparse.clipping import clip_grad_norm_, norm_and_clip_coefficient
 
 VOCAB, WIDTH, SEQ, ROWS = 30, 16, 5, 8
 # (update class, begin_step kwargs, whether the optimizer is RowSparseAdamW)
@@ -144,11 +148,12 @@ def test_every_path_refuses_the_same_misuse_the_same_way_before_anything_changes
     step(model, update, begin, optimizer, seed=5)
 
 
-@pytest.mark.parametrize("path", ["kept reads", "selected"])
+@pytest.mark.parametrize("path", list(PATHS))
 def test_a_forward_before_the_step_whose_backward_runs_inside_it_is_refused_without_a_layout_change(path):
     """Kept reads used to drop its gradient silently (0 rows selected); the fused update took a dense step on
-    every row, switched the optimizer's state to dense and raised at every later step. Now the step's end
-    refuses it by name, the optimizer's state keeps its layout, and the next step trains."""
+    every row, switched the optimizer's state to dense and raised at every later step; both ablations took it as
+    the step's gradient and moved every row (AdamW's momentum). Now the step's end refuses it by name, the
+    optimizer's state keeps its layout, and the next step trains."""
     model, update, begin, optimizer = setup(path)
     step(model, update, begin, optimizer, seed=1)
     before = snapshot(model, optimizer)
@@ -161,7 +166,79 @@ def test_a_forward_before_the_step_whose_backward_runs_inside_it_is_refused_with
     with pytest.raises(StepMisuseError, match=r"memory\.values has a gradient"):
         update.finish_step(optimizer, max_grad_norm=1.0)
     assert_unchanged(model, optimizer, before)
-    assert "row_step" in optimizer.state[model.memory.values] and "step" not in optimizer.state[model.memory.values]
+    if isinstance(optimizer, RowSparseAdamW):
+        assert "row_step" in optimizer.state[model.memory.values]
+        assert "step" not in optimizer.state[model.memory.values]
     update.abort_step()
     optimizer.zero_grad(set_to_none=True)
     step(model, update, begin, optimizer, seed=4)
+
+
+BAD_NORMS = [(math.nan, ValueError), (-1.0, ValueError), (0.0, ValueError), ("1.0", TypeError), (True, TypeError)]
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_a_clip_norm_that_would_corrupt_the_step_is_refused_before_anything_moves(path):
+    """NaN made every selected row and alpha NaN; -1 a negative coefficient (rows stepped up their gradient).
+    Refused before anything moves, the step still open; inf is no clipping, as in torch."""
+    model, update, begin, optimizer = setup(path)
+    step(model, update, begin, optimizer, seed=1)
+    before = snapshot(model, optimizer)
+    update.begin_step(**begin)
+    loss = loss_of(model, 2)
+    if begin:
+        update.select_rows()
+    if hasattr(update, "after_forward"):
+        update.after_forward()
+    loss.backward()
+    for bad, error in BAD_NORMS:
+        with pytest.raises(error, match="max_norm must be a number > 0"):
+            update.finish_step(optimizer, max_grad_norm=bad)
+        assert_unchanged(model, optimizer, before)
+        assert update.in_step
+    rows = update.finish_step(optimizer, max_grad_norm=math.inf)
+    assert rows["memory"].numel() > 0 and bool(torch.isfinite(model.memory.values).all())
+
+
+def test_the_clipping_functions_refuse_those_norms_before_scaling():
+    grad = torch.ones(3)
+    for bad, error in BAD_NORMS:
+        with pytest.raises(error, match="max_norm must be a number > 0"):
+            norm_and_clip_coefficient([grad], bad)
+        param = nn.Parameter(torch.zeros(3))
+        param.grad = grad.clone()
+        with pytest.raises(error, match="max_norm must be a number > 0"):
+            clip_grad_norm_([param], bad)
+        assert torch.equal(param.grad, grad)
+    model, update, begin, optimizer = setup("kept reads")
+    update.begin_step()
+    loss_of(model, 2).backward()
+    gradients = update.end_step()
+    alpha_grad = model.alpha.grad.clone()
+    for bad, error in BAD_NORMS:
+        with pytest.raises(error, match="max_norm must be a number > 0"):
+            gradients.clip_([model.alpha], bad)
+        assert torch.equal(model.alpha.grad, alpha_grad)
+    assert float(norm_and_clip_coefficient([grad], torch.tensor(0.5))[1]) < 1  # a 0-d tensor, as torch takes it
+
+
+@pytest.mark.parametrize("path", [*PATHS, "chosen by the backward"])
+def test_a_step_with_a_forward_and_no_backward_moves_nothing(path):
+    """The exact step used to select from the forward's reads and apply AdamW to a zero gradient (momentum and
+    weight decay moved the rows, row_step advanced); the dense-masked ablation moved every row. Like torch.optim
+    with a parameter that has no .grad, nothing moves now, and the step reports no rows; the next step trains."""
+    model, update, begin, optimizer = setup("selected" if path == "chosen by the backward" else path)
+    step(model, update, begin, optimizer, seed=1)  # momentum to leak, if anything stepped
+    before = snapshot(model, optimizer)
+    update.begin_step(**begin)
+    loss_of(model, 2)  # its backward never runs
+    if begin and path != "chosen by the backward":
+        update.select_rows()
+    if hasattr(update, "after_forward"):
+        update.after_forward()
+    rows = update.finish_step(optimizer, max_grad_norm=1.0)
+    assert all(r.numel() == 0 for r in rows.values())
+    assert_unchanged(model, optimizer, before)
+    assert not update.in_step
+    step(model, update, begin, optimizer, seed=3)
+    assert not torch.equal(model.memory.values.detach(), before[0])

@@ -31,7 +31,7 @@ from smf.options import (OPTIONS_CONFIG, AsList, Distinct, Seed, checked, choice
                          read_file, takes)
 from smf.train.config import (CONFIGS, OPTIONS, STAGE_COMMANDS, RunConfig, build_config, checked_options,
                               migrate_update_options)
-from smf.vocabulary import CONDITIONS, SPARSE_CONDITIONS, TASKS
+from smf.vocabulary import CONDITIONS, SPARSE_CONDITIONS, TASKS, condition_recipe
 
 SUITE_OWNED = ("output_dir", "adapter", "background", "recipe", "mode", "rule", "seed", "resume", "max_steps",
                "model", "device", "protocol", "oasst_path", "medmcqa_path", "retrofit_data", "background_data",
@@ -107,8 +107,6 @@ class SuiteConfig:
     @field_validator("lr_sweep")
     @classmethod
     def _equal_sweeps(cls, sweep: dict, info: ValidationInfo) -> dict:
-        from smf.suite.plan import condition_recipe
-
         trained = sorted({condition_recipe(c) for c in info.data.get("conditions", ()) if c != "base"})
         variants = info.data.get("variants") or {}
         for recipe, rates in sweep.items():
@@ -293,7 +291,6 @@ def _check_own_files(config: SuiteConfig) -> None:
     from smf.data.own_data import load_own, one_batch_or_more
     from smf.data.paths import OWN_KEYS, OWN_SCHEMAS
     from smf.data.world import WorldOptions
-    from smf.suite.plan import condition_recipe
 
     trained = {condition_recipe(c) for c in config.conditions} - {None}
     stages = {"retrofit": ["retrofit"] if "sparse" in trained else [],

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from smf.options import only
-from smf.suite.config import STAGE_COMMANDS, SuiteConfig, seed_config
+from smf.suite.config import STAGE_COMMANDS, SuiteConfig, seed_config, suite_config_from_dict
 from smf.train.config import RunConfig, build_config, fingerprint_form
-from smf.vocabulary import CONDITIONS, FINGERPRINT_SPELLINGS, RETROFIT_MODE, split_condition
+from smf.vocabulary import CONDITIONS, FINGERPRINT_SPELLINGS, RETROFIT_MODE, condition_recipe, split_condition
 
 SUITE_CONFIG_FILE = "suite_config.json"
 # Options that say where a stage lives and runs, whether it resumed and how often it saved, not what it computes.
@@ -77,13 +77,6 @@ class Run:
     def rule(self) -> str | None:
         """Selection rule of a sparse condition (kl, tfidf), else None."""
         return split_condition(self.condition)[1] if self.recipe == "sparse" else None
-
-
-def condition_recipe(condition: str) -> str | None:
-    """None (base: no training), 'lora', 'full' or 'sparse'."""
-    if condition == "base":
-        return None
-    return condition if condition in ("lora", "full") else "sparse"
 
 
 def _settings(config: SuiteConfig, condition: str) -> list[tuple[str | None, float | None]]:
@@ -264,8 +257,6 @@ def merged_plan(recorded: dict | None, config: SuiteConfig) -> SuiteConfig | Non
     when both compute the same (every setting but seeds, conditions, authors_update, name and device equal),
     a config whose plan holds the runs of both, so that a call on a subset never narrows what the directory
     reports; None when the recorded suite computes something else (``config`` then replaces it)."""
-    from smf.suite.config import suite_config_from_dict
-
     if recorded is None:
         return config
     new = config.to_dict()

@@ -74,6 +74,16 @@ def set_sparse_mode(model: nn.Module, mode: str | None) -> None:
 # The optimizer of each --row-optimizer (--recipe sparse --update exact); the ablations and the other recipes step
 # torch AdamW.
 ROW_OPTIMIZERS = {"adamw": RowSparseAdamW, "sgd": RowSparseSGD}
+# --update -> (what selects and updates the value rows, its optimizer; None: the row optimizer above)
+UPDATES = {"exact": (SparseMemoryController, None), "dense_masked": (DenseMaskedUpdate, torch.optim.AdamW),
+           "authors": (AuthorsSparseUpdate, torch.optim.AdamW)}
+
+
+def optimizer_class(config: RunConfig) -> type[torch.optim.Optimizer]:
+    """The optimizer of ``config``'s run: :data:`UPDATES` for --recipe sparse, torch AdamW for the others."""
+    if config.recipe != "sparse":
+        return torch.optim.AdamW
+    return UPDATES[config.update][1] or ROW_OPTIMIZERS[config.row_optimizer]
 
 
 def param_groups(model: nn.Module, trainable: list[nn.Parameter], alpha_lr: float | None) -> list[dict]:
@@ -118,17 +128,15 @@ def build_setup(config: RunConfig, world: World) -> TrainingSetup:
         if config.compile and world.size > 1:
             raise ConfigError("--compile with --recipe sparse runs in one process: under torchrun every rank must "
                               "select the same rows before its backward, outside the compiled graph")
-        if config.update == "authors":
-            if world.size > 1:
-                raise ConfigError("--update authors runs in one process (the authors' single-GPU update); "
-                                  "drop torchrun or choose --update exact")
-            step = AblationStep(AuthorsSparseUpdate(model, rule=config.rule, rows_per_step=config.rows_per_step))
-        elif config.update == "dense_masked":
-            step = AblationStep(DenseMaskedUpdate(model, rule=config.rule, rows_per_step=config.rows_per_step))
+        if config.update == "authors" and world.size > 1:
+            raise ConfigError("--update authors runs in one process (the authors' single-GPU update); "
+                              "drop torchrun or choose --update exact")
+        update = UPDATES[config.update][0](model, rule=config.rule, rows_per_step=config.rows_per_step)
+        if config.update == "exact":
+            step = SparseStep(update, bf16_autocast(config.bf16, world.device), compiled=config.compile,
+                              world=world.size, step_tokens=config.global_batch_size // world.size * config.max_length)
         else:
-            step = SparseStep(SparseMemoryController(model, rule=config.rule, rows_per_step=config.rows_per_step),
-                              bf16_autocast(config.bf16, world.device), compiled=config.compile,
-                              step_tokens=config.global_batch_size // world.size * config.max_length)
+            step = AblationStep(update)
         controller = step.controller
         try:
             controller.set_background(BackgroundStats.load(resolve_background_file(config.background),
@@ -151,10 +159,8 @@ def build_setup(config: RunConfig, world: World) -> TrainingSetup:
         cast_like_the_authors(model, keep_fp32=() if recipe == "full" else trainable)
         logger.info("protocol %s: bf16 weights, %s", config.protocol,
                     "no fp32 master copy" if recipe == "full" else "the trainable parameters fp32")
-    groups = param_groups(model, trainable, config.alpha_lr)
-    exact = recipe == "sparse" and config.update == "exact"
-    kind = ROW_OPTIMIZERS[config.row_optimizer] if exact else torch.optim.AdamW
-    optimizer = kind(groups, lr=config.lr, weight_decay=config.weight_decay)
+    optimizer = optimizer_class(config)(param_groups(model, trainable, config.alpha_lr), lr=config.lr,
+                                        weight_decay=config.weight_decay)
     logger.info("recipe %s: %d of %d parameters trainable (%s)", recipe, counts["trainable"], counts["total"],
                 type(optimizer).__name__)
     return TrainingSetup(model, tokenizer, optimizer, step)

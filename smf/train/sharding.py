@@ -42,16 +42,13 @@ class ShardedDenseStep(DenseStep):
     """:class:`DenseStep` on sharded memories: their value shards stay out of DDP (their gradients are averaged
     by the sharded read) and the clipping norm is the whole tables' (:func:`smf_kernels.sparse.clip_grad_norm_`)."""
 
+    clip = staticmethod(clip_grad_norm_)
+
     def __init__(self, model: nn.Module) -> None:
         self._ignored = ddp_ignored_names(model)
 
     def ddp_ignored_names(self) -> list[str]:
         return self._ignored
-
-    def finish_step(self, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> None:
-        clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
 
 
 def _shard_file(directory: Path, rank: int, size: int) -> Path:

@@ -21,6 +21,7 @@ from smf.model.precision import bf16_enabled
 from smf.errors import ConfigError
 from smf_kernels.sparse import (AuthorsSparseUpdate, DenseMaskedUpdate, NonFiniteGradientError,
                                  SparseMemoryController, rows_moved_outside)
+from smf_kernels.sparse.fill import Fill, plan_fill
 
 
 def bf16_autocast(setting: str, device: torch.device):
@@ -53,11 +54,13 @@ class StepHooks:
 
 
 class DenseStep(StepHooks):
-    """Every trainable parameter steps: clip the global gradient norm, step, zero the gradients."""
+    """Every trainable parameter steps: clip the global gradient norm (``clip``, torch's by default), step, zero
+    the gradients."""
+
+    clip = staticmethod(torch.nn.utils.clip_grad_norm_)
 
     def finish_step(self, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> None:
-        torch.nn.utils.clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]],
-                                       max_grad_norm)
+        self.clip([p for group in optimizer.param_groups for p in group["params"]], max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -92,39 +95,34 @@ class _RowUpdateStep(StepHooks):
 
 
 class SparseStep(_RowUpdateStep):
-    """The exact sparse update (``--update exact``, :class:`SparseMemoryController`). How the rows' gradient is
-    filled (docs/method.md#what-sparse-means): one micro-batch selects between its forward and its backward (a
-    compiled step: its backward chooses from the counts). Under accumulation the backwards keep their reads (no
-    second forward) unless a step can hold more tokens on a rank (``step_tokens``: global batch / processes x max
-    length) than the smallest memory has slots, or the step is compiled: a no-grad forward of every micro-batch
-    (``model``, under the trainer's ``autocast``) then counts first and the backwards write only the T rows.
-    ``rows_moved_outside`` is 0 by construction (tests/test_sparse_exact.py), so no copy of the tables is made.
+    """The exact sparse update (``--update exact``, :class:`SparseMemoryController`), each step filled as
+    :func:`smf_kernels.sparse.fill.plan_fill` decides from its micro-batches, ``compiled``, the processes
+    (``world``) and the most tokens a step holds on a process (``step_tokens``: global batch / processes x max
+    length, a bound every process shares). A counting forward runs ``model`` without grad, under the trainer's
+    ``autocast``. ``rows_moved_outside`` is 0 by construction (tests/test_sparse_exact.py), so no copy of the
+    tables is made.
     """
 
-    kept_reads_per_slot = 1  # kept reads while a step can hold at most this many tokens per slot on a rank
-
-    def __init__(self, controller: SparseMemoryController, autocast, compiled: bool = False,
+    def __init__(self, controller: SparseMemoryController, autocast, compiled: bool = False, world: int = 1,
                  step_tokens: int | None = None) -> None:
-        self.controller, self.autocast, self.compiled = controller, autocast, compiled
-        slots = min(memory.num_slots for memory in controller.memories.values())
-        # decided once, from a bound every rank shares (ranks that chose differently would deadlock in DDP)
-        self.count_first = compiled or (step_tokens is not None and step_tokens > self.kept_reads_per_slot * slots)
+        self.controller, self.autocast, self.compiled, self.world = controller, autocast, compiled, world
+        self.step_tokens = step_tokens
+        self.slots = min(memory.num_slots for memory in controller.memories.values())
         self.rows: dict[str, torch.Tensor] = {}
-        self._select_after_forward = False
+        self._fill = Fill(rows_first=False)
 
     def begin_step(self, model: nn.Module, micro_batches: list[dict]) -> None:
-        single = len(micro_batches) == 1
-        count_first = not single and self.count_first
-        self.controller.begin_step(select_before_backward=single or count_first)
-        self._select_after_forward = single and not self.compiled
-        if count_first:
+        self._fill = plan_fill(len(micro_batches), compiled=self.compiled, world=self.world,
+                               step_tokens=self.step_tokens, slots=self.slots)
+        self.controller.begin_step(select_before_backward=self._fill.rows_first)
+        if self._fill.counting_forward:
             with torch.no_grad(), self.autocast():
                 for batch in micro_batches:
                     model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
             self.controller.select_rows()
 
     def after_forward(self) -> None:
-        if self._select_after_forward:
+        if self._fill.select_after_forward:
             self.controller.select_rows()
 
 

@@ -31,7 +31,7 @@ state_dict); DDP: see :mod:`smf_kernels.sparse.controller`. The ablations: :mod:
 from smf_kernels.sparse.ablations import AuthorsSparseUpdate, DenseMaskedUpdate, rows_moved_outside
 from smf_kernels.sparse.background import BackgroundStats
 from smf_kernels.sparse.clipping import clip_grad_norm_
-from smf_kernels.sparse.controller import RowGradients, SparseMemoryController
+from smf_kernels.sparse.controller import MemoryStep, RowGradients, SparseMemoryController
 from smf_kernels.sparse.row_grad_sink import RowGradSink
 from smf_kernels.sparse.row_sparse_adamw import RowSparseAdamW
 from smf_kernels.sparse.row_sparse_sgd import RowSparseSGD
@@ -42,6 +42,7 @@ __all__ = [
     "AuthorsSparseUpdate",
     "BackgroundStats",
     "DenseMaskedUpdate",
+    "MemoryStep",
     "NonFiniteGradientError",
     "RowGradSink",
     "RowGradients",

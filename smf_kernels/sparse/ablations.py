@@ -15,7 +15,10 @@ every index, sparse_memory.py:29-33); right after that forward the top-T rows ar
 (a tensor hook, sparse_memory.py:107-117) and gradients accumulate. Then global-norm clipping and a dense AdamW
 step, so a step can touch up to (micro-batches x T) rows.
 
-Both refuse misuse and treat non-finite gradients as the exact update does (:mod:`smf_kernels.sparse.step_checks`).
+Both refuse misuse and treat non-finite gradients as the exact update does (:mod:`smf_kernels.sparse.step_checks`):
+their backwards write the dense value gradient into a :class:`DenseGradSink`, not ``.grad``, so a value gradient
+made by a forward run before ``begin_step()`` is refused at the step's end as the exact update refuses it, and a
+step with no backward moves no value row (the table gets no ``.grad``, which a dense optimizer leaves alone).
 """
 from __future__ import annotations
 
@@ -24,51 +27,86 @@ from typing import Any
 import torch
 from torch import nn
 
+from smf_kernels.ops import _gather_ops as gather_ops
+from smf_kernels.ops.weighted_gather import GradientSink
 from smf_kernels.sparse import step_checks
 from smf_kernels.sparse.background import BackgroundStats
-from smf_kernels.sparse.clipping import clip_grad_norm_
-from smf_kernels.sparse.controller import SparseMemoryController
+from smf_kernels.sparse.clipping import check_max_norm, clip_grad_norm_
+from smf_kernels.sparse.controller import MemoryStep
 from smf_kernels.sharded.layout import gradient_copies
 
 
-class DenseMaskedUpdate(SparseMemoryController):
+class DenseGradSink(GradientSink):
+    """The dense (M, D) value gradient of one table over a step's backwards, held apart from ``.grad`` until the
+    step's end; ``mask`` (an (M,) bool tensor read at each backward, or None) zeroes the rows outside it first (the
+    authors' per-micro-batch selection). :attr:`grad` stays None while no backward reached the table."""
+
+    def __init__(self, device: torch.device, mask: torch.Tensor | None = None) -> None:
+        self.device, self.mask = device, mask
+        self.grad: torch.Tensor | None = None
+        self.closed = False
+
+    @property
+    def reached(self) -> torch.Tensor:
+        """0-d bool on the table's device: whether a backward of the step reached the table."""
+        return torch.tensor(self.grad is not None, device=self.device)
+
+    def backward(self, grad_out, values, indices, weights, gate, read, backend, deterministic, need_weights):
+        if self.closed:
+            raise RuntimeError("a backward of a memory forward run in a step that has ended (finish_step or "
+                               "abort_step came before this backward): run every backward of a step before its "
+                               "end, and drop graphs of aborted steps")
+        grad, grad_weights, grad_gate, _ = gather_ops.backward(grad_out, values, indices, weights, None, gate, read,
+                                                               backend, deterministic, True, need_weights, False)
+        grad = grad.to(values.dtype)
+        if self.mask is not None:
+            grad = grad * self.mask.unsqueeze(1).to(grad.dtype)
+        self.grad = grad if self.grad is None else self.grad.add_(grad)
+        return grad_weights, grad_gate
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class DenseMaskedUpdate(MemoryStep):
     """The exact update's selection with a masked dense gradient and a dense optimizer (see the module docstring).
 
-    Arguments and use as :class:`SparseMemoryController`, with ``torch.optim.AdamW`` over the values and no
-    :meth:`select_rows` / :meth:`end_step`. Under DDP the values are reduced here (``ddp_ignored_names``).
+    Arguments as :class:`~smf_kernels.sparse.SparseMemoryController` (both are :class:`MemoryStep` kinds); use:
+    ``begin_step()``, the step's forwards and backwards, ``finish_step(optimizer, max_grad_norm=...)`` with
+    ``torch.optim.AdamW`` over the values. Under DDP the values are reduced here (``ddp_ignored_names``).
     """
 
     def begin_step(self, *, select_before_backward: bool = False) -> None:
-        """Start a step: zero and count reads; the values get dense gradients."""
+        """Start a step: zero and count reads; the backwards write dense value gradients into the step's sinks.
+        ``select_before_backward=True`` (the exact update's fill) is refused: this update selects at the end."""
         if select_before_backward:
             raise ValueError("select_before_backward is the exact update's; this update selects at the step's end")
-        super().begin_step()
-        for name, memory in self.memories.items():
-            memory.set_update_rows(None)
-            self._sinks.pop(name).close()
+        self._begin()
+
+    def _make_sink(self, name: str, values: nn.Parameter) -> DenseGradSink:
+        return DenseGradSink(values.device)
 
     def after_forward(self) -> None:
         """Nothing to do between a forward and its backward (the rows are chosen at the step's end)."""
 
-    def select_rows(self):
-        raise RuntimeError(f"{type(self).__name__} selects its rows and ends its steps in finish_step(optimizer)")
-
-    end_step = select_rows
-
     def finish_step(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None
                     ) -> dict[str, torch.Tensor]:
         """Select, mask every unselected row of the (rank-averaged) dense value gradients, check for inf / NaN,
-        clip, step ``optimizer`` (dense), zero gradients. Returns layer -> (T',) selected rows (ascending)."""
-        if not self._in_step:
-            raise step_checks.not_begun("finish_step")
+        clip, step ``optimizer`` (dense), zero gradients. Returns layer -> (T',) selected rows (ascending); none for
+        a layer no backward of the step reached (it gets no gradient, so nothing of it moves)."""
+        max_grad_norm = None if max_grad_norm is None else check_max_norm(max_grad_norm)
+        self._check_can_end("finish_step")
         counts = self._step_counts()
+        reached = self._reached()  # on any rank: every rank reduces the same tables
         selected = {}
         for name, memory in self.memories.items():
             rows, valid = self._padded_selection(name, counts[name])
+            values, grad = memory.values, self._sinks[name].grad
+            if not bool(reached[name]):
+                selected[name] = rows[:0]
+                continue
             selected[name] = rows[valid]
-            values = memory.values
-            if values.grad is None:
-                values.grad = torch.zeros_like(values)
+            values.grad = torch.zeros_like(values) if grad is None else grad
             world = gradient_copies(values, self._world())
             if world > 1:
                 self._all_reduce_sum(values.grad)
@@ -115,27 +153,24 @@ class AuthorsSparseUpdate(DenseMaskedUpdate):
         super().__init__(model, rule=rule, rows_per_step=rows_per_step, background=background, nonfinite=nonfinite)
         self._masks = {name: torch.zeros(m.num_slots, dtype=torch.bool, device=m.values.device)
                        for name, m in self.memories.items()}
-        self._step_rows: dict[str, torch.Tensor] = {}
+        self._used_rows: dict[str, torch.Tensor] = {}  # layer -> (M,) bool: selected by a micro-batch of the step
         self._handles: list[Any] = []
 
     def begin_step(self, *, select_before_backward: bool = False) -> None:
         """Start an optimizer step: dense value gradients, masked by each micro-batch's selection."""
         super().begin_step(select_before_backward=select_before_backward)
-        self._step_rows = {name: torch.zeros_like(mask) for name, mask in self._masks.items()}
-        for name, memory in self.memories.items():
+        self._used_rows = {name: torch.zeros_like(mask) for name, mask in self._masks.items()}
+        for memory in self.memories.values():
             self._handles.append(memory.register_forward_pre_hook(_count_padding_too, with_kwargs=True))
-            self._handles.append(memory.values.register_hook(self._masking_hook(name)))
+
+    def _make_sink(self, name: str, values: nn.Parameter) -> DenseGradSink:
+        return DenseGradSink(values.device, mask=self._masks[name])  # the mask of the micro-batch being backwarded
 
     def _close(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         super()._close()
-
-    def _masking_hook(self, name: str):
-        def hook(grad: torch.Tensor) -> torch.Tensor:
-            return grad * self._masks[name].unsqueeze(1).to(grad.dtype)
-        return hook
 
     def after_forward(self) -> dict[str, torch.Tensor]:
         """Select each layer's rows from the counts of the micro-batch forward just run (before its
@@ -148,17 +183,22 @@ class AuthorsSparseUpdate(DenseMaskedUpdate):
             selected[name] = rows[valid]
             self._masks[name].zero_()
             self._masks[name][selected[name]] = True
-            self._step_rows[name][selected[name]] = True
+            self._used_rows[name][selected[name]] = True
             memory.reset_read_counts()
         return selected
 
     def finish_step(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None
                     ) -> dict[str, torch.Tensor]:
         """Check for inf / NaN, clip, step ``optimizer`` (dense), zero gradients. Returns layer -> rows selected by
-        any micro-batch of the step ((R,) int64, ascending)."""
-        if not self._in_step:
-            raise step_checks.not_begun("finish_step")
-        rows = {name: used.nonzero().squeeze(1) for name, used in self._step_rows.items()}
+        any micro-batch of the step ((R,) int64, ascending); none for a layer no backward reached (it gets no
+        gradient, so nothing of it moves)."""
+        max_grad_norm = None if max_grad_norm is None else check_max_norm(max_grad_norm)
+        self._check_can_end("finish_step")
+        rows = {}
+        for name, memory in self.memories.items():
+            memory.values.grad = self._sinks[name].grad
+            used = self._used_rows[name] if memory.values.grad is not None else torch.zeros_like(self._masks[name])
+            rows[name] = used.nonzero().squeeze(1)
         self._close()
         return self._dense_step(optimizer, max_grad_norm, rows, torch.nn.utils.clip_grad_norm_)
 

@@ -1,12 +1,29 @@
 """Global-norm gradient clipping that understands sparse COO gradients."""
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 
 from smf_kernels.sharded.layout import ColumnShard, is_split, shard_of
+
+
+def check_max_norm(max_norm: object) -> float:
+    """``max_norm`` as a float: a real number or a one-element tensor (torch's ``clip_grad_norm_`` takes any of
+    them through ``float()``), > 0, inf meaning no clipping. TypeError / ValueError otherwise: torch accepts a
+    NaN norm (every gradient becomes NaN) and a negative one (the coefficient flips every gradient's sign)."""
+    if (isinstance(max_norm, torch.Tensor) and max_norm.numel() == 1 and max_norm.dtype != torch.bool
+            and not max_norm.is_complex()):
+        max_norm = float(max_norm)
+    if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real):
+        raise TypeError(f"max_norm must be a number > 0 (inf: no clipping), got {type(max_norm).__name__}")
+    value = float(max_norm)
+    if math.isnan(value) or value <= 0:
+        raise ValueError(f"max_norm must be a number > 0 (inf: no clipping), got {value}")
+    return value
 
 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float) -> torch.Tensor:
@@ -26,8 +43,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
-    if not max_norm > 0:
-        raise ValueError(f"max_norm must be > 0, got {max_norm}")
+    max_norm = check_max_norm(max_norm)
     scaled = []  # the tensors to scale: dense grads, and the values of coalesced sparse grads
     shards = []  # for each of them: the ColumnShard of a table split over ranks, else None
     for param in parameters:
@@ -50,7 +66,9 @@ def norm_and_clip_coefficient(grads: list[torch.Tensor], max_norm: float,
     """(total, coefficient): the joint L2 norm of ``grads`` (a 0-d float32 tensor, float64 when a gradient is
     float64; 0 without grads) and the factor ``min(1, max_norm / (total + 1e-6))`` that clips them to
     ``max_norm``, as :func:`clip_grad_norm_` applies it. ``shards[i]``, when not None, says ``grads[i]`` holds one rank's columns of a table split over
-    a group (smf_kernels.sharded): its norm is then that of the whole table's gradient. No host sync."""
+    a group (smf_kernels.sharded): its norm is then that of the whole table's gradient. No host sync.
+    ``max_norm``: :func:`check_max_norm`."""
+    max_norm = check_max_norm(max_norm)
     if not grads:
         return torch.zeros(()), torch.ones(())
     shards = shards if shards is not None else [None] * len(grads)

@@ -44,7 +44,8 @@ from smf_kernels.sharded.layout import gradient_copies, is_split, shard_of
 from smf_kernels.sparse import step_checks
 from smf_kernels.sparse.background import BackgroundStats
 from smf_kernels.sparse.background_collection import collect_background
-from smf_kernels.sparse.clipping import norm_and_clip_coefficient
+from smf_kernels.sparse.clipping import check_max_norm, norm_and_clip_coefficient
+from smf_kernels.ops.weighted_gather import GradientSink
 from smf_kernels.sparse.row_grad_sink import RowGradSink
 from smf_kernels.sparse.selection import RULES, score_slots, select_rows_padded, warn_if_not_sparse
 
@@ -79,7 +80,9 @@ class RowGradients:
     def clip_(self, parameters: Iterable[torch.Tensor], max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(total norm, clipping coefficient) of the gradients of ``parameters`` together with the rows' (a
         sharded table's shard counting as the whole table); the parameters' gradients are scaled in place, the
-        rows' are not: pass the coefficient to :meth:`apply` (the update's second phase)."""
+        rows' are not: pass the coefficient to :meth:`apply` (the update's second phase). ``max_norm``: a number
+        > 0 (inf: no clipping); NaN, a negative or a non-number is refused before anything is scaled."""
+        max_norm = check_max_norm(max_norm)
         with_grad = [p for p in parameters if p.grad is not None]
         if any(p.grad.is_sparse for p in with_grad):
             raise RuntimeError("a sparse .grad in a sparse step: the exact update keeps the rows' gradient compact")
@@ -91,6 +94,26 @@ class RowGradients:
             param.grad.mul_(coef.to(param.grad.dtype))
         return total, coef
 
+    def check_and_clip(self, parameters: Iterable[torch.Tensor], max_grad_norm: float | None, nonfinite: str
+                       ) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+        """The first half of every sparse step's finish (then the optimizer steps the other parameters and
+        :meth:`apply` the rows): check every gradient of the step for inf / NaN and clip them all to
+        ``max_grad_norm`` (None: no clipping) with the rows in the norm.
+
+        Returns (total norm, clipping coefficient for :meth:`apply`), both None without clipping; None when a
+        gradient is non-finite and ``nonfinite`` is "skip": the gradients of ``parameters`` are then dropped
+        (set to None) and nothing may step. With "raise" they are dropped and
+        :class:`~smf_kernels.sparse.step_checks.NonFiniteGradientError` raised.
+        """
+        params = list(parameters)
+        bad = self.nonfinite(params)
+        if bad:
+            for param in params:
+                param.grad = None
+            step_checks.handle_nonfinite(bad, nonfinite)
+            return None
+        return (None, None) if max_grad_norm is None else self.clip_(params, max_grad_norm)
+
     def apply(self, optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor | None = None) -> None:
         """Update each layer's selected rows (their gradient times ``grad_scale``, e.g. a clipping coefficient)
         with ``optimizer``, a :class:`RowSparseAdamW` or :class:`RowSparseSGD` holding the values."""
@@ -98,8 +121,11 @@ class RowGradients:
             optimizer.step_rows(values, rows, grad, grad_scale=grad_scale, valid=valid)
 
 
-class SparseMemoryController:
-    """Selects and updates the value rows of every ProductKeyMemory in ``model`` (see module docstring).
+class MemoryStep:
+    """What every sparse step over the value rows of ``model``'s ProductKeyMemory layers shares: read counting,
+    the background statistics and the top-T selection, the step's gradient sinks (each update makes its own,
+    :meth:`_make_sink`), the misuse checks and :meth:`abort_step`. The exact update
+    (:class:`SparseMemoryController`) and the ablations (:mod:`smf_kernels.sparse.ablations`) are its kinds.
 
     Args:
         model: any nn.Module; its ProductKeyMemory submodules are found with ``named_modules()`` and named by
@@ -131,8 +157,7 @@ class SparseMemoryController:
         self.background: BackgroundStats | None = None
         self.skipped_steps = 0
         self._in_step = False
-        self._sinks: dict[str, RowGradSink] = {}
-        self._selected = False
+        self._sinks: dict[str, GradientSink] = {}
         self._background_on: dict[tuple[str, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
         if background is not None:
             self.set_background(background)
@@ -183,14 +208,9 @@ class SparseMemoryController:
         :meth:`abort_step`)."""
         return self._in_step
 
-    def begin_step(self, *, select_before_backward: bool = False) -> None:
-        """Start an optimizer step: zero counts, count reads, give every memory its row-gradient sink.
-
-        select_before_backward: the rows are known before the first backward (:meth:`select_rows` between the
-            step's forwards and its first backward, or, in one process, chosen by that backward from the
-            counts), and every backward adds only their (T, D) gradient. Otherwise (the default) backwards keep
-            their reads and the step's end computes the selected rows' gradient from them.
-        """
+    def _begin(self, **sink_options) -> None:
+        """Start an optimizer step: refuse misuse, zero counts, count reads, give every memory this update's
+        sink (:meth:`_make_sink` with ``sink_options``)."""
         if self.background is None:
             raise RuntimeError("no background statistics: pass background=, call set_background() "
                                "or collect_background() first")
@@ -203,49 +223,16 @@ class SparseMemoryController:
                 raise step_checks.gradient_from_outside(f"{name}.values")
         self._sinks = {}
         for name, memory in self.memories.items():
-            values = memory.values
-            chooser = None
-            if select_before_backward:
-                self._background_tensors(name, values.device)  # made now: a backward that selects mutates nothing
-                chooser = self._chooser(name)
-            self._sinks[name] = RowGradSink(values, min(self.rows_per_step, values.shape[0]),
-                                            keep_reads=not select_before_backward, chooser=chooser)
+            self._sinks[name] = self._make_sink(name, memory.values, **sink_options)
             memory.reset_read_counts()
             memory.set_read_counting(True)
             memory.set_update_rows(self._sinks[name])
-        self._selected = False
         self._in_step = True
 
-    def _chooser(self, name: str) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
-        def choose() -> tuple[torch.Tensor, torch.Tensor]:
-            if self._world() > 1:
-                raise RuntimeError("under torch.distributed every rank must select the same rows: call "
-                                   "controller.select_rows() between the step's forwards and its backward")
-            return self._padded_selection(name, self.memories[name].read_counts)
-        return choose
-
-    def select_rows(self) -> dict[str, torch.Tensor]:
-        """Select this step's rows now, from the counts of the forwards run so far, summed over ranks
-        (``begin_step(select_before_backward=True)``, before the step's first backward).
-
-        Returns:
-            layer name -> (T',) int64 selected rows (ascending), T' = min(T, #read).
-        """
-        if not self._in_step:
-            raise step_checks.not_begun("select_rows")
-        if any(sink.keep_reads for sink in self._sinks.values()):
-            raise RuntimeError("select_rows() needs begin_step(select_before_backward=True) first")
-        if self._selected:
-            raise RuntimeError("select_rows() was already called in this step")
-        counts = self._step_counts()
-        selected = {}
-        for name, sink in self._sinks.items():
-            rows, valid = self._padded_selection(name, counts[name])
-            sink.set_rows(rows, valid)
-            selected[name] = rows[valid]
-            self.memories[name].set_read_counting(False)  # the step's selection is made
-        self._selected = True
-        return selected
+    def _make_sink(self, name: str, values: nn.Parameter, **sink_options) -> GradientSink:
+        """Where layer ``name``'s backwards put their value gradient this step (each update its own): a
+        GradientSink with ``reached`` (a 0-d bool tensor: a backward reached the table) and ``close()``."""
+        raise NotImplementedError
 
     def abort_step(self) -> None:
         """Discard the step in progress, e.g. after one of its forwards or backwards raised: its read counts,
@@ -267,63 +254,13 @@ class SparseMemoryController:
         for memory in self.memories.values():
             memory.values.grad = None
 
-    def end_step(self) -> RowGradients:
-        """End the step's forwards and backwards without touching the optimizer: select the rows from the step's
-        counts (unless selected before the backward), compute their gradient, average it over ranks, and
-        return both (:class:`RowGradients`). Read counting and the sinks are off and the counts zeroed after.
-
-        Refuses (:class:`~smf_kernels.sparse.step_checks.StepMisuseError`, nothing changed) a step not begun and
-        a value gradient made outside the step.
-        """
-        self._check_can_end("end_step")
-        kept = any(sink.keep_reads for sink in self._sinks.values())
-        counts = self._step_counts() if kept else None
-        tables = {}
-        for name, memory in self.memories.items():
-            values, sink = memory.values, self._sinks[name]
-            if sink.keep_reads:
-                rows, valid = self._padded_selection(name, counts[name])
-                sink.fill(values, rows, valid)
-            else:  # the rows the backwards used (set by select_rows, or chosen by the backward from the counts)
-                rows, valid = sink.selection()
-            tables[name] = (values, rows, self._average_over_ranks(values, sink.grad), valid)
-        self._close()
-        return RowGradients(tables, {id(p): n for n, p in self.model.named_parameters()}, self.process_group,
-                            self._world())
-
-    def finish_step(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None
-                    ) -> dict[str, torch.Tensor]:
-        """:meth:`end_step`, then check every gradient of the step for inf / NaN (see ``nonfinite``), clip all
-        of them to ``max_grad_norm`` (when given) with the rows' gradients in the norm, step ``optimizer`` (a
-        :class:`RowSparseAdamW` or :class:`RowSparseSGD` holding the values: the other parameters, then the
-        selected rows) and zero its
-        gradients. A refused call (misuse, a wrong optimizer) changes nothing.
-
-        Returns:
-            layer name -> (T',) int64 selected rows (ascending), T' = min(T, #read); empty rows for every layer
-            when the step was skipped (``nonfinite="skip"``).
-        """
-        self._check_can_end("finish_step")
-        if not hasattr(optimizer, "step_rows"):
-            raise TypeError("the sparse update needs an optimizer with step_rows (RowSparseAdamW or RowSparseSGD), "
-                            f"got {type(optimizer).__name__}")
-        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        missing = [f"{name}.values" for name, m in self.memories.items() if id(m.values) not in held]
-        if missing:
-            raise ValueError(f"the optimizer does not hold {', '.join(missing)}")
-        gradients = self.end_step()
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        bad = gradients.nonfinite(params)
-        if bad:
-            optimizer.zero_grad(set_to_none=True)
-            step_checks.handle_nonfinite(bad, self.nonfinite)
-            self.skipped_steps += 1
-            return {name: rows[:0] for name, rows in gradients.selected.items()}
-        coef = None if max_grad_norm is None else gradients.clip_(params, max_grad_norm)[1]
-        optimizer.step()  # the parameters with a .grad (e.g. alpha); the values have none
-        gradients.apply(optimizer, grad_scale=coef)
-        optimizer.zero_grad(set_to_none=True)
-        return gradients.selected
+    def _reached(self) -> dict[str, torch.Tensor]:
+        """Layer -> 0-d bool: whether a backward of the step reached its table on any rank (one all_reduce when
+        there are several ranks, so that every rank keeps or drops the same rows; no host sync)."""
+        names = list(self._sinks)
+        flags = torch.stack([self._sinks[name].reached for name in names]).to(torch.int32)
+        self._all_reduce_sum(flags)
+        return dict(zip(names, (flags > 0).unbind()))
 
     def _check_can_end(self, method: str) -> None:
         if not self._in_step:
@@ -363,6 +300,120 @@ class SparseMemoryController:
         packed = torch.cat([self.memories[name].read_counts for name in names])
         self._all_reduce_sum(packed)
         return dict(zip(names, packed.split([self.memories[name].num_slots for name in names])))
+
+
+class SparseMemoryController(MemoryStep):
+    """Selects and updates the value rows of every ProductKeyMemory in ``model`` exactly (see module
+    docstring); its arguments are :class:`MemoryStep`'s."""
+
+    def begin_step(self, *, select_before_backward: bool = False) -> None:
+        """Start an optimizer step: zero counts, count reads, give every memory its row-gradient sink.
+
+        select_before_backward: the rows are known before the first backward (:meth:`select_rows` between the
+            step's forwards and its first backward, or, in one process, chosen by that backward from the
+            counts), and every backward adds only their (T, D) gradient. Otherwise (the default) backwards keep
+            their reads and the step's end computes the selected rows' gradient from them
+            (:func:`smf_kernels.sparse.fill.plan_fill` chooses for a training loop).
+        """
+        self._begin(select_before_backward=select_before_backward)
+        self._selected = False
+
+    def _make_sink(self, name: str, values: nn.Parameter, *, select_before_backward: bool) -> RowGradSink:
+        chooser = None
+        if select_before_backward:
+            self._background_tensors(name, values.device)  # made now: a backward that selects mutates nothing
+            chooser = self._chooser(name)
+        return RowGradSink(values, min(self.rows_per_step, values.shape[0]), keep_reads=not select_before_backward,
+                           chooser=chooser)
+
+    def _chooser(self, name: str) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+        def choose() -> tuple[torch.Tensor, torch.Tensor]:
+            if self._world() > 1:
+                raise RuntimeError("under torch.distributed every rank must select the same rows: call "
+                                   "controller.select_rows() between the step's forwards and its backward")
+            return self._padded_selection(name, self.memories[name].read_counts)
+        return choose
+
+    def select_rows(self) -> dict[str, torch.Tensor]:
+        """Select this step's rows now, from the counts of the forwards run so far, summed over ranks
+        (``begin_step(select_before_backward=True)``, before the step's first backward).
+
+        Returns:
+            layer name -> (T',) int64 selected rows (ascending), T' = min(T, #read).
+        """
+        if not self._in_step:
+            raise step_checks.not_begun("select_rows")
+        if any(sink.keep_reads for sink in self._sinks.values()):
+            raise RuntimeError("select_rows() needs begin_step(select_before_backward=True) first")
+        if self._selected:
+            raise RuntimeError("select_rows() was already called in this step")
+        counts = self._step_counts()
+        selected = {}
+        for name, sink in self._sinks.items():
+            rows, valid = self._padded_selection(name, counts[name])
+            sink.set_rows(rows, valid)
+            selected[name] = rows[valid]
+            self.memories[name].set_read_counting(False)  # the step's selection is made
+        self._selected = True
+        return selected
+
+    def end_step(self) -> RowGradients:
+        """End the step's forwards and backwards without touching the optimizer: select the rows from the step's
+        counts (unless selected before the backward), compute their gradient, average it over ranks, and
+        return both (:class:`RowGradients`). Read counting and the sinks are off and the counts zeroed after.
+
+        Refuses (:class:`~smf_kernels.sparse.step_checks.StepMisuseError`, nothing changed) a step not begun and
+        a value gradient made outside the step.
+        """
+        self._check_can_end("end_step")
+        kept = any(sink.keep_reads for sink in self._sinks.values())
+        counts = self._step_counts() if kept else None
+        reached = self._reached()
+        tables = {}
+        for name, memory in self.memories.items():
+            values, sink = memory.values, self._sinks[name]
+            if sink.keep_reads:
+                rows, valid = self._padded_selection(name, counts[name])
+                sink.fill(values, rows, valid)
+            else:  # the rows the backwards used (set by select_rows, or chosen by the backward from the counts)
+                rows, valid = sink.selection()
+            valid = valid & reached[name]  # no backward reached the table: none of its rows moves
+            tables[name] = (values, rows, self._average_over_ranks(values, sink.grad), valid)
+        self._close()
+        return RowGradients(tables, {id(p): n for n, p in self.model.named_parameters()}, self.process_group,
+                            self._world())
+
+    def finish_step(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None
+                    ) -> dict[str, torch.Tensor]:
+        """:meth:`end_step`, then check every gradient of the step for inf / NaN (see ``nonfinite``), clip all
+        of them to ``max_grad_norm`` (when given) with the rows' gradients in the norm, step ``optimizer`` (a
+        :class:`RowSparseAdamW` or :class:`RowSparseSGD` holding the values: the other parameters, then the
+        selected rows) and zero its
+        gradients. A refused call (misuse, a wrong optimizer) changes nothing.
+
+        Returns:
+            layer name -> (T',) int64 selected rows (ascending), T' = min(T, #read); empty rows for every layer
+            when the step was skipped (``nonfinite="skip"``).
+        """
+        max_grad_norm = None if max_grad_norm is None else check_max_norm(max_grad_norm)
+        self._check_can_end("finish_step")
+        if not hasattr(optimizer, "step_rows"):
+            raise TypeError("the sparse update needs an optimizer with step_rows (RowSparseAdamW or RowSparseSGD), "
+                            f"got {type(optimizer).__name__}")
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        missing = [f"{name}.values" for name, m in self.memories.items() if id(m.values) not in held]
+        if missing:
+            raise ValueError(f"the optimizer does not hold {', '.join(missing)}")
+        gradients = self.end_step()
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        clipped = gradients.check_and_clip(params, max_grad_norm, self.nonfinite)
+        if clipped is None:
+            self.skipped_steps += 1
+            return {name: rows[:0] for name, rows in gradients.selected.items()}
+        optimizer.step()  # the parameters with a .grad (e.g. alpha); the values have none
+        gradients.apply(optimizer, grad_scale=clipped[1])
+        optimizer.zero_grad(set_to_none=True)
+        return gradients.selected
 
     def _average_over_ranks(self, values: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
         """``grad`` (this rank's gradient of rows of ``values``) averaged over the data-parallel ranks, in place.

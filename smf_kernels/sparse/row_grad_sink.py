@@ -47,6 +47,9 @@ class RowGradSink(GradientSink):
         self.valid: torch.Tensor | None = None
         self.reads: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]] = []
         self.closed = False
+        # True once a backward reached this table (a 0-d tensor: a compiled backward sets it with no host sync); a
+        # step whose backwards never did moves none of its rows, as torch.optim leaves a parameter without .grad
+        self.reached = torch.zeros((), dtype=torch.bool, device=values.device)
         # made now, before any backward, so that a compiled backward only adds into it
         self.grad = None if keep_reads else torch.zeros(num_rows, values.shape[1],
                                                         dtype=accumulation_dtype(values.dtype), device=values.device)
@@ -75,6 +78,7 @@ class RowGradSink(GradientSink):
             raise RuntimeError("a backward of a memory forward run in a step that has ended (finish_step, end_step "
                                "or abort_step came before this backward): run every backward of a step before its "
                                "end, and drop graphs of aborted steps")
+        self.reached.fill_(True)
         if self.keep_reads:
             _, grad_weights, grad_gate, read_grad = gather_ops.backward(
                 grad_out, values, indices, weights, None, gate, read, backend, deterministic, False, need_weights,

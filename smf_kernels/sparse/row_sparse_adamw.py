@@ -55,6 +55,11 @@ class RowSparseAdamW(torch.optim.Optimizer):
         if not isinstance(saved_groups, list) or not isinstance(state_dict.get("state"), dict):
             raise ValueError("state_dict must be a dict with 'state' (a dict) and 'param_groups' (a list), as "
                              "state_dict() returns")
+        for index, saved in enumerate(saved_groups):
+            missing = [key for key in ("betas", "eps") if not isinstance(saved, dict) or key not in saved]
+            if missing:
+                raise ValueError(f"param group {index} of this state lacks {', '.join(missing)}: it was saved by "
+                                 "another optimizer (RowSparseSGD?); resume with the optimizer that wrote it")
         if len(saved_groups) != len(self.param_groups) or any(
                 len(saved.get("params", ())) != len(group["params"])
                 for saved, group in zip(saved_groups, self.param_groups)):
@@ -99,12 +104,12 @@ class RowSparseAdamW(torch.optim.Optimizer):
                 if param.grad is None:
                     continue
                 if param.grad.is_sparse:
-                    self._row_step(param, group)
+                    self._coo_step(param, group)
                 else:
                     self._dense_step(param, group)
         return loss
 
-    def _row_step(self, param: torch.Tensor, group: dict) -> None:
+    def _coo_step(self, param: torch.Tensor, group: dict) -> None:
         grad = param.grad.coalesce()
         rows, grad_rows = grad.indices()[0], grad.values()  # (R,) ascending, (R, D)
         self._update_rows(param, group, rows, grad_rows.to(accumulation_dtype(param.dtype)), None, None)

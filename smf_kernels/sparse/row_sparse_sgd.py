@@ -46,6 +46,19 @@ class RowSparseSGD(torch.optim.Optimizer):
         check_sgd_hyper_parameters(lr, weight_decay)
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch.optim.Optimizer.load_state_dict, after refusing (ValueError, nothing loaded) the state of
+        another optimizer: SGD keeps no per-parameter state, so saved moments or step counts (RowSparseAdamW's)
+        mean the run would silently change optimizer."""
+        saved = state_dict.get("state") if isinstance(state_dict, dict) else None
+        if not isinstance(saved, dict):
+            raise ValueError("state_dict must be a dict with 'state' and 'param_groups', as state_dict() returns")
+        held = sorted({key for state in saved.values() if isinstance(state, dict) for key in state})
+        if held:
+            raise ValueError(f"this state was saved by another optimizer (it holds {', '.join(held)}); RowSparseSGD "
+                             "keeps none: resume with the optimizer that wrote it")
+        super().load_state_dict(state_dict)
+
     @torch.no_grad()
     def step(self, closure=None):
         """torch.optim.SGD's update (no momentum) of every parameter with a dense ``.grad``; the rows of a
