@@ -130,3 +130,19 @@ def test_pretrain_options_refuse_unknown_keys_and_name_the_section():
         PretrainOptions.from_dict({"hidden_size": 30, "num_heads": 4})
     with pytest.raises(ConfigError, match="target_accuracy"):
         PretrainOptions.from_dict({"target_accuracy": 1.5})
+
+
+def test_the_remake_command_pretrains_a_suite_configs_base_here(tmp_path, capsys):
+    import yaml
+
+    config = tmp_path / "suite.yaml"
+    config.write_text(yaml.safe_dump({"base_per_seed": True, "world": {k: v for k, v in WORLD.items() if k != "seed"},
+                                      "pretrain": {**TINY, "epochs": 1}}))
+    assert module.main(["--config", str(config), "--seed", "5", "--output-dir", str(tmp_path / "base")]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["source"] == "pretrained here" and (tmp_path / "base" / FINAL / "model.safetensors").is_file()
+    again = pretrain_world(WorldOptions.from_dict(WORLD), PretrainOptions.from_dict({**TINY, "epochs": 1, "seed": 5}),
+                           tmp_path / "base")
+    assert again["skipped"] and again["fingerprint"] == printed["fingerprint"]  # the seed is the world's and the base's
+    with pytest.raises(SystemExit):
+        module.main(["--config", "no-such-config", "--output-dir", str(tmp_path / "x")])

@@ -328,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     from smf.data.world import WorldOptions
-    from smf.suite.config import read_suite_file
+    from smf.options import read_file
+    from smf.train.config import CONFIGS
 
     parser = argparse.ArgumentParser(prog="python -m smf.train.pretrain", description=main.__doc__)
     parser.add_argument("--config", default="science", help="suite config: a file or a shipped name")
@@ -337,7 +338,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        raw = read_suite_file(args.config)
+        path = Path(args.config) if Path(args.config).is_file() else CONFIGS / f"suite_{args.config}.yaml"
+        if not path.is_file():
+            raise ConfigError(f"--config {args.config!r}: no such file, nor a shipped suite config")
+        raw = read_file(path)
         seeded = {"seed": args.seed} if raw.get("base_per_seed") else {}
         world = WorldOptions.from_dict({**(raw.get("world") or {}), **seeded})
         options = PretrainOptions.from_dict({**(raw.get("pretrain") or {}), **seeded, "use_shipped": False})
