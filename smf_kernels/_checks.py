@@ -5,6 +5,8 @@ import numbers
 
 import torch
 
+from smf_kernels._precision import accumulation_dtype
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -159,3 +161,20 @@ def check_gather_values(num_rows: int, indices: torch.Tensor | None = None,
     if update_rows is not None:
         check_index_range("update_rows", update_rows, num_rows)
         check_distinct("update_rows", update_rows)
+
+
+def check_row_gradient(param: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor, grad_scale, valid) -> None:
+    """The arguments of a row update (row AdamW, row SGD) besides the table and its state: ``rows`` (T,) int64,
+    ``grad`` (T, D) in the table's accumulation dtype, ``valid`` None or (T,) bool, ``grad_scale`` None or a
+    one-element tensor; ValueError / TypeError naming the first that is not."""
+    check_tensor("rows", rows, ndim=1, dtypes=(torch.int64,), shape_doc="(T,)")
+    dtype = accumulation_dtype(param.dtype)
+    check_tensor("grad", grad, ndim=2, dtypes=(dtype,), shape_doc=f"(T, D) {str(dtype).replace('torch.', '')}")
+    if grad.shape != (rows.shape[0], param.shape[1]):
+        raise ValueError(f"grad must have shape (T, D) = {(rows.shape[0], param.shape[1])}, got {tuple(grad.shape)}")
+    if valid is not None:
+        check_tensor("valid", valid, ndim=1, dtypes=(torch.bool,), shape_doc="(T,)")
+        if valid.shape != rows.shape:
+            raise ValueError(f"valid must have shape (T,) = {tuple(rows.shape)}, got {tuple(valid.shape)}")
+    if grad_scale is not None and (not isinstance(grad_scale, torch.Tensor) or grad_scale.numel() != 1):
+        raise ValueError("grad_scale must be a one-element tensor or None")

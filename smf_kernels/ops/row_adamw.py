@@ -19,8 +19,8 @@ import math
 
 import torch
 
-from smf_kernels._checks import (FLOAT_DTYPES, check_ascending, check_index_range, check_same_device, check_scalar,
-                                 check_tensor)
+from smf_kernels._checks import (FLOAT_DTYPES, check_ascending, check_index_range, check_row_gradient,
+                                 check_same_device, check_scalar, check_tensor)
 from smf_kernels._precision import accumulation_dtype, no_autocast
 from smf_kernels.backends import implementation, resolve_backend, torch_impl
 
@@ -115,17 +115,7 @@ def row_adamw_(
     check_tensor("row_step", row_step, ndim=1, dtypes=(torch.int64,), shape_doc="(M,)")
     if row_step.shape[0] != param.shape[0]:
         raise ValueError(f"row_step must have shape (M,) = ({param.shape[0]},), got {tuple(row_step.shape)}")
-    check_tensor("rows", rows, ndim=1, dtypes=(torch.int64,), shape_doc="(T,)")
-    dtype = accumulation_dtype(param.dtype)
-    check_tensor("grad", grad, ndim=2, dtypes=(dtype,), shape_doc=f"(T, D) {str(dtype).replace('torch.', '')}")
-    if grad.shape != (rows.shape[0], param.shape[1]):
-        raise ValueError(f"grad must have shape (T, D) = {(rows.shape[0], param.shape[1])}, got {tuple(grad.shape)}")
-    if valid is not None:
-        check_tensor("valid", valid, ndim=1, dtypes=(torch.bool,), shape_doc="(T,)")
-        if valid.shape != rows.shape:
-            raise ValueError(f"valid must have shape (T,) = {tuple(rows.shape)}, got {tuple(valid.shape)}")
-    if grad_scale is not None and (not isinstance(grad_scale, torch.Tensor) or grad_scale.numel() != 1):
-        raise ValueError("grad_scale must be a one-element tensor or None")
+    check_row_gradient(param, rows, grad, grad_scale, valid)
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
     for name, value in (("lr", lr), ("betas[0]", betas[0]), ("betas[1]", betas[1]), ("eps", eps),
@@ -137,6 +127,7 @@ def row_adamw_(
     check_same_device("param", param, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, row_step=row_step, rows=rows,
                       grad=grad, valid=valid)
     name = resolve_backend(backend, param.device, param.dtype)
+    dtype = accumulation_dtype(param.dtype)
     scale = None if grad_scale is None else grad_scale.detach().to(device=param.device, dtype=dtype).reshape(())
     with torch.no_grad():  # an in-place update of a leaf that requires grad, as an optimizer makes
         _row_adamw(param, exp_avg, exp_avg_sq, row_step, rows, grad.contiguous(), valid, _factor(lr, param.device),

@@ -19,9 +19,8 @@ import math
 
 import torch
 
-from smf_kernels._checks import (FLOAT_DTYPES, check_ascending, check_index_range, check_same_device, check_scalar,
-                                 check_tensor)
-from smf_kernels._precision import accumulation_dtype
+from smf_kernels._checks import (FLOAT_DTYPES, check_ascending, check_index_range, check_row_gradient,
+                                 check_same_device, check_scalar, check_tensor)
 
 
 def check_sgd_hyper_parameters(lr: float | torch.Tensor, weight_decay: float | torch.Tensor) -> None:
@@ -117,15 +116,5 @@ class RowSparseSGD(torch.optim.Optimizer):
 
 def _check_row_arguments(param, rows, grad, grad_scale, valid) -> None:
     check_tensor("param", param, ndim=2, dtypes=FLOAT_DTYPES, shape_doc="(M, D)")
-    check_tensor("rows", rows, ndim=1, dtypes=(torch.int64,), shape_doc="(T,)")
-    dtype = accumulation_dtype(param.dtype)
-    check_tensor("grad", grad, ndim=2, dtypes=(dtype,), shape_doc=f"(T, D) {str(dtype).replace('torch.', '')}")
-    if grad.shape != (rows.shape[0], param.shape[1]):
-        raise ValueError(f"grad must have shape (T, D) = {(rows.shape[0], param.shape[1])}, got {tuple(grad.shape)}")
-    if valid is not None:
-        check_tensor("valid", valid, ndim=1, dtypes=(torch.bool,), shape_doc="(T,)")
-        if valid.shape != rows.shape:
-            raise ValueError(f"valid must have shape (T,) = {tuple(rows.shape)}, got {tuple(valid.shape)}")
-    if grad_scale is not None and (not isinstance(grad_scale, torch.Tensor) or grad_scale.numel() != 1):
-        raise ValueError("grad_scale must be a one-element tensor or None")
+    check_row_gradient(param, rows, grad, grad_scale, valid)
     check_same_device("param", param, rows=rows, grad=grad, valid=valid)
