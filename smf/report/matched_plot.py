@@ -12,10 +12,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from smf.report.pareto import FAMILY_COLOURS, RULE_MARKERS  # noqa: E402
+from smf.report.pareto import BASELINE_MARKERS, FAMILY_COLOURS, RULE_MARKERS  # noqa: E402
 from smf.report.paper_results import FAMILIES, SELECTION_RULES  # noqa: E402
-
-BASELINE_MARKERS = {"lora": "D", "full": "P"}
 
 
 def plot_matched(rows: list[dict], levels: list[str], labels: dict[tuple, str], out_path: Path, *, learn_title: str,

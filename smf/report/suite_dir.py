@@ -154,9 +154,7 @@ def write_sweep_table(config: SuiteConfig, results: list[dict], out_dir: Path) -
     for row in sorted(rows, key=lambda r: (order.get(r["condition"], 99), variants.get(r["variant"], -1), r["update"],
                                            r["reads"], r["lr"])):
         cells = _cells(row, metrics)
-        method = (display_name(row["condition"], config.model, row["variant"])
-                  + (" (authors' update)" if row["update"] == "authors" else "")
-                  + (f" ({row['reads']} reads)" if row["reads"] != "all" else ""))
+        method = variant_label((row["condition"], row["update"], row["reads"], row["variant"]), config.model)
         lines.append(f"| {method} | {row['lr']:g} | {'✓' if row['chosen'] else ''} | {row['seeds']} | "
                      + " | ".join(cells) + " |")
     learning = learning_metric(results)
@@ -335,13 +333,9 @@ def write_environment(config: SuiteConfig, results: list[dict], out_dir: Path) -
 
 def variant_label(method, model: str) -> str:
     """A method key of :func:`smf.suite.science.variant` as a table label."""
-    condition, update, reads, *rest = method
-    label = display_name(condition, model)
-    if update != "exact":
-        label += f" ({update} update)"
-    if reads != "all":
-        label += f" ({reads} reads)"
-    return label + "".join(f" [{part}]" for part in rest if part)
+    condition, update, reads, variant = method
+    return (display_name(condition, model, variant) + (" (authors' update)" if update == "authors" else "")
+            + (f" ({reads} reads)" if reads != "all" else ""))
 
 
 def write_report_page(config: SuiteConfig, out_dir: Path) -> Path:
