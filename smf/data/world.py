@@ -26,6 +26,7 @@ Every attribute value is one word and no value contains another, so the QA rule'
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import math
@@ -38,7 +39,7 @@ from pydantic import NonNegativeInt, PositiveInt
 from smf.options import OPTIONS_CONFIG, checked, mapping, section_names
 
 __all__ = ["ATTRIBUTES", "FIRST_NAMES", "FAMILY_NAMES", "Person", "World", "WorldOptions", "build_world",
-           "chance_accuracy", "qa_text", "world_words", "write_world"]
+           "chance_accuracy", "qa_text", "world_digest", "world_words", "write_world"]
 
 FIRST_NAMES = ("Abel", "Bria", "Cato", "Dara", "Elio", "Fenna", "Galen", "Hedda", "Ivo", "Jora", "Kasimir", "Lio",
                "Mira", "Nilo", "Orla", "Pavo", "Quila", "Rune", "Sela", "Tomo", "Ulla", "Vero", "Wren", "Xeno",
@@ -265,9 +266,16 @@ def build_world(options: WorldOptions | dict | None = None) -> World:
     return World(options, old, new, {role: datasets.Dataset.from_list(role_rows) for role, role_rows in rows.items()})
 
 
+def world_digest(world: World) -> str:
+    """16 hex digits of every row of every dataset of ``world`` (what its files hold)."""
+    rows = {role: [dict(row) for row in dataset] for role, dataset in sorted(world.datasets.items())}
+    return hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def write_world(world: World, directory: str | Path) -> dict[str, str]:
-    """Each dataset of ``world`` as ``{directory}/{role}.jsonl`` (own-data schema), plus ``world.json`` (the options
-    and the people); returns role -> path."""
+    """Each dataset of ``world`` as ``{directory}/{role}.jsonl`` (own-data schema), plus ``world.json`` (the options,
+    the people and :func:`world_digest`, which tells a reader whether the files are this world's); returns role ->
+    path."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     paths = {}
@@ -279,5 +287,6 @@ def write_world(world: World, directory: str | Path) -> dict[str, str]:
         paths[role] = str(path)
     people = {kind: [{"name": p.name, **p.facts} for p in group] for kind, group in (("old", world.old),
                                                                                      ("new", world.new))}
-    (directory / "world.json").write_text(json.dumps({"options": world.options.to_dict(), **people}, indent=1))
+    record = {"options": world.options.to_dict(), "digest": world_digest(world), **people}
+    (directory / "world.json").write_text(json.dumps(record, indent=1))
     return paths

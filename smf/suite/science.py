@@ -13,7 +13,6 @@ start from, the learning-rate sweep's choice of the reported rate, and confidenc
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import statistics
@@ -25,15 +24,10 @@ from smf.report.table import summarize
 
 logger = logging.getLogger(__name__)
 
-def world_digest(world) -> str:
-    """16 hex digits of every row of every dataset of ``world`` (what its files hold)."""
-    rows = {role: [dict(row) for row in dataset] for role, dataset in sorted(world.datasets.items())}
-    return hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()[:16]
-
 
 def _write_world_if_changed(options, world_dir: Path) -> None:
     """Build the world of ``options`` (fast) and write its files unless ``world.json`` records the same digest."""
-    from smf.data.world import build_world, write_world
+    from smf.data.world import build_world, world_digest, write_world
 
     world = build_world(options)
     digest = world_digest(world)
@@ -46,7 +40,6 @@ def _write_world_if_changed(options, world_dir: Path) -> None:
     if recorded != digest or not all((world_dir / f"{role}.jsonl").is_file() for role in WORLD_ROLES):
         logger.info("writing the world (%s) to %s", options, world_dir)
         write_world(world, world_dir)
-        record.write_text(json.dumps({**json.loads(record.read_text()), "digest": digest}, indent=1))
 
 
 def prepare_science_inputs(config) -> dict[int | None, dict] | None:
