@@ -15,6 +15,6 @@ do not import each other), and smf_kernels imports nothing of smf (tests/test_im
 8. ``smf.vocabulary``: the names every layer shares (conditions, tasks, metric keys, defaults);
 9. ``smf.errors``.
 
-Imports of smf modules inside functions only defer torch, transformers, matplotlib or the Qwen-2 model code, so that
-``smf --help`` and a config's checks stay light; the test lists each one.
+Imports of smf modules inside functions only defer torch, transformers, matplotlib, the Qwen-2 model code or (from
+``smf --help``) the suite config's schema, so that the parser and a config's checks stay light; the test lists each.
 """

@@ -15,12 +15,15 @@ SMF_LAYERS = (("cli",), ("commands",), ("suite",), ("train", "eval", "report"), 
 
 # The imports of smf / smf_kernels modules made inside functions, by importing module. Each defers what the target
 # loads and the importer does not: torch and transformers, so that the command line builds its parser and checks a
-# config without them (tests/test_cli_reliability.py checks the parser's imports); transformers' Qwen-2 model code
-# and tokenizers (smf.tiny, about 1.5 s); or smf itself, in the file saved beside a model that runs without smf.
+# config without them (tests/test_cli_reliability.py checks the parser's imports); the suite config's schema, which
+# `smf --help` does not need; transformers' Qwen-2 model code and tokenizers (smf.tiny, about 1.5 s); or smf itself,
+# in the file saved beside a model that runs without smf.
 DEFERRED = {
-    "smf.commands.eval": {"smf.eval.tasks", "smf.model.loading", "smf.train.distributed"},  # when `smf eval` runs
+    "smf.commands.eval": {"smf.eval.tasks", "smf.model.loading", "smf.train.distributed",  # when `smf eval` runs
+                          "smf.suite.config"},  # the suite config's schema (pydantic): 30 ms of `smf --help`
     "smf.commands.report": {"smf.suite.report"},  # matplotlib, torch: when `smf report` runs
-    "smf.commands.suite": {"smf.suite.report", "smf.suite.runner"},  # after the config's checks
+    "smf.commands.suite": {"smf.suite.report", "smf.suite.runner",  # torch: after the config's checks
+                           "smf.suite.config", "smf.suite.dry_run"},  # the suite config's schema, as above
     "smf.commands.train": {"smf.train.background", "smf.train.loop"},  # when the stage runs
     "smf.model.loading": {"smf.tiny"},  # Qwen-2 model code and tokenizers, for --model tiny only
     "smf.model.sizes": {"smf.tiny"},  # the same

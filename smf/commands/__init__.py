@@ -3,5 +3,6 @@
 help}``, ``add_arguments(parser, name)`` and ``run(args) -> exit code``.
 
 They sit above the packages they drive (``smf eval --config`` reads a suite config, ``smf report`` a suite
-directory), and import what needs torch or transformers inside ``run`` so that building the parser stays light.
+directory), and import what needs torch or transformers, and the suite config's schema, inside functions so that
+building the parser stays light.
 """

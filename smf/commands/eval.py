@@ -14,7 +14,6 @@ from smf.errors import ConfigError
 from smf.eval.settings import EvalSettings
 from smf.files import write_json_atomic
 from smf.options import ListAction, positive_int
-from smf.suite.config import load_suite_config, parse_suite_config
 from smf.threads import use_threads
 from smf.train.config import check_device_and_backend
 from smf.vocabulary import BACKENDS, DEFAULT_MODEL, EVAL_ROLES, TASKS
@@ -69,6 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser, command: str = "eval") -> Non
 
 def _eval_inputs(args: argparse.Namespace) -> tuple[DataPaths, EvalSettings, str]:
     """Data paths, settings and protocol: paper defaults < --config < flags."""
+    from smf.suite.config import load_suite_config, parse_suite_config  # its schema: 30 ms that `smf --help` skips
+
     base = {"model": args.model or DEFAULT_MODEL, "output_dir": ".", "seeds": [0], "conditions": ["base"]}
     if args.config is not None:
         saved = load_suite_config(args.config).to_dict()

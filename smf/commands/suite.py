@@ -7,8 +7,6 @@ from pathlib import Path
 
 from smf.errors import ConfigError
 from smf.options import ListAction, positive_int
-from smf.suite.config import load_suite_config, read_suite_file
-from smf.suite.dry_run import dry_run_lines
 from smf.vocabulary import CONDITIONS, SPARSE_CONDITIONS
 
 logger = logging.getLogger(__name__)
@@ -44,6 +42,8 @@ def overrides_from_args(args: argparse.Namespace) -> dict:
     """The top-level keys the flags replace. ``--authors-update none`` drops the ablation; without the flag,
     ``--conditions`` keeps the ablation runs of the conditions chosen (it needs no ablation of a condition the
     suite no longer runs)."""
+    from smf.suite.config import read_suite_file  # the suite config's schema: 30 ms that `smf --help` skips
+
     overrides = {key: getattr(args, key) for key in ("output_dir", "seeds", "conditions", "device", "threads")
                  if getattr(args, key) is not None}
     if args.authors_update is not None:
@@ -61,6 +61,9 @@ def overrides_from_args(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    from smf.suite.config import load_suite_config  # as in overrides_from_args
+    from smf.suite.dry_run import dry_run_lines
+
     config = load_suite_config(args.config, overrides_from_args(args))
     if args.dry_run:
         print("\n".join(dry_run_lines(config)))
