@@ -16,12 +16,12 @@ import logging
 import os
 import sys
 
+from smf.commands import eval as eval_command
+from smf.commands import report as report_command
+from smf.commands import suite as suite_command
+from smf.commands import train as train_commands
 from smf.errors import ConfigError
-from smf.eval import command as eval_command
 from smf.files import os_error_behind
-from smf.report import command as report_command
-from smf.suite import commands as suite_command
-from smf.train import commands as train_commands
 from smf.vocabulary import REMOVED_OPTIONS
 
 COMMAND_MODULES = (train_commands, suite_command, report_command, eval_command)

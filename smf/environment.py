@@ -30,7 +30,7 @@ def _version(package: str) -> str | None:
 def environment() -> dict:
     """python, package versions (None: not installed), CPU model and count, torch threads, OMP_NUM_THREADS, the
     CUDA device when there is one."""
-    import torch
+    import torch  # smf's base modules import no torch at module level (the command line's parser loads them)
 
     return {"python": platform.python_version(), **{package: _version(package) for package in PACKAGES},
             "platform": platform.platform(), "cpu": cpu_model(), "cpu_count": os.cpu_count(),

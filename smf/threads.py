@@ -35,7 +35,7 @@ def small_model(model: str | None) -> bool:
 def use_threads(threads: int | None, model: str | None) -> None:
     """``torch.set_num_threads(threads)``; ``threads`` None: one thread when ``model`` (a name or path, or a
     loaded model's ``config._name_or_path``) is small (:func:`small_model`), else torch's default left as it is."""
-    import torch
+    import torch  # the command line's parser imports this module and no torch
 
     if threads is None and not small_model(model):
         return

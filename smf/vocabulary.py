@@ -37,6 +37,9 @@ TASKS = ("medmcqa", "wikitext", "triviaqa")
 # and retained knowledge (TriviaQA's), each scored by its stand-in's rule; and their metric keys.
 EVAL_ROLES = ("learn", "heldout", "retain")
 OWN_METRIC_OF_ROLE = {"learn": "learn_acc", "heldout": "heldout_ppl", "retain": "retain_acc"}
+# The metric key a results record holds for each evaluated task (smf.eval.tasks writes them, smf report checks them).
+METRIC_OF_TASK = {"medmcqa": "medmcqa_acc", "wikitext": "wikitext_ppl", "triviaqa": "triviaqa_acc",
+                  **OWN_METRIC_OF_ROLE}
 LOSS_ON = ("all", "answer")  # the tokens a qa/mc training row's loss scores (docs/own-data.md)
 COUNT_READS = ("all", "loss")  # the tokens whose memory reads steer the sparse selection (docs/own-data.md)
 

@@ -19,7 +19,7 @@ import torch
 
 from smf.cli import build_parser, main
 from smf.options import flag, takes
-from smf.train.commands import COMMANDS, config_from_args
+from smf.commands.train import COMMANDS, config_from_args
 from smf.train.config import RunConfig
 from helpers import dry_run_names
 from test_cli_smf import run_main

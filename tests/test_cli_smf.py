@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from smf.cli import build_parser, main
-from smf.train.commands import COMMANDS, config_from_args
+from smf.commands.train import COMMANDS, config_from_args
 from smf.options import takes
 from smf.train.config import RunConfig, build_config, read_config_file
 
@@ -116,7 +116,7 @@ def test_threads_one_for_a_small_model_unless_given_and_the_flags_take_them(monk
 
     import torch
 
-    from smf.suite.commands import overrides_from_args
+    from smf.commands.suite import overrides_from_args
     from smf.threads import use_threads
 
     calls = []

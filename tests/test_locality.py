@@ -130,7 +130,7 @@ def test_quartiles_split_by_share_lowest_first():
 def test_locality_suite_end_to_end(tmp_path, monkeypatch):
     """Two variants of additive TF-IDF on the reduced world: their runs, shared and separate retrofits, results and
     report rows carrying the variant, and locality.md / .json consistent with the runs' own evaluation."""
-    from smf.report.suite_dir import write_suite_report
+    from smf.suite.report import write_suite_report
     from smf.suite.runner import run_suite
 
     raw = yaml.safe_load(LOCALITY.read_text())
@@ -174,7 +174,7 @@ def test_locality_suite_end_to_end(tmp_path, monkeypatch):
     def no_loading(*args, **kwargs):
         raise AssertionError("a cached measurement was recomputed")
 
-    monkeypatch.setattr("smf.model.loading.load_model", no_loading)
+    monkeypatch.setattr("smf.suite.locality_diagnostics.load_model", no_loading)
     from smf.suite.locality_diagnostics import compute_locality
 
     assert compute_locality(config, list(results.values()), root) == measured

@@ -4,8 +4,7 @@ import pytest
 from transformers import Qwen2Config
 
 from smf.model import attach_memories, memory_blocks
-from smf.model.sizes import scaled_layers, scaled_memory_sizes
-from smf.report.accounting import paper_qwen_config
+from smf.model.sizes import paper_qwen_config, scaled_layers, scaled_memory_sizes
 from smf.tiny import tiny_config, tiny_model
 from smf.train.config import RunConfig
 

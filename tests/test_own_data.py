@@ -15,7 +15,7 @@ from smf.data.paths import DataPaths
 from smf.errors import ConfigError
 from smf.eval.settings import EvalSettings
 from smf.eval.tasks import evaluate_model, load_eval_sets
-from smf.report.suite_dir import write_suite_report
+from smf.suite.report import write_suite_report
 from smf.suite.config import load_suite_config
 from smf.suite.runner import run_suite
 from smf.train.config import RunConfig

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from smf.report.suite_dir import collect_results, load_suite_dir, table_records, update_ablation
+from smf.suite.report import collect_results, load_suite_dir, table_records, update_ablation
 from smf.report.table import summarize, to_markdown
 from smf.suite.plan import SuiteLayout
 from smf.suite.status import write_status
@@ -117,7 +117,7 @@ class _PutInstead:
 
 
 def _collect(suite_dir):
-    """What the report reads from ``suite_dir``: (results, refused, foreign) of smf.report.suite_dir.collect_results,
+    """What the report reads from ``suite_dir``: (results, refused, foreign) of smf.suite.report.collect_results,
     after checking that the accepted results render (Table 1, the ablation and the status) without plotting."""
     config = load_suite_dir(suite_dir)
     layout = SuiteLayout(suite_dir)

@@ -157,7 +157,7 @@ def test_chosen_rate_and_intervals():
 def test_science_suite_end_to_end(tmp_path):
     """Every stage of the preset on the reduced world: world, pretraining, retrofit of both families, background,
     sparse (both rules), LoRA, full, evaluation, report."""
-    from smf.report.suite_dir import write_suite_report
+    from smf.suite.report import write_suite_report
     from smf.suite.runner import run_suite
 
     raw = yaml.safe_load((Path(__file__).parents[1] / "smf" / "configs" / "suite_science.yaml").read_text())

@@ -103,11 +103,3 @@ def test_report_skips_results_left_by_another_config(paper_suite):
     assert lora["seeds"] == "2", lora  # seeds 0 and 1; the two leftovers are skipped
     expected = statistics.mean(written[f"lora-seed{seed}"]["medmcqa_acc"] for seed in (0, 1))
     assert float(lora["medmcqa_acc_mean"]) == pytest.approx(expected)
-
-
-def test_report_has_one_home_and_the_old_name_still_works():
-    import smf.suite
-    from smf.report.suite_dir import write_suite_report
-
-    with pytest.deprecated_call(match="use smf.report.suite_dir.write_suite_report"):
-        assert smf.suite.write_suite_report is write_suite_report

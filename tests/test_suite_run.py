@@ -18,7 +18,7 @@ from smf.suite import runner as runner_module
 from smf.suite.config import load_suite_config
 from smf.suite.plan import Run, SuiteLayout, merged_plan, plan_runs
 from smf.suite.runner import SuiteRunner, run_suite
-from smf.report.suite_dir import write_suite_report
+from smf.suite.report import write_suite_report
 from smf.tiny import tiny_model
 from smf.train import loop
 from smf.train.config import ConfigError

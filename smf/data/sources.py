@@ -22,7 +22,7 @@ def load_split(hub_id: str, config: str | None, split: str, path: str | Path | N
             ``Dataset``, or a ``DatasetDict`` holding ``split``). One that cannot be read (another
             format, corrupt rows, no such split) raises ConfigError naming it.
     """
-    import datasets
+    import datasets  # heavy (torch, pyarrow): imported when a split is loaded
     from datasets.exceptions import DatasetsError
 
     if path is None:

@@ -236,7 +236,7 @@ def _renders(rng: random.Random, people: list[Person], per_person: int, taken: s
 
 def build_world(options: WorldOptions | dict | None = None) -> World:
     """The world of ``options`` (a :class:`WorldOptions`, a dict of its fields, or None: the defaults)."""
-    import datasets
+    import datasets  # heavy (torch, pyarrow): the suite's config checks import this module, not the world
 
     if not isinstance(options, WorldOptions):
         options = WorldOptions.from_dict(options)

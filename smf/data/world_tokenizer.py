@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import json
 
+from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
+from transformers import Qwen2Tokenizer
+from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
 from smf.data.world import ATTRIBUTES, world_words
 from smf.tiny import CHAT_TEMPLATE, EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS
 
@@ -33,10 +37,6 @@ def world_tokenizer_corpus() -> list[str]:
 
 def world_tokenizer():
     """The world tokenizer (see the module docstring): a ``Qwen2Tokenizer``, right padding."""
-    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
-    from transformers import Qwen2Tokenizer
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
-
     backend = Tokenizer(models.BPE())
     backend.normalizer = normalizers.NFC()
     backend.pre_tokenizer = pre_tokenizers.Sequence([

@@ -1,5 +1,5 @@
 """The three evaluations of docs/method.md#evaluation: MedMCQA accuracy, WikiText perplexity, TriviaQA
-accuracy; :mod:`smf.eval.tasks` runs them on one model with :class:`EvalSettings`, :mod:`smf.eval.command`
+accuracy; :mod:`smf.eval.tasks` runs them on one model with :class:`EvalSettings`, :mod:`smf.commands.eval`
 is ``smf eval``. Names are imported from their modules on first use (:mod:`smf._lazy`)."""
 from smf._lazy import lazy_exports
 

@@ -23,10 +23,7 @@ from smf.data.paths import DataPaths
 from smf.eval.settings import EvalSettings
 from smf.errors import ConfigError
 from smf.model.precision import authors_bf16_weights, cast_like_the_authors
-from smf.vocabulary import EVAL_ROLES, OWN_METRIC_OF_ROLE
-
-METRIC_OF_TASK = {"medmcqa": "medmcqa_acc", "wikitext": "wikitext_ppl", "triviaqa": "triviaqa_acc",
-                  **OWN_METRIC_OF_ROLE}
+from smf.vocabulary import EVAL_ROLES, METRIC_OF_TASK
 
 
 def _load_role(data: DataPaths, role: str) -> tuple[list[dict], str]:

@@ -63,7 +63,7 @@ def apply_lora(model: nn.Module, r: int = 16, alpha: int = 32, dropout: float = 
     since a plain list of names would also match the memory's own ``gate_proj``. The memory
     parameters are frozen with the rest of the base model.
     """
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig, get_peft_model  # optional and heavy: only the LoRA recipe needs it
 
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=LORA_TARGET_REGEX,
                         bias="none", task_type="CAUSAL_LM")

@@ -23,7 +23,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from smf.errors import ConfigError
@@ -32,6 +32,7 @@ from smf.model.attach import CONFIG_KEY, memory_blocks
 from smf.model.hf_auto import SUFFIX, register_memory_type
 from smf.model.memory_spec import check_memory_spec
 from smf.vocabulary import DEFAULT_MODEL, RECIPES, TINY_MODEL
+from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +64,6 @@ def _unreadable_weights(argument: str, name: str, err: Exception) -> ConfigError
 
 def load_tokenizer(name_or_path: str = DEFAULT_MODEL):
     """The tokenizer stored with ``name_or_path`` (a hub id or a local directory)."""
-    from transformers import AutoTokenizer
-
     try:
         return AutoTokenizer.from_pretrained(name_or_path)
     except OSError as err:
@@ -76,14 +75,11 @@ def load_base(name: str = DEFAULT_MODEL, device: torch.device | str = "cpu",
     """(causal LM in eval mode, tokenizer) for a hub id, a local directory, or 'tiny' (seed 0). ConfigError naming
     ``argument`` when it cannot be loaded."""
     if name == TINY_MODEL:
-        from smf.tiny import tiny_model, tiny_tokenizer
+        from smf.tiny import tiny_model, tiny_tokenizer  # defers transformers' Qwen-2 model code and tokenizers
 
         model = tiny_model(seed=0)
         model.config._name_or_path = TINY_MODEL  # recorded in adapters, so they name their base
         return model.to(device=device, dtype=dtype).eval(), tiny_tokenizer()
-    from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM
-
     try:
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
     except (pickle.UnpicklingError, EOFError, SafetensorError, OSError, RuntimeError, ValueError) as err:
@@ -164,8 +160,7 @@ def load_run(run_dir: str | Path, device: torch.device | str = "cpu",
 
 
 def _load_peft(base: str, adapter: Path, device: torch.device | str) -> tuple[nn.Module, object]:
-    from peft import PeftModel
-    from safetensors import SafetensorError
+    from peft import PeftModel  # optional and heavy: only a LoRA adapter needs it
 
     model, tokenizer = load_base(base, device)
     try:
@@ -230,8 +225,6 @@ def from_pretrained(directory: str | Path, *, dtype: torch.dtype | str = "auto",
     memories loads as a plain model. A plain ``AutoModelForCausalLM`` load gives the same model once
     :mod:`smf.model` is imported, and ``trust_remote_code=True`` gives it without smf.
     """
-    from transformers import AutoModelForCausalLM, PretrainedConfig
-
     config, _ = PretrainedConfig.get_config_dict(directory)
     model_type = config.get("model_type", "")
     if model_type.endswith(SUFFIX):

@@ -242,7 +242,7 @@ def _library_attach():
     if os.environ.get(PLAIN_ENV, "") not in ("", "0"):
         return None
     try:
-        from smf.model.attach import attach_recorded_memories
+        from smf.model.attach import attach_recorded_memories  # the copy saved with a model runs without smf
     except ImportError:
         return None
     return attach_recorded_memories

@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import math
 
+from transformers import AutoConfig, PretrainedConfig, Qwen2Config
+
+from smf.vocabulary import DEFAULT_MODEL, TINY_MODEL
+
 PAPER_SIZES = {"hidden": 896, "intermediate": 4864, "layers": 24, "n_keys": 128, "heads": 4, "topk": 16,
                "key_dim": 256}
 
@@ -46,3 +50,23 @@ def scaled_memory_sizes(config) -> dict:
     hidden = text.hidden_size
     intermediate = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * hidden
     return {"layers": scaled_layers(text.num_hidden_layers), **scaled_memory_kwargs(hidden, intermediate)}
+
+
+def paper_qwen_config() -> Qwen2Config:
+    """Qwen-2.5-0.5B-Instruct's architecture (docs/method.md#public-datasets-and-the-fixtures), for accounting
+    without downloading weights."""
+    return Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                       num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, rms_norm_eps=1e-6,
+                       max_position_embeddings=32768)
+
+
+def model_architecture(model: str) -> PretrainedConfig:
+    """The transformers config of base model ``model`` without loading weights: built in for 'tiny' and the paper's
+    Qwen (no download), else read from the local directory or the hub cache (OSError or ValueError if it cannot)."""
+    if model == TINY_MODEL:
+        from smf.tiny import tiny_config  # defers transformers' Qwen-2 model code and tokenizers (about 1.5 s)
+
+        return tiny_config()
+    if model == DEFAULT_MODEL:
+        return paper_qwen_config()
+    return AutoConfig.from_pretrained(model)

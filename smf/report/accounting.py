@@ -20,32 +20,13 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from smf.model import LORA_TARGETS, PAPER_LAYERS, attach_memories, count_parameters
-from smf.vocabulary import DEFAULT_MODEL, TINY_MODEL
+from smf.model.sizes import paper_qwen_config
+from smf.vocabulary import DEFAULT_MODEL
 
 MODE_NAMES = {"replacement": "Replacement memory", "additive": "Additive memory", "additive+s": "Additive memory +S"}
-
-
-def paper_qwen_config() -> Qwen2Config:
-    """Qwen-2.5-0.5B-Instruct's architecture (docs/method.md#public-datasets-and-the-fixtures), for accounting
-    without downloading weights."""
-    return Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                       num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, rms_norm_eps=1e-6,
-                       max_position_embeddings=32768)
-
-
-def model_architecture(model: str) -> PretrainedConfig:
-    """The transformers config of base model ``model`` without loading weights: built in for 'tiny' and the paper's
-    Qwen (no download), else read from the local directory or the hub cache (OSError or ValueError if it cannot)."""
-    if model == TINY_MODEL:
-        from smf.tiny import tiny_config
-
-        return tiny_config()
-    if model == DEFAULT_MODEL:
-        return paper_qwen_config()
-    return AutoConfig.from_pretrained(model)
 
 
 @dataclass(frozen=True)

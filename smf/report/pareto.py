@@ -18,6 +18,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
+from matplotlib.transforms import Bbox  # noqa: E402
 
 from smf.report.paper_results import FAMILIES, HIGHER_IS_BETTER, SELECTION_RULES, metric_title  # noqa: E402
 from smf.report.paper_results import display_name  # noqa: E402
@@ -63,8 +64,6 @@ def _place_labels(figure, axis) -> None:
     """Move each baseline label to the first of its four candidate spots (beside the ends of its x error
     bar, above or below) whose box crosses no error bar and no marker of the panel; keep the first spot
     when none is clear."""
-    from matplotlib.transforms import Bbox
-
     renderer = figure.canvas.get_renderer()
     obstacles = [Bbox(axis.transData.transform(segment)).padded(1.5) for collection in axis.collections
                  for segment in collection.get_segments()]

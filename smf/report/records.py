@@ -4,7 +4,7 @@ damaged file is named in one line (file and field) instead of stopping the repor
 
 A record: ``condition``, ``seed``, ``update`` (optional, "exact") and ``variant`` (present only for a run of a suite's
 ``variants``) those of the run the file is named after;
-``metrics`` an object holding the metric key of every evaluated task (:data:`smf.eval.tasks.METRIC_OF_TASK`),
+``metrics`` an object holding the metric key of every evaluated task (:data:`smf.vocabulary.METRIC_OF_TASK`),
 each a finite number or null (accuracies in [0, 1], perplexities >= 1), and no key the evaluation does not
 write; ``timing`` an object of non-negative seconds (``eval_s`` one per task); ``sparse_steps`` null or the
 step statistics; ``config_hash``, ``artefact``, ``model`` and ``finished_at`` strings (the last three optional:
@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from smf.errors import ConfigError
+from smf.vocabulary import METRIC_OF_TASK
 
 STAGE_SECONDS = ("retrofit_s", "background_s", "train_s", "wall_s")
 SPARSE_STEP_FIELDS = ("steps", "selected_rows", "rows_moved_outside")
@@ -141,8 +142,6 @@ def _check(record: dict, run, metric_keys: Iterable[str], known: set[str]) -> No
 def check_results_record(path: str | Path, record: dict, run, tasks: Iterable[str]) -> None:
     """ConfigError in one line naming ``path`` and the first wrong field of ``record``, the results of ``run``
     (a :class:`smf.suite.plan.Run`) whose suite evaluated ``tasks`` (see the module docstring)."""
-    from smf.eval.tasks import METRIC_OF_TASK
-
     metric_keys = [METRIC_OF_TASK[task] for task in tasks if task in METRIC_OF_TASK]
     try:
         _check(record, run, metric_keys, set(METRIC_OF_TASK.values()))

@@ -22,9 +22,10 @@ from pydantic import (AfterValidator, Field, PositiveFloat, PositiveInt, TypeAda
                       field_validator)
 from pydantic_core import to_jsonable_python
 
-from smf.data.paths import DataPaths
+from smf.data.paths import OWN_KEYS, OWN_SCHEMAS, DataPaths
 from smf.report.paper_results import METRIC_TITLES
 from smf.data.protocol import DEFAULT_PROTOCOL, PROTOCOLS
+from smf.data.world import WorldOptions
 from smf.errors import ConfigError
 from smf.eval.settings import EvalSettings
 from smf.options import (OPTIONS_CONFIG, AsList, Distinct, Seed, checked, choice_tuple, dataset_path_error, mapping,
@@ -288,9 +289,7 @@ def _check_own_files(config: SuiteConfig) -> None:
     """Every own-data file read and checked now, before any model loads (ConfigError naming the key, the file, the
     line and what was expected): its schema for its role, and a training file's rows (the first ``n_examples``)
     against one global batch of every stage that trains on it. A world's sets (written later) by their sizes."""
-    from smf.data.own_data import load_own, one_batch_or_more
-    from smf.data.paths import OWN_KEYS, OWN_SCHEMAS
-    from smf.data.world import WorldOptions
+    from smf.data.own_data import load_own, one_batch_or_more  # torch: `smf suite`/`smf eval` parse without it
 
     trained = {condition_recipe(c) for c in config.conditions} - {None}
     stages = {"retrofit": ["retrofit"] if "sparse" in trained else [],
@@ -319,8 +318,7 @@ def _science_inputs(raw: dict) -> dict:
         if raw.get("base_per_seed"):
             raise ConfigError("base_per_seed needs world (and pretrain): it gives every seed a world of its own")
         return raw
-    from smf.data.world import WorldOptions
-    from smf.train.pretrain import PretrainOptions
+    from smf.train.pretrain import PretrainOptions  # torch: only for a config with a world
 
     if raw.get("pretrain") and not raw.get("world"):
         raise ConfigError("pretrain needs world: the model is pretrained on the world's old knowledge")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 
+from smf.data.world import WorldOptions
 from smf.files import read_json_object
 from smf.suite.config import SuiteConfig
 from smf.suite.plan import SuiteLayout, plan_runs, run_hash
@@ -12,8 +13,7 @@ from smf.suite.plan import SuiteLayout, plan_runs, run_hash
 
 def _pretraining_state(config: SuiteConfig) -> str:
     """'done (N s)', 'to do' or 'to do (resumes its checkpoint)' for the pretraining of ``config``."""
-    from smf.data.world import WorldOptions
-    from smf.train.pretrain import MARKER, PretrainOptions, pretrain_fingerprint
+    from smf.train.pretrain import MARKER, PretrainOptions, pretrain_fingerprint  # torch: only with a world
 
     directory = config.output_dir / "pretrain"
     marker = directory / MARKER

@@ -31,6 +31,17 @@ from pathlib import Path
 
 import torch
 
+from smf.data.eval_sets import triviaqa_prompt
+from smf.data.own_data import as_triviaqa_rows, load_own
+from smf.eval.common import model_device, pad_batch, pad_token_id
+from smf.eval.triviaqa import evaluate_triviaqa
+from smf.model.attach import memory_blocks
+from smf.model.loading import load_model
+from smf.report.paper_results import display_name, metric_title
+from smf.suite.config import seed_config
+from smf.suite.plan import Run, SuiteLayout, sparse_stage_dirs
+from smf.train.distributed import pick_device
+
 logger = logging.getLogger(__name__)
 
 LOCALITY_JSON, LOCALITY_MD = "locality.json", "locality.md"
@@ -159,9 +170,6 @@ def _kept_reads(blocks) -> Iterator[dict[int, list[tuple[torch.Tensor, torch.Ten
 def question_reads(model, tokenizer, prompts: list[str], batch_size: int = 64) -> dict[int, Reads]:
     """The reads of every memory layer of ``model`` (with its ``tokenizer``) over ``prompts``, each tokenized as the
     evaluation does; batches right-padded, padding left out."""
-    from smf.eval.common import model_device, pad_batch, pad_token_id
-    from smf.model.attach import memory_blocks
-
     blocks = memory_blocks(model)
     device = model_device(model)
     parts: dict[int, list[tuple]] = {block.layer_index: [] for block in blocks}
@@ -185,17 +193,12 @@ def question_reads(model, tokenizer, prompts: list[str], batch_size: int = 64) -
 
 
 def _values(model) -> dict[int, torch.Tensor]:
-    from smf.model.attach import memory_blocks
-
     return {block.layer_index: block.memory.values.detach().cpu().clone() for block in memory_blocks(model)}
 
 
 def _correct(model, tokenizer, config, rows: list[dict], path: Path) -> list[bool]:
     """Per old question, whether ``model`` answers it: ``path`` (a ``retain.jsonl`` the evaluation wrote), or
     evaluated into it when missing."""
-    from smf.data.own_data import as_triviaqa_rows
-    from smf.eval.triviaqa import evaluate_triviaqa
-
     if not path.is_file():
         evaluate_triviaqa(model, tokenizer, as_triviaqa_rows(rows), limit=None,
                           batch_size=config.eval.triviaqa_batch_size,
@@ -211,9 +214,6 @@ class _Retrofits:
     """The retrofit models' values, reads and answers, measured on first use and kept for the runs that share them."""
 
     def __init__(self, config, root: Path, device) -> None:
-        from smf.data.eval_sets import triviaqa_prompt
-        from smf.data.own_data import load_own
-
         self.config, self.root, self.device = config, root, device
         self.rows, _ = load_own(config.data.eval_retain, "data.eval_retain", ("qa",))
         self.prompts = [triviaqa_prompt(row, config.protocol) for row in self.rows]
@@ -221,8 +221,6 @@ class _Retrofits:
 
     def __call__(self, retrofit_dir: Path) -> tuple[dict, dict, list[bool]]:
         """(values by layer, reads by layer, correct per question) of the retrofit in ``retrofit_dir``."""
-        from smf.model.loading import load_model
-
         if retrofit_dir not in self.measured:
             model, tokenizer = load_model(self.config.model, retrofit_dir, self.device)
             self.measured[retrofit_dir] = (
@@ -234,11 +232,6 @@ class _Retrofits:
 
 def compute_locality(config, results: list[dict], root: Path) -> dict:
     """:func:`run_locality` of every sparse run in ``results`` (the suite's runs), by run name, reusing cached ones."""
-    from smf.model.loading import load_model
-    from smf.suite.plan import Run, SuiteLayout, sparse_stage_dirs
-    from smf.suite.config import seed_config
-    from smf.train.distributed import pick_device
-
     layout, device = SuiteLayout(root), pick_device(config.device)
     path = root / LOCALITY_JSON
     saved = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
@@ -276,8 +269,6 @@ def _mean(values, digits: int = 3, scale: float = 1.0) -> str:
 
 def write_locality(config, results: list[dict], root: Path) -> list[Path]:
     """Compute (or reuse) the locality diagnostics and write ``locality.md`` / ``.json`` into ``root``."""
-    from smf.report.paper_results import display_name, metric_title
-
     measured = compute_locality(config, results, root)
     groups: dict[tuple, list[dict]] = {}
     for entry in measured.values():

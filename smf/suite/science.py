@@ -18,17 +18,17 @@ import logging
 import statistics
 from pathlib import Path
 
+from smf.data.world import WorldOptions, build_world, world_digest, write_world
 from smf.report.intervals import with_intervals
 from smf.suite.config import WORLD_ROLES, base_root, seed_config
 from smf.report.table import summarize
+from smf.train.pretrain import PretrainOptions, pretrain_world
 
 logger = logging.getLogger(__name__)
 
 
 def _write_world_if_changed(options, world_dir: Path) -> None:
     """Build the world of ``options`` (fast) and write its files unless ``world.json`` records the same digest."""
-    from smf.data.world import build_world, world_digest, write_world
-
     world = build_world(options)
     digest = world_digest(world)
     record = world_dir / "world.json"
@@ -47,9 +47,6 @@ def prepare_science_inputs(config) -> dict[int | None, dict] | None:
     ``world`` / ``pretrain``; returns seed (None: shared) -> pretraining marker, None without ``pretrain``."""
     if not config.world:
         return None
-    from smf.data.world import WorldOptions
-    from smf.train.pretrain import PretrainOptions, pretrain_world
-
     markers = {}
     for seed in (config.seeds if config.base_per_seed else (None,)):
         own = config if seed is None else seed_config(config, seed)

@@ -19,15 +19,24 @@ from pathlib import Path
 
 import torch
 
+from smf.data.sources import load_split
+from smf.data.world import qa_text
+from smf.eval.tasks import evaluate_model, load_eval_sets
+from smf.model.attach import memory_blocks
+from smf.model.diagnostics import memory_diagnostics
+from smf.model.loading import load_model
+from smf.report.paper_results import display_name, metric_keys, metric_title
+from smf.suite.config import seed_config
+from smf.suite.plan import Run, SuiteLayout, sparse_stage_dirs
+from smf.suite.science import at_chosen_rates
+from smf.train.distributed import pick_device
+
 PROBE_ROWS = 64  # QA texts of each kind (old, new) the diagnostics are measured on
 DIAGNOSTICS_JSON, DIAGNOSTICS_MD = "science_diagnostics.json", "science_diagnostics.md"
 
 
 def _probe_batches(config, tokenizer, device) -> list[dict]:
     """Batches of 32 right-padded QA texts: old facts (eval_retain), then new facts (eval_learn)."""
-    from smf.data.sources import load_split
-    from smf.data.world import qa_text
-
     texts = []
     for path in (config.data.eval_retain, config.data.eval_learn):
         rows = load_split("own", None, "train", path)
@@ -42,9 +51,6 @@ def _probe_batches(config, tokenizer, device) -> list[dict]:
 
 
 def _measure(config, run_dir: Path, device) -> dict:
-    from smf.model.diagnostics import memory_diagnostics
-    from smf.model.loading import load_model
-
     model, tokenizer = load_model(config.model, run_dir, device)
     diagnostics = memory_diagnostics(model, _probe_batches(config, tokenizer, device), warn=False).to_dict()
     del model
@@ -53,10 +59,6 @@ def _measure(config, run_dir: Path, device) -> dict:
 
 def _alpha_reset_metrics(config, run_dir: Path, retrofit_dir: Path, eval_sets, out_dir: Path, device) -> dict:
     """Metrics of the +S model in ``run_dir`` with every alpha set back to the retrofit's in ``retrofit_dir``."""
-    from smf.eval.tasks import evaluate_model
-    from smf.model.attach import memory_blocks
-    from smf.model.loading import load_model
-
     retrofit, _ = load_model(config.model, retrofit_dir, device)
     alphas = {block.layer_index: float(block.alpha) for block in memory_blocks(retrofit)}
     del retrofit
@@ -71,9 +73,6 @@ def _alpha_reset_metrics(config, run_dir: Path, retrofit_dir: Path, eval_sets, o
 def _retrofit_metrics(config, retrofit_dir: Path, eval_sets, out_dir: Path, device) -> dict:
     """The retrofit model's metrics (memories attached, nothing finetuned): the reference of the sparse runs'
     forgetting, as the base model is LoRA's and full finetuning's."""
-    from smf.eval.tasks import evaluate_model
-    from smf.model.loading import load_model
-
     model, tokenizer = load_model(config.model, retrofit_dir, device)
     metrics, _ = evaluate_model(model, tokenizer, eval_sets, config.eval, out_dir, config.protocol)
     return metrics
@@ -81,12 +80,6 @@ def _retrofit_metrics(config, retrofit_dir: Path, eval_sets, out_dir: Path, devi
 
 def compute_diagnostics(config, results: list[dict], root: Path) -> dict:
     """The measurements of the module docstring for ``results`` (the suite's runs), reusing cached ones."""
-    from smf.eval.tasks import load_eval_sets
-    from smf.suite.config import seed_config
-    from smf.suite.plan import Run, SuiteLayout, sparse_stage_dirs
-    from smf.suite.science import at_chosen_rates
-    from smf.train.distributed import pick_device
-
     layout, device = SuiteLayout(root), pick_device(config.device)
     path = root / DIAGNOSTICS_JSON
     cache = json.loads(path.read_text()) if path.is_file() else {}
@@ -139,8 +132,6 @@ def _diagnostic_cells(entries: list[dict]) -> list[str]:
 
 def write_science_diagnostics(config, results: list[dict], root: Path) -> list[Path]:
     """Compute (or reuse) the diagnostics and write ``science_diagnostics.md`` / ``.json`` into ``root``."""
-    from smf.report.paper_results import display_name, metric_keys, metric_title
-
     measured = compute_diagnostics(config, results, root)
     lines = ["# Do the memories matter? Retrofit and sparse-run diagnostics\n",
              f"Measured on {PROBE_ROWS} old-fact and {PROBE_ROWS} new-fact QA texts; means over seeds and memory layers. "

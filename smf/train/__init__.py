@@ -22,7 +22,7 @@ def __getattr__(name: str):
     if name in _MOVED:
         warnings.warn(f"smf.train.{name} is deprecated; use smf.model.{_MOVED[name]}", DeprecationWarning,
                       stacklevel=2)
-        import smf.model
+        import smf.model  # torch: this package's namespace stays light for the command line
 
         return getattr(smf.model, _MOVED[name])
     return _exported(name)

@@ -40,9 +40,9 @@ MEMORY_SIZES = ("layers", "n_keys", "heads", "topk", "key_dim")
 
 
 def model_config(model: str):
-    """The transformers config of base model ``model`` (:func:`smf.report.accounting.model_architecture`), or a
+    """The transformers config of base model ``model`` (:func:`smf.model.sizes.model_architecture`), or a
     ConfigError saying which options to give instead."""
-    from smf.report.accounting import model_architecture
+    from smf.model.sizes import model_architecture
 
     try:
         return model_architecture(model)

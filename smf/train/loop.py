@@ -29,6 +29,8 @@ from tqdm.auto import tqdm
 
 from smf.data import IGNORE_INDEX, CausalLMCollator, get_protocol
 from smf.errors import ConfigError
+from smf.files import write_json_atomic
+from smf.model.diagnostics import memory_blocks, memory_diagnostics
 from smf.model.loading import FINAL_DIR, RUN_CONFIG
 from smf.model.read_mask import reads_counted_at_loss
 from smf.train.artifacts import save_final, write_run_config
@@ -55,7 +57,7 @@ def seed_everything(seed: int) -> None:
 
 def cosine_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int):
     """Linear warm-up from 0 over ``warmup_steps``, then cosine decay to 0 at ``total_steps``."""
-    from transformers import get_cosine_schedule_with_warmup
+    from transformers import get_cosine_schedule_with_warmup  # transformers.optimization: seconds to import
 
     return get_cosine_schedule_with_warmup(optimizer, warmup_steps, total_steps)
 
@@ -144,9 +146,6 @@ def write_memory_diagnostics(model: nn.Module, features: list[dict], collator: C
     """:func:`smf.model.memory_diagnostics` of the retrofit memories on the first :data:`DIAGNOSTIC_EXAMPLES`
     training examples, written to ``path`` as JSON. An inert memory is warned about, except on the tiny model
     (``tiny``), a random model retrofitted for seconds, whose memories are expected to be: one info line says so."""
-    from smf.files import write_json_atomic
-    from smf.model.diagnostics import memory_blocks, memory_diagnostics
-
     examples = features[:DIAGNOSTIC_EXAMPLES]
     batches = [collate(examples, list(range(start, min(start + 4, len(examples)))), collator, device)
                for start in range(0, len(examples), 4)]

@@ -31,6 +31,7 @@ starts over; a directory of another fingerprint is refused.
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import logging
@@ -47,10 +48,12 @@ import torch
 from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt
 from tqdm.auto import tqdm
 
+from smf.data.world import WorldOptions, build_world, chance_accuracy
 from smf.environment import environment
 from smf.errors import ConfigError
 from smf.files import read_json_object, write_json_atomic
-from smf.options import OPTIONS_CONFIG, checked, mapping, section_names
+from smf.options import OPTIONS_CONFIG, checked, mapping, read_file, section_names
+from smf.train.config import CONFIGS
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +124,7 @@ def file_digests(directory: Path) -> dict[str, str]:
 
 def world_model(options: PretrainOptions, tokenizer):
     """A randomly initialised Qwen2ForCausalLM of ``options``' sizes for ``tokenizer`` (seeded by options.seed)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM  # the suite's config checks import this module
 
     config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=options.hidden_size, intermediate_size=options.intermediate_size,
@@ -222,8 +225,7 @@ def pretrain_world(world_options, options: PretrainOptions, output_dir: str | Pa
     """Pretrain (or reuse, copy from the shipped bases, or resume) the model of ``world_options`` + ``options`` in
     ``output_dir`` (see the module docstring). Returns the marker: {"fingerprint", "files", "seconds",
     "old_qa_accuracy", "chance", "final_loss", "epochs_trained", "reached_target", "skipped", ...}."""
-    from smf.data.world import build_world, chance_accuracy
-    from smf.data.world_tokenizer import world_tokenizer
+    from smf.data.world_tokenizer import world_tokenizer  # transformers and tokenizers, as world_model's
 
     output_dir = Path(output_dir)
     world = build_world(world_options)
@@ -325,12 +327,6 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m smf.train.pretrain --config science --seed S --output-dir DIR``: pretrain the base of a suite
     config's world and pretraining options (with ``base_per_seed``, world and pretraining seed ``S``) here, never
     copying a shipped one: the command that remakes the shipped bases (``smf/assets/science/``)."""
-    import argparse
-
-    from smf.data.world import WorldOptions
-    from smf.options import read_file
-    from smf.train.config import CONFIGS
-
     parser = argparse.ArgumentParser(prog="python -m smf.train.pretrain", description=main.__doc__)
     parser.add_argument("--config", default="science", help="suite config: a file or a shipped name")
     parser.add_argument("--seed", type=int, default=0, help="world and pretraining seed (base_per_seed suites)")

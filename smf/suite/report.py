@@ -1,5 +1,7 @@
-"""What a suite directory reports: Table 1 and the Pareto figure (:func:`smf.report.write_report`),
-the parameter accounting of the configured model, and the status of every planned run.
+"""What a suite directory reports (``smf report``, and ``smf suite`` at its end): Table 1 and the Pareto figure
+(:func:`smf.report.write_report`), the parameter accounting of the configured model, and the status of every
+planned run. It reads the suite's config and plan, so it lives with the suite; :mod:`smf.report` holds the tables
+and figures it draws, which know nothing of a suite.
 
 Files written into the suite directory: ``table1.md``, ``table1.csv``, ``table1.tex``,
 ``pareto.png``, ``pareto.pdf``, ``accounting.md``, ``accounting.json``, ``suite_status.md``,
@@ -15,21 +17,23 @@ import json
 import logging
 from pathlib import Path
 
-from smf.report import accounting_markdown, parameter_accounting, write_report
-from smf.report.accounting import model_architecture
-from smf.report.paper_results import HIGHER_IS_BETTER, display_name, metric_keys, metric_title
-from smf.report.records import check_results_record
-from smf.report.table import stat_text, summarize
-from smf.suite.config import SuiteConfig, suite_config_from_dict
-from smf.suite.plan import SuiteLayout, plan_runs, run_hash, stage_settings
-from smf.report.sweep_plot import plot_sweep
-from smf.report.matched_learning import format_cell, matched_learning
-from smf.report.matched_plot import plot_matched
-from smf.suite.science import at_chosen_rates, learning_metric, sweep_rows
-from smf.suite.science import variant as result_variant
-from smf.suite.status import cell, write_status
 from smf.errors import ConfigError
 from smf.files import read_json_object
+from smf.model.sizes import model_architecture
+from smf.report import accounting_markdown, parameter_accounting, write_report
+from smf.report.matched_learning import format_cell, matched_learning
+from smf.report.matched_plot import plot_matched
+from smf.report.paper_results import HIGHER_IS_BETTER, display_name, metric_keys, metric_title
+from smf.report.records import check_results_record
+from smf.report.sweep_plot import plot_sweep
+from smf.report.table import stat_text, summarize
+from smf.suite.config import SuiteConfig, base_root, suite_config_from_dict
+from smf.suite.locality_diagnostics import write_locality
+from smf.suite.plan import SuiteLayout, plan_runs, run_hash, stage_settings
+from smf.suite.science import at_chosen_rates, learning_metric, sweep_rows
+from smf.suite.science import variant as result_variant
+from smf.suite.science_diagnostics import write_science_diagnostics
+from smf.suite.status import cell, write_status
 from smf.vocabulary import DEFAULT_MODEL
 
 logger = logging.getLogger(__name__)
@@ -287,8 +291,6 @@ def write_environment(config: SuiteConfig, results: list[dict], out_dir: Path) -
     """``environment.md`` / ``.json``: what computed the results (each distinct environment recorded in a results
     file, with its number of runs) and, for a suite with a world, each base: its fingerprint, where it came from,
     its pretraining, and its own metrics (the base condition's run of that seed)."""
-    from smf.suite.config import base_root
-
     environments: list[tuple[dict, int]] = []
     for result in results:
         env = result.get("environment") or {}
@@ -390,12 +392,8 @@ def write_suite_report(suite_dir: str | Path) -> list[Path]:
         if config.count_reads_ablation:
             paths += write_reads_ablation(config, results, layout.root)
         if config.world:  # the science preset: do the memories matter, and what carries the +S forgetting
-            from smf.suite.science_diagnostics import write_science_diagnostics
-
             paths += write_science_diagnostics(config, results, layout.root)
         if config.world and config.variants:  # the locality experiment: which rows moved, which old facts went
-            from smf.suite.locality_diagnostics import write_locality
-
             paths += write_locality(config, results, layout.root)
     paths += write_accounting(config, layout.root)
     paths += write_status(config, layout.root, failed={**foreign, **refused})

@@ -12,7 +12,10 @@ from smf.data.paths import DataPaths
 from smf.data.protocol import DEFAULT_PROTOCOL, PROTOCOLS
 from smf.errors import ConfigError
 from smf.eval.settings import EvalSettings
+from smf.files import write_json_atomic
 from smf.options import ListAction, positive_int
+from smf.threads import use_threads
+from smf.train.config import check_device_and_backend
 from smf.vocabulary import BACKENDS, DEFAULT_MODEL, EVAL_ROLES, TASKS
 
 logger = logging.getLogger(__name__)
@@ -65,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str = "eval") -> Non
 
 def _eval_inputs(args: argparse.Namespace) -> tuple[DataPaths, EvalSettings, str]:
     """Data paths, settings and protocol: paper defaults < --config < flags."""
-    from smf.suite.config import load_suite_config, parse_suite_config
+    from smf.suite.config import load_suite_config, parse_suite_config  # its schema: 30 ms that `smf --help` skips
 
     base = {"model": args.model or DEFAULT_MODEL, "output_dir": ".", "seeds": [0], "conditions": ["base"]}
     if args.config is not None:
@@ -99,7 +102,7 @@ def refuse_unused(args: argparse.Namespace, settings: EvalSettings) -> None:
     """ConfigError, with the reason, for a flag this evaluation would not use: a task's path or size when
     --tasks leaves the task out, --backend for a model without memories, a --model other than the base model
     a training run in --adapter records. A --model beside a whole finetuned model is logged."""
-    from smf.model.loading import adapter_kind, read_run_config
+    from smf.model.loading import adapter_kind, read_run_config  # torch and transformers: only when a command runs
 
     for task, flags in (("medmcqa", ("medmcqa_path", "medmcqa_examples")), ("wikitext", ("wikitext_path",)),
                         ("triviaqa", ("triviaqa_path", "triviaqa_examples"))):
@@ -124,11 +127,8 @@ def refuse_unused(args: argparse.Namespace, settings: EvalSettings) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from smf.eval.tasks import evaluate_model, load_eval_sets
-    from smf.files import write_json_atomic
+    from smf.eval.tasks import evaluate_model, load_eval_sets  # torch and transformers: only when a command runs
     from smf.model.loading import load_model
-    from smf.threads import use_threads
-    from smf.train.config import check_device_and_backend
     from smf.train.distributed import pick_device
 
     data, settings, protocol = _eval_inputs(args)

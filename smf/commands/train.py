@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
     config = config.resolved(config.recipe if args.command == "train" else args.command)
     use_threads(config.threads, config.model)
     if args.command == "background":
-        from smf.train.background import collect_background as run_stage
+        from smf.train.background import collect_background as run_stage  # torch, transformers: when it runs
     else:
         from smf.train.loop import train as run_stage
     run_stage(config)  # it logs what it wrote

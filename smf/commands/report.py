@@ -11,7 +11,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str = "report") -> N
 
 
 def run(args: argparse.Namespace) -> int:
-    from smf.report.suite_dir import load_suite_dir, write_suite_report
+    from smf.suite.report import load_suite_dir, write_suite_report  # torch, transformers, matplotlib: when it runs
 
     for path in write_suite_report(args.suite_dir):
         print(path)

@@ -42,7 +42,7 @@ def overrides_from_args(args: argparse.Namespace) -> dict:
     """The top-level keys the flags replace. ``--authors-update none`` drops the ablation; without the flag,
     ``--conditions`` keeps the ablation runs of the conditions chosen (it needs no ablation of a condition the
     suite no longer runs)."""
-    from smf.suite.config import read_suite_file
+    from smf.suite.config import read_suite_file  # the suite config's schema: 30 ms that `smf --help` skips
 
     overrides = {key: getattr(args, key) for key in ("output_dir", "seeds", "conditions", "device", "threads")
                  if getattr(args, key) is not None}
@@ -61,14 +61,15 @@ def overrides_from_args(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from smf.suite.config import load_suite_config
+    from smf.suite.config import load_suite_config  # as in overrides_from_args
     from smf.suite.dry_run import dry_run_lines
 
     config = load_suite_config(args.config, overrides_from_args(args))
     if args.dry_run:
         print("\n".join(dry_run_lines(config)))
         return 0
-    from smf.report.suite_dir import write_suite_report  # imported after the config's checks: they fail in seconds
+    # torch, transformers, matplotlib: imported after the config's checks, which fail in seconds without them
+    from smf.suite.report import write_suite_report
     from smf.suite.runner import run_suite
 
     run_suite(config)
