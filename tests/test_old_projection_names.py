@@ -115,6 +115,17 @@ def test_a_state_dict_of_the_old_names_loads_into_a_memory_and_a_sharded_one():
         memory.load_state_dict({**memory.state_dict(), "gate_proj.weight": old["gate_proj.weight"]})
 
 
+def test_a_whole_model_state_dict_of_the_old_names_loads_as_the_trainer_resumes_one():
+    """transformers' Trainer resumes a checkpoint with ``model.load_state_dict(state_dict, False)``."""
+    model = from_pretrained(FIXTURE / "hf", backend="torch")
+    with torch.no_grad():
+        for param in model.parameters():
+            param.zero_()
+    result = model.load_state_dict(load_file(FIXTURE / "hf" / "model.safetensors"), strict=False)
+    assert result.unexpected_keys == [] and result.missing_keys == ["lm_head.weight"]  # tied to the embeddings
+    assert torch.equal(_logits(model), REFERENCE["logits"])
+
+
 def test_a_training_checkpoint_of_the_old_names_resumes(tmp_path):
     def training_state():
         torch.manual_seed(2)
