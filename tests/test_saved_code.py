@@ -175,6 +175,8 @@ def test_peft_with_the_usual_targets_leaves_the_plain_memories_alone(tmp_path, m
     attach_memories(model, (2,), "additive", **TINY_MEMORY_KWARGS)
     model.save_pretrained(tmp_path / "saved")
     loaded = _saved_module(tmp_path).Qwen2ForCausalLMWithSmfMemories.from_pretrained(tmp_path / "saved")
+    projections = [module for name, module in loaded.named_modules() if name.endswith(("_map", ".memory"))]
+    assert projections and not [m for m in projections if "Linear" in type(m).__name__]  # no type a tool takes as one
     wrapped = [name for name, module in peft.get_peft_model(loaded, peft.LoraConfig(r=2, target_modules=targets))
                .named_modules() if hasattr(module, "lora_A")]
     assert len(wrapped) == 8 * 7 and "base_model.model.model.layers.2.mlp.gate_proj" in wrapped
