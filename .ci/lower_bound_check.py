@@ -2,7 +2,9 @@
 
 Saves a tiny Qwen-2 with memories, loads it back with smf (``smf.model.from_pretrained``) and through the code
 saved beside it in a process that cannot import smf (``trust_remote_code=True``), both with the saved logits,
-then runs one ``SparseMemoryTrainer`` step and checks that only selected value rows changed and that its log holds
+loads the checkpoint saved before the memory projections were renamed (tests/fixtures/old_projection_names) with
+smf, with the old code's logits, and saves it again under the new names (loaded back without smf), then runs one
+``SparseMemoryTrainer`` step and checks that only selected value rows changed and that its log holds
 ``grad_norm`` (4.57 logs none of its own: the trainer sets ``max_grad_norm`` to 0 and clips itself).
 Prints one line per check; exits non-zero on the first failure.
 """
@@ -13,6 +15,8 @@ from pathlib import Path
 
 import torch
 import transformers
+from safetensors import safe_open
+from safetensors.torch import load_file
 from transformers import TrainingArguments
 
 from smf.model import attach_memories, configure_trainable, from_pretrained
@@ -20,6 +24,7 @@ from smf.tiny import TINY_MEMORY_KWARGS, tiny_model
 from smf_kernels.hf import SparseMemoryTrainer
 from smf_kernels.sparse import SparseMemoryController
 
+OLD_NAMES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "old_projection_names"
 WITHOUT_SMF = r"""
 import importlib.abc, sys
 class NoSmf(importlib.abc.MetaPathFinder):
@@ -48,6 +53,15 @@ class Sequences(torch.utils.data.Dataset):
                 "labels": self.ids[index]}
 
 
+def _load_without_smf(directory: Path, tmp: str) -> str:
+    """The class a process without smf loads ``directory`` as (``trust_remote_code=True``, its ``ref.pt`` logits)."""
+    done = subprocess.run([sys.executable, "-c", WITHOUT_SMF, str(directory)], capture_output=True, text=True,
+                          env={"HF_MODULES_CACHE": str(Path(tmp) / "modules"), "HF_HUB_OFFLINE": "1",
+                               "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip()
+
+
 def main() -> None:
     print(f"transformers {transformers.__version__}, torch {torch.__version__}")
     with tempfile.TemporaryDirectory() as tmp:
@@ -66,11 +80,18 @@ def main() -> None:
         loaded = from_pretrained(directory, backend="torch")
         assert torch.equal(loaded(ids).logits, logits), "smf.model.from_pretrained: logits differ"
         print("smf.model.from_pretrained: equal logits")
-        done = subprocess.run([sys.executable, "-c", WITHOUT_SMF, str(directory)], capture_output=True, text=True,
-                              env={"HF_MODULES_CACHE": str(Path(tmp) / "modules"), "HF_HUB_OFFLINE": "1",
-                                   "PATH": "/usr/bin:/bin"})
-        assert done.returncode == 0, done.stderr[-3000:]
-        print(f"trust_remote_code without smf: {done.stdout.strip()}, equal logits")
+        print(f"trust_remote_code without smf: {_load_without_smf(directory, tmp)}, equal logits")
+
+        reference = load_file(OLD_NAMES / "reference.safetensors")
+        old = from_pretrained(OLD_NAMES / "hf", backend="torch")
+        assert torch.equal(old(reference["ids"]).logits, reference["logits"]), "old projection names: logits differ"
+        old.save_pretrained(Path(tmp) / "resaved")
+        torch.save(reference, Path(tmp) / "resaved" / "ref.pt")
+        with safe_open(Path(tmp) / "resaved" / "model.safetensors", "pt") as handle:
+            assert not [name for name in handle.keys() if "_proj." in name and ".memory." in name]
+        _load_without_smf(Path(tmp) / "resaved", tmp)
+        print("checkpoint of the old projection names: equal logits with smf; saved again under the new names, "
+              "equal logits without smf")
 
         configure_trainable(loaded, "sparse")
         controller = SparseMemoryController(loaded, rule="tfidf", rows_per_step=6)

@@ -1,46 +1,40 @@
 """ProductKeyMemory: the product-key memory layer of docs/method.md#the-memory-layer as an nn.Module."""
 from __future__ import annotations
 
-import functools
 import math
-import warnings
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from smf_kernels._precision import no_autocast
 from smf_kernels.backends import construction_error
 from smf_kernels.ops import GradientSink, product_key_topk, weighted_gather
+from smf_kernels.projection import MemoryProjection
+
+PROJECTIONS = ("query_map", "gate_map", "out_map")  # the memory's MemoryProjection submodules
+# Their names until 2026-11-26 (nn.Linear modules then, named like the decoder's own projections, which the usual
+# LoRA target lists match): checkpoints holding them load (ProductKeyMemory._load_from_state_dict).
+LEGACY_PROJECTIONS = dict(zip(("query_proj", "gate_proj", "out_proj"), PROJECTIONS, strict=True))
 
 
-@functools.lru_cache(maxsize=None)
-def _cpu_lacks_fast_low_precision_gemm() -> bool:
-    """True on CPUs without AVX-512 (torch reports AVX2 or less), where a bf16 / fp16 GEMM runs
-    a slow fallback: measured ~60x slower than fp32 for (2048 x 896) @ (896 x 896) on AVX2."""
-    return torch.backends.cpu.get_cpu_capability() not in ("AVX512",)
-
-
-def _linear(proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """proj(x) in the projection's dtype (x is cast to it: a memory's parameters may differ in dtype, e.g. bf16
-    projections beside fp32 values); a low-precision CPU projection runs in fp32 where the CPU has no fast
-    bf16 / fp16 GEMM (the result is rounded back to x's dtype; gradients flow through the casts)."""
-    x = x.to(proj.weight.dtype)
-    if (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
-            and _cpu_lacks_fast_low_precision_gemm()):
-        bias = None if proj.bias is None else proj.bias.float()
-        return F.linear(x.float(), proj.weight.float(), bias).to(x.dtype)
-    return proj(x)
-
-
-_PROJECTIONS = ("query_proj", "gate_proj", "out_proj")  # the memory's nn.Linear submodules
+def rename_legacy_projections(state_dict: dict, prefix: str = "") -> dict:
+    """``state_dict`` with a memory's tensors saved under the projections' former names (``{prefix}gate_proj.weight``
+    ...) moved, in place, to the current ones (``{prefix}gate_map.weight``), where those are absent. Returns it."""
+    for old, new in LEGACY_PROJECTIONS.items():
+        for tensor in ("weight", "bias"):
+            key = f"{prefix}{old}.{tensor}"
+            if key in state_dict and f"{prefix}{new}.{tensor}" not in state_dict:
+                state_dict[f"{prefix}{new}.{tensor}"] = state_dict.pop(key)
+    return state_dict
 
 
 class ProductKeyMemory(nn.Module):
     """Product-key memory layer (Lample et al. 2019; Berges et al. 2024).
 
-    ``mem(x) = out_proj(r * silu(gate_proj(x)))`` with ``r`` the softmax-weighted
-    sum of the ``heads * topk`` value rows found by a product-key lookup.
+    ``mem(x) = out_map(r * silu(gate_map(x)))`` with ``r`` the softmax-weighted
+    sum of the ``heads * topk`` value rows found by a product-key lookup of ``query_map(x)``.
+    The three projections are :class:`~smf_kernels.projection.MemoryProjection` modules: named and typed so
+    that the usual LoRA target lists and ``"all-linear"`` do not match them (docs/hf.md#lora-on-top-of-memories).
 
     Args:
         d_model: input and output width.
@@ -89,31 +83,15 @@ class ProductKeyMemory(nn.Module):
         self.key_dim, self.value_dim, self.num_slots = key_dim, value_dim, n_keys * n_keys
         self.backend = backend
 
-        self.query_proj = nn.Linear(d_model, heads * key_dim, bias=True)
+        self.query_map = MemoryProjection(d_model, heads * key_dim)
         self.keys = nn.Parameter(torch.empty(heads, 2, n_keys, key_dim // 2))
         self.values = nn.Parameter(self._empty_values())
-        self.gate_proj = nn.Linear(d_model, value_dim, bias=True)
-        self.out_proj = nn.Linear(value_dim, d_model, bias=True)
+        self.gate_map = MemoryProjection(d_model, value_dim)
+        self.out_map = MemoryProjection(value_dim, d_model)
         self.register_buffer("read_counts", torch.zeros(self.num_slots, dtype=torch.int64), persistent=False)
         self.count_reads = False
         self.update_rows: torch.Tensor | GradientSink | None = None
         self.reset_parameters()
-
-    def __setattr__(self, name: str, value) -> None:
-        """nn.Module.__setattr__; warns when a projection is replaced by something other than an nn.Linear,
-        as peft does to every module whose name its ``target_modules`` list matches (the memory's
-        ``gate_proj`` shares its name with the decoder MLP's)."""
-        if (name in _PROJECTIONS and isinstance(value, nn.Module) and not isinstance(value, nn.Linear)
-                and isinstance(self._modules.get(name), nn.Linear)):
-            warnings.warn(
-                f"peft wraps the {name} of a ProductKeyMemory in a {type(value).__module__}."
-                f"{type(value).__qualname__}: LoRA will train this memory projection, outside Sparse Memory "
-                "Finetuning (target_modules matched it: a list such as [..., 'gate_proj', ...] or 'all-linear' "
-                "matches the memories' own projections). To leave the memories alone, add "
-                r"exclude_modules=r'.*\.memory\..*' to the LoraConfig (peft >= 0.14), or target the decoder "
-                "layers only: smf.model.apply_lora(model), or LoraConfig(target_modules=smf.model.LORA_TARGET_REGEX)",
-                UserWarning, stacklevel=2)
-        super().__setattr__(name, value)
 
     def config(self) -> dict:
         """Constructor arguments (without backend), e.g. for saving alongside weights."""
@@ -123,12 +101,12 @@ class ProductKeyMemory(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Initialise as docs/method.md#the-memory-layer."""
-        nn.init.xavier_uniform_(self.query_proj.weight)
-        nn.init.zeros_(self.query_proj.bias)
+        nn.init.xavier_uniform_(self.query_map.weight)
+        nn.init.zeros_(self.query_map.bias)
         bound = 1.0 / math.sqrt(self.key_dim)
         nn.init.uniform_(self.keys, -bound, bound)
         self._init_values()
-        for proj in (self.gate_proj, self.out_proj):
+        for proj in (self.gate_map, self.out_map):
             nn.init.normal_(proj.weight, std=self.d_model ** -0.5)
             nn.init.zeros_(proj.bias)
 
@@ -177,8 +155,7 @@ class ProductKeyMemory(nn.Module):
         not depend on it (background statistics and training would disagree on the slots).
         """
         with no_autocast(x.device):
-            query = _linear(self.query_proj, x.to(self.query_proj.weight.dtype)).view(x.shape[0], self.heads,
-                                                                                       self.key_dim)
+            query = self.query_map(x).view(x.shape[0], self.heads, self.key_dim)
             return product_key_topk(query.to(self.keys.dtype), self.keys, self.topk, backend=self.backend)
 
     def forward(self, x: torch.Tensor, valid_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -200,10 +177,10 @@ class ProductKeyMemory(nn.Module):
         scores, indices = self.lookup(flat)
         weights = torch.softmax(scores, dim=-1)  # the scores' precision: fp32, or fp64 for an fp64 memory
         num_tokens, per_token = flat.shape[0], self.heads * self.topk
-        gate = _linear(self.gate_proj, flat)
+        gate = self.gate_map(flat)
         gated_read = self._read_values(indices.view(num_tokens, per_token), weights.view(num_tokens, per_token),
                                        None if valid_mask is None else valid_mask.reshape(-1).bool(), gate)
-        out = _linear(self.out_proj, gated_read)
+        out = self.out_map(gated_read)
         return out.view(*x.shape[:-1], self.d_model)
 
     def _read_values(self, indices: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor | None,
@@ -222,6 +199,14 @@ class ProductKeyMemory(nn.Module):
             backend=self.backend,
         )
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """Also accepts the projections under their former names (``query_proj`` ...: :data:`LEGACY_PROJECTIONS`),
+        renamed in ``state_dict`` itself, where the projections' own loads look next."""
+        rename_legacy_projections(state_dict, prefix)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, n_keys={self.n_keys} (slots={self.num_slots}), heads={self.heads}, "
                 f"topk={self.topk}, key_dim={self.key_dim}, value_dim={self.value_dim}")
@@ -236,6 +221,6 @@ def memories_of(model: nn.Module) -> dict[str, "ProductKeyMemory"]:
     plain = sorted({type(module).__name__ for module in model.modules()
                     if type(module).__name__.endswith("ProductKeyMemory")})
     hint = (f": it holds {', '.join(plain)} from the code saved beside its weights, which is used where smf cannot be "
-            "imported; install smf-kernels[experiments] in this environment and load the model again "
-            "(smf.model.from_pretrained, or AutoModelForCausalLM with trust_remote_code=True)") if plain else ""
+            "imported (or where that code is older than smf's memories); install smf-kernels[experiments] in this "
+            "environment and load the model again with smf.model.from_pretrained") if plain else ""
     raise ValueError(f"model holds no ProductKeyMemory module (smf_kernels'){hint}")

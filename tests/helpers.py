@@ -26,6 +26,11 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
+def affine(projection: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A memory projection's map written out in plain PyTorch: x (..., in) -> x @ weight.T + bias (..., out)."""
+    return x @ projection.weight.t() + projection.bias
+
+
 def gather_inputs(shape, dtype, requires_grad=False):
     """Fresh random weighted_gather inputs for shape (M, D, N, L): values (M, D) of ``dtype``,
     indices (N, L) int64 in [0, M), softmax weights (N, L) fp32."""

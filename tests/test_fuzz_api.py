@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from helpers import affine
 from smf_kernels import ProductKeyMemory
 from smf_kernels.backends import implementation, unavailable_reason
 from smf_kernels.ops import product_key_topk, silu_mul, weighted_gather
@@ -271,12 +272,12 @@ def test_weighted_gather_rejects_bad_arguments_by_name(backend):
 # ----------------------------------------------------------------------------- memory module
 def _memory_reference(memory: ProductKeyMemory, x: torch.Tensor) -> torch.Tensor:
     flat = x.reshape(-1, memory.d_model)
-    query = memory.query_proj(flat).view(flat.shape[0], memory.heads, memory.key_dim)
+    query = affine(memory.query_map, flat).view(flat.shape[0], memory.heads, memory.key_dim)
     scores, indices = product_key_topk_reference(query, memory.keys, memory.topk)
     per_token = memory.heads * memory.topk
     weights = torch.softmax(scores, dim=-1).view(flat.shape[0], per_token)
     read = weighted_gather_reference(memory.values, indices.view(flat.shape[0], per_token), weights)
-    return memory.out_proj(read * nn.functional.silu(memory.gate_proj(flat))).view(x.shape)
+    return affine(memory.out_map, read * nn.functional.silu(affine(memory.gate_map, flat))).view(x.shape)
 
 
 @pytest.mark.parametrize("backend", _backends())
@@ -310,7 +311,7 @@ def test_product_key_memory_forward_backward_under_each_update_rows_choice(backe
     ref_out.backward(grad)
     _close(out, ref_out, torch.float32, "out")
     with torch.no_grad():
-        query = reference.query_proj(x.reshape(-1, d_model)).view(-1, heads, key_dim)
+        query = affine(reference.query_map, x.reshape(-1, d_model)).view(-1, heads, key_dim)
         indices = product_key_topk_reference(query, reference.keys, topk)[1].view(batch * seq, heads * topk)
     expected_counts = torch.bincount(indices[valid.reshape(-1)].flatten(), minlength=n_keys ** 2)
     assert torch.equal(memory.read_counts, expected_counts)

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import backends_under_test, rel_err
+from helpers import affine, backends_under_test, rel_err
 from smf_kernels import ProductKeyMemory
 from smf_kernels.reference import product_key_topk_reference, weighted_gather_reference
 
@@ -14,11 +14,11 @@ SMALL = dict(n_keys=12, heads=2, topk=4, key_dim=20)  # awkward: 144 slots, halv
 def _reference_forward(mem: ProductKeyMemory, x: torch.Tensor) -> torch.Tensor:
     """docs/method.md#the-memory-layer steps 1-6 written out with the reference ops."""
     flat = x.reshape(-1, mem.d_model)
-    q = mem.query_proj(flat).view(-1, mem.heads, mem.key_dim)
+    q = affine(mem.query_map, flat).view(-1, mem.heads, mem.key_dim)
     scores, slots = product_key_topk_reference(q, mem.keys, mem.topk)
     p = torch.softmax(scores.float(), -1)
     r = weighted_gather_reference(mem.values, slots.flatten(1), p.flatten(1))
-    return mem.out_proj(r * F.silu(mem.gate_proj(flat))).view_as(x)
+    return affine(mem.out_map, r * F.silu(affine(mem.gate_map, flat))).view_as(x)
 
 
 def test_paper_size_parameter_count_and_init():
@@ -26,17 +26,17 @@ def test_paper_size_parameter_count_and_init():
         mem = ProductKeyMemory(896)
     counts = {name: p.numel() for name, p in mem.named_parameters()}
     assert counts["values"] == 14_680_064
-    assert counts["query_proj.weight"] + counts["query_proj.bias"] == 918_528
+    assert counts["query_map.weight"] + counts["query_map.bias"] == 918_528
     assert counts["keys"] == 131_072
-    assert counts["gate_proj.weight"] + counts["gate_proj.bias"] == 803_712
+    assert counts["gate_map.weight"] + counts["gate_map.bias"] == 803_712
     assert sum(counts.values()) == 17_337_088
     small = ProductKeyMemory(64, n_keys=32, heads=2, topk=4, key_dim=64, value_dim=128)
     assert small.values.shape == (1024, 128) and small.keys.shape == (2, 2, 32, 32)
     assert abs(small.values.std().item() - 128 ** -0.5) < 0.01
     assert small.keys.abs().max() <= 64 ** -0.5
-    assert abs(small.gate_proj.weight.std().item() - 64 ** -0.5) < 0.02
-    bound = (6 / (64 + 2 * 64)) ** 0.5  # xavier-uniform of query_proj (64 -> heads * key_dim)
-    assert small.query_proj.weight.abs().max() <= bound
+    assert abs(small.gate_map.weight.std().item() - 64 ** -0.5) < 0.02
+    bound = (6 / (64 + 2 * 64)) ** 0.5  # xavier-uniform of query_map (64 -> heads * key_dim)
+    assert small.query_map.weight.abs().max() <= bound
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -212,11 +212,11 @@ def test_a_double_memory_computes_in_float64_end_to_end_and_passes_gradcheck(bac
     mem = ProductKeyMemory(8, n_keys=6, heads=2, topk=3, key_dim=4, backend=backend).double()
     x = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
     flat = x.reshape(-1, 8)
-    q = mem.query_proj(flat).view(-1, mem.heads, mem.key_dim)
+    q = affine(mem.query_map, flat).view(-1, mem.heads, mem.key_dim)
     scores, slots = product_key_topk_reference(q, mem.keys, mem.topk)
     p = torch.softmax(scores, -1)  # float64
-    want = mem.out_proj(weighted_gather_reference(mem.values, slots.flatten(1), p.flatten(1))
-                        * F.silu(mem.gate_proj(flat)))
+    want = affine(mem.out_map, weighted_gather_reference(mem.values, slots.flatten(1), p.flatten(1))
+                  * F.silu(affine(mem.gate_map, flat)))
     got = mem(x)
     assert got.dtype == torch.float64
     assert rel_err(got, want) < 1e-13

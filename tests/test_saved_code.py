@@ -8,7 +8,6 @@ import ast
 import copy
 import importlib.util
 import json
-import warnings
 from pathlib import Path
 
 import pytest
@@ -167,17 +166,21 @@ def test_a_trust_remote_code_model_trains_with_the_controller_where_smf_is_impor
     assert len(controller.memories) == 2
 
 
-def test_the_plain_memory_warns_when_peft_wraps_its_projections(tmp_path, monkeypatch):
+@pytest.mark.parametrize("targets", [["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                                     "all-linear"])
+def test_peft_with_the_usual_targets_leaves_the_plain_memories_alone(tmp_path, monkeypatch, targets):
     peft = pytest.importorskip("peft")
     monkeypatch.setenv(remote_code.PLAIN_ENV, "1")
     model = tiny_model()
     attach_memories(model, (2,), "additive", **TINY_MEMORY_KWARGS)
     model.save_pretrained(tmp_path / "saved")
     loaded = _saved_module(tmp_path).Qwen2ForCausalLMWithSmfMemories.from_pretrained(tmp_path / "saved")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        peft.get_peft_model(loaded, peft.LoraConfig(r=2, target_modules=["gate_proj", "up_proj"]))
-    assert any("gate_proj of a product-key memory" in str(w.message) for w in caught)
+    projections = [module for name, module in loaded.named_modules() if name.endswith(("_map", ".memory"))]
+    assert projections and not [m for m in projections if "Linear" in type(m).__name__]  # no type a tool takes as one
+    wrapped = [name for name, module in peft.get_peft_model(loaded, peft.LoraConfig(r=2, target_modules=targets))
+               .named_modules() if hasattr(module, "lora_A")]
+    assert len(wrapped) == 8 * 7 and "base_model.model.model.layers.2.mlp.gate_proj" in wrapped
+    assert not [name for name in wrapped if ".memory." in name]
 
 
 def test_the_plain_top_k_ranks_as_a_full_stable_sort():

@@ -63,7 +63,7 @@ LOADERS = {  # name: load(directory, monkeypatch, **from_pretrained options)
 
 @pytest.mark.parametrize("loader", sorted(LOADERS))
 @pytest.mark.parametrize("missing", [("mlp.memory.values",), ("mlp.memory.keys",), ("mlp.alpha",),
-                                     ("layers.5.mlp.memory.gate_proj.weight", "layers.2.mlp.memory.values")])
+                                     ("layers.5.mlp.memory.gate_map.weight", "layers.2.mlp.memory.values")])
 def test_a_checkpoint_lacking_a_memory_tensor_is_refused_naming_it(saved, tmp_path, monkeypatch, loader, missing):
     directory = _without(saved, tmp_path, *missing)
     with pytest.raises(ValueError) as refused:

@@ -65,7 +65,7 @@ def _case(rank, config, extra):
     if extra.get("dtype") == "bfloat16":
         memory.to(torch.bfloat16)
     if extra.get("frozen_lookup"):
-        memory.query_proj.requires_grad_(False)
+        memory.query_map.requires_grad_(False)
         memory.keys.requires_grad_(False)
     try:
         if "dst" in extra:

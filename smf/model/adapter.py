@@ -15,6 +15,7 @@ from smf.model.attach import attach_memories, memory_blocks
 from smf.model.block import MODES, MemoryBlock
 from smf.vocabulary import canonical, check_layers
 from smf_kernels import ProductKeyMemory
+from smf_kernels.memory import rename_legacy_projections
 
 ADAPTER_WEIGHTS = "memory_adapter.safetensors"
 ADAPTER_CONFIG = "memory_adapter.json"
@@ -87,6 +88,8 @@ def _read_adapter_tensors(directory: Path, config: dict, d_model: int) -> dict[s
         tensors = load_file(str(path))
     except (SafetensorError, OSError, ValueError) as err:
         raise ValueError(f"{path} is not a readable safetensors file (truncated or corrupt?): {err}") from err
+    for index in config["layers"]:  # an adapter saved before the memory projections were renamed
+        rename_legacy_projections(tensors, f"layers.{index}.memory.")
     try:
         with torch.device("meta"):
             shapes = {name: (t.shape, t.dtype)

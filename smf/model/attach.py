@@ -7,6 +7,7 @@ import contextlib
 import copy
 import inspect
 import logging
+import sys
 
 import torch
 from torch import nn
@@ -17,6 +18,7 @@ from smf.model.memory_spec import CONFIG_KEY, check_memory_spec, layers_path_in
 from smf.model.sizes import scaled_layers, scaled_memory_kwargs
 from smf.vocabulary import PAPER_LAYERS, canonical, check_layers  # noqa: F401 (smf.model exports it)
 from smf_kernels import ProductKeyMemory
+from smf_kernels.memory import PROJECTIONS
 
 logger = logging.getLogger(__name__)
 
@@ -151,8 +153,20 @@ def attach_recorded_memories(model: nn.Module, spec) -> list[MemoryBlock]:
     decoder (sequence classification, ...) or the bare decoder (``AutoModel``). Their weights are left to the
     checkpoint load that follows. The spec is checked first (:func:`smf.model.memory_spec.check_memory_spec`:
     a ValueError naming the field); ``model.config`` is not changed. What the classes smf registers for the
-    ``*_smf_memories`` types, and the code saved beside a model's weights where smf is importable, call."""
+    ``*_smf_memories`` types, and the code saved beside a model's weights where smf is importable, call.
+
+    Code saved before the memory projections were renamed (its weights hold ``query_proj`` ...) gets its own plain
+    memories instead (returns no block), which load its weights: smf's would not."""
     spec = check_memory_spec(spec)
+    saved_code = sys.modules.get(type(model).__module__)
+    if (hasattr(saved_code, "PlainProductKeyMemory") and hasattr(saved_code, "attach_memories")
+            and getattr(saved_code, "PROJECTIONS", None) != PROJECTIONS):
+        logger.warning("%s comes from code saved beside its weights by an older smf-kernels (memory projections "
+                       "named query_proj / gate_proj / out_proj): it gets that code's plain PyTorch memories, forward "
+                       "only. smf.model.from_pretrained(directory) loads it with smf's memories, and saving that "
+                       "model writes the current format.", type(model).__name__)
+        saved_code.attach_memories(model, spec)
+        return []
     layers_path = layers_path_in(spec, model)
     try:
         stack, layer_list = _find_layers(model, layers_path, spec["mlp_attr"])

@@ -12,7 +12,9 @@ logger = logging.getLogger(__name__)
 STAGES = ("retrofit", "sparse", "full")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # peft ``target_modules`` (a regex, matched with re.fullmatch against module names): the LORA_TARGETS
-# of the decoder layers, never a module inside a product-key memory (whose gate_proj shares the name).
+# of the decoder layers, never a module inside a product-key memory. (The plain list leaves smf's memories alone
+# too: their projections are query_map / gate_map / out_map; a model saved before that rename and loaded through
+# its own saved code, without smf, still has a memory gate_proj.)
 LORA_TARGET_REGEX = r"^(?!.*\.memory\.).*\.(" + "|".join(LORA_TARGETS) + r")$"
 
 
@@ -59,8 +61,7 @@ def apply_lora(model: nn.Module, r: int = 16, alpha: int = 32, dropout: float = 
 
     Returns the peft model (base weights frozen by peft). On a model with memories the adapters
     go on the decoder layers' projections (including the original MLP inside an additive
-    :class:`MemoryBlock`) and never inside a memory: the targets are :data:`LORA_TARGET_REGEX`,
-    since a plain list of names would also match the memory's own ``gate_proj``. The memory
+    :class:`MemoryBlock`) and never inside a memory: the targets are :data:`LORA_TARGET_REGEX`. The memory
     parameters are frozen with the rest of the base model.
     """
     from peft import LoraConfig, get_peft_model  # optional and heavy: only the LoRA recipe needs it

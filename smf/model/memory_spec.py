@@ -16,6 +16,11 @@ AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModel", "AutoModelForSequenceClassi
 MEMORY_MODES = ("replacement", "additive", "additive+s")  # as smf.vocabulary.MEMORY_MODES (tests check)
 MEMORY_SIZES = ("n_keys", "heads", "topk", "key_dim", "value_dim")  # ProductKeyMemory's sizes, d_model aside
 SPEC_FIELDS = ("layers", "mode", "memory_kwargs", "layers_path", "mlp_attr")
+# Checkpoint keys of the memory projections as saved until 2026-11-26 (``query_proj``, ``gate_proj``, ``out_proj``,
+# which the usual LoRA target lists match) -> today's names (as smf_kernels.memory.LEGACY_PROJECTIONS; tests
+# check): transformers' ``key_mapping``, which :func:`load_whole` passes to ``from_pretrained``.
+LEGACY_KEY_MAPPING = {rf"\.memory\.{old}\.": f".memory.{new}." for old, new in
+                      (("query_proj", "query_map"), ("gate_proj", "gate_map"), ("out_proj", "out_map"))}
 
 
 class MemorySpecError(ValueError):
@@ -104,13 +109,30 @@ def _listed(names: list[str]) -> str:
     return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
 
+def _forget_legacy_renaming(model) -> None:
+    """Drop :data:`LEGACY_KEY_MAPPING`'s renamings from the conversions transformers (5.x) keeps on a loaded model to
+    apply in reverse when it saves, so that a model loaded from a checkpoint of the former names saves the current
+    ones."""
+    kept = getattr(model, "_weight_conversions", None)
+    if isinstance(kept, list):
+        model._weight_conversions = [conversion for conversion in kept
+                                     if getattr(conversion, "source_patterns", None) not in
+                                     [[pattern] for pattern in LEGACY_KEY_MAPPING]]
+
+
 def load_whole(load, args: tuple, kwargs: dict):
     """``load(*args, **kwargs)`` (a ``from_pretrained`` of a class with memories), refused with a ValueError naming
     the directory and the memory tensors its checkpoint lacks (or holds in another shape, under
     ``ignore_mismatched_sizes=True``): transformers would leave them uninitialised (NaN or any value) while its load
-    report calls them newly initialised."""
+    report calls them newly initialised. A checkpoint of the former projection names loads (:data:`LEGACY_KEY_MAPPING`,
+    added to a ``key_mapping`` given, or else to the class's own, which transformers 4.x would use), and the model
+    saves under the current names."""
     wanted = kwargs.pop("output_loading_info", False)
-    model, info = load(*args, output_loading_info=True, **kwargs)
+    given = kwargs.pop("key_mapping", None)
+    if given is None:
+        given = getattr(getattr(load, "__self__", None), "_checkpoint_conversion_mapping", None) or {}
+    model, info = load(*args, output_loading_info=True, key_mapping={**given, **LEGACY_KEY_MAPPING}, **kwargs)
+    _forget_legacy_renaming(model)
     missing = memory_tensors_in(model, info["missing_keys"])
     mismatched = memory_tensors_in(model, [key if isinstance(key, str) else key[0]
                                            for key in info.get("mismatched_keys", ())])

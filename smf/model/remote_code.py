@@ -11,8 +11,9 @@ model with its memories::
 
 Which memories: where smf is importable, smf's own (``smf.model.attach.attach_recorded_memories``: the
 ``smf_kernels.ProductKeyMemory`` layers with their kernels, which the ``SparseMemoryController``, the
-``SparseMemoryTrainer`` and every ``smf`` function recognise); otherwise (or with the environment variable
-``SMF_SAVED_CODE_PLAIN=1``) the plain PyTorch layers below, which need only torch and transformers: the
+``SparseMemoryTrainer`` and every ``smf`` function recognise); otherwise (an smf whose memories name their
+projections otherwise, i.e. one older than this file, or the environment variable ``SMF_SAVED_CODE_PLAIN=1``) the
+plain PyTorch layers below, which need only torch and transformers: the
 semantics of ``smf_kernels.ProductKeyMemory`` on its ``torch`` backend, forward only (no read counting, no
 sparse value gradients; autograd gives dense gradients). ``BASE_MODEL_TYPE`` names the base architecture;
 smf writes the saved model's.
@@ -23,12 +24,13 @@ memory; ``additive`` / ``additive+s``: ``mlp(h) + alpha * memory(h)``), ``memory
 key_dim, value_dim) and where the decoder layers are in the causal LM (``layers_path``, ``mlp_attr``). In the
 additive modes the MLP module keeps its weights under their own names and gains ``memory`` and ``alpha``. The
 memories and ``alpha`` stay float32 whatever the model's dtype. ``from_pretrained`` refuses a checkpoint that lacks
-a memory tensor (transformers would leave it uninitialised), naming the tensors.
+a memory tensor (transformers would leave it uninitialised), naming the tensors; it loads the memory projections of a
+checkpoint saved before they were renamed (``query_proj`` / ``gate_proj`` / ``out_proj``, now ``query_map`` /
+``gate_map`` / ``out_map``: names and a module type that the usual LoRA target lists and ``"all-linear"`` leave alone).
 """
 from __future__ import annotations
 
 import os
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +47,7 @@ BASE_MODEL_TYPE = "qwen2"
 SUFFIX = "_smf_memories"
 PLAIN_ENV = "SMF_SAVED_CODE_PLAIN"  # set to 1: the plain PyTorch memories below even where smf is importable
 _MEMORY_PARTS = ("memory", "alpha")
-_PROJECTIONS = ("query_proj", "gate_proj", "out_proj")
+PROJECTIONS = ("query_map", "gate_map", "out_map")  # the memory's projections, named as smf_kernels' memory names them
 
 
 def _sorted_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,41 +85,42 @@ def _undominated_pairs(topk: int, device: torch.device) -> tuple[torch.Tensor, t
     return _pairs[key]
 
 
+class PlainMemoryProjection(nn.Module):
+    """``x @ weight.T + bias`` in the weight's dtype: ``nn.Linear``'s parameters, but not an ``nn.Linear``, so that
+    peft's ``target_modules="all-linear"`` leaves a memory's projections alone."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.zeros(out_features, in_features))
+        self.bias = nn.Parameter(torch.zeros(out_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
+
+
 class PlainProductKeyMemory(nn.Module):
-    """Product-key memory: ``out_proj(r * silu(gate_proj(x)))``, ``r`` the softmax-weighted sum of the
-    ``heads * topk`` value rows a product-key lookup finds. Parameter names and shapes as smf-kernels'."""
+    """Product-key memory: ``out_map(r * silu(gate_map(x)))``, ``r`` the softmax-weighted sum of the
+    ``heads * topk`` value rows a product-key lookup of ``query_map(x)`` finds. Parameter names and shapes as
+    smf-kernels'."""
 
     def __init__(self, d_model: int, n_keys: int, heads: int, topk: int, key_dim: int,
                  value_dim: int | None = None) -> None:
         super().__init__()
         value_dim = d_model if value_dim is None else value_dim
         self.d_model, self.n_keys, self.heads, self.topk, self.key_dim = d_model, n_keys, heads, topk, key_dim
-        self.query_proj = nn.Linear(d_model, heads * key_dim, bias=True)
+        self.query_map = PlainMemoryProjection(d_model, heads * key_dim)
         self.keys = nn.Parameter(torch.zeros(heads, 2, n_keys, key_dim // 2))
         self.values = nn.Parameter(torch.zeros(n_keys * n_keys, value_dim))
-        self.gate_proj = nn.Linear(d_model, value_dim, bias=True)
-        self.out_proj = nn.Linear(value_dim, d_model, bias=True)
-
-    def __setattr__(self, name: str, value) -> None:
-        """nn.Module.__setattr__; warns, as smf_kernels' memory does, when peft replaces a projection."""
-        if (name in _PROJECTIONS and isinstance(value, nn.Module) and not isinstance(value, nn.Linear)
-                and isinstance(self._modules.get(name), nn.Linear)):
-            warnings.warn(
-                f"peft wraps the {name} of a product-key memory in a {type(value).__qualname__}: LoRA will train "
-                "this memory projection (target_modules matched it: a list such as [..., 'gate_proj', ...] or "
-                "'all-linear' matches the memories' own projections). To leave the memories alone, add "
-                r"exclude_modules=r'.*\.memory\..*' to the LoraConfig (peft >= 0.14), or target the decoder layers "
-                r"only: LoraConfig(target_modules="
-                r"r'.*layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)')",
-                UserWarning, stacklevel=2)
-        super().__setattr__(name, value)
+        self.gate_map = PlainMemoryProjection(d_model, value_dim)
+        self.out_map = PlainMemoryProjection(value_dim, d_model)
 
     def lookup(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (N, d_model) -> scores (N, heads, topk) fp32 (sorted descending), slot ids (N, heads, topk) int64.
 
         In the parameters' precision even under autocast."""
         with torch.autocast(device_type=x.device.type, enabled=False):
-            query = self.query_proj(x.to(self.query_proj.weight.dtype)).view(x.shape[0], self.heads, self.key_dim)
+            query = self.query_map(x).view(x.shape[0], self.heads, self.key_dim)
             dtype = torch.promote_types(query.dtype, torch.float32)
             half = self.key_dim // 2
             q, k = query.to(self.keys.dtype).to(dtype), self.keys.to(dtype)
@@ -141,8 +144,8 @@ class PlainProductKeyMemory(nn.Module):
         per_token = self.heads * self.topk
         read = F.embedding_bag(indices.view(-1, per_token), self.values, mode="sum",
                                per_sample_weights=weights.view(-1, per_token).to(self.values.dtype))
-        gate = self.gate_proj(flat)
-        out = self.out_proj(F.silu(gate) * read.to(gate.dtype))
+        gate = self.gate_map(flat)
+        out = self.out_map(F.silu(gate) * read.to(gate.dtype))
         return out.view(*x.shape[:-1], self.d_model)
 
 
@@ -237,15 +240,16 @@ def attach_memories(model: nn.Module, spec: dict) -> None:
 
 
 def _library_attach():
-    """smf's ``attach_recorded_memories`` where smf is importable (and ``SMF_SAVED_CODE_PLAIN`` is not set),
-    else None."""
+    """smf's ``attach_recorded_memories`` where smf is importable, its memories' projections have this file's names
+    (an older smf's have others) and ``SMF_SAVED_CODE_PLAIN`` is not set; else None."""
     if os.environ.get(PLAIN_ENV, "") not in ("", "0"):
         return None
     try:
         from smf.model.attach import attach_recorded_memories  # the copy saved with a model runs without smf
+        from smf_kernels.memory import PROJECTIONS as library_projections
     except ImportError:
         return None
-    return attach_recorded_memories
+    return attach_recorded_memories if tuple(library_projections) == PROJECTIONS else None
 
 
 def _model_init(self, config, *args, **kwargs):

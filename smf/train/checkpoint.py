@@ -31,6 +31,8 @@ from smf.errors import ConfigError
 from smf.files import write_atomic, write_text_atomic
 from smf.train.fsdp import local_part, local_part_of, shard_optimizer_state
 from smf.train.sharding import load_memory_shards
+from smf_kernels import ProductKeyMemory
+from smf_kernels.memory import rename_legacy_projections
 from smf_kernels.sharded.checkpoint import replicated_optimizer_state, sharded_parameters
 
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -145,6 +147,9 @@ def load_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim.Opti
     writer's rank r modulo its process count.
     """
     state = _read_checkpoint(path)
+    for name, module in model.named_modules():  # written before the memory projections were renamed
+        if isinstance(module, ProductKeyMemory):
+            rename_legacy_projections(state["trainable"], f"{name}." if name else "")
     sharded = sharded_parameters(model)
     saved_world = len(state["rng"])
     if saved_world != world_size and not sharded:

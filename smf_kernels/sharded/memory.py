@@ -129,7 +129,7 @@ class ShardedProductKeyMemory(ProductKeyMemory):
         full = state_dict.get(key)
         if (isinstance(full, torch.Tensor) and full.dim() == 2 and full.shape[1] == self.value_dim
                 and self.shard.columns != self.value_dim):
-            state_dict = {**state_dict, key: full[:, self.shard.start:self.shard.stop]}
+            state_dict[key] = full[:, self.shard.start:self.shard.stop]  # in place, as the base class renames
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
