@@ -27,7 +27,7 @@ DEFERRED = {
     "smf.commands.train": {"smf.train.background", "smf.train.loop"},  # when the stage runs
     "smf.model.loading": {"smf.tiny"},  # Qwen-2 model code and tokenizers, for --model tiny only
     "smf.model.sizes": {"smf.tiny"},  # the same
-    "smf.model.remote_code": {"smf.model.attach"},  # the saved copy of this file runs without smf
+    "smf.model.remote_code": {"smf.model.attach", "smf_kernels.memory"},  # the saved copy of this file runs without smf
     "smf.suite.config": {"smf.data.own_data", "smf.train.pretrain"},  # torch: `smf suite` / `smf eval` parse
     "smf.suite.dry_run": {"smf.train.pretrain"},  # torch: `smf suite --dry-run` of a config without a world
     "smf.train": {"smf.model"},  # torch: the deprecated names only; the CLI imports smf.train.config
