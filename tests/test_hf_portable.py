@@ -235,4 +235,7 @@ def test_a_directory_of_the_older_layout_loads(tmp_path):
     assert "model.layers.2.mlp.mlp.up_proj.weight" in renamed
     save_file(renamed, tmp_path / "model.safetensors", metadata={"format": "pt"})
     ids = torch.randint(0, 256, (1, 6))
-    assert torch.equal(from_pretrained(tmp_path, backend="torch")(ids).logits, model(ids).logits)
+    loaded = from_pretrained(tmp_path, backend="torch")
+    assert torch.equal(loaded(ids).logits, model(ids).logits)
+    loaded.save_pretrained(tmp_path / "again")  # saved again: the current layout, not the one it was read from
+    assert load_file(tmp_path / "again" / "model.safetensors").keys() == weights.keys()

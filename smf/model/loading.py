@@ -30,7 +30,7 @@ from smf.errors import ConfigError
 from smf.model.adapter import ADAPTER_CONFIG, load_memory_adapter, read_adapter_config
 from smf.model.attach import CONFIG_KEY, memory_blocks
 from smf.model.hf_auto import SUFFIX, register_memory_type
-from smf.model.memory_spec import check_memory_spec
+from smf.model.memory_spec import check_memory_spec, forget_renaming
 from smf.vocabulary import DEFAULT_MODEL, RECIPES, TINY_MODEL
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
@@ -237,9 +237,12 @@ def from_pretrained(directory: str | Path, *, dtype: torch.dtype | str = "auto",
             check_memory_spec(config.get(CONFIG_KEY))
         except ValueError as err:
             raise ValueError(f"{directory}/config.json: {err}") from None
+    legacy = None
     if model_type.endswith(SUFFIX) and "key_mapping" not in kwargs:
-        kwargs["key_mapping"] = _legacy_key_mapping(Path(directory), config[CONFIG_KEY])
+        kwargs["key_mapping"] = legacy = _legacy_key_mapping(Path(directory), config[CONFIG_KEY])
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)
+    if legacy:
+        forget_renaming(model, legacy)  # saved again, it writes the current layout
     for block in memory_blocks(model):
         block.memory.backend = backend
     if model_type.endswith(SUFFIX):

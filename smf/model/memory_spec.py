@@ -109,15 +109,15 @@ def _listed(names: list[str]) -> str:
     return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
 
-def _forget_legacy_renaming(model) -> None:
-    """Drop :data:`LEGACY_KEY_MAPPING`'s renamings from the conversions transformers (5.x) keeps on a loaded model to
-    apply in reverse when it saves, so that a model loaded from a checkpoint of the former names saves the current
-    ones."""
+def forget_renaming(model, mapping: dict[str, str]) -> None:
+    """Drop ``mapping``'s renamings (a ``key_mapping`` of smf's former layouts) from the conversions transformers (5.x)
+    keeps on a loaded model to apply in reverse when it saves, so that a model loaded from a checkpoint of the former
+    names saves the current ones."""
     kept = getattr(model, "_weight_conversions", None)
     if isinstance(kept, list):
         model._weight_conversions = [conversion for conversion in kept
                                      if getattr(conversion, "source_patterns", None) not in
-                                     [[pattern] for pattern in LEGACY_KEY_MAPPING]]
+                                     [[pattern] for pattern in mapping]]
 
 
 def load_whole(load, args: tuple, kwargs: dict):
@@ -132,7 +132,7 @@ def load_whole(load, args: tuple, kwargs: dict):
     if given is None:
         given = getattr(getattr(load, "__self__", None), "_checkpoint_conversion_mapping", None) or {}
     model, info = load(*args, output_loading_info=True, key_mapping={**given, **LEGACY_KEY_MAPPING}, **kwargs)
-    _forget_legacy_renaming(model)
+    forget_renaming(model, LEGACY_KEY_MAPPING)
     missing = memory_tensors_in(model, info["missing_keys"])
     mismatched = memory_tensors_in(model, [key if isinstance(key, str) else key[0]
                                            for key in info.get("mismatched_keys", ())])
