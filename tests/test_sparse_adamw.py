@@ -111,6 +111,28 @@ def test_row_step_counts_of_a_bf16_table_survive_a_state_dict_round_trip():
     assert row_step.dtype == torch.int64 and row_step.tolist() == [0, 301, 0, 0]
 
 
+def test_a_full_state_dict_loads_through_torch_distributed_checkpoint_after_init_row_state():
+    """set_optimizer_state_dict (accelerate's FSDP2 resume) fills an optimizer without state by a dense zero-gradient
+    step, then merges the saved state in: a table would hold both row_step and step. init_row_state first gives it
+    the row layout the saved state then overwrites."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+    full = StateDictOptions(full_state_dict=True)
+    model = torch.nn.Embedding(6, 3)
+    optimizer = RowSparseAdamW(model.parameters(), **HYPER)
+    optimizer.step_rows(model.weight, torch.tensor([1, 4]), torch.randn(2, 3))
+    saved = get_optimizer_state_dict(model, optimizer, options=full)
+    with pytest.raises(ValueError, match="holds both row_step and step"):
+        set_optimizer_state_dict(model, RowSparseAdamW(model.parameters(), **HYPER), saved, options=full)
+    resumed = RowSparseAdamW(model.parameters(), **HYPER)
+    resumed.init_row_state(model.weight)
+    set_optimizer_state_dict(model, resumed, saved, options=full)
+    for key, value in optimizer.state[model.weight].items():
+        assert torch.equal(resumed.state[model.weight][key], value), key
+    with pytest.raises(ValueError, match="not a parameter of this optimizer"):
+        resumed.init_row_state(torch.nn.Parameter(torch.zeros(6, 3)))
+
+
 def _state_after_one_step(table, dense):
     optimizer = RowSparseAdamW([table], lr=1e-3)
     table.grad = torch.randn(table.shape) if dense else sparse_grad(torch.tensor([1, 3]), torch.randn(2, 3), table.shape)

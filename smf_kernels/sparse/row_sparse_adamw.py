@@ -127,12 +127,24 @@ class RowSparseAdamW(torch.optim.Optimizer):
             grad_scale: optional 0-d tensor multiplying ``grad`` first (a clipping coefficient).
             valid: optional (T,) bool; rows with ``valid[t] == False`` are left alone.
         """
+        self._update_rows(param, self._group_of(param), rows, grad, grad_scale, valid)
+
+    def _group_of(self, param: torch.Tensor) -> dict:
         group = next((g for g in self.param_groups if any(p is param for p in g["params"])), None)
         if group is None:
             raise ValueError("param is not a parameter of this optimizer")
-        self._update_rows(param, group, rows, grad, grad_scale, valid)
+        return group
 
-    def _update_rows(self, param, group, rows, grad, grad_scale, valid) -> None:
+    def init_row_state(self, param: torch.Tensor) -> None:
+        """Give ``param`` (an (M, D) parameter of this optimizer) the state of a table updated by rows, zeros, unless
+        it has state already. What ``torch.distributed.checkpoint``'s ``set_optimizer_state_dict`` (accelerate's
+        FSDP2 resume) needs before it loads a saved state: it fills an optimizer without state by a step with
+        dense zero gradients, which would make every table a dense-updated one (and the loaded ``row_step``
+        join a ``step``)."""
+        self._group_of(param)
+        self._row_state(param)
+
+    def _row_state(self, param: torch.Tensor) -> dict:
         if param.dim() != 2:
             raise ValueError(f"a parameter updated by rows must be 2-D (M, D), got shape {tuple(param.shape)}")
         state = self.state[param]
@@ -142,6 +154,10 @@ class RowSparseAdamW(torch.optim.Optimizer):
             state["row_step"] = torch.zeros(param.shape[0], dtype=torch.int64, device=param.device)
             state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        return state
+
+    def _update_rows(self, param, group, rows, grad, grad_scale, valid) -> None:
+        state = self._row_state(param)
         row_adamw_(param, state["exp_avg"], state["exp_avg_sq"], state["row_step"], rows, grad, lr=group["lr"],
                    betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
                    grad_scale=grad_scale, valid=valid)
