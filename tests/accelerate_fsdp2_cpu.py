@@ -16,6 +16,9 @@ _create_accelerator = Trainer.create_accelerator_and_postprocess
 
 def _with_fsdp2(self):
     _create_accelerator(self)
+    if self.accelerator.state.distributed_type != DistributedType.MULTI_CPU:  # docs/sharding.md: why this shim
+        raise RuntimeError(f"accelerate chose {self.accelerator.state.distributed_type} on CPU itself: run the "
+                           "docs' command without tests/accelerate_fsdp2_cpu.py")
     self.accelerator.state.distributed_type = DistributedType.FSDP
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     self.accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()  # from accelerate launch's FSDP_* env

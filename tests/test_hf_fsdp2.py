@@ -17,8 +17,9 @@ from smf.tiny import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "docs" / "accelerate" / "smf_fsdp2.py"
-LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-          str(ROOT / "docs" / "accelerate" / "fsdp2.yaml"), str(ROOT / "tests" / "accelerate_fsdp2_cpu.py"), str(SCRIPT)]
+CONFIG = ROOT / "docs" / "accelerate" / "fsdp2.yaml"
+LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG),
+          str(ROOT / "tests" / "accelerate_fsdp2_cpu.py"), str(SCRIPT)]  # the docs' command, through the CPU shim
 
 
 def _run(command, cwd):
