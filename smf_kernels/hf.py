@@ -139,13 +139,12 @@ class SparseMemoryTrainer(Trainer):
         return super().create_optimizer(model)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
-        """The Trainer's, after giving the value tables their (empty) row-update state under FSDP: accelerate's
-        FSDP2 load would otherwise fill the empty optimizer by a dense zero-gradient step first
-        (:meth:`RowSparseAdamW.init_row_state`)."""
+        """The Trainer's, after giving the optimizer's parameters their (zero) state under FSDP: accelerate's FSDP2
+        load would otherwise fill the empty optimizer by a dense zero-gradient step first
+        (:meth:`RowSparseAdamW.init_state`)."""
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper
         if checkpoint is not None and self.is_fsdp_enabled and isinstance(optimizer, RowSparseAdamW):
-            for values in self.controller.value_parameters():
-                optimizer.init_row_state(values)
+            optimizer.init_state(self.controller.value_parameters())
         super()._load_optimizer_and_scheduler(checkpoint)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
