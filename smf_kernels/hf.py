@@ -79,7 +79,8 @@ class SparseMemoryTrainer(Trainer):
     checkpointing is refused when the trainer is built: every step counts memory reads, and a re-run forward
     would count them twice. A micro-batch whose forward or backward raises discards its step
     (:meth:`~smf_kernels.sparse.SparseMemoryController.abort_step`), so ``train()`` can be called again.
-    Checkpoints are the Trainer's: the controller holds no training state.
+    Checkpoints are the Trainer's (under accelerate's FSDP2 too, docs/sharding.md): the controller holds no
+    training state.
     """
 
     def __init__(self, *args, controller: SparseMemoryController, **kwargs) -> None:

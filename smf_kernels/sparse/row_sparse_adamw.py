@@ -13,6 +13,8 @@ on its first step (zeros) and ``row_step`` an (M,) int64 per-row step count. Par
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from smf_kernels._precision import accumulation_dtype
@@ -127,15 +129,12 @@ class RowSparseAdamW(torch.optim.Optimizer):
             grad_scale: optional 0-d tensor multiplying ``grad`` first (a clipping coefficient).
             valid: optional (T,) bool; rows with ``valid[t] == False`` are left alone.
         """
-        self._update_rows(param, self._group_of(param), rows, grad, grad_scale, valid)
-
-    def _group_of(self, param: torch.Tensor) -> dict:
         group = next((g for g in self.param_groups if any(p is param for p in g["params"])), None)
         if group is None:
             raise ValueError("param is not a parameter of this optimizer")
-        return group
+        self._update_rows(param, group, rows, grad, grad_scale, valid)
 
-    def init_state(self, row_params) -> None:
+    def init_state(self, row_params: Iterable[torch.Tensor]) -> None:
         """Give each parameter of this optimizer that has no state the (zero) state its first update creates: for
         the tables in ``row_params``, an update by rows; for the others, a dense one. What
         ``torch.distributed.checkpoint`` needs before it loads a saved state (accelerate's FSDP2 resume):
