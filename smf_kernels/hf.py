@@ -79,7 +79,8 @@ class SparseMemoryTrainer(Trainer):
     checkpointing is refused when the trainer is built: every step counts memory reads, and a re-run forward
     would count them twice. A micro-batch whose forward or backward raises discards its step
     (:meth:`~smf_kernels.sparse.SparseMemoryController.abort_step`), so ``train()`` can be called again.
-    Checkpoints are the Trainer's: the controller holds no training state.
+    Checkpoints are the Trainer's (under accelerate's FSDP2 too, docs/sharding.md): the controller holds no
+    training state.
     """
 
     def __init__(self, *args, controller: SparseMemoryController, **kwargs) -> None:
@@ -137,6 +138,15 @@ class SparseMemoryTrainer(Trainer):
                                             eps=self.args.adam_epsilon, weight_decay=self.args.weight_decay)
             return self.optimizer
         return super().create_optimizer(model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        """The Trainer's, after giving the optimizer's parameters their (zero) state under FSDP: accelerate's FSDP2
+        load would otherwise fill the empty optimizer by a dense zero-gradient step first
+        (:meth:`RowSparseAdamW.init_state`)."""
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper
+        if checkpoint is not None and self.is_fsdp_enabled and isinstance(optimizer, RowSparseAdamW):
+            optimizer.init_state(self.controller.value_parameters())
+        super()._load_optimizer_and_scheduler(checkpoint)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         if not self.controller.in_step:  # the step's fill, chosen as smf train chooses it (plan_fill)

@@ -111,6 +111,40 @@ def test_row_step_counts_of_a_bf16_table_survive_a_state_dict_round_trip():
     assert row_step.dtype == torch.int64 and row_step.tolist() == [0, 301, 0, 0]
 
 
+def test_state_dicts_load_through_torch_distributed_checkpoint_after_init_state():
+    """set_optimizer_state_dict (accelerate's FSDP2 resume) fills an optimizer without state by a dense zero-gradient
+    step, then merges the saved state in: a table would hold both row_step and step. A sharded load reads only the
+    entries the optimizer already has. init_state first gives every parameter the entries the saved state holds."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+    full = StateDictOptions(full_state_dict=True)
+    model = torch.nn.ModuleDict({"table": torch.nn.Embedding(6, 3), "scale": torch.nn.Linear(1, 1, bias=False)})
+    table, scale = model["table"].weight, model["scale"].weight
+
+    def optimizer():
+        return RowSparseAdamW(model.parameters(), **HYPER)
+
+    trained = optimizer()
+    trained.step_rows(table, torch.tensor([1, 4]), torch.randn(2, 3))
+    scale.grad = torch.randn(1, 1)
+    trained.step()
+    scale.grad = None
+    saved = get_optimizer_state_dict(model, trained, options=full)
+    with pytest.raises(ValueError, match="holds both row_step and step"):
+        set_optimizer_state_dict(model, optimizer(), saved, options=full)
+    resumed = optimizer()
+    resumed.init_state([table])
+    assert set(get_optimizer_state_dict(model, resumed)["state"]) == {"table.weight", "scale.weight"}  # a template
+    set_optimizer_state_dict(model, resumed, saved, options=full)
+    for param in (table, scale):
+        for key, value in trained.state[param].items():
+            assert torch.equal(torch.as_tensor(resumed.state[param][key]), torch.as_tensor(value)), key
+    with pytest.raises(ValueError, match="not a parameter of this optimizer"):
+        optimizer().init_state([torch.nn.Parameter(torch.zeros(6, 3))])
+    with pytest.raises(ValueError, match="row update's state but is not in row_params"):
+        resumed.init_state([])
+
+
 def _state_after_one_step(table, dense):
     optimizer = RowSparseAdamW([table], lr=1e-3)
     table.grad = torch.randn(table.shape) if dense else sparse_grad(torch.tensor([1, 3]), torch.randn(2, 3), table.shape)

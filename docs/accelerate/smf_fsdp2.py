@@ -3,11 +3,14 @@
     accelerate launch --config_file docs/accelerate/fsdp2.yaml docs/accelerate/smf_fsdp2.py --output-dir run
 
 trains the tiny Qwen-2 with memories for a few steps on 2 processes, prints how many parameters FSDP2 sharded
-and writes the memory adapter to ``run/final``; ``python docs/accelerate/smf_fsdp2.py --output-dir run1
---per-device-batch 4`` is the same global batch in one process. (accelerate turns FSDP on only on GPUs and
-other accelerators: on a CPU-only machine the command above runs DDP and prints 0 sharded parameters;
-tests/test_hf_fsdp2.py runs it on CPU with accelerate's state set to FSDP2.) For a real model, load it with ``smf.model.load_with_adapter`` (or attach and
-retrofit memories) instead of the tiny one, and give the trainer your dataset.
+and writes the memory adapter to ``run/final``; with ``--save-steps N`` the Trainer also writes its own
+checkpoints (``run/checkpoint-N``: the whole model, loadable with ``smf.model.from_pretrained``), which
+``--resume-from-checkpoint run/checkpoint-N`` continues. ``python docs/accelerate/smf_fsdp2.py --output-dir run1
+--per-device-batch 4`` is the same global batch in one process. (accelerate 1.15 turns FSDP on only on GPUs and other
+accelerators: on a CPU-only machine the command above runs DDP and prints 0 sharded parameters, whatever the
+settings; docs/sharding.md says why, and tests/test_hf_fsdp2.py runs it on CPU with accelerate's state set to
+FSDP2.) For a real model, load it with ``smf.model.load_with_adapter`` (or attach and retrofit memories) instead
+of the tiny one, and give the trainer your dataset.
 """
 import argparse
 
@@ -40,6 +43,8 @@ def main() -> None:
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--per-device-batch", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--save-steps", type=int, default=0, help="a Trainer checkpoint every N steps (0: none)")
+    parser.add_argument("--resume-from-checkpoint", help="a Trainer checkpoint of this run to continue from")
     args = parser.parse_args()
     model = tiny_model()
     torch.manual_seed(0)
@@ -51,14 +56,16 @@ def main() -> None:
                                   progress=False)
     training = TrainingArguments(output_dir=args.output_dir, max_steps=args.steps, learning_rate=1e-2,
                                  per_device_train_batch_size=args.per_device_batch, max_grad_norm=1.0,
-                                 lr_scheduler_type="constant", save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(),
+                                 lr_scheduler_type="constant", save_strategy="steps" if args.save_steps else "no",
+                                 save_steps=args.save_steps, report_to=[], use_cpu=not torch.cuda.is_available(),
                                  dataloader_num_workers=0, seed=11, logging_steps=1)
     trainer = SparseMemoryTrainer(model=model, args=training, train_dataset=RandomSequences(16),
                                   controller=controller)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     sharded = sum(isinstance(p, DTensor) for p in trainer.model.parameters())
     if trainer.is_world_process_zero():  # the memories are plain tensors on every rank: rank 0 writes them
-        print(f"{trainer.args.world_size} processes, {sharded} of {len(list(trainer.model.parameters()))} parameters sharded by FSDP2")
+        total = len(list(trainer.model.parameters()))
+        print(f"{trainer.args.world_size} processes, {sharded} of {total} parameters sharded by FSDP2")
         save_memory_adapter(model, f"{args.output_dir}/final")
 
 

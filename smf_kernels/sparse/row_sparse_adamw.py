@@ -13,6 +13,8 @@ on its first step (zeros) and ``row_step`` an (M,) int64 per-row step count. Par
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from smf_kernels._precision import accumulation_dtype
@@ -132,7 +134,27 @@ class RowSparseAdamW(torch.optim.Optimizer):
             raise ValueError("param is not a parameter of this optimizer")
         self._update_rows(param, group, rows, grad, grad_scale, valid)
 
-    def _update_rows(self, param, group, rows, grad, grad_scale, valid) -> None:
+    def init_state(self, row_params: Iterable[torch.Tensor]) -> None:
+        """Give each parameter of this optimizer that has no state the (zero) state its first update creates: for
+        the tables in ``row_params``, an update by rows; for the others, a dense one. What
+        ``torch.distributed.checkpoint`` needs before it loads a saved state (accelerate's FSDP2 resume):
+        ``set_optimizer_state_dict`` fills an optimizer without state by a step with dense zero gradients (every
+        table would become a dense-updated one, its ``step`` beside the saved ``row_step``), and a sharded load
+        reads only the entries the optimizer's state already has."""
+        rows = {id(param) for param in row_params}
+        params = [param for group in self.param_groups for param in group["params"]]
+        if rows - {id(param) for param in params}:
+            raise ValueError("row_params holds a tensor that is not a parameter of this optimizer")
+        for param in params:  # checked before any state is made
+            if id(param) in rows and (param.dim() != 2 or "step" in self.state.get(param, {})):
+                raise ValueError(f"a table of row_params ({tuple(param.shape)}) must be 2-D and without a dense "
+                                 "update's state")
+            if id(param) not in rows and "row_step" in self.state.get(param, {}):
+                raise ValueError(f"parameter {tuple(param.shape)} holds a row update's state but is not in row_params")
+        for param in params:
+            (self._row_state if id(param) in rows else self._dense_state)(param)
+
+    def _row_state(self, param: torch.Tensor) -> dict:
         if param.dim() != 2:
             raise ValueError(f"a parameter updated by rows must be 2-D (M, D), got shape {tuple(param.shape)}")
         state = self.state[param]
@@ -142,12 +164,15 @@ class RowSparseAdamW(torch.optim.Optimizer):
             state["row_step"] = torch.zeros(param.shape[0], dtype=torch.int64, device=param.device)
             state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        return state
+
+    def _update_rows(self, param, group, rows, grad, grad_scale, valid) -> None:
+        state = self._row_state(param)
         row_adamw_(param, state["exp_avg"], state["exp_avg_sq"], state["row_step"], rows, grad, lr=group["lr"],
                    betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
                    grad_scale=grad_scale, valid=valid)
 
-    def _dense_step(self, param: torch.Tensor, group: dict) -> None:
-        """torch.optim.AdamW's single-tensor update, operation for operation."""
+    def _dense_state(self, param: torch.Tensor) -> dict:
         state = self.state[param]
         if "row_step" in state:
             raise ValueError("this parameter was updated with sparse gradients before; it cannot switch to dense")
@@ -155,6 +180,11 @@ class RowSparseAdamW(torch.optim.Optimizer):
             state["step"] = 0
             state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        return state
+
+    def _dense_step(self, param: torch.Tensor, group: dict) -> None:
+        """torch.optim.AdamW's single-tensor update, operation for operation."""
+        state = self._dense_state(param)
         lr, weight_decay, eps = group["lr"], group["weight_decay"], group["eps"]
         beta1, beta2 = group["betas"]
         grad, exp_avg, exp_avg_sq = param.grad, state["exp_avg"], state["exp_avg_sq"]
