@@ -13,12 +13,11 @@ from smf_kernels import ProductKeyMemory
 from smf_kernels.sparse import (AuthorsSparseUpdate, DenseMaskedUpdate, NonFiniteGradientError, RowSparseAdamW,
                                 SparseMemoryController, StepMisuseError)
 from smf_kernels.sparse.background import BackgroundStats
-from smf_kernels.sparse.clipping import clip_grad_norm_, norm_and_clip_coefficient
+from smf_kernels.sparse.clipping import clip_sharded_grad_norm_, norm_and_clip_coefficient
 
 VOCAB, WIDTH, SEQ, ROWS = 30, 16, 5, 8
 # (update class, begin_step kwargs, whether the optimizer is RowSparseAdamW)
-PATHS = {"kept reads": (SparseMemoryController, {}), "selected": (SparseMemoryController,
-                                                                  {"select_before_backward": True}),
+PATHS = {"kept reads": (SparseMemoryController, {}), "selected": (SparseMemoryController, {"fill": "rows_first"}),
          "dense_masked": (DenseMaskedUpdate, {}), "authors": (AuthorsSparseUpdate, {})}
 
 
@@ -208,7 +207,7 @@ def test_the_clipping_functions_refuse_those_norms_before_scaling():
         param = nn.Parameter(torch.zeros(3))
         param.grad = grad.clone()
         with pytest.raises(error, match="max_norm must be a number > 0"):
-            clip_grad_norm_([param], bad)
+            clip_sharded_grad_norm_([param], bad)
         assert torch.equal(param.grad, grad)
     model, update, begin, optimizer = setup("kept reads")
     update.begin_step()
