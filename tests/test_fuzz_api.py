@@ -441,7 +441,8 @@ def test_ext_cases_in_a_subprocess():
 REGRESSIONS = {
     "empty_row_sink": """
 v = torch.randn(5, 4, requires_grad=True); w = torch.rand(2, 2, requires_grad=True)
-sink = RowGradSink(v, 0, fill="rows_first"); sink.set_rows(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.bool))
+sink = RowGradSink(v, 0, fill="rows_first")
+sink.set_rows(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.bool))
 out = weighted_gather(v, torch.tensor([[0, 1], [2, 2]]), w, grad_sink=sink, backend=B)
 out.sum().backward()
 assert v.grad is None and sink.grad.shape == (0, 4) and w.grad.shape == (2, 2)

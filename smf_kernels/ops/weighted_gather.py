@@ -12,11 +12,12 @@ from smf_kernels.backends import resolve_backend
 from smf_kernels.ops import _gather_ops as gather_ops
 
 
-# The removed sparse COO value gradient (``update_rows=tensor``): what replaced it, for the error a caller gets
-COO_REMOVED = ("the sparse COO value gradient (update_rows=tensor, set_update_rows(tensor)) was removed: the sparse "
-               "update takes the rows' gradient through a gradient sink (grad_sink=RowGradSink(...), "
-               "ProductKeyMemory.set_grad_sink; SparseMemoryController does this for you, "
-               "docs/method.md#what-sparse-means); for a dense gradient, pass neither")
+# What replaced ``update_rows`` (a tensor: the removed sparse COO value gradient; a sink: renamed), for the error a
+# caller gets
+COO_REMOVED = ("update_rows was removed: a gradient sink is passed as grad_sink= (ProductKeyMemory.set_grad_sink); "
+               "a tensor of rows, the sparse COO value gradient, is gone: a RowGradSink with the rows set takes their "
+               "compact (T, D) gradient, and SparseMemoryController does this for you "
+               "(docs/method.md#what-sparse-means); for a dense gradient, pass neither")
 
 
 class GradientSink:

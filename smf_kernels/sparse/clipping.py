@@ -53,8 +53,9 @@ def norm_and_clip_coefficient(grads: list[torch.Tensor], max_norm: float,
                               shards: list[ColumnShard | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(total, coefficient): the joint L2 norm of ``grads`` (a 0-d float32 tensor, float64 when a gradient is
     float64; 0 without grads) and the factor ``min(1, max_norm / (total + 1e-6))`` that clips them to
-    ``max_norm``, as :func:`clip_sharded_grad_norm_` applies it. ``shards[i]``, when not None, says ``grads[i]`` holds one rank's columns of a table split over
-    a group (smf_kernels.sharded): its norm is then that of the whole table's gradient. No host sync.
+    ``max_norm``, as :func:`clip_sharded_grad_norm_` applies it. ``shards[i]``, when not None, says ``grads[i]``
+    holds one rank's columns of a table split over a group (smf_kernels.sharded): its norm is then that of the
+    whole table's gradient. No host sync.
     ``max_norm``: :func:`check_max_norm`."""
     max_norm = check_max_norm(max_norm)
     if not grads:

@@ -164,7 +164,7 @@ class RowGradients:
         return total, coef
 
     def apply(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None,
-              nonfinite: str = "raise") -> StepResult:
+              nonfinite: str = "raise", **removed) -> StepResult:
         """The finishing sequence (see the module docstring): check every gradient of the step for inf / NaN,
         clip all of them to ``max_grad_norm`` (None: no clipping) with the rows' in the norm, step ``optimizer``
         (the parameters with a ``.grad``, then each layer's selected rows: a :class:`RowSparseAdamW` or
@@ -174,6 +174,12 @@ class RowGradients:
         :class:`~smf_kernels.sparse.step_checks.NonFiniteGradientError` (``nonfinite="raise"``) or returns a
         skipped :class:`StepResult` (``"skip"``). A bad ``max_grad_norm`` is refused before anything changes.
         """
+        if "grad_scale" in removed:
+            raise TypeError("RowGradients.apply(optimizer, grad_scale=) became the whole finishing sequence: call "
+                            "apply(optimizer, max_grad_norm=..., nonfinite=...) alone (it checks, clips, steps the "
+                            "optimizer and the rows, and zeroes; no clip_ or optimizer.step() before it)")
+        if removed:
+            raise TypeError(f"apply() got unexpected keyword arguments {sorted(removed)}")
         max_grad_norm = None if max_grad_norm is None else check_max_norm(max_grad_norm)
         nonfinite = step_checks.check_nonfinite_option(nonfinite)
         params = [p for group in optimizer.param_groups for p in group["params"]]

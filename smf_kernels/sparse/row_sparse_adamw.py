@@ -1,8 +1,8 @@
 """Row-sparse ("lazy") AdamW: only the rows a step updates move (docs/method.md#what-sparse-means).
 
 A step updates the rows R of a table from a compact (T, D) gradient of those rows
-(:meth:`RowSparseAdamW.step_rows`, what the sparse update calls), with AdamW run on each row's own sequence of updates (the update :func:`smf_kernels.ops.row_adamw_`
-makes; per-row step counts and decoupled weight decay). Rows outside R keep their values, moments and step
+(:meth:`RowSparseAdamW.step_rows`, what the sparse update calls), with AdamW run on each row's own sequence of
+updates (the update :func:`smf_kernels.ops.row_adamw_` makes; per-row step counts and decoupled weight decay). Rows outside R keep their values, moments and step
 count bit-identical: no momentum or weight decay leaks into them, as embedding libraries do for sparse tables.
 
 State ("lazy"): for a row-updated (M, D) parameter, ``exp_avg`` and ``exp_avg_sq`` are (M, D) tensors allocated
