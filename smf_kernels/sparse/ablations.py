@@ -32,7 +32,6 @@ from torch import nn
 
 from smf_kernels.ops import _gather_ops as gather_ops
 from smf_kernels.ops.weighted_gather import GradientSink
-from smf_kernels.sparse import step_checks
 from smf_kernels.sparse.background import BackgroundStats
 from smf_kernels.sparse.controller import FillPlan, MemoryStep, RowGradients
 from smf_kernels.sparse.row_grad_sink import READS_KEPT
@@ -151,8 +150,7 @@ class AuthorsSparseUpdate(MemoryStep):
     def after_forward(self) -> None:
         """Select each layer's rows from the counts of the micro-batch forward just run (before its
         backward), then zero the counts for the next micro-batch."""
-        if not self._in_step:
-            raise step_checks.not_begun("after_forward")
+        super().after_forward()
         for name, memory in self.memories.items():
             rows, valid = self._padded_selection(name, memory.read_counts)
             self._masks[name].zero_()

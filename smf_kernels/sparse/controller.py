@@ -337,7 +337,10 @@ class MemoryStep:
         raise NotImplementedError
 
     def after_forward(self) -> None:
-        """Between a micro-batch's forward and its backward (each kind does what its selection needs)."""
+        """Between a micro-batch's forward and its backward: each kind does what its selection needs (here:
+        refuse a step not begun)."""
+        if not self._in_step:
+            raise step_checks.not_begun("after_forward")
 
     def end_step(self) -> RowGradients:
         """End the step's forwards and backwards without touching the optimizer: the step's rows and gradients,
@@ -471,8 +474,7 @@ class SparseMemoryController(MemoryStep):
     def after_forward(self) -> None:
         """Selects the rows (:meth:`select_rows`) when the step's :class:`FillPlan` says so (one eager
         micro-batch, rows first); otherwise nothing."""
-        if not self._in_step:
-            raise step_checks.not_begun("after_forward")
+        super().after_forward()
         if self._plan.select_after_forward:
             self.select_rows()
 
