@@ -219,6 +219,8 @@ class MemoryStep:
             torch.distributed is initialised with world size > 1.
     """
 
+    FILLS: tuple[str, ...] = (READS_KEPT,)  # the fills this kind of step can run
+
     def __init__(self, model: nn.Module, *, rule: str = "tfidf", rows_per_step: int = 512,
                  background: BackgroundStats | None = None, nonfinite: str = "raise",
                  process_group: Any = None) -> None:
@@ -286,8 +288,6 @@ class MemoryStep:
         """True between :meth:`begin_step` and the end of the step (:meth:`end_step`, :meth:`finish_step` or
         :meth:`abort_step`)."""
         return self._in_step
-
-    FILLS: tuple[str, ...] = (READS_KEPT,)  # the fills this kind of step can run
 
     def plan(self, micro_batches: int, *, compiled: bool = False, world: int = 1,
              step_tokens: int | None = None) -> FillPlan:
