@@ -293,7 +293,8 @@ def test_background_refuses_a_split_that_is_not_the_retrofit_runs(tmp_path):
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("lr, message, checkpoint", [
     (1e300, "step 1's update overflows float32", False),  # finite, but not as a float32 scalar of the update
-    (1e37, "the loss of step 2 is nan", True),  # step 1 leaves weights near 1e38: step 2's logits overflow
+    # step 1 leaves weights near 1e38: step 2's gradient (its logits) overflows, refused before anything moves
+    (1e37, "the step's gradient of .* holds inf or NaN", True),
 ])
 def test_a_run_that_diverges_fails_clearly(tmp_path, lr, message, checkpoint):
     """A finite but absurd learning rate used to end in a traceback, or in exit 0 with NaN weights. The run

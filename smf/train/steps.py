@@ -11,19 +11,21 @@ The trainer's step (:func:`smf.train.loop.run_step`) is the same for every recip
 (:class:`smf_kernels.sparse.MemoryStep`); ``begin_step`` also takes the model and the micro-batches, from which
 the hooks plan the step's fill and run its counting forward (the library's ``begin_step`` takes the planned fill).
 
-:class:`DenseStep` (retrofit, lora, full) clips and steps; :class:`MemoryUpdateStep` drives any
+:class:`DenseStep` (retrofit, lora, full) checks, clips and steps; :class:`MemoryUpdateStep` drives any
 :class:`~smf_kernels.sparse.MemoryStep` (``--update``: the exact update, :class:`SparseMemoryController`, or an
-ablation, :mod:`smf_kernels.sparse.ablations`), whose steps all end in the one finishing sequence
-(:meth:`smf_kernels.sparse.RowGradients.apply`).
+ablation, :mod:`smf_kernels.sparse.ablations`). Every step ends in the one finishing sequence
+(:meth:`smf_kernels.sparse.RowGradients.apply`: non-finite check, clip, step, zero), the dense one with no rows.
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from smf.model.precision import bf16_enabled
 from smf.errors import ConfigError
-from smf_kernels.sparse import MemoryStep, NonFiniteGradientError, SparseMemoryController, rows_moved_outside
+from smf_kernels.sparse import (MemoryStep, NonFiniteGradientError, RowGradients, SparseMemoryController,
+                                 rows_moved_outside)
 from smf_kernels.sparse.controller import FillPlan
 
 
@@ -56,21 +58,29 @@ class StepHooks:
         return {}
 
 
-class DenseStep(StepHooks):
-    """Every trainable parameter steps: clip the global gradient norm (``clip``, torch's by default), step, zero
-    the gradients."""
-
-    clip = staticmethod(torch.nn.utils.clip_grad_norm_)
-
-    def finish_step(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float) -> None:
-        self.clip([p for group in optimizer.param_groups for p in group["params"]], max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-
 def _diverged(err: NonFiniteGradientError) -> ConfigError:
     return ConfigError(f"training diverged: the step's gradient of {', '.join(err.names)} holds inf or NaN (nothing "
                        "was updated); lower --lr or --max-grad-norm, or check the data")
+
+
+class DenseStep(StepHooks):
+    """Every trainable parameter steps, through the sparse steps' finishing sequence with no rows
+    (:meth:`smf_kernels.sparse.RowGradients.apply`): a non-finite gradient on any process ends the run with one
+    line (nothing updated), the global norm is clipped (a sharded memory's column shard and an FSDP shard counting
+    as the whole parameter), the optimizer steps, the gradients are zeroed."""
+
+    def __init__(self) -> None:
+        self._names: dict[int, str] = {}
+
+    def begin_step(self, model: nn.Module, micro_batches: list[dict]) -> None:
+        self._names = {id(p): name for name, p in model.named_parameters()}  # for a non-finite gradient's line
+
+    def finish_step(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float) -> None:
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        try:
+            RowGradients({}, self._names, {}, world=world).apply(optimizer, max_grad_norm=max_grad_norm)
+        except NonFiniteGradientError as err:
+            raise _diverged(err) from None
 
 
 class MemoryUpdateStep(StepHooks):

@@ -56,6 +56,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from smf_kernels.memory import memories_of
 from smf_kernels.sharded.layout import gradient_copies, is_split, shard_of
@@ -113,6 +114,22 @@ def plan_fill(micro_batches: int, *, compiled: bool, world: int, step_tokens: in
     return FillPlan(READS_KEPT)
 
 
+class _MeshShard(NamedTuple):
+    """An FSDP-sharded parameter's process group: its gradient's squared norm is summed over it."""
+
+    group: Any
+
+
+def _local_grad(param: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """(this rank's part of ``param.grad``, what its norm is summed over: a sharded memory's
+    :class:`~smf_kernels.sharded.ColumnShard`, an FSDP shard's mesh group, or None for a whole gradient)."""
+    grad = param.grad
+    if isinstance(grad, DTensor):
+        sharded = any(placement.is_shard() for placement in grad.placements)
+        return grad.to_local(), _MeshShard(grad.device_mesh.get_group()) if sharded else None
+    return grad, shard_of(param) if is_split(param) else None
+
+
 class StepResult(NamedTuple):
     """What :meth:`RowGradients.apply` did: ``selected``, layer name -> (T',) int64 rows that moved (ascending;
     empty when skipped); ``grad_norm``, the norm of every gradient of the step before clipping (a 0-d tensor;
@@ -129,7 +146,8 @@ class RowGradients:
 
     ``tables``: layer name -> (values (M, D) parameter, rows (T,) int64 ascending, grad (T, D) float32 averaged
     over ranks, valid (T,) bool: rows marked False pad the selection, were not read and do not move); empty for
-    the ablations, whose masked dense value gradients are the values' ``.grad``.
+    the ablations, whose masked dense value gradients are the values' ``.grad``, and for a dense step
+    (``smf train``'s retrofit, lora and full recipes: every gradient is a ``.grad``).
     ``names``: parameter -> its name in the model (for errors). ``selected``: layer name -> (T',) int64 rows the
     step updates (ascending).
     """
@@ -142,25 +160,26 @@ class RowGradients:
 
     def nonfinite(self, parameters: Iterable[torch.Tensor]) -> list[str]:
         """Names of the parameters whose gradient (a value table's: its rows') holds inf or NaN on any rank."""
-        named = [(self.names.get(id(p), "a parameter"), p.grad) for p in parameters if p.grad is not None]
+        named = [(self.names.get(id(p), "a parameter"), _local_grad(p)[0]) for p in parameters if p.grad is not None]
         named += [(f"{name}.values" if name else "values", grad) for name, (_, _, grad, _) in self.tables.items()]
         return step_checks.nonfinite_names(named, self.process_group, self.world)
 
     def clip_(self, parameters: Iterable[torch.Tensor], max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(total norm, clipping coefficient) of the gradients of ``parameters`` together with the rows' (a
-        sharded table's shard counting as the whole table); the parameters' gradients are scaled in place, the
-        rows' are not: the coefficient scales them as they step. ``max_norm``: a number > 0 (inf: no clipping);
-        NaN, a negative or a non-number is refused before anything is scaled."""
+        sharded table's column shard and an FSDP shard counting as the whole parameter); the parameters' gradients
+        are scaled in place, the rows' are not: the coefficient scales them as they step. ``max_norm``: a number
+        > 0 (inf: no clipping); NaN, a negative or a non-number is refused before anything is scaled."""
         max_norm = check_max_norm(max_norm)
         with_grad = [p for p in parameters if p.grad is not None]
         if any(p.grad.is_sparse for p in with_grad):
             raise RuntimeError("a sparse .grad in a sparse step: the exact update keeps the rows' gradient compact")
-        tables = [values for values, _, _, _ in self.tables.values()]
-        grads = [p.grad for p in with_grad] + [grad for _, _, grad, _ in self.tables.values()]
-        total, coef = norm_and_clip_coefficient(
-            grads, max_norm, shards=[shard_of(p) if is_split(p) else None for p in with_grad + tables])
-        for param in with_grad:
-            param.grad.mul_(coef.to(param.grad.dtype))
+        parts = [_local_grad(p) for p in with_grad]
+        parts += [(grad, shard_of(values) if is_split(values) else None)
+                  for values, _, grad, _ in self.tables.values()]
+        total, coef = norm_and_clip_coefficient([grad for grad, _ in parts], max_norm,
+                                                shards=[shard for _, shard in parts])
+        for grad, _ in parts[:len(with_grad)]:
+            grad.mul_(coef.to(grad.dtype))
         return total, coef
 
     def apply(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None,
