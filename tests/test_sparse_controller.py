@@ -164,6 +164,11 @@ def test_controller_misuse_raises():
     assert not controller.in_step
     with pytest.raises(TypeError, match=r"apply\(optimizer, grad_scale=\) became the whole finishing sequence"):
         RowGradients({}, {}, {}).apply(torch.optim.SGD([model.alpha], lr=0.1), grad_scale=torch.ones(()))
+    controller.begin_step()
+    gradients = controller.end_step()
+    gradients.apply(RowSparseAdamW([model.memory.values], lr=0.1))
+    with pytest.raises(StepMisuseError, match="applied already"):
+        gradients.apply(RowSparseAdamW([model.memory.values], lr=0.1))
     with pytest.raises(ValueError, match="rule must be one of"):
         SparseMemoryController(model, rule="bm25")
     with pytest.raises(ValueError, match="no ProductKeyMemory"):

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -157,6 +157,7 @@ class RowGradients:
     selected: dict[str, torch.Tensor]
     process_group: Any = None
     world: int = 1
+    applied: bool = field(default=False, init=False)  # set by apply: a step's gradients finish it once
 
     def nonfinite(self, parameters: Iterable[torch.Tensor]) -> list[str]:
         """Names of the parameters whose gradient (a value table's: its rows') holds inf or NaN on any rank."""
@@ -191,7 +192,8 @@ class RowGradients:
 
         A non-finite gradient drops every gradient of ``optimizer``'s parameters (nothing moves), then raises
         :class:`~smf_kernels.sparse.step_checks.NonFiniteGradientError` (``nonfinite="raise"``) or returns a
-        skipped :class:`StepResult` (``"skip"``). A bad ``max_grad_norm`` is refused before anything changes.
+        skipped :class:`StepResult` (``"skip"``). A bad ``max_grad_norm``, and a second call (the rows would step
+        twice), are refused before anything changes.
         """
         if "grad_scale" in removed:
             raise TypeError("RowGradients.apply(optimizer, grad_scale=) became the whole finishing sequence: call "
@@ -201,6 +203,10 @@ class RowGradients:
             raise TypeError(f"apply() got unexpected keyword arguments {sorted(removed)}")
         max_grad_norm = None if max_grad_norm is None else check_max_norm(max_grad_norm)
         nonfinite = step_checks.check_nonfinite_option(nonfinite)
+        if self.applied:
+            raise step_checks.StepMisuseError("these RowGradients were applied already: each step's gradients "
+                                              "finish it once (end_step() returns a step's)")
+        self.applied = True
         params = [p for group in optimizer.param_groups for p in group["params"]]
         bad = self.nonfinite(params)
         if bad:
