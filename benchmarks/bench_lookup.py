@@ -8,11 +8,12 @@ For each backend it times (median of --repeats runs after warm-up):
   lookup          product_key_topk forward
   gather+hist     weighted_gather forward, counting reads into a histogram
   dense bwd       weighted_gather backward: dense (M, D) value grad + weight grad
-  sparse bwd      weighted_gather backward with update_rows (T rows) + weight grad
+  sparse bwd      weighted_gather backward into a RowGradSink of T rows (the sparse update's
+                  path: their (T, D) fp32 gradient added into the sink) + weight grad
   topk bwd        product_key_topk backward alone: grad of query and keys from the scores' grad
   core fwd+bwd    the memory core, forward and backward: lookup, softmax, gather with
                   histogram, dense value grad, weight grad, top-k backward (query and keys)
-  core sparse     the same with the value grad restricted to update_rows (T rows)
+  core sparse     the same with the value grad of T rows into a RowGradSink
   layer fwd+bwd   ProductKeyMemory forward and backward (dense value grad), --layer-tokens
                   tokens; backend "authors" is the authors' layer formulation (see
                   AuthorsMemoryLayer) at the same size and dtype
@@ -79,8 +80,8 @@ def _bytes_moved(op: str, cfg: dict, tokens: int, itemsize: int, update_rows: in
         return ids_and_weights + reads * d * itemsize + n * d * itemsize + reads * 8
     if op == "dense bwd":  # rows for the weight grad, grad_out, the whole dense grad written
         return ids_and_weights + reads * d * itemsize + n * d * itemsize + m * d * itemsize + reads * 4
-    if op == "sparse bwd":
-        return ids_and_weights + reads * d * itemsize + n * d * itemsize + update_rows * d * itemsize + reads * 4
+    if op == "sparse bwd":  # the (T, D) fp32 sink read and written
+        return ids_and_weights + reads * d * itemsize + n * d * itemsize + 2 * update_rows * d * 4 + reads * 4
     if op == "topk bwd":  # query and keys read, their gradients written (input dtype), score grads and ids read
         key_elems = h * 2 * cfg["n_keys"] * (kd // 2)
         return 2 * (n * h * kd + key_elems) * itemsize + reads * (4 + 8)
@@ -164,6 +165,7 @@ def benchmark(args: argparse.Namespace) -> dict:
     from smf_kernels import ProductKeyMemory
     from smf_kernels.backends import available_backends, resolve_backend
     from smf_kernels.ops import product_key_topk, weighted_gather
+    from smf_kernels.sparse import RowGradSink
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
@@ -190,7 +192,14 @@ def benchmark(args: argparse.Namespace) -> dict:
     weights = torch.softmax(torch.randn(tokens, per_token, generator=gen), -1).to(device).requires_grad_(True)
     grad_out = torch.randn(tokens, dim, generator=gen).to(device, dtype)
     counts = torch.zeros(num_slots, dtype=torch.int64, device=device)
-    rows = torch.randperm(num_slots, generator=gen)[:update_rows].to(device)
+    rows = torch.randperm(num_slots, generator=gen)[:update_rows].sort().values.to(device)
+    all_valid = torch.ones(update_rows, dtype=torch.bool, device=device)
+
+    def sink_of_rows():
+        """A RowGradSink of ``rows`` (set before the backward), as the sparse update's step makes one."""
+        sink = RowGradSink(values, update_rows, fill="rows_first")
+        sink.set_rows(rows, all_valid)
+        return sink
     core_query, core_keys = query.detach().requires_grad_(True), keys.detach().requires_grad_(True)
     grad_scores = torch.randn(tokens, cfg["heads"], cfg["topk"], generator=gen).to(device)
     x = torch.randn(layer_tokens, cfg["value_dim"], generator=gen).to(device, dtype)
@@ -210,9 +219,11 @@ def benchmark(args: argparse.Namespace) -> dict:
             with torch.no_grad():
                 weighted_gather(values, indices, weights, counts=counts, backend=name)
 
-        def backward(sparse: bool):
-            out = weighted_gather(values, indices, weights, update_rows=rows if sparse else None, backend=name)
-            return lambda: torch.autograd.grad(out, (values, weights), grad_out, retain_graph=True)
+        def backward(sparse: bool):  # sparse: the values' gradient goes into the sink (autograd gives None)
+            out = weighted_gather(values, indices, weights, grad_sink=sink_of_rows() if sparse else None,
+                                  backend=name)
+            return lambda: torch.autograd.grad(out, (values, weights), grad_out, retain_graph=True,
+                                               allow_unused=sparse)
 
         def topk_backward():
             scores, _ = product_key_topk(core_query, core_keys, cfg["topk"], backend=name)
@@ -223,8 +234,8 @@ def benchmark(args: argparse.Namespace) -> dict:
                 scores, found = product_key_topk(core_query, core_keys, cfg["topk"], backend=name)
                 read = weighted_gather(values, found.view(tokens, per_token),
                                        torch.softmax(scores, -1).view(tokens, per_token), counts=counts,
-                                       update_rows=rows if sparse else None, backend=name)
-                torch.autograd.grad(read, (values, core_query, core_keys), grad_out)
+                                       grad_sink=sink_of_rows() if sparse else None, backend=name)
+                torch.autograd.grad(read, (values, core_query, core_keys), grad_out, allow_unused=sparse)
             return run
 
         layer = ProductKeyMemory(cfg["value_dim"], **layer_args, backend=name).to(device, dtype)

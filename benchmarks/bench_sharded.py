@@ -5,7 +5,7 @@ model predicts), peak memory per rank.
 
 The layer is ShardedProductKeyMemory with issue 29's 1M slots (n_keys 1,024, D = d_model = 896) and the
 paper's 4 heads, top-16 and key_dim 256; only the values train (SMF stage 2). One step, on every rank:
-begin_step(select_before_backward=True), the forward of this rank's share of ``--tokens`` tokens,
+begin_step(fill="rows_first"), the forward of this rank's share of ``--tokens`` tokens,
 select_rows (the read counts summed over ranks, T rows chosen), the backward (which writes only the T rows
 of this rank's columns), finish_step (clipping with the whole table's norm, RowSparseAdamW on this rank's
 columns). ``--world-sizes`` runs one job per size: gloo processes on CPU, or NCCL with one GPU per rank
@@ -129,7 +129,7 @@ def _measure(rank: int, world: int, args: argparse.Namespace, device: torch.devi
             torch.cuda.reset_peak_memory_stats(device)
         LEDGER.reset()
         before, started = bytes_written(), now()
-        controller.begin_step(select_before_backward=True)
+        controller.begin_step(fill="rows_first")
         loss = (memory(x) * probe).sum() * (world / args.tokens)  # the DDP convention: x world / all tokens
         forwarded = now()
         rows = controller.select_rows()["memory"]

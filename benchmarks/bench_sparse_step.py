@@ -1,15 +1,15 @@
-"""One SMF training step of a paper-sized memory layer: the exact update's two fillers vs dense-masked AdamW.
+"""One SMF training step of a paper-sized memory layer: the exact update's two fills vs dense-masked AdamW.
 
 The layer is ProductKeyMemory(896) with its defaults (16,384 x 896 values); only
 the values train, as in stage 2. A step is: begin_step, forward + backward of
 ``--tokens`` tokens, finish_step (count all-reduce, selection of T rows,
 clipping, optimizer step). Paths:
 
-  select_first  rows selected between forward and backward (a step of one
-                micro-batch): the backward adds only the T selected rows' gradient
-                into the (T, D) sink; RowSparseAdamW
-  kept_reads    the backward keeps its reads, the step's end computes the T
-                selected rows' gradient from them (gradient accumulation);
+  rows_first    fill "rows_first": rows selected between forward and backward (a step
+                of one micro-batch): the backward adds only the T selected rows'
+                gradient into the (T, D) sink; RowSparseAdamW
+  reads_kept    fill "reads_kept": the backward keeps its reads, the step's end computes
+                the T selected rows' gradient from them (gradient accumulation);
                 RowSparseAdamW
   dense_masked  dense (M, D) value gradient masked to the selected rows +
                 torch.optim.AdamW (the original SMF code)
@@ -59,7 +59,9 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-PATHS = {"select_first": ("exact", True), "kept_reads": ("exact", False), "dense_masked": ("dense_masked", False)}
+# path -> (update, fill)
+PATHS = {"rows_first": ("exact", "rows_first"), "reads_kept": ("exact", "reads_kept"),
+         "dense_masked": ("dense_masked", "reads_kept")}
 
 
 def held_gradient_bytes(controller, memory) -> int:
@@ -73,7 +75,7 @@ def held_gradient_bytes(controller, memory) -> int:
 
 
 def run_path(path: str, args: argparse.Namespace, device: torch.device) -> dict:
-    mode, select_first = PATHS[path]
+    mode, fill = PATHS[path]
     torch.manual_seed(0)
     memory = ProductKeyMemory(896, backend=args.backend).to(device)
     for param in memory.parameters():
@@ -97,9 +99,9 @@ def run_path(path: str, args: argparse.Namespace, device: torch.device) -> dict:
             torch.cuda.reset_peak_memory_stats(device)
             before = torch.cuda.memory_allocated(device)
         start = time.perf_counter()
-        controller.begin_step(select_before_backward=select_first)
+        controller.begin_step(fill)
         loss = (memory(inputs) - target).square().mean()
-        if select_first:
+        if fill == "rows_first":
             controller.select_rows()
         loss.backward()
         synchronize(device)
@@ -143,7 +145,7 @@ def main() -> None:
     rows = [("step time (ms)", "step_ms"), ("finish_step time (ms)", "finish_step_ms"),
             ("values grad held (MiB)", "grad_mib"), ("optimizer state (MiB)", "optimizer_state_mib"),
             ("grad + state (MiB)", "grad_plus_state_mib")]
-    if "cuda_peak_extra_mib" in results["kept_reads"]:
+    if "cuda_peak_extra_mib" in results["reads_kept"]:
         rows.append(("CUDA peak above start (MiB)", "cuda_peak_extra_mib"))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
     print(f"ProductKeyMemory(896): 16384 x 896 values, {args.tokens} tokens, T={args.rows}, device {name}, "
@@ -154,7 +156,7 @@ def main() -> None:
         values = [results[path][key] for path in PATHS]
         dense = results["dense_masked"][key]
         ratios = [dense / results[path][key] if results[path][key] else float("nan")
-                  for path in ("select_first", "kept_reads")]
+                  for path in ("rows_first", "reads_kept")]
         print(f"{label:30s}" + "".join(f"{v:14.2f}" for v in values) + "".join(f"{r:14.2f}" for r in ratios))
     if args.json:
         payload = {"device": name, "tokens": args.tokens, "rows": args.rows, "repeats": args.repeats,

@@ -18,10 +18,10 @@ time over full finetuning's, peak memory allocated during a step (CUDA), trainab
 parameters, and on CUDA the host's and the GPU's busy time in one profiled step (when
 the host's exceeds the GPU's, the step is bound by the host); on CPU the peak column is the
 process's resident-set high-water mark (run one recipe per process to read it per recipe).
-``--compile`` compiles each model as ``smf train --compile`` does; ``--count-first`` makes the
-sparse step count reads in a no-grad forward and select before its backwards (the filler
+``--compile`` compiles each model as ``smf train --compile`` does; ``--rows-first`` makes the
+sparse step fill rows first: count reads in a no-grad forward and select before its backwards (the fill
 ``smf train`` takes when a step's kept reads would outweigh a dense gradient) instead of keeping
-its reads until the step's end.
+its reads until the step's end (fill "reads_kept").
 
     python benchmarks/bench_train_step.py                     # CUDA, the paper's step
     python benchmarks/bench_train_step.py --tiny --device cpu # the tiny model, seconds on CPU
@@ -64,12 +64,12 @@ def build_model(tiny: bool):
 
 
 def build_setup(recipe: str, tiny: bool, device: torch.device, rows_per_step: int, backend: str | None,
-                count_first: bool = False, compile: bool = False):
+                rows_first: bool = False, compile: bool = False):
     """A :class:`smf.train.recipes.TrainingSetup` for ``recipe``, as ``smf train`` builds it from a hub model."""
     from smf.model import apply_lora, attach_memories, configure_trainable
     from smf.train.config import RECIPE_LR, RunConfig
     from smf.train.recipes import TrainingSetup
-    from smf.train.steps import DenseStep, SparseStep, bf16_autocast
+    from smf.train.steps import DenseStep, MemoryUpdateStep, bf16_autocast
     from smf_kernels.sparse import BackgroundStats, RowSparseAdamW, SparseMemoryController
 
     model, layers, memory = build_model(tiny)
@@ -94,9 +94,9 @@ def build_setup(recipe: str, tiny: bool, device: torch.device, rows_per_step: in
             for _ in range(4):  # four background documents with random reads
                 background.add_batch(name, torch.randint(0, 3, (module.values.shape[0],), generator=generator))
         controller.set_background(background)
-        # count_first: a bound above any slot count, so that plan_fill counts first under accumulation
-        step = SparseStep(controller, bf16_autocast(config.bf16, device), compiled=compile,
-                          step_tokens=2 ** 62 if count_first else None)
+        # rows_first: a bound above any slot count, so that plan_fill fills rows first under accumulation
+        step = MemoryUpdateStep(controller, bf16_autocast(config.bf16, device), compiled=compile,
+                                step_tokens=2 ** 62 if rows_first else None)
         optimizer = RowSparseAdamW(trainable, lr=lr)
     else:
         optimizer = torch.optim.AdamW(trainable, lr=lr)
@@ -129,7 +129,7 @@ def measure(recipe: str, args, device: torch.device) -> dict:
     from smf.train.loop import cosine_schedule, run_step
 
     torch.manual_seed(0)
-    setup, config, trainable = build_setup(recipe, args.tiny, device, args.rows, args.backend, args.count_first,
+    setup, config, trainable = build_setup(recipe, args.tiny, device, args.rows, args.backend, args.rows_first,
                                            args.compile)
     model = torch.compile(setup.model, mode="reduce-overhead") if args.compile else setup.model
     vocab = setup.model.config.vocab_size
@@ -201,8 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=1024, help="padded sequence length (default: 1024)")
     p.add_argument("--rows", type=int, default=512, help="T: value rows trained per memory per step (sparse)")
     p.add_argument("--backend", default=None, help="memory kernel backend (default: automatic)")
-    p.add_argument("--count-first", action="store_true",
-                   help="the sparse step counts reads first and selects before its backwards (default: kept reads)")
+    p.add_argument("--rows-first", action="store_true",
+                   help="the sparse step fills rows first: counts reads in a no-grad forward and selects before its "
+                        "backwards (default: fill reads_kept)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile every recipe's model (mode reduce-overhead), as smf train --compile does")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default: 2)")

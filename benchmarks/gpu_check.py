@@ -4,7 +4,7 @@
     python benchmarks/gpu_check.py --tiny                    # CPU, Triton interpreter (CI)
     python benchmarks/gpu_check.py --roofline                # the floor table alone, no run
 
-For fp32 and bf16, each op (top-k lookup, gather + histogram, dense / sparse
+For fp32 and bf16, each op (top-k lookup, gather + histogram, dense
 backward, the dense backward with a tenth of the reads on 64 hot rows: the row-owned
 backward's load balance, the top-k's backward, and the exact sparse update's own path: the
 backward into a RowGradSink whose T rows are known before it ("sink bwd"), the backward that
@@ -29,8 +29,7 @@ TINY = dict(tokens=20, n_keys=8, heads=2, topk=4, key_dim=32, dim=48, update_row
 HBM_BYTES_S = 3.35e12
 PEAK_FLOPS = {"bf16": 989e12, "fp32": 67e12}
 # The Triton backward has one path, bit-reproducible by construction: no "deterministic" row.
-OPS = ("lookup", "gather+hist", "dense bwd", "sparse bwd", "hot-row bwd", "topk bwd", "sink bwd", "kept fill",
-       "row adamw")
+OPS = ("lookup", "gather+hist", "dense bwd", "hot-row bwd", "topk bwd", "sink bwd", "kept fill", "row adamw")
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
 HOT_ROWS = 64  # rows that take every tenth read in the "hot-row bwd" op
 
@@ -51,7 +50,6 @@ def floors(cfg: dict, dtype: str) -> dict:
         "gather+hist": (m * d * s + ids_w + n * d * s + 2 * m * 8, 2 * reads * d),
         # grad_out, values, ids/weights in; dense fp32 grad values + grad weights out
         "dense bwd": (n * d * s + m * d * s + ids_w + m * d * 4 + reads * 4, 4 * reads * d),
-        "sparse bwd": (n * d * s + m * d * s + ids_w + t * d * 4 + reads * 4, 4 * reads * d),
         "hot-row bwd": (n * d * s + m * d * s + ids_w + m * d * 4 + reads * 4, 4 * reads * d),
         # query and keys in, their gradients out (input dtype), fp32 score grads and slot ids in
         "topk bwd": (2 * (n * h * kd + h * nk * kd) * s + reads * (4 + 8), 4 * reads * kd),
@@ -99,8 +97,6 @@ def _score_grads(cfg, device):
 
 
 def _rel(out, ref) -> float:
-    out = out.to_dense() if out.is_sparse else out
-    ref = ref.to_dense() if ref.is_sparse else ref
     return float((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
 
 
@@ -142,13 +138,13 @@ def _op_runner(op, backend, inputs, cfg):
         def sink_backward():
             v = values.detach().requires_grad_(True)
             w = weights.detach().requires_grad_(True)
-            sink = RowGradSink(v, rows.numel(), keep_reads=op == "kept fill")
+            sink = RowGradSink(v, rows.numel(), fill="reads_kept" if op == "kept fill" else "rows_first")
             if op == "sink bwd":
                 sink.set_rows(rows, valid)
-            out = weighted_gather(v, indices, w, update_rows=sink, backend=backend)
+            out = weighted_gather(v, indices, w, grad_sink=sink, backend=backend)
             _, gw = torch.autograd.grad(out, (v, w), grad_out, allow_unused=True)
             if op == "kept fill":
-                sink.fill(v, rows, valid)
+                sink.sum_reads(v, rows, valid)
             return sink.grad, gw
         return sink_backward
 
@@ -157,7 +153,7 @@ def _op_runner(op, backend, inputs, cfg):
     def backward():
         v = values.detach().requires_grad_(True)
         w = weights.detach().requires_grad_(True)
-        out = weighted_gather(v, read, w, update_rows=rows if op == "sparse bwd" else None, backend=backend)
+        out = weighted_gather(v, read, w, backend=backend)
         return torch.autograd.grad(out, (v, w), grad_out)
 
     return backward
@@ -200,7 +196,7 @@ def _reference(op, inputs, cfg):
     w = weights.requires_grad_(True)
     read = _hot_indices(indices) if op == "hot-row bwd" else indices
     gv, gw = torch.autograd.grad(weighted_gather_reference(v, read, w), (v, w), grad_out)
-    if op in ("sparse bwd", "sink bwd", "kept fill"):
+    if op in ("sink bwd", "kept fill"):
         gv = gv[rows]
     return gv, gw
 
@@ -214,8 +210,7 @@ def _check(op, got, want) -> str:
         return f"dQ {_rel(got[0], want[0]):.1e}, dK {_rel(got[1], want[1]):.1e}"
     if op == "row adamw":  # the rows' change (a bf16 table rounds the updated rows to bf16) and first moment
         return f"step {_rel(got[0], want[0]):.1e}, m {_rel(got[1], want[1]):.1e}"
-    gv = got[0].coalesce().values() if got[0].is_sparse else got[0]
-    return f"dV {_rel(gv, want[0]):.1e}, dW {_rel(got[1], want[1]):.1e}"
+    return f"dV {_rel(got[0], want[0]):.1e}, dW {_rel(got[1], want[1]):.1e}"
 
 
 def _time(fn, device, repeats) -> float:

@@ -2,9 +2,10 @@
 
 :class:`SparseMemoryTrainer` is a ``Trainer`` whose optimizer steps are SMF steps driven by a
 :class:`~smf_kernels.sparse.SparseMemoryController`: the Trainer keeps its own loop (gradient
-accumulation, LR schedulers, logging, checkpoints, ``resume_from_checkpoint``); the controller
-picks each step's rows and computes their compact gradient, which the trainer clips and applies. Example (README,
-"Training with the Hugging Face Trainer")::
+accumulation, LR schedulers, logging, checkpoints, ``resume_from_checkpoint``); the controller plans, begins and
+ends each step (:mod:`smf_kernels.sparse.controller`), and the step's :class:`~smf_kernels.sparse.RowGradients`
+finish it (``apply``: the finishing sequence ``smf train`` runs too) right before the Trainer's optimizer step.
+Example (README, "Training with the Hugging Face Trainer")::
 
     controller = SparseMemoryController(model, rule="tfidf", rows_per_step=512)
     controller.collect_background(background_batches)
@@ -25,24 +26,20 @@ from transformers import Trainer, TrainerCallback
 
 from smf_kernels.fsdp import average_gradients
 from smf_kernels.sparse.controller import RowGradients, SparseMemoryController
-from smf_kernels.sparse.fill import Fill, plan_fill
 from smf_kernels.sparse.row_sparse_adamw import RowSparseAdamW
 
 logger = logging.getLogger(__name__)
 
 
-class _ApplyRowGradients(TrainerCallback):
-    """Updates the selected value rows just before the optimizer steps the other parameters, at this step's
-    learning rate (the Trainer's scheduler steps after the optimizer)."""
+class _FinishSparseStep(TrainerCallback):
+    """Finishes the step (:meth:`SparseMemoryTrainer._finish_smf_step`) just before the Trainer's optimizer step,
+    at this step's learning rate (the Trainer's scheduler steps after the optimizer)."""
 
     def __init__(self, trainer: "SparseMemoryTrainer") -> None:
         self.trainer = trainer
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        gradients, self.trainer._row_gradients = self.trainer._row_gradients, None
-        if gradients is not None:
-            optimizer = getattr(self.trainer.optimizer, "optimizer", self.trainer.optimizer)  # accelerate's wrapper
-            gradients.apply(optimizer, grad_scale=self.trainer._row_grad_scale)
+        self.trainer._finish_smf_step()
 
 
 class SparseMemoryTrainer(Trainer):
@@ -56,13 +53,15 @@ class SparseMemoryTrainer(Trainer):
             statistics set (``collect_background`` / ``set_background``).
 
     Per optimizer step: the first micro-batch's ``training_step`` begins the step with the fill
-    :func:`smf_kernels.sparse.fill.plan_fill` chooses, as ``smf train`` does (one micro-batch: rows selected
-    between its forward and backward; under gradient accumulation: backwards keep their reads, no second
+    ``controller.plan`` chooses (:func:`smf_kernels.sparse.plan_fill`, as ``smf train`` does: one micro-batch:
+    rows first, selected between its forward and backward; under gradient accumulation: reads kept, no second
     forward); after the last micro-batch's backward, ``controller.end_step()`` computes the selected rows'
-    compact (T, D) gradient; every gradient of the step is checked for inf / NaN (the controller's ``nonfinite``: raise, or
-    skip the step: no parameter moves), the rows' gradients join the global norm, which clips everything to
-    ``args.max_grad_norm``, and the rows are updated right before the Trainer's optimizer steps the other
-    parameters. The values never get a ``.grad``, so the Trainer's own clipping (switched off: ``self.args.
+    compact (T, D) gradient; right before the Trainer's optimizer step, :meth:`RowGradients.apply
+    <smf_kernels.sparse.RowGradients.apply>` finishes the step as ``smf train`` does: every gradient of the step
+    is checked for inf / NaN (the controller's ``nonfinite``: raise, or skip the step: no parameter moves), the
+    rows' gradients join the global norm, which clips everything to ``args.max_grad_norm``, the optimizer steps
+    the other parameters and the rows, and the gradients are zeroed (so the Trainer's own optimizer step then
+    finds none). The values never get a ``.grad``, so the Trainer's own clipping (switched off: ``self.args.
     max_grad_norm`` is 0 in the copy of the arguments this trainer keeps; the value given is
     ``self.sparse_max_grad_norm``) sees nothing it cannot read, and the logged ``grad_norm`` is the norm of
     every gradient of the step before clipping.
@@ -105,13 +104,11 @@ class SparseMemoryTrainer(Trainer):
         self.args = copy.copy(self.args)
         self.args.max_grad_norm = 0.0  # clipping happens in training_step, with the rows' compact gradients
         self.last_selected_rows: dict[str, torch.Tensor] = {}
-        self._row_gradients: RowGradients | None = None
-        self._fill: Fill | None = None  # the step's fill, chosen when it begins
+        self._row_gradients: RowGradients | None = None  # the ended step's, until it is finished
         self._sparse_grad_norm: float | None = None
-        self._row_grad_scale: torch.Tensor | None = None
         self._total_rows = sum(memory.num_slots for memory in controller.memories.values())
         self._rows_since_log, self._steps_since_log = 0, 0
-        self.add_callback(_ApplyRowGradients(self))
+        self.add_callback(_FinishSparseStep(self))
 
     def _keep_out_of_fsdp2(self) -> list[torch.nn.Parameter]:
         """Under accelerate's FSDP2: the memories and every trainable parameter (the values; ``alpha``, a scalar
@@ -150,9 +147,9 @@ class SparseMemoryTrainer(Trainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         if not self.controller.in_step:  # the step's fill, chosen as smf train chooses it (plan_fill)
-            self._fill = plan_fill(self.args.gradient_accumulation_steps, compiled=bool(self.args.torch_compile),
-                                   world=self.args.world_size)
-            self.controller.begin_step(select_before_backward=self._fill.rows_first)
+            self.controller.begin_step(self.controller.plan(self.args.gradient_accumulation_steps,
+                                                            compiled=bool(self.args.torch_compile),
+                                                            world=self.args.world_size))
         try:
             loss = super().training_step(model, inputs, num_items_in_batch)
             if self.accelerator.sync_gradients:  # the step's last micro-batch: the Trainer steps next
@@ -163,30 +160,32 @@ class SparseMemoryTrainer(Trainer):
         return loss
 
     def compute_loss(self, model, inputs, *args, **kwargs):
-        """The Trainer's loss; in a step of one eager micro-batch, the rows are then selected from its forward's
-        counts, before its backward (which writes only their gradient)."""
+        """The Trainer's loss, then the controller's ``after_forward()`` (in a step of one eager micro-batch it
+        selects the rows from the forward's counts, before the backward, which writes only their gradient)."""
         result = super().compute_loss(model, inputs, *args, **kwargs)
-        if self.controller.in_step and self._fill is not None and self._fill.select_after_forward:
-            self.controller.select_rows()
+        if self.controller.in_step:
+            self.controller.after_forward()
         return result
 
     def _end_smf_step(self) -> None:
         average_gradients(self._outside_fsdp)
-        gradients = self.controller.end_step()
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        self._row_gradients = self.controller.end_step()  # finished right before the optimizer step
+
+    def _finish_smf_step(self) -> None:
+        """The finishing sequence of the ended step (:meth:`RowGradients.apply`) on the Trainer's optimizer."""
+        gradients, self._row_gradients = self._row_gradients, None
+        if gradients is None:
+            return
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # inside accelerate's wrapper
         max_norm = self.sparse_max_grad_norm if self.sparse_max_grad_norm and self.sparse_max_grad_norm > 0 \
             else float("inf")  # the Trainer's convention: no clipping at 0 or below
-        clipped = gradients.check_and_clip(params, max_norm, self.controller.nonfinite)
-        if clipped is None:  # skipped: no gradient reaches the optimizer, nothing moves this step
-            self.controller.skipped_steps += 1
-            self.last_selected_rows, self._row_gradients, self._sparse_grad_norm = {}, None, float("nan")
-            return
-        self.last_selected_rows = gradients.selected
-        self._rows_since_log += sum(int(rows.numel()) for rows in self.last_selected_rows.values())
-        self._steps_since_log += 1
-        total, self._row_grad_scale = clipped
-        self._sparse_grad_norm = float(total)
-        self._row_gradients = gradients  # applied right before the optimizer step (_ApplyRowGradients)
+        result = gradients.apply(optimizer, max_grad_norm=max_norm, nonfinite=self.controller.nonfinite)
+        self.controller.skipped_steps += result.skipped
+        self.last_selected_rows = {} if result.skipped else result.selected
+        self._sparse_grad_norm = float("nan") if result.skipped else float(result.grad_norm)
+        if not result.skipped:
+            self._rows_since_log += sum(int(rows.numel()) for rows in result.selected.values())
+            self._steps_since_log += 1
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if ("grad_norm" in logs or "loss" in logs) and self._sparse_grad_norm is not None:  # transformers 4.57

@@ -9,6 +9,7 @@ from torch import nn
 from smf_kernels._precision import no_autocast
 from smf_kernels.backends import construction_error
 from smf_kernels.ops import GradientSink, product_key_topk, weighted_gather
+from smf_kernels.ops.weighted_gather import COO_REMOVED
 from smf_kernels.projection import MemoryProjection
 
 PROJECTIONS = ("query_map", "gate_map", "out_map")  # the memory's MemoryProjection submodules
@@ -48,9 +49,9 @@ class ProductKeyMemory(nn.Module):
 
     Read counting: after :meth:`set_read_counting` (True), every forward adds the
     reads of its valid tokens to the ``read_counts`` buffer ``(n_keys**2,)``
-    int64; :meth:`reset_read_counts` zeroes it. Sparse value gradients: after
-    :meth:`set_update_rows`, ``values.grad`` is a sparse COO tensor holding only
-    the chosen rows; ``set_update_rows(None)`` restores dense gradients.
+    int64; :meth:`reset_read_counts` zeroes it. Value gradients go to ``values.grad``
+    (dense), or, after :meth:`set_grad_sink`, into a gradient sink instead (what the sparse
+    update does: :class:`~smf_kernels.sparse.RowGradSink`).
     """
 
     def __init__(
@@ -90,7 +91,7 @@ class ProductKeyMemory(nn.Module):
         self.out_map = MemoryProjection(value_dim, d_model)
         self.register_buffer("read_counts", torch.zeros(self.num_slots, dtype=torch.int64), persistent=False)
         self.count_reads = False
-        self.update_rows: torch.Tensor | GradientSink | None = None
+        self.grad_sink: GradientSink | None = None
         self.reset_parameters()
 
     def config(self) -> dict:
@@ -133,20 +134,17 @@ class ProductKeyMemory(nn.Module):
         """Zero the ``read_counts`` buffer (n_keys**2,) int64 in place (it keeps its device)."""
         self.read_counts.zero_()
 
-    def set_update_rows(self, rows: torch.Tensor | GradientSink | None) -> None:
-        """Restrict the value gradient of later forwards to some rows.
+    def set_grad_sink(self, sink: GradientSink | None) -> None:
+        """Where the backwards of later forwards put the value gradient: a :class:`~smf_kernels.ops.GradientSink`
+        that takes it instead of ``values.grad`` (:class:`~smf_kernels.sparse.RowGradSink`, what the sparse
+        update sets), or None for a dense ``values.grad``."""
+        if not (sink is None or isinstance(sink, GradientSink)):
+            raise TypeError(f"sink must be a GradientSink or None, got {type(sink).__name__}")
+        self.grad_sink = sink
 
-        rows: a (T,) int64 tensor of distinct slot ids (``values.grad`` is then a sparse COO tensor of those
-        rows); a :class:`~smf_kernels.ops.GradientSink` that takes the value gradient instead of ``.grad``
-        (:class:`~smf_kernels.sparse.RowGradSink`, what the sparse update sets); or None for a dense gradient.
-        """
-        if isinstance(rows, torch.Tensor):
-            if rows.dim() != 1 or rows.dtype != torch.int64:
-                raise ValueError("rows must be a 1-D int64 tensor of distinct slot ids")
-            rows = rows.to(self.values.device)
-        elif not (rows is None or isinstance(rows, GradientSink)):
-            raise ValueError(f"rows must be a 1-D int64 tensor, a GradientSink or None, got {rows!r}")
-        self.update_rows = rows
+    def set_update_rows(self, rows) -> None:
+        """Removed (the sparse COO value gradient): raises TypeError naming what replaced it."""
+        raise TypeError(f"ProductKeyMemory.set_update_rows: {COO_REMOVED}")
 
     def lookup(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores (N, heads, topk) fp32 and slot ids (N, heads, topk) for x (N, d_model).
@@ -194,7 +192,7 @@ class ProductKeyMemory(nn.Module):
             self.values, indices, weights,
             counts=self.read_counts if counting else None,
             valid=valid if counting else None,
-            update_rows=self.update_rows,
+            grad_sink=self.grad_sink,
             gate=gate,
             backend=self.backend,
         )

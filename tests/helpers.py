@@ -9,7 +9,8 @@ from torch import nn
 
 from smf_kernels import ProductKeyMemory
 from smf_kernels.backends import unavailable_reason
-from smf_kernels.sparse import BackgroundStats
+from smf_kernels.ops import weighted_gather
+from smf_kernels.sparse import BackgroundStats, RowGradSink
 
 
 def backends_under_test() -> list[str]:
@@ -19,9 +20,7 @@ def backends_under_test() -> list[str]:
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """||out - ref|| / ||ref|| in float64 (dense views of sparse tensors)."""
-    out = out.to_dense() if out.is_sparse else out
-    ref = ref.to_dense() if ref.is_sparse else ref
+    """||out - ref|| / ||ref|| in float64."""
     out, ref = out.detach().double(), ref.detach().double()
     return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
@@ -39,6 +38,15 @@ def gather_inputs(shape, dtype, requires_grad=False):
     indices = torch.randint(0, m, (n, l))
     weights = torch.softmax(torch.randn(n, l), -1).requires_grad_(requires_grad)
     return values, indices, weights
+
+
+def gather_into_rows(values, indices, weights, rows, **kwargs) -> tuple[torch.Tensor, RowGradSink]:
+    """(out, sink): :func:`weighted_gather` whose value gradient of ``rows`` ((T,) ascending distinct) goes into a
+    :class:`RowGradSink` with the rows set before the backward (the sparse update's path); after a backward,
+    ``sink.grad`` is their (T, D) gradient and ``values`` has none."""
+    sink = RowGradSink(values, rows.numel(), fill="rows_first")
+    sink.set_rows(rows, torch.ones(rows.shape, dtype=torch.bool, device=rows.device))
+    return weighted_gather(values, indices, weights, grad_sink=sink, **kwargs), sink
 
 
 # Relative error bounds that fit the precision of each input dtype.

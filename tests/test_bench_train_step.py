@@ -31,14 +31,14 @@ def test_tiny_step_of_every_recipe_trains_what_the_recipe_trains(bench, tmp_path
 def test_sparse_step_moves_only_selected_value_rows(bench):
     torch.manual_seed(0)
     setup, config, _ = bench.build_setup("sparse", True, torch.device("cpu"), 8, None)
-    values = {name: m.values.detach().clone() for name, m in setup.step.controller.memories.items()}
+    values = {name: m.values.detach().clone() for name, m in setup.step.update.memories.items()}
     from smf.train.distributed import World
     from smf.train.loop import cosine_schedule, run_step
 
     batches = bench.micro_batches(setup.model.config.vocab_size, 2, 2, 24, torch.device("cpu"), seed=0)
     scheduler = cosine_schedule(setup.optimizer, warmup_steps=0, total_steps=4)
     run_step(setup.model, setup, scheduler, batches, 48, config, World(0, 1, torch.device("cpu")))
-    for name, memory in setup.step.controller.memories.items():
+    for name, memory in setup.step.update.memories.items():
         moved = (memory.values.detach() != values[name]).any(dim=1).nonzero().flatten()
         assert 0 < moved.numel() <= 8, name
         assert set(moved.tolist()) <= set(setup.step.rows[name].tolist()), name

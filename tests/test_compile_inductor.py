@@ -92,30 +92,10 @@ def test_tiny_qwen2_with_memories_compiles_with_inductor():
     assert torch.equal(compiled_counts, memory.read_counts) and compiled_counts.sum() == 15 * 2 * 4
 
 
-def test_sparse_update_rows_graph_breaks_are_counted():
-    """A sparse COO value gradient (``update_rows`` a tensor, the op-level nn.Embedding(sparse=True)
-    convention) cannot be traced: the backward's torch.sparse_coo_tensor breaks the graph (README,
-    "torch.compile"); the sparse update's RowGradSink does not (the test below)."""
-    mem = ProductKeyMemory(40, **SMALL)
-    mem.set_update_rows(torch.tensor([1, 5, 9, 33]))
-    x = torch.randn(2, 6, 40)
-    torch._dynamo.reset()
-    explanation = torch._dynamo.explain(mem)(x)
-    reasons = [str(b.reason) for b in explanation.break_reasons]
-    assert all("sparse_coo_tensor" in r for r in reasons), reasons
-    assert explanation.graph_break_count <= 3
-    out = torch.compile(mem)(x)  # still runs, in pieces, with the same sparse gradient as eager
-    out.square().sum().backward()
-    compiled_grad = mem.values.grad.coalesce()
-    mem.zero_grad(set_to_none=True)
-    mem(x).square().sum().backward()
-    assert compiled_grad.is_sparse and rel_err(compiled_grad, mem.values.grad) < 1e-6
-
-
 def test_a_sparse_step_of_a_tiny_qwen2_compiles_whole_and_matches_eager():
     """The sparse step that torch.compile can take whole: the row-gradient sink, rows chosen by the backward from the
-    step's counts (fixed T, no host sync). fullgraph=True fails on any graph break (the COO path had 25-30
-    for 3 memories), mode="reduce-overhead" is what `smf train --compile` uses; the trained rows and values
+    step's counts (fixed T, no host sync). fullgraph=True fails on any graph break (the removed COO gradient had
+    25-30 for 3 memories), mode="reduce-overhead" is what `smf train --compile` uses; the trained rows and values
     equal eager's."""
     from smf_kernels.sparse import BackgroundStats, RowSparseAdamW, SparseMemoryController
 
@@ -138,7 +118,7 @@ def test_a_sparse_step_of_a_tiny_qwen2_compiles_whole_and_matches_eager():
             ids = torch.randint(0, 256, (2, 9))
             mask = torch.ones_like(ids)
             mask[1, 6:] = 0
-            controller.begin_step(select_before_backward=True)
+            controller.begin_step(fill="rows_first")
             forward(input_ids=ids, attention_mask=mask).logits.float().square().mean().backward()
             rows.append(controller.finish_step(optimizer, max_grad_norm=1.0))
         return rows, {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}

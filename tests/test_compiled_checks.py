@@ -15,6 +15,7 @@ from helpers import rel_err
 from smf_kernels.backends import unavailable_reason
 from smf_kernels.ops import weighted_gather
 from smf_kernels.reference import weighted_gather_reference
+from smf_kernels.sparse import RowGradSink
 
 pytestmark = pytest.mark.skipif(torch.get_default_device().type != "cpu",
                                 reason="off CPU a range check is a device-side assertion, which ends the context")
@@ -25,8 +26,8 @@ BACKENDS = [b for b in ("torch", "triton", "ext") if unavailable_reason(b, torch
 def _compiled_gather(backend, fullgraph=True):
     torch._dynamo.reset()  # every example traces afresh: no cached graph, no silent fallback to eager
 
-    def call(values, indices, weights, counts, update_rows):
-        return weighted_gather(values, indices, weights, counts=counts, update_rows=update_rows, backend=backend)
+    def call(values, indices, weights, counts, grad_sink):
+        return weighted_gather(values, indices, weights, counts=counts, grad_sink=grad_sink, backend=backend)
     return torch.compile(call, backend="aot_eager", fullgraph=fullgraph, dynamic=False)
 
 
@@ -61,11 +62,13 @@ def test_compiled_gather_matches_the_reference_or_raises_on_bad_ids(backend, dat
     ([1, 1], ValueError, "update_rows must hold distinct rows"),
     ([2, 6], IndexError, r"update_rows must lie in \[0, 6\)"),
 ])
-def test_compiled_backward_checks_update_rows(backend, rows, error, match):
-    """The rows are checked where the backward uses them (the sparse COO gradient breaks the graph there)."""
+def test_compiled_backward_checks_the_sinks_rows(backend, rows, error, match):
+    """A row-gradient sink's rows are checked where the backward uses them."""
     values = torch.randn(6, 4, requires_grad=True)
     indices, weights = torch.randint(0, 6, (3, 2)), torch.rand(3, 2)
-    out = _compiled_gather(backend, fullgraph=False)(values, indices, weights, None, torch.tensor(rows))
+    sink = RowGradSink(values, 2, fill="rows_first")
+    sink.set_rows(torch.tensor(rows), torch.ones(2, dtype=torch.bool))
+    out = _compiled_gather(backend, fullgraph=False)(values, indices, weights, None, sink)
     with pytest.raises(error, match=match):
         out.sum().backward()
 

@@ -6,7 +6,7 @@ cached; see smf_kernels.build_ext), so this file always tests real kernels.
 import pytest
 import torch
 
-from helpers import TOL, gather_inputs, rel_err
+from helpers import TOL, gather_inputs, gather_into_rows, rel_err
 from smf_kernels import backends, build_ext
 from smf_kernels.memory import ProductKeyMemory
 from smf_kernels.ops import product_key_topk, weighted_gather
@@ -132,27 +132,24 @@ def test_dense_and_weight_backward_match_reference(shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sparse_backward_holds_only_update_rows(dtype):
+def test_row_backward_holds_only_the_rows(dtype):
     values, indices, weights = gather_inputs(GATHER_SHAPES[1], dtype, requires_grad=True)
     read = indices.flatten().unique()
-    update_rows = torch.cat([read[torch.randperm(read.numel())[:20]], torch.tensor([299])]).unique()
-    update_rows = update_rows[torch.randperm(update_rows.numel())]  # any order; the op sorts
-    out = weighted_gather(values, indices, weights, update_rows=update_rows, backend="ext")
+    rows = torch.cat([read[torch.randperm(read.numel())[:20]], torch.tensor([299])]).unique()
+    out, sink = gather_into_rows(values, indices, weights, rows, backend="ext")
     grad = torch.randn(out.shape)
-    (got,) = torch.autograd.grad(out, values, grad.to(dtype))
+    out.backward(grad.to(dtype))
     ref = weighted_gather_reference(values.float(), indices, weights.float())
     (dense,) = torch.autograd.grad(ref, values, grad)
-    assert got.is_sparse and got.is_coalesced() and got.dtype == dtype
-    rows = got.indices()[0]
-    assert torch.equal(rows, update_rows.sort().values)
-    assert rel_err(got.values(), dense[rows]) < TOL[dtype]
+    assert values.grad is None and sink.grad.shape == (rows.numel(), values.shape[1])
+    assert rel_err(sink.grad, dense[rows]) < TOL[dtype]
 
 
 @pytest.mark.parametrize("sparse", [False, True])
 def test_backward_is_bit_reproducible_across_runs_and_threads(sparse):
     values, indices, weights = gather_inputs((64, 130, 200, 16), torch.float32, requires_grad=True)
     indices[:, :8] = indices[:, :8] % 4  # hot rows: many reads to sum into one row
-    update_rows = torch.arange(0, 64, 3) if sparse else None
+    rows = torch.arange(0, 64, 3) if sparse else None
     grad = torch.randn(200, 130)
     torch.use_deterministic_algorithms(True)
     threads = torch.get_num_threads()
@@ -160,13 +157,16 @@ def test_backward_is_bit_reproducible_across_runs_and_threads(sparse):
     try:
         for num_threads in (max(2, threads), max(2, threads), 1):  # the session runs one thread (conftest)
             torch.set_num_threads(num_threads)
-            out = weighted_gather(values, indices, weights, update_rows=update_rows, backend="ext")
-            results.append(torch.autograd.grad(out, (values, weights), grad))
+            if rows is None:
+                out = weighted_gather(values, indices, weights, backend="ext")
+                results.append(torch.autograd.grad(out, (values, weights), grad))
+            else:
+                out, sink = gather_into_rows(values, indices, weights, rows, backend="ext")
+                results.append((*torch.autograd.grad(out, (weights,), grad), sink.grad))
     finally:
         torch.set_num_threads(threads)
-    dense = [[g.to_dense() if g.is_sparse else g for g in grads] for grads in results]
-    for grads in dense[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(grads, dense[0]))
+    for grads in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(grads, results[0]))
 
 
 @pytest.mark.skipif(torch.get_default_device().type != "cpu",

@@ -1,8 +1,8 @@
 """Property-based fuzzing of the public API (hypothesis): every input either gives the reference's
 answer within the dtype's tolerance or raises a clear Python exception naming the argument.
 
-Covered: product_key_topk, weighted_gather (counts, valid, update_rows as a tensor / empty /
-RowGradSink), ProductKeyMemory forward + backward under each set_update_rows choice, and
+Covered: product_key_topk, weighted_gather (counts, valid, a RowGradSink of some rows / of none),
+ProductKeyMemory forward + backward under each set_grad_sink choice, and
 SparseMemoryController steps; over small random shapes with N = 0, T = 0, all-padding batches,
 repeated rows within and across tokens, non-contiguous and expanded inputs, fp32 / bf16 / fp16 /
 fp64 and non-finite values.
@@ -172,7 +172,7 @@ def gather_cases(draw, dtypes):
     if counting and draw(st.booleans(), label="valid"):
         valid = torch.tensor(draw(st.lists(st.booleans(), min_size=n, max_size=n)), dtype=torch.bool)
         valid = _layout(valid, draw(st.sampled_from(["contiguous", "strided"]), label="valid layout"))
-    rows_kind = draw(st.sampled_from(["dense", "tensor", "empty", "deferred"]), label="update_rows")
+    rows_kind = draw(st.sampled_from(["dense", "sink", "empty"]), label="grad_sink")
     rows = sorted(draw(st.sets(st.integers(0, m - 1), max_size=m))) if m else []
     return {"m": m, "n": n, "d": d, "l": l, "dtype": dtype, "weight_dtype": weight_dtype, "indices": indices,
             "counting": counting, "valid": valid, "rows_kind": rows_kind,
@@ -208,12 +208,11 @@ def test_weighted_gather_matches_the_reference_forward_and_backward(backend, dat
     counts = torch.randint(0, 3, (case["m"],)) if case["counting"] else None
     counts_before = None if counts is None else counts.clone()
     rows = case["rows"]
-    sink = RowGradSink(values, rows.numel(), keep_reads=False) if case["rows_kind"] == "deferred" else None
-    update_rows = {"dense": None, "tensor": rows, "empty": rows, "deferred": sink}[case["rows_kind"]]
-    out = weighted_gather(values, case["indices"], weights, counts=counts, valid=case["valid"],
-                          update_rows=update_rows, backend=backend)
-    if sink is not None:
-        sink.set_rows(rows.sort().values, torch.ones(rows.numel(), dtype=torch.bool))
+    sink = None if case["rows_kind"] == "dense" else RowGradSink(values, rows.numel(), fill="rows_first")
+    out = weighted_gather(values, case["indices"], weights, counts=counts, valid=case["valid"], grad_sink=sink,
+                          backend=backend)
+    if sink is not None:  # the rows may come after the forward, before the backward
+        sink.set_rows(rows, torch.ones(rows.numel(), dtype=torch.bool))
     grad_out = torch.randn(out.shape).to(dtype)
     out.backward(grad_out)
     ref_out, ref_values_grad, ref_weights_grad = _reference_gather_grads(values, case["indices"], weights, grad_out)
@@ -236,14 +235,7 @@ def test_weighted_gather_matches_the_reference_forward_and_backward(backend, dat
         assert values.grad is None
         _close(sink.grad, ref_values_grad[sink.rows], grad_dtype, "values grad")
         return
-    grad_values = values.grad.to_dense() if values.grad.is_sparse else values.grad
-    if case["rows_kind"] != "dense":
-        assert values.grad.is_sparse and values.grad._nnz() == rows.numel()
-        mask = torch.zeros(case["m"], dtype=torch.bool)
-        mask[rows] = True
-        ref_values_grad = ref_values_grad * mask.unsqueeze(1)
-        ref_values_grad[~mask] = 0  # also where the reference's dense gradient is non-finite
-    _close(grad_values, ref_values_grad, grad_dtype, "values grad")
+    _close(values.grad, ref_values_grad, grad_dtype, "values grad")
 
 
 @pytest.mark.parametrize("backend", _backends())
@@ -256,15 +248,15 @@ def test_weighted_gather_rejects_bad_arguments_by_name(backend):
         (dict(counts=counts[:4]), "counts"), (dict(counts=counts.int()), "counts"),
         (dict(valid=torch.ones(4, dtype=torch.bool)), "valid"),
         (dict(counts=counts, valid=torch.ones(3, dtype=torch.bool)), "valid"),
-        (dict(update_rows=torch.tensor([1, 1])), "update_rows"), (dict(update_rows=torch.tensor([5])), "update_rows"),
-        (dict(update_rows=torch.tensor([[1]])), "update_rows"), (dict(values=values.int()), "values"),
+        (dict(update_rows=torch.tensor([1])), "update_rows"), (dict(grad_sink=torch.tensor([1])), "grad_sink"),
+        (dict(values=values.int()), "values"),
     ]
     for change, name in cases:
         args = {"values": values, "indices": indices, "weights": weights, **change}
         with pytest.raises(CLEAR, match=name):
             weighted_gather(args.pop("values"), args.pop("indices"), args.pop("weights"), **args, backend=backend)
-    unset = RowGradSink(values, 2, keep_reads=False)
-    out = weighted_gather(values.requires_grad_(), indices, weights, update_rows=unset, backend=backend)
+    unset = RowGradSink(values, 2, fill="rows_first")
+    out = weighted_gather(values.requires_grad_(), indices, weights, grad_sink=unset, backend=backend)
     with pytest.raises(RuntimeError, match="were not set before the backward"):
         out.sum().backward()
 
@@ -283,28 +275,28 @@ def _memory_reference(memory: ProductKeyMemory, x: torch.Tensor) -> torch.Tensor
 @pytest.mark.parametrize("backend", _backends())
 @FUZZ
 @given(data=st.data())
-def test_product_key_memory_forward_backward_under_each_update_rows_choice(backend, data):
+def test_product_key_memory_forward_backward_under_each_grad_sink_choice(backend, data):
     n_keys = data.draw(st.integers(1, 4), label="n_keys")
     heads = data.draw(st.integers(1, 4), label="heads")
     topk = data.draw(st.integers(1, n_keys), label="topk")
     key_dim = 2 * data.draw(st.integers(1, 4), label="key_dim / 2")
     d_model = data.draw(st.integers(1, 6), label="d_model")
     batch, seq = data.draw(st.integers(0, 2), label="batch"), data.draw(st.integers(0, 4), label="seq")
-    choice = data.draw(st.sampled_from(["dense", "tensor", "empty", "deferred"]), label="update_rows")
+    choice = data.draw(st.sampled_from(["dense", "sink", "empty"]), label="grad_sink")
     torch.manual_seed(data.draw(st.integers(0, 2 ** 16), label="seed"))
     memory = ProductKeyMemory(d_model, n_keys=n_keys, heads=heads, topk=topk, key_dim=key_dim, backend=backend)
     reference = ProductKeyMemory(d_model, n_keys=n_keys, heads=heads, topk=topk, key_dim=key_dim, backend="torch")
     reference.load_state_dict(memory.state_dict())
     rows = torch.tensor(sorted(data.draw(st.sets(st.integers(0, n_keys ** 2 - 1)))), dtype=torch.int64)
     rows = rows[:0] if choice == "empty" else rows
-    deferred = RowGradSink(memory.values, rows.numel(), keep_reads=False)
-    memory.set_update_rows({"dense": None, "tensor": rows, "empty": rows, "deferred": deferred}[choice])
+    sink = RowGradSink(memory.values, rows.numel(), fill="rows_first")
+    memory.set_grad_sink(None if choice == "dense" else sink)
     memory.set_read_counting(True)
     x = torch.randn(batch, seq, d_model)
     valid = torch.rand(batch, seq) < data.draw(st.sampled_from([0.0, 0.5, 1.0]), label="valid fraction")
     out = memory(x, valid_mask=valid)
-    if choice == "deferred":
-        deferred.set_rows(rows, torch.ones(rows.numel(), dtype=torch.bool))
+    if choice != "dense":
+        sink.set_rows(rows, torch.ones(rows.numel(), dtype=torch.bool))
     grad = torch.randn_like(out)
     out.backward(grad)
     ref_out = _memory_reference(reference, x)
@@ -318,11 +310,9 @@ def test_product_key_memory_forward_backward_under_each_update_rows_choice(backe
     for (name, p), ref_p in zip(memory.named_parameters(), reference.parameters()):
         expected = torch.zeros_like(ref_p) if ref_p.grad is None else ref_p.grad
         actual = torch.zeros_like(p) if p.grad is None else p.grad
-        actual = actual.to_dense() if actual.is_sparse else actual
-        if name == "values" and choice == "deferred":  # the sink holds the rows' gradient, the values none
+        if name == "values" and choice != "dense":  # the sink holds the rows' gradient, the values none
             assert p.grad is None
-            actual = torch.zeros_like(p).index_copy(0, rows, deferred.grad)
-        if name == "values" and choice in ("tensor", "empty", "deferred"):
+            actual = torch.zeros_like(p).index_copy(0, rows, sink.grad)
             mask = torch.zeros(n_keys ** 2, dtype=torch.bool)
             mask[rows] = True
             expected = expected * mask.unsqueeze(1)
@@ -338,7 +328,7 @@ def test_product_key_memory_forward_backward_under_each_update_rows_choice(backe
 def test_controller_steps_update_only_selected_read_rows(backend, data):
     rule = data.draw(st.sampled_from(["tfidf", "kl"]), label="rule")
     mode = data.draw(st.sampled_from(["exact", "dense_masked"]), label="update")
-    select_first = mode == "exact" and data.draw(st.booleans(), label="select_before_backward")
+    rows_first = mode == "exact" and data.draw(st.booleans(), label="fill rows_first")
     rows_per_step = data.draw(st.integers(1, 20), label="T")
     torch.manual_seed(data.draw(st.integers(0, 2 ** 16), label="seed"))
     model = nn.ModuleDict({"a": ProductKeyMemory(6, n_keys=4, heads=2, topk=2, key_dim=4, backend=backend),
@@ -355,10 +345,10 @@ def test_controller_steps_update_only_selected_read_rows(backend, data):
         before = {name: m.values.detach().clone() for name, m in model.items()}
         x = torch.randn(data.draw(st.integers(0, 3), label="batch"), data.draw(st.integers(0, 3), label="seq"), 6)
         valid = torch.rand(x.shape[:2]) < data.draw(st.sampled_from([0.0, 0.5, 1.0]), label="valid fraction")
-        controller.begin_step(select_before_backward=select_first)
+        controller.begin_step(fill="rows_first" if rows_first else "reads_kept")
         outs = [memory(x, valid_mask=valid) for memory in model.values()]
         counts = {name: m.read_counts.clone() for name, m in model.items()}
-        if select_first:
+        if rows_first:
             controller.select_rows()
         sum(o.sum() for o in outs).backward()
         selected = controller.finish_step(optimizer)
@@ -450,29 +440,31 @@ def test_ext_cases_in_a_subprocess():
 
 # ------------------------------------------------------------- regressions: issue 11's crashes
 REGRESSIONS = {
-    "empty_update_rows": """
+    "empty_row_sink": """
 v = torch.randn(5, 4, requires_grad=True); w = torch.rand(2, 2, requires_grad=True)
-out = weighted_gather(v, torch.tensor([[0, 1], [2, 2]]), w, update_rows=torch.zeros(0, dtype=torch.long), backend=B)
+sink = RowGradSink(v, 0, fill="rows_first")
+sink.set_rows(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.bool))
+out = weighted_gather(v, torch.tensor([[0, 1], [2, 2]]), w, grad_sink=sink, backend=B)
 out.sum().backward()
-assert v.grad.is_sparse and v.grad._nnz() == 0 and w.grad.shape == (2, 2)
+assert v.grad is None and sink.grad.shape == (0, 4) and w.grad.shape == (2, 2)
 """,
     "kept_reads_of_an_empty_batch": """
 m = ProductKeyMemory(d_model=8, n_keys=4, heads=2, topk=2, key_dim=8, backend=B)
-sink = RowGradSink(m.values, 3, keep_reads=True)
-m.set_update_rows(sink)
+sink = RowGradSink(m.values, 3, fill="reads_kept")
+m.set_grad_sink(sink)
 x = torch.randn(2, 0, 8, requires_grad=True)
 m(x).sum().backward()
-sink.fill(m.values, torch.tensor([0, 1, 2]), torch.ones(3, dtype=torch.bool))
+sink.sum_reads(m.values, torch.tensor([0, 1, 2]), torch.ones(3, dtype=torch.bool))
 assert x.grad.shape == (2, 0, 8) and m.values.grad is None and not sink.grad.any()
 """,
-    "kl_all_padding_select_before_backward": """
+    "kl_all_padding_rows_first": """
 mem = ProductKeyMemory(d_model=8, n_keys=4, heads=2, topk=2, key_dim=8, backend=B)
 model = nn.ModuleDict({"m": mem})
 stats = BackgroundStats.for_memories({"m": mem}); stats.add_batch("m", torch.randint(0, 3, (16,)))
 controller = SparseMemoryController(model, rule="kl", rows_per_step=3, background=stats)
 optimizer = RowSparseAdamW([mem.values], lr=1e-2)
 before = mem.values.detach().clone()
-controller.begin_step(select_before_backward=True)
+controller.begin_step(fill="rows_first")
 out = mem(torch.randn(2, 5, 8), valid_mask=torch.zeros(2, 5, dtype=torch.bool))
 assert controller.select_rows()["m"].numel() == 0
 out.sum().backward()

@@ -8,9 +8,10 @@ import torch
 from transformers import TrainerCallback, TrainingArguments
 
 from smf.model import attach_memories, configure_trainable
+from smf.train.steps import MemoryUpdateStep
 from smf.tiny import TINY_MEMORY_KWARGS, TINY_MEMORY_LAYERS, tiny_model
 from smf_kernels.hf import SparseMemoryTrainer
-from smf_kernels.sparse import NonFiniteGradientError, SparseMemoryController
+from smf_kernels.sparse import FillPlan, NonFiniteGradientError, SparseMemoryController
 
 ROWS_PER_STEP = 6
 STEPS = 4
@@ -228,3 +229,26 @@ def test_a_step_whose_forward_raised_is_discarded_and_training_can_start_again(t
     trainer.args.max_steps = 1  # one clean step shows the recovery (and writes no checkpoint)
     trainer.train()
     assert checker.steps_checked == 1
+
+
+@pytest.mark.parametrize("accumulation, expected", [(1, FillPlan("rows_first", select_after_forward=True)),
+                                                    (2, FillPlan("reads_kept"))])
+def test_the_trainer_and_smf_train_fill_a_step_the_same_way(tmp_path, accumulation, expected):
+    """The same situation (micro-batches per step, eager, one process, fewer tokens than slots): the Trainer
+    begins its step with the fill smf train's step (MemoryUpdateStep) begins it with."""
+    model, controller = _model_and_controller()
+    plans, real_begin = [], controller.begin_step
+
+    def begin_step(fill="reads_kept", **removed):
+        plans.append(fill)
+        real_begin(fill, **removed)
+
+    controller.begin_step = begin_step
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2,
+                             gradient_accumulation_steps=accumulation, report_to=[], use_cpu=True,
+                             dataloader_num_workers=0, save_strategy="no")
+    SparseMemoryTrainer(model=model, args=args, train_dataset=Sequences(4), controller=controller).train()
+    batches = [Sequences(2)[0]] * accumulation
+    MemoryUpdateStep(controller, autocast=None, step_tokens=2 * 10).begin_step(model, batches)
+    controller.abort_step()
+    assert plans == [expected, expected]

@@ -71,18 +71,12 @@ def test_read_counting_on_off_reset_and_padding():
     assert mem.read_counts.sum() == 0
 
 
-def test_update_rows_restrict_value_gradient():
+def test_the_removed_sparse_coo_gradient_names_what_replaced_it():
     mem = ProductKeyMemory(40, **SMALL)
-    x = torch.randn(4, 40)
-    rows = torch.tensor([5, 0, 77])
-    mem.set_update_rows(rows)
-    mem(x).sum().backward()
-    assert mem.values.grad.is_sparse
-    assert torch.equal(mem.values.grad.coalesce().indices()[0], rows.sort().values)
-    assert mem.keys.grad is not None and mem.keys.grad.layout == torch.strided
-    mem.zero_grad(set_to_none=True)
-    mem.set_update_rows(None)
-    mem(x).sum().backward()
+    with pytest.raises(TypeError, match=r"set_update_rows: update_rows was removed: .*set_grad_sink.*COO value"):
+        mem.set_update_rows(torch.tensor([5, 0, 77]))
+    assert mem.grad_sink is None
+    mem(torch.randn(4, 40)).sum().backward()
     assert mem.values.grad.layout == torch.strided
 
 
@@ -98,8 +92,8 @@ def test_bad_arguments_raise():
         mem(torch.randn(3, 41))
     with pytest.raises(ValueError, match="valid_mask must have shape"):
         mem(torch.randn(2, 3, 40), valid_mask=torch.ones(2, 4, dtype=torch.bool))
-    with pytest.raises(ValueError, match="1-D int64"):
-        mem.set_update_rows(torch.tensor([1.0]))
+    with pytest.raises(TypeError, match="sink must be a GradientSink or None, got Tensor"):
+        mem.set_grad_sink(torch.tensor([1]))
     with pytest.raises(TypeError, match="x must be a floating-point tensor .* got dtype int64"):
         mem(torch.ones(2, 40, dtype=torch.int64))  # token ids by mistake: refused, not cast to floats
     with pytest.raises(ValueError, match="backend: unknown backend 'cuda'"):  # a device name is no backend
@@ -124,10 +118,11 @@ def test_compiles_without_graph_breaks_with_counting():
     assert torch.equal(mem.read_counts, 2 * counts_after_compiled)
 
 
-@pytest.mark.parametrize("keep_reads", [False, True])
-def test_a_row_gradient_sink_takes_the_rows_gradient_instead_of_a_grad(keep_reads):
-    """A RowGradSink as update rows: the values get no .grad; the sink holds the chosen rows' gradient, set before
-    the backward or computed from the kept reads after it, equal to those rows of the dense gradient."""
+@pytest.mark.parametrize("fill", ["rows_first", "reads_kept"])
+def test_a_row_gradient_sink_takes_the_rows_gradient_instead_of_a_grad(fill):
+    """A RowGradSink as the memory's gradient sink: the values get no .grad; the sink holds the chosen rows'
+    gradient, set before the backward or computed from the kept reads after it, equal to those rows of the dense
+    gradient."""
     from smf_kernels.sparse import RowGradSink
 
     mem = ProductKeyMemory(40, **SMALL)
@@ -136,22 +131,22 @@ def test_a_row_gradient_sink_takes_the_rows_gradient_instead_of_a_grad(keep_read
     dense = torch.autograd.grad(mem(x).square().sum(), mem.values)[0]
     chosen = slots.unique()[:3]
     valid = torch.ones(3, dtype=torch.bool)
-    sink = RowGradSink(mem.values, 3, keep_reads=keep_reads)
-    mem.set_update_rows(sink)
+    sink = RowGradSink(mem.values, 3, fill=fill)
+    mem.set_grad_sink(sink)
     out = mem(x).square().sum()
-    if not keep_reads:
+    if fill == "rows_first":
         sink.set_rows(chosen, valid)
     out.backward()
     assert mem.values.grad is None
-    if keep_reads:
-        sink.fill(mem.values, chosen, valid)
+    if fill == "reads_kept":
+        sink.sum_reads(mem.values, chosen, valid)
     assert rel_err(sink.grad, dense[chosen]) < 1e-6
-    unset = RowGradSink(mem.values, 3, keep_reads=False)
-    mem.set_update_rows(unset)
+    unset = RowGradSink(mem.values, 3, fill="rows_first")
+    mem.set_grad_sink(unset)
     with pytest.raises(RuntimeError, match="were not set before the backward"):
         mem(x).sum().backward()
-    with pytest.raises(ValueError, match="a GradientSink or None"):
-        mem.set_update_rows("all")
+    with pytest.raises(TypeError, match="a GradientSink or None"):
+        mem.set_grad_sink("all")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -181,24 +176,24 @@ class _SmfOpCalls(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("update_rows", ["dense", "compact"])
-def test_a_layer_makes_two_op_calls_each_way(update_rows):
+@pytest.mark.parametrize("value_grad", ["dense", "compact"])
+def test_a_layer_makes_two_op_calls_each_way(value_grad):
     """The host path of issue 26: top-k and the gated gather forward (counting reads), their two backwards."""
     from smf_kernels.sparse import RowGradSink
 
     mem = ProductKeyMemory(40, **SMALL)
     mem.set_read_counting(True)
-    if update_rows == "compact":
-        handle = RowGradSink(mem.values, 3, keep_reads=False)
+    if value_grad == "compact":
+        handle = RowGradSink(mem.values, 3, fill="rows_first")
         handle.set_rows(torch.tensor([0, 5, 9]), torch.ones(3, dtype=torch.bool))
-        mem.set_update_rows(handle)
+        mem.set_grad_sink(handle)
     x = torch.randn(2, 6, 40, requires_grad=True)
     with _SmfOpCalls() as forward:
         out = mem(x, valid_mask=torch.rand(2, 6) > 0.3)
     with _SmfOpCalls() as backward:
         out.square().sum().backward()
     assert forward.calls == ["product_key_topk", "weighted_gather_forward_counted"], forward.calls
-    gather_backward = "weighted_gather_backward_into" if update_rows == "compact" else "weighted_gather_backward"
+    gather_backward = "weighted_gather_backward_into" if value_grad == "compact" else "weighted_gather_backward"
     assert sorted(backward.calls) == sorted([gather_backward, "product_key_topk_backward"]), backward.calls
 
 

@@ -74,23 +74,6 @@ def test_backends_agree_over_several_steps_with_a_tensor_learning_rate(backend):
         assert rel_err(a.double(), b.double()) < 1e-6
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_step_rows_equals_a_step_on_the_same_sparse_gradient(backend):
-    """RowSparseAdamW.step_rows (compact gradient) and step (COO gradient) make the same update."""
-    torch.manual_seed(1)
-    a = torch.nn.Parameter(torch.randn(12, 9))
-    b = torch.nn.Parameter(a.detach().clone())
-    opt_a, opt_b = RowSparseAdamW([a], lr=0.05, weight_decay=0.1), RowSparseAdamW([b], lr=0.05, weight_decay=0.1)
-    for _ in range(3):
-        rows = torch.randperm(12)[:5].sort().values
-        grad = torch.randn(5, 9)
-        a.grad = torch.sparse_coo_tensor(rows.unsqueeze(0), grad, a.shape, check_invariants=True)
-        opt_a.step()
-        opt_b.step_rows(b, rows, grad)
-    assert torch.equal(a, b)
-    assert all(torch.equal(opt_a.state[a][k], opt_b.state[b][k]) for k in ("exp_avg", "exp_avg_sq", "row_step"))
-
-
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="off CPU a range check is a device-side assertion")
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("rows, error, match", [

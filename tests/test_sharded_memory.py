@@ -21,7 +21,7 @@ from smf_kernels.sharded import (LEDGER, ColumnShard, ShardedProductKeyMemory, c
 from smf_kernels.sharded.layout import gradient_copies
 from smf_kernels.sharded import byte_model
 from smf_kernels.sharded.checkpoint import load_shards, replicated_optimizer_state, save_shard
-from smf_kernels.sparse import RowSparseAdamW, RowSparseSGD, SparseMemoryController, clip_grad_norm_
+from smf_kernels.sparse import RowGradSink, RowSparseAdamW, RowSparseSGD, SparseMemoryController, clip_sharded_grad_norm_
 from sparse_oracle import dense_reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -97,8 +97,9 @@ def layer_inputs():
 
 # ------------------------------------------------------------------------------- the layer
 def cases(backend):
-    """(name, update rows): dense gradients with read counting, given rows. The sharding around the
-    local gather is the same for every backend: the slow Triton interpreter runs the first case only."""
+    """(name, rows): dense gradients with read counting, or the gradient of given rows (ascending) into a
+    RowGradSink. The sharding around the local gather is the same for every backend: the slow Triton
+    interpreter runs the first case only."""
     all_cases = (("dense", None), ("rows", torch.tensor([0, 5, 17, 40, 63])))
     return all_cases[:1] if backend == "triton" else all_cases
 
@@ -117,14 +118,18 @@ def _layer_job(rank, world, tmp_path, backends):
             memory.zero_grad(set_to_none=True)
             memory.reset_read_counts()
             memory.set_read_counting(case == "dense")
-            memory.set_update_rows(rows)
+            sink = None if rows is None else RowGradSink(memory.values, rows.numel(), fill="rows_first")
+            if sink is not None:
+                sink.set_rows(rows, torch.ones(rows.shape, dtype=torch.bool))
+            memory.set_grad_sink(sink)
             LEDGER.reset()
             out = memory(x[mine], valid_mask=valid[mine])
             (out * probe[mine]).sum().mul(world).backward()  # x world: the value gradient is averaged over ranks
-            grad = memory.values.grad
+            # a sink's gradient is not averaged: a column shard's read sums every rank's tokens (the controller
+            # divides it by the group's size)
+            grad = memory.values.grad if sink is None else sink.grad / world
             runs[case] = {"out": out.detach(), "counts": memory.read_counts.clone(), "bytes": dict(LEDGER.sent),
-                          "values": grad.to_dense() if grad.is_sparse else grad,
-                          "sparse_rows": grad.coalesce().indices()[0] if grad.is_sparse else None,
+                          "values": grad,
                           **{name: p.grad.clone() for name, p in memory.named_parameters() if name != "values"}}
         results[backend] = runs
     torch.save(results, tmp_path / f"layer-{world}-{rank}.pt")
@@ -150,11 +155,9 @@ def test_sharded_layer_equals_the_unsharded_layer_on_every_backend(ranks_dir, wo
             reference.zero_grad(set_to_none=True)
             reference.reset_read_counts()
             reference.set_read_counting(case == "dense")
-            reference.set_update_rows(rows)
             out = reference(x, valid_mask=valid)
             (out * probe).sum().backward()
-            expected_grad = reference.values.grad
-            expected_grad = expected_grad.to_dense() if expected_grad.is_sparse else expected_grad
+            expected_grad = reference.values.grad if rows is None else reference.values.grad[rows]
             counts = sum(r[backend][case]["counts"] for r in ranks)
             assert torch.equal(counts, reference.read_counts), (backend, case)
             if case == "dense":
@@ -245,7 +248,7 @@ def run_smf(model, wrapped, steps, ranks_slice, scale, *, variant, rows=ROWS):
     for tokens, targets, valid in steps:
         tokens, targets, valid = tokens[ranks_slice], targets[ranks_slice], valid[ranks_slice]
         normaliser = int(valid.sum()) if scale is None else scale(valid)
-        controller.begin_step(select_before_backward=early)
+        controller.begin_step(fill="rows_first" if early else "reads_kept")
         chunks = 1 if early else 2
         for chunk in zip(tokens.chunk(chunks), targets.chunk(chunks), valid.chunk(chunks)):
             loss = summed_loss(wrapped, *chunk) / normaliser
@@ -320,7 +323,7 @@ def _dense_job(rank, world, tmp_path):
         per_rank = 8 // world
         mine = slice(rank * per_rank, (rank + 1) * per_rank)
         (summed_loss(wrapped, tokens[mine], targets[mine], valid[mine]) / (int(valid.sum()) / world)).backward()
-        clip_grad_norm_(list(model.parameters()), 0.05)
+        clip_sharded_grad_norm_(list(model.parameters()), 0.05)
         optimizer.step()
         optimizer.zero_grad()
     torch.save({name: p.detach() for name, p in model.named_parameters()}, tmp_path / f"dense-{rank}.pt")
@@ -335,7 +338,7 @@ def test_sharded_dense_steps_match_one_process(two_ranks):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for tokens, targets, valid in smf_steps(2):
         (summed_loss(model, tokens, targets, valid) / int(valid.sum())).backward()
-        clip_grad_norm_(list(model.parameters()), 0.05)
+        clip_sharded_grad_norm_(list(model.parameters()), 0.05)
         optimizer.step()
         optimizer.zero_grad()
     bounds = column_bounds(30, world)
@@ -355,7 +358,7 @@ def _save_job(rank, world, tmp_path):
     per_rank = 8 // world
     mine = slice(rank * per_rank, (rank + 1) * per_rank)
     for tokens, targets, valid in steps:
-        controller.begin_step(select_before_backward=True)
+        controller.begin_step(fill="rows_first")
         loss = summed_loss(model, tokens[mine], targets[mine], valid[mine]) / (int(valid.sum()) / world)
         controller.select_rows()
         loss.backward()

@@ -1,16 +1,12 @@
-"""RowSparseAdamW against torch.optim.AdamW; the dense-masked leak; sparse-aware clipping."""
+"""RowSparseAdamW against torch.optim.AdamW; the dense-masked leak; the sharded-aware clipping on one process."""
 import copy
 
 import pytest
 import torch
 
-from smf_kernels.sparse import RowSparseAdamW, clip_grad_norm_
+from smf_kernels.sparse import RowSparseAdamW, clip_sharded_grad_norm_
 
 HYPER = dict(lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
-
-
-def sparse_grad(rows, grad_rows, shape):
-    return torch.sparse_coo_tensor(rows.unsqueeze(0), grad_rows, shape, check_invariants=True)
 
 
 def rel_err(out, ref):
@@ -25,9 +21,9 @@ def test_selected_rows_follow_adamw_on_just_those_rows_and_others_stay_bit_ident
     sparse_opt, dense_opt = RowSparseAdamW([table], **HYPER), torch.optim.AdamW([only_rows], **HYPER, foreach=False)
     for _ in range(6):
         grad_rows = torch.randn(4, 7)
-        table.grad = sparse_grad(rows, grad_rows, table.shape)
         only_rows.grad = grad_rows.clone()
-        sparse_opt.step()
+        order = rows.argsort()
+        sparse_opt.step_rows(table, rows[order], grad_rows[order])
         dense_opt.step()
     assert rel_err(table.detach()[rows], only_rows.detach()) < 1e-6
     others = torch.ones(20, dtype=torch.bool)
@@ -47,8 +43,7 @@ def test_each_row_has_its_own_step_count_and_lr_follows_the_scheduler():
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     start = table.detach().clone()
     for rows, grad_rows in zip(schedule, grads):
-        table.grad = sparse_grad(torch.tensor(rows), grad_rows, table.shape)
-        optimizer.step()
+        optimizer.step_rows(table, torch.tensor(rows), grad_rows)
         scheduler.step()
     for row in (0, 2, 7):
         single = torch.nn.Parameter(start[row].clone())
@@ -85,8 +80,7 @@ def test_state_dict_resume_continues_identically():
 
     def run(optimizer, param, steps):
         for rows, grad_rows in steps:
-            param.grad = sparse_grad(rows, grad_rows, param.shape)
-            optimizer.step()
+            optimizer.step_rows(param, rows, grad_rows)
 
     optimizer = RowSparseAdamW([table], **HYPER)
     run(optimizer, table, grads[:2])
@@ -103,8 +97,7 @@ def test_row_step_counts_of_a_bf16_table_survive_a_state_dict_round_trip():
     table = torch.nn.Parameter(torch.randn(4, 3).bfloat16())
     optimizer = RowSparseAdamW([table], lr=1e-3)
     for _ in range(301):  # beyond 256, the largest integer bf16 holds exactly in a run of them
-        table.grad = torch.sparse_coo_tensor(torch.tensor([[1]]), torch.randn(1, 3).bfloat16(), table.shape)
-        optimizer.step()
+        optimizer.step_rows(table, torch.tensor([1]), torch.randn(1, 3))
     resumed = RowSparseAdamW([table], lr=1e-3)
     resumed.load_state_dict(copy.deepcopy(optimizer.state_dict()))
     row_step = resumed.state[table]["row_step"]
@@ -147,8 +140,11 @@ def test_state_dicts_load_through_torch_distributed_checkpoint_after_init_state(
 
 def _state_after_one_step(table, dense):
     optimizer = RowSparseAdamW([table], lr=1e-3)
-    table.grad = torch.randn(table.shape) if dense else sparse_grad(torch.tensor([1, 3]), torch.randn(2, 3), table.shape)
-    optimizer.step()
+    if dense:
+        table.grad = torch.randn(table.shape)
+        optimizer.step()
+    else:
+        optimizer.step_rows(table, torch.tensor([1, 3]), torch.randn(2, 3))
     return copy.deepcopy(optimizer.state_dict())
 
 
@@ -195,9 +191,8 @@ def test_dense_masked_adamw_leaks_into_unselected_rows_row_sparse_does_not():
         keep = torch.zeros(16, 1)
         keep[rows] = 1.0
         masked.grad = full_grad * keep  # the dense-masked update's gradient
-        lazy.grad = sparse_grad(rows, full_grad[rows], lazy.shape)
         masked_opt.step()
-        lazy_opt.step()
+        lazy_opt.step_rows(lazy, rows, full_grad[rows])
         if step == 0:
             after_first_masked, after_first_lazy = masked.detach().clone(), lazy.detach().clone()
     assert torch.equal(lazy.detach()[first], after_first_lazy[first])
@@ -207,36 +202,36 @@ def test_dense_masked_adamw_leaks_into_unselected_rows_row_sparse_does_not():
     assert not torch.equal(masked.detach()[[0, 3, 15]], start[[0, 3, 15]])  # weight decay touches every row
 
 
-def test_clip_grad_norm_counts_sparse_values_once_coalesced():
+def test_clip_sharded_grad_norm_on_unsharded_parameters_is_torchs_clip():
     table, bias = torch.nn.Parameter(torch.randn(9, 4)), torch.nn.Parameter(torch.randn(4))
-    rows = torch.tensor([2, 6, 2, 0])  # row 2 twice: uncoalesced
-    grad_rows = torch.randn(4, 4)
-    table.grad = sparse_grad(rows, grad_rows, table.shape)
-    bias.grad = torch.randn(4)
-    dense_table = torch.nn.Parameter(table.detach().clone())
-    dense_bias = torch.nn.Parameter(bias.detach().clone())
-    dense_table.grad, dense_bias.grad = table.grad.to_dense(), bias.grad.clone()
-
+    table.grad, bias.grad = torch.randn(9, 4), torch.randn(4)
+    dense_table, dense_bias = torch.nn.Parameter(table.detach().clone()), torch.nn.Parameter(bias.detach().clone())
+    dense_table.grad, dense_bias.grad = table.grad.clone(), bias.grad.clone()
     expected = torch.nn.utils.clip_grad_norm_([dense_table, dense_bias], 0.5)
-    total = clip_grad_norm_([table, bias], 0.5)
+    total = clip_sharded_grad_norm_([table, bias], 0.5)
     assert abs(total.item() - expected.item()) < 1e-5 * expected.item()
-    assert table.grad.is_sparse and table.grad.is_coalesced()
-    assert rel_err(table.grad.to_dense(), dense_table.grad) < 1e-6
-    assert rel_err(bias.grad, dense_bias.grad) < 1e-6
+    assert rel_err(table.grad, dense_table.grad) < 1e-6 and rel_err(bias.grad, dense_bias.grad) < 1e-6
     with pytest.raises(ValueError, match="max_norm"):
-        clip_grad_norm_([table], 0.0)
+        clip_sharded_grad_norm_([table], 0.0)
+    table.grad = table.grad.to_sparse()
+    with pytest.raises(ValueError, match="dense gradients; a sparse .grad"):
+        clip_sharded_grad_norm_([table], 0.5)
 
 
-def test_clip_grad_norm_of_float64_gradients_is_float64():
+def test_clip_sharded_grad_norm_of_float64_gradients_is_float64():
     """fp64 gradients keep fp64 in the norm (as torch's clip_grad_norm_ does); bf16 ones still sum in fp32."""
     table, bias = torch.nn.Parameter(torch.randn(9, 4, dtype=torch.float64)), torch.nn.Parameter(torch.randn(4))
-    table.grad = sparse_grad(torch.tensor([2, 6, 0]), torch.randn(3, 4, dtype=torch.float64) / 3, table.shape)
-    bias.grad = torch.randn(4)
-    want = torch.cat([table.grad.coalesce().values().flatten(), bias.grad.double()]).norm()
-    total = clip_grad_norm_([table, bias], 0.5)
+    table.grad, bias.grad = torch.randn(9, 4, dtype=torch.float64) / 3, torch.randn(4)
+    want = torch.cat([table.grad.flatten(), bias.grad.double()]).norm()
+    total = clip_sharded_grad_norm_([table, bias], 0.5)
     assert total.dtype == torch.float64
     assert abs(total.item() - want.item()) < 1e-15 * want.item()
-    assert abs(torch.cat([table.grad.values().flatten(), bias.grad.double()]).norm().item() - 0.5) < 1e-6
+    assert abs(torch.cat([table.grad.flatten(), bias.grad.double()]).norm().item() - 0.5) < 1e-6
+
+
+def test_the_removed_sparse_clip_names_what_replaced_it():
+    with pytest.raises(ImportError, match="clip_grad_norm_ was removed .* torch.nn.utils.clip_grad_norm_"):
+        from smf_kernels.sparse import clip_grad_norm_  # noqa: F401
 
 
 def test_bad_arguments_raise():
@@ -247,6 +242,10 @@ def test_bad_arguments_raise():
             with pytest.raises(ValueError, match=f"{name} must be a finite number >= 0"):
                 RowSparseAdamW([torch.nn.Parameter(torch.randn(2, 2))], **{name: value})
     vector = torch.nn.Parameter(torch.randn(5))
-    vector.grad = torch.sparse_coo_tensor(torch.tensor([[1]]), torch.tensor([1.0]), (5,), check_invariants=True)
     with pytest.raises(ValueError, match=r"must be 2-D \(M, D\)"):
-        RowSparseAdamW([vector]).step()
+        RowSparseAdamW([vector]).step_rows(vector, torch.tensor([1]), torch.ones(1, 1))
+    table, scale = torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.ones(1))
+    table.grad, scale.grad = torch.randn(4, 3).to_sparse(), torch.ones(1)
+    with pytest.raises(ValueError, match="through step_rows\\(\\), not a sparse .grad"):
+        RowSparseAdamW([scale, table]).step()
+    assert torch.equal(scale, torch.ones(1))  # refused before anything moved

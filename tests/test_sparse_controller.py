@@ -9,8 +9,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from smf_kernels.sparse import (BackgroundStats, DenseMaskedUpdate, RowSparseAdamW, SparseMemoryController,
-                                StepMisuseError)
+from smf_kernels.sparse import (BackgroundStats, DenseMaskedUpdate, RowGradients, RowSparseAdamW,
+                                SparseMemoryController, StepMisuseError)
 from helpers import MemoryLM
 from sparse_oracle import dense_reference
 
@@ -101,10 +101,10 @@ def test_select_rows_misuse_raises():
     with pytest.raises(StepMisuseError, match="without begin_step"):
         controller.select_rows()
     controller.begin_step()
-    with pytest.raises(RuntimeError, match="select_before_backward=True"):
+    with pytest.raises(RuntimeError, match="fill='rows_first'"):
         controller.select_rows()
     controller.abort_step()
-    controller.begin_step(select_before_backward=True)
+    controller.begin_step(fill="rows_first")
     loss = micro_loss(model, tokens, targets, valid, valid.sum())
     controller.select_rows()
     with pytest.raises(RuntimeError, match="already called"):
@@ -154,6 +154,21 @@ def test_controller_misuse_raises():
     with pytest.raises(TypeError, match="RowSparseAdamW"):  # refused before the step ends: still in it
         controller.finish_step(torch.optim.SGD([model.alpha], lr=0.1))
     assert controller.in_step
+    controller.abort_step()
+    with pytest.raises(TypeError, match=r"select_before_backward=\.\.\.\) was renamed: .*fill='rows_first'"):
+        controller.begin_step(select_before_backward=True)
+    with pytest.raises(ValueError, match="fill must be one of"):
+        controller.begin_step(fill="count_first")
+    with pytest.raises(ValueError, match="fill 'rows_first' is the exact update's; DenseMaskedUpdate selects at"):
+        DenseMaskedUpdate(model, background=controller.background).begin_step(fill="rows_first")
+    assert not controller.in_step
+    with pytest.raises(TypeError, match=r"apply\(optimizer, grad_scale=\) became the whole finishing sequence"):
+        RowGradients({}, {}, {}).apply(torch.optim.SGD([model.alpha], lr=0.1), grad_scale=torch.ones(()))
+    controller.begin_step()
+    gradients = controller.end_step()
+    gradients.apply(RowSparseAdamW([model.memory.values], lr=0.1))
+    with pytest.raises(StepMisuseError, match="applied already"):
+        gradients.apply(RowSparseAdamW([model.memory.values], lr=0.1))
     with pytest.raises(ValueError, match="rule must be one of"):
         SparseMemoryController(model, rule="bm25")
     with pytest.raises(ValueError, match="no ProductKeyMemory"):
@@ -166,7 +181,7 @@ def test_abort_step_after_a_forward_that_raised_leaves_the_controller_as_if_the_
     """A forward raising inside a step (after a first micro-batch went through, where the step has one):
     abort_step() discards the step (its counts, routing, value gradients, held row gradients), and the next
     steps select and move exactly what they would have without it."""
-    begin = {"selected": {"select_before_backward": True}, "kept": {}}
+    begin = {"selected": {"fill": "rows_first"}, "kept": {}}
     steps = make_steps(2, sequences=2)
     results = []
     for fail_first in (False, True):
@@ -186,7 +201,7 @@ def test_abort_step_after_a_forward_that_raised_leaves_the_controller_as_if_the_
             controller.abort_step()
             optimizer.zero_grad(set_to_none=True)  # the other parameters' gradients (alpha's) are the caller's
             assert not controller.in_step and model.memory.values.grad is None
-            assert not model.memory.count_reads and model.memory.update_rows is None
+            assert not model.memory.count_reads and model.memory.grad_sink is None
             assert int(model.memory.read_counts.sum()) == 0
             controller.abort_step()  # nothing in progress: a no-op
         selected = []
@@ -203,8 +218,8 @@ def test_abort_step_after_a_forward_that_raised_leaves_the_controller_as_if_the_
     assert torch.equal(values_clean, values_aborted) and torch.equal(alpha_clean, alpha_aborted)
 
 
-@pytest.mark.parametrize("select_before_backward", [False, True])
-def test_a_value_gradient_made_outside_a_step_is_refused_by_name_before_anything_changes(select_before_backward):
+@pytest.mark.parametrize("fill", ["reads_kept", "rows_first"])
+def test_a_value_gradient_made_outside_a_step_is_refused_by_name_before_anything_changes(fill):
     """A backward outside any step leaves a dense gradient (refused at begin_step); a forward run before
     begin_step() whose backward runs inside the step (kept reads used to drop it silently, selecting 0 rows; the
     fused update took a dense step on every row and switched the optimizer's state to dense) is refused at the
@@ -216,14 +231,14 @@ def test_a_value_gradient_made_outside_a_step_is_refused_by_name_before_anything
     assert model.memory.values.grad.layout == torch.strided
     with pytest.raises(StepMisuseError, match=r"memory\.values has a gradient, made by a backward of a forward run "
                                               r"outside a step"):
-        controller.begin_step(select_before_backward=select_before_backward)
+        controller.begin_step(fill=fill)
     assert not controller.in_step
     optimizer.zero_grad(set_to_none=True)
     train(model, controller, optimizer, make_steps(1, sequences=2), micro_batches=1)  # a first step: some state
     state = {key: value.clone() for key, value in optimizer.state[model.memory.values].items()}
     values = model.memory.values.detach().clone()
     early = micro_loss(model, tokens, targets, valid, valid.sum())  # a forward before the step
-    controller.begin_step(select_before_backward=select_before_backward)
+    controller.begin_step(fill=fill)
     early.backward()
     for end in (controller.end_step, lambda: controller.finish_step(optimizer, max_grad_norm=1.0)):
         with pytest.raises(StepMisuseError, match=r"memory\.values has a gradient"):

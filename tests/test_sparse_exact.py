@@ -52,7 +52,7 @@ def run_path(model, controller, optimizer, steps, path, max_grad_norm):
             for micro_batch in micro_batches:
                 loss_of(model, micro_batch).backward()
         else:
-            controller.begin_step(select_before_backward=True)
+            controller.begin_step(fill="rows_first")
             if len(micro_batches) > 1:
                 with torch.no_grad():
                     for tokens, _, valid, _ in micro_batches:

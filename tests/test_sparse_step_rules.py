@@ -13,12 +13,11 @@ from smf_kernels import ProductKeyMemory
 from smf_kernels.sparse import (AuthorsSparseUpdate, DenseMaskedUpdate, NonFiniteGradientError, RowSparseAdamW,
                                 SparseMemoryController, StepMisuseError)
 from smf_kernels.sparse.background import BackgroundStats
-from smf_kernels.sparse.clipping import clip_grad_norm_, norm_and_clip_coefficient
+from smf_kernels.sparse.clipping import clip_sharded_grad_norm_, norm_and_clip_coefficient
 
 VOCAB, WIDTH, SEQ, ROWS = 30, 16, 5, 8
 # (update class, begin_step kwargs, whether the optimizer is RowSparseAdamW)
-PATHS = {"kept reads": (SparseMemoryController, {}), "selected": (SparseMemoryController,
-                                                                  {"select_before_backward": True}),
+PATHS = {"kept reads": (SparseMemoryController, {}), "selected": (SparseMemoryController, {"fill": "rows_first"}),
          "dense_masked": (DenseMaskedUpdate, {}), "authors": (AuthorsSparseUpdate, {})}
 
 
@@ -65,8 +64,7 @@ def step(model, update, begin, optimizer, seed, poison=None):
     loss = loss_of(model, seed)
     if begin:
         update.select_rows()
-    if hasattr(update, "after_forward"):
-        update.after_forward()
+    update.after_forward()
     if poison == "alpha":
         loss = loss + model.alpha * float("nan")
     elif poison == "values":  # a NaN reaching every row this micro-batch read
@@ -135,6 +133,9 @@ def test_every_path_refuses_the_same_misuse_the_same_way_before_anything_changes
     before = snapshot(model, optimizer)
     with pytest.raises(StepMisuseError, match=r"finish_step\(\) called without begin_step\(\)"):
         update.finish_step(optimizer, max_grad_norm=1.0)
+    for method in (update.after_forward, update.end_step):
+        with pytest.raises(StepMisuseError, match=rf"{method.__name__}\(\) called without begin_step\(\)"):
+            method()
     loss_of(model, 4).backward()  # a backward outside any step
     with pytest.raises(StepMisuseError, match=r"memory\.values has a gradient, made by a backward of a forward run "
                                               r"outside a step"):
@@ -188,8 +189,7 @@ def test_a_clip_norm_that_would_corrupt_the_step_is_refused_before_anything_move
     loss = loss_of(model, 2)
     if begin:
         update.select_rows()
-    if hasattr(update, "after_forward"):
-        update.after_forward()
+    update.after_forward()
     loss.backward()
     for bad, error in BAD_NORMS:
         with pytest.raises(error, match="max_norm must be a number > 0"):
@@ -208,7 +208,7 @@ def test_the_clipping_functions_refuse_those_norms_before_scaling():
         param = nn.Parameter(torch.zeros(3))
         param.grad = grad.clone()
         with pytest.raises(error, match="max_norm must be a number > 0"):
-            clip_grad_norm_([param], bad)
+            clip_sharded_grad_norm_([param], bad)
         assert torch.equal(param.grad, grad)
     model, update, begin, optimizer = setup("kept reads")
     update.begin_step()
@@ -234,8 +234,7 @@ def test_a_step_with_a_forward_and_no_backward_moves_nothing(path):
     loss_of(model, 2)  # its backward never runs
     if begin and path != "chosen by the backward":
         update.select_rows()
-    if hasattr(update, "after_forward"):
-        update.after_forward()
+    update.after_forward()
     rows = update.finish_step(optimizer, max_grad_norm=1.0)
     assert all(r.numel() == 0 for r in rows.values())
     assert_unchanged(model, optimizer, before)

@@ -14,9 +14,9 @@ from smf.train import build_config, train
 from smf.train.checkpoint import CHECKPOINT_FILE, LOG_FILE
 from smf.train.distributed import World
 from smf.train.recipes import build_setup
-from smf.train.steps import SparseStep
+from smf.train.steps import MemoryUpdateStep
 from smf_kernels.sparse import BackgroundStats, SparseMemoryController
-from smf_kernels.sparse import fill
+from smf_kernels.sparse import controller as sparse_step
 
 WIDTH, INTERMEDIATE, LAYERS, KV_WIDTH = 64, 128, 8, 32  # tiny Qwen-2: hidden, MLP, layers, 2 KV heads x 16
 
@@ -88,7 +88,7 @@ def test_recipe_trains_exactly_the_spec_parameters(tmp_path, recipe, mode):
         found = {next(part for part in name.split(".") if part in kinds or part in ("values", "alpha"))
                  for name in trainable}
         assert found == kinds
-    assert isinstance(setup.step, SparseStep) == (recipe == "sparse")
+    assert isinstance(setup.step, MemoryUpdateStep) == (recipe == "sparse")
 
 
 def read_log(run_dir):
@@ -193,7 +193,7 @@ def test_both_fillers_of_the_rows_gradient_train_the_same_weights(tmp_path, monk
     overrides = {**SPARSE_RUN, "micro_batch_size": 2, "adapter": str(adapter), "background": str(adapter)}
     finals = []
     for name, kept_reads_per_slot in (("kept", 10 ** 9), ("counted", 0)):
-        monkeypatch.setattr(fill, "KEPT_READS_PER_SLOT", kept_reads_per_slot)
+        monkeypatch.setattr(sparse_step, "KEPT_READS_PER_SLOT", kept_reads_per_slot)
         train(tiny_run_config(tmp_path / name, "train", "sparse", **overrides))
         finals.append(torch.load(tmp_path / name / "sparse-run" / CHECKPOINT_FILE, weights_only=True)["trainable"])
     for name, tensor in finals[0].items():
@@ -223,7 +223,7 @@ def test_the_exact_step_copies_no_value_table(tmp_path):
     adapter = write_adapter_and_background(tmp_path / "adapter", "additive")
     config = tiny_run_config(tmp_path, "train", "sparse", adapter=str(adapter), background=str(adapter))
     setup = build_setup(config, World(0, 1, torch.device("cpu")))
-    table = next(iter(setup.step.controller.memories.values())).values.shape
+    table = next(iter(setup.step.update.memories.values())).values.shape
 
     class TableCopies(TorchDispatchMode):
         copies = 0
@@ -241,7 +241,7 @@ def test_the_exact_step_copies_no_value_table(tmp_path):
         loss = setup.model(**batch).loss
         setup.step.after_forward()
         loss.backward()
-        setup.step.finish_step(setup.optimizer, 1.0)
+        setup.step.finish_step(setup.optimizer, max_grad_norm=1.0)
         log = setup.step.step_log()
     assert TableCopies.copies == 0 and log["rows_moved_outside"] == 0 and log["selected_rows"] > 0
 
@@ -293,7 +293,8 @@ def test_background_refuses_a_split_that_is_not_the_retrofit_runs(tmp_path):
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("lr, message, checkpoint", [
     (1e300, "step 1's update overflows float32", False),  # finite, but not as a float32 scalar of the update
-    (1e37, "the loss of step 2 is nan", True),  # step 1 leaves weights near 1e38: step 2's logits overflow
+    # step 1 leaves weights near 1e38: step 2's gradient (its logits) overflows, refused before anything moves
+    (1e37, "the step's gradient of .* holds inf or NaN", True),
 ])
 def test_a_run_that_diverges_fails_clearly(tmp_path, lr, message, checkpoint):
     """A finite but absurd learning rate used to end in a traceback, or in exit 0 with NaN weights. The run
@@ -332,5 +333,5 @@ def test_a_non_finite_gradient_stops_a_sparse_run_with_one_line_and_moves_nothin
     setup.step.after_forward()
     loss.backward()
     with pytest.raises(ConfigError, match=r"training diverged: the step's gradient of \S*alpha\S* holds inf or NaN"):
-        setup.step.finish_step(setup.optimizer, 1.0)
+        setup.step.finish_step(setup.optimizer, max_grad_norm=1.0)
     assert all(torch.equal(p.detach(), before[name]) for name, p in trainable.items())

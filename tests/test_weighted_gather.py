@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import TOL, backends_under_test, gather_inputs, rel_err
+from helpers import TOL, backends_under_test, gather_inputs, gather_into_rows, rel_err
 from smf_kernels.ops import weighted_gather
 from smf_kernels.reference import weighted_gather_reference
 
@@ -64,20 +64,21 @@ def test_strided_indices_weights_and_rows_forward_and_backward(backend, sparse):
     rows = torch.arange(0, 50, 3).repeat_interleave(2)[::2] if sparse else None  # strided (T,)
     valid = (torch.rand(2 * indices.shape[0]) > 0.3)[::2]
     counts = torch.zeros(50, dtype=torch.int64)
-    out = weighted_gather(values, indices, weights, counts=counts, valid=valid, update_rows=rows, backend=backend)
+    if sparse:
+        out, sink = gather_into_rows(values, indices, weights, rows, counts=counts, valid=valid, backend=backend)
+    else:
+        out = weighted_gather(values, indices, weights, counts=counts, valid=valid, backend=backend)
     grad = torch.randn(out.shape[1], out.shape[0]).t()  # a strided incoming gradient too
     out.backward(grad)
     ref_values, ref_weights = values.detach().double().requires_grad_(), weights.detach().double().requires_grad_()
     weighted_gather_reference(ref_values, indices, ref_weights).backward(grad.double())
     assert rel_err(out, weighted_gather_reference(values.double(), indices, weights.double())) < TOL[torch.float32]
     assert torch.equal(counts, torch.bincount(indices[valid].flatten(), minlength=50))
-    want_values = ref_values.grad
     if sparse:
-        assert values.grad.is_sparse
-        mask = torch.zeros(50, dtype=torch.bool)
-        mask[rows] = True
-        want_values = want_values * mask.unsqueeze(1)
-    assert rel_err(values.grad, want_values) < TOL[torch.float32]
+        assert values.grad is None
+        assert rel_err(sink.grad, ref_values.grad[rows]) < TOL[torch.float32]
+    else:
+        assert rel_err(values.grad, ref_values.grad) < TOL[torch.float32]
     assert rel_err(weights.grad, ref_weights.grad) < TOL[torch.float32]
 
 
@@ -97,19 +98,16 @@ def test_dense_backward_matches_reference(backend, dtype):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_sparse_backward_is_dense_restricted_to_update_rows(backend, deterministic):
+def test_row_backward_is_the_dense_one_restricted_to_the_rows(backend, deterministic):
     torch.use_deterministic_algorithms(deterministic)
     values, indices, weights = gather_inputs(SHAPES[0], torch.float32, requires_grad=True)
-    rows = torch.cat([indices[:3, 0].unique(), torch.tensor([49])])  # read rows + one maybe unread
-    rows = rows.unique()[torch.randperm(rows.unique().numel())]  # distinct, unsorted
+    rows = torch.cat([indices[:3, 0], torch.tensor([49])]).unique()  # read rows + one maybe unread, ascending
     grad = torch.randn(indices.shape[0], values.shape[1])
     dense = torch.autograd.grad(weighted_gather(values, indices, weights, backend=backend), values, grad)[0]
-    out = weighted_gather(values, indices, weights, update_rows=rows, backend=backend)
-    sparse, grad_weights = torch.autograd.grad(out, (values, weights), grad)
-    assert sparse.layout == torch.sparse_coo and sparse.is_coalesced()
-    assert torch.equal(sparse.indices()[0], rows.sort().values), "exactly the update rows, nothing else"
-    assert sparse.values().shape == (rows.numel(), values.shape[1])
-    assert rel_err(sparse.to_dense()[rows], dense[rows]) < 1e-6
+    out, sink = gather_into_rows(values, indices, weights, rows, backend=backend)
+    (grad_weights,) = torch.autograd.grad(out, (weights,), grad)
+    assert sink.grad.shape == (rows.numel(), values.shape[1])
+    assert rel_err(sink.grad, dense[rows]) < 1e-6
     expected_weights = torch.autograd.grad(weighted_gather_reference(values, indices, weights), weights, grad)[0]
     assert rel_err(grad_weights, expected_weights) < 1e-5
 
@@ -124,25 +122,25 @@ class _LargestAllocation(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and not t.is_sparse:
+            if isinstance(t, torch.Tensor):
                 self.largest = max(self.largest, t.numel())
         return out
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_sparse_backward_never_allocates_dense_gradient(backend, deterministic):
+def test_row_backward_never_allocates_dense_gradient(backend, deterministic):
     torch.use_deterministic_algorithms(deterministic)
     num_rows, dim = 20_000, 16
     values = torch.randn(num_rows, dim, requires_grad=True)
     indices = torch.randint(0, num_rows, (9, 6))
     weights = torch.rand(9, 6)
     rows = indices[:2].flatten().unique()
-    out = weighted_gather(values, indices, weights, update_rows=rows, backend=backend)
+    out, sink = gather_into_rows(values, indices, weights, rows, backend=backend)
     recorder = _LargestAllocation()
     with recorder:
-        (grad,) = torch.autograd.grad(out, values, torch.randn_like(out))
-    assert grad.is_sparse
+        out.backward(torch.randn_like(out))
+    assert values.grad is None and sink.grad.shape == (rows.numel(), dim)
     assert recorder.largest < num_rows * dim // 4, f"a {recorder.largest}-element buffer was allocated"
 
 
@@ -206,8 +204,9 @@ def test_out_of_range_indices_raise():
     with pytest.raises(IndexError, match="indices must lie in"):
         weighted_gather(values, indices, weights)
     indices[3, 2] = 0
+    out, _ = gather_into_rows(values.requires_grad_(), indices, weights, torch.tensor([0, 50]))
     with pytest.raises(IndexError, match="update_rows must lie in"):
-        weighted_gather(values, indices, weights, update_rows=torch.tensor([0, 50]))
+        out.sum().backward()
 
 
 @pytest.mark.parametrize(
@@ -222,14 +221,12 @@ def test_out_of_range_indices_raise():
         (dict(counts=torch.zeros(50, dtype=torch.int64), valid=torch.ones(36, dtype=torch.bool)), ValueError,
          r"valid must have shape \(N,\)"),
         (dict(valid=torch.ones(37, dtype=torch.bool)), ValueError, "pass counts too"),
-        (dict(update_rows=torch.tensor([3, 5, 3])), ValueError, "distinct"),
-        (dict(update_rows=torch.tensor([[3]])), ValueError, r"update_rows must have shape \(T,\)"),
+        (dict(update_rows=torch.tensor([3, 5])), TypeError, r"update_rows was removed: .* grad_sink="),
+        (dict(grad_sink=torch.tensor([3, 5])), TypeError, "grad_sink must be a GradientSink or None, got Tensor"),
         (dict(weights=torch.rand(37, 8, device="meta")), ValueError, "same device"),
     ],
 )
 def test_bad_arguments_raise(change, error, match):
-    if match == "distinct" and torch.get_default_device().type != "cpu":
-        pytest.skip("off CPU the distinct-rows check is a device-side assertion, which ends the CUDA context")
     values, indices, weights = gather_inputs(SHAPES[0], torch.float32)
     args = dict(values=values, indices=indices, weights=weights)
     args.update(change)
@@ -321,23 +318,28 @@ def test_row_backward_is_bit_reproducible_and_one_path(update_rows):
     indices[:, :3] = 3  # a hot row
     grad = torch.randn(indices.shape[0], values.shape[1])
 
-    out = weighted_gather(values, indices, weights, update_rows=update_rows, backend="triton")
+    rows = None if update_rows is None else update_rows.sort().values
+    if rows is None:
+        out = weighted_gather(values, indices, weights, backend="triton")
+    else:
+        out, sink = gather_into_rows(values, indices, weights, rows, backend="triton")
 
     def run():  # the backward alone (the interpreter's forward costs seconds)
-        grad_values, grad_weights = torch.autograd.grad(out, (values, weights), grad, retain_graph=True)
-        return grad_values.to_dense(), grad_weights
+        if rows is None:
+            return torch.autograd.grad(out, (values, weights), grad, retain_graph=True)
+        sink.grad.zero_()
+        (grad_weights,) = torch.autograd.grad(out, (weights,), grad, retain_graph=True)
+        return sink.grad.clone(), grad_weights
 
     first, second = run(), run()
     torch.use_deterministic_algorithms(True)
     deterministic = run()
     torch.use_deterministic_algorithms(False)
-    by_row_id = _triton_backward(grad, values.detach(), indices, weights.detach(),
-                                 None if update_rows is None else update_rows.sort().values, True, True,
+    by_row_id = _triton_backward(grad, values.detach(), indices, weights.detach(), rows, True, True,
                                  heavy_rows_first=False)
     for got in (second, deterministic):
         assert all(torch.equal(a, b) for a, b in zip(first, got))
-    kept = first[0] if update_rows is None else first[0][update_rows.sort().values]
-    assert torch.equal(kept, by_row_id[0]) and torch.equal(first[1], by_row_id[1])
+    assert torch.equal(first[0], by_row_id[0]) and torch.equal(first[1], by_row_id[1])
 
 
 @needs_triton

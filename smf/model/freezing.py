@@ -30,7 +30,7 @@ def configure_trainable(model: nn.Module, stage: str) -> dict[str, int]:
     - ``retrofit``: every memory parameter (query, keys, values, gate, out; alpha in additive
       modes) trains, everything else is frozen.
     - ``sparse``: only memory values train (plus alpha in mode ``additive+s``); which value rows
-      move each step is the trainer's business (ProductKeyMemory.set_update_rows).
+      move each step is the trainer's business (SparseMemoryController, through ProductKeyMemory.set_grad_sink).
     - ``full``: every parameter trains (full-finetune baseline), memories included when the model holds
       some (a baseline from the same checkpoint as the sparse runs; their values get dense gradients).
     """

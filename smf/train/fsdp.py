@@ -106,9 +106,9 @@ class FSDPStep(StepHooks):
     def after_forward(self) -> None:
         self.inner.after_forward()
 
-    def finish_step(self, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> None:
+    def finish_step(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float) -> None:
         average_gradients(self._replicated)
-        self.inner.finish_step(optimizer, max_grad_norm)
+        self.inner.finish_step(optimizer, max_grad_norm=max_grad_norm)
 
     def step_log(self) -> dict:
         return self.inner.step_log()

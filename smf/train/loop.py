@@ -119,7 +119,7 @@ def run_step(wrapped: nn.Module, setup: TrainingSetup, scheduler, micro_batches:
             setup.step.after_forward()
             (loss * ((1 if per_micro_batch else world.size) / max(tokens, 1))).backward()
         loss_sum += loss.detach()
-    setup.step.finish_step(setup.optimizer, config.max_grad_norm)
+    setup.step.finish_step(setup.optimizer, max_grad_norm=config.max_grad_norm)
     scheduler.step()
     return loss_sum
 

@@ -27,7 +27,7 @@ from smf.model.precision import authors_bf16_weights, cast_like_the_authors
 from smf.train.config import RunConfig
 from smf.train.distributed import World
 from smf.train.sharding import ShardedDenseStep, shard_model_memories
-from smf.train.steps import AblationStep, DenseStep, SparseStep, StepHooks, bf16_autocast
+from smf.train.steps import DenseStep, MemoryUpdateStep, StepHooks, bf16_autocast
 from smf_kernels.sparse import (AuthorsSparseUpdate, BackgroundStats, DenseMaskedUpdate, RowSparseAdamW,
                                  RowSparseSGD, SparseMemoryController)
 
@@ -132,15 +132,11 @@ def build_setup(config: RunConfig, world: World) -> TrainingSetup:
             raise ConfigError("--update authors runs in one process (the authors' single-GPU update); "
                               "drop torchrun or choose --update exact")
         update = UPDATES[config.update][0](model, rule=config.rule, rows_per_step=config.rows_per_step)
-        if config.update == "exact":
-            step = SparseStep(update, bf16_autocast(config.bf16, world.device), compiled=config.compile,
-                              world=world.size, step_tokens=config.global_batch_size // world.size * config.max_length)
-        else:
-            step = AblationStep(update)
-        controller = step.controller
+        step = MemoryUpdateStep(update, bf16_autocast(config.bf16, world.device), compiled=config.compile,
+                                world=world.size,
+                                step_tokens=config.global_batch_size // world.size * config.max_length)
         try:
-            controller.set_background(BackgroundStats.load(resolve_background_file(config.background),
-                                                           controller.memories))
+            update.set_background(BackgroundStats.load(resolve_background_file(config.background), update.memories))
         except ValueError as err:
             raise ConfigError(f"--background: {err}") from err
     elif recipe == "lora":

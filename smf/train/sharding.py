@@ -24,7 +24,6 @@ from smf.train.distributed import World, barrier
 from smf.train.steps import DenseStep
 from smf_kernels.sharded import ddp_ignored_names, shard_memories
 from smf_kernels.sharded.checkpoint import load_shards, save_shard, sharded_parameters
-from smf_kernels.sparse import clip_grad_norm_
 
 logger = logging.getLogger(__name__)
 
@@ -40,11 +39,11 @@ def shard_model_memories(model: nn.Module, world: World) -> None:
 
 class ShardedDenseStep(DenseStep):
     """:class:`DenseStep` on sharded memories: their value shards stay out of DDP (their gradients are averaged
-    by the sharded read) and the clipping norm is the whole tables' (:func:`smf_kernels.sparse.clip_grad_norm_`)."""
-
-    clip = staticmethod(clip_grad_norm_)
+    by the sharded read); the clipping norm is the whole tables' (the finishing sequence sums a shard's squares
+    over its group)."""
 
     def __init__(self, model: nn.Module) -> None:
+        super().__init__()
         self._ignored = ddp_ignored_names(model)
 
     def ddp_ignored_names(self) -> list[str]:

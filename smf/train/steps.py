@@ -5,23 +5,28 @@ The trainer's step (:func:`smf.train.loop.run_step`) is the same for every recip
     hooks.begin_step(model, micro_batches)
     for batch in micro_batches:
         loss = forward(batch); hooks.after_forward(); loss.backward()
-    hooks.finish_step(optimizer, max_grad_norm); scheduler.step()
+    hooks.finish_step(optimizer, max_grad_norm=max_grad_norm); scheduler.step()
 
-:class:`DenseStep` (retrofit, lora, full) clips and steps; :class:`SparseStep` drives a
-:class:`SparseMemoryController` (the exact update: rows selected once per step from all its micro-batches,
-docs/method.md#the-sparse-update-exact-default-and-the-authors-ablation) and :class:`AblationStep` the
-dense-masked or the authors' update (:mod:`smf_kernels.sparse.ablations`).
+``after_forward()`` and ``finish_step(optimizer, *, max_grad_norm)`` are the sparse steps' own
+(:class:`smf_kernels.sparse.MemoryStep`); ``begin_step`` also takes the model and the micro-batches, from which
+the hooks plan the step's fill and run its counting forward (the library's ``begin_step`` takes the planned fill).
+
+:class:`DenseStep` (retrofit, lora, full) checks, clips and steps; :class:`MemoryUpdateStep` drives any
+:class:`~smf_kernels.sparse.MemoryStep` (``--update``: the exact update, :class:`SparseMemoryController`, or an
+ablation, :mod:`smf_kernels.sparse.ablations`). Every step ends in the one finishing sequence
+(:meth:`smf_kernels.sparse.RowGradients.apply`: non-finite check, clip, step, zero), the dense one with no rows.
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from smf.model.precision import bf16_enabled
 from smf.errors import ConfigError
-from smf_kernels.sparse import (AuthorsSparseUpdate, DenseMaskedUpdate, NonFiniteGradientError,
-                                 SparseMemoryController, rows_moved_outside)
-from smf_kernels.sparse.fill import Fill, plan_fill
+from smf_kernels.sparse import (MemoryStep, NonFiniteGradientError, RowGradients, SparseMemoryController,
+                                 rows_moved_outside)
+from smf_kernels.sparse.controller import FillPlan
 
 
 def bf16_autocast(setting: str, device: torch.device):
@@ -44,7 +49,7 @@ class StepHooks:
     def after_forward(self) -> None:
         """Between a micro-batch's forward and its backward."""
 
-    def finish_step(self, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> None:
+    def finish_step(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float) -> None:
         """After the step's last backward: clip, step and zero the gradients."""
         raise NotImplementedError
 
@@ -53,36 +58,70 @@ class StepHooks:
         return {}
 
 
-class DenseStep(StepHooks):
-    """Every trainable parameter steps: clip the global gradient norm (``clip``, torch's by default), step, zero
-    the gradients."""
-
-    clip = staticmethod(torch.nn.utils.clip_grad_norm_)
-
-    def finish_step(self, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> None:
-        self.clip([p for group in optimizer.param_groups for p in group["params"]], max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-
 def _diverged(err: NonFiniteGradientError) -> ConfigError:
     return ConfigError(f"training diverged: the step's gradient of {', '.join(err.names)} holds inf or NaN (nothing "
                        "was updated); lower --lr or --max-grad-norm, or check the data")
 
 
-class _RowUpdateStep(StepHooks):
-    """A step whose ``controller`` selects and updates value rows: the rows it updated are kept for the log, and
-    a non-finite gradient ends the run with one line."""
+class DenseStep(StepHooks):
+    """Every trainable parameter steps, through the sparse steps' finishing sequence with no rows
+    (:meth:`smf_kernels.sparse.RowGradients.apply`): a non-finite gradient on any process ends the run with one
+    line (nothing updated), the global norm is clipped (a sharded memory's column shard and an FSDP shard counting
+    as the whole parameter), the optimizer steps, the gradients are zeroed."""
 
-    controller: SparseMemoryController | DenseMaskedUpdate | AuthorsSparseUpdate
-    rows: dict[str, torch.Tensor]
+    def __init__(self) -> None:
+        self._names: dict[int, str] = {}
+
+    def begin_step(self, model: nn.Module, micro_batches: list[dict]) -> None:
+        self._names = {id(p): name for name, p in model.named_parameters()}  # for a non-finite gradient's line
+
+    def finish_step(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float) -> None:
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        try:
+            RowGradients({}, self._names, {}, world=world).apply(optimizer, max_grad_norm=max_grad_norm)
+        except NonFiniteGradientError as err:
+            raise _diverged(err) from None
+
+
+class MemoryUpdateStep(StepHooks):
+    """The sparse recipe's step, for every ``--update``: ``update`` (a :class:`~smf_kernels.sparse.MemoryStep`)
+    plans each step's fill (:meth:`~smf_kernels.sparse.MemoryStep.plan`, from its micro-batches, ``compiled``,
+    the processes ``world`` and the most tokens a step holds on a process, ``step_tokens``: global batch /
+    processes x max length, a bound every process shares), begins it, runs the counting forward the plan asks
+    for (``model`` without grad, under the trainer's ``autocast``), and finishes it with ``finish_step``. The
+    rows it updated are kept for the log; a non-finite gradient ends the run with one line. An ablation's log also
+    counts the value rows that moved without being selected (from a copy of the tables made at each step's
+    start); the exact update's is 0 by construction (tests/test_sparse_exact.py), so no copy is made."""
+
+    def __init__(self, update: MemoryStep, autocast, compiled: bool = False, world: int = 1,
+                 step_tokens: int | None = None) -> None:
+        self.update, self.autocast, self.compiled, self.world = update, autocast, compiled, world
+        self.step_tokens = step_tokens
+        self.rows: dict[str, torch.Tensor] = {}
+        self._measure_leak = not isinstance(update, SparseMemoryController)
+        self._before: dict[str, torch.Tensor] = {}  # layer -> (M, D) values at the start of the step (ablations)
 
     def ddp_ignored_names(self) -> list[str]:
-        return self.controller.ddp_ignored_names()  # the controller reduces the memory values itself
+        return self.update.ddp_ignored_names()  # the update reduces the memory values itself
 
-    def finish_step(self, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> None:
+    def begin_step(self, model: nn.Module, micro_batches: list[dict]) -> None:
+        if self._measure_leak:
+            self._before = {name: memory.values.detach().clone() for name, memory in self.update.memories.items()}
+        plan: FillPlan = self.update.plan(len(micro_batches), compiled=self.compiled, world=self.world,
+                                          step_tokens=self.step_tokens)
+        self.update.begin_step(plan)
+        if plan.counting_forward:
+            with torch.no_grad(), self.autocast():
+                for batch in micro_batches:
+                    model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+            self.update.select_rows()
+
+    def after_forward(self) -> None:
+        self.update.after_forward()
+
+    def finish_step(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float) -> None:
         try:
-            self.rows = self.controller.finish_step(optimizer, max_grad_norm=max_grad_norm)
+            self.rows = self.update.finish_step(optimizer, max_grad_norm=max_grad_norm)
         except NonFiniteGradientError as err:
             raise _diverged(err) from None
 
@@ -91,58 +130,7 @@ class _RowUpdateStep(StepHooks):
                 "rows_moved_outside": self.rows_moved_outside()}
 
     def rows_moved_outside(self) -> int:
-        return 0
-
-
-class SparseStep(_RowUpdateStep):
-    """The exact sparse update (``--update exact``, :class:`SparseMemoryController`), each step filled as
-    :func:`smf_kernels.sparse.fill.plan_fill` decides from its micro-batches, ``compiled``, the processes
-    (``world``) and the most tokens a step holds on a process (``step_tokens``: global batch / processes x max
-    length, a bound every process shares). A counting forward runs ``model`` without grad, under the trainer's
-    ``autocast``. ``rows_moved_outside`` is 0 by construction (tests/test_sparse_exact.py), so no copy of the
-    tables is made.
-    """
-
-    def __init__(self, controller: SparseMemoryController, autocast, compiled: bool = False, world: int = 1,
-                 step_tokens: int | None = None) -> None:
-        self.controller, self.autocast, self.compiled, self.world = controller, autocast, compiled, world
-        self.step_tokens = step_tokens
-        self.slots = min(memory.num_slots for memory in controller.memories.values())
-        self.rows: dict[str, torch.Tensor] = {}
-        self._fill = Fill(rows_first=False)
-
-    def begin_step(self, model: nn.Module, micro_batches: list[dict]) -> None:
-        self._fill = plan_fill(len(micro_batches), compiled=self.compiled, world=self.world,
-                               step_tokens=self.step_tokens, slots=self.slots)
-        self.controller.begin_step(select_before_backward=self._fill.rows_first)
-        if self._fill.counting_forward:
-            with torch.no_grad(), self.autocast():
-                for batch in micro_batches:
-                    model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-            self.controller.select_rows()
-
-    def after_forward(self) -> None:
-        if self._fill.select_after_forward:
-            self.controller.select_rows()
-
-
-class AblationStep(_RowUpdateStep):
-    """An ablation of the exact update (``--update dense_masked``: :class:`DenseMaskedUpdate`; ``--update
-    authors``, one process: :class:`AuthorsSparseUpdate`, rows chosen after each micro-batch's forward). Logs
-    the value rows that moved without being selected, from a copy of the tables made at each step's start."""
-
-    def __init__(self, update: DenseMaskedUpdate | AuthorsSparseUpdate) -> None:
-        self.controller = update
-        self._before: dict[str, torch.Tensor] = {}  # layer -> (M, D) values at the start of the step
-        self.rows: dict[str, torch.Tensor] = {}
-
-    def begin_step(self, model: nn.Module, micro_batches: list[dict]) -> None:
-        self._before = {name: memory.values.detach().clone() for name, memory in self.controller.memories.items()}
-        self.controller.begin_step()
-
-    def after_forward(self) -> None:
-        self.controller.after_forward()
-
-    def rows_moved_outside(self) -> int:
-        after = {name: memory.values.detach() for name, memory in self.controller.memories.items()}
+        if not self._measure_leak:
+            return 0
+        after = {name: memory.values.detach() for name, memory in self.update.memories.items()}
         return rows_moved_outside(self._before, after, self.rows)

@@ -1,5 +1,5 @@
 """Weighted gather with read histogram (docs/method.md#the-memory-layer steps 5-6 and read counts) and its
-dense / row-sparse / sink backward: the custom ops of :mod:`smf_kernels.ops._gather_ops` tied together by an
+dense or sink backward: the custom ops of :mod:`smf_kernels.ops._gather_ops` tied together by an
 autograd.Function (torch.library attaches no autograd to the mutating counting op; torch.compile traces the
 Function without graph breaks).
 """
@@ -7,13 +7,21 @@ from __future__ import annotations
 
 import torch
 
-from smf_kernels._checks import FLOAT_DTYPES, check_gather_args, check_gather_values, check_same_device, check_tensor
+from smf_kernels._checks import FLOAT_DTYPES, check_gather_args, check_same_device, check_tensor
 from smf_kernels.backends import resolve_backend
 from smf_kernels.ops import _gather_ops as gather_ops
 
 
+# What replaced ``update_rows`` (a tensor: the removed sparse COO value gradient; a sink: renamed), for the error a
+# caller gets
+COO_REMOVED = ("update_rows was removed: a gradient sink is passed as grad_sink= (ProductKeyMemory.set_grad_sink); "
+               "a tensor of rows, the sparse COO value gradient, is gone: a RowGradSink with the rows set takes their "
+               "compact (T, D) gradient, and SparseMemoryController does this for you "
+               "(docs/method.md#what-sparse-means); for a dense gradient, pass neither")
+
+
 class GradientSink:
-    """Where a backward puts the value gradient instead of a ``.grad``: pass an instance as ``update_rows`` and
+    """Where a backward puts the value gradient instead of a ``.grad``: pass an instance as ``grad_sink`` and
     the gather's backward calls :meth:`backward` for the value gradient and the others
     (:class:`smf_kernels.sparse.RowGradSink` is the one the sparse update uses)."""
 
@@ -28,20 +36,19 @@ class GradientSink:
 
 class _WeightedGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, values, indices, weights, counts, valid, update_rows, gate, backend):
-        ctx.sink = update_rows if isinstance(update_rows, GradientSink) else None
+    def forward(ctx, values, indices, weights, counts, valid, grad_sink, gate, backend):
+        ctx.sink = grad_sink
         ctx.backend = backend
         if counts is None:
             out, read = gather_ops.forward(values, indices, weights, gate, backend)
         else:
             out, read = gather_ops.forward_counted(values, indices, weights, counts, valid, gate, backend)
-        ctx.save_for_backward(values, indices, weights, None if ctx.sink is not None else update_rows, gate,
-                              read if gate is not None else None)
+        ctx.save_for_backward(values, indices, weights, gate, read if gate is not None else None)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        values, indices, weights, update_rows, gate, read = ctx.saved_tensors
+        values, indices, weights, gate, read = ctx.saved_tensors
         grad_out = grad_out.contiguous()
         need_values, need_weights = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
         deterministic = torch.are_deterministic_algorithms_enabled()
@@ -50,17 +57,10 @@ class _WeightedGather(torch.autograd.Function):
             grad_weights, grad_gate = ctx.sink.backward(grad_out, values, indices, weights, gate, read, ctx.backend,
                                                         deterministic, need_weights)
         else:
-            compact, grad_weights, grad_gate, _ = gather_ops.backward(
-                grad_out, values, indices, weights, update_rows, gate, read, ctx.backend, deterministic,
-                need_values, need_weights, False)
-            if need_values:
-                compact = compact.to(values.dtype)
-                if update_rows is None:
-                    grad_values = compact
-                else:  # the nn.Embedding(sparse=True) convention: a COO tensor with T rows
-                    grad_values = torch.sparse_coo_tensor(
-                        update_rows.unsqueeze(0), compact, values.shape, is_coalesced=True, check_invariants=False
-                    )
+            dense, grad_weights, grad_gate, _ = gather_ops.backward(
+                grad_out, values, indices, weights, None, gate, read, ctx.backend, deterministic, need_values,
+                need_weights, False)
+            grad_values = dense.to(values.dtype) if need_values else None
         grad_weights = grad_weights.to(weights.dtype) if need_weights else None
         grad_gate = grad_gate if gate is not None and ctx.needs_input_grad[6] else None
         return grad_values, None, grad_weights, None, None, None, grad_gate, None
@@ -73,9 +73,10 @@ def weighted_gather(
     *,
     counts: torch.Tensor | None = None,
     valid: torch.Tensor | None = None,
-    update_rows: torch.Tensor | GradientSink | None = None,
+    grad_sink: GradientSink | None = None,
     gate: torch.Tensor | None = None,
     backend: str | None = None,
+    **removed,
 ) -> torch.Tensor:
     """``out[n] = sum_l weights[n, l] * values[indices[n, l]]``, with a read histogram.
 
@@ -87,10 +88,10 @@ def weighted_gather(
             place, in the same pass as the gather.
         valid: optional (N,) bool; tokens with ``valid[n] == False`` (padding) are computed but not counted
             (needs ``counts``).
-        update_rows: optional (T,) int64 distinct rows: the gradient w.r.t. ``values`` is then a sparse COO
-            tensor of only these rows (ascending; no dense (M, D) buffer), as ``nn.Embedding(sparse=True)``
-            gives. A :class:`GradientSink` (:class:`smf_kernels.sparse.RowGradSink`) instead takes the value
-            gradient, and ``values`` gets none through autograd. Default: a dense gradient.
+        grad_sink: optional :class:`GradientSink` (:class:`smf_kernels.sparse.RowGradSink`: the (T, D) gradient
+            of a step's selected rows) that takes the value gradient; ``values`` then gets none through autograd.
+            Default: a dense gradient. (``update_rows=``, a sparse COO gradient of some rows, was removed: a
+            TypeError says so.)
         gate: optional (N, D) float tensor, the memory layer's gate: the result is then ``silu(gate) * out`` in
             gate's dtype, in the same op calls (:func:`smf_kernels.ops.silu_mul`); differentiable w.r.t. gate.
         backend: "torch", "triton", "ext" or None (see :mod:`smf_kernels.backends`).
@@ -98,11 +99,13 @@ def weighted_gather(
     Returns:
         (N, D) tensor in values' dtype (gate's with a gate); differentiable w.r.t. values and weights.
     """
-    sink = isinstance(update_rows, GradientSink)
-    if update_rows is not None and not sink:
-        check_tensor("update_rows", update_rows, ndim=1, dtypes=(torch.int64,), shape_doc="(T,)")
-        update_rows = update_rows.sort().values  # sorted once: checked for repeats, and the COO gradient is coalesced
-    check_gather_args(values, indices, weights, counts, valid, None if sink else update_rows)
+    if "update_rows" in removed:
+        raise TypeError(f"weighted_gather: {COO_REMOVED}")
+    if removed:
+        raise TypeError(f"weighted_gather got unexpected keyword arguments {sorted(removed)}")
+    if grad_sink is not None and not isinstance(grad_sink, GradientSink):
+        raise TypeError(f"grad_sink must be a GradientSink or None, got {type(grad_sink).__name__}")
+    check_gather_args(values, indices, weights, counts, valid, None)
     if gate is not None:
         check_tensor("gate", gate, ndim=2, dtypes=FLOAT_DTYPES, shape_doc="(N, D)")
         if gate.shape != (indices.shape[0], values.shape[1]):
@@ -110,12 +113,10 @@ def weighted_gather(
                              f"got {tuple(gate.shape)}")
         check_same_device("values", values, gate=gate)
         gate = gate.contiguous()
-    if update_rows is not None and not sink and not torch.compiler.is_compiling():
-        check_gather_values(values.shape[0], update_rows=update_rows)  # at the call, not only in the backward
     name = resolve_backend(backend, values.device, torch.promote_types(values.dtype, weights.dtype))
     # The backends get the (N, L) and (N,) inputs contiguous whatever the caller's layout (a strided view such as
     # indices[:, ::2], an expanded one): these are small, and ATen's embedding_bag backward, among others, refuses
     # strided indices. values (M, D) and counts (M,), written in place, keep their layout.
     indices, weights = indices.contiguous(), weights.contiguous()
     valid = None if valid is None else valid.contiguous()
-    return _WeightedGather.apply(values, indices, weights, counts, valid, update_rows, gate, name)
+    return _WeightedGather.apply(values, indices, weights, counts, valid, grad_sink, gate, name)

@@ -109,7 +109,7 @@ class ShardedProductKeyMemory(ProductKeyMemory):
             all_valid[start:start + num_tokens] = True if valid is None else valid
         part = weighted_gather(
             AverageGradOverGroup.apply(self.values, shard.size), all_indices, all_weights,
-            counts=self.read_counts if counting else None, valid=all_valid, update_rows=self.update_rows,
+            counts=self.read_counts if counting else None, valid=all_valid, grad_sink=self.grad_sink,
             backend=self.backend,
         )
         read = ExchangeColumns.apply(part, counts, shard)
@@ -147,7 +147,7 @@ class ShardedProductKeyMemory(ProductKeyMemory):
                               for name, param in memory.named_parameters()}, memory.named_buffers())
         for name, param in memory.named_parameters():
             sharded.get_parameter(name).requires_grad_(param.requires_grad)
-        sharded.count_reads, sharded.update_rows = memory.count_reads, memory.update_rows
+        sharded.count_reads, sharded.grad_sink = memory.count_reads, memory.grad_sink
         sharded.train(memory.training)
         return sharded
 

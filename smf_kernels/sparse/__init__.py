@@ -12,36 +12,43 @@ Usage (stage 2; only the memory values, plus e.g. a +S scale, are trainable)::
     # or RowSparseSGD(...): plain SGD on the selected rows (docs/method.md#the-row-optimizer-and-alphas-rate)
 
     for step_batches in loader:                            # one optimizer step
-        controller.begin_step()                            # backwards keep their reads
+        controller.begin_step()                            # fill "reads_kept": backwards keep their reads
         for micro_batch in step_batches:                   # gradient accumulation
             (compute_loss(model, micro_batch) / len(step_batches)).backward()
         rows = controller.finish_step(optimizer, max_grad_norm=1.0)  # {layer name: rows}
         scheduler.step()
 
-    # One micro-batch per step: select before the backward, which then writes only the T rows' (T, D) gradient
-    controller.begin_step(select_before_backward=True)
+    # One micro-batch per step: fill "rows_first", the rows selected between the forward and the backward, which
+    # then writes only the T rows' (T, D) gradient (controller.plan(1) gives this plan; after_forward() selects)
+    controller.begin_step(controller.plan(1))
     loss = compute_loss(model, batch)
-    controller.select_rows()
+    controller.after_forward()
     loss.backward()
     controller.finish_step(optimizer, max_grad_norm=1.0)
 
-The controller holds no state that changes during training (resume = same background file + optimizer
-state_dict); DDP: see :mod:`smf_kernels.sparse.controller`. The ablations: :mod:`smf_kernels.sparse.ablations`.
+The whole step (its protocol, its two fills, :func:`plan_fill`, the finishing sequence :meth:`RowGradients.apply`):
+:mod:`smf_kernels.sparse.controller`; the ablations beside it: :mod:`smf_kernels.sparse.ablations`. The controller
+holds no state that changes during training (resume = same background file + optimizer state_dict).
 """
 from smf_kernels.sparse.ablations import AuthorsSparseUpdate, DenseMaskedUpdate, rows_moved_outside
 from smf_kernels.sparse.background import BackgroundStats
-from smf_kernels.sparse.clipping import clip_grad_norm_
-from smf_kernels.sparse.controller import MemoryStep, RowGradients, SparseMemoryController
-from smf_kernels.sparse.row_grad_sink import RowGradSink
+from smf_kernels.sparse.clipping import clip_sharded_grad_norm_
+from smf_kernels.sparse.controller import (FillPlan, MemoryStep, RowGradients, SparseMemoryController, StepResult,
+                                           plan_fill)
+from smf_kernels.sparse.row_grad_sink import FILLS, READS_KEPT, ROWS_FIRST, RowGradSink
 from smf_kernels.sparse.row_sparse_adamw import RowSparseAdamW
 from smf_kernels.sparse.row_sparse_sgd import RowSparseSGD
 from smf_kernels.sparse.selection import kl_scores, score_slots, select_top_rows, tfidf_scores
 from smf_kernels.sparse.step_checks import NonFiniteGradientError, StepMisuseError
 
 __all__ = [
+    "FILLS",
+    "READS_KEPT",
+    "ROWS_FIRST",
     "AuthorsSparseUpdate",
     "BackgroundStats",
     "DenseMaskedUpdate",
+    "FillPlan",
     "MemoryStep",
     "NonFiniteGradientError",
     "RowGradSink",
@@ -50,10 +57,26 @@ __all__ = [
     "RowSparseSGD",
     "SparseMemoryController",
     "StepMisuseError",
-    "clip_grad_norm_",
+    "StepResult",
+    "clip_sharded_grad_norm_",
     "kl_scores",
+    "plan_fill",
     "rows_moved_outside",
     "score_slots",
     "select_top_rows",
     "tfidf_scores",
 ]
+
+# Public names that were removed, with what replaced them (the error a caller of the old name gets).
+_REMOVED = {
+    "clip_grad_norm_": "smf_kernels.sparse.clip_grad_norm_ was removed with the sparse COO gradients it understood "
+                       "(it shadowed torch's name with other semantics): use torch.nn.utils.clip_grad_norm_, or "
+                       "clip_sharded_grad_norm_ for memories split by smf_kernels.sharded (the whole table's norm); "
+                       "the sparse update clips with the rows in the norm itself (RowGradients.apply)",
+}
+
+
+def __getattr__(name: str):
+    if name in _REMOVED:  # an ImportError: ``from smf_kernels.sparse import name`` shows the message too
+        raise ImportError(_REMOVED[name])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

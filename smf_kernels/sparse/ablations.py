@@ -15,10 +15,13 @@ every index, sparse_memory.py:29-33); right after that forward the top-T rows ar
 (a tensor hook, sparse_memory.py:107-117) and gradients accumulate. Then global-norm clipping and a dense AdamW
 step, so a step can touch up to (micro-batches x T) rows.
 
-Both refuse misuse and treat non-finite gradients as the exact update does (:mod:`smf_kernels.sparse.step_checks`):
-their backwards write the dense value gradient into a :class:`DenseGradSink`, not ``.grad``, so a value gradient
-made by a forward run before ``begin_step()`` is refused at the step's end as the exact update refuses it, and a
-step with no backward moves no value row (the table gets no ``.grad``, which a dense optimizer leaves alone).
+Both follow the exact update's protocol (:mod:`smf_kernels.sparse.controller`: ``begin_step``,
+``after_forward``, ``end_step`` returning :class:`~smf_kernels.sparse.RowGradients` whose ``apply`` is the one
+finishing sequence; the values' masked dense gradient is their ``.grad`` there), refuse misuse and treat
+non-finite gradients as it does (:mod:`smf_kernels.sparse.step_checks`): their backwards write the dense value
+gradient into a :class:`DenseGradSink`, not ``.grad``, so a value gradient made by a forward run before
+``begin_step()`` is refused at the step's end as the exact update refuses it, and a step with no backward moves no
+value row (the table gets no ``.grad``, which a dense optimizer leaves alone).
 """
 from __future__ import annotations
 
@@ -29,10 +32,9 @@ from torch import nn
 
 from smf_kernels.ops import _gather_ops as gather_ops
 from smf_kernels.ops.weighted_gather import GradientSink
-from smf_kernels.sparse import step_checks
 from smf_kernels.sparse.background import BackgroundStats
-from smf_kernels.sparse.clipping import check_max_norm, clip_grad_norm_
-from smf_kernels.sparse.controller import MemoryStep
+from smf_kernels.sparse.controller import FillPlan, MemoryStep, RowGradients
+from smf_kernels.sparse.row_grad_sink import READS_KEPT
 from smf_kernels.sharded.layout import gradient_copies
 
 
@@ -71,31 +73,20 @@ class DenseGradSink(GradientSink):
 class DenseMaskedUpdate(MemoryStep):
     """The exact update's selection with a masked dense gradient and a dense optimizer (see the module docstring).
 
-    Arguments as :class:`~smf_kernels.sparse.SparseMemoryController` (both are :class:`MemoryStep` kinds); use:
-    ``begin_step()``, the step's forwards and backwards, ``finish_step(optimizer, max_grad_norm=...)`` with
-    ``torch.optim.AdamW`` over the values. Under DDP the values are reduced here (``ddp_ignored_names``).
+    Arguments as :class:`~smf_kernels.sparse.SparseMemoryController` (both are :class:`MemoryStep` kinds, with
+    its protocol); ``finish_step(optimizer, max_grad_norm=...)`` with ``torch.optim.AdamW`` over the values.
+    Fill: reads kept only (it selects at the step's end). Under DDP the values are reduced here
+    (``ddp_ignored_names``).
     """
 
-    def begin_step(self, *, select_before_backward: bool = False) -> None:
-        """Start a step: zero and count reads; the backwards write dense value gradients into the step's sinks.
-        ``select_before_backward=True`` (the exact update's fill) is refused: this update selects at the end."""
-        if select_before_backward:
-            raise ValueError("select_before_backward is the exact update's; this update selects at the step's end")
-        self._begin()
-
-    def _make_sink(self, name: str, values: nn.Parameter) -> DenseGradSink:
+    def _make_sink(self, name: str, values: nn.Parameter, fill: str) -> DenseGradSink:
         return DenseGradSink(values.device)
 
-    def after_forward(self) -> None:
-        """Nothing to do between a forward and its backward (the rows are chosen at the step's end)."""
-
-    def finish_step(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None
-                    ) -> dict[str, torch.Tensor]:
-        """Select, mask every unselected row of the (rank-averaged) dense value gradients, check for inf / NaN,
-        clip, step ``optimizer`` (dense), zero gradients. Returns layer -> (T',) selected rows (ascending); none for
-        a layer no backward of the step reached (it gets no gradient, so nothing of it moves)."""
-        max_grad_norm = None if max_grad_norm is None else check_max_norm(max_grad_norm)
-        self._check_can_end("finish_step")
+    def end_step(self) -> RowGradients:
+        """Select from the step's counts; each value table's ``.grad`` := its (rank-averaged) dense gradient with
+        every unselected row zeroed. Selected rows: none for a layer no backward of the step reached (it gets no
+        gradient, so nothing of it moves)."""
+        self._check_can_end("end_step")
         counts = self._step_counts()
         reached = self._reached()  # on any rank: every rank reduces the same tables
         selected = {}
@@ -115,24 +106,7 @@ class DenseMaskedUpdate(MemoryStep):
             keep[selected[name]] = True
             values.grad.mul_(keep.unsqueeze(1).to(values.grad.dtype))
         self._close()
-        return self._dense_step(optimizer, max_grad_norm, selected, clip_grad_norm_)
-
-    def _dense_step(self, optimizer, max_grad_norm, selected, clip) -> dict[str, torch.Tensor]:
-        """Check every gradient for inf / NaN (``nonfinite``), clip with ``clip``, step, zero gradients."""
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        bad = step_checks.nonfinite_names([(names.get(id(p), "a parameter"), p.grad) for p in params
-                                           if p.grad is not None])
-        if bad:
-            optimizer.zero_grad(set_to_none=True)
-            step_checks.handle_nonfinite(bad, self.nonfinite)
-            self.skipped_steps += 1
-            return {name: rows[:0] for name, rows in selected.items()}
-        if max_grad_norm is not None:
-            clip(params, max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return selected
+        return self._gradients({}, selected)
 
 
 def _count_padding_too(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -140,12 +114,12 @@ def _count_padding_too(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tu
     return args, {**kwargs, "valid_mask": None}
 
 
-class AuthorsSparseUpdate(DenseMaskedUpdate):
+class AuthorsSparseUpdate(MemoryStep):
     """Per-micro-batch row selection with a masked dense gradient (see the module docstring). One process.
 
-    Arguments as :class:`SparseMemoryController` (rule "kl" by default; T rows per layer per micro-batch). Use:
-    ``begin_step()``; per micro-batch forward, ``after_forward()``, backward; ``finish_step(optimizer,
-    max_grad_norm=...)`` with a dense optimizer.
+    Arguments as :class:`SparseMemoryController` (rule "kl" by default; T rows per layer per micro-batch), the
+    same protocol: ``begin_step()``; per micro-batch forward, ``after_forward()`` (selects), backward;
+    ``finish_step(optimizer, max_grad_norm=...)`` with a dense optimizer. Fill: reads kept only.
     """
 
     def __init__(self, model: nn.Module, *, rule: str = "kl", rows_per_step: int = 512,
@@ -156,14 +130,15 @@ class AuthorsSparseUpdate(DenseMaskedUpdate):
         self._used_rows: dict[str, torch.Tensor] = {}  # layer -> (M,) bool: selected by a micro-batch of the step
         self._handles: list[Any] = []
 
-    def begin_step(self, *, select_before_backward: bool = False) -> None:
-        """Start an optimizer step: dense value gradients, masked by each micro-batch's selection."""
-        super().begin_step(select_before_backward=select_before_backward)
+    def begin_step(self, fill: str | FillPlan = READS_KEPT, **removed) -> None:
+        """:meth:`MemoryStep.begin_step`; dense value gradients, masked by each micro-batch's selection, and reads
+        counted with padding (as the authors count them)."""
+        super().begin_step(fill, **removed)
         self._used_rows = {name: torch.zeros_like(mask) for name, mask in self._masks.items()}
         for memory in self.memories.values():
             self._handles.append(memory.register_forward_pre_hook(_count_padding_too, with_kwargs=True))
 
-    def _make_sink(self, name: str, values: nn.Parameter) -> DenseGradSink:
+    def _make_sink(self, name: str, values: nn.Parameter, fill: str) -> DenseGradSink:
         return DenseGradSink(values.device, mask=self._masks[name])  # the mask of the micro-batch being backwarded
 
     def _close(self) -> None:
@@ -172,35 +147,29 @@ class AuthorsSparseUpdate(DenseMaskedUpdate):
         self._handles.clear()
         super()._close()
 
-    def after_forward(self) -> dict[str, torch.Tensor]:
+    def after_forward(self) -> None:
         """Select each layer's rows from the counts of the micro-batch forward just run (before its
-        backward), then zero the counts for the next micro-batch. Returns layer -> (T',) rows."""
-        if not self._in_step:
-            raise step_checks.not_begun("after_forward")
-        selected = {}
+        backward), then zero the counts for the next micro-batch."""
+        super().after_forward()
         for name, memory in self.memories.items():
             rows, valid = self._padded_selection(name, memory.read_counts)
-            selected[name] = rows[valid]
             self._masks[name].zero_()
-            self._masks[name][selected[name]] = True
-            self._used_rows[name][selected[name]] = True
+            self._masks[name][rows[valid]] = True
+            self._used_rows[name][rows[valid]] = True
             memory.reset_read_counts()
-        return selected
 
-    def finish_step(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None
-                    ) -> dict[str, torch.Tensor]:
-        """Check for inf / NaN, clip, step ``optimizer`` (dense), zero gradients. Returns layer -> rows selected by
-        any micro-batch of the step ((R,) int64, ascending); none for a layer no backward reached (it gets no
-        gradient, so nothing of it moves)."""
-        max_grad_norm = None if max_grad_norm is None else check_max_norm(max_grad_norm)
-        self._check_can_end("finish_step")
+    def end_step(self) -> RowGradients:
+        """Each value table's ``.grad`` := its masked dense gradient summed over the step's micro-batches.
+        Selected rows: those any micro-batch of the step selected ((R,) int64, ascending); none for a layer no
+        backward reached (it gets no gradient, so nothing of it moves)."""
+        self._check_can_end("end_step")
         rows = {}
         for name, memory in self.memories.items():
             memory.values.grad = self._sinks[name].grad
             used = self._used_rows[name] if memory.values.grad is not None else torch.zeros_like(self._masks[name])
             rows[name] = used.nonzero().squeeze(1)
         self._close()
-        return self._dense_step(optimizer, max_grad_norm, rows, torch.nn.utils.clip_grad_norm_)
+        return self._gradients({}, rows)
 
 
 def rows_moved_outside(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor],

@@ -70,7 +70,7 @@ def collect_background(model: nn.Module, batches: Iterable, *, forward: Callable
     stats = BackgroundStats.for_memories(memories)
     total = max_batches if max_batches is not None else (len(batches) if hasattr(batches, "__len__") else None)
     for memory in memories.values():
-        memory.set_update_rows(None)
+        memory.set_grad_sink(None)
         memory.set_read_counting(True)
     try:
         with _eval_mode(model):

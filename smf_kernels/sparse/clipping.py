@@ -1,4 +1,4 @@
-"""Global-norm gradient clipping that understands sparse COO gradients."""
+"""Global-norm gradient clipping over every gradient of a step, a sharded table counting as the whole table."""
 from __future__ import annotations
 
 import math
@@ -26,16 +26,12 @@ def check_max_norm(max_norm: object) -> float:
     return value
 
 
-def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float) -> torch.Tensor:
-    """Scale all gradients in place so that their joint L2 norm is at most ``max_norm``.
-
-    Like ``torch.nn.utils.clip_grad_norm_`` (norm_type 2), but a sparse COO
-    gradient counts with the norm of its values after coalescing (duplicate
-    entries of an uncoalesced gradient are summed first, as the optimizer sees
-    them); sparse gradients are replaced by their coalesced form. A column shard of a sharded value table
-    (:mod:`smf_kernels.sharded`) counts with the norm of the whole table's gradient: the shards' squared
-    norms are summed over its group (one all_reduce per shard; every rank of the group must clip
-    together). No host sync.
+def clip_sharded_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float) -> torch.Tensor:
+    """Scale all (dense) gradients in place so that their joint L2 norm is at most ``max_norm``, a column shard of
+    a sharded value table (:mod:`smf_kernels.sharded`) counting with the norm of the whole table's gradient: the
+    shards' squared norms are summed over its group (one all_reduce per shard; every rank of the group must clip
+    together). Otherwise ``torch.nn.utils.clip_grad_norm_`` (norm_type 2), whose name it leaves alone: that one
+    would take a shard's norm for the table's. No host sync. ``max_norm``: :func:`check_max_norm`.
 
     Returns:
         The total norm before clipping, a 0-d tensor: float32, or float64 (the norm taken in float64)
@@ -43,21 +39,13 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
-    max_norm = check_max_norm(max_norm)
-    scaled = []  # the tensors to scale: dense grads, and the values of coalesced sparse grads
-    shards = []  # for each of them: the ColumnShard of a table split over ranks, else None
-    for param in parameters:
-        if param.grad is None:
-            continue
-        if param.grad.is_sparse:
-            param.grad = param.grad.coalesce()
-            scaled.append(param.grad.values())
-        else:
-            scaled.append(param.grad)
-        shards.append(shard_of(param) if is_split(param) else None)
-    total, coef = norm_and_clip_coefficient(scaled, max_norm, shards)
-    for g in scaled:
-        g.mul_(coef.to(g.dtype))
+    with_grad = [param for param in parameters if param.grad is not None]
+    if any(param.grad.is_sparse for param in with_grad):
+        raise ValueError("clip_sharded_grad_norm_ takes dense gradients; a sparse .grad was given")
+    total, coef = norm_and_clip_coefficient([param.grad for param in with_grad], max_norm,
+                                            [shard_of(param) if is_split(param) else None for param in with_grad])
+    for param in with_grad:
+        param.grad.mul_(coef.to(param.grad.dtype))
     return total
 
 
@@ -65,8 +53,9 @@ def norm_and_clip_coefficient(grads: list[torch.Tensor], max_norm: float,
                               shards: list[ColumnShard | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(total, coefficient): the joint L2 norm of ``grads`` (a 0-d float32 tensor, float64 when a gradient is
     float64; 0 without grads) and the factor ``min(1, max_norm / (total + 1e-6))`` that clips them to
-    ``max_norm``, as :func:`clip_grad_norm_` applies it. ``shards[i]``, when not None, says ``grads[i]`` holds one rank's columns of a table split over
-    a group (smf_kernels.sharded): its norm is then that of the whole table's gradient. No host sync.
+    ``max_norm``, as :func:`clip_sharded_grad_norm_` applies it. ``shards[i]``, when not None, says ``grads[i]``
+    holds one rank's columns of a table split over a group (smf_kernels.sharded): its norm is then that of the
+    whole table's gradient. No host sync.
     ``max_norm``: :func:`check_max_norm`."""
     max_norm = check_max_norm(max_norm)
     if not grads:

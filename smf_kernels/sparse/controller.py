@@ -1,23 +1,41 @@
-"""SparseMemoryController: per-step row selection and the exact sparse update for any model holding
-:class:`ProductKeyMemory` layers (docs/method.md#what-sparse-means; use: :mod:`smf_kernels.sparse`).
+"""The sparse step, whole: how it fills the selected rows' gradient, how it ends and how it finishes
+(docs/method.md#what-sparse-means; use: :mod:`smf_kernels.sparse`). Every update over the value rows of a model's
+ProductKeyMemory layers is a :class:`MemoryStep`: the exact one, :class:`SparseMemoryController`, here; its two
+ablations beside it (:mod:`smf_kernels.sparse.ablations`). All follow one protocol::
 
-One optimizer step:
+    plan = step.plan(micro_batches, compiled=..., world=...)  # the step's fill (plan_fill), decided once
+    step.begin_step(plan)                 # zero and count reads; each memory's backward writes into a sink
+    for micro_batch in step_batches:
+        loss = forward(micro_batch)
+        step.after_forward()              # the exact update selects here when the plan says so
+        loss.backward()
+    gradients = step.end_step()           # select (unless done), the rows' gradients: RowGradients
+    gradients.apply(optimizer, max_grad_norm=..., nonfinite=...)  # the finishing sequence
+    # or, for the last two lines: step.finish_step(optimizer, max_grad_norm=...)
 
-1. ``begin_step()`` zeroes every memory's ``read_counts``, counts reads (padding excluded when the model passes
-   ``valid_mask``) and gives each memory a :class:`~smf_kernels.sparse.RowGradSink`: the values never get a
-   ``.grad``, every backward writes into the sink. The sink keeps the backwards' reads until the step's end (the
-   default: no second forward; about N x (D x itemsize + 12 L) bytes per layer for the step's N tokens), or, with
-   ``begin_step(select_before_backward=True)``, takes only the T selected rows' (T, D) gradient: call
-   :meth:`select_rows` between the forwards and the first backward (under accumulation after a no-grad forward of
-   every micro-batch that only counts); in one process, without the call, the first backward chooses the rows
-   from the counts itself (no host sync: what a torch.compile'd step runs).
-2. ``finish_step(optimizer, max_grad_norm=...)`` sums the step's counts over ranks (one all_reduce), scores them
-   with the rule and background statistics, takes the top ``min(T, #read)`` rows per layer (the same on every
-   rank), averages their gradient over ranks (the DDP convention), checks every gradient of the step for inf /
-   NaN (:mod:`~smf_kernels.sparse.step_checks`), clips in two phases (the norm of every gradient of the step,
-   then the update), steps the other parameters, updates the selected rows with
-   :meth:`RowSparseAdamW.step_rows` and zeroes gradients. Inside another training loop, :meth:`end_step` does
-   the first part and returns the step's :class:`RowGradients` (:class:`smf_kernels.hf.SparseMemoryTrainer`).
+**The two fills** (:data:`~smf_kernels.sparse.row_grad_sink.FILLS`, ``begin_step(fill)``):
+
+- ``"rows_first"``: the rows are known before the step's first backward, which adds only their (T, D) gradient:
+  :meth:`SparseMemoryController.select_rows` between the forwards and the first backward (one eager micro-batch:
+  ``after_forward()`` does it; under accumulation after a no-grad forward of every micro-batch that only counts),
+  or, in one process without the call, the first backward chooses the rows from the counts itself (no host sync:
+  what a torch.compile'd step runs).
+- ``"reads_kept"`` (the default): every backward keeps its reads and the step's end sums the selected rows'
+  gradient from them: no second forward, about N x (D x itemsize + 12 L) bytes per layer for the step's N tokens.
+
+:func:`plan_fill` is the one place that chooses (``smf train``, its sharded memories and
+:class:`smf_kernels.hf.SparseMemoryTrainer` all call it, through :meth:`MemoryStep.plan`).
+
+**The finishing sequence**, :meth:`RowGradients.apply`, the one every caller goes through (``finish_step``,
+``smf train`` sharded or not, under FSDP or not, and the Trainer): check every gradient of the step for inf / NaN
+(:mod:`~smf_kernels.sparse.step_checks`: raise, or skip the step), clip all of them with the rows' gradients in
+the norm (a sharded table's shard counting as the whole table), step the optimizer's parameters, update the
+selected rows (:meth:`RowSparseAdamW.step_rows`, the clipping coefficient applied as they step), zero the
+gradients.
+
+:meth:`SparseMemoryController.end_step` sums the step's counts over ranks (one all_reduce), scores them with the
+rule and background statistics, takes the top ``min(T, #read)`` rows per layer (the same on every rank) and
+averages their gradient over ranks (the DDP convention).
 
 Data parallelism: DDP must synchronise neither the values (the controller reduces the rows' gradient) nor the
 ``read_counts`` buffers (its buffer broadcast would replace every rank's counts with rank 0's): before wrapping,
@@ -32,12 +50,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from smf_kernels.memory import memories_of
 from smf_kernels.sharded.layout import gradient_copies, is_split, shard_of
@@ -46,86 +65,170 @@ from smf_kernels.sparse.background import BackgroundStats
 from smf_kernels.sparse.background_collection import collect_background
 from smf_kernels.sparse.clipping import check_max_norm, norm_and_clip_coefficient
 from smf_kernels.ops.weighted_gather import GradientSink
-from smf_kernels.sparse.row_grad_sink import RowGradSink
+from smf_kernels.sparse.row_grad_sink import FILLS, READS_KEPT, ROWS_FIRST, RowGradSink, check_fill
 from smf_kernels.sparse.selection import RULES, score_slots, select_rows_padded, warn_if_not_sparse
 
 logger = logging.getLogger(__name__)
 
+# Reads are kept while a step can hold at most this many tokens per slot on a rank (more: rows first, counted).
+KEPT_READS_PER_SLOT = 1
+
+
+@dataclass(frozen=True)
+class FillPlan:
+    """One step's fill (``fill``: "rows_first" or "reads_kept", see the module docstring) and what the caller
+    does for it: ``counting_forward``, a no-grad forward of every micro-batch that only counts, then
+    ``select_rows()``, before the first forward with grad; ``select_after_forward``, the rows selected between
+    the forward and the backward of the step's one micro-batch (``after_forward()`` does it)."""
+
+    fill: str = READS_KEPT
+    counting_forward: bool = False
+    select_after_forward: bool = False
+
+
+def plan_fill(micro_batches: int, *, compiled: bool, world: int, step_tokens: int | None = None,
+              slots: int | None = None) -> FillPlan:
+    """The fill of an exact step of ``micro_batches`` forwards and backwards per process.
+
+    Args:
+        micro_batches: forwards (each with its backward) in the step on this process.
+        compiled: the model runs under torch.compile: no host sync in its backward, so rows come first
+            (one micro-batch: the backward chooses them; under accumulation: a counting forward).
+        world: data-parallel processes; a compiled step needs one (its backward chooses rows from this process's
+            counts, which other processes would not share): ValueError otherwise.
+        step_tokens, slots: the most tokens a step holds on a process and the smallest memory's slot count;
+            when both are given and the tokens exceed ``KEPT_READS_PER_SLOT x slots``, kept reads would take
+            more memory than a dense gradient, so rows come first (a counting forward). Every process must pass
+            the same bound (processes that chose differently would deadlock).
+    """
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+    if compiled and world > 1:
+        raise ValueError("a compiled sparse step runs in one process: under torch.distributed every process must "
+                         "select the same rows before its backward, outside the compiled graph")
+    if micro_batches == 1:
+        return FillPlan(ROWS_FIRST, select_after_forward=not compiled)
+    too_many = step_tokens is not None and slots is not None and step_tokens > KEPT_READS_PER_SLOT * slots
+    if compiled or too_many:
+        return FillPlan(ROWS_FIRST, counting_forward=True)
+    return FillPlan(READS_KEPT)
+
+
+class _MeshShard(NamedTuple):
+    """An FSDP-sharded parameter's process group: its gradient's squared norm is summed over it."""
+
+    group: Any
+
+
+def _local_grad(param: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """(this rank's part of ``param.grad``, what its norm is summed over: a sharded memory's
+    :class:`~smf_kernels.sharded.ColumnShard`, an FSDP shard's mesh group, or None for a whole gradient)."""
+    grad = param.grad
+    if isinstance(grad, DTensor):
+        sharded = any(placement.is_shard() for placement in grad.placements)
+        return grad.to_local(), _MeshShard(grad.device_mesh.get_group()) if sharded else None
+    return grad, shard_of(param) if is_split(param) else None
+
+
+class StepResult(NamedTuple):
+    """What :meth:`RowGradients.apply` did: ``selected``, layer name -> (T',) int64 rows that moved (ascending;
+    empty when skipped); ``grad_norm``, the norm of every gradient of the step before clipping (a 0-d tensor;
+    None without clipping or when skipped); ``skipped``, True when a non-finite gradient dropped the step."""
+
+    selected: dict[str, torch.Tensor]
+    grad_norm: torch.Tensor | None
+    skipped: bool
+
 
 @dataclass
 class RowGradients:
-    """One step's selected rows and their gradient, per layer, after :meth:`SparseMemoryController.end_step`.
+    """One step's gradients after :meth:`MemoryStep.end_step`, ready for the finishing sequence (:meth:`apply`).
 
     ``tables``: layer name -> (values (M, D) parameter, rows (T,) int64 ascending, grad (T, D) float32 averaged
-    over ranks, valid (T,) bool: rows marked False pad the selection, were not read and do not move).
-    ``names``: parameter -> its name in the model (for errors).
+    over ranks, valid (T,) bool: rows marked False pad the selection, were not read and do not move); empty for
+    the ablations, whose masked dense value gradients are the values' ``.grad``, and for a dense step
+    (``smf train``'s retrofit, lora and full recipes: every gradient is a ``.grad``).
+    ``names``: parameter -> its name in the model (for errors). ``selected``: layer name -> (T',) int64 rows the
+    step updates (ascending).
     """
 
     tables: dict[str, tuple[nn.Parameter, torch.Tensor, torch.Tensor, torch.Tensor]]
     names: dict[int, str]
+    selected: dict[str, torch.Tensor]
     process_group: Any = None
     world: int = 1
-
-    @property
-    def selected(self) -> dict[str, torch.Tensor]:
-        """layer name -> (T',) int64 selected rows (ascending), T' = min(T, #read)."""
-        return {name: rows[valid] for name, (_, rows, _, valid) in self.tables.items()}
+    applied: bool = field(default=False, init=False)  # set by apply: a step's gradients finish it once
 
     def nonfinite(self, parameters: Iterable[torch.Tensor]) -> list[str]:
         """Names of the parameters whose gradient (a value table's: its rows') holds inf or NaN on any rank."""
-        named = [(self.names.get(id(p), "a parameter"), p.grad) for p in parameters if p.grad is not None]
+        named = [(self.names.get(id(p), "a parameter"), _local_grad(p)[0]) for p in parameters if p.grad is not None]
         named += [(f"{name}.values" if name else "values", grad) for name, (_, _, grad, _) in self.tables.items()]
         return step_checks.nonfinite_names(named, self.process_group, self.world)
 
     def clip_(self, parameters: Iterable[torch.Tensor], max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(total norm, clipping coefficient) of the gradients of ``parameters`` together with the rows' (a
-        sharded table's shard counting as the whole table); the parameters' gradients are scaled in place, the
-        rows' are not: pass the coefficient to :meth:`apply` (the update's second phase). ``max_norm``: a number
+        sharded table's column shard and an FSDP shard counting as the whole parameter); the parameters' gradients
+        are scaled in place, the rows' are not: the coefficient scales them as they step. ``max_norm``: a number
         > 0 (inf: no clipping); NaN, a negative or a non-number is refused before anything is scaled."""
         max_norm = check_max_norm(max_norm)
         with_grad = [p for p in parameters if p.grad is not None]
         if any(p.grad.is_sparse for p in with_grad):
             raise RuntimeError("a sparse .grad in a sparse step: the exact update keeps the rows' gradient compact")
-        tables = [values for values, _, _, _ in self.tables.values()]
-        grads = [p.grad for p in with_grad] + [grad for _, _, grad, _ in self.tables.values()]
-        total, coef = norm_and_clip_coefficient(
-            grads, max_norm, shards=[shard_of(p) if is_split(p) else None for p in with_grad + tables])
-        for param in with_grad:
-            param.grad.mul_(coef.to(param.grad.dtype))
+        parts = [_local_grad(p) for p in with_grad]
+        parts += [(grad, shard_of(values) if is_split(values) else None)
+                  for values, _, grad, _ in self.tables.values()]
+        total, coef = norm_and_clip_coefficient([grad for grad, _ in parts], max_norm,
+                                                shards=[shard for _, shard in parts])
+        for grad, _ in parts[:len(with_grad)]:
+            grad.mul_(coef.to(grad.dtype))
         return total, coef
 
-    def check_and_clip(self, parameters: Iterable[torch.Tensor], max_grad_norm: float | None, nonfinite: str
-                       ) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
-        """The first half of every sparse step's finish (then the optimizer steps the other parameters and
-        :meth:`apply` the rows): check every gradient of the step for inf / NaN and clip them all to
-        ``max_grad_norm`` (None: no clipping) with the rows in the norm.
+    def apply(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None,
+              nonfinite: str = "raise", **removed) -> StepResult:
+        """The finishing sequence (see the module docstring): check every gradient of the step for inf / NaN,
+        clip all of them to ``max_grad_norm`` (None: no clipping) with the rows' in the norm, step ``optimizer``
+        (the parameters with a ``.grad``, then each layer's selected rows: a :class:`RowSparseAdamW` or
+        :class:`RowSparseSGD` when there are rows) and zero its gradients.
 
-        Returns (total norm, clipping coefficient for :meth:`apply`), both None without clipping; None when a
-        gradient is non-finite and ``nonfinite`` is "skip": the gradients of ``parameters`` are then dropped
-        (set to None) and nothing may step. With "raise" they are dropped and
-        :class:`~smf_kernels.sparse.step_checks.NonFiniteGradientError` raised.
+        A non-finite gradient drops every gradient of ``optimizer``'s parameters (nothing moves), then raises
+        :class:`~smf_kernels.sparse.step_checks.NonFiniteGradientError` (``nonfinite="raise"``) or returns a
+        skipped :class:`StepResult` (``"skip"``). A bad ``max_grad_norm``, and a second call (the rows would step
+        twice), are refused before anything changes.
         """
-        params = list(parameters)
+        if "grad_scale" in removed:
+            raise TypeError("RowGradients.apply(optimizer, grad_scale=) became the whole finishing sequence: call "
+                            "apply(optimizer, max_grad_norm=..., nonfinite=...) alone (it checks, clips, steps the "
+                            "optimizer and the rows, and zeroes; no clip_ or optimizer.step() before it)")
+        if removed:
+            raise TypeError(f"apply() got unexpected keyword arguments {sorted(removed)}")
+        max_grad_norm = None if max_grad_norm is None else check_max_norm(max_grad_norm)
+        nonfinite = step_checks.check_nonfinite_option(nonfinite)
+        if self.applied:
+            raise step_checks.StepMisuseError("these RowGradients were applied already: each step's gradients "
+                                              "finish it once (end_step() returns a step's)")
+        self.applied = True
+        params = [p for group in optimizer.param_groups for p in group["params"]]
         bad = self.nonfinite(params)
         if bad:
             for param in params:
                 param.grad = None
             step_checks.handle_nonfinite(bad, nonfinite)
-            return None
-        return (None, None) if max_grad_norm is None else self.clip_(params, max_grad_norm)
-
-    def apply(self, optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor | None = None) -> None:
-        """Update each layer's selected rows (their gradient times ``grad_scale``, e.g. a clipping coefficient)
-        with ``optimizer``, a :class:`RowSparseAdamW` or :class:`RowSparseSGD` holding the values."""
+            return StepResult({name: rows[:0] for name, rows in self.selected.items()}, None, True)
+        total, coef = (None, None) if max_grad_norm is None else self.clip_(params, max_grad_norm)
+        optimizer.step()  # the parameters with a .grad (e.g. alpha; an ablation's values); the rows have none
         for values, rows, grad, valid in self.tables.values():
-            optimizer.step_rows(values, rows, grad, grad_scale=grad_scale, valid=valid)
+            optimizer.step_rows(values, rows, grad, grad_scale=coef, valid=valid)
+        optimizer.zero_grad(set_to_none=True)
+        return StepResult(self.selected, total, False)
 
 
 class MemoryStep:
     """What every sparse step over the value rows of ``model``'s ProductKeyMemory layers shares: read counting,
     the background statistics and the top-T selection, the step's gradient sinks (each update makes its own,
-    :meth:`_make_sink`), the misuse checks and :meth:`abort_step`. The exact update
-    (:class:`SparseMemoryController`) and the ablations (:mod:`smf_kernels.sparse.ablations`) are its kinds.
+    :meth:`_make_sink`), the misuse checks, :meth:`abort_step`, and the protocol of the module docstring
+    (:meth:`plan`, :meth:`begin_step`, :meth:`after_forward`, :meth:`end_step`, :meth:`finish_step`). The exact
+    update (:class:`SparseMemoryController`) and the ablations (:mod:`smf_kernels.sparse.ablations`) are its
+    kinds; each makes its sink, its ``end_step`` and, if it needs one, its ``after_forward``.
 
     Args:
         model: any nn.Module; its ProductKeyMemory submodules are found with ``named_modules()`` and named by
@@ -140,6 +243,8 @@ class MemoryStep:
         process_group: group to reduce counts and gradients over; None = the default group when
             torch.distributed is initialised with world size > 1.
     """
+
+    FILLS: tuple[str, ...] = (READS_KEPT,)  # the fills this kind of step can run
 
     def __init__(self, model: nn.Module, *, rule: str = "tfidf", rows_per_step: int = 512,
                  background: BackgroundStats | None = None, nonfinite: str = "raise",
@@ -157,6 +262,7 @@ class MemoryStep:
         self.background: BackgroundStats | None = None
         self.skipped_steps = 0
         self._in_step = False
+        self._plan = FillPlan()
         self._sinks: dict[str, GradientSink] = {}
         self._background_on: dict[tuple[str, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
         if background is not None:
@@ -208,9 +314,29 @@ class MemoryStep:
         :meth:`abort_step`)."""
         return self._in_step
 
-    def _begin(self, **sink_options) -> None:
-        """Start an optimizer step: refuse misuse, zero counts, count reads, give every memory this update's
-        sink (:meth:`_make_sink` with ``sink_options``)."""
+    def plan(self, micro_batches: int, *, compiled: bool = False, world: int = 1,
+             step_tokens: int | None = None) -> FillPlan:
+        """The fill of a step of ``micro_batches`` forwards and backwards on this process: :func:`plan_fill`
+        (the smallest memory's slot count as ``slots``) for a kind that can fill rows first, else reads kept
+        (the ablations select at the step's end, or after each forward)."""
+        if ROWS_FIRST not in self.FILLS:
+            return FillPlan(READS_KEPT)
+        return plan_fill(micro_batches, compiled=compiled, world=world, step_tokens=step_tokens,
+                         slots=min(memory.num_slots for memory in self.memories.values()))
+
+    def begin_step(self, fill: str | FillPlan = READS_KEPT, **removed) -> None:
+        """Start an optimizer step: refuse misuse, zero and count reads, give every memory this update's gradient
+        sink (:meth:`_make_sink`). ``fill``: "reads_kept" (the default), "rows_first" (the exact update only), or
+        a :class:`FillPlan` (:meth:`plan`) that ``after_forward()`` follows too (see the module docstring)."""
+        if "select_before_backward" in removed:
+            raise TypeError("begin_step(select_before_backward=...) was renamed: begin_step(fill='rows_first') "
+                            "(select_before_backward=True) or begin_step(fill='reads_kept') (False, the default)")
+        if removed:
+            raise TypeError(f"begin_step() got unexpected keyword arguments {sorted(removed)}")
+        plan = fill if isinstance(fill, FillPlan) else FillPlan(check_fill(fill))
+        if plan.fill not in self.FILLS:
+            raise ValueError(f"fill {plan.fill!r} is the exact update's; {type(self).__name__} selects at the "
+                             "step's end (fill='reads_kept')")
         if self.background is None:
             raise RuntimeError("no background statistics: pass background=, call set_background() "
                                "or collect_background() first")
@@ -221,18 +347,60 @@ class MemoryStep:
                 raise RuntimeError(f"{name}.values does not require grad; nothing to train")
             if memory.values.grad is not None:
                 raise step_checks.gradient_from_outside(f"{name}.values")
+        self._plan = plan
         self._sinks = {}
         for name, memory in self.memories.items():
-            self._sinks[name] = self._make_sink(name, memory.values, **sink_options)
+            self._sinks[name] = self._make_sink(name, memory.values, plan.fill)
             memory.reset_read_counts()
             memory.set_read_counting(True)
-            memory.set_update_rows(self._sinks[name])
+            memory.set_grad_sink(self._sinks[name])
         self._in_step = True
 
-    def _make_sink(self, name: str, values: nn.Parameter, **sink_options) -> GradientSink:
+    def _make_sink(self, name: str, values: nn.Parameter, fill: str) -> GradientSink:
         """Where layer ``name``'s backwards put their value gradient this step (each update its own): a
         GradientSink with ``reached`` (a 0-d bool tensor: a backward reached the table) and ``close()``."""
         raise NotImplementedError
+
+    def after_forward(self) -> None:
+        """Between a micro-batch's forward and its backward: each kind does what its selection needs (here:
+        refuse a step not begun)."""
+        if not self._in_step:
+            raise step_checks.not_begun("after_forward")
+
+    def end_step(self) -> RowGradients:
+        """End the step's forwards and backwards without touching the optimizer: the step's rows and gradients,
+        for :meth:`RowGradients.apply`. Read counting and the sinks are off and the counts zeroed after.
+        Refuses (:class:`~smf_kernels.sparse.step_checks.StepMisuseError`, nothing changed) a step not begun and
+        a value gradient made outside the step."""
+        raise NotImplementedError
+
+    def finish_step(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None
+                    ) -> dict[str, torch.Tensor]:
+        """:meth:`end_step`, then the finishing sequence (:meth:`RowGradients.apply` with this step's
+        ``nonfinite``; a skipped step is counted in :attr:`skipped_steps`). A refused call (misuse, a bad norm,
+        an optimizer that does not hold the values or cannot step rows) changes nothing.
+
+        Returns:
+            layer name -> (T',) int64 rows the step updated (ascending); empty rows for every layer when the step
+            was skipped (``nonfinite="skip"``).
+        """
+        max_grad_norm = None if max_grad_norm is None else check_max_norm(max_grad_norm)
+        self._check_can_end("finish_step")
+        self._check_optimizer(optimizer)
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        missing = [f"{name}.values" for name, m in self.memories.items() if id(m.values) not in held]
+        if missing:
+            raise ValueError(f"the optimizer does not hold {', '.join(missing)}")
+        result = self.end_step().apply(optimizer, max_grad_norm=max_grad_norm, nonfinite=self.nonfinite)
+        self.skipped_steps += result.skipped
+        return result.selected
+
+    def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """TypeError when ``optimizer`` cannot run this kind's update (the ablations step any optimizer)."""
+
+    def _gradients(self, tables: dict, selected: dict[str, torch.Tensor]) -> RowGradients:
+        return RowGradients(tables, {id(p): n for n, p in self.model.named_parameters()}, selected,
+                            self.process_group, self._world())
 
     def abort_step(self) -> None:
         """Discard the step in progress, e.g. after one of its forwards or backwards raised: its read counts,
@@ -274,7 +442,7 @@ class MemoryStep:
             sink.close()
         for memory in self.memories.values():
             memory.set_read_counting(False)
-            memory.set_update_rows(None)
+            memory.set_grad_sink(None)
             memory.reset_read_counts()
         self._sinks = {}
         self._in_step = False
@@ -303,28 +471,22 @@ class MemoryStep:
 
 
 class SparseMemoryController(MemoryStep):
-    """Selects and updates the value rows of every ProductKeyMemory in ``model`` exactly (see module
-    docstring); its arguments are :class:`MemoryStep`'s."""
+    """The exact update: selects and updates the value rows of every ProductKeyMemory in ``model`` (see the
+    module docstring); its arguments are :class:`MemoryStep`'s. Fills: both."""
 
-    def begin_step(self, *, select_before_backward: bool = False) -> None:
-        """Start an optimizer step: zero counts, count reads, give every memory its row-gradient sink.
+    FILLS = FILLS
 
-        select_before_backward: the rows are known before the first backward (:meth:`select_rows` between the
-            step's forwards and its first backward, or, in one process, chosen by that backward from the
-            counts), and every backward adds only their (T, D) gradient. Otherwise (the default) backwards keep
-            their reads and the step's end computes the selected rows' gradient from them
-            (:func:`smf_kernels.sparse.fill.plan_fill` chooses for a training loop).
-        """
-        self._begin(select_before_backward=select_before_backward)
+    def begin_step(self, fill: str | FillPlan = READS_KEPT, **removed) -> None:
+        """:meth:`MemoryStep.begin_step` (both fills)."""
+        super().begin_step(fill, **removed)
         self._selected = False
 
-    def _make_sink(self, name: str, values: nn.Parameter, *, select_before_backward: bool) -> RowGradSink:
+    def _make_sink(self, name: str, values: nn.Parameter, fill: str) -> RowGradSink:
         chooser = None
-        if select_before_backward:
+        if fill == ROWS_FIRST:
             self._background_tensors(name, values.device)  # made now: a backward that selects mutates nothing
             chooser = self._chooser(name)
-        return RowGradSink(values, min(self.rows_per_step, values.shape[0]), keep_reads=not select_before_backward,
-                           chooser=chooser)
+        return RowGradSink(values, min(self.rows_per_step, values.shape[0]), fill=fill, chooser=chooser)
 
     def _chooser(self, name: str) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
         def choose() -> tuple[torch.Tensor, torch.Tensor]:
@@ -334,17 +496,24 @@ class SparseMemoryController(MemoryStep):
             return self._padded_selection(name, self.memories[name].read_counts)
         return choose
 
+    def after_forward(self) -> None:
+        """Selects the rows (:meth:`select_rows`) when the step's :class:`FillPlan` says so (one eager
+        micro-batch, rows first); otherwise nothing."""
+        super().after_forward()
+        if self._plan.select_after_forward:
+            self.select_rows()
+
     def select_rows(self) -> dict[str, torch.Tensor]:
         """Select this step's rows now, from the counts of the forwards run so far, summed over ranks
-        (``begin_step(select_before_backward=True)``, before the step's first backward).
+        (``begin_step(fill="rows_first")``, before the step's first backward).
 
         Returns:
             layer name -> (T',) int64 selected rows (ascending), T' = min(T, #read).
         """
         if not self._in_step:
             raise step_checks.not_begun("select_rows")
-        if any(sink.keep_reads for sink in self._sinks.values()):
-            raise RuntimeError("select_rows() needs begin_step(select_before_backward=True) first")
+        if self._plan.fill != ROWS_FIRST:
+            raise RuntimeError("select_rows() needs begin_step(fill='rows_first') first")
         if self._selected:
             raise RuntimeError("select_rows() was already called in this step")
         counts = self._step_counts()
@@ -358,62 +527,28 @@ class SparseMemoryController(MemoryStep):
         return selected
 
     def end_step(self) -> RowGradients:
-        """End the step's forwards and backwards without touching the optimizer: select the rows from the step's
-        counts (unless selected before the backward), compute their gradient, average it over ranks, and
-        return both (:class:`RowGradients`). Read counting and the sinks are off and the counts zeroed after.
-
-        Refuses (:class:`~smf_kernels.sparse.step_checks.StepMisuseError`, nothing changed) a step not begun and
-        a value gradient made outside the step.
-        """
+        """:meth:`MemoryStep.end_step`: select the rows from the step's counts (unless selected before the
+        backward), compute their gradient (reads kept: summed now) and average it over ranks."""
         self._check_can_end("end_step")
-        kept = any(sink.keep_reads for sink in self._sinks.values())
-        counts = self._step_counts() if kept else None
+        counts = self._step_counts() if self._plan.fill == READS_KEPT else None
         reached = self._reached()
         tables = {}
         for name, memory in self.memories.items():
             values, sink = memory.values, self._sinks[name]
-            if sink.keep_reads:
+            if sink.fill == READS_KEPT:
                 rows, valid = self._padded_selection(name, counts[name])
-                sink.fill(values, rows, valid)
+                sink.sum_reads(values, rows, valid)
             else:  # the rows the backwards used (set by select_rows, or chosen by the backward from the counts)
                 rows, valid = sink.selection()
             valid = valid & reached[name]  # no backward reached the table: none of its rows moves
             tables[name] = (values, rows, self._average_over_ranks(values, sink.grad), valid)
         self._close()
-        return RowGradients(tables, {id(p): n for n, p in self.model.named_parameters()}, self.process_group,
-                            self._world())
+        return self._gradients(tables, {name: rows[valid] for name, (_, rows, _, valid) in tables.items()})
 
-    def finish_step(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None
-                    ) -> dict[str, torch.Tensor]:
-        """:meth:`end_step`, then check every gradient of the step for inf / NaN (see ``nonfinite``), clip all
-        of them to ``max_grad_norm`` (when given) with the rows' gradients in the norm, step ``optimizer`` (a
-        :class:`RowSparseAdamW` or :class:`RowSparseSGD` holding the values: the other parameters, then the
-        selected rows) and zero its
-        gradients. A refused call (misuse, a wrong optimizer) changes nothing.
-
-        Returns:
-            layer name -> (T',) int64 selected rows (ascending), T' = min(T, #read); empty rows for every layer
-            when the step was skipped (``nonfinite="skip"``).
-        """
-        max_grad_norm = None if max_grad_norm is None else check_max_norm(max_grad_norm)
-        self._check_can_end("finish_step")
+    def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         if not hasattr(optimizer, "step_rows"):
             raise TypeError("the sparse update needs an optimizer with step_rows (RowSparseAdamW or RowSparseSGD), "
                             f"got {type(optimizer).__name__}")
-        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        missing = [f"{name}.values" for name, m in self.memories.items() if id(m.values) not in held]
-        if missing:
-            raise ValueError(f"the optimizer does not hold {', '.join(missing)}")
-        gradients = self.end_step()
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        clipped = gradients.check_and_clip(params, max_grad_norm, self.nonfinite)
-        if clipped is None:
-            self.skipped_steps += 1
-            return {name: rows[:0] for name, rows in gradients.selected.items()}
-        optimizer.step()  # the parameters with a .grad (e.g. alpha); the values have none
-        gradients.apply(optimizer, grad_scale=clipped[1])
-        optimizer.zero_grad(set_to_none=True)
-        return gradients.selected
 
     def _average_over_ranks(self, values: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
         """``grad`` (this rank's gradient of rows of ``values``) averaged over the data-parallel ranks, in place.

@@ -2,17 +2,19 @@
 
 Each memory's backward writes the gradient of the step's T selected rows into one compact (T, D) float32 tensor
 (float64 for a float64 table) that :meth:`RowSparseAdamW.step_rows <smf_kernels.sparse.RowSparseAdamW.step_rows>`
-reads (as FBGEMM's sparse optimizers read compact rows). Filled one of two ways:
+reads (as FBGEMM's sparse optimizers read compact rows). Filled one of the step's two fills
+(:data:`FILLS`; which one a step uses: :func:`smf_kernels.sparse.controller.plan_fill`):
 
-- **rows known before the backward** (``keep_reads=False``): set between the forwards and the first backward
-  (:meth:`set_rows`), or chosen by the first backward from this process's counts (``chooser``; no host sync, what
-  torch.compile traces); each backward adds its rows' gradient into :attr:`grad`. Costs the (T, D) buffer.
-- **reads kept until the step's end** (``keep_reads=True``): each backward computes only the weights' gradient and
-  keeps its reads (the gradient reaching the gather (N, D), slot ids and weights (N, L)); :meth:`fill` sums the
-  reads of the rows finally selected. No second forward, but about N x (D x itemsize + 12 L) bytes per layer for
-  the step's N tokens (docs/method.md#what-sparse-means).
+- **rows first** (``fill="rows_first"``): the rows are known before the first backward: set between the
+  forwards and the first backward (:meth:`set_rows`), or chosen by the first backward from this process's counts
+  (``chooser``; no host sync, what torch.compile traces); each backward adds its rows' gradient into :attr:`grad`.
+  Costs the (T, D) buffer.
+- **reads kept** (``fill="reads_kept"``): each backward computes only the weights' gradient and keeps its reads
+  (the gradient reaching the gather (N, D), slot ids and weights (N, L)); :meth:`sum_reads` sums the reads of the
+  rows finally selected at the step's end. No second forward, but about N x (D x itemsize + 12 L) bytes per layer
+  for the step's N tokens (docs/method.md#what-sparse-means).
 
-Pass a sink as ``update_rows`` to :func:`smf_kernels.ops.weighted_gather` (or ``set_update_rows`` on a memory);
+Pass a sink as ``grad_sink`` to :func:`smf_kernels.ops.weighted_gather` (or ``set_grad_sink`` on a memory);
 :class:`~smf_kernels.sparse.SparseMemoryController` makes and reads them.
 """
 from __future__ import annotations
@@ -28,6 +30,17 @@ from smf_kernels.ops.weighted_gather import GradientSink
 
 Selection = tuple[torch.Tensor, torch.Tensor]  # rows (T,) int64 ascending, valid (T,) bool
 
+# The two ways a step fills its rows' gradient (see the module docstring)
+ROWS_FIRST, READS_KEPT = "rows_first", "reads_kept"
+FILLS = (ROWS_FIRST, READS_KEPT)
+
+
+def check_fill(fill: object) -> str:
+    """``fill`` if it is one of :data:`FILLS`, else ValueError."""
+    if fill not in FILLS:
+        raise ValueError(f"fill must be one of {FILLS}, got {fill!r}")
+    return fill
+
 
 class RowGradSink(GradientSink):
     """The compact (T, D) gradient of T rows of one (M, D) value table over one step (see the module docstring).
@@ -35,14 +48,14 @@ class RowGradSink(GradientSink):
     Args:
         values: the (M, D) table (a column shard's columns for a sharded memory).
         num_rows: T, the size of the selection (at most M).
-        keep_reads: True: backwards keep their reads and :meth:`fill` computes the gradient; False: the rows are
-            known before the first backward, which adds into :attr:`grad`.
-        chooser: ``keep_reads=False`` only: returns (rows, valid) when a backward runs before :meth:`set_rows`.
+        fill: "reads_kept": backwards keep their reads and :meth:`sum_reads` computes the gradient; "rows_first":
+            the rows are known before the first backward, which adds into :attr:`grad`.
+        chooser: "rows_first" only: returns (rows, valid) when a backward runs before :meth:`set_rows`.
     """
 
-    def __init__(self, values: torch.Tensor, num_rows: int, *, keep_reads: bool,
+    def __init__(self, values: torch.Tensor, num_rows: int, *, fill: str,
                  chooser: Callable[[], Selection] | None = None) -> None:
-        self.keep_reads, self.chooser = keep_reads, chooser
+        self.fill, self.chooser = check_fill(fill), chooser
         self.rows: torch.Tensor | None = None
         self.valid: torch.Tensor | None = None
         self.reads: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]] = []
@@ -51,14 +64,14 @@ class RowGradSink(GradientSink):
         # step whose backwards never did moves none of its rows, as torch.optim leaves a parameter without .grad
         self.reached = torch.zeros((), dtype=torch.bool, device=values.device)
         # made now, before any backward, so that a compiled backward only adds into it
-        self.grad = None if keep_reads else torch.zeros(num_rows, values.shape[1],
+        self.grad = None if fill == READS_KEPT else torch.zeros(num_rows, values.shape[1],
                                                         dtype=accumulation_dtype(values.dtype), device=values.device)
 
     def set_rows(self, rows: torch.Tensor, valid: torch.Tensor) -> None:
         """The step's rows, before its first backward: rows (T,) int64 ascending distinct, valid (T,) bool (False
         for rows that pad the selection and must not move)."""
-        if self.keep_reads:
-            raise RuntimeError("this sink keeps the reads: its rows are chosen at the step's end (fill)")
+        if self.fill == READS_KEPT:
+            raise RuntimeError("this sink keeps the reads: its rows are chosen at the step's end (sum_reads)")
         if rows.shape != (self.grad.shape[0],) or valid.shape != rows.shape:
             raise ValueError(f"rows and valid must have shape (T,) = ({self.grad.shape[0]},), got "
                              f"{tuple(rows.shape)} and {tuple(valid.shape)}")
@@ -79,7 +92,7 @@ class RowGradSink(GradientSink):
                                "or abort_step came before this backward): run every backward of a step before its "
                                "end, and drop graphs of aborted steps")
         self.reached.fill_(True)
-        if self.keep_reads:
+        if self.fill == READS_KEPT:
             _, grad_weights, grad_gate, read_grad = gather_ops.backward(
                 grad_out, values, indices, weights, None, gate, read, backend, deterministic, False, need_weights,
                 True)
@@ -93,8 +106,8 @@ class RowGradSink(GradientSink):
                                         deterministic, need_weights)
 
     @torch.no_grad()
-    def fill(self, values: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor) -> None:
-        """``keep_reads`` only: :attr:`grad` := the (T, D) gradient of ``rows`` summed over the kept reads (in the
+    def sum_reads(self, values: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor) -> None:
+        """"reads_kept" only: :attr:`grad` := the (T, D) gradient of ``rows`` summed over the kept reads (in the
         order of the backwards), and the reads dropped."""
         grad = torch.zeros(rows.numel(), values.shape[1], dtype=accumulation_dtype(values.dtype),
                            device=values.device)

@@ -1,9 +1,8 @@
 """Row-sparse ("lazy") AdamW: only the rows a step updates move (docs/method.md#what-sparse-means).
 
-A step updates the rows R of a table, given as a sparse COO ``.grad`` (:meth:`RowSparseAdamW.step`) or as a
-compact (T, D) gradient of rows known to the caller (:meth:`RowSparseAdamW.step_rows`, what the sparse update
-uses), with AdamW run on each row's own sequence of updates (the update :func:`smf_kernels.ops.row_adamw_`
-makes; per-row step counts and decoupled weight decay). Rows outside R keep their values, moments and step
+A step updates the rows R of a table from a compact (T, D) gradient of those rows
+(:meth:`RowSparseAdamW.step_rows`, what the sparse update calls), with AdamW run on each row's own sequence of
+updates (the update :func:`smf_kernels.ops.row_adamw_` makes; per-row step counts and decoupled weight decay). Rows outside R keep their values, moments and step
 count bit-identical: no momentum or weight decay leaks into them, as embedding libraries do for sparse tables.
 
 State ("lazy"): for a row-updated (M, D) parameter, ``exp_avg`` and ``exp_avg_sq`` are (M, D) tensors allocated
@@ -17,7 +16,6 @@ from collections.abc import Iterable
 
 import torch
 
-from smf_kernels._precision import accumulation_dtype
 from smf_kernels.ops.row_adamw import check_hyper_parameters, row_adamw_
 
 
@@ -25,8 +23,8 @@ class RowSparseAdamW(torch.optim.Optimizer):
     """AdamW that updates only the rows a step updates (see module docstring).
 
     Args:
-        params: parameters or param groups, as for torch.optim.AdamW. Parameters
-            receiving sparse gradients must be 2-D (M, D).
+        params: parameters or param groups, as for torch.optim.AdamW. Parameters updated by rows
+            (:meth:`step_rows`) must be 2-D (M, D).
         lr, betas, eps, weight_decay: as torch.optim.AdamW (same defaults).
     """
 
@@ -97,30 +95,26 @@ class RowSparseAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """torch.optim.AdamW's update of every parameter with a dense ``.grad``; a table's rows go through
+        :meth:`step_rows`. A sparse ``.grad`` is refused before any parameter moves."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if any(p.grad is not None and p.grad.is_sparse for group in self.param_groups for p in group["params"]):
+            raise ValueError("RowSparseAdamW takes a table's rows through step_rows(), not a sparse .grad (sparse COO "
+                             "gradients were removed: docs/method.md#what-sparse-means)")
         for group in self.param_groups:
             for param in group["params"]:
-                if param.grad is None:
-                    continue
-                if param.grad.is_sparse:
-                    self._coo_step(param, group)
-                else:
+                if param.grad is not None:
                     self._dense_step(param, group)
         return loss
-
-    def _coo_step(self, param: torch.Tensor, group: dict) -> None:
-        grad = param.grad.coalesce()
-        rows, grad_rows = grad.indices()[0], grad.values()  # (R,) ascending, (R, D)
-        self._update_rows(param, group, rows, grad_rows.to(accumulation_dtype(param.dtype)), None, None)
 
     @torch.no_grad()
     def step_rows(self, param: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor, *,
                   grad_scale: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> None:
-        """The update :meth:`step` makes for a sparse gradient, from a compact one: rows ``rows`` of
-        ``param`` (one of this optimizer's parameters) and their state move, nothing else does.
+        """Row-sparse AdamW from a compact gradient: rows ``rows`` of ``param`` (one of this optimizer's
+        parameters) and their state move, nothing else does.
 
         Args:
             param: an (M, D) parameter of this optimizer (its ``.grad`` is not read).
@@ -132,7 +126,10 @@ class RowSparseAdamW(torch.optim.Optimizer):
         group = next((g for g in self.param_groups if any(p is param for p in g["params"])), None)
         if group is None:
             raise ValueError("param is not a parameter of this optimizer")
-        self._update_rows(param, group, rows, grad, grad_scale, valid)
+        state = self._row_state(param)
+        row_adamw_(param, state["exp_avg"], state["exp_avg_sq"], state["row_step"], rows, grad, lr=group["lr"],
+                   betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
+                   grad_scale=grad_scale, valid=valid)
 
     def init_state(self, row_params: Iterable[torch.Tensor]) -> None:
         """Give each parameter of this optimizer that has no state the (zero) state its first update creates: for
@@ -159,23 +156,17 @@ class RowSparseAdamW(torch.optim.Optimizer):
             raise ValueError(f"a parameter updated by rows must be 2-D (M, D), got shape {tuple(param.shape)}")
         state = self.state[param]
         if "step" in state:
-            raise ValueError("this parameter was updated with dense gradients before; it cannot switch to sparse")
+            raise ValueError("this parameter was updated with dense gradients before; it cannot switch to rows")
         if not state:
             state["row_step"] = torch.zeros(param.shape[0], dtype=torch.int64, device=param.device)
             state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         return state
 
-    def _update_rows(self, param, group, rows, grad, grad_scale, valid) -> None:
-        state = self._row_state(param)
-        row_adamw_(param, state["exp_avg"], state["exp_avg_sq"], state["row_step"], rows, grad, lr=group["lr"],
-                   betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
-                   grad_scale=grad_scale, valid=valid)
-
     def _dense_state(self, param: torch.Tensor) -> dict:
         state = self.state[param]
         if "row_step" in state:
-            raise ValueError("this parameter was updated with sparse gradients before; it cannot switch to dense")
+            raise ValueError("this parameter was updated by rows before; it cannot switch to dense")
         if not state:
             state["step"] = 0
             state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
