@@ -12,6 +12,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # to a lower layer; packages in one layer do not import each other.
 SMF_LAYERS = (("cli",), ("commands",), ("suite",), ("train", "eval", "report"), ("model",), ("data",),
               ("tiny", "options", "threads", "environment", "files", "_lazy"), ("vocabulary",), ("errors",))
+# smf_kernels/__init__.py's layers, top to bottom, by package or top-level module (smf_kernels.<name>), the same rule.
+KERNELS_LAYERS = (("hf",), ("fsdp", "sparse"), ("sharded",), ("memory",), ("ops",), ("backends",),
+                  ("triton_kernels", "reference", "build_ext", "_checks", "projection"), ("_rows", "_precision"))
 
 # The imports of smf / smf_kernels modules made inside functions, by importing module. Each defers what the target
 # loads and the importer does not: torch and transformers, so that the command line builds its parser and checks a
@@ -128,19 +131,35 @@ def _layer_of(module: str) -> str | None:
     return module.split(".")[1] if "." in module else None
 
 
+def _against_layers(package: str, layers: tuple[tuple[str, ...], ...]) -> list[str]:
+    """Each import in ``package`` from a package of the same or a higher layer of ``layers``, with its line; first
+    checks that ``layers`` places every package of ``package`` (its ``__init__``, the public surface, is above all)."""
+    depth = {name: index for index, layer in enumerate(layers) for name in layer}
+    placed = {_layer_of(name) for name in _modules(package)} - {None}
+    assert placed == set(depth), f"packages of {package} not in its layers (or listed but gone): {placed ^ set(depth)}"
+    return [f"{name}:{line} imports {target} ({_layer_of(name)} -> {_layer_of(target)})"
+            for name, line, target, _ in _imports(package, (package,))
+            if None not in (_layer_of(name), _layer_of(target)) and _layer_of(target) != _layer_of(name)
+            and depth[_layer_of(target)] <= depth[_layer_of(name)]]
+
+
 def test_smf_packages_import_only_their_own_or_a_lower_layer():
     """Before: report imported suite (the suite directory's report) and eval (metric keys), eval imported suite and
     train (``smf eval --config``, the device checks), train imported report (a model's architecture). A failure
     names each import against the order with its line."""
-    depth = {package: index for index, layer in enumerate(SMF_LAYERS) for package in layer}
-    placed = {_layer_of(name) for name in _modules("smf")} - {None}
-    assert placed == set(depth), f"packages of smf not in SMF_LAYERS (or listed but gone): {placed ^ set(depth)}"
-    upward = [f"{name}:{line} imports {target} ({_layer_of(name)} -> {_layer_of(target)})"
-              for name, line, target, _ in _imports("smf", ("smf",))
-              if None not in (_layer_of(name), _layer_of(target)) and _layer_of(target) != _layer_of(name)
-              and depth[_layer_of(target)] <= depth[_layer_of(name)]]
+    upward = _against_layers("smf", SMF_LAYERS)
     assert not upward, "imports against smf's layer order (smf/__init__.py):\n" + "\n".join(upward)
     assert not list(_imports("smf_kernels", ("smf",))), "smf_kernels imports smf"
+
+
+def test_smf_kernels_packages_import_only_their_own_or_a_lower_layer():
+    """The Hugging Face integration above the sparse step, the step above the memory module, the memory above its
+    ops, the ops above the backends, the backends above the raw kernels; nothing inside a function."""
+    upward = _against_layers("smf_kernels", KERNELS_LAYERS)
+    assert not upward, "imports against smf_kernels' layer order (smf_kernels/__init__.py):\n" + "\n".join(upward)
+    inside = [f"{name}:{line} imports {target}" for name, line, target, inner in
+              _imports("smf_kernels", ("smf_kernels",)) if inner]
+    assert not inside, "imports of smf_kernels modules inside functions:\n" + "\n".join(inside)
 
 
 def test_smf_imports_smf_modules_inside_functions_only_to_defer_heavy_ones():
