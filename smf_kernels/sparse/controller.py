@@ -114,6 +114,14 @@ def plan_fill(micro_batches: int, *, compiled: bool, world: int, step_tokens: in
     return FillPlan(READS_KEPT)
 
 
+def check_groups(optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer.check_groups()`` where it has one (RowSparseAdamW, RowSparseSGD: ValueError / TypeError naming
+    the group and the hyper-parameter out of range), before a finishing sequence moves anything."""
+    check = getattr(optimizer, "check_groups", None)
+    if callable(check):
+        check()
+
+
 class _MeshShard(NamedTuple):
     """An FSDP-sharded parameter's process group: its gradient's squared norm is summed over it."""
 
@@ -157,7 +165,8 @@ class RowGradients:
     selected: dict[str, torch.Tensor]
     process_group: Any = None
     world: int = 1
-    applied: bool = field(default=False, init=False)  # set by apply: a step's gradients finish it once
+    applied: bool = field(default=False, init=False)  # set by apply once it finished the step: it does so once
+    discarded: bool = field(default=False, init=False)  # set by discard (abort_step): apply is refused
 
     def nonfinite(self, parameters: Iterable[torch.Tensor]) -> list[str]:
         """Names of the parameters whose gradient (a value table's: its rows') holds inf or NaN on any rank."""
@@ -192,8 +201,11 @@ class RowGradients:
 
         A non-finite gradient drops every gradient of ``optimizer``'s parameters (nothing moves), then raises
         :class:`~smf_kernels.sparse.step_checks.NonFiniteGradientError` (``nonfinite="raise"``) or returns a
-        skipped :class:`StepResult` (``"skip"``). A bad ``max_grad_norm``, and a second call (the rows would step
-        twice), are refused before anything changes.
+        skipped :class:`StepResult` (``"skip"``); either way the step is over. Refused before anything changes (the
+        step can then be finished by a call that is right): a bad ``max_grad_norm``, an optimizer without
+        ``step_rows`` when there are rows, one that does not hold a value table, a group's hyper-parameter out of
+        range (the optimizer's ``check_groups()``), a second call (the rows would step twice), and gradients
+        :meth:`discard`-ed.
         """
         if "grad_scale" in removed:
             raise TypeError("RowGradients.apply(optimizer, grad_scale=) became the whole finishing sequence: call "
@@ -203,13 +215,17 @@ class RowGradients:
             raise TypeError(f"apply() got unexpected keyword arguments {sorted(removed)}")
         max_grad_norm = None if max_grad_norm is None else check_max_norm(max_grad_norm)
         nonfinite = step_checks.check_nonfinite_option(nonfinite)
+        if self.discarded:
+            raise step_checks.StepMisuseError("these RowGradients were discarded by abort_step(): their step is "
+                                              "over; begin_step() starts the next one")
         if self.applied:
             raise step_checks.StepMisuseError("these RowGradients were applied already: each step's gradients "
                                               "finish it once (end_step() returns a step's)")
-        self.applied = True
         params = [p for group in optimizer.param_groups for p in group["params"]]
+        self._check_optimizer(optimizer, params)
         bad = self.nonfinite(params)
-        if bad:
+        if bad:  # the step is over either way: its gradients are dropped
+            self.applied = True
             for param in params:
                 param.grad = None
             step_checks.handle_nonfinite(bad, nonfinite)
@@ -219,7 +235,30 @@ class RowGradients:
         for values, rows, grad, valid in self.tables.values():
             optimizer.step_rows(values, rows, grad, grad_scale=coef, valid=valid)
         optimizer.zero_grad(set_to_none=True)
+        self.applied = True
         return StepResult(self.selected, total, False)
+
+    def _check_optimizer(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+        """Everything :meth:`apply` needs of ``optimizer`` (``params``: its parameters), checked before anything
+        moves: a ``step_rows`` when there are rows (TypeError), every value table among its parameters and its
+        groups' hyper-parameters in range (``check_groups()``, where the optimizer has one) (ValueError)."""
+        if self.tables and not hasattr(optimizer, "step_rows"):
+            raise TypeError("the sparse update needs an optimizer with step_rows (RowSparseAdamW or RowSparseSGD), "
+                            f"got {type(optimizer).__name__}; nothing was changed: apply these gradients with one")
+        held = {id(p) for p in params}
+        missing = [f"{name}.values" if name else "values" for name, (values, _, _, _) in self.tables.items()
+                   if id(values) not in held]
+        if missing:
+            raise ValueError(f"the optimizer does not hold {', '.join(missing)}; nothing was changed: apply these "
+                             "gradients with an optimizer over the value tables")
+        check_groups(optimizer)
+
+    def discard(self) -> None:
+        """Drop these gradients unapplied (what :meth:`MemoryStep.abort_step` does with an ended step's): a later
+        :meth:`apply` is refused. The gradients of parameters outside the value tables (``.grad``) are the
+        caller's: ``optimizer.zero_grad()``."""
+        if not self.applied:
+            self.discarded = True
 
 
 class MemoryStep:
@@ -264,6 +303,7 @@ class MemoryStep:
         self._in_step = False
         self._plan = FillPlan()
         self._sinks: dict[str, GradientSink] = {}
+        self._ended: RowGradients | None = None  # the last end_step()'s: begin_step waits until it is applied
         self._background_on: dict[tuple[str, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
         if background is not None:
             self.set_background(background)
@@ -333,7 +373,8 @@ class MemoryStep:
                             "(select_before_backward=True) or begin_step(fill='reads_kept') (False, the default)")
         if removed:
             raise TypeError(f"begin_step() got unexpected keyword arguments {sorted(removed)}")
-        plan = fill if isinstance(fill, FillPlan) else FillPlan(check_fill(fill))
+        plan = fill if isinstance(fill, FillPlan) else FillPlan(fill)
+        check_fill(plan.fill)
         if plan.fill not in self.FILLS:
             raise ValueError(f"fill {plan.fill!r} is the exact update's; {type(self).__name__} selects at the "
                              "step's end (fill='reads_kept')")
@@ -342,6 +383,11 @@ class MemoryStep:
                                "or collect_background() first")
         if self._in_step:
             raise step_checks.begun_twice()
+        if self._ended is not None and not (self._ended.applied or self._ended.discarded):
+            raise step_checks.StepMisuseError(
+                "begin_step() before the last step's gradients were applied: call apply(optimizer) on what "
+                "end_step() returned (the rows' gradients and alpha's .grad would otherwise be lost or carried "
+                "into this step), or abort_step() to drop them")
         for name, memory in self.memories.items():
             if not memory.values.requires_grad:
                 raise RuntimeError(f"{name}.values does not require grad; nothing to train")
@@ -391,6 +437,7 @@ class MemoryStep:
         missing = [f"{name}.values" for name, m in self.memories.items() if id(m.values) not in held]
         if missing:
             raise ValueError(f"the optimizer does not hold {', '.join(missing)}")
+        check_groups(optimizer)
         result = self.end_step().apply(optimizer, max_grad_norm=max_grad_norm, nonfinite=self.nonfinite)
         self.skipped_steps += result.skipped
         return result.selected
@@ -399,14 +446,16 @@ class MemoryStep:
         """TypeError when ``optimizer`` cannot run this kind's update (the ablations step any optimizer)."""
 
     def _gradients(self, tables: dict, selected: dict[str, torch.Tensor]) -> RowGradients:
-        return RowGradients(tables, {id(p): n for n, p in self.model.named_parameters()}, selected,
-                            self.process_group, self._world())
+        self._ended = RowGradients(tables, {id(p): n for n, p in self.model.named_parameters()}, selected,
+                                   self.process_group, self._world())
+        return self._ended
 
     def abort_step(self) -> None:
         """Discard the step in progress, e.g. after one of its forwards or backwards raised: its read counts,
         its sinks (a later backward of its graph raises) and the memories' value gradients are dropped, and the
-        next :meth:`begin_step` starts afresh. Gradients of other parameters are the caller's
-        (``optimizer.zero_grad()``). A no-op when no step is in progress::
+        next :meth:`begin_step` starts afresh. Between :meth:`end_step` and the ``apply`` of what it returned, it
+        discards those gradients instead (:meth:`RowGradients.discard`; an ablation's value ``.grad`` dropped).
+        Gradients of other parameters are the caller's (``optimizer.zero_grad()``). Otherwise a no-op::
 
             controller.begin_step()
             try:
@@ -417,8 +466,11 @@ class MemoryStep:
             controller.finish_step(optimizer)
         """
         if not self._in_step:
-            return
-        self._close()
+            if self._ended is None or self._ended.applied or self._ended.discarded:
+                return
+            self._ended.discard()
+        else:
+            self._close()
         for memory in self.memories.values():
             memory.values.grad = None
 

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 
 import torch
 
+from smf_kernels._checks import check_scalar
 from smf_kernels.ops.row_adamw import check_hyper_parameters, row_adamw_
 
 
@@ -93,14 +94,34 @@ class RowSparseAdamW(torch.optim.Optimizer):
             if key != "exp_avg" and bool((value < 0).any()):
                 raise ValueError(f"RowSparseAdamW state of {where}: {key} holds negative values")
 
+    def check_groups(self) -> None:
+        """TypeError / ValueError naming the first param group and hyper-parameter not as the constructor takes
+        it (``lr``, ``eps``, ``weight_decay`` finite and >= 0, ``betas`` two numbers in [0, 1)): a scheduler or a
+        caller may have changed them since. A learning rate held in an accelerator's tensor is checked in the op."""
+        for index, group in enumerate(self.param_groups):
+            try:
+                for name in ("lr", "eps", "weight_decay"):
+                    check_scalar(name, group[name])
+                betas = group["betas"]
+                if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+                    raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
+                for beta in betas:
+                    check_scalar("betas", beta)
+                check_hyper_parameters(group["lr"], float(betas[0]), float(betas[1]), float(group["eps"]),
+                                       float(group["weight_decay"]))
+            except (TypeError, ValueError) as err:
+                raise type(err)(f"RowSparseAdamW param group {index}: {err}") from None
+
     @torch.no_grad()
     def step(self, closure=None):
         """torch.optim.AdamW's update of every parameter with a dense ``.grad``; a table's rows go through
-        :meth:`step_rows`. A sparse ``.grad`` is refused before any parameter moves."""
+        :meth:`step_rows`. Every group's hyper-parameters (:meth:`check_groups`) and a sparse ``.grad`` are
+        checked before any parameter moves."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.check_groups()
         if any(p.grad is not None and p.grad.is_sparse for group in self.param_groups for p in group["params"]):
             raise ValueError("RowSparseAdamW takes a table's rows through step_rows(), not a sparse .grad (sparse COO "
                              "gradients were removed: docs/method.md#what-sparse-means)")

@@ -58,6 +58,15 @@ class RowSparseSGD(torch.optim.Optimizer):
                              "keeps none: resume with the optimizer that wrote it")
         super().load_state_dict(state_dict)
 
+    def check_groups(self) -> None:
+        """TypeError / ValueError naming the first param group whose ``lr`` or ``weight_decay`` is not a finite
+        number >= 0 (a scheduler or a caller may have changed them since the constructor checked them)."""
+        for index, group in enumerate(self.param_groups):
+            try:
+                check_sgd_hyper_parameters(group["lr"], group["weight_decay"])
+            except (TypeError, ValueError) as err:
+                raise type(err)(f"RowSparseSGD param group {index}: {err}") from None
+
     @torch.no_grad()
     def step(self, closure=None):
         """torch.optim.SGD's update (no momentum) of every parameter with a dense ``.grad``; the rows of a
@@ -67,8 +76,8 @@ class RowSparseSGD(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.check_groups()
         for group in self.param_groups:
-            check_sgd_hyper_parameters(group["lr"], group["weight_decay"])
             if any(p.grad is not None and p.grad.is_sparse for p in group["params"]):
                 raise ValueError("RowSparseSGD takes a table's rows through step_rows(), not a sparse .grad")
         for group in self.param_groups:
