@@ -62,13 +62,13 @@ def step(model, update, begin, optimizer, seed, poison=None):
     """One step of one micro-batch; ``poison`` ("alpha" or "values") makes that gradient NaN."""
     update.begin_step(**begin)
     loss = loss_of(model, seed)
+    if poison == "alpha":
+        loss = loss + model.alpha * float("nan")
+    elif poison == "values":  # a NaN reaching every row this micro-batch read (a forward before the selection)
+        loss = loss + (model.memory(model.embed(torch.tensor([[1, 2]]))).sum() * float("nan"))
     if begin:
         update.select_rows()
     update.after_forward()
-    if poison == "alpha":
-        loss = loss + model.alpha * float("nan")
-    elif poison == "values":  # a NaN reaching every row this micro-batch read
-        loss = loss + (model.memory(model.embed(torch.tensor([[1, 2]]))).sum() * float("nan"))
     loss.backward()
     return update.finish_step(optimizer, max_grad_norm=1.0)
 

@@ -33,6 +33,11 @@ class GradientSink:
         without a gate), as :func:`smf_kernels.ops._gather_ops.backward` does."""
         raise NotImplementedError
 
+    def before_forward(self, with_grad: bool) -> None:
+        """Called by :func:`weighted_gather` (eager, not under torch.compile) before a forward through this sink;
+        ``with_grad``: its backward will reach the sink. A sink refuses here a forward its step cannot take
+        (:class:`smf_kernels.sparse.RowGradSink`); this one takes every forward."""
+
 
 class _WeightedGather(torch.autograd.Function):
     @staticmethod
@@ -119,4 +124,6 @@ def weighted_gather(
     # strided indices. values (M, D) and counts (M,), written in place, keep their layout.
     indices, weights = indices.contiguous(), weights.contiguous()
     valid = None if valid is None else valid.contiguous()
+    if grad_sink is not None and not torch.compiler.is_compiling():  # a compiled step is planned whole (plan_fill)
+        grad_sink.before_forward(torch.is_grad_enabled() and values.requires_grad)
     return _WeightedGather.apply(values, indices, weights, counts, valid, grad_sink, gate, name)

@@ -27,6 +27,7 @@ from smf_kernels._checks import check_gather_args
 from smf_kernels._precision import accumulation_dtype
 from smf_kernels.ops import _gather_ops as gather_ops
 from smf_kernels.ops.weighted_gather import GradientSink
+from smf_kernels.sparse.step_checks import StepMisuseError
 
 Selection = tuple[torch.Tensor, torch.Tensor]  # rows (T,) int64 ascending, valid (T,) bool
 
@@ -60,6 +61,8 @@ class RowGradSink(GradientSink):
         self.valid: torch.Tensor | None = None
         self.reads: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]] = []
         self.closed = False
+        # eager forwards with grad so far, and how many of them the rows were chosen from (None: not chosen yet)
+        self.grad_forwards, self.chosen_after = 0, None
         # True once a backward reached this table (a 0-d tensor: a compiled backward sets it with no host sync); a
         # step whose backwards never did moves none of its rows, as torch.optim leaves a parameter without .grad
         self.reached = torch.zeros((), dtype=torch.bool, device=values.device)
@@ -76,15 +79,34 @@ class RowGradSink(GradientSink):
             raise ValueError(f"rows and valid must have shape (T,) = ({self.grad.shape[0]},), got "
                              f"{tuple(rows.shape)} and {tuple(valid.shape)}")
         self.rows, self.valid = rows, valid
+        self.chosen_after = self.grad_forwards
 
     def selection(self) -> Selection:
-        """(rows, valid) of a sink whose rows are known before the backward: set, or chosen from the counts."""
+        """(rows, valid) of a sink whose rows are known before the backward: set, or chosen from the counts (by
+        the first backward; eager, they are kept for the step's other backwards and its end)."""
         if self.rows is not None:
             return self.rows, self.valid
         if self.chooser is None:
             raise RuntimeError("the sink's rows were not set before the backward: call select_rows() between the "
                                "step's forwards and its first backward")
-        return self.chooser()
+        if torch.compiler.is_compiling():  # one micro-batch (plan_fill): its backward chooses, the end again
+            return self.chooser()
+        self.set_rows(*self.chooser())
+        return self.rows, self.valid
+
+    def before_forward(self, with_grad: bool) -> None:
+        """Refuses (:class:`~smf_kernels.sparse.step_checks.StepMisuseError`) a forward with grad of a rows-first
+        step whose rows were already chosen from forwards with grad: its reads would count for nothing and its
+        gradient would go to rows chosen without it (a counting forward of every micro-batch comes first)."""
+        if self.fill != ROWS_FIRST or not with_grad:
+            return
+        if self.chosen_after:
+            raise StepMisuseError(
+                f"a forward after this rows_first step's rows were chosen from its first {self.chosen_after} "
+                "micro-batch(es): its reads would not count; for several micro-batches plan the step "
+                "(plan(micro_batches): a no-grad counting forward of each, then select_rows()) or use "
+                "fill='reads_kept' (abort_step() drops this step)")
+        self.grad_forwards += 1
 
     def backward(self, grad_out, values, indices, weights, gate, read, backend, deterministic, need_weights):
         if self.closed:
