@@ -129,6 +129,17 @@ def checked(cls, options: dict, name_of=flag):
         raise ConfigError(f"{where}: {error['msg'][0].lower()}{error['msg'][1:]}, got {error['input']!r}") from None
 
 
+def checked_option(name: str, kind, value):
+    """``value`` checked and coerced as ``kind`` (a type pydantic validates: ``PositiveInt | None``), as
+    :func:`checked` checks a field; a one-line ConfigError naming ``name`` otherwise (for a value read outside an
+    options class, e.g. a suite config's ``threads`` read by ``python -m smf.train.pretrain``)."""
+    try:
+        return _adapter(kind).validate_python(value)
+    except ValidationError as err:
+        error = err.errors()[0]
+        raise ConfigError(f"{name}: {error['msg'][0].lower()}{error['msg'][1:]}, got {error['input']!r}") from None
+
+
 def mapping(raw, where: str, valid=None) -> dict:
     """``raw`` (a mapping, or None for empty) with ``-`` in keys read as ``_``; ConfigError for a key not in
     ``valid`` (when given)."""
@@ -143,14 +154,48 @@ def mapping(raw, where: str, valid=None) -> dict:
     return result
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader refusing a mapping that holds a key twice (yaml itself keeps the last one, silently: a
+    suite's second variant of one name would replace the first): what every YAML the project reads is read with
+    (:func:`read_file`). A merge key's (``<<``) entries may still be overridden, as YAML has it."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            first: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    seen = first.setdefault(key, key_node.start_mark.line + 1)
+                except TypeError:  # an unhashable key: yaml's own error follows
+                    continue
+                if seen != key_node.start_mark.line + 1:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r} at line {key_node.start_mark.line + 1} (first at line "
+                        f"{seen}); a mapping holds each key once", key_node.start_mark)
+        return super().construct_mapping(node, deep)
+
+
+def _unique_json_object(pairs: list) -> dict:
+    """json's ``object_pairs_hook``: the object, or ValueError naming a key it holds twice (json keeps the last)."""
+    keys = [key for key, _ in pairs]
+    twice = next((key for index, key in enumerate(keys) if key in keys[:index]), None)
+    if twice is not None:
+        raise ValueError(f"duplicate key {twice!r}; an object holds each key once")
+    return dict(pairs)
+
+
 def read_file(path: str | Path, valid=None) -> dict:
-    """The :func:`mapping` in a YAML (or, by suffix, JSON) file; ConfigError if it is missing or unreadable."""
+    """The :func:`mapping` in a YAML (or, by suffix, JSON) file; ConfigError if it is missing or unreadable, or
+    holds a key twice in one mapping (:class:`UniqueKeyLoader`)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"--config: no such file {str(path)!r}")
     try:
-        raw = json.loads(path.read_text()) if path.suffix == ".json" else yaml.safe_load(path.read_text())
-    except (json.JSONDecodeError, yaml.YAMLError) as err:
+        raw = (json.loads(path.read_text(), object_pairs_hook=_unique_json_object) if path.suffix == ".json"
+               else yaml.load(path.read_text(), Loader=UniqueKeyLoader))
+    except (ValueError, yaml.YAMLError) as err:  # ValueError: json's errors, a key twice
         raise ConfigError(f"--config {str(path)!r} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: "
                           f"{str(err).splitlines()[0]}") from None
     return mapping(raw, f"--config {str(path)!r}", valid)

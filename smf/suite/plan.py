@@ -38,6 +38,15 @@ SUITE_CONFIG_FILE = "suite_config.json"
 IGNORED_OPTIONS = ("output_dir", "adapter", "background", "resume", "save_every", "device", "threads")
 
 
+def number_label(value: float) -> str:
+    """``value`` as run and stage directory names print it: ``f"{value:g}"`` (6 significant digits: ``0.02``,
+    ``0.0002``, the names suites were first written under) when that reads back as ``value``, else the shortest
+    decimal that does (``repr``: ``0.1000001``), so that distinct values never share a directory (a ``:g`` label
+    has at most 6 significant digits, a ``repr`` one then at least 7)."""
+    shown = f"{value:g}"
+    return shown if float(shown) == value else repr(float(value))
+
+
 @dataclass(frozen=True)
 class Run:
     """One cell of Table 1: a condition (see :data:`smf.vocabulary.CONDITIONS`) trained with one seed; or,
@@ -54,7 +63,7 @@ class Run:
     def name(self) -> str:
         suffix = ("-authors-update" if self.update == "authors" else "") + (f"-{self.reads}-reads" if self.reads
                                                                              else "")
-        rate = "" if self.lr is None else f"-lr{self.lr:g}"
+        rate = "" if self.lr is None else f"-lr{number_label(self.lr)}"
         variant = "" if self.variant is None else f"-{self.variant}"
         return f"{self.condition}{variant}{suffix}{rate}-seed{self.seed}"
 
@@ -189,7 +198,7 @@ def stage_tag(config: SuiteConfig, variant: str | None, stage: str) -> str:
         for name, value in only(RunConfig, STAGE_COMMANDS[where], options).items():
             if value != configured.get(name, RunConfig.__dataclass_fields__[name].default):
                 changed[name] = "_".join(map(str, value)) if isinstance(value, (list, tuple)) else \
-                    f"{value:g}" if isinstance(value, float) else str(value)
+                    number_label(value) if isinstance(value, float) else str(value)
     return "".join(f"-{name.replace('_', '')}{shown}" for name, shown in changed.items())
 
 
