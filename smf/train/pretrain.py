@@ -52,7 +52,7 @@ from smf.data.world import WorldOptions, build_world, chance_accuracy
 from smf.environment import environment
 from smf.errors import ConfigError
 from smf.files import read_json_object, write_json_atomic
-from smf.options import OPTIONS_CONFIG, checked, mapping, read_file, section_names
+from smf.options import OPTIONS_CONFIG, checked, checked_option, mapping, read_file, section_names
 from smf.train.config import CONFIGS
 
 logger = logging.getLogger(__name__)
@@ -114,6 +114,15 @@ def pretrain_fingerprint(world_options, options: PretrainOptions, texts: list[st
     return _digest({"world": world_options.to_dict(), "code": CODE_VERSION, "texts": _digest(texts),
                     "tokenizer": tokenizer_digest(tokenizer),
                     "pretrain": {k: v for k, v in options.to_dict().items() if k not in ("save_every", "use_shipped")}})
+
+
+def base_fingerprint(world_options, options: PretrainOptions) -> str:
+    """The :func:`pretrain_fingerprint` :func:`pretrain_world` gives the base of ``world_options`` + ``options``
+    (builds the world and loads its tokenizer: what ``smf suite --dry-run`` compares a finished base with)."""
+    from smf.data.world_tokenizer import world_tokenizer  # transformers and tokenizers, as world_model's
+
+    texts = [row["text"] + "\n\n" for row in build_world(world_options).datasets["pretrain"]]
+    return pretrain_fingerprint(world_options, options, texts, world_tokenizer())
 
 
 def file_digests(directory: Path) -> dict[str, str]:
@@ -179,24 +188,52 @@ def _finished(output_dir: Path, fingerprint: str) -> dict | None:
     return marker
 
 
+def _damaged(source: Path, what: str) -> ConfigError:
+    return ConfigError(f"the shipped base {source}: {what} (a damaged install?); reinstall, or set "
+                       "pretrain.use_shipped: false to pretrain here")
+
+
+def _shipped_record(directory: Path) -> dict:
+    """The record (``pretrain_stage.json``) of the shipped base in ``directory``: a JSON object with its
+    ``fingerprint`` and ``files`` (name -> sha256); the "damaged install" ConfigError naming the file otherwise."""
+    path = directory / MARKER
+    if not path.is_file():
+        raise _damaged(directory, f"its record {path} is missing")
+    try:
+        record = read_json_object(path, "shipped base record", ("fingerprint", "files"))
+    except ConfigError as err:
+        raise _damaged(directory, str(err)) from None
+    files = record["files"]
+    if not isinstance(files, dict) or not all(isinstance(name, str) and "/" not in name and name not in ("", ".", "..")
+                                              and isinstance(digest, str) for name, digest in files.items()):
+        raise _damaged(directory, f"its record {path} does not map file names to digests")
+    return record
+
+
 def _shipped(fingerprint: str) -> Path | None:
-    """The shipped base (``smf/assets/science/*``) of ``fingerprint``, if any."""
-    for directory in sorted(SHIPPED.glob("base-*")):
-        marker = directory / MARKER
-        if marker.is_file() and json.loads(marker.read_text()).get("fingerprint") == fingerprint:
-            return directory
-    return None
+    """The shipped base (``smf/assets/science/*``) of ``fingerprint``, if any (every record read: one damaged
+    record is named, whichever base is asked for)."""
+    records = {directory: _shipped_record(directory) for directory in sorted(SHIPPED.glob("base-*"))}
+    return next((directory for directory, record in records.items() if record["fingerprint"] == fingerprint), None)
 
 
 def _copy_shipped(source: Path, output_dir: Path) -> dict:
-    marker = json.loads((source / MARKER).read_text())
+    marker = _shipped_record(source)
     final = output_dir / FINAL
+    stray = sorted(path.name for path in final.iterdir() if path.name not in marker["files"]) if final.is_dir() else []
+    if stray:
+        raise ConfigError(f"{final} holds {', '.join(stray)}, not a file of the shipped base this output folder "
+                          f"({output_dir}) is to receive: delete {final} (or the folder) or use another --output-dir")
+    missing = [name for name in marker["files"] if not (source / name).is_file()]
+    if missing:
+        raise _damaged(source, f"{', '.join(missing)} missing")
     final.mkdir(parents=True, exist_ok=True)
     for name in marker["files"]:
         shutil.copyfile(source / name, final / name)
-    if file_digests(final) != marker["files"]:
-        raise ConfigError(f"the shipped base {source} does not match its own record (a damaged install?); "
-                          "reinstall, or set pretrain.use_shipped: false to pretrain here")
+    copied = file_digests(final)
+    differ = [name for name, digest in marker["files"].items() if copied.get(name) != digest]
+    if differ:
+        raise _damaged(source, f"{', '.join(differ)} differ{'s' if len(differ) == 1 else ''} from its record")
     marker = {**marker, "source": f"shipped ({source.name})"}
     write_json_atomic(output_dir / MARKER, marker)
     return marker
@@ -341,8 +378,9 @@ def main(argv: list[str] | None = None) -> int:
         seeded = {"seed": args.seed} if raw.get("base_per_seed") else {}
         world = WorldOptions.from_dict({**(raw.get("world") or {}), **seeded})
         options = PretrainOptions.from_dict({**(raw.get("pretrain") or {}), **seeded, "use_shipped": False})
-        if raw.get("threads"):
-            torch.set_num_threads(raw["threads"])
+        threads = checked_option("threads", PositiveInt | None, raw.get("threads"))  # as the suite checks it
+        if threads is not None:
+            torch.set_num_threads(threads)
         marker = pretrain_world(world, options, args.output_dir)
     except ConfigError as err:
         parser.exit(2, f"error: {err}\n")
