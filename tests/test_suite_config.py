@@ -139,8 +139,9 @@ def test_dry_run_lists_the_plan_with_totals_and_runs_nothing(tmp_path, monkeypat
     assert lines[2].split() == ["base-seed0", "done"] and "refused: written with other settings" in lines[3]
     assert lines[-1].startswith(f"total: {runs} runs, 1 done, {runs - 2} to do, 1 refused; about 27 min 00 s left")
     assert cli.main(["suite", "--config", "science", "--dry-run"]) == 0  # its pretraining comes first
-    assert capsys.readouterr().out.splitlines()[1] == ("before the runs: the world (world/) and the model pretrained "
-                                                       "on it (pretrain/): to do")
+    assert capsys.readouterr().out.splitlines()[1:4] == [  # a base per seed (base_per_seed), each with its state
+        f"before the runs of seed {seed}: its world and the model pretrained on it (bases/seed{seed}/): to do"
+        for seed in (0, 1, 2)]
 
 
 def test_additive_s_plans_the_additive_retrofit_and_the_ablation_its_own_train_dir(tmp_path):

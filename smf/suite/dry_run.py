@@ -7,24 +7,34 @@ import statistics
 
 from smf.data.world import WorldOptions
 from smf.files import read_json_object
-from smf.suite.config import SuiteConfig
+from smf.suite.config import SuiteConfig, base_root, seed_config
 from smf.suite.plan import SuiteLayout, plan_runs, run_hash
 
 
-def _pretraining_state(config: SuiteConfig) -> str:
-    """'done (N s)', 'to do' or 'to do (resumes its checkpoint)' for the pretraining of ``config``."""
-    from smf.train.pretrain import MARKER, PretrainOptions, pretrain_fingerprint  # torch: only with a world
+def _pretraining_state(config: SuiteConfig, seed: int | None) -> str:
+    """'done (N s)', 'to do', 'to do (resumes its checkpoint)' or 'refused: ...' for the pretraining of the base
+    of ``seed`` (None: the suite's one shared base) in ``config``."""
+    from smf.train.pretrain import MARKER, PretrainOptions, base_fingerprint  # torch: only with a world
 
-    directory = config.output_dir / "pretrain"
+    own = config if seed is None else seed_config(config, seed)
+    directory = base_root(config.output_dir, seed) / "pretrain"
     marker = directory / MARKER
     if marker.is_file():
         recorded = read_json_object(marker, "pretraining marker")
-        fingerprint = pretrain_fingerprint(WorldOptions.from_dict(config.world),
-                                           PretrainOptions.from_dict(config.pretrain))
+        fingerprint = base_fingerprint(WorldOptions.from_dict(own.world), PretrainOptions.from_dict(own.pretrain))
         if recorded.get("fingerprint") != fingerprint:
             return "refused: it holds a model pretrained with other world or pretrain options"
         return f"done ({recorded.get('seconds', 0):.0f} s)"
     return "to do (resumes its checkpoint)" if directory.is_dir() and any(directory.iterdir()) else "to do"
+
+
+def _pretraining_lines(config: SuiteConfig) -> list[str]:
+    """The lines on the steps before the runs: the shared world and base, or each seed's (``base_per_seed``)."""
+    if not config.base_per_seed:
+        return [f"before the runs: the world (world/) and the model pretrained on it (pretrain/): "
+                f"{_pretraining_state(config, None)}"]
+    return [f"before the runs of seed {seed}: its world and the model pretrained on it (bases/seed{seed}/): "
+            f"{_pretraining_state(config, seed)}" for seed in config.seeds]
 
 
 def _run_state(layout: SuiteLayout, config: SuiteConfig, run) -> tuple[str, float | None]:
@@ -51,8 +61,7 @@ def dry_run_lines(config: SuiteConfig) -> list[str]:
     lines = [f"suite {config.name}: {len(runs)} runs, seeds {', '.join(map(str, config.seeds))}, "
              f"into {config.output_dir}"]
     if config.pretrain:
-        lines.append(f"before the runs: the world (world/) and the model pretrained on it (pretrain/): "
-                     f"{_pretraining_state(config)}")
+        lines += _pretraining_lines(config)
     width = max(len(run.name) for run in runs)
     lines.append(f"{'run':<{width}}  state")
     states = [_run_state(layout, config, run) for run in runs]
