@@ -179,7 +179,11 @@ class SparseMemoryTrainer(Trainer):
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # inside accelerate's wrapper
         max_norm = self.sparse_max_grad_norm if self.sparse_max_grad_norm and self.sparse_max_grad_norm > 0 \
             else float("inf")  # the Trainer's convention: no clipping at 0 or below
-        result = gradients.apply(optimizer, max_grad_norm=max_norm, nonfinite=self.controller.nonfinite)
+        try:
+            result = gradients.apply(optimizer, max_grad_norm=max_norm, nonfinite=self.controller.nonfinite)
+        except BaseException:  # refused (nothing moved): the step is dropped, so that a later train() begins afresh
+            self.controller.abort_step()
+            raise
         self.controller.skipped_steps += result.skipped
         self.last_selected_rows = {} if result.skipped else result.selected
         self._sparse_grad_norm = float("nan") if result.skipped else float(result.grad_norm)

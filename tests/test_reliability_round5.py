@@ -389,3 +389,29 @@ def test_the_dry_run_lists_each_seeds_base(tmp_path, monkeypatch):
     lines = dry_run_lines(config)
     assert lines[1].startswith("before the runs of seed 0: ") and lines[1].endswith(")") and ": done (" in lines[1]
     assert lines[2] == "before the runs of seed 1: its world and the model pretrained on it (bases/seed1/): to do"
+
+
+def test_a_trainer_step_refused_at_its_finish_moves_nothing_and_training_starts_again(tmp_path):
+    """A scheduler (here a callback) leaving a NaN rate: the Trainer's finish is refused naming the group, no
+    parameter moved, the step dropped; once the rate is right, train() runs again."""
+    from transformers import TrainerCallback
+
+    from test_hf_trainer import _model_and_controller, _state, _trainer
+
+    class NaNRate(TrainerCallback):
+        def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+            for group in optimizer.param_groups:
+                group["lr"] = math.nan
+
+    model, controller = _model_and_controller()
+    trainer, checker = _trainer(model, controller, tmp_path / "run")
+    trainer.add_callback(NaNRate())
+    before = _state(model)
+    with pytest.raises(ValueError, match=r"^RowSparseAdamW param group 0: lr must be a finite number >= 0, got nan"):
+        trainer.train()
+    assert all(torch.equal(before[name], value) for name, value in _state(model).items())
+    assert not controller.in_step
+    trainer.remove_callback(NaNRate)
+    trainer.args.max_steps = 1
+    trainer.train()
+    assert checker.steps_checked == 1
