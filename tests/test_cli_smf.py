@@ -53,7 +53,8 @@ def test_shipped_paper_config_spells_out_the_defaults_and_tiny_config_loads(tmp_
         assert build_config(command, options, {"output_dir": "x", "adapter": str(tmp_path),
                                                "background": str(tmp_path)}) == \
             RunConfig(output_dir="x", adapter=str(tmp_path), background=str(tmp_path),
-                      **(sizes if command == "retrofit" else {}))
+                      **(sizes if command == "retrofit" else {}),
+                      **({"rows_per_step": 512} if command == "train" else {}))  # the default's value at 16,384 slots
         assert RunConfig(output_dir="x").resolved("retrofit") == RunConfig(output_dir="x", **sizes).resolved("retrofit")
     tiny = build_config("train", read_config_file(CONFIGS / "tiny.yaml", "train"),
                         {"output_dir": "x", "recipe": "lora"}).resolved("lora")
