@@ -110,19 +110,30 @@ def missing_build_tools() -> list[str]:
 
 class _BuildProgress(threading.Thread):
     """Logs each file the build finishes, read from ninja's log in ``directory`` once a second, with the seconds
-    it took and since the build started: a build on a loaded machine takes minutes, and silence looks like a hang."""
+    it took and since the build started, and every ``QUIET_SECONDS`` without one the files still compiling: a
+    build on a loaded machine takes minutes, and silence looks like a hang."""
+
+    QUIET_SECONDS = 10
 
     def __init__(self, directory: Path, sources: list[str]) -> None:
         super().__init__(daemon=True)
         self.log = directory / ".ninja_log"
         self.outputs = {f"{Path(name).stem}.o": name for name in sources} | {f"{MODULE_NAME}.so": "the library"}
         self.skip = len(self.log.read_text().splitlines()) if self.log.exists() else 0  # an earlier attempt's
-        self.started = time.perf_counter()
+        self.started = self.last_line = time.perf_counter()
+        self.finished: set[str] = set()
         self.done = threading.Event()
 
     def run(self) -> None:
         while not self.done.wait(1.0):
             self.report()
+            now = time.perf_counter()
+            if now - self.last_line >= self.QUIET_SECONDS:
+                compiling = [name for output, name in self.outputs.items()
+                             if output not in self.finished and output.endswith(".o")]
+                logger.info("  still %s (%.0f s since the build started)",
+                            f"compiling {', '.join(compiling)}" if compiling else "linking", now - self.started)
+                self.last_line = now
         self.report()
 
     def report(self) -> None:
@@ -133,6 +144,8 @@ class _BuildProgress(threading.Thread):
             if len(fields) < 4 or fields[3] not in self.outputs:
                 continue
             seconds = (int(fields[1]) - int(fields[0])) / 1000
+            self.finished.add(fields[3])
+            self.last_line = time.perf_counter()
             logger.info("  compiled %s in %.0f s (%.0f s since the build started)" if fields[3].endswith(".o") else
                         "  linked %s in %.0f s (%.0f s since the build started)", self.outputs[fields[3]], seconds,
                         time.perf_counter() - self.started)

@@ -101,6 +101,20 @@ def test_the_build_logs_each_file_as_ninja_finishes_it(tmp_path, caplog):
     assert lines == ["  compiled bindings.cpp in 31 s", "  compiled cpu_gather.cpp in 12 s", "  linked the library in 0 s"]
 
 
+def test_a_quiet_build_says_what_it_is_still_compiling(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(build_ext._BuildProgress, "QUIET_SECONDS", 0)
+    (tmp_path / ".ninja_log").write_text("# ninja log v5\n0\t5000\t1\tcpu_topk.o\tx\n")
+    progress = build_ext._BuildProgress(tmp_path, ["bindings.cpp", "cpu_topk.cpp"])
+    progress.skip = 1  # this attempt's log
+    with caplog.at_level("INFO", logger="smf_kernels.build_ext"):
+        progress.start()
+        progress.done.wait(1.5)
+        progress.stop()
+    messages = [record.getMessage() for record in caplog.records]
+    assert messages[0].startswith("  compiled cpu_topk.cpp in 5 s")
+    assert any(message.startswith("  still compiling bindings.cpp (") for message in messages[1:])
+
+
 def test_the_kernels_are_one_file_per_op_and_all_of_them_are_built():
     kernels = {path.name for path in build_ext.SOURCE_DIR.glob("cpu_*.cpp")}
     assert kernels == {"cpu_topk.cpp", "cpu_gather.cpp", "cpu_silu_mul.cpp", "cpu_row_adamw.cpp",
