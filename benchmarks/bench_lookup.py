@@ -23,12 +23,14 @@ the authors' layer. Backends alternate within every repetition, so each ratio
 compares runs taken side by side. On CPU the compiled extension is built on
 first use (once, cached; see smf_kernels.build_ext) so that the table shows it;
 without a compiler the table has the torch rows. ``--json PATH`` also writes
-every number. Needs no GPU and no download.
+every number. Needs no GPU and no download. Progress goes to stderr as it happens (the extension's build file
+by file, then one line per op and backend as each op finishes); the table comes at the end, on stdout.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import statistics
@@ -37,11 +39,23 @@ import time
 
 PAPER = dict(n_keys=128, heads=4, topk=16, key_dim=256, value_dim=896)
 TINY = dict(n_keys=16, heads=2, topk=4, key_dim=32, value_dim=96)
+# smf_kernels.backends.BACKENDS, named here so that --backends is checked at once, before torch loads (~20 s).
+BACKEND_NAMES = ("torch", "triton", "ext")
+logger = logging.getLogger("bench_lookup")
+
+
+class UsageError(Exception):
+    """A request this machine cannot run (a backend unavailable on the device): one line, exit code 2."""
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _OneLineParser(prog="bench_lookup.py", description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     p.add_argument("--tokens", type=int, default=None,
                    help="tokens per batch of the ops (default: 4096 at paper size, 64 with --tiny)")
@@ -50,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="dtype of query, keys and values (accumulation is always fp32)")
     p.add_argument("--update-rows", type=int, default=512, help="T: rows kept by the sparse backward")
-    p.add_argument("--backends", nargs="+", default=None,
+    p.add_argument("--backends", nargs="+", default=None, choices=BACKEND_NAMES,
                    help="backends to time (default: all available on the device; torch is always timed)")
     p.add_argument("--tiny", action="store_true", help="a tiny configuration (for the Triton interpreter on CPU)")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per op (default: 10, 3 with --tiny)")
@@ -163,7 +177,7 @@ def benchmark(args: argparse.Namespace) -> dict:
 
     import smf_kernels
     from smf_kernels import ProductKeyMemory
-    from smf_kernels.backends import available_backends, resolve_backend
+    from smf_kernels.backends import available_backends, unavailable_reason
     from smf_kernels.ops import product_key_topk, weighted_gather
     from smf_kernels.sparse import RowGradSink
 
@@ -177,8 +191,10 @@ def benchmark(args: argparse.Namespace) -> dict:
     repeats = args.repeats or (3 if args.tiny else 10)
     backends = args.backends or available_backends(device)
     backends = ["torch"] + [b for b in backends if b != "torch"]
-    for name in backends:
-        resolve_backend(name, device)  # clear error now if one cannot run
+    for name in backends:  # a clear error now if one cannot run
+        if unavailable_reason(name, device) is not None:
+            raise UsageError(f"argument --backends: {name} cannot run on {device.type}: "
+                             f"{unavailable_reason(name, device)}")
     num_slots, dim, per_token = cfg["n_keys"] ** 2, cfg["value_dim"], cfg["heads"] * cfg["topk"]
     update_rows = min(args.update_rows, num_slots)
     time_once = _timer(device)
@@ -251,7 +267,10 @@ def benchmark(args: argparse.Namespace) -> dict:
     except NotImplementedError as exc:  # CUDA bf16: ATen has no per-sample-weights embedding_bag backward
         authors_unavailable = f"the authors' layer cannot run here: {str(exc).splitlines()[0]}"
     results = []
-    for op in _OP_ORDER:
+    started = time.perf_counter()
+    logger.info("timing %d ops on %s, %d runs each after 2 warm-up runs; a line per op and backend as it finishes",
+                len(_OP_ORDER), ", ".join(backends), repeats)
+    for number, op in enumerate(_OP_ORDER, 1):
         fns = {name: per_backend[name][op] for name in backends}
         if op == "layer fwd+bwd" and authors_unavailable is None:
             fns["authors"] = authors
@@ -259,6 +278,8 @@ def benchmark(args: argparse.Namespace) -> dict:
             moved = _bytes_moved(op, cfg, tokens, values.element_size(), update_rows)
             results.append({"op": op, "backend": name, "median_ms": seconds * 1e3,
                             "gb_per_s": moved / seconds / 1e9 if moved else None, "bytes": moved})
+            logger.info("  %-13s %-7s %10.3f ms  (op %d of %d, %.0f s)", op, name, seconds * 1e3, number,
+                        len(_OP_ORDER), time.perf_counter() - started)
     base = {r["op"]: r["median_ms"] for r in results if r["backend"] == "torch"}
     authors_ms = next((r["median_ms"] for r in results if r["backend"] == "authors"), None)
     for r in results:
@@ -316,25 +337,33 @@ def prepare_extension(args: argparse.Namespace) -> None:
     digest = build_ext.source_hash()
     if missing or digest is None:
         why = f"this machine lacks {' and '.join(missing)}" if missing else "its sources (csrc/) are not here"
-        print(f"note: the compiled extension (backend 'ext') cannot be built: {why}; "
-              "the table shows the torch rows only", flush=True)
+        logger.warning("note: the compiled extension (backend 'ext') cannot be built: %s; the table shows the torch "
+                       "rows only", why)
         return
-    print(f"building the smf_kernels CPU extension for the 'ext' rows (first run only, ~30 s; "
-          f"cached in {build_ext.build_dir(digest)}) ...", flush=True)
+    logger.info("building the smf_kernels CPU extension for the 'ext' rows (first run only; cached in %s)",
+                build_ext.build_dir(digest))
     os.environ[build_ext.BUILD_ENV_VAR] = "1"
     backends.refresh()
     reason = backends.unavailable_reason("ext", torch.device("cpu"))
-    print("built." if reason is None else f"note: {reason}; the table shows the torch rows only", flush=True)
+    if reason is None:
+        logger.info("built.")
+    else:
+        logger.warning("note: %s; the table shows the torch rows only", reason)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     if args.device == "cpu" and args.backends and "triton" in args.backends:
         # Triton on CPU runs only through its interpreter, enabled before any kernel is defined, i.e. before
         # torch is imported (torch 2.13 imports triton.language, whose own helpers are @triton.jit).
         os.environ.setdefault("TRITON_INTERPRET", "1")
     prepare_extension(args)
-    report = benchmark(args)
+    try:
+        report = benchmark(args)
+    except UsageError as exc:
+        print(f"bench_lookup.py: error: {exc}", file=sys.stderr)
+        return 2
     print(format_table(report))
     if args.json:
         with open(args.json, "w") as f:

@@ -1,5 +1,9 @@
 #include "cpu_output_pool.h"
 
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <c10/util/accumulate.h>
+
 #include <cstdlib>
 #include <deque>
 #include <mutex>

@@ -8,7 +8,9 @@
 // returned to the system. torch's CUDA caching allocator does the same for device memory.
 #pragma once
 
-#include <torch/extension.h>
+// ATen's tensor alone, not torch/extension.h: this file compiled in 22 s with it (the whole torch API and
+// pybind11), a few seconds without.
+#include <ATen/core/Tensor.h>
 
 namespace smf::cpu {
 

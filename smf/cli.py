@@ -11,6 +11,7 @@ Building the parser (``smf --help``) imports neither torch nor transformers: com
 from __future__ import annotations
 
 import argparse
+import difflib
 import errno
 import logging
 import os
@@ -30,13 +31,37 @@ STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
 
 
 class _ArgumentParser(argparse.ArgumentParser):
-    """argparse whose usage errors are a single line (exit code 2), naming what replaced a removed option."""
+    """argparse whose usage errors are a single line (exit code 2) from the subcommand's parser (``smf train:
+    error: ...``); an unknown option is named with the closest option of that subcommand, or with what replaced
+    it where it was removed."""
 
     def error(self, message: str):
-        if message.startswith("unrecognized arguments"):
-            given = {word.split("=")[0] for word in message.split()}
-            message += "".join(f"; {hint}" for option, hint in REMOVED_OPTIONS.items() if option in given)
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = getattr(parsed, "command", None)
+            parser = self._subcommand_parsers().get(command, self)
+            parser.error(parser.unrecognized(extras))
+        return parsed
+
+    def _subcommand_parsers(self) -> dict[str, argparse.ArgumentParser]:
+        actions = [action for action in self._actions if isinstance(action, argparse._SubParsersAction)]
+        return dict(actions[0].choices) if actions else {}
+
+    def unrecognized(self, extras: list[str]) -> str:
+        """``unrecognized argument --rows-per-stpe (did you mean --rows-per-step?)`` for the words of ``extras``
+        that look like options (the others are their values), else for every word."""
+        options = [word for word in extras if word.startswith("-") and len(word) > 1] or extras
+        known = [name for name in self._option_string_actions if name.startswith("--")]
+        described = []
+        for word in options:
+            name = word.split("=")[0]
+            close = difflib.get_close_matches(name, known, n=1) if name.startswith("--") else []
+            described.append(f"{word} ({REMOVED_OPTIONS[name]})" if name in REMOVED_OPTIONS
+                             else f"{word} (did you mean {close[0]}?)" if close else word)
+        return f"unrecognized argument{'s' if len(options) > 1 else ''} {', '.join(described)}"
 
 
 def build_parser() -> argparse.ArgumentParser:

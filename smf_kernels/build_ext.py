@@ -25,6 +25,8 @@ import logging
 import os
 import platform
 import shutil
+import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -33,7 +35,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent.parent / "csrc"
-CPU_SOURCES = ("bindings.cpp", "cpu_kernels.cpp", "cpu_output_pool.cpp")
+# bindings.cpp (torch/extension.h, pybind11) takes most of the build; the kernels, one file per op, compile beside it.
+CPU_SOURCES = ("bindings.cpp", "cpu_topk.cpp", "cpu_gather.cpp", "cpu_silu_mul.cpp", "cpu_row_adamw.cpp",
+               "cpu_output_pool.cpp")
 CUDA_SOURCES = ("cuda_kernels.cu",)
 BUILD_ENV_VAR = "SMF_KERNELS_BUILD_EXT"
 DIR_ENV_VAR = "SMF_KERNELS_EXT_DIR"
@@ -41,6 +45,8 @@ MODULE_NAME = "_ext"
 # -march=native: the build runs where it was compiled (the cache key holds the CPU flags).
 CXX_FLAGS = ("-O3", "-march=native", "-fopenmp")
 NVCC_FLAGS = ("-O3", "--use_fast_math")
+# Measured on a fresh cache (docs/library.md#the-compiled-extension).
+BUILD_TIME = "about 30 s on 2 idle cores, several minutes on a loaded machine"
 HOW_TO_BUILD = (
     f"run `python -m smf_kernels.build_ext` (~30 s), or set {BUILD_ENV_VAR}=1 to build on first use"
 )
@@ -102,6 +108,53 @@ def missing_build_tools() -> list[str]:
     return missing
 
 
+class _BuildProgress(threading.Thread):
+    """Logs each file the build finishes, read from ninja's log in ``directory`` once a second, with the seconds
+    it took and since the build started, and every ``QUIET_SECONDS`` without one the files still compiling: a
+    build on a loaded machine takes minutes, and silence looks like a hang."""
+
+    QUIET_SECONDS = 10
+
+    def __init__(self, directory: Path, sources: list[str]) -> None:
+        super().__init__(daemon=True)
+        self.log = directory / ".ninja_log"
+        self.outputs = {f"{Path(name).stem}.o": name for name in sources} | {f"{MODULE_NAME}.so": "the library"}
+        self.skip = len(self.log.read_text().splitlines()) if self.log.exists() else 0  # an earlier attempt's
+        self.started = self.last_line = time.perf_counter()
+        self.finished: set[str] = set()
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(1.0):
+            self.report()
+            now = time.perf_counter()
+            if now - self.last_line >= self.QUIET_SECONDS:
+                compiling = [name for output, name in self.outputs.items()
+                             if output not in self.finished and output.endswith(".o")]
+                logger.info("  still %s (%.0f s since the build started)",
+                            f"compiling {', '.join(compiling)}" if compiling else "linking", now - self.started)
+                self.last_line = now
+        self.report()
+
+    def report(self) -> None:
+        lines = self.log.read_text().splitlines()[max(self.skip, 1):] if self.log.exists() else []
+        self.skip = max(self.skip, 1) + len(lines)
+        for line in lines:
+            fields = line.split("\t")
+            if len(fields) < 4 or fields[3] not in self.outputs:
+                continue
+            seconds = (int(fields[1]) - int(fields[0])) / 1000
+            self.finished.add(fields[3])
+            self.last_line = time.perf_counter()
+            logger.info("  compiled %s in %.0f s (%.0f s since the build started)" if fields[3].endswith(".o") else
+                        "  linked %s in %.0f s (%.0f s since the build started)", self.outputs[fields[3]], seconds,
+                        time.perf_counter() - self.started)
+
+    def stop(self) -> None:
+        self.done.set()
+        self.join()
+
+
 def build(verbose: bool = False) -> ModuleType:
     """Compile the CPU extension into its cache directory unless already built; load it.
 
@@ -118,9 +171,12 @@ def build(verbose: bool = False) -> ModuleType:
     directory.mkdir(parents=True, exist_ok=True)
     failure = directory / "build_failed.txt"
     failure.unlink(missing_ok=True)
-    logger.info("building the smf_kernels extension in %s (~30 s on 2 idle cores)", directory)
+    logger.info("building the smf_kernels extension in %s: %d files, compiled in parallel (%s)", directory,
+                len(CPU_SOURCES), BUILD_TIME)
     from torch.utils import cpp_extension
 
+    progress = _BuildProgress(directory, list(CPU_SOURCES))
+    progress.start()
     try:
         return cpp_extension.load(
             name=MODULE_NAME,
@@ -133,6 +189,8 @@ def build(verbose: bool = False) -> ModuleType:
     except Exception as exc:
         failure.write_text(f"{type(exc).__name__}: {exc}\n")
         raise RuntimeError(f"building the smf_kernels extension failed (recorded in {failure}): {exc}") from exc
+    finally:
+        progress.stop()
 
 
 def load_extension() -> ModuleType:

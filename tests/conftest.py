@@ -21,7 +21,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # OMP_NUM_THREADS=4 python -m pytest ...
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import contextlib  # noqa: E402
 import logging  # noqa: E402
+import sys  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -31,16 +33,40 @@ if TEST_DEVICE != "cpu":
 
 
 def pytest_sessionstart(session):
-    """Build the optional compiled extension (cached after the first time, ~1 min) so that every
-    backend-parametrised test covers ``ext`` too. A failed build does not stop the session: the
-    ext tests then fail on their own, saying why."""
+    """Build the optional compiled extension (cached after the first time) so that every backend-parametrised
+    test covers ``ext`` too, unless one built for these sources is importable already (the cache's, or
+    setup.py's in-place build). A failed build does not stop the session: the ext tests then fail on their own,
+    saying why."""
     from smf_kernels import backends, build_ext
 
     try:
-        build_ext.build()
-    except RuntimeError as exc:
-        logging.getLogger(__name__).warning("compiled extension not built: %s", exc)
+        build_ext.load_extension()
+    except ImportError:
+        with _build_progress_shown(session):
+            try:
+                build_ext.build()
+            except RuntimeError as exc:
+                logging.getLogger(__name__).warning("compiled extension not built: %s", exc)
     backends.refresh()
+
+
+@contextlib.contextmanager
+def _build_progress_shown(session):
+    """The build's log lines (one per compiled file) on the terminal: a first build takes minutes on a loaded
+    machine, and pytest would otherwise show nothing until it ends."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    build_logger = logging.getLogger("smf_kernels.build_ext")
+    level = build_logger.level
+    build_logger.addHandler(handler)
+    build_logger.setLevel(logging.INFO)
+    capture = session.config.pluginmanager.getplugin("capturemanager")
+    try:
+        with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+            yield
+    finally:
+        build_logger.removeHandler(handler)
+        build_logger.setLevel(level)
 
 
 @pytest.fixture(autouse=True)

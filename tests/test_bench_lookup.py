@@ -1,4 +1,7 @@
-"""benchmarks/bench_lookup.py: the authors' layer row, and the extension built or explained on first use."""
+"""benchmarks/bench_lookup.py: the authors' layer row, the extension built or explained on first use, progress as
+it runs and bad arguments in one line."""
+import logging
+
 import pytest
 import torch
 
@@ -12,8 +15,12 @@ def bench():
     return load_benchmark("bench_lookup")
 
 
-def test_tiny_run_times_the_authors_layer_beside_the_backends(bench):
-    report = bench.benchmark(bench.parse_args(["--tiny", "--repeats", "1", "--backends", "torch"]))
+def test_tiny_run_times_the_authors_layer_beside_the_backends(bench, caplog):
+    with caplog.at_level(logging.INFO, logger="bench_lookup"):
+        report = bench.benchmark(bench.parse_args(["--tiny", "--repeats", "1", "--backends", "torch"]))
+    progress = [record.getMessage() for record in caplog.records if " ms  (op " in record.getMessage()]
+    assert len(progress) == len(report["results"]) == 9  # one line per op and backend, as each op finishes
+    assert progress[0].split()[:2] == ["lookup", "torch"] and "(op 8 of 8," in progress[-1]
     layer = {r["backend"]: r for r in report["results"] if r["op"] == "layer fwd+bwd"}
     assert set(layer) == {"authors", "torch"}
     assert layer["authors"]["speedup_vs_authors"] == 1.0
@@ -37,20 +44,38 @@ def test_missing_compiler_is_named(monkeypatch):
     assert any("no-such-compiler-smf" in tool for tool in build_ext.missing_build_tools())
 
 
-def test_unbuildable_extension_is_explained_and_torch_rows_remain(bench, monkeypatch, capsys):
+def test_unbuildable_extension_is_explained_and_torch_rows_remain(bench, monkeypatch, caplog):
     monkeypatch.setattr(backends, "unavailable_reason", lambda name, device: "not built")
     monkeypatch.setattr(build_ext, "missing_build_tools", lambda: ["a C++ compiler (c++)"])
     bench.prepare_extension(bench.parse_args([]))
-    out = capsys.readouterr().out
+    out = caplog.text
     assert "cannot be built" in out and "a C++ compiler (c++)" in out and "torch rows" in out
 
 
-def test_unbuilt_extension_is_built_with_a_message(bench, monkeypatch, capsys):
+def test_unbuilt_extension_is_built_with_a_message(bench, monkeypatch, caplog):
     reasons = iter(["not built", None])
     monkeypatch.setattr(backends, "unavailable_reason", lambda name, device: next(reasons))
     monkeypatch.setattr(build_ext, "missing_build_tools", lambda: [])
     monkeypatch.setenv(build_ext.BUILD_ENV_VAR, "0")  # restored after the test
-    bench.prepare_extension(bench.parse_args([]))
-    out = capsys.readouterr().out
+    with caplog.at_level(logging.INFO, logger="bench_lookup"):
+        bench.prepare_extension(bench.parse_args([]))
+    out = caplog.text
     assert "building the smf_kernels CPU extension" in out and "built." in out
     assert build_ext.os.environ.get(build_ext.BUILD_ENV_VAR) == "1"
+
+
+def test_an_unknown_backend_is_refused_in_one_line_before_any_work(bench, capsys):
+    assert bench.BACKEND_NAMES == backends.BACKENDS
+    with pytest.raises(SystemExit) as exit_info:
+        bench.parse_args(["--backends", "torch", "foo"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == ("bench_lookup.py: error: argument --backends: invalid choice: 'foo' (choose "
+                                       "from 'torch', 'triton', 'ext')\n")
+
+
+def test_a_backend_that_cannot_run_here_is_one_line(bench, monkeypatch, capsys):
+    monkeypatch.setattr(backends, "unavailable_reason", lambda name, device: "not built" if name == "ext" else None)
+    monkeypatch.setattr(bench, "prepare_extension", lambda args: None)
+    assert bench.main(["--tiny", "--backends", "ext"]) == 2
+    assert capsys.readouterr().err.endswith("bench_lookup.py: error: argument --backends: ext cannot run on cpu: "
+                                            "not built\n")

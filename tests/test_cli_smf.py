@@ -53,7 +53,8 @@ def test_shipped_paper_config_spells_out_the_defaults_and_tiny_config_loads(tmp_
         assert build_config(command, options, {"output_dir": "x", "adapter": str(tmp_path),
                                                "background": str(tmp_path)}) == \
             RunConfig(output_dir="x", adapter=str(tmp_path), background=str(tmp_path),
-                      **(sizes if command == "retrofit" else {}))
+                      **(sizes if command == "retrofit" else {}),
+                      **({"rows_per_step": 512} if command == "train" else {}))  # the default's value at 16,384 slots
         assert RunConfig(output_dir="x").resolved("retrofit") == RunConfig(output_dir="x", **sizes).resolved("retrofit")
     tiny = build_config("train", read_config_file(CONFIGS / "tiny.yaml", "train"),
                         {"output_dir": "x", "recipe": "lora"}).resolved("lora")
@@ -109,6 +110,27 @@ def test_a_removed_update_option_is_refused_with_what_replaced_it(capsys):
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "unrecognized arguments" in err and "--optimizer is now --update (row_sparse -> exact" in err
     assert "--fused-update is gone" in err and "--sparse-backward" not in err
+
+
+def _subcommands() -> dict:
+    parser = build_parser()
+    return next(action for action in parser._actions if action.dest == "command").choices
+
+
+@pytest.mark.parametrize("command", sorted(_subcommands()))
+def test_a_misspelt_option_is_named_with_the_closest_option_of_its_subcommand(command, capsys):
+    parser = _subcommands()[command]
+    option = max((name for name in parser._option_string_actions if name.startswith("--")), key=len)
+    typo = option[:-2] + option[-1] + option[-2]  # the last two letters swapped
+    required = [word for action in parser._actions if action.required for word in (action.option_strings[0], "x")]
+    code, err = run_main([command, *required, typo, "8"], capsys)
+    assert (code, err) == (2, f"smf {command}: error: unrecognized argument {typo} (did you mean {option}?)\n")
+
+
+def test_unknown_words_without_a_close_option_are_named_as_given(capsys):
+    assert run_main(["train", "--zzz", "1", "--rows-per-stpe=8"], capsys) == (
+        2, "smf train: error: unrecognized arguments --zzz, --rows-per-stpe=8 (did you mean --rows-per-step?)\n")
+    assert run_main(["eval", "extra"], capsys) == (2, "smf eval: error: unrecognized argument extra\n")
 
 
 def test_threads_one_for_a_small_model_unless_given_and_the_flags_take_them(monkeypatch, tmp_path):

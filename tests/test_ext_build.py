@@ -81,5 +81,42 @@ def test_source_hash_follows_the_sources(tmp_path, monkeypatch):
     shutil.copytree(build_ext.SOURCE_DIR, copy)
     monkeypatch.setattr(build_ext, "SOURCE_DIR", copy)
     assert build_ext.source_hash() == digest
-    (copy / "cpu_kernels.cpp").write_text((copy / "cpu_kernels.cpp").read_text() + "\n// edited\n")
+    (copy / "cpu_gather.cpp").write_text((copy / "cpu_gather.cpp").read_text() + "\n// edited\n")
     assert build_ext.source_hash() != digest
+
+
+def test_the_build_logs_each_file_as_ninja_finishes_it(tmp_path, caplog):
+    """One line per compiled file and for the link, from ninja's log; lines an earlier attempt left are skipped."""
+    log = tmp_path / ".ninja_log"
+    log.write_text("# ninja log v5\n0\t9000\t1\tcpu_topk.o\tx\n")  # an earlier, failed attempt
+    progress = build_ext._BuildProgress(tmp_path, list(build_ext.CPU_SOURCES))
+    with log.open("a") as f:
+        f.write("10\t31010\t2\tbindings.o\ty\n0\t12500\t3\tcpu_gather.o\tz\n")
+    with caplog.at_level("INFO", logger="smf_kernels.build_ext"):
+        progress.report()
+        with log.open("a") as f:
+            f.write("31010\t31500\t4\t_ext.so\tw\n")
+        progress.report()
+    lines = [record.getMessage().split(" (")[0] for record in caplog.records]
+    assert lines == ["  compiled bindings.cpp in 31 s", "  compiled cpu_gather.cpp in 12 s", "  linked the library in 0 s"]
+
+
+def test_a_quiet_build_says_what_it_is_still_compiling(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(build_ext._BuildProgress, "QUIET_SECONDS", 0)
+    (tmp_path / ".ninja_log").write_text("# ninja log v5\n0\t5000\t1\tcpu_topk.o\tx\n")
+    progress = build_ext._BuildProgress(tmp_path, ["bindings.cpp", "cpu_topk.cpp"])
+    progress.skip = 1  # this attempt's log
+    with caplog.at_level("INFO", logger="smf_kernels.build_ext"):
+        progress.start()
+        progress.done.wait(1.5)
+        progress.stop()
+    messages = [record.getMessage() for record in caplog.records]
+    assert messages[0].startswith("  compiled cpu_topk.cpp in 5 s")
+    assert any(message.startswith("  still compiling bindings.cpp (") for message in messages[1:])
+
+
+def test_the_kernels_are_one_file_per_op_and_all_of_them_are_built():
+    kernels = {path.name for path in build_ext.SOURCE_DIR.glob("cpu_*.cpp")}
+    assert kernels == {"cpu_topk.cpp", "cpu_gather.cpp", "cpu_silu_mul.cpp", "cpu_row_adamw.cpp",
+                       "cpu_output_pool.cpp"}
+    assert set(build_ext.CPU_SOURCES) == kernels | {"bindings.cpp"}

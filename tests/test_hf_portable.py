@@ -55,6 +55,7 @@ for directory in sys.argv[1:]:
     logits = model(ref["ids"]).logits
     dtypes = {name: str(p.dtype) for name, p in model.named_parameters()}
     results[directory] = {"equal": torch.equal(logits, ref["logits"]), "class": type(model).__name__,
+                          "max_diff": (logits - ref["logits"]).abs().max().item(),
                           "memory_dtypes": sorted({d for n, d in dtypes.items() if ".memory." in n or "alpha" in n}),
                           "embedding_dtype": str(model.get_input_embeddings().weight.dtype)}
 assert not [name for name in sys.modules if name.split(".")[0] in ("smf", "smf_kernels")]

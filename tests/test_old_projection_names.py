@@ -1,6 +1,9 @@
 """Checkpoints saved before the memory projections were renamed (``query_proj`` / ``gate_proj`` / ``out_proj``, now
 ``query_map`` / ``gate_map`` / ``out_map``) still load, with the logits the old code computed: the fixture
-tests/fixtures/old_projection_names/ was written by the code of commit 8b023a6 (make_old_projection_fixture.py)."""
+tests/fixtures/old_projection_names/ was written by the code of commit 8b023a6 (make_old_projection_fixture.py).
+
+The stored logits come from another CPU: its matrix kernels may sum in another order (AVX-512 or not, thread
+count), so the logits are compared within the precision of float32 through this depth, not bit for bit."""
 import shutil
 from pathlib import Path
 
@@ -22,6 +25,11 @@ from test_hf_portable import WITHOUT_SMF, _run
 
 FIXTURE = Path(__file__).parent / "fixtures" / "old_projection_names"
 REFERENCE = load_file(FIXTURE / "reference.safetensors")
+# float32 logits (largest 4.75, ulp 4.8e-7) after 2 decoder layers, a memory and the head, dot products of <= 32
+# terms: another order of summation moves each op's result by a few ulps and the depth adds them up; another CPU
+# measured 2.1e-6. 1e-4 (~200 ulps of the largest logit) leaves room for any x86 CPU and stays four orders below
+# what a wrongly mapped projection changes (a random weight moves the logits by ~1).
+LOGITS_ATOL = 1e-4
 OLD_KEYS = [f"model.layers.1.mlp.memory.{old}.{tensor}" for old in LEGACY_PROJECTIONS for tensor in ("weight", "bias")]
 
 # Runs where smf is importable but not imported: the old saved code asks smf for its memories, and smf hands back
@@ -35,7 +43,7 @@ results = {}
 for directory in sys.argv[1:]:
     ref = torch.load(directory + "/ref.pt", weights_only=True)
     model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True).eval()
-    results[directory] = {"equal": torch.equal(model(ref["ids"]).logits, ref["logits"]),
+    results[directory] = {"max_diff": (model(ref["ids"]).logits - ref["logits"]).abs().max().item(),
                           "memory": type(model.model.layers[1].mlp.memory).__name__}
 print("RESULTS", json.dumps(results))
 """
@@ -44,6 +52,10 @@ print("RESULTS", json.dumps(results))
 def _logits(model) -> torch.Tensor:
     with torch.no_grad():
         return model(REFERENCE["ids"]).logits
+
+
+def _assert_old_logits(logits: torch.Tensor) -> None:
+    torch.testing.assert_close(logits, REFERENCE["logits"], rtol=0, atol=LOGITS_ATOL)
 
 
 def _fixture_copy(tmp_path: Path) -> Path:
@@ -71,7 +83,7 @@ def test_smf_loads_the_old_checkpoint_with_the_old_logits_and_saves_the_new_name
     [block] = memory_blocks(model)
     block.memory.backend = "torch"
     assert all(type(getattr(block.memory, name)) is MemoryProjection for name in PROJECTIONS)
-    assert torch.equal(_logits(model), REFERENCE["logits"])
+    _assert_old_logits(_logits(model))
     model.save_pretrained(tmp_path / "resaved")
     with safe_open(tmp_path / "resaved" / "model.safetensors", "pt") as handle:
         names = set(handle.keys())
@@ -86,15 +98,15 @@ def test_the_old_and_the_resaved_directory_load_through_their_saved_code(tmp_pat
     from_pretrained(old, backend="torch").save_pretrained(resaved)
     shutil.copy(old / "ref.pt", resaved / "ref.pt")
     without = _run(WITHOUT_SMF, [old, resaved], tmp_path, with_smf=False)
-    assert without[str(old)]["equal"] and without[str(resaved)]["equal"]
+    assert without[str(old)]["max_diff"] <= LOGITS_ATOL and without[str(resaved)]["max_diff"] <= LOGITS_ATOL
     beside = _run(OLD_CODE_BESIDE_SMF, [old], tmp_path, with_smf=True)[str(old)]
-    assert beside == {"equal": True, "memory": "PlainProductKeyMemory"}
+    assert beside["max_diff"] <= LOGITS_ATOL and beside["memory"] == "PlainProductKeyMemory"
 
 
 def test_an_old_memory_adapter_loads_with_the_old_logits():
     base = tf.Qwen2ForCausalLM.from_pretrained(FIXTURE / "hf")
     load_memory_adapter(base, FIXTURE / "adapter", backend="torch")
-    assert torch.equal(_logits(base), REFERENCE["logits"])
+    _assert_old_logits(_logits(base))
 
 
 def test_a_state_dict_of_the_old_names_loads_into_a_memory_and_a_sharded_one():
@@ -123,7 +135,7 @@ def test_a_whole_model_state_dict_of_the_old_names_loads_as_the_trainer_resumes_
             param.zero_()
     result = model.load_state_dict(load_file(FIXTURE / "hf" / "model.safetensors"), strict=False)
     assert result.unexpected_keys == [] and result.missing_keys == ["lm_head.weight"]  # tied to the embeddings
-    assert torch.equal(_logits(model), REFERENCE["logits"])
+    _assert_old_logits(_logits(model))
 
 
 def test_a_training_checkpoint_of_the_old_names_resumes(tmp_path):

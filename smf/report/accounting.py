@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from smf.model import LORA_TARGETS, PAPER_LAYERS, attach_memories, count_parameters
 from smf.model.sizes import paper_qwen_config
 from smf.vocabulary import DEFAULT_MODEL
+from smf_kernels.sparse.selection import default_rows_per_step
 
 MODE_NAMES = {"replacement": "Replacement memory", "additive": "Additive memory", "additive+s": "Additive memory +S"}
 
@@ -60,9 +61,10 @@ def lora_parameters(model: nn.Module, rank: int = 16, targets: Sequence[str] = L
     return total
 
 
-def memory_row(config: PretrainedConfig, mode: str, layers: Sequence[int], rows_per_step: int,
+def memory_row(config: PretrainedConfig, mode: str, layers: Sequence[int], rows_per_step: int | None,
                memory_kwargs: dict) -> AccountingRow:
-    """Counts for memories of ``mode`` at ``layers`` of the model built from ``config``."""
+    """Counts for memories of ``mode`` at ``layers`` of the model built from ``config``; ``rows_per_step`` None:
+    each memory's default T (:func:`smf_kernels.sparse.selection.default_rows_per_step`)."""
     base_total = count_parameters(_meta_model(config))["total"]
     model = _meta_model(config)
     blocks = attach_memories(model, layers=layers, mode=mode, **memory_kwargs)
@@ -70,7 +72,8 @@ def memory_row(config: PretrainedConfig, mode: str, layers: Sequence[int], rows_
     scalars = sum(block.alpha.numel() for block in blocks if block.alpha is not None)
     values = sum(block.memory.values.numel() for block in blocks)
     trained_scalars = scalars if mode == "additive+s" else 0
-    per_step = sum(min(rows_per_step, b.memory.num_slots) * b.memory.value_dim for b in blocks) + trained_scalars
+    per_step = sum(min(rows_per_step or default_rows_per_step(b.memory.num_slots), b.memory.num_slots)
+                   * b.memory.value_dim for b in blocks) + trained_scalars
     return AccountingRow(
         method=MODE_NAMES[mode], stored=memory + scalars, values=values,
         net_inference_change=count_parameters(model)["total"] - base_total, updated_per_step=per_step,
@@ -81,15 +84,17 @@ def memory_row(config: PretrainedConfig, mode: str, layers: Sequence[int], rows_
 
 
 def parameter_accounting(config: PretrainedConfig | None = None, *, layers: Sequence[int] = PAPER_LAYERS,
-                         rows_per_step: int = 512, lora_rank: int = 16, **memory_kwargs) -> list[AccountingRow]:
+                         rows_per_step: int | None = 512, lora_rank: int = 16,
+                         **memory_kwargs) -> list[AccountingRow]:
     """Full finetune, LoRA, and the three memory modes, for ``config`` (default: the paper's Qwen).
 
     ``memory_kwargs`` are ProductKeyMemory sizes (n_keys, heads, topk, key_dim, value_dim);
-    unset ones keep the paper's.
+    unset ones keep the paper's. ``rows_per_step`` None: each memory's default T (the paper's share of its slots).
     """
     config = paper_qwen_config() if config is None else config
-    if isinstance(rows_per_step, bool) or not isinstance(rows_per_step, int) or rows_per_step < 1:
-        raise ValueError(f"rows_per_step must be a positive int, got {rows_per_step!r}")
+    if rows_per_step is not None and (isinstance(rows_per_step, bool) or not isinstance(rows_per_step, int)
+                                      or rows_per_step < 1):
+        raise ValueError(f"rows_per_step must be a positive int or None, got {rows_per_step!r}")
     base = _meta_model(config)
     full = count_parameters(base)["total"]
     lora = lora_parameters(base, lora_rank)

@@ -81,8 +81,9 @@ def training_features(config: RunConfig, tokenizer) -> list[dict]:
             logger.warning("--loss-on answer: %s holds text rows, which have no prompt; every token is trained",
                            getattr(config, f"{key}_data"))
         features = own_features(tokenizer, rows, schema, config.loss_on, config.max_length)
-        logger.info("%s: %d training examples from %s (%s rows, loss on %s tokens)", config.recipe, len(features),
-                    getattr(config, f"{key}_data"), schema, "every" if config.loss_on == "all" else "the answer")
+        logger.info("%s: %d training examples from %s (%s rows, loss on %s)", config.recipe, len(features),
+                    getattr(config, f"{key}_data"), schema, "every token" if config.loss_on == "all" else
+                    "the answer tokens")
         return features
     if config.recipe == "retrofit":
         examples, _ = _oasst_split(config, tokenizer, n_background=0)  # no background set drawn, none checked

@@ -122,7 +122,7 @@ class AuthorsSparseUpdate(MemoryStep):
     ``finish_step(optimizer, max_grad_norm=...)`` with a dense optimizer. Fill: reads kept only.
     """
 
-    def __init__(self, model: nn.Module, *, rule: str = "kl", rows_per_step: int = 512,
+    def __init__(self, model: nn.Module, *, rule: str = "kl", rows_per_step: int | None = None,
                  background: BackgroundStats | None = None, nonfinite: str = "raise") -> None:
         super().__init__(model, rule=rule, rows_per_step=rows_per_step, background=background, nonfinite=nonfinite)
         self._masks = {name: torch.zeros(m.num_slots, dtype=torch.bool, device=m.values.device)

@@ -66,7 +66,8 @@ from smf_kernels.sparse.background_collection import collect_background
 from smf_kernels.sparse.clipping import check_max_norm, norm_and_clip_coefficient
 from smf_kernels.ops.weighted_gather import GradientSink
 from smf_kernels.sparse.row_grad_sink import FILLS, READS_KEPT, ROWS_FIRST, RowGradSink, check_fill
-from smf_kernels.sparse.selection import RULES, score_slots, select_rows_padded, warn_if_not_sparse
+from smf_kernels.sparse.selection import (RULES, default_rows_per_step, score_slots, select_rows_padded,
+                                          warn_if_not_sparse)
 
 logger = logging.getLogger(__name__)
 
@@ -273,7 +274,8 @@ class MemoryStep:
         model: any nn.Module; its ProductKeyMemory submodules are found with ``named_modules()`` and named by
             module path.
         rule: "tfidf" or "kl" (docs/method.md#slot-selection).
-        rows_per_step: T, rows selected per layer per optimizer step.
+        rows_per_step: T, rows selected per layer per optimizer step; None (the default): the paper's share of
+            each memory's slots, 512 of 16,384 (:func:`~smf_kernels.sparse.selection.default_rows_per_step`).
         background: statistics for these memories (or collect them later with :meth:`collect_background`, or
             assign with :meth:`set_background`).
         nonfinite: "raise" (the default: :class:`~smf_kernels.sparse.step_checks.NonFiniteGradientError` naming
@@ -285,18 +287,26 @@ class MemoryStep:
 
     FILLS: tuple[str, ...] = (READS_KEPT,)  # the fills this kind of step can run
 
-    def __init__(self, model: nn.Module, *, rule: str = "tfidf", rows_per_step: int = 512,
+    def __init__(self, model: nn.Module, *, rule: str = "tfidf", rows_per_step: int | None = None,
                  background: BackgroundStats | None = None, nonfinite: str = "raise",
                  process_group: Any = None) -> None:
         if rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
-        if isinstance(rows_per_step, bool) or not isinstance(rows_per_step, int) or rows_per_step < 1:
-            raise ValueError(f"rows_per_step must be a positive int, got {rows_per_step!r}")
+        if rows_per_step is not None and (isinstance(rows_per_step, bool) or not isinstance(rows_per_step, int)
+                                          or rows_per_step < 1):
+            raise ValueError(f"rows_per_step must be a positive int or None, got {rows_per_step!r}")
         self.model = model
         self.memories = memories_of(model)
         self.rule, self.rows_per_step = rule, rows_per_step
         self.nonfinite = step_checks.check_nonfinite_option(nonfinite)
-        warn_if_not_sparse({name: m.num_slots for name, m in self.memories.items()}, rows_per_step)
+        if rows_per_step is None:
+            self.layer_rows = {name: default_rows_per_step(m.num_slots) for name, m in self.memories.items()}
+            shares = {f"{rows} of {m.num_slots}" for rows, m in zip(self.layer_rows.values(), self.memories.values())}
+            logger.info("rows_per_step: T = %s slots per layer (the default: the paper's share, 512 of 16,384)",
+                        ", ".join(sorted(shares)))
+        else:
+            self.layer_rows = dict.fromkeys(self.memories, rows_per_step)
+            warn_if_not_sparse({name: m.num_slots for name, m in self.memories.items()}, rows_per_step)
         self.process_group = process_group
         self.background: BackgroundStats | None = None
         self.skipped_steps = 0
@@ -512,7 +522,7 @@ class MemoryStep:
         """(rows (T,) ascending, valid (T,) bool): the step's selection at a fixed size, no host sync."""
         doc_freq, reads = self._background_tensors(name, counts.device)
         scores = score_slots(self.rule, counts, doc_freq, reads, self.background.num_batches[name])
-        return select_rows_padded(scores, counts, self.rows_per_step)
+        return select_rows_padded(scores, counts, self.layer_rows[name])
 
     def _step_counts(self) -> dict[str, torch.Tensor]:
         """Each layer's (M,) int64 read counts of the whole step, summed over ranks (one all_reduce)."""
@@ -538,7 +548,7 @@ class SparseMemoryController(MemoryStep):
         if fill == ROWS_FIRST:
             self._background_tensors(name, values.device)  # made now: a backward that selects mutates nothing
             chooser = self._chooser(name)
-        return RowGradSink(values, min(self.rows_per_step, values.shape[0]), fill=fill, chooser=chooser)
+        return RowGradSink(values, min(self.layer_rows[name], values.shape[0]), fill=fill, chooser=chooser)
 
     def _chooser(self, name: str) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
         def choose() -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,6 +20,16 @@ RULES = ("tfidf", "kl")
 KL_EPS = 1e-8
 
 
+# The paper's T as a share of a memory's slots: 512 of 16,384 (1/32, 3.1%), the default rows_per_step.
+PAPER_ROWS_PER_STEP, PAPER_SLOTS = 512, 16_384
+
+
+def default_rows_per_step(num_slots: int) -> int:
+    """T for a memory of ``num_slots`` slots when none is given: the paper's share, ``num_slots * 512 // 16384``
+    (rounded down), at least 1; 512 at the paper's 16,384 slots, 8 at 256, 13 at 441."""
+    return max(1, num_slots * PAPER_ROWS_PER_STEP // PAPER_SLOTS)
+
+
 def warn_if_not_sparse(num_slots: Mapping[str, int], rows_per_step: int) -> None:
     """Log a warning when T = ``rows_per_step`` reaches the slot count of a memory (``num_slots``: layer
     name -> n_keys ** 2): every row a step reads is then updated, so nothing is sparse."""
