@@ -221,7 +221,7 @@ def measure(item: str, cfg: dict, device, repeats: int) -> dict:
     """One row: ``item`` = "op/dtype" checked, timed (op and kernels) on the triton backend, op timed on torch."""
     import torch
 
-    from gpu_timing import kernel_time, op_time
+    from gpu_timing import kernel_time_or_reason, op_time
 
     op, dtype_name = item.rsplit("/", 1)
     torch.manual_seed(0)
@@ -229,11 +229,11 @@ def measure(item: str, cfg: dict, device, repeats: int) -> dict:
     triton_fn = _op_runner(op, "triton", inputs, cfg)
     check = _check(op, triton_fn(), _reference(op, inputs, cfg), bf16_state=dtype_name == "bf16")
     triton_s = op_time(triton_fn, device, repeats)
-    kernel_ms, launches = kernel_time(triton_fn, device, min(repeats, 5))
+    kernel_ms, launches, profiler_failed = kernel_time_or_reason(triton_fn, device, min(repeats, 5))
     torch_s = op_time(_op_runner(op, "torch", inputs, cfg), device, repeats)
     floor_ms = floors(cfg, dtype_name)[op][2] * 1e3
     return dict(op=op, dtype=dtype_name, check=check, triton_ms=triton_s * 1e3, kernel_ms=kernel_ms,
-                launches=launches, torch_ms=torch_s * 1e3, floor_ms=floor_ms)
+                launches=launches, profiler_failed=profiler_failed, torch_ms=torch_s * 1e3, floor_ms=floor_ms)
 
 
 def table(rows: list[dict]) -> list[str]:
@@ -246,9 +246,11 @@ def table(rows: list[dict]) -> list[str]:
             op, dtype = r["item"].rsplit("/", 1)
             lines.append(f"| {op} | {dtype} | failed: {r['reason']} | - | - | - | - | - | - | - |")
             continue
-        lines.append(f"| {r['op']} | {r['dtype']} | {r['check']} | {r['triton_ms']:.3f} | {r['kernel_ms']:.3f} "
-                     f"| {r['launches']:.0f} | {r['torch_ms']:.3f} | {r['torch_ms'] / r['triton_ms']:.2f} "
-                     f"| {r['floor_ms']:.4f} | {r['kernel_ms'] / r['floor_ms']:.1f} |")
+        kernels = (f"{r['kernel_ms']:.3f} | {r['launches']:.0f}" if r["kernel_ms"] is not None
+                   else f"profiler failed: {r['profiler_failed']} | -")
+        over = f"{r['kernel_ms'] / r['floor_ms']:.1f}" if r["kernel_ms"] is not None else "-"
+        lines.append(f"| {r['op']} | {r['dtype']} | {r['check']} | {r['triton_ms']:.3f} | {kernels} "
+                     f"| {r['torch_ms']:.3f} | {r['torch_ms'] / r['triton_ms']:.2f} | {r['floor_ms']:.4f} | {over} |")
     return lines
 
 

@@ -65,7 +65,7 @@ def measure(item: str, cfg: dict, device, repeats: int) -> dict:
     """One row: the layer of ``item`` = "backend/dtype" stepped and timed."""
     import torch
 
-    from gpu_timing import kernel_time, op_time
+    from gpu_timing import kernel_time_or_reason, op_time
 
     backend, dtype_name = item.split("/")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
@@ -76,9 +76,9 @@ def measure(item: str, cfg: dict, device, repeats: int) -> dict:
         ref_out, ref_grad = _step(_layer("torch", cfg, dtype, device), x)
         check = f"vs torch: out {_rel(out, ref_out):.1e}, dx {_rel(grad_x, ref_grad):.1e}"
     step_s = op_time(lambda: _step(layer, x), device, repeats)
-    kernel_ms, launches = kernel_time(lambda: _step(layer, x), device, min(repeats, 5))
+    kernel_ms, launches, profiler_failed = kernel_time_or_reason(lambda: _step(layer, x), device, min(repeats, 5))
     return dict(backend=backend, dtype=dtype_name, tokens=cfg["tokens"], step_ms=step_s * 1e3, kernel_ms=kernel_ms,
-                launches=launches, check=check)
+                launches=launches, profiler_failed=profiler_failed, check=check)
 
 
 def table(rows: list[dict]) -> list[str]:
@@ -93,8 +93,10 @@ def table(rows: list[dict]) -> list[str]:
             lines.append(f"| {backend} | {dtype} | - | - | - | - | - | failed: {r['reason']} |")
             continue
         ratio = f"{authors[r['dtype']] / r['step_ms']:.2f}x" if r["dtype"] in authors else "-"
-        lines.append(f"| {r['backend']} | {r['dtype']} | {r['tokens']:,} | {r['step_ms']:.3f} | {r['kernel_ms']:.3f} "
-                     f"| {r['launches']:.0f} | {ratio} | {r['check'] or '-'} |")
+        kernels = (f"{r['kernel_ms']:.3f} | {r['launches']:.0f}" if r["kernel_ms"] is not None
+                   else f"profiler failed: {r['profiler_failed']} | -")
+        lines.append(f"| {r['backend']} | {r['dtype']} | {r['tokens']:,} | {r['step_ms']:.3f} | {kernels} | {ratio} "
+                     f"| {r['check'] or '-'} |")
     return lines
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -45,7 +46,7 @@ STAGES = ("env", "gpu_check", "layer", "train_step", "ext_build", "ext_tests")
 # seconds: a stage's whole limit, and one item's (the first gpu_check item compiles Triton kernels)
 STAGE_LIMIT_S = {"env": 30, "gpu_check": 150, "layer": 60, "train_step": 150, "ext_build": 150, "ext_tests": 120}
 ITEM_LIMIT_S = {"env": 30, "gpu_check": 45, "layer": 40, "train_step": 100}
-TRAIN_RECIPES = ("sparse", "lora", "full")
+TRAIN_RECIPES = ("full", "sparse", "lora")  # the two of the target first
 TRAIN_SHAPE = dict(micro_batches=4, micro_batch_size=4, seq_len=512)
 BUILD = ["setup.py", "build_ext", "--inplace"]
 EXT_TESTS = ("tests/test_ext_ops.py", "tests/test_weighted_gather.py", "tests/test_product_key_topk.py",
@@ -88,23 +89,22 @@ def _python(script: str, *args: str) -> list[str]:
     return [sys.executable, str(BENCH / script), *args]
 
 
-def worker_command(stage: str, dry_run: bool):
-    """(items, command_for(items left) -> argv) of a stage run by benchmarks/guarded.py's workers."""
+def worker_command(stage: str, dry_run: bool, jsonl: Path):
+    """(items, command_for(items left) -> argv) of a stage run by benchmarks/guarded.py's workers, rows to ``jsonl``."""
     import gpu_check
     import gpu_layer
 
-    tiny = ["--tiny"] if dry_run else []
+    rows = ["--jsonl", str(jsonl)] + (["--tiny"] if dry_run else [])
     if stage == "env":
-        return ["versions"], lambda left: _python("gpu_env.py", "--jsonl", "{jsonl}")
+        return ["versions"], lambda left: _python("gpu_env.py", "--jsonl", str(jsonl))
     if stage == "gpu_check":
-        return list(gpu_check.ITEMS), lambda left: _python("gpu_check.py", *tiny, "--jsonl", "{jsonl}", "--items", *left)
+        return list(gpu_check.ITEMS), lambda left: _python("gpu_check.py", *rows, "--items", *left)
     if stage == "layer":
-        return list(gpu_layer.ITEMS), lambda left: _python("gpu_layer.py", *tiny, "--jsonl", "{jsonl}", "--items", *left)
+        return list(gpu_layer.ITEMS), lambda left: _python("gpu_layer.py", *rows, "--items", *left)
     shape = dict(micro_batches=2, micro_batch_size=2, seq_len=32) if dry_run else TRAIN_SHAPE
     sizes = [f"--{key.replace('_', '-')}={value}" for key, value in shape.items()]
-    steps = ["--warmup=0", "--repeats=1", "--rows=8", "--device=cpu", "--tiny"] if dry_run else ["--warmup=2", "--repeats=3"]
-    return list(TRAIN_RECIPES), lambda left: _python("bench_train_step.py", *sizes, *steps, "--jsonl", "{jsonl}",
-                                                     "--recipes", *left)
+    steps = ["--warmup=0", "--repeats=1", "--rows=8", "--device=cpu"] if dry_run else ["--warmup=2", "--repeats=3"]
+    return list(TRAIN_RECIPES), lambda left: _python("bench_train_step.py", *rows, *sizes, *steps, "--recipes", *left)
 
 
 def _tail(text: str, lines: int = 15) -> str:
@@ -112,8 +112,8 @@ def _tail(text: str, lines: int = 15) -> str:
 
 
 def run_command(argv: list[str], env: dict, timeout: float, log: Path) -> tuple[int | None, float, str]:
-    """(exit status or None when killed at ``timeout``, seconds, the output's last lines) of ``argv`` run in the
-    repository root, its output appended to ``log``."""
+    """(exit status or None when killed at ``timeout``, seconds, the output) of ``argv`` run in the repository root,
+    its output appended to ``log``."""
     start = time.monotonic()
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -127,17 +127,17 @@ def run_command(argv: list[str], env: dict, timeout: float, log: Path) -> tuple[
     text = output.decode(errors="replace")
     with open(log, "a") as f:
         f.write(f"$ {' '.join(argv)}\n{text}\n")
-    return status, time.monotonic() - start, _tail(text)
+    return status, time.monotonic() - start, text
 
 
 def ext_build(env: dict, timeout: float, log: Path, dry_run: bool) -> dict:
     """The CUDA extension built in place (a dry run: setup.py's extensions defined and build_ext's options parsed,
     nothing compiled)."""
     argv = [sys.executable, *BUILD] if not dry_run else [sys.executable, "setup.py", "build_ext", "--help"]
-    status, seconds, tail = run_command(argv, dict(env, SMF_KERNELS_BUILD_EXT="1"), timeout, log)
+    status, seconds, text = run_command(argv, dict(env, SMF_KERNELS_BUILD_EXT="1"), timeout, log)
     built = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "smf_kernels").glob("_ext*.so"))
     result = dict(command="SMF_KERNELS_BUILD_EXT=1 python " + " ".join(argv[1:]), seconds=round(seconds, 1),
-                  built=built, tail=tail)
+                  built=built, nvcc_ran="nvcc" in text, tail=_tail(text))
     if dry_run:
         result["note"] = "dry run: nothing compiled (no CUDA here); setup.py defined its extensions"
     if status != 0:
@@ -150,7 +150,8 @@ def ext_tests(env: dict, timeout: float, log: Path, dry_run: bool) -> dict:
     argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfE", *EXT_TESTS]
     if dry_run:
         argv.insert(argv.index("-q"), "--collect-only")
-    status, seconds, tail = run_command(argv, dict(env, SMF_TEST_DEVICE="cpu" if dry_run else "cuda"), timeout, log)
+    status, seconds, text = run_command(argv, dict(env, SMF_TEST_DEVICE="cpu" if dry_run else "cuda"), timeout, log)
+    tail = _tail(text)
     result = dict(command=("" if dry_run else "SMF_TEST_DEVICE=cuda ") + "python " + " ".join(argv[1:]),
                   seconds=round(seconds, 1), outcome=tail.splitlines()[-1] if tail else "", tail=tail)
     if dry_run:
@@ -183,11 +184,14 @@ def run_stage(stage: str, out: Path, env: dict, deadline: float, dry_run: bool) 
             row = {"item": stage, "event": "failed", "reason": f"{type(exc).__name__}: {exc}"}
         append_line(path, row)
         return
-    items, command_for = worker_command(stage, dry_run)
+    items, command_for = worker_command(stage, dry_run, path)
+    run_guarded(command_for, items, path, log, ITEM_LIMIT_S[stage], deadline, env=env, cwd=ROOT)
 
-    def argv(left):
-        return [str(path) if arg == "{jsonl}" else arg for arg in command_for(left)]
-    run_guarded(argv, items, path, log, ITEM_LIMIT_S[stage], deadline, env=env, cwd=ROOT)
+
+def _children_cpu_s() -> float:
+    """CPU seconds (user + system) of this process's finished children so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def main(argv=None) -> int:
@@ -200,7 +204,7 @@ def main(argv=None) -> int:
     start = time.monotonic()
     end = start + args.budget
     for stage in args.stages:
-        stage_start = time.monotonic()
+        stage_start, cpu_start = time.monotonic(), _children_cpu_s()
         deadline = min(end, stage_start + STAGE_LIMIT_S[stage])
         try:
             run_stage(stage, out, env, deadline, args.dry_run)
@@ -209,8 +213,8 @@ def main(argv=None) -> int:
                                                   "reason": f"the stage's runner raised {type(exc).__name__}: {exc}"})
         rows = final_rows(out / f"{stage}.jsonl")
         failed = sum(row["event"] == "failed" for row in rows.values())
-        print(f"gpu_run: {stage}: {len(rows) - failed} done, {failed} failed in {time.monotonic() - stage_start:.0f} s",
-              flush=True)
+        print(f"gpu_run: {stage}: {len(rows) - failed} done, {failed} failed in {time.monotonic() - stage_start:.0f} s "
+              f"({_children_cpu_s() - cpu_start:.0f} CPU-s)", flush=True)
         write_summary(out, args.stages, dry_run=args.dry_run, seconds=time.monotonic() - start)
     print(f"gpu_run: summary in {out / SUMMARY} ({time.monotonic() - start:.0f} s)", flush=True)
     return 0 if all(row["event"] == "done" for stage in args.stages

@@ -24,7 +24,8 @@ def _machine(out: Path) -> str:
     device = env["device"]["name"] if env.get("device") else "no CUDA device"
     versions = ", ".join(f"{name} {version}" for name, version in env["packages"].items())
     return (f"{env['date']} on {device} (driver {env.get('driver') or '-'}, CUDA {env.get('torch_cuda') or '-'}, "
-            f"{env.get('nvcc') or 'no nvcc'}); Python {env['python']}, {versions}; commit {env.get('commit') or '-'}")
+            f"{env.get('nvcc') or 'no nvcc'}); Python {env['python']}, {versions} (pydantic importable: "
+            f"{'yes' if env.get('pydantic_importable') else 'no'}); commit {env.get('commit') or '-'}")
 
 
 def _met(ok: bool, dry_run: bool) -> str:
@@ -38,16 +39,17 @@ def _targets(out: Path, dry_run: bool) -> list[str]:
     if bf16 is None:
         lines.append(f"- layer forward + backward, triton, bf16: not measured (target <= {LAYER_TARGET_MS} ms)")
     else:
+        kernels = f"{bf16['kernel_ms']:.3f} ms" if bf16["kernel_ms"] is not None else "not measured"
         lines.append(f"- layer forward + backward, triton, bf16, N = {bf16['tokens']:,}: {bf16['step_ms']:.3f} ms "
-                     f"(kernels {bf16['kernel_ms']:.3f} ms); target <= {LAYER_TARGET_MS} ms: "
+                     f"(kernels {kernels}); target <= {LAYER_TARGET_MS} ms: "
                      f"{_met(bf16['step_ms'] <= LAYER_TARGET_MS, dry_run)}")
-    checks, _ = _results(out, "gpu_check")
+    checks = [r for r in _results(out, "gpu_check")[0] if r["kernel_ms"] is not None]
     if checks:
         over = [r for r in checks if r["kernel_ms"] > FLOOR_TARGET * r["floor_ms"]]
         worst = max(checks, key=lambda r: r["kernel_ms"] / r["floor_ms"])
         lines.append(f"- kernels <= {FLOOR_TARGET}x their floor: {len(checks) - len(over)} of {len(checks)} measured "
-                     f"rows within; worst {worst['op']} {worst['dtype']} at {worst['kernel_ms'] / worst['floor_ms']:.1f}x: "
-                     f"{_met(not over, dry_run)}")
+                     f"rows within; worst {worst['op']} {worst['dtype']} at "
+                     f"{worst['kernel_ms'] / worst['floor_ms']:.1f}x: {_met(not over, dry_run)}")
     else:
         lines.append(f"- kernels <= {FLOOR_TARGET}x their floor: not measured")
     steps, _ = _results(out, "train_step")
@@ -73,7 +75,8 @@ def _command_stage(out: Path, stage: str) -> list[str]:
         if result.get(key):
             lines.append(f"{key}: {result[key]}")
     if result.get("built"):
-        lines.append(f"built: {', '.join(result['built'])}")
+        lines.append(f"built: {', '.join(result['built'])} ({'with' if result.get('nvcc_ran') else 'WITHOUT'} nvcc: "
+                     f"{'CUDA' if result.get('nvcc_ran') else 'CPU'} kernels)")
     if row["event"] == "failed" and result.get("tail"):
         lines += ["", "```", result["tail"], "```"]
     return lines

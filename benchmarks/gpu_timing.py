@@ -44,3 +44,12 @@ def kernel_time(fn, device, calls: int) -> tuple[float, float]:
     events = [e for e in prof.key_averages() if not cuda or e.self_device_time_total > 0]
     total_us = sum(e.self_device_time_total if cuda else e.self_cpu_time_total for e in events)
     return total_us / calls / 1e3, sum(e.count for e in events) / calls
+
+
+def kernel_time_or_reason(fn, device, calls: int) -> tuple[float | None, float | None, str | None]:
+    """:func:`kernel_time` as (ms, launches, None), or (None, None, why) when the profiler fails: a row keeps its
+    check and op times whatever the profiler does."""
+    try:
+        return (*kernel_time(fn, device, calls), None)
+    except Exception as exc:  # noqa: BLE001 - any profiler failure is that column's, not the row's
+        return None, None, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
