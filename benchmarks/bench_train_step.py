@@ -4,10 +4,10 @@ The model is Qwen2ForCausalLM built from Qwen-2.5-0.5B's architecture with rando
 weights (nothing is downloaded). Each recipe is set up as ``smf train`` sets it up
 (:mod:`smf.train.recipes`) from the same library objects, and stepped by :func:`train_step`, the trainer's
 :func:`smf.train.loop.run_step` for one process (bf16 autocast on CUDA, the authors' protocol's loss, gradient
-clipping, the recipe's optimizer; tests/test_bench_train_step.py holds the two to bit-identical parameters after a
-step). It imports nothing that needs pydantic (``smf.train.config``, ``recipes`` and ``loop`` do), so that it runs
-on a stock CUDA image without it; :data:`LR` and :class:`StepSettings` are ``smf train``'s defaults (the same
-test compares them):
+clipping, the recipe's optimizer; tests/test_bench_train_step.py holds the two to bit-identical parameters and
+losses over two steps). It imports nothing that needs pydantic (``smf.train.config``, ``recipes`` and ``loop``
+do), so that it runs on a stock CUDA image without it; :data:`LR` and :class:`StepSettings` are ``smf train``'s
+defaults (the same test compares them):
 
   sparse    three additive memories (layers 6, 12, 18, paper size), only the top-T value
             rows train (TF-IDF against random background counts), RowSparseAdamW
@@ -25,7 +25,8 @@ process's resident-set high-water mark (run one recipe per process to read it pe
 ``--compile`` compiles each model as ``smf train --compile`` does; ``--rows-first`` makes the
 sparse step fill rows first: count reads in a no-grad forward and select before its backwards (the fill
 ``smf train`` takes when a step's kept reads would outweigh a dense gradient) instead of keeping
-its reads until the step's end (fill "reads_kept").
+its reads until the step's end (fill "reads_kept"). ``--jsonl PATH`` saves each recipe's row the moment it
+finishes, a recipe that raises (out of memory, say) costing that recipe only (benchmarks/guarded.py).
 
     python benchmarks/bench_train_step.py                     # CUDA, the paper's step
     python benchmarks/bench_train_step.py --tiny --device cpu # the tiny model, seconds on CPU
