@@ -11,7 +11,8 @@ an item that raised it checks the device, and exits with :data:`POISONED` when t
 device-side assert, e.g. ``torch._assert_async``, poisons every later CUDA call in the process). The parent side
 (:func:`run_guarded`, in ``gpu_run.py``) starts a worker for the items left, kills it when an item outlasts its time
 limit, records ``failed`` for the item a dead or killed worker was running, and starts a fresh worker for the rest,
-until every item has a row or the stage's deadline passes (the items left then get ``failed: not started``).
+until every item has a row or the stage's deadline passes (the items left then get ``failed: not started``); when
+two workers in a row die before starting any item, every item left fails with their reason.
 """
 from __future__ import annotations
 
@@ -119,6 +120,7 @@ def run_guarded(command_for: Callable[[list[str]], list[str]], items: list[str],
     ``failed``, or one written here: ``failed`` with "timed out after N s", "worker died (...)" or "not started: the
     stage's time ran out". ``deadline``: a time.monotonic() value. Returns :func:`final_rows` of ``path``."""
     left = [item for item in items if item not in final_rows(path)]
+    dead_on_start = 0  # workers in a row that ended before starting an item
     while left:
         if time.monotonic() >= deadline:
             for item in left:
@@ -146,10 +148,17 @@ def run_guarded(command_for: Callable[[list[str]], list[str]], items: list[str],
             status = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit status {proc.returncode}"
             why = f"worker died ({status}): {_last_line(log, log_start)}"
         finished = final_rows(path)
-        # the item the worker was in when it ended; a worker that ended before starting one costs the first item left
-        culprit = _running(path, left) or (None if any(item in finished for item in left) else left[0])
+        # the item the worker was in when it ended; a worker that ended before starting one costs the first item left,
+        # and a second such worker in a row all of them (the stage cannot start: no device, a broken import)
+        culprit = _running(path, left)
+        started = culprit is not None or any(item in finished for item in left)
+        dead_on_start = 0 if started else dead_on_start + 1
         if culprit is not None:
-            append_line(path, {"item": culprit, "event": "failed", "reason": why})
+            blamed = [culprit]
+        else:
+            blamed = [] if started else left[:1] if dead_on_start < 2 else left
+        for item in blamed:
+            append_line(path, {"item": item, "event": "failed", "reason": why})
         left = [item for item in left if item not in final_rows(path)]
     return final_rows(path)
 

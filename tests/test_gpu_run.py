@@ -138,6 +138,17 @@ def test_items_left_when_the_stage_runs_out_of_time_say_so(tmp_path):
     assert rows["b"]["reason"] == "not started: the stage's time ran out"
 
 
+def test_workers_that_die_before_any_item_fail_the_stage_after_two(tmp_path):
+    """No device or a broken import: the second worker in a row that dies before its first item fails every item
+    left with its reason, instead of one worker per item."""
+    starts = tmp_path / "starts"
+    script = f"import sys; open({str(starts)!r}, 'a').write('x'); print('no CUDA device'); sys.exit(2)"
+    rows = run_guarded(lambda left: [sys.executable, "-c", script], ["a", "b", "c", "d"], tmp_path / "stage.jsonl",
+                       tmp_path / "log", item_timeout_s=30, deadline=time.monotonic() + 60)
+    assert [row["reason"] for row in rows.values()] == ["worker died (exit status 2): no CUDA device"] * 4
+    assert starts.read_text() == "xx"
+
+
 def test_a_failed_stage_leaves_the_other_stages_and_a_summary_row(tmp_path, monkeypatch, capsys):
     """A stage whose workers die and one whose runner raises each get rows saying why; the stage before them keeps
     its file, and the summary lists both failures."""
