@@ -59,6 +59,13 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
 
 
+def _synchronize(device) -> None:
+    if device is not None and getattr(device, "type", "cpu") == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
 def _device_usable(device) -> bool:
     """False when ``device`` is a CUDA device whose context an earlier error left unusable."""
     if device is None or getattr(device, "type", "cpu") != "cuda":
@@ -84,7 +91,9 @@ def run_items(items: list[str], run_one: Callable[[str], dict], path: Path | str
         if path is not None:
             append_line(path, {"item": item, "event": "start"})
         try:
-            row = {"item": item, "event": "done", "result": run_one(item)}
+            result = run_one(item)
+            _synchronize(device)  # an asynchronous CUDA error (a device-side assert) is this item's, not the next's
+            row = {"item": item, "event": "done", "result": result}
         except Exception as exc:  # noqa: BLE001 - one item's failure of any kind is that item's row
             traceback.print_exc()
             row = {"item": item, "event": "failed", "reason": _one_line(exc)}
