@@ -70,7 +70,7 @@ def _command_stage(out: Path, stage: str) -> list[str]:
     row = rows[-1]
     result = row.get("result") or {}
     state = "done" if row["event"] == "done" else f"failed: {row['reason']}"
-    lines = [f"{state}; `{result.get('command', '-')}` in {result.get('seconds', '-')} s"]
+    lines = [f"{state}; `{result['command']}` in {result['seconds']} s" if result else state]
     for key in ("note", "outcome"):
         if result.get(key):
             lines.append(f"{key}: {result[key]}")
