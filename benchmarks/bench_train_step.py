@@ -2,8 +2,12 @@
 
 The model is Qwen2ForCausalLM built from Qwen-2.5-0.5B's architecture with random
 weights (nothing is downloaded). Each recipe is set up as ``smf train`` sets it up
-(:mod:`smf.train.recipes`) and stepped by the trainer's own :func:`smf.train.loop.run_step`
-(bf16 autocast on CUDA, gradient clipping, the recipe's optimizer):
+(:mod:`smf.train.recipes`) from the same library objects, and stepped by :func:`train_step`, the trainer's
+:func:`smf.train.loop.run_step` for one process (bf16 autocast on CUDA, the authors' protocol's loss, gradient
+clipping, the recipe's optimizer; tests/test_bench_train_step.py holds the two to bit-identical parameters and
+losses over two steps). It imports nothing that needs pydantic (``smf.train.config``, ``recipes`` and ``loop``
+do), so that it runs on a stock CUDA image without it; :data:`LR` and :class:`StepSettings` are ``smf train``'s
+defaults (the same test compares them):
 
   sparse    three additive memories (layers 6, 12, 18, paper size), only the top-T value
             rows train (TF-IDF against random background counts), RowSparseAdamW
@@ -21,7 +25,8 @@ process's resident-set high-water mark (run one recipe per process to read it pe
 ``--compile`` compiles each model as ``smf train --compile`` does; ``--rows-first`` makes the
 sparse step fill rows first: count reads in a no-grad forward and select before its backwards (the fill
 ``smf train`` takes when a step's kept reads would outweigh a dense gradient) instead of keeping
-its reads until the step's end (fill "reads_kept").
+its reads until the step's end (fill "reads_kept"). ``--jsonl PATH`` saves each recipe's row the moment it
+finishes, a recipe that raises (out of memory, say) costing that recipe only (benchmarks/guarded.py).
 
     python benchmarks/bench_train_step.py                     # CUDA, the paper's step
     python benchmarks/bench_train_step.py --tiny --device cpu # the tiny model, seconds on CPU
@@ -36,12 +41,36 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
 RECIPES = ("sparse", "retrofit", "lora", "full")
+LR = {"retrofit": 5e-4, "sparse": 5e-4, "lora": 2e-4, "full": 5e-5}  # smf.train.config.RECIPE_LR
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """The options the trainer's step reads, at ``smf train``'s defaults (smf.train.config.RunConfig.resolved)."""
+
+    recipe: str
+    bf16: str = "auto"
+    max_grad_norm: float = 1.0
+    protocol: str = "authors"
+    compile: bool = False
+
+
+@dataclass
+class StepSetup:
+    """What :func:`train_step` needs of a recipe (the fields of smf.train.recipes.TrainingSetup it reads)."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    step: object  # smf.train.steps.StepHooks
+
+
 # Qwen/Qwen2.5-0.5B-Instruct's config.json (architecture fields).
 QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                   num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
@@ -65,17 +94,14 @@ def build_model(tiny: bool):
 
 def build_setup(recipe: str, tiny: bool, device: torch.device, rows_per_step: int, backend: str | None,
                 rows_first: bool = False, compile: bool = False):
-    """A :class:`smf.train.recipes.TrainingSetup` for ``recipe``, as ``smf train`` builds it from a hub model."""
+    """(:class:`StepSetup`, :class:`StepSettings`, trainable parameters) for ``recipe``, as ``smf train`` builds
+    its setup from a hub model."""
     from smf.model import apply_lora, attach_memories, configure_trainable
-    from smf.train.config import RECIPE_LR, RunConfig
-    from smf.train.recipes import TrainingSetup
     from smf.train.steps import DenseStep, MemoryUpdateStep, bf16_autocast
     from smf_kernels.sparse import BackgroundStats, RowSparseAdamW, SparseMemoryController
 
     model, layers, memory = build_model(tiny)
-    # run_step reads bf16 and clipping
-    config = RunConfig(backend=backend, rows_per_step=rows_per_step, compile=compile).resolved(recipe)
-    lr = RECIPE_LR[recipe]
+    settings = StepSettings(recipe=recipe, compile=compile)
     step = DenseStep()
     if recipe in ("sparse", "retrofit"):
         attach_memories(model, layers, "additive", alpha_init=0.01, backend=backend, **memory)
@@ -95,12 +121,47 @@ def build_setup(recipe: str, tiny: bool, device: torch.device, rows_per_step: in
                 background.add_batch(name, torch.randint(0, 3, (module.values.shape[0],), generator=generator))
         controller.set_background(background)
         # rows_first: a bound above any slot count, so that plan_fill fills rows first under accumulation
-        step = MemoryUpdateStep(controller, bf16_autocast(config.bf16, device), compiled=compile,
+        step = MemoryUpdateStep(controller, bf16_autocast(settings.bf16, device), compiled=compile,
                                 step_tokens=2 ** 62 if rows_first else None)
-        optimizer = RowSparseAdamW(trainable, lr=lr)
+        optimizer = RowSparseAdamW(trainable, lr=LR[recipe])
     else:
-        optimizer = torch.optim.AdamW(trainable, lr=lr)
-    return TrainingSetup(model, None, optimizer, step), config, sum(p.numel() for p in trainable)
+        optimizer = torch.optim.AdamW(trainable, lr=LR[recipe])
+    return StepSetup(model, optimizer, step), settings, sum(p.numel() for p in trainable)
+
+
+def cosine_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int):
+    """smf.train.loop.cosine_schedule: linear warm-up from 0, then cosine decay to 0 at ``total_steps``."""
+    from transformers import get_cosine_schedule_with_warmup
+
+    return get_cosine_schedule_with_warmup(optimizer, warmup_steps, total_steps)
+
+
+def train_step(model: torch.nn.Module, setup: StepSetup, scheduler, batches: list[dict], num_tokens: int,
+               settings: StepSettings, device: torch.device) -> torch.Tensor:
+    """One optimizer step over ``batches``: smf.train.loop.run_step in one process (no DDP or FSDP). ``model``: the
+    model to call (compiled or not); ``num_tokens``: target tokens of the whole step. Returns the summed loss (0-d)."""
+    import torch.nn.functional as F
+
+    from smf.data import IGNORE_INDEX, get_protocol
+    from smf.train.steps import bf16_autocast
+
+    autocast = bf16_autocast(settings.bf16, device)
+    per_micro_batch = settings.recipe == "sparse" and get_protocol(settings.protocol).sparse_loss_sums_micro_batch_means
+    setup.step.begin_step(model if settings.compile else setup.model, batches)
+    loss_sum = torch.zeros((), device=device)
+    for batch in batches:
+        tokens = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum()) if per_micro_batch else num_tokens
+        with autocast():  # smf.train.loop.summed_token_loss
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            shifted = logits[:, :-1].float()
+            loss = F.cross_entropy(shifted.reshape(-1, shifted.shape[-1]), batch["labels"][:, 1:].reshape(-1),
+                                   ignore_index=IGNORE_INDEX, reduction="sum")
+        setup.step.after_forward()
+        (loss * (1 / max(tokens, 1))).backward()
+        loss_sum += loss.detach()
+    setup.step.finish_step(setup.optimizer, max_grad_norm=settings.max_grad_norm)
+    scheduler.step()
+    return loss_sum
 
 
 def micro_batches(vocab: int, count: int, size: int, seq_len: int, device: torch.device, seed: int) -> list[dict]:
@@ -125,15 +186,11 @@ def _rss_high_water_gib() -> float:
 
 
 def measure(recipe: str, args, device: torch.device) -> dict:
-    from smf.train.distributed import World
-    from smf.train.loop import cosine_schedule, run_step
-
     torch.manual_seed(0)
-    setup, config, trainable = build_setup(recipe, args.tiny, device, args.rows, args.backend, args.rows_first,
+    setup, settings, trainable = build_setup(recipe, args.tiny, device, args.rows, args.backend, args.rows_first,
                                            args.compile)
     model = torch.compile(setup.model, mode="reduce-overhead") if args.compile else setup.model
     vocab = setup.model.config.vocab_size
-    world = World(rank=0, size=1, device=device)
     scheduler = cosine_schedule(setup.optimizer, warmup_steps=1, total_steps=args.warmup + args.repeats + 1)
     times, peak = [], 0
     for index in range(args.warmup + args.repeats):
@@ -143,7 +200,7 @@ def measure(recipe: str, args, device: torch.device) -> dict:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
-        run_step(model, setup, scheduler, batches, real_tokens, config, world)
+        train_step(model, setup, scheduler, batches, real_tokens, settings, device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             peak = max(peak, torch.cuda.max_memory_allocated(device))
@@ -158,7 +215,7 @@ def measure(recipe: str, args, device: torch.device) -> dict:
         batches = micro_batches(vocab, args.micro_batches, args.micro_batch_size, args.seq_len, device, seed=args.warmup + args.repeats)
         real_tokens = sum(int(b["attention_mask"].sum()) for b in batches)
         result["host_ms"], result["device_ms"] = profile_step(
-            lambda: run_step(model, setup, scheduler, batches, real_tokens, config, world), device)
+            lambda: train_step(model, setup, scheduler, batches, real_tokens, settings, device), device)
     del setup
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -178,10 +235,14 @@ def profile_step(step, device: torch.device) -> tuple[float, float]:
 
 
 def table(results: list[dict]) -> str:
-    full = next((r["step_ms"] for r in results if r["recipe"] == "full"), None)
+    """Markdown rows of :func:`measure` results and of failed recipes ({"item", "reason"})."""
+    full = next((r["step_ms"] for r in results if r.get("recipe") == "full"), None)
     lines = ["| recipe | trainable params | step ms | tokens/s (padded) | step / full | peak GiB | host ms | GPU ms |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
+        if "reason" in r:
+            lines.append(f"| {r['item']} | failed: {r['reason']} | - | - | - | - | - | - |")
+            continue
         ratio = f"{r['step_ms'] / full:.2f}x" if full else "-"
         peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
         host = f"{r['host_ms']:.1f}" if r["host_ms"] is not None else "-"
@@ -209,19 +270,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default: 2)")
     p.add_argument("--repeats", type=int, default=5, help="timed steps; the median is reported (default: 5)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    p.add_argument("--jsonl", metavar="PATH",
+                   help="append each recipe's row to PATH the moment it finishes; a recipe that raises (out of memory, "
+                        "say) costs that recipe only (benchmarks/guarded.py)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here (use --device cpu --tiny)")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    results = [measure(recipe, args, device) for recipe in args.recipes]
+    from guarded import run_items
+
+    rows = run_items(args.recipes, lambda recipe: measure(recipe, args, device), args.jsonl, device)
+    results = [r["result"] for r in rows if r["event"] == "done"]
     print(f"one step on {name}: {'tiny' if args.tiny else 'Qwen-2.5-0.5B-shaped'} model, {args.micro_batches} "
           f"micro-batches of {args.micro_batch_size} x {args.seq_len} tokens, T = {args.rows}\n")
-    print(table(results))
+    print(table([r["result"] if r["event"] == "done" else r for r in rows]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
-    return 0
+    return 0 if len(results) == len(rows) else 1
 
 
 if __name__ == "__main__":

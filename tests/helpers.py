@@ -50,6 +50,10 @@ def gather_into_rows(values, indices, weights, rows, **kwargs) -> tuple[torch.Te
 
 
 # Relative error bounds that fit the precision of each input dtype.
+# bf16 and the Triton interpreter (TRITON_INTERPRET=1, the CPU tests): it truncates every fp32->bf16 conversion
+# where a GPU rounds to nearest, so interpreter bf16 errors (~3.3e-3 for a bf16 gather) run about twice a GPU's
+# (~1.7e-3, H100 2026-11-23) and do not predict them: a bf16 bound set from an interpreter run is about twice
+# what a GPU needs, and only a GPU run (SMF_TEST_DEVICE=cuda) measures a GPU's (issue 49).
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float64: 1e-12}
 
 

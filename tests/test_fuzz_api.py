@@ -44,6 +44,10 @@ FUZZ = settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, data
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 # (rtol, atol) of outputs and gradients in each dtype, for O(1) inputs and a handful of summed terms.
+# bf16 and the Triton interpreter (TRITON_INTERPRET=1, the CPU tests): it truncates every fp32->bf16 conversion
+# where a GPU rounds to nearest, so interpreter bf16 errors (~3.3e-3 for a bf16 gather) run about twice a GPU's
+# (~1.7e-3, H100 2026-11-23) and do not predict them: a bf16 bound set from an interpreter run is about twice
+# what a GPU needs, and only a GPU run (SMF_TEST_DEVICE=cuda) measures a GPU's (issue 49).
 TOL = {torch.float32: (1e-5, 1e-5), torch.float64: (1e-10, 1e-10), torch.bfloat16: (2e-2, 2e-2),
        torch.float16: (2e-3, 2e-3)}
 # Clear exceptions: each names the offending argument in its message.

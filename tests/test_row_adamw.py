@@ -17,6 +17,10 @@ DEVICE = torch.get_default_device()
 BACKENDS = [b for b in ("torch", "ext", "triton") if unavailable_reason(b, DEVICE) is None]
 HYPER = dict(lr=3e-2, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.1)
 # relative error of one step in each dtype (bf16: the state is stored in bf16)
+# bf16 and the Triton interpreter (TRITON_INTERPRET=1, the CPU tests): it truncates every fp32->bf16 conversion
+# where a GPU rounds to nearest, so interpreter bf16 errors (~3.3e-3 for a bf16 gather) run about twice a GPU's
+# (~1.7e-3, H100 2026-11-23) and do not predict them: a bf16 bound set from an interpreter run is about twice
+# what a GPU needs, and only a GPU run (SMF_TEST_DEVICE=cuda) measures a GPU's (issue 49).
 TOL = {torch.float32: 2e-6, torch.float64: 1e-12, torch.bfloat16: 2e-2}
 
 
