@@ -8,6 +8,7 @@ from smf_kernels.backends import torch_impl
 from smf_kernels.triton_kernels import gather as triton_gather
 from smf_kernels.triton_kernels import interpreter_enabled
 from smf_kernels.triton_kernels import row_adamw as triton_row_adamw
+from smf_kernels.triton_kernels import row_backward as triton_row_backward
 from smf_kernels.triton_kernels import topk as triton_topk
 from smf_kernels.triton_kernels import topk_backward as triton_topk_backward
 
@@ -56,7 +57,7 @@ def gather_forward(values, indices, weights, counts, valid):
 
 def gather_backward(grad_out, values, indices, weights, update_rows, deterministic, need_values, need_weights):
     # One path whatever ``deterministic`` says: the row-owned backward sums in a fixed order, no atomics.
-    grad_values, grad_weights = triton_gather.gather_backward(
+    grad_values, grad_weights = triton_row_backward.gather_backward(
         grad_out, values, indices, weights, update_rows, need_values, need_weights)
     dtype = accumulation_dtype(values.dtype)
     return grad_values.to(dtype), grad_weights.to(dtype)
