@@ -364,6 +364,16 @@ def test_hot_rows_split_over_programs_match_reference_and_repeat(dtype, update_r
 
 
 @needs_triton
+@pytest.mark.parametrize("bad_rows", [[35, 3, 40], [35, -1, 3], [35, 3, 17, 3]], ids=["past M", "negative", "twice"])
+def test_row_backward_rejects_bad_update_rows(bad_rows):
+    """Called directly (the op's host check skipped, as on CUDA): the planning kernel checks update_rows as it
+    maps them to slots, and the launcher raises."""
+    grad_out, values, indices, weights = _row_inputs(torch.float32)
+    with pytest.raises(RuntimeError, match=r"update_rows must hold distinct rows there"):
+        _triton_backward(grad_out, values, indices, weights, torch.tensor(bad_rows), True, False)
+
+
+@needs_triton
 @pytest.mark.parametrize("update_rows", [None, SELECTED], ids=["dense", "T rows"])
 def test_row_backward_rejects_out_of_range_indices(update_rows):
     """Called directly (the op's host check skipped, as under torch.compile): the kernels mask every

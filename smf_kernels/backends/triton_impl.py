@@ -14,7 +14,8 @@ from smf_kernels.triton_kernels import topk_backward as triton_topk_backward
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Every Triton kernel masks each access through a loaded id and raises an error flag (triton_kernels.guards),
-# so on CUDA the ops skip their host-side range check of the gather's ids (smf_kernels.ops._gather_ops).
+# so on CUDA the ops skip their host-side range check of the gather's ids (smf_kernels.ops._gather_ops), and
+# of the backward's update_rows (range and distinctness, checked where the row backward maps them to slots).
 KERNELS_GUARD_INDICES = True
 
 

@@ -28,7 +28,9 @@ one program, its 7 chunks of <= 256 take ~0.1 ms side by side). That replaced th
 row order (an argsort of the counts), which only moved a hot row's walk to the start of the pass.
 
 Index guards: every access through a loaded index (indices, read ids, update_rows, the slot map)
-is masked with :func:`guards.in_range`; the launcher raises "indices must lie in [0, M)". Row
+is masked with :func:`guards.in_range`, and a row listed twice in update_rows is caught where the slot
+map is built; the launcher raises "indices must lie in [0, M) [and update_rows must hold distinct rows
+there]", so on CUDA the op needs no host-side or ATen check of update_rows (its ~10 launches). Row
 segments (from the counts of in-range reads) and the items (written by plan_items_kernel from
 in-range rows) are in range by construction and go unchecked.
 """
@@ -69,7 +71,8 @@ def plan_items_kernel(counts_ptr, rows_ptr, slot_ptr, starts_ptr, first_item_ptr
     first_item[r] .. first_item[r] + n_r - 1 (items[k] = r), its partial rows (n_r > 1 only) partial rows
     first_part[r] .. first_part[r] + n_r - 1; total[0] = the number of items. n_r = cdiv(counts[r], SPLIT),
     at least 1 for a row with an output slot (a row never read still gets its zero gradient), 0 for a row
-    without one unless NEED_WEIGHTS. HAS_SLOTS: slots[r] = t for r = update_rows[t], else -1, written here.
+    without one unless NEED_WEIGHTS. HAS_SLOTS: slots[r] = t for r = update_rows[t], else -1, written here;
+    an update_rows entry outside [0, num_rows) or a row listed twice raises the error flag.
     """
     if HAS_SLOTS:
         for r0 in range(0, num_rows, BLOCK):
@@ -81,6 +84,14 @@ def plan_items_kernel(counts_ptr, rows_ptr, slot_ptr, starts_ptr, first_item_ptr
             live = t < num_selected
             row = tl.load(rows_ptr + t, mask=live, other=0)
             tl.store(slot_ptr + row, t, mask=in_range(err_ptr, row, num_rows, live))
+        tl.debug_barrier()
+        for t0 in range(0, num_selected, BLOCK):  # a row listed twice: one of its entries lost the slot
+            t = t0 + tl.arange(0, BLOCK)
+            live = t < num_selected
+            row = tl.load(rows_ptr + t, mask=live, other=0)
+            ok = (row >= 0) & (row < num_rows) & live
+            lost = ok & (tl.load(slot_ptr + row, mask=ok, other=0) != t)
+            tl.store(err_ptr + tl.zeros_like(t), tl.full(t.shape, 1, tl.int32), mask=lost)
         tl.debug_barrier()
     read_base = 0
     item_base = 0
@@ -374,5 +385,6 @@ def gather_backward(grad_out, values, indices, weights, update_rows, need_values
     if num_rows > 0:
         items_plan.launch()
         row_plan.launch()
-    raise_if_flagged(work[2 * num_rows:], f"indices must lie in [0, {num_rows})")
+    rows_rule = " and update_rows must hold distinct rows there" if update_rows is not None and need_values else ""
+    raise_if_flagged(work[2 * num_rows:], f"indices must lie in [0, {num_rows}){rows_rule}")
     return grads
