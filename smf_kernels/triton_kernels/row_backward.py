@@ -337,10 +337,12 @@ def plan_row_backward(grad_out, values, weights, order, update_rows, need_values
     index = torch.empty(4 * num_rows + max_items + 1, dtype=torch.int32, device=device)
     starts, first_item, first_part, slots = (index[k * num_rows:(k + 1) * num_rows] for k in range(4))
     items, total = index[4 * num_rows:-1], index[-1:]
+    # One program of 1,024 threads scans the rows 4,096 at a time (4 steps at M = 16,384; 64 registers,
+    # no spill: 8,192 a step spilled 180 B, 16 warps took 123 registers).
     items_plan = LaunchPlan(plan_items_kernel, (1,),
                             (counts, update_rows.contiguous() if sparse else counts, slots, starts, first_item, first_part, items,
                              total, flag, num_rows, update_rows.numel() if sparse else 0),
-                            dict(SPLIT=split, HAS_SLOTS=sparse, NEED_WEIGHTS=need_weights, BLOCK=1024, num_warps=8))
+                            dict(SPLIT=split, HAS_SLOTS=sparse, NEED_WEIGHTS=need_weights, BLOCK=4096, num_warps=32))
 
     grad_values = torch.empty(out_rows, dim, dtype=torch.float32, device=device)
     grad_weights = torch.empty(num_tokens if need_weights else 0, per_token, dtype=torch.float32, device=device)
