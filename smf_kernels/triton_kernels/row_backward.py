@@ -6,8 +6,8 @@ Four launches, one path whatever torch.use_deterministic_algorithms says:
   count (integer atomics: exact, order-free).
 * torch.sort (stable, the one sort): the reads by row, within a row by read id, so every sum runs
   in one fixed order.
-* plan_items_kernel (one program): the row bookkeeping the ATen ops did in 8-12 launches (a
-  cumsum, an argsort of the counts, the T-row slot map). From the counts it writes each row's
+* plan_items_kernel (one program): the row bookkeeping that took 2-7 ATen launches (a cumsum, an
+  argsort of the counts, the T-row slot map; benchmarks/backward_launches.py counts them). From the counts it writes each row's
   segment start, splits each owned row's reads into chunks of at most SPLIT reads, and lists the
   chunks ("items") in row order; in T-row mode it builds the row -> slot map from update_rows.
 * row_backward_kernel: one program (one warp) per item walks its chunk of the row's reads in
@@ -271,8 +271,10 @@ def row_tile_config_backward(dim: int, device: torch.device) -> dict:
     and the per-read bookkeeping runs on 32 lanes, not 128. Compiled for sm_90 the loop is ~200
     instructions per read in bf16, half of 4 warps x 4 reads per step (404 per read: cross-warp
     reductions, replicated read ids), which the model makes issue-bound at ~0.45 ms. 128 registers
-    at most (ptxas's choice without the cap was 135 for bf16): 16 warps, so 16 reads in flight,
-    per SM, 25% occupancy, no spills (AOT report).
+    at most (ptxas's choice without the cap: 128-135 for bf16; capped at 96 / 80 / 64 it spills 120 /
+    276 / 588 B): 16 warps, so 16 reads in flight, per SM, 25% occupancy, no spills (AOT report; 2 warps
+    or 512-column tiles trade registers for fewer reads in flight or more instructions: RESULTS.md,
+    "Issue 49").
 
     The interpreter (CPU) takes 16 reads per step (its cost is per step, not per lane) and splits rows
     into chunks of 16 reads, so tests at tiny shapes run the hot-row reduction."""
