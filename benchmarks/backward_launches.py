@@ -44,6 +44,9 @@ def _cases():
                                               (grad_out, values, indices, weights, rows, False, True, True)),
         "weighted_gather backward (T rows, no dW)": (triton_impl.gather_backward,
                                                      (grad_out, values, indices, weights, rows, False, True, False)),
+        "weighted_gather backward into a sink (T rows)": (
+            triton_impl.gather_backward_into, (grad_out, values, indices, weights, rows,
+                                               torch.zeros(rows.numel(), 48), True)),
         "product_key_topk backward": (triton_impl.topk_backward, (grad_scores, query, keys, slots, True, True)),
     }
 

@@ -90,6 +90,8 @@ def launch_plans(dtype_name: str, config: dict) -> dict:
                                                                        True, work)
     sparse_items, sparse_rows, _ = triton_row_backward.plan_row_backward(grad_out, values, weights, order,
                                                                          update_rows, True, True, work)
+    sink_rows = triton_row_backward.plan_row_backward(grad_out, values, weights, order, update_rows, True, True,
+                                                      work, into=grad_rows)[1]
     grad_scores = torch.empty(n, heads, topk, dtype=torch.float32, **meta)
     topk_slots = torch.empty(n, heads, topk, dtype=torch.int64, **meta)
     key_partials = triton_topk_backward.plan_topk_key_grad(grad_scores, query, topk_slots, n_keys, flag)
@@ -106,6 +108,7 @@ def launch_plans(dtype_name: str, config: dict) -> dict:
         "plan_items (T rows)": sparse_items,
         "row_backward (dense)": dense_rows,
         "row_backward (T rows)": sparse_rows,
+        "row_backward (T rows, into a sink)": sink_rows,
         "row_adamw (T rows, clipped)": triton_row_adamw.plan_row_adamw(
             values, torch.empty_like(values), torch.empty_like(values), row_step, update_rows, grad_rows, row_valid,
             lr, clip, 0.9, 0.999, 1e-8, 0.01)[0],

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif("triton" not in backends_under_test(), reason="t
 def test_each_gather_backward_is_three_kernels_and_four_aten_launches():
     cases = backward_launches._cases()
     for name in ("weighted_gather backward (dense)", "weighted_gather backward (T rows)",
-                 "weighted_gather backward (T rows, no dW)"):
+                 "weighted_gather backward (T rows, no dW)", "weighted_gather backward into a sink (T rows)"):
         entry, args = cases[name]
         got = backward_launches.count(entry, args)
         assert got["triton"] == ["read_keys_kernel", "plan_items_kernel", "row_backward_kernel"], name

@@ -364,6 +364,23 @@ def test_hot_rows_split_over_programs_match_reference_and_repeat(dtype, update_r
 
 
 @needs_triton
+@pytest.mark.parametrize("tile", [{}, {"SPLIT": 3, "BLOCK_D": 32}], ids=["default", "hot rows, column tiles"])
+def test_row_backward_into_a_sink_is_the_sink_plus_the_gradient(tile):
+    """into=sink: the T rows' gradient added in the kernel's epilogue, the bits of sink += the gradient (hot
+    rows' sums included); the sink is what comes back, and a sink of the wrong shape is refused."""
+    grad_out, values, indices, weights = _row_inputs(torch.float32)
+    sink = torch.randn(SELECTED.numel(), values.shape[1])
+    sink[0, :3] = -0.0  # a row never read adds +0.0: -0.0 becomes +0.0 either way
+    want = sink + _triton_backward(grad_out, values, indices, weights, SELECTED, True, False, tile=tile)[0]
+    got, grad_weights = _triton_backward(grad_out, values, indices, weights, SELECTED, True, True, tile=tile,
+                                         into=sink)
+    assert got is sink and torch.equal(sink.view(torch.int32), want.view(torch.int32))
+    assert rel_err(grad_weights, _reference_grads(grad_out, values, indices, weights, SELECTED)[1]) < 1e-6
+    with pytest.raises(ValueError, match=r"into must be a contiguous \(6, 100\) float32 tensor"):
+        _triton_backward(grad_out, values, indices, weights, SELECTED, True, False, into=sink[:, :50])
+
+
+@needs_triton
 @pytest.mark.parametrize("bad_rows", [[35, 3, 40], [35, -1, 3], [35, 3, 17, 3]], ids=["past M", "negative", "twice"])
 def test_row_backward_rejects_bad_update_rows(bad_rows):
     """Called directly (the op's host check skipped, as on CUDA): the planning kernel checks update_rows as it

@@ -64,6 +64,14 @@ def gather_backward(grad_out, values, indices, weights, update_rows, determinist
     return grad_values.to(dtype), grad_weights.to(dtype)
 
 
+def gather_backward_into(grad_out, values, indices, weights, update_rows, sink, need_weights):
+    """:func:`gather_backward`'s (T, D) value gradient added into ``sink`` (contiguous float32) in the row pass's
+    epilogue: no (T, D) buffer and no add launch. Returns grad_weights (N, L), or (0, L) without need_weights."""
+    _, grad_weights = triton_row_backward.gather_backward(grad_out, values, indices, weights, update_rows, True,
+                                                          need_weights, into=sink)
+    return grad_weights.to(accumulation_dtype(values.dtype))
+
+
 def row_adamw(param, exp_avg, exp_avg_sq, row_step, rows, grad, valid, lr, grad_scale, beta1, beta2, eps,
               weight_decay):
     """One program per row; float16 or non-contiguous tables (updated in place) take the torch ops."""

@@ -144,10 +144,20 @@ def backward_into(
     need_weights: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`backward` with the (T, D) value gradient of rows ``update_rows`` added into ``sink`` in place;
-    returns (grad_weights (N, L), 0 rows if not needed; grad_gate, empty without a gate)."""
-    compact, grad_weights, grad_gate, _ = backward(grad_out, values, indices, weights, update_rows, gate, read,
-                                                   backend, deterministic, True, need_weights, False)
-    sink += compact
+    returns (grad_weights (N, L), 0 rows if not needed; grad_gate, empty without a gate). A backend with a
+    ``gather_backward_into`` (triton) adds in its kernel's epilogue, the same fp32 adds as ``sink += compact``."""
+    module = implementation(backend)
+    if not (hasattr(module, "gather_backward_into") and sink.is_contiguous() and sink.dtype == torch.float32):
+        compact, grad_weights, grad_gate, _ = backward(grad_out, values, indices, weights, update_rows, gate, read,
+                                                       backend, deterministic, True, need_weights, False)
+        sink += compact
+        return grad_weights, grad_gate
+    if not _kernels_guard(values, backend):
+        check_gather_values(values.shape[0], update_rows=update_rows)
+    with no_autocast(grad_out.device):
+        read_grad, grad_gate = _ungated(grad_out, gate, read, values, backend)
+        grad_weights = module.gather_backward_into(read_grad, values, indices, weights, update_rows, sink,
+                                                   need_weights)
     return grad_weights, grad_gate
 
 

@@ -122,15 +122,18 @@ def plan_items_kernel(counts_ptr, rows_ptr, slot_ptr, starts_ptr, first_item_ptr
 
 
 @triton.jit
-def _finish_row_tile(dv_ptr, slot, cols, grad, mask, D):
+def _finish_row_tile(dv_ptr, slot, cols, grad, mask, D, ADD_TO_OUT: tl.constexpr):
     """The per-row epilogue, the one place the finished value gradient of a row leaves the program.
 
     grad: (BLOCK_D,) fp32, columns ``cols`` of the row's gradient, complete (every read of the
     row summed); slot: its output row (the row itself, or its slot in update_rows; called only
     for a row that has one); mask: the columns that exist (cols < D). With D <= 1024 this tile is
-    the whole row. A fused optimizer step would read and write the parameter row and its moments
-    here instead of storing the gradient.
+    the whole row. ADD_TO_OUT: added to what the output row holds (a gradient sink), one fp32 add,
+    the bits of ``sink += grad``. A fused optimizer step would read and write the parameter row and
+    its moments here instead of storing the gradient.
     """
+    if ADD_TO_OUT:
+        grad += tl.load(dv_ptr + slot * D + cols, mask=mask, other=0.0)
     tl.store(dv_ptr + slot * D + cols, grad, mask=mask)
 
 
@@ -184,7 +187,7 @@ def row_backward_kernel(
     slot_ptr, ticket_ptr, part_ptr, dv_ptr, gw_ptr, err_ptr,
     num_reads, D, out_rows, stride_v, stride_g, items_per_program,
     L: tl.constexpr, SPLIT: tl.constexpr, HAS_SLOTS: tl.constexpr, NEED_VALUES: tl.constexpr,
-    NEED_WEIGHTS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+    NEED_WEIGHTS: tl.constexpr, ADD_TO_OUT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Program p takes items p, p + programs, ... below total[0] (see plan_items_kernel): chunk c of row r,
     the reads order[starts[r] + c * SPLIT :][: SPLIT] of the row's segment. Per column tile (one tile up to
@@ -229,7 +232,7 @@ def row_backward_kernel(
                         if hot:
                             tl.store(part_ptr + (first_part + chunk).to(tl.int64) * D + cols, grad, mask=col_mask)
                         else:
-                            _finish_row_tile(dv_ptr, slot, cols, grad, col_mask, D)
+                            _finish_row_tile(dv_ptr, slot, cols, grad, col_mask, D, ADD_TO_OUT)
                     elif HAS_SLOTS and NEED_WEIGHTS:  # T-row mode: an unselected row still owes dW
                         if end > start:
                             _walk_reads(v, w_ptr, g_ptr, order_ptr, gw_ptr, err_ptr, start, end, d0 == 0, cols,
@@ -250,7 +253,7 @@ def row_backward_kernel(
                             col_mask = cols < D
                             _finish_row_tile(dv_ptr, slot, cols,
                                              _sum_partials(part_ptr, first_part, chunks, cols, col_mask, D, BLOCK_D),
-                                             col_mask, D)
+                                             col_mask, D, ADD_TO_OUT)
 
 
 def _key_dtype(num_rows: int) -> torch.dtype:
@@ -310,7 +313,7 @@ def plan_read_keys(indices, num_rows, work, block: int = 1024):
 
 
 def plan_row_backward(grad_out, values, weights, order, update_rows, need_values, need_weights, work,
-                      tile: dict | None = None):
+                      tile: dict | None = None, into: torch.Tensor | None = None):
     """(items plan, row plan, (grad_values fp32 (out_rows or 0, D), grad_weights fp32 (N or 0, L))): the two
     launches after the sort, every buffer allocated.
 
@@ -318,7 +321,8 @@ def plan_row_backward(grad_out, values, weights, order, update_rows, need_values
     (T,) int64 distinct rows; work: the (2M + 1,) int32 buffer of :func:`new_work_buffer` after the
     read_keys launch (counts, tickets, error flag). tile: entries replacing the launch configuration's
     (tests use a narrow BLOCK_D, one read per step, other SPLITs, and ``items_per_program``, which changes
-    which program ends each hot row).
+    which program ends each hot row). into: None, or a contiguous (T, D) fp32 tensor (T-row mode) that the
+    value gradient is added into in place, returned as grad_values.
     """
     values, weights, grad_out = values.contiguous(), weights.contiguous(), grad_out.contiguous()
     num_tokens, per_token = weights.shape
@@ -342,11 +346,14 @@ def plan_row_backward(grad_out, values, weights, order, update_rows, need_values
     # One program of 1,024 threads scans the rows 4,096 at a time (4 steps at M = 16,384; 64 registers,
     # no spill: 8,192 a step spilled 180 B, 16 warps took 123 registers).
     items_plan = LaunchPlan(plan_items_kernel, (1,),
-                            (counts, update_rows.contiguous() if sparse else counts, slots, starts, first_item, first_part, items,
-                             total, flag, num_rows, update_rows.numel() if sparse else 0),
+                            (counts, update_rows.contiguous() if sparse else counts, slots, starts, first_item,
+                             first_part, items, total, flag, num_rows, update_rows.numel() if sparse else 0),
                             dict(SPLIT=split, HAS_SLOTS=sparse, NEED_WEIGHTS=need_weights, BLOCK=4096, num_warps=32))
 
-    grad_values = torch.empty(out_rows, dim, dtype=torch.float32, device=device)
+    if into is not None and not (sparse and into.is_contiguous() and into.dtype == torch.float32
+                                 and into.shape == (out_rows, dim)):
+        raise ValueError(f"into must be a contiguous ({out_rows}, {dim}) float32 tensor of the T rows")
+    grad_values = torch.empty(out_rows, dim, dtype=torch.float32, device=device) if into is None else into
     grad_weights = torch.empty(num_tokens if need_weights else 0, per_token, dtype=torch.float32, device=device)
     partials = torch.empty(cdiv(2 * num_reads, split) if need_values else 0, dim, dtype=torch.float32,
                            device=device)
@@ -357,17 +364,18 @@ def plan_row_backward(grad_out, values, weights, order, update_rows, need_values
          per_program),
         # L constexpr: read // L, the token of a read, compiles to a shift (L = 64) or a multiply.
         dict(L=per_token, SPLIT=split, HAS_SLOTS=sparse, NEED_VALUES=need_values, NEED_WEIGHTS=need_weights,
-             **config),
+             ADD_TO_OUT=into is not None, **config),
     )
     return items_plan, row_plan, (grad_values, grad_weights)
 
 
 def gather_backward(grad_out, values, indices, weights, update_rows, need_values, need_weights, *,
-                    tile: dict | None = None):
+                    tile: dict | None = None, into: torch.Tensor | None = None):
     """(grad_values fp32 (M or T or 0, D), grad_weights fp32 (N or 0, L)): the row-owned backward.
 
     update_rows: None (dense value gradient) or (T,) int64 distinct rows (row t of grad_values
-    for update_rows[t]). Reads sorted by row once, then one pass in which each program owns a
+    for update_rows[t]); into: a contiguous (T, D) fp32 sink the T rows' gradient is added into
+    (returned as grad_values), without a (T, D) buffer and an add launch of its own. Reads sorted by row once, then one pass in which each program owns a
     chunk of a row: no float atomics, so every run gives the same bits. Raises RuntimeError (on
     CUDA at the next synchronising call) if an index lies outside [0, M). No host sync.
     """
@@ -385,7 +393,7 @@ def gather_backward(grad_out, values, indices, weights, update_rows, need_values
         keys_plan.launch()
     order = torch.sort(keys, stable=True)[1]  # the one sort: the reads by row, within a row by read id
     items_plan, row_plan, grads = plan_row_backward(grad_out, values, weights, order, update_rows, need_values,
-                                                    need_weights, work, tile)
+                                                    need_weights, work, tile, into)
     if num_rows > 0:
         items_plan.launch()
         row_plan.launch()
