@@ -58,9 +58,9 @@ def launch_plans(dtype_name: str, config: dict) -> dict:
     """{name: LaunchPlan} for every kernel the ops launch at ``config``, on meta tensors."""
     import torch
 
-    from smf_kernels._rows import row_to_slot_map
     from smf_kernels.triton_kernels import gather as triton_gather
     from smf_kernels.triton_kernels import row_adamw as triton_row_adamw
+    from smf_kernels.triton_kernels import row_backward as triton_row_backward
     from smf_kernels.triton_kernels import topk as triton_topk
     from smf_kernels.triton_kernels import topk_backward as triton_topk_backward
 
@@ -77,15 +77,21 @@ def launch_plans(dtype_name: str, config: dict) -> dict:
     valid = torch.empty(n, dtype=torch.bool, **meta)
     grad_out = torch.empty(n, dim, dtype=dtype, **meta)
     update_rows = torch.empty(config["selected_rows"], dtype=torch.int64, **meta)
-    slots = row_to_slot_map(update_rows, rows)
     selected = update_rows.numel()
     row_step = torch.empty(rows, dtype=torch.int64, **meta)
     grad_rows = torch.empty(selected, dim, dtype=torch.float32, **meta)
     row_valid = torch.empty(selected, dtype=torch.bool, **meta)
     lr, clip = torch.empty((), dtype=torch.float64, **meta), torch.empty((), dtype=torch.float32, **meta)
     flag = torch.empty(1, dtype=torch.int32, **meta)
-    keys_plan, read_keys, read_counts = triton_gather.plan_read_keys(indices, rows, flag)
-    order, ends, row_list = triton_gather.sort_reads(read_keys, read_counts)
+    work = triton_row_backward.new_work_buffer(rows, torch.device("meta"))
+    keys_plan, read_keys = triton_row_backward.plan_read_keys(indices, rows, work)
+    order = torch.sort(read_keys, stable=True)[1]
+    dense_items, dense_rows, _ = triton_row_backward.plan_row_backward(grad_out, values, weights, order, None, True,
+                                                                       True, work)
+    sparse_items, sparse_rows, _ = triton_row_backward.plan_row_backward(grad_out, values, weights, order,
+                                                                         update_rows, True, True, work)
+    sink_rows = triton_row_backward.plan_row_backward(grad_out, values, weights, order, update_rows, True, True,
+                                                      work, into=grad_rows)[1]
     grad_scores = torch.empty(n, heads, topk, dtype=torch.float32, **meta)
     topk_slots = torch.empty(n, heads, topk, dtype=torch.int64, **meta)
     key_partials = triton_topk_backward.plan_topk_key_grad(grad_scores, query, topk_slots, n_keys, flag)
@@ -98,12 +104,11 @@ def launch_plans(dtype_name: str, config: dict) -> dict:
         "gather_forward (counts, valid)": triton_gather.plan_gather_forward(values, indices, weights, counts,
                                                                             valid)[0],
         "read_keys": keys_plan,
-        "row_backward (dense)": triton_gather.plan_row_backward(grad_out, values, weights, order, ends, read_counts,
-                                                                row_list, None, rows, flag, True, True,
-                                                                trusted_rows=True)[0],
-        "row_backward (T rows)": triton_gather.plan_row_backward(grad_out, values, weights, order, ends,
-                                                                 read_counts, row_list, slots, selected, flag, True,
-                                                                 True, trusted_rows=True)[0],
+        "plan_items (dense)": dense_items,
+        "plan_items (T rows)": sparse_items,
+        "row_backward (dense)": dense_rows,
+        "row_backward (T rows)": sparse_rows,
+        "row_backward (T rows, into a sink)": sink_rows,
         "row_adamw (T rows, clipped)": triton_row_adamw.plan_row_adamw(
             values, torch.empty_like(values), torch.empty_like(values), row_step, update_rows, grad_rows, row_valid,
             lr, clip, 0.9, 0.999, 1e-8, 0.01)[0],
@@ -166,6 +171,12 @@ def compile_one(job: tuple[str, str, str, dict]) -> dict:
     return record
 
 
+def triton_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
 def ptxas_unavailable_reason() -> str | None:
     try:
         from triton.backends.nvidia.compiler import get_ptxas
@@ -177,13 +188,35 @@ def ptxas_unavailable_reason() -> str | None:
     return None
 
 
-def run(config: dict, jobs: int, kernels: list[str] | None = None) -> list[dict]:
+def run(config: dict, jobs: int, kernels: list[str] | None = None, targets: list[str] | None = None) -> list[dict]:
     names = kernels or list(launch_plans("fp32", config))
-    work = [(name, target, dtype, config) for name in names for target in TARGETS for dtype in DTYPES]
+    work = [(name, target, dtype, config) for name in names for target in targets or TARGETS for dtype in DTYPES]
     with tempfile.TemporaryDirectory() as cache:
         os.environ["TRITON_CACHE_DIR"] = cache  # cold compiles; the workers inherit it
         with concurrent.futures.ProcessPoolExecutor(max_workers=jobs) as pool:
             return list(pool.map(compile_one, work))
+
+
+MAX_COMPILE_CPU_S = 60.0  # per kernel, target and dtype: CPU seconds of the compiler and ptxas
+MIN_OCCUPANCY = 0.25  # on sm_90
+
+
+def budget_failures(records: list[dict]) -> list[str]:
+    """One line per record outside the budgets: it failed to compile, took more than MAX_COMPILE_CPU_S CPU
+    seconds, or (sm_90) spills or reaches less than MIN_OCCUPANCY estimated occupancy."""
+    failures = []
+    for r in records:
+        what = f"{r['kernel']} {r['target']} {r['dtype']}"
+        if not r["ok"]:
+            failures.append(f"{what}: did not compile: {r.get('error')}")
+            continue
+        if r["compile_cpu_s"] > MAX_COMPILE_CPU_S:
+            failures.append(f"{what}: {r['compile_cpu_s']} CPU s to compile (wall {r['compile_s']} s)")
+        if r["target"] == "sm_90" and r["spill_bytes"] != 0:
+            failures.append(f"{what}: spills {r['spill_bytes']} B")
+        if r["target"] == "sm_90" and r["occupancy"] < MIN_OCCUPANCY:
+            failures.append(f"{what}: occupancy {r['occupancy']:.0%}")
+    return failures
 
 
 def table(records: list[dict]) -> str:
@@ -204,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiler worker processes")
     parser.add_argument("--tokens", type=int, default=PAPER["tokens"])
     parser.add_argument("--kernel", action="append", help="only this kernel (repeatable)")
+    parser.add_argument("--target", action="append", choices=sorted(TARGETS), help="only this target (repeatable)")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 unless every record holds the budgets (see budget_failures)")
     args = parser.parse_args(argv)
     if "smf_kernels" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         parser.error("run as a script: smf_kernels was imported with the Triton interpreter on")
@@ -216,14 +252,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"skipped: {reason}")
         return 2
     config = dict(PAPER, tokens=args.tokens)
-    records = run(config, args.jobs, args.kernel)
-    print(f"Triton AOT report: N={config['tokens']}, heads {config['heads']}, n_keys {config['n_keys']}, "
+    records = run(config, args.jobs, args.kernel, args.target)
+    print(f"Triton AOT report (Triton {triton_version()}): N={config['tokens']}, heads {config['heads']}, n_keys {config['n_keys']}, "
           f"top-{config['topk']}, key_dim {config['key_dim']}, D {config['dim']}, "
           f"T {config['selected_rows']} selected rows\n")
     print(table(records))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)
+    if args.check:
+        failures = budget_failures(records)
+        print("\n".join(["", "budgets: " + ("held" if not failures else f"{len(failures)} outside"), *failures]))
+        return 1 if failures else 0
     return 0 if all(r["ok"] for r in records) else 1
 
 

@@ -19,9 +19,6 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import triton_aot  # noqa: E402
 
-MAX_COMPILE_CPU_S = 60.0  # per kernel, target and dtype: CPU seconds of the compiler and ptxas
-
-
 def test_estimated_occupancy_matches_hand_counts():
     # 128 regs x 4 warps: 16 KiB regs per block -> 4 blocks = 16 warps of 64.
     assert triton_aot.estimated_occupancy(90, 128, 0, 4) == 16 / 64
@@ -44,6 +41,21 @@ def test_compile_time_is_measured_in_cpu_seconds_of_the_worker_and_its_children(
     assert time.process_time() - before_cpu < 0.3  # the sleep is not
 
 
+def _record(**changes):
+    record = dict(kernel="k", target="sm_90", dtype="fp32", ok=True, spill_bytes=0, occupancy=0.25, compile_s=1.0,
+                  compile_cpu_s=1.0)
+    return {**record, **changes}
+
+
+def test_budget_failures_name_each_record_outside_the_budgets():
+    assert triton_aot.budget_failures([_record(), _record(target="sm_80", spill_bytes=880, occupancy=0.125)]) == []
+    failures = triton_aot.budget_failures([
+        _record(ok=False, error="CompilationError: x"), _record(spill_bytes=16), _record(occupancy=0.1875),
+        _record(compile_cpu_s=61.0)])
+    assert [f.split(": ", 1)[1] for f in failures] == [
+        "did not compile: CompilationError: x", "spills 16 B", "occupancy 19%", "61.0 CPU s to compile (wall 1.0 s)"]
+
+
 def test_every_kernel_compiles_within_budget(tmp_path):
     reason = triton_aot.ptxas_unavailable_reason()
     if reason:
@@ -57,14 +69,8 @@ def test_every_kernel_compiles_within_budget(tmp_path):
     kernels = {r["kernel"] for r in records}
     assert "product_key_topk" in kernels and len(kernels) >= 5
     assert {(r["target"], r["dtype"]) for r in records} == {(t, d) for t in ("sm_90", "sm_80") for d in ("fp32", "bf16")}
-    failed = [r for r in records if not r["ok"]]
-    assert not failed, f"kernels that did not compile: {failed}\n{proc.stdout}"
-    for r in records:
-        assert r["compile_cpu_s"] <= MAX_COMPILE_CPU_S, \
-            f"{r['kernel']} {r['target']} {r['dtype']}: {r['compile_cpu_s']} CPU s (wall {r['compile_s']} s)"
-        if r["target"] == "sm_90":
-            assert r["spill_bytes"] == 0, f"{r['kernel']} {r['dtype']} spills {r['spill_bytes']} B on sm_90"
-            assert r["occupancy"] >= 0.25, f"{r['kernel']} {r['dtype']}: occupancy {r['occupancy']:.0%} on sm_90"
+    failures = triton_aot.budget_failures(records)
+    assert not failures, "\n".join(failures) + "\n" + proc.stdout
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 

@@ -268,9 +268,9 @@ def _reference_grads(grad_out, values, indices, weights, update_rows):
 
 
 def _triton_backward(*args, **kwargs):
-    from smf_kernels.triton_kernels import gather as triton_gather
+    from smf_kernels.triton_kernels import row_backward as triton_row_backward
 
-    return triton_gather.gather_backward(*args, **kwargs)
+    return triton_row_backward.gather_backward(*args, **kwargs)
 
 
 @needs_triton
@@ -312,8 +312,8 @@ def test_row_backward_column_tiles_and_one_read_per_step(dtype, update_rows):
 @needs_triton
 @pytest.mark.parametrize("update_rows", [None, SELECTED], ids=["dense", "T rows"])
 def test_row_backward_is_bit_reproducible_and_one_path(update_rows):
-    """No float atomics: two runs, a run under torch.use_deterministic_algorithms and a run with rows in
-    id order instead of heaviest first give the same bits."""
+    """No float atomics: two runs, a run under torch.use_deterministic_algorithms and a run with one item per
+    program (so other programs draw the hot rows' last tickets and add their partial rows) give the same bits."""
     values, indices, weights = gather_inputs(ROW_SHAPE, torch.float32, requires_grad=True)
     indices[:, :3] = 3  # a hot row
     grad = torch.randn(indices.shape[0], values.shape[1])
@@ -335,11 +335,59 @@ def test_row_backward_is_bit_reproducible_and_one_path(update_rows):
     torch.use_deterministic_algorithms(True)
     deterministic = run()
     torch.use_deterministic_algorithms(False)
-    by_row_id = _triton_backward(grad, values.detach(), indices, weights.detach(), rows, True, True,
-                                 heavy_rows_first=False)
+    one_per_program = _triton_backward(grad, values.detach(), indices, weights.detach(), rows, True, True,
+                                       tile={"items_per_program": 1})
     for got in (second, deterministic):
         assert all(torch.equal(a, b) for a, b in zip(first, got))
-    assert torch.equal(first[0], by_row_id[0]) and torch.equal(first[1], by_row_id[1])
+    assert torch.equal(first[0], one_per_program[0]) and torch.equal(first[1], one_per_program[1])
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype, update_rows", [(torch.float32, None), (torch.bfloat16, SELECTED)],
+                         ids=["dense fp32", "T rows bf16"])
+@pytest.mark.parametrize("tile", [{"SPLIT": 3}, {"SPLIT": 5, "BLOCK_D": 32, "BLOCK_P": 2}, {"SPLIT": 1000}],
+                         ids=["split 3", "split 5, 4 column tiles", "no split"])
+def test_hot_rows_split_over_programs_match_reference_and_repeat(dtype, update_rows, tile):
+    """Rows read more than SPLIT times are walked in chunks by several programs, their partial rows summed in
+    chunk order by the last ticket holder: the reference's gradients, the same bits on a second run and with
+    one item per program (other programs finish the hot rows)."""
+    grad_out, values, indices, weights = _row_inputs(dtype)
+    indices[:, 1] = 17  # a second hot row (selected), beside row 3 (selected too)
+    indices[::2, 2] = 22
+    want_values, want_weights = _reference_grads(grad_out, values, indices, weights, update_rows)
+    runs = [_triton_backward(grad_out, values, indices, weights, update_rows, True, True, tile=t)
+            for t in (tile, tile, {**tile, "items_per_program": 1})]
+    assert rel_err(runs[0][0], want_values) < 1e-6
+    assert rel_err(runs[0][1], want_weights) < 1e-6
+    for again in runs[1:]:
+        assert torch.equal(runs[0][0], again[0]) and torch.equal(runs[0][1], again[1])
+
+
+@needs_triton
+@pytest.mark.parametrize("tile", [{}, {"SPLIT": 3, "BLOCK_D": 32}], ids=["default", "hot rows, column tiles"])
+def test_row_backward_into_a_sink_is_the_sink_plus_the_gradient(tile):
+    """into=sink: the T rows' gradient added in the kernel's epilogue, the bits of sink += the gradient (hot
+    rows' sums included); the sink is what comes back, and a sink of the wrong shape is refused."""
+    grad_out, values, indices, weights = _row_inputs(torch.float32)
+    sink = torch.randn(SELECTED.numel(), values.shape[1])
+    sink[0, :3] = -0.0  # a row never read adds +0.0: -0.0 becomes +0.0 either way
+    want = sink + _triton_backward(grad_out, values, indices, weights, SELECTED, True, False, tile=tile)[0]
+    got, grad_weights = _triton_backward(grad_out, values, indices, weights, SELECTED, True, True, tile=tile,
+                                         into=sink)
+    assert got is sink and torch.equal(sink.view(torch.int32), want.view(torch.int32))
+    assert rel_err(grad_weights, _reference_grads(grad_out, values, indices, weights, SELECTED)[1]) < 1e-6
+    with pytest.raises(ValueError, match=r"into must be a contiguous \(6, 100\) float32 tensor"):
+        _triton_backward(grad_out, values, indices, weights, SELECTED, True, False, into=sink[:, :50])
+
+
+@needs_triton
+@pytest.mark.parametrize("bad_rows", [[35, 3, 40], [35, -1, 3], [35, 3, 17, 3]], ids=["past M", "negative", "twice"])
+def test_row_backward_rejects_bad_update_rows(bad_rows):
+    """Called directly (the op's host check skipped, as on CUDA): the planning kernel checks update_rows as it
+    maps them to slots, and the launcher raises."""
+    grad_out, values, indices, weights = _row_inputs(torch.float32)
+    with pytest.raises(RuntimeError, match=r"update_rows must hold distinct rows there"):
+        _triton_backward(grad_out, values, indices, weights, torch.tensor(bad_rows), True, False)
 
 
 @needs_triton

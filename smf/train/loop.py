@@ -98,6 +98,15 @@ def _wrap_for_ddp(setup: TrainingSetup, world: World) -> nn.Module:
     return nn.parallel.DistributedDataParallel(setup.model, device_ids=device_ids)
 
 
+def micro_batch_mean_scale(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """1 / (the micro-batch's target tokens, at least 1), a 0-d float32 tensor on the batch's device, computed
+    there without a host sync: the reciprocal in float64 rounded once to float32, the very float that
+    ``1 / max(int(tokens), 1)`` (a Python float) becomes when it multiplies a float32 loss, so the gradients keep
+    their bits."""
+    tokens = (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+    return (1.0 / tokens.clamp(min=1).double()).float()
+
+
 def run_step(wrapped: nn.Module, setup: TrainingSetup, scheduler, micro_batches: list[dict], num_tokens: int,
              config: RunConfig, world: World) -> torch.Tensor:
     """One optimizer step over this rank's micro-batches, the recipe's hooks (:mod:`smf.train.steps`) around
@@ -112,12 +121,12 @@ def run_step(wrapped: nn.Module, setup: TrainingSetup, scheduler, micro_batches:
             else contextlib.nullcontext()
         if isinstance(setup.step, FSDPStep):
             set_gradient_sync(setup.model, last)
-        tokens = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum()) if per_micro_batch else num_tokens
         with no_sync:
             with autocast():
                 loss = summed_token_loss(wrapped, batch)
             setup.step.after_forward()
-            (loss * ((1 if per_micro_batch else world.size) / max(tokens, 1))).backward()
+            scale = micro_batch_mean_scale(batch) if per_micro_batch else world.size / max(num_tokens, 1)
+            (loss * scale).backward()
         loss_sum += loss.detach()
     setup.step.finish_step(setup.optimizer, max_grad_norm=config.max_grad_norm)
     scheduler.step()

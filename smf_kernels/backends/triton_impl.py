@@ -8,12 +8,14 @@ from smf_kernels.backends import torch_impl
 from smf_kernels.triton_kernels import gather as triton_gather
 from smf_kernels.triton_kernels import interpreter_enabled
 from smf_kernels.triton_kernels import row_adamw as triton_row_adamw
+from smf_kernels.triton_kernels import row_backward as triton_row_backward
 from smf_kernels.triton_kernels import topk as triton_topk
 from smf_kernels.triton_kernels import topk_backward as triton_topk_backward
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Every Triton kernel masks each access through a loaded id and raises an error flag (triton_kernels.guards),
-# so on CUDA the ops skip their host-side range check of the gather's ids (smf_kernels.ops._gather_ops).
+# so on CUDA the ops skip their host-side range check of the gather's ids (smf_kernels.ops._gather_ops), and
+# of the backward's update_rows (range and distinctness, checked where the row backward maps them to slots).
 KERNELS_GUARD_INDICES = True
 
 
@@ -56,10 +58,18 @@ def gather_forward(values, indices, weights, counts, valid):
 
 def gather_backward(grad_out, values, indices, weights, update_rows, deterministic, need_values, need_weights):
     # One path whatever ``deterministic`` says: the row-owned backward sums in a fixed order, no atomics.
-    grad_values, grad_weights = triton_gather.gather_backward(
+    grad_values, grad_weights = triton_row_backward.gather_backward(
         grad_out, values, indices, weights, update_rows, need_values, need_weights)
     dtype = accumulation_dtype(values.dtype)
     return grad_values.to(dtype), grad_weights.to(dtype)
+
+
+def gather_backward_into(grad_out, values, indices, weights, update_rows, sink, need_weights):
+    """:func:`gather_backward`'s (T, D) value gradient added into ``sink`` (contiguous float32) in the row pass's
+    epilogue: no (T, D) buffer and no add launch. Returns grad_weights (N, L), or (0, L) without need_weights."""
+    _, grad_weights = triton_row_backward.gather_backward(grad_out, values, indices, weights, update_rows, True,
+                                                          need_weights, into=sink)
+    return grad_weights.to(accumulation_dtype(values.dtype))
 
 
 def row_adamw(param, exp_avg, exp_avg_sq, row_step, rows, grad, valid, lr, grad_scale, beta1, beta2, eps,

@@ -17,12 +17,15 @@ from smf_kernels.backends import implementation
 from smf_kernels.ops.silu_mul import silu_mul_backward, silu_mul_forward
 
 
+def _kernels_guard(values: torch.Tensor, backend: str) -> bool:
+    """Whether ``backend``'s kernels check ids and rows themselves on values' device (the triton backend on CUDA:
+    a bad one raises at the next sync there, without the host check's min, max, compare and assertion kernels)."""
+    return values.device.type == "cuda" and getattr(implementation(backend), "KERNELS_GUARD_INDICES", False)
+
+
 def _check_ids(values: torch.Tensor, indices: torch.Tensor, backend: str) -> None:
-    """The ids' range, unless ``backend``'s kernels guard every access through them themselves on this device
-    (the triton backend on CUDA: an out-of-range id raises at the next sync there, without the host check's
-    min, max and assertion kernels)."""
-    module = implementation(backend)
-    if not (values.device.type == "cuda" and getattr(module, "KERNELS_GUARD_INDICES", False)):
+    """The ids' range, unless the backend's kernels guard every access through them (:func:`_kernels_guard`)."""
+    if not _kernels_guard(values, backend):
         check_gather_values(values.shape[0], indices)
 
 
@@ -99,7 +102,8 @@ def backward(
     (empty without a gate); read_grad, the gradient reaching the gather (N, D) in values' dtype, when a gate
     is given and ``keep_read_grad`` (what a RowGradSink keeping reads keeps), else empty.
     """
-    check_gather_values(values.shape[0], update_rows=update_rows)
+    if not _kernels_guard(values, backend):  # the triton backward checks update_rows as it maps them to slots
+        check_gather_values(values.shape[0], update_rows=update_rows)
     with no_autocast(grad_out.device):
         read_grad, grad_gate = _ungated(grad_out, gate, read, values, backend)
         grad_values, grad_weights = implementation(backend).gather_backward(
@@ -140,10 +144,20 @@ def backward_into(
     need_weights: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`backward` with the (T, D) value gradient of rows ``update_rows`` added into ``sink`` in place;
-    returns (grad_weights (N, L), 0 rows if not needed; grad_gate, empty without a gate)."""
-    compact, grad_weights, grad_gate, _ = backward(grad_out, values, indices, weights, update_rows, gate, read,
-                                                   backend, deterministic, True, need_weights, False)
-    sink += compact
+    returns (grad_weights (N, L), 0 rows if not needed; grad_gate, empty without a gate). A backend with a
+    ``gather_backward_into`` (triton) adds in its kernel's epilogue, the same fp32 adds as ``sink += compact``."""
+    module = implementation(backend)
+    if not (hasattr(module, "gather_backward_into") and sink.is_contiguous() and sink.dtype == torch.float32):
+        compact, grad_weights, grad_gate, _ = backward(grad_out, values, indices, weights, update_rows, gate, read,
+                                                       backend, deterministic, True, need_weights, False)
+        sink += compact
+        return grad_weights, grad_gate
+    if not _kernels_guard(values, backend):
+        check_gather_values(values.shape[0], update_rows=update_rows)
+    with no_autocast(grad_out.device):
+        read_grad, grad_gate = _ungated(grad_out, gate, read, values, backend)
+        grad_weights = module.gather_backward_into(read_grad, values, indices, weights, update_rows, sink,
+                                                   need_weights)
     return grad_weights, grad_gate
 
 

@@ -235,17 +235,19 @@ def _candidate_pairs(topk: int, k_pad: int, device: torch.device) -> torch.Tenso
 def topk_block_config(half: int, k_pad: int, dtype: torch.dtype) -> dict:
     """Block sizes and warps for the top-k kernel, measured on an H100 at the paper shape and held to the
     AOT budgets (benchmarks/RESULTS.md, "Launch configurations"; no spills, >= 25% estimated occupancy on
-    sm_90). 16-bit queries: 64 tokens per program over 8 warps took the lookup from 0.63 ms (16 tokens,
-    4 warps) to 0.17 ms at N = 16,384. fp32 runs its dot on the FMA path, whose operand slices cost
-    registers: it keeps 16 tokens, 8 warps and 16-wide slices (more tokens measured up to 14% faster
-    but spill under Triton 3.7).
+    sm_90, under Triton 3.6 and 3.7). 16-bit queries: 64 tokens per program over 8 warps took the lookup
+    from 0.63 ms (16 tokens, 4 warps) to 0.17 ms at N = 16,384. fp32 runs its dot on the FMA path: it keeps
+    16 tokens and 8 warps (more tokens measured up to 14% faster but spill under Triton 3.7) and takes
+    64-wide slices: 16-wide ones (measured on the H100) hit ptxas's 128 registers with a 16-byte spill
+    under Triton 3.6, 32-wide ones a 32-byte spill under 3.7; 64-wide ones take 122-128 registers and no
+    spill under both, for 72 KB of pipelined shared memory (two blocks still fit an SM).
 
     Warps are capped at one per 32 elements of a (BLOCK_M, K_P) top-k tile: with more, Triton lays
     warps across the K_P axis and cannot lower tl.gather along it (a compiler assertion in Triton
     3.6 and 3.7, seen on an H100 for top-k < 16)."""
     block_m = 16 if dtype == torch.float32 else 64
     warps = max(1, min(8, block_m * k_pad // 32))
-    block_d = 16 if dtype == torch.float32 else min(32, _pow2_at_least(half, 16))
+    block_d = min(64 if dtype == torch.float32 else 32, _pow2_at_least(half, 16))
     return {"BLOCK_M": block_m, "BLOCK_D": block_d, "num_warps": warps}
 
 

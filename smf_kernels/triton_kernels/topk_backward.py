@@ -202,13 +202,15 @@ def query_grad_config(half: int) -> dict:
 
 def key_grad_config(n_keys: int, half: int) -> dict:
     """64 sub-keys x up to 128 columns per program, 32 tokens per dot step (tl.dot needs >= 16 each way),
-    8 warps, so each thread compares one slot id per pick with 8 sub-keys. ptxas is capped at 128
-    registers (25% occupancy on sm_90 at 8 warps): fp32 asks for 143 uncapped and fits 128 with no
-    spill on sm_90 (bf16 takes 102; 4 warps spill). Chunks of >= 256 tokens (a multiple of the
+    8 warps, so each thread compares one slot id per pick with 8 sub-keys. ptxas's registers are capped
+    per dot (``maxnreg``): "tf32x3" (fp32 / fp16 queries) asks for 143 uncapped and fits 128 with no spill
+    on sm_90 (25% occupancy at 8 warps; 80 spills 436 B); "bf16x3" took 102 (25%) and fits 80 with no
+    spill on sm_90 under Triton 3.6 and 3.7 (37.5%; sm_80's ptxas spills 1,236 B there, 284 B at 128;
+    the budget holds sm_90). 4 warps spill at 128. Chunks of >= 256 tokens (a multiple of the
     32-token step), at most 32: at the paper shape (N = 16,384) 32 chunks x 8 (head, half) x 2
     sub-key tiles = 512 programs and 16 MB of fp32 partials (in L2); at N = 4,096, 16 chunks."""
     return {"NK_TILE": min(64, max(16, next_pow2(n_keys))), "BLOCK_T": 32,
-            "BLOCK_D": min(128, max(16, next_pow2(half))), "num_warps": 8, "maxnreg": 128,
+            "BLOCK_D": min(128, max(16, next_pow2(half))), "num_warps": 8, "maxnreg": {"bf16x3": 80, "tf32x3": 128},
             "max_chunks": 32, "min_chunk_tokens": 256}
 
 
@@ -264,7 +266,7 @@ def plan_topk_key_grad(grad_scores, query, indices, n_keys, err) -> tuple[Launch
          grad_scores.stride(0), grad_scores.stride(1), indices.stride(0), indices.stride(1), query.stride(0),
          query.stride(1)),
         dict(N_KEYS=n_keys, TOPK=topk, NK_TILE=config["NK_TILE"], BLOCK_T=block_t, BLOCK_D=block_d, DOT=dot,
-             EMULATE=emulate, num_warps=config["num_warps"], maxnreg=config["maxnreg"]),
+             EMULATE=emulate, num_warps=config["num_warps"], maxnreg=config["maxnreg"][dot]),
     )
     return plan, partials
 
