@@ -150,14 +150,18 @@ def train_step(model: torch.nn.Module, setup: StepSetup, scheduler, batches: lis
     setup.step.begin_step(model if settings.compile else setup.model, batches)
     loss_sum = torch.zeros((), device=device)
     for batch in batches:
-        tokens = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum()) if per_micro_batch else num_tokens
         with autocast():  # smf.train.loop.summed_token_loss
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
             shifted = logits[:, :-1].float()
             loss = F.cross_entropy(shifted.reshape(-1, shifted.shape[-1]), batch["labels"][:, 1:].reshape(-1),
                                    ignore_index=IGNORE_INDEX, reduction="sum")
         setup.step.after_forward()
-        (loss * (1 / max(tokens, 1))).backward()
+        if per_micro_batch:  # smf.train.loop.micro_batch_mean_scale: computed on the device, no host sync
+            tokens = (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+            scale = (1.0 / tokens.clamp(min=1).double()).float()
+        else:
+            scale = 1 / max(num_tokens, 1)
+        (loss * scale).backward()
         loss_sum += loss.detach()
     setup.step.finish_step(setup.optimizer, max_grad_norm=settings.max_grad_norm)
     scheduler.step()
