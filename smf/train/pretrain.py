@@ -229,7 +229,7 @@ def pretrain_world(world_options, options: PretrainOptions, output_dir: str | Pa
 
     output_dir = Path(output_dir)
     world = build_world(world_options)
-    tokenizer = world_tokenizer()
+    tokenizer = world_tokenizer(world.options)
     texts = [row["text"] + "\n\n" for row in world.datasets["pretrain"]]
     fingerprint = pretrain_fingerprint(world_options, options, texts, tokenizer)
     marker = _finished(output_dir, fingerprint)
