@@ -144,3 +144,37 @@ def test_issue48_options_are_checked():
         WorldOptions.from_dict({"old_qa_templates": 2 + len(PARAPHRASES["city"]) + 1})
     with pytest.raises(ConfigError, match="retrofit_qa"):
         WorldOptions.from_dict({"retrofit_qa": "sometimes"})
+
+
+def test_a_leak_free_new_kind_suite_reports_both_probes_and_the_read_overlap(tmp_path):
+    """A reduced new-kind world with every leak option through the science preset's stages: each run evaluated on
+    the held-out probe as well (retain_heldout_acc), science_diagnostics with the two probes side by side and each
+    retrofit's read overlap."""
+    import json
+
+    from smf.suite.config import load_suite_config
+    from smf.suite.report import write_suite_report
+    from smf.suite.runner import run_suite
+    from test_science import SMALL_PRETRAIN
+
+    raw = yaml.safe_load(SCIENCE.read_text())
+    raw.update(output_dir=str(tmp_path / "suite"), seeds=[3], conditions=["base", "additive-tfidf", "full"],
+               world={**{k: v for k, v in SMALL_WORLD.items() if k != "seed"}, **LEAK_FREE, "new_kind": True},
+               pretrain={k: v for k, v in {**SMALL_PRETRAIN, "epochs": 2}.items() if k != "seed"},
+               lr_sweep={"sparse": [1e-2], "full": [1e-3]})
+    raw["train"].update(layers=[0, 1], n_keys=8, topk=4, key_dim=16, rows_per_step=16, n_background=20,
+                        global_batch_size=8, micro_batch_size=8)
+    raw["stages"] = {"retrofit": {"epochs": 1}, "sparse": {"epochs": 1}, "full": {"epochs": 1}}
+    path = tmp_path / "science.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    config = load_suite_config(str(path))
+    assert "retain_heldout" in config.eval.tasks
+    results = run_suite(config)
+    for result in results:
+        assert set(result["metrics"]) == {"learn_acc", "heldout_ppl", "retain_acc", "retain_heldout_acc"}
+    write_suite_report(config.output_dir)
+    diagnostics = json.loads((config.output_dir / "science_diagnostics.json").read_text())
+    overlap = diagnostics["retrofit"]["additive-seed3"]["read_overlap"]
+    assert set(overlap["layers"]) == {"0", "1"} and all(0 <= v <= 1 for v in overlap["overall"].values())
+    text = (config.output_dir / "science_diagnostics.md").read_text()
+    assert "## Read overlap" in text and "## Old facts asked as in training, and with a template" in text
