@@ -48,6 +48,10 @@ def test_default_options_keep_todays_world_tokenizer_and_base_fingerprint():
     pretrain = yaml.safe_load(SCIENCE.read_text())["pretrain"]
     assert pretrain_fingerprint(world.options, PretrainOptions.from_dict({**pretrain, "seed": 0}), texts,
                                 tokenizer) == "023d98daca64e143"  # smf/assets/science/base-seed0
+    leak_free = build_world({**_science_world(0), "retain_heldout": True, "retrofit_qa": False})
+    assert leak_free.datasets["pretrain"][:] == world.datasets["pretrain"][:]
+    assert pretrain_fingerprint(leak_free.options, PretrainOptions.from_dict({**pretrain, "seed": 0}), texts,
+                                tokenizer) == "023d98daca64e143"  # options of no pretraining text: the same base
 
 
 def test_the_options_leave_the_default_draws_alone():

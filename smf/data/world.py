@@ -178,6 +178,12 @@ class WorldOptions:
         return {key: value for key, value in asdict(self).items()
                 if key not in ISSUE48_DEFAULTS or value != ISSUE48_DEFAULTS[key]}
 
+    def pretraining_dict(self) -> dict:
+        """:meth:`to_dict` without the options that change no pretraining text nor the old-fact questions its
+        stopping rule asks (``retain_heldout``, ``retrofit_qa``): what a base's fingerprint holds of the world, so
+        that one base serves a world with and without them."""
+        return {key: value for key, value in self.to_dict().items() if key not in ("retain_heldout", "retrofit_qa")}
+
     def sizes(self) -> dict[str, int]:
         """Rows of each dataset of the world (the module docstring's table), known without building it."""
         kinds = NEW_KINDS if self.new_kind else ATTRIBUTES

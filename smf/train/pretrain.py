@@ -111,7 +111,7 @@ def tokenizer_digest(tokenizer) -> str:
 def pretrain_fingerprint(world_options, options: PretrainOptions, texts: list[str], tokenizer) -> str:
     """16 hex digits of everything that decides the pretrained model (module docstring; not ``save_every`` nor
     ``use_shipped``)."""
-    return _digest({"world": world_options.to_dict(), "code": CODE_VERSION, "texts": _digest(texts),
+    return _digest({"world": world_options.pretraining_dict(), "code": CODE_VERSION, "texts": _digest(texts),
                     "tokenizer": tokenizer_digest(tokenizer),
                     "pretrain": {k: v for k, v in options.to_dict().items() if k not in ("save_every", "use_shipped")}})
 
