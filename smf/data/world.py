@@ -101,11 +101,13 @@ PARAPHRASES = {
     "instrument": ("What instrument does {name} play ?", "What does {name} play in the evenings ?"),
 }
 # attribute -> the held-out question template (eval_retain_heldout): in no text of any world's other sets, and made
-# of words ATTRIBUTES' texts hold, so the shipped bases' tokenizers read it one token per word.
+# of words ATTRIBUTES' texts hold, so the shipped bases' tokenizers read it one token per word. Chosen among 5-6
+# candidates each as the one every base measured answered best (docs/locality.md#worlds: from 0.92 of the old facts
+# up; "What is the trade of {name} ?" got 0.15-0.99 by base, "Which city was {name} born in ?" 0.73-0.97).
 HELDOUT_QUESTIONS = {
-    "city": "Which city was {name} born in ?",
-    "job": "What is the trade of {name} ?",
-    "instrument": "Which instrument is the favourite of {name} ?",
+    "city": "Which is the hometown of {name} ?",
+    "job": "What does {name} do ?",
+    "instrument": "What is the instrument of {name} ?",
 }
 # New kinds of fact (new_kind): attribute -> (values, generic sentences naming a value and no person, question
 # templates). Values: one word each, none inside another or inside an old value or name part.
