@@ -256,7 +256,8 @@ def _heldout_probe_lines(config, results: list[dict]) -> list[str]:
     chosen: dict[tuple, list[dict]] = {}
     for result in at_chosen_rates(results):
         chosen.setdefault(variant(result), []).append(result["metrics"])
-    for method, metrics in chosen.items():
+    order = {condition: index for index, condition in enumerate(config.conditions)}
+    for method, metrics in sorted(chosen.items(), key=lambda item: (order.get(item[0][0], len(order)), str(item[0]))):
         lines.append(f"| {display_name(method[0], config.model, method[3])} | {len(metrics)} | "
                      f"{_mean(m.get('retain_acc') for m in metrics)} | "
                      f"{_mean(m.get('retain_heldout_acc') for m in metrics)} |")
