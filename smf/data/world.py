@@ -102,8 +102,8 @@ PARAPHRASES = {
 }
 # attribute -> the held-out question template (eval_retain_heldout): in no text of any world's other sets, and made
 # of words ATTRIBUTES' texts hold, so the shipped bases' tokenizers read it one token per word. Chosen among 5-6
-# candidates each as the one every base measured answered best (docs/locality.md#worlds: from 0.92 of the old facts
-# up; "What is the trade of {name} ?" got 0.15-0.99 by base, "Which city was {name} born in ?" 0.73-0.97).
+# candidates each as the one five bases answered best (docs/locality.md, "Worlds": 0.95-1.00 of the old facts on
+# those, 0.87 on a base not used to choose; "What is the trade of {name} ?" got 0.15-0.99 by base).
 HELDOUT_QUESTIONS = {
     "city": "Which is the hometown of {name} ?",
     "job": "What does {name} do ?",
