@@ -125,7 +125,8 @@ def test_read_overlap_on_hand_made_reads():
                 weight=torch.tensor([0.25, 0.75, 0.5, 0.5, 0.5, 0.5], dtype=torch.float64),
                 last=torch.tensor([True, True, False, False, True, True]), questions=2)
     new = {1: Reads(question=torch.tensor([0, 0]), slot=torch.tensor([1, 3]),  # slot 1 before the last token
-                    weight=torch.tensor([1.0, 1.0], dtype=torch.float64), last=torch.tensor([False, True]), questions=1),
+                    weight=torch.tensor([1.0, 1.0], dtype=torch.float64), last=torch.tensor([False, True]),
+                    questions=1),
            2: Reads(question=torch.tensor([0]), slot=torch.tensor([0]), weight=torch.tensor([1.0], dtype=torch.float64),
                     last=torch.tensor([True]), questions=1)}
     result = read_overlap({1: old, 2: old}, new, {1: 4, 2: 4})

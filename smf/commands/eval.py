@@ -49,8 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser, command: str = "eval") -> Non
     for role, (schema, rule) in {"learn": ("qa or mc", "learn_acc, the TriviaQA or MedMCQA rule"),
                                  "heldout": ("text", "heldout_ppl, the WikiText rule"),
                                  "retain": ("qa or mc", "retain_acc, the TriviaQA or MedMCQA rule"),
-                                 "retain-heldout": ("qa or mc", "retain_heldout_acc (retained knowledge asked in a form "
-                                                    "no training text holds), the TriviaQA or MedMCQA rule")
+                                 "retain-heldout": ("qa or mc", "retain_heldout_acc (old knowledge asked in a form no "
+                                                    "training text holds), the TriviaQA or MedMCQA rule")
                                  }.items():
         parser.add_argument(f"--eval-{role}", metavar="PATH",
                             help=f"own {schema} rows (docs/own-data.md) scored as {rule}; instead of the paper's "

@@ -22,7 +22,8 @@ all layers together:
   read); mean over the old questions, per layer and over all layers (:func:`read_overlap`). Near 1, the new facts can
   only be taught on rows the old ones read: row-disjoint locality cannot be tested on that world.
 
-Cost: one forward of each retrofit model over the old and the new questions (shared by the runs of that retrofit) and a load of
+Cost: one forward of each retrofit model over the old and the new questions (shared by the runs of that retrofit) and a
+load of
 each run's final model. Measurements are cached in the JSON by run name and results hash, so re-drawing a report
 recomputes nothing. Full finetuning and LoRA runs have no rows and are left out.
 """
@@ -344,10 +345,10 @@ def write_locality(config, results: list[dict], root: Path) -> list[Path]:
              "the run; **growth**, the median of ||v_after - v_before|| / ||v_before|| over the changed rows; **read "
              "share**, per old-fact question, the share of the retrofit model's read weight (softmax weights of every "
              "prompt token and head) that falls on changed rows, averaged over the questions; **answer read share** "
-             "the same over each question's last token alone (the position that predicts the answer); **read overlap**, "
-             "a property of the retrofit and the world: the share of the old questions' read weight on slots the new "
-             "questions also read (all tokens; answer: last tokens against the new questions' last tokens), near 1 when "
-             "no row is the new facts' alone. Then the old-fact "
+             "the same over each question's last token alone (the position that predicts the answer); **read "
+             "overlap**, a property of the retrofit and the world: the share of the old questions' read weight on "
+             "slots the new questions also read (all tokens; answer: last tokens against the new questions' last "
+             "tokens), near 1 when no row is the new facts' alone. Then the old-fact "
              "questions in quartiles of their read share (Q1 lowest): old-fact accuracy of the retrofit and after the "
              "run, and kept (of the questions the retrofit answered, the fraction still answered). Means over seeds "
              "(smf/suite/locality_diagnostics.py).\n",

@@ -250,8 +250,8 @@ def _heldout_probe_lines(config, results: list[dict]) -> list[str]:
     lines = ["\n## Old facts asked as in training, and with a template no training text holds\n",
              f"{seen}: the old questions with the template pretraining (and, in a world with retrofit_qa, the retrofit "
              f"and background) used; {heldout}: the same facts asked with a held-out template (world option "
-             "retain_heldout). The first probe leaks (its texts are training texts); the second does not. Per method at "
-             "its chosen rate, mean over seeds:\n",
+             "retain_heldout). The first probe leaks (its texts are training texts); the second does not. Per method "
+             "at its chosen rate, mean over seeds:\n",
              f"| Method | Seeds | {seen} | {heldout} |", "| --- | ---: | ---: | ---: |"]
     chosen: dict[tuple, list[dict]] = {}
     for result in at_chosen_rates(results):
