@@ -118,6 +118,9 @@ def test_new_kind_facts_have_their_own_values_and_templates_and_appear_in_finetu
     generic = set(generic_texts())
     assert generic <= set(_texts(world, "pretrain"))
     assert not any(name in text for text in generic for name in names)  # the new kinds' words, no fact
+    pretrained = {word for text in _texts(world, "pretrain") for word in text.split()}
+    assert {word for role in ("train", "eval_learn") for text in _texts(world, role)
+            for word in text.split()} <= pretrained  # every word finetuning reads has a trained embedding
     for role in ("pretrain", "retrofit", "background"):  # no new person's new-kind fact outside finetuning
         for text in _texts(world, role):
             assert not any(person.name in text for person in world.new)
