@@ -35,8 +35,10 @@ REMOVED_OPTIONS = {
 TASKS = ("medmcqa", "wikitext", "triviaqa")
 # A user's own evaluation sets (docs/own-data.md): learning (the MedMCQA stand-in), held-out perplexity (WikiText's)
 # and retained knowledge (TriviaQA's), each scored by its stand-in's rule; and their metric keys.
-EVAL_ROLES = ("learn", "heldout", "retain")
-OWN_METRIC_OF_ROLE = {"learn": "learn_acc", "heldout": "heldout_ppl", "retain": "retain_acc"}
+# retain_heldout: retained knowledge asked in a form no training text holds (a world's held-out question templates)
+EVAL_ROLES = ("learn", "heldout", "retain", "retain_heldout")
+OWN_METRIC_OF_ROLE = {"learn": "learn_acc", "heldout": "heldout_ppl", "retain": "retain_acc",
+                      "retain_heldout": "retain_heldout_acc"}
 # The metric key a results record holds for each evaluated task (smf.eval.tasks writes them, smf report checks them).
 METRIC_OF_TASK = {"medmcqa": "medmcqa_acc", "wikitext": "wikitext_ppl", "triviaqa": "triviaqa_acc",
                   **OWN_METRIC_OF_ROLE}

@@ -10,7 +10,8 @@ import yaml
 
 from smf.errors import ConfigError
 from smf.suite.config import load_suite_config, parse_suite_config
-from smf.suite.locality_diagnostics import Reads, changed_rows, quartile_rows, row_growth, run_locality, weight_on
+from smf.suite.locality_diagnostics import (Reads, changed_rows, quartile_rows, read_overlap, row_growth, run_locality,
+                                              weight_on)
 from smf.suite.plan import SuiteLayout, plan_runs, run_hash, sparse_stage_dirs
 from test_science import SMALL_PRETRAIN, SMALL_WORLD
 
@@ -117,6 +118,27 @@ def test_locality_measures_on_hand_made_tensors():
     assert quartiles[1]["kept"] == 0.0 and quartiles[2]["acc_after"] is None
 
 
+def test_read_overlap_on_hand_made_reads():
+    """Old questions' read weight on slots the new questions read: all tokens against every slot a new token reads,
+    the answer position against the slots the new questions' last tokens read; over layers, the summed weights."""
+    old = Reads(question=torch.tensor([0, 0, 1, 1, 1, 1]), slot=torch.tensor([0, 1, 2, 3, 3, 1]),
+                weight=torch.tensor([0.25, 0.75, 0.5, 0.5, 0.5, 0.5], dtype=torch.float64),
+                last=torch.tensor([True, True, False, False, True, True]), questions=2)
+    new = {1: Reads(question=torch.tensor([0, 0]), slot=torch.tensor([1, 3]),  # slot 1 before the last token
+                    weight=torch.tensor([1.0, 1.0], dtype=torch.float64), last=torch.tensor([False, True]),
+                    questions=1),
+           2: Reads(question=torch.tensor([0]), slot=torch.tensor([0]), weight=torch.tensor([1.0], dtype=torch.float64),
+                    last=torch.tensor([True]), questions=1)}
+    result = read_overlap({1: old, 2: old}, new, {1: 4, 2: 4})
+    # layer 1: question 0 has 0.75 of 1 on slots {1, 3}, question 1 has 1.5 of 2; at the answer, on {3}: 0 and 0.5
+    assert result["layers"]["1"] == pytest.approx({"read_overlap": 0.75, "answer_read_overlap": 0.25})
+    assert result["layers"]["2"] == pytest.approx({"read_overlap": 0.125, "answer_read_overlap": 0.125})
+    # both layers: question 0 (0.75 + 0.25) / 2, question 1 (1.5 + 0) / 4; answer: (0 + 0.25) / 2, (0.5 + 0) / 2
+    assert result["overall"] == pytest.approx({"read_overlap": (0.5 + 0.375) / 2, "answer_read_overlap": 0.1875})
+    with pytest.raises(ValueError, match="same layers"):
+        read_overlap({1: old}, new, {1: 4, 2: 4})
+
+
 def test_quartiles_split_by_share_lowest_first():
     share = torch.tensor([0.9, 0.1, 0.5, 0.3, 0.7, 0.2, 0.8, 0.4])
     rows = quartile_rows(share, [True] * 8, [q % 2 == 0 for q in range(8)])
@@ -169,6 +191,9 @@ def test_locality_suite_end_to_end(tmp_path, monkeypatch):
         assert sum(q["questions"] for q in quartiles) == SMALL_WORLD["n_retain"]
         after = sum(q["acc_after"] * q["questions"] for q in quartiles) / SMALL_WORLD["n_retain"]
         assert after == pytest.approx(result["metrics"]["retain_acc"])  # the run's own per-question answers
+        overlap = entry["read_overlap"]
+        assert set(overlap["layers"]) == set(entry["layers"])
+        assert all(0 < share <= 1 for share in overlap["overall"].values())
     assert "[k8-tall]" in (root / "locality.md").read_text()
 
     def no_loading(*args, **kwargs):

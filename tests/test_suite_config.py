@@ -75,7 +75,8 @@ def test_relative_paths_and_yaml_numbers(tmp_path, monkeypatch):
     ({"data": {"wikitext": "/dev/null"}}, "data.wikitext: '/dev/null' is not a dataset file"),
     ({"data": {"medmcqa": "x"}}, "data: unknown key 'medmcqa'; valid keys: oasst, medmcqa_train"),
     ({"eval": {"tasks": ["medmcqa", "mmlu"]}},
-     "eval.tasks: input should be 'medmcqa', 'wikitext', 'triviaqa', 'learn', 'heldout' or 'retain', got 'mmlu'"),
+     "eval.tasks: input should be 'medmcqa', 'wikitext', 'triviaqa', 'learn', 'heldout', 'retain' or "
+     "'retain_heldout', got 'mmlu'"),
     ({"eval": {"wikitext_stride": 1024, "wikitext_window": 512}},
      "eval: wikitext_stride (1024) must be smaller than wikitext_window (512)"),
     ({"seeds": [0, 0]}, "seeds: (0, 0) repeats a value"),

@@ -23,7 +23,8 @@ logger = logging.getLogger(__name__)
 COMMANDS = {"eval": "MedMCQA / WikiText / TriviaQA (or own learn / heldout / retain files) of a base model, memory "
                     "adapter, LoRA adapter or finetuned model"}
 PAPER_PATH_FLAGS = ("medmcqa_path", "wikitext_path", "triviaqa_path")
-OWN_ROLE_FLAGS = {"learn": "eval_learn", "heldout": "eval_heldout", "retain": "eval_retain"}
+OWN_ROLE_FLAGS = {"learn": "eval_learn", "heldout": "eval_heldout", "retain": "eval_retain",
+                  "retain_heldout": "eval_retain_heldout"}
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str = "eval") -> None:
@@ -47,7 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser, command: str = "eval") -> Non
                             help=f"local {help_text} split in the hub schema (default: the --config's, else the hub)")
     for role, (schema, rule) in {"learn": ("qa or mc", "learn_acc, the TriviaQA or MedMCQA rule"),
                                  "heldout": ("text", "heldout_ppl, the WikiText rule"),
-                                 "retain": ("qa or mc", "retain_acc, the TriviaQA or MedMCQA rule")}.items():
+                                 "retain": ("qa or mc", "retain_acc, the TriviaQA or MedMCQA rule"),
+                                 "retain-heldout": ("qa or mc", "retain_heldout_acc (old knowledge asked in a form no "
+                                                    "training text holds), the TriviaQA or MedMCQA rule")
+                                 }.items():
         parser.add_argument(f"--eval-{role}", metavar="PATH",
                             help=f"own {schema} rows (docs/own-data.md) scored as {rule}; instead of the paper's "
                                  "data (default: the --config's)")

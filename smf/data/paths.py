@@ -8,9 +8,10 @@ from smf.errors import ConfigError
 
 PAPER_KEYS = ("oasst", "medmcqa_train", "medmcqa_validation", "wikitext", "triviaqa")
 # Own-data keys: the files of each role (docs/own-data.md); an eval_* key's role is the part after "eval_".
-OWN_KEYS = ("retrofit", "background", "train", "eval_learn", "eval_heldout", "eval_retain")
+OWN_KEYS = ("retrofit", "background", "train", "eval_learn", "eval_heldout", "eval_retain", "eval_retain_heldout")
 OWN_SCHEMAS = {"retrofit": ("text",), "background": ("text",), "train": ("text", "qa", "mc"),
-               "eval_learn": ("qa", "mc"), "eval_heldout": ("text",), "eval_retain": ("qa", "mc")}
+               "eval_learn": ("qa", "mc"), "eval_heldout": ("text",), "eval_retain": ("qa", "mc"),
+               "eval_retain_heldout": ("qa", "mc")}
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class DataPaths:
     eval_learn: str | None = None
     eval_heldout: str | None = None
     eval_retain: str | None = None
+    eval_retain_heldout: str | None = None  # retained knowledge asked in a form no training text holds (issue 48)
 
     def __post_init__(self) -> None:
         given = {f.name for f in fields(self) if getattr(self, f.name) is not None}

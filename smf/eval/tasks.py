@@ -94,7 +94,8 @@ def evaluate_model(model: nn.Module, tokenizer, eval_sets: dict[str, object], se
                                  max_new_tokens=settings.triviaqa_max_new_tokens, output_path=path, protocol=protocol,
                                  name=role)
 
-    runners.update(learn=functools.partial(accuracy, "learn"), retain=functools.partial(accuracy, "retain"))
+    runners.update(learn=functools.partial(accuracy, "learn"), retain=functools.partial(accuracy, "retain"),
+                   retain_heldout=functools.partial(accuracy, "retain_heldout"))
     metrics, seconds = {}, {}
     for task, task_rows in eval_sets.items():
         started = time.perf_counter()

@@ -228,7 +228,8 @@ def _eval_settings(raw: dict) -> dict:
     """The ``eval`` mapping; with own data and no ``tasks`` given, the roles with a file (docs/own-data.md)."""
     settings = mapping(raw.get("eval"), "eval", EvalSettings.__dataclass_fields__)
     data = mapping(raw.get("data"), "data")
-    roles = [key.removeprefix("eval_") for key in ("eval_learn", "eval_heldout", "eval_retain") if data.get(key)]
+    roles = [key.removeprefix("eval_") for key in ("eval_learn", "eval_heldout", "eval_retain", "eval_retain_heldout")
+             if data.get(key)]
     if "tasks" not in settings and roles:
         settings["tasks"] = roles
     return settings
@@ -266,10 +267,12 @@ def base_root(output_dir: Path, seed: int | None) -> Path:
     return output_dir if seed is None else output_dir / "bases" / f"seed{seed}"
 
 
-def science_paths(output_dir: Path, seed: int | None) -> tuple[dict[str, str], str]:
-    """(own-data role -> world file, base model directory) of ``seed``'s world (see :func:`base_root`)."""
+def science_paths(output_dir: Path, seed: int | None, world: dict | None = None) -> tuple[dict[str, str], str]:
+    """(own-data role -> world file, base model directory) of ``seed``'s world (see :func:`base_root`); ``world``
+    (its options) adds ``eval_retain_heldout`` where it has ``retain_heldout``."""
     root = base_root(output_dir, seed)
-    return ({role: str(root / "world" / f"{role}.jsonl") for role in WORLD_ROLES},
+    roles = WORLD_ROLES + (("eval_retain_heldout",) if (world or {}).get("retain_heldout") else ())
+    return ({role: str(root / "world" / f"{role}.jsonl") for role in roles},
             str(root / "pretrain" / "final"))
 
 
@@ -278,7 +281,7 @@ def seed_config(config, seed: int):
     files and world.seed), base (model and pretrain.seed); otherwise ``config`` itself."""
     if not (config.world and config.base_per_seed):
         return config
-    data, model = science_paths(config.output_dir, seed)
+    data, model = science_paths(config.output_dir, seed, config.world)
     return dataclasses.replace(config, data=dataclasses.replace(config.data, **data),
                                model=model if config.pretrain else config.model,
                                world={**config.world, "seed": seed},
@@ -332,7 +335,7 @@ def _science_inputs(raw: dict) -> dict:
     for seed in (seeds if per_seed and isinstance(seeds, list) else [None]):  # every seed's world must build
         WorldOptions.from_dict({**mapping(raw["world"], "world"), **({"seed": seed} if isinstance(seed, int) else {})})
     root = Path(str(raw.get("output_dir", ""))).expanduser().resolve()
-    data, model = science_paths(root, first if isinstance(first, int) else None)
+    data, model = science_paths(root, first if isinstance(first, int) else None, mapping(raw["world"], "world"))
     given = {key: value for key, value in mapping(raw.get("data"), "data").items() if value is not None}
     if given and given != data:  # a saved config holds the derived paths
         raise ConfigError("world and data cannot both be given: the world's files are the suite's data")

@@ -15,7 +15,15 @@ all layers together:
   range of its shares, the retrofit's old-fact accuracy on them, the run's (its ``eval/{run}/retain.jsonl``,
   recomputed when missing) and kept: of the questions the retrofit answered, the fraction the run still answers.
 
-Cost: one forward of each retrofit model over the old questions (shared by the runs of that retrofit) and a load of
+- **read overlap** (issue 48, a property of the retrofit and the world, the same for every run of that retrofit): the
+  share of the old questions' read weight that falls on slots the *new* questions (the ``eval_learn`` prompts, as the
+  evaluation asks them) also read, in the retrofit model: over all tokens (slots any token of any new question reads),
+  and at the answer position (each old question's last token, against the slots the new questions' last tokens
+  read); mean over the old questions, per layer and over all layers (:func:`read_overlap`). Near 1, the new facts can
+  only be taught on rows the old ones read: row-disjoint locality cannot be tested on that world.
+
+Cost: one forward of each retrofit model over the old and the new questions (shared by the runs of that retrofit) and a
+load of
 each run's final model. Measurements are cached in the JSON by run name and results hash, so re-drawing a report
 recomputes nothing. Full finetuning and LoRA runs have no rows and are left out.
 """
@@ -45,8 +53,9 @@ from smf.train.distributed import pick_device
 logger = logging.getLogger(__name__)
 
 LOCALITY_JSON, LOCALITY_MD = "locality.json", "locality.md"
-CACHE_VERSION = 2  # bumped when a run's measurements gain or change a field: older caches are measured again
+CACHE_VERSION = 3  # bumped when a run's measurements gain or change a field: older caches are measured again
 QUARTILES = 4
+OVERLAPS = ("read_overlap", "answer_read_overlap")  # the keys of read_overlap()'s shares
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +92,31 @@ def weight_on(reads: Reads, changed: torch.Tensor, last_only: bool = False) -> t
     weight = reads.weight * reads.last.double() if last_only else reads.weight
     on = torch.bincount(reads.question, weights=weight * changed[reads.slot].double(), minlength=reads.questions)
     return on, torch.bincount(reads.question, weights=weight, minlength=reads.questions)
+
+
+def read_overlap(old: dict[int, Reads], new: dict[int, Reads], slots: dict[int, int]) -> dict:
+    """The read overlap of the module docstring: per layer (``old`` / ``new``: the reads of the old and the new
+    questions, ``slots``: the layer's slot count) and over all layers (the sums of every layer's weight on shared
+    slots over their total), ``{"layers": {layer: {"read_overlap", "answer_read_overlap"}}, "overall": {same}}``, the
+    layers keyed by their index as a string; each a mean over the old questions of the share of their read weight (all
+    tokens; last token) on the slots any new question reads (any token; last token)."""
+    if set(old) != set(new) or set(old) != set(slots):
+        raise ValueError(f"old, new and slots must cover the same layers, got {sorted(old)}, {sorted(new)} and "
+                         f"{sorted(slots)}")
+    layers, sums = {}, {"all": [0, 0], "answer": [0, 0]}
+    for layer in sorted(old):
+        read_by_new = torch.zeros(slots[layer], dtype=torch.bool)
+        read_by_new[new[layer].slot] = True
+        at_answer = torch.zeros(slots[layer], dtype=torch.bool)
+        at_answer[new[layer].slot[new[layer].last]] = True
+        shares = {}
+        for key, shared, last_only in (("all", read_by_new, False), ("answer", at_answer, True)):
+            on, total = weight_on(old[layer], shared, last_only)
+            shares[key] = float((on / total).mean())
+            sums[key] = [sums[key][0] + on, sums[key][1] + total]
+        layers[str(layer)] = {"read_overlap": shares["all"], "answer_read_overlap": shares["answer"]}
+    return {"layers": layers, "overall": {"read_overlap": float((sums["all"][0] / sums["all"][1]).mean()),
+                                          "answer_read_overlap": float((sums["answer"][0] / sums["answer"][1]).mean())}}
 
 
 def _median(values: torch.Tensor) -> float | None:
@@ -210,23 +244,43 @@ def _correct(model, tokenizer, config, rows: list[dict], path: Path) -> list[boo
     return [bool(record["correct"]) for record in records]
 
 
+def new_question_prompts(config) -> list[str]:
+    """The new questions (``eval_learn``, a qa file) as the evaluation asks them; none for an mc file."""
+    rows, schema = load_own(config.data.eval_learn, "data.eval_learn", ("qa", "mc"))
+    return [triviaqa_prompt(row, config.protocol) for row in rows] if schema == "qa" else []
+
+
+def retrofit_read_overlap(model, tokenizer, old_reads: dict[int, Reads], new_prompts: list[str]) -> dict | None:
+    """:func:`read_overlap` of ``model`` (a retrofit) between ``old_reads`` and its reads of ``new_prompts``; None
+    without new questions."""
+    if not new_prompts:
+        return None
+    slots = {block.layer_index: block.memory.values.shape[0] for block in memory_blocks(model)}
+    return read_overlap(old_reads, question_reads(model, tokenizer, new_prompts), slots)
+
+
 class _Retrofits:
-    """The retrofit models' values, reads and answers, measured on first use and kept for the runs that share them."""
+    """The retrofit models' values, reads, answers and read overlap, measured on first use and kept for the runs
+    that share them."""
 
     def __init__(self, config, root: Path, device) -> None:
         self.config, self.root, self.device = config, root, device
         self.rows, _ = load_own(config.data.eval_retain, "data.eval_retain", ("qa",))
         self.prompts = [triviaqa_prompt(row, config.protocol) for row in self.rows]
+        self.new_prompts = new_question_prompts(config) if config.data.eval_learn else []
         self.measured: dict[Path, tuple] = {}
 
-    def __call__(self, retrofit_dir: Path) -> tuple[dict, dict, list[bool]]:
-        """(values by layer, reads by layer, correct per question) of the retrofit in ``retrofit_dir``."""
+    def __call__(self, retrofit_dir: Path) -> tuple[dict, dict, list[bool], dict | None]:
+        """(values by layer, reads by layer, correct per question, read overlap) of the retrofit in
+        ``retrofit_dir``."""
         if retrofit_dir not in self.measured:
             model, tokenizer = load_model(self.config.model, retrofit_dir, self.device)
+            reads = question_reads(model, tokenizer, self.prompts)
             self.measured[retrofit_dir] = (
-                _values(model), question_reads(model, tokenizer, self.prompts),
+                _values(model), reads,
                 _correct(model, tokenizer, self.config, self.rows,
-                         self.root / "eval-retrofit" / retrofit_dir.name / "retain.jsonl"))
+                         self.root / "eval-retrofit" / retrofit_dir.name / "retain.jsonl"),
+                retrofit_read_overlap(model, tokenizer, reads, self.new_prompts))
         return self.measured[retrofit_dir]
 
 
@@ -250,12 +304,12 @@ def compute_locality(config, results: list[dict], root: Path) -> dict:
         own = seed_config(config, run.seed)
         if own.data not in retrofits:
             retrofits[own.data] = _Retrofits(own, root, device)
-        before, reads, correct_before = retrofits[own.data](sparse_stage_dirs(layout, run, own)[0])
+        before, reads, correct_before, overlap = retrofits[own.data](sparse_stage_dirs(layout, run, own)[0])
         model, tokenizer = load_model(own.model, layout.train_dir(run), device)
         correct_after = _correct(model, tokenizer, own, retrofits[own.data].rows, layout.eval_dir(run) / "retain.jsonl")
         measured[run.name] = {"hash": result["config_hash"], "condition": run.condition, "variant": run.variant,
                               "update": run.update, "reads": run.reads or "all", "lr": run.lr, "seed": run.seed,
-                              "metrics": result["metrics"],
+                              "metrics": result["metrics"], "read_overlap": overlap,
                               **run_locality(before, _values(model), reads, correct_before, correct_after)}
         del model
     path.write_text(json.dumps({"version": CACHE_VERSION, "runs": measured}, indent=1) + "\n", encoding="utf-8")
@@ -291,13 +345,16 @@ def write_locality(config, results: list[dict], root: Path) -> list[Path]:
              "the run; **growth**, the median of ||v_after - v_before|| / ||v_before|| over the changed rows; **read "
              "share**, per old-fact question, the share of the retrofit model's read weight (softmax weights of every "
              "prompt token and head) that falls on changed rows, averaged over the questions; **answer read share** "
-             "the same over each question's last token alone (the position that predicts the answer). Then the old-fact "
+             "the same over each question's last token alone (the position that predicts the answer); **read "
+             "overlap**, a property of the retrofit and the world: the share of the old questions' read weight on "
+             "slots the new questions also read (all tokens; answer: last tokens against the new questions' last "
+             "tokens), near 1 when no row is the new facts' alone. Then the old-fact "
              "questions in quartiles of their read share (Q1 lowest): old-fact accuracy of the retrofit and after the "
              "run, and kept (of the questions the retrofit answered, the fraction still answered). Means over seeds "
              "(smf/suite/locality_diagnostics.py).\n",
              f"| Method | LR | Seeds | {learn} | {retain} | Rows changed | Growth | Read share | Answer read share | "
-             f"{quartiles} |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
+             f"Read overlap | Answer read overlap | {quartiles} |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
              + " | ".join("---:" for _ in range(QUARTILES)) + " |"]
     for key in order:
         entries = groups[key]
@@ -306,15 +363,18 @@ def write_locality(config, results: list[dict], root: Path) -> list[Path]:
                  _mean((e["overall"]["rows_changed_fraction"] for e in entries), 3),
                  _mean((e["overall"]["median_growth"] for e in entries), 3),
                  _mean((e["overall"]["read_share"] for e in entries), 3),
-                 _mean((e["overall"]["answer_read_share"] for e in entries), 3)]
+                 _mean((e["overall"]["answer_read_share"] for e in entries), 3),
+                 *(_mean(e["read_overlap"]["overall"][share] if e["read_overlap"] else None for e in entries)
+                   for share in OVERLAPS)]
         cells += [f"{_mean(e['quartiles'][q]['acc_before'] for e in entries)} → "
                   f"{_mean(e['quartiles'][q]['acc_after'] for e in entries)} "
                   f"({_mean(e['quartiles'][q]['kept'] for e in entries)})" for q in range(QUARTILES)]
         rate = "—" if key[4] is None else f"{key[4]:g}"
         lines.append(f"| {method(key)} | {rate} | {len(entries)} | " + " | ".join(cells) + " |")
     lines += ["\n## Per memory layer\n",
-              "| Method | LR | Layer | Slots | Rows changed | Growth | Read share | Answer read share |",
-              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "| Method | LR | Layer | Slots | Rows changed | Growth | Read share | Answer read share | Read overlap | "
+              "Answer read overlap |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for key in order:
         entries = groups[key]
         for layer in entries[0]["layers"]:
@@ -323,7 +383,9 @@ def write_locality(config, results: list[dict], root: Path) -> list[Path]:
             lines.append(f"| {method(key)} | {rate} | {layer} | {per_layer[0]['slots']} | "
                          f"{_mean(p['rows_changed_fraction'] for p in per_layer)} | "
                          f"{_mean(p['median_growth'] for p in per_layer)} | {_mean(p['read_share'] for p in per_layer)} "
-                         f"| {_mean(p['answer_read_share'] for p in per_layer)} |")
+                         f"| {_mean(p['answer_read_share'] for p in per_layer)} | " + " | ".join(
+                             _mean(e["read_overlap"]["layers"][layer][share] if e["read_overlap"] else None
+                                   for e in entries) for share in OVERLAPS) + " |")
     md_path = root / LOCALITY_MD
     md_path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return [md_path, root / LOCALITY_JSON]

@@ -242,6 +242,7 @@ def run_hash(config: SuiteConfig, run: Run) -> str:
     data = config.data  # own-data files enter the hash only when given (paper suites keep their hashes)
     own_train = [data.retrofit, data.background, data.train] if data.own else []
     own_eval = [data.eval_learn, data.eval_heldout, data.eval_retain] if data.own else []
+    own_eval += [data.eval_retain_heldout] if data.eval_retain_heldout else []  # issue 48: other suites keep hashes
     science = {"world": config.world, "pretrain": config.pretrain} if config.world else {}
     return _digest({
         **science, "model": config.model, "condition": run.condition, "seed": run.seed, "protocol": config.protocol,

@@ -37,7 +37,8 @@ def _write_world_if_changed(options, world_dir: Path) -> None:
     except (OSError, ValueError, AttributeError):
         logger.warning("%s cannot be read: the world's files are written again", record)
         recorded = None
-    if recorded != digest or not all((world_dir / f"{role}.jsonl").is_file() for role in WORLD_ROLES):
+    if recorded != digest or not all((world_dir / f"{role}.jsonl").is_file() for role in (*WORLD_ROLES,
+                                                                                           *world.datasets)):
         logger.info("writing the world (%s) to %s", options, world_dir)
         write_world(world, world_dir)
 

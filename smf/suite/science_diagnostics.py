@@ -8,6 +8,12 @@ and what carries the +S runs' forgetting (docs/science.md).
 - For every +S run at its chosen rate: the same model with each layer's alpha put back to its retrofit value (the
   rows keep what they learned), evaluated like the runs; the gap to the run's own numbers is what the grown alpha
   carries.
+- For every retrofit: its read overlap (issue 48; :func:`smf.suite.locality_diagnostics.read_overlap`): the share of
+  the old questions' (``eval_retain``) read weight on slots the new questions (``eval_learn``) also read, over all
+  tokens and at the answer position. Near 1, no row is the new facts' alone.
+- With a held-out old-fact probe (``eval_retain_heldout``: a world with ``retain_heldout``): old-fact accuracy asked
+  as in training (``retain_acc``, the leaky probe) beside asked with a template no training text holds
+  (``retain_heldout_acc``), per method at its chosen rate and at matched learning.
 
 The measurements are cached in the JSON by run name and results hash, so re-drawing a report recomputes nothing.
 """
@@ -19,16 +25,20 @@ from pathlib import Path
 
 import torch
 
+from smf.data.eval_sets import triviaqa_prompt
+from smf.data.own_data import load_own
 from smf.data.sources import load_split
 from smf.data.world import qa_text
 from smf.eval.tasks import evaluate_model, load_eval_sets
 from smf.model.attach import memory_blocks
 from smf.model.diagnostics import memory_diagnostics
 from smf.model.loading import load_model
+from smf.report.matched_learning import format_cell, matched_learning
 from smf.report.paper_results import display_name, metric_keys, metric_title
 from smf.suite.config import seed_config
+from smf.suite.locality_diagnostics import OVERLAPS, new_question_prompts, question_reads, retrofit_read_overlap
 from smf.suite.plan import Run, SuiteLayout, sparse_stage_dirs
-from smf.suite.science import at_chosen_rates
+from smf.suite.science import at_chosen_rates, learning_metric, variant
 from smf.train.distributed import pick_device
 
 PROBE_ROWS = 64  # QA texts of each kind (old, new) the diagnostics are measured on
@@ -70,6 +80,21 @@ def _alpha_reset_metrics(config, run_dir: Path, retrofit_dir: Path, eval_sets, o
     return {"alpha_retrofit": alphas, "metrics": metrics}
 
 
+def _retrofit_overlap(config, retrofit_dir: Path, device) -> dict | None:
+    """The read overlap of the retrofit in ``retrofit_dir`` between the old and the new questions (None without a
+    qa ``eval_retain`` and ``eval_learn``)."""
+    if not (config.data.eval_retain and config.data.eval_learn):
+        return None
+    rows, schema = load_own(config.data.eval_retain, "data.eval_retain", ("qa", "mc"))
+    if schema != "qa":
+        return None
+    model, tokenizer = load_model(config.model, retrofit_dir, device)
+    old = question_reads(model, tokenizer, [triviaqa_prompt(row, config.protocol) for row in rows])
+    overlap = retrofit_read_overlap(model, tokenizer, old, new_question_prompts(config))
+    del model
+    return overlap
+
+
 def _retrofit_metrics(config, retrofit_dir: Path, eval_sets, out_dir: Path, device) -> dict:
     """The retrofit model's metrics (memories attached, nothing finetuned): the reference of the sparse runs'
     forgetting, as the base model is LoRA's and full finetuning's."""
@@ -99,6 +124,8 @@ def compute_diagnostics(config, results: list[dict], root: Path) -> dict:
             if "metrics" not in entry:
                 entry["metrics"] = _retrofit_metrics(own, retrofit_dir, eval_sets[own.data],
                                                      root / "eval-retrofit" / key, device)
+            if "read_overlap" not in entry:
+                entry["read_overlap"] = _retrofit_overlap(own, retrofit_dir, device)
             measured["retrofit"][key] = entry
         cached = cache.get("sparse", {}).get(run.name)
         measured["sparse"][run.name] = cached if cached and cached.get("hash") == result["config_hash"] else {
@@ -187,6 +214,68 @@ def write_science_diagnostics(config, results: list[dict], root: Path) -> list[P
             lines.append(f"| {display_name(condition, config.model, variant)} | {len(entries)} | "
                          f"{_mean(trained_alpha)} | "
                          f"{_mean(retrofit_alpha)} | " + " | ".join(cells) + " |")
+    lines += _overlap_lines(by_mode) + _heldout_probe_lines(config, results)
     md_path = root / DIAGNOSTICS_MD
     md_path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return [md_path, root / DIAGNOSTICS_JSON]
+
+
+def _overlap_lines(by_mode: dict[str, list[dict]]) -> list[str]:
+    """The read overlap of the retrofits (per mode: mean over seeds, and each seed's), none when not measured."""
+    rows = {mode: [e["read_overlap"]["overall"] for e in entries if e.get("read_overlap")]
+            for mode, entries in sorted(by_mode.items())}
+    if not any(rows.values()):
+        return []
+    lines = ["\n## Read overlap: do the new questions read rows of their own?\n",
+             "Per retrofit, the share of the old-fact questions' read weight (every prompt token and head, both "
+             "memory layers) that falls on slots the new-fact questions also read; answer: at each old question's last "
+             "token, against the slots the new questions' last tokens read. Mean over the old questions, then over "
+             "seeds (each seed's in brackets). Near 1, every row an old fact reads is one the new facts read too: "
+             "row-disjoint locality cannot be tested on that world (smf/suite/locality_diagnostics.py).\n",
+             "| Retrofit | Seeds | Read overlap | Answer read overlap |", "| --- | ---: | ---: | ---: |"]
+    for mode, overlaps in rows.items():
+        if overlaps:
+            lines.append(f"| {mode} | {len(overlaps)} | " + " | ".join(
+                f"{_mean(o[share] for o in overlaps)} ({', '.join(f'{o[share]:.3f}' for o in overlaps)})"
+                for share in OVERLAPS) + " |")
+    return lines
+
+
+def _heldout_probe_lines(config, results: list[dict]) -> list[str]:
+    """Old-fact accuracy asked as in training beside asked with the held-out template, per method: at its chosen
+    rate and (with ``matched_learning``) at each learning level; none without ``retain_heldout_acc``."""
+    if not any(r["metrics"].get("retain_heldout_acc") is not None for r in results):
+        return []
+    seen, heldout = (metric_title(m, config.labels) for m in ("retain_acc", "retain_heldout_acc"))
+    lines = ["\n## Old facts asked as in training, and with a template no training text holds\n",
+             f"{seen}: the old questions with the template pretraining (and, in a world with retrofit_qa, the retrofit "
+             f"and background) used; {heldout}: the same facts asked with a held-out template (world option "
+             "retain_heldout). The first probe leaks (its texts are training texts); the second does not. Per method "
+             "at its chosen rate, mean over seeds:\n",
+             f"| Method | Seeds | {seen} | {heldout} |", "| --- | ---: | ---: | ---: |"]
+    chosen: dict[tuple, list[dict]] = {}
+    for result in at_chosen_rates(results):
+        chosen.setdefault(variant(result), []).append(result["metrics"])
+    order = {condition: index for index, condition in enumerate(config.conditions)}
+    for method, metrics in sorted(chosen.items(), key=lambda item: (order.get(item[0][0], len(order)), str(item[0]))):
+        lines.append(f"| {display_name(method[0], config.model, method[3])} | {len(metrics)} | "
+                     f"{_mean(m.get('retain_acc') for m in metrics)} | "
+                     f"{_mean(m.get('retain_heldout_acc') for m in metrics)} |")
+    if config.matched_learning:
+        levels = [str(level) for level in config.matched_learning]
+        learn = learning_metric(results)
+        tables = {kept: {tuple(row["method"]): row for row in matched_learning(
+            results, config.matched_learning, variant, learn, kept, variant({"condition": "full"}))}
+            for kept in ("retain_acc", "retain_heldout_acc")}
+        lines += [f"\nKept at matched learning ({metric_title(learn, config.labels)}; as matched_learning.md: mean ± "
+                  "95% interval over the seeds, k/n where only k measured the level), the two probes side by side:\n",
+                  "| Method | " + " | ".join(f"{probe} @ {level}" for level in levels
+                                            for probe in (seen, heldout)) + " |",
+                  "| --- | " + " | ".join("---:" for _ in range(2 * len(levels))) + " |"]
+        for method, row in tables["retain_acc"].items():
+            other = tables["retain_heldout_acc"].get(method)
+            cells = [format_cell(r["levels"][level]["mean"], r["levels"][level]["half_width"],
+                                 r["levels"][level]["measured"], len(r["seeds"])) if r else "—"
+                     for level in levels for r in (row, other)]
+            lines.append(f"| {display_name(method[0], config.model, method[3])} | " + " | ".join(cells) + " |")
+    return lines

@@ -111,7 +111,7 @@ def tokenizer_digest(tokenizer) -> str:
 def pretrain_fingerprint(world_options, options: PretrainOptions, texts: list[str], tokenizer) -> str:
     """16 hex digits of everything that decides the pretrained model (module docstring; not ``save_every`` nor
     ``use_shipped``)."""
-    return _digest({"world": world_options.to_dict(), "code": CODE_VERSION, "texts": _digest(texts),
+    return _digest({"world": world_options.pretraining_dict(), "code": CODE_VERSION, "texts": _digest(texts),
                     "tokenizer": tokenizer_digest(tokenizer),
                     "pretrain": {k: v for k, v in options.to_dict().items() if k not in ("save_every", "use_shipped")}})
 
@@ -266,7 +266,7 @@ def pretrain_world(world_options, options: PretrainOptions, output_dir: str | Pa
 
     output_dir = Path(output_dir)
     world = build_world(world_options)
-    tokenizer = world_tokenizer()
+    tokenizer = world_tokenizer(world.options)
     texts = [row["text"] + "\n\n" for row in world.datasets["pretrain"]]
     fingerprint = pretrain_fingerprint(world_options, options, texts, tokenizer)
     marker = _finished(output_dir, fingerprint)
