@@ -238,3 +238,15 @@ def test_stream_needs_a_world_and_the_learn_evaluation(tmp_path, capsys):
     assert cli.main(["suite", "--config", str(path), "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "smf suite: error: stream needs world" in err
+
+
+def test_stream_preset_shares_the_science_bases_and_sweep():
+    from smf.suite.plan import plan_runs
+
+    configs = Path(__file__).parents[1] / "smf" / "configs"
+    science = yaml.safe_load((configs / "suite_science.yaml").read_text())
+    raw = yaml.safe_load((configs / "suite_stream.yaml").read_text())
+    same = ("world", "pretrain", "train", "stages", "lr_sweep", "conditions", "seeds", "eval", "base_per_seed")
+    assert {key: raw[key] for key in same} == {key: science[key] for key in same}  # the shipped bases are copied
+    config = load_suite_config("stream")
+    assert config.stream == {"tasks": 3} and len(plan_runs(config)) == 3 * (1 + 8 * 7)

@@ -41,8 +41,9 @@ def plot_forgetting(panels: list[dict], tasks: list[str], out_path: Path, *, old
                           linewidth=1.0)
             axis.plot([x for x, _ in after], [v[0] for _, v in after], color=colour, linewidth=1.5, marker=marker,
                       markersize=5, label=old_title if series == OLD_FACTS else f"task {series}")
-            axis.errorbar([x for x, _ in points], [v[0] for _, v in points],
-                          yerr=[v[1] or 0.0 for _, v in points], color=colour, linestyle="", capsize=3, alpha=0.8)
+            spread = [(x, value) for x, value in points if value[1] is not None]  # one seed: no interval
+            axis.errorbar([x for x, _ in spread], [v[0] for _, v in spread], yerr=[v[1] for _, v in spread],
+                          color=colour, linestyle="", capsize=3, alpha=0.8)
         axis.set_title(panel["label"], fontsize=9)
         axis.set_xticks(list(stages), ["base"] + [f"after {task}" for task in tasks], fontsize=8)
         axis.set_ylim(-0.05, 1.05)

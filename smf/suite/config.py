@@ -160,8 +160,12 @@ class SuiteConfig:
         return {} if variant is None else {k: v for k, v in self.variants[variant].items() if k != "lr_sweep"}
 
     def to_dict(self) -> dict:
-        """JSON-ready form; :func:`suite_config_from_dict` reads it back."""
-        return to_jsonable_python(self)
+        """JSON-ready form; :func:`suite_config_from_dict` reads it back. Without a stream, no ``stream`` key: the
+        record of a suite written before streams existed stays equal (:func:`smf.suite.plan.merged_plan`)."""
+        saved = to_jsonable_python(self)
+        if not saved["stream"]:
+            del saved["stream"]
+        return saved
 
 
 def _train_options(raw, where: str, stage: str | None = None) -> dict:
