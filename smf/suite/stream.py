@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import gc
 import json
 import os
@@ -81,10 +82,16 @@ class StreamLayout:
 
 def stream_task_files(config: SuiteConfig) -> list[dict[str, str]]:
     """The task files of ``config`` (one seed's: :func:`~smf.suite.config.seed_config`), written beside its world
-    files when missing or changed: per task, role (train, eval_learn) -> path."""
-    options = StreamOptions.from_dict(config.stream)
-    world = build_world(WorldOptions.from_dict(config.world))
-    return write_stream_tasks(world, options.tasks, Path(config.data.train).parent / f"stream-{options.tasks}tasks")
+    files when missing or changed (once per process: building a world takes most of a CPU-second): per task, role
+    (train, eval_learn) -> path."""
+    return _task_files(json.dumps(config.world, sort_keys=True), StreamOptions.from_dict(config.stream).tasks,
+                       str(Path(config.data.train).parent))
+
+
+@functools.lru_cache(maxsize=None)
+def _task_files(world: str, tasks: int, world_dir: str) -> list[dict[str, str]]:
+    return write_stream_tasks(build_world(WorldOptions.from_dict(json.loads(world))), tasks,
+                              Path(world_dir) / f"stream-{tasks}tasks")
 
 
 def merge_lora(run_dir: Path, merged_dir: Path, device) -> Path:
