@@ -250,3 +250,11 @@ def test_stream_preset_shares_the_science_bases_and_sweep():
     assert {key: raw[key] for key in same} == {key: science[key] for key in same}  # the shipped bases are copied
     config = load_suite_config("stream")
     assert config.stream == {"tasks": 3} and len(plan_runs(config)) == 3 * (1 + 8 * 7)
+
+
+def test_a_suite_without_a_stream_records_no_stream_key(tmp_path):
+    """A suite directory recorded before streams existed keeps matching its config (smf.suite.plan.merged_plan)."""
+    raw = _raw(tmp_path / "suite")
+    del raw["stream"]
+    assert "stream" not in parse_suite_config(raw, tmp_path, check_paths=False).to_dict()
+    assert parse_suite_config(_raw(tmp_path / "suite"), tmp_path, check_paths=False).to_dict()["stream"] == {"tasks": 3}
