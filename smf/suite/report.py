@@ -356,7 +356,8 @@ def write_report_page(config: SuiteConfig, out_dir: Path) -> Path:
                   "![Pareto figure](pareto.png)\n"]
     else:
         lines.append("## Table 1\n\nNo run has results yet (suite_status.md says which ran and which failed).\n")
-    for name in ("stream.md", "matched_learning.md", "environment.md", "lr_sweep.md", "science_diagnostics.md", "locality.md",
+    for name in ("stream.md",  # a stream suite's answer first
+                 "matched_learning.md", "environment.md", "lr_sweep.md", "science_diagnostics.md", "locality.md",
                  "ablation_reads.md", "ablation_update.md", "accounting.md"):
         if (out_dir / name).is_file():
             text = (out_dir / name).read_text(encoding="utf-8")
