@@ -100,7 +100,8 @@ def write_stream_report(config: SuiteConfig, results: list[dict], out_dir: Path,
              "tasks' columns before they are trained show what the model guesses.\n"]
     for row in rows:
         rate = "" if row["lr"] is None else f", lr {row['lr']:g}"
-        lines += [f"## {label(tuple(row['method']), config.model)}{rate} ({len(row['seeds'])} seeds)\n",
+        seeds = f"{len(row['seeds'])} seed" + "s" * (len(row["seeds"]) > 1)
+        lines += [f"### {label(tuple(row['method']), config.model)}{rate} ({seeds})\n",
                   f"| After | {old_title} | {metric_title(HELDOUT_KEY, config.labels)} | "
                   + " | ".join(f"task {task}" for task in tasks) + " |",
                   "| --- | ---: | ---: | " + " | ".join("---:" for _ in tasks) + " |"]
@@ -114,7 +115,7 @@ def write_stream_report(config: SuiteConfig, results: list[dict], out_dir: Path,
         records = _matched_records(results, tasks)
         reference = result_variant({"condition": "full"})
         levels = [str(level) for level in config.matched_learning]
-        lines += ["## Matched learning after the stream\n",
+        lines += ["### Matched learning after the stream\n",
                   f"Kept at a given task-{tasks[-1]} accuracy after the whole stream, read off each seed's sweep "
                   "(interpolated between the two rates that bracket the level; k/n: only k of n seeds reached it; "
                   "—: none did); in brackets the difference to full finetuning, paired by seed.\n"]
@@ -124,7 +125,7 @@ def write_stream_report(config: SuiteConfig, results: list[dict], out_dir: Path,
             axis_rows.sort(key=lambda r: (order.get(r["method"][0], 99), str(r["method"])))
             matched[axis] = axis_rows
             title = old_title if axis == OLD_KEY else f"{axis} acc"
-            lines += [f"### {title} kept\n", "| Method | " + " | ".join(f"@ {level}" for level in levels) + " |",
+            lines += [f"#### {title} kept\n", "| Method | " + " | ".join(f"@ {level}" for level in levels) + " |",
                       "| --- | " + " | ".join("---:" for _ in levels) + " |"]
             for row in axis_rows:
                 cells = []
