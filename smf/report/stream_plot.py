@@ -2,7 +2,8 @@
 accuracy after each stage (x: before the stream, after task A, after task B, ...) of the old facts (black squares)
 and of every task (a colour each), mean ± 95% interval over seeds. A task's line is dotted before the stage that
 trains it and solid from that stage on, so its fall after it is the forgetting of that task; the first point of every
-line is the base model's (when the suite ran the base condition)."""
+line is the base model's (when the suite ran the base condition). Each line is moved a little along x so that
+intervals do not hide one another."""
 from __future__ import annotations
 
 import math
@@ -25,17 +26,19 @@ def plot_forgetting(panels: list[dict], tasks: list[str], out_path: Path, *, old
     figure, axes = plt.subplots(rows, columns, figsize=(4.6 * columns, 3.6 * rows), squeeze=False, sharey=True)
     colours = {task: plt.get_cmap("tab10")(index % 10) for index, task in enumerate(tasks)}
     stages = range(len(tasks) + 1)
+    every = (OLD_FACTS, *tasks)
     for axis, panel in zip(axes.flat, panels):
-        for series in (OLD_FACTS, *tasks):
-            points = [(stage, panel["points"][stage][series]) for stage in stages
+        for index, series in enumerate(every):
+            offset = (index - (len(every) - 1) / 2) * 0.04  # apart a little, so that intervals do not hide each other
+            points = [(stage + offset, panel["points"][stage][series]) for stage in stages
                       if stage in panel["points"] and series in panel["points"][stage]]
             if not points:
                 continue
             trained = 0 if series == OLD_FACTS else tasks.index(series) + 1
             colour = "black" if series == OLD_FACTS else colours[series]
             marker = "s" if series == OLD_FACTS else "o"
-            before = [(x, value) for x, value in points if x <= trained]
-            after = [(x, value) for x, value in points if x >= trained]
+            before = [(x, value) for x, value in points if x <= trained + offset]
+            after = [(x, value) for x, value in points if x >= trained + offset]
             if series != OLD_FACTS and len(before) > 1:
                 axis.plot([x for x, _ in before], [v[0] for _, v in before], color=colour, linestyle=":",
                           linewidth=1.0)
