@@ -25,6 +25,7 @@ from pydantic_core import to_jsonable_python
 from smf.data.paths import OWN_KEYS, OWN_SCHEMAS, DataPaths
 from smf.report.paper_results import METRIC_TITLES
 from smf.data.protocol import DEFAULT_PROTOCOL, PROTOCOLS
+from smf.data.stream_tasks import StreamOptions
 from smf.data.world import WorldOptions
 from smf.errors import ConfigError
 from smf.eval.settings import EvalSettings
@@ -86,6 +87,10 @@ class SuiteConfig:
     # selection), beside the config's count_reads: ablation_reads.md
     count_reads_ablation: Annotated[tuple[str, ...], AsList, Distinct] = ()
     notice: str = ""  # what the numbers mean, at the top of report.md and printed after `smf suite` / `smf report`
+    # a stream of tasks (smf.data.stream_tasks.StreamOptions, e.g. {tasks: 3}): the world's new people split into
+    # tasks A, B, C, ... trained one after another, each stage from the previous one's result (smf.suite.stream);
+    # empty: one task
+    stream: dict = field(default_factory=dict)
 
     @field_validator("labels")
     @classmethod
@@ -155,8 +160,12 @@ class SuiteConfig:
         return {} if variant is None else {k: v for k, v in self.variants[variant].items() if k != "lr_sweep"}
 
     def to_dict(self) -> dict:
-        """JSON-ready form; :func:`suite_config_from_dict` reads it back."""
-        return to_jsonable_python(self)
+        """JSON-ready form; :func:`suite_config_from_dict` reads it back. Without a stream, no ``stream`` key: the
+        record of a suite written before streams existed stays equal (:func:`smf.suite.plan.merged_plan`)."""
+        saved = to_jsonable_python(self)
+        if not saved["stream"]:
+            del saved["stream"]
+        return saved
 
 
 def _train_options(raw, where: str, stage: str | None = None) -> dict:
@@ -348,6 +357,39 @@ def _science_inputs(raw: dict) -> dict:
     return raw
 
 
+def _stream_options(raw: dict) -> dict:
+    """``stream`` checked (:class:`~smf.data.stream_tasks.StreamOptions`; empty: no stream) against the world whose
+    new people it splits (ConfigError in one line)."""
+    if not raw.get("stream"):
+        return {}
+    options = StreamOptions.from_dict(raw["stream"])
+    if not raw.get("world"):
+        raise ConfigError("stream needs world: it splits the world's new people into tasks")
+    n_new = WorldOptions.from_dict({key: value for key, value in mapping(raw["world"], "world").items()
+                                    if key != "seed"}).n_new
+    if options.tasks > n_new:
+        raise ConfigError(f"stream: option 'tasks' {options.tasks} exceeds world.n_new {n_new}: every task needs at "
+                          "least one new person")
+    return dataclasses.asdict(options)
+
+
+def _check_stream(config: SuiteConfig) -> None:
+    """ConfigError unless ``config``'s stream evaluates each task (eval.tasks has learn) and its smallest task fills
+    one global batch of every trained stage."""
+    if not config.stream:
+        return
+    if "learn" not in config.eval.tasks:
+        raise ConfigError(f"stream: eval.tasks {list(config.eval.tasks)} must include learn (each task's accuracy)")
+    options, n_new = StreamOptions.from_dict(config.stream), WorldOptions.from_dict(config.world).n_new
+    for stage in sorted({condition_recipe(c) for c in config.conditions} - {None}):
+        batch = {**config.train, **config.stages.get(stage, {})}.get(
+            "global_batch_size", RunConfig.__dataclass_fields__["global_batch_size"].default)
+        if options.train_rows(n_new) < batch:
+            raise ConfigError(f"stream: the smallest of {options.tasks} tasks has {options.train_rows(n_new)} "
+                              f"training rows, fewer than one global batch of {batch} (stages.{stage}); lower "
+                              "stream.tasks or global_batch_size, or raise world.n_new")
+
+
 def parse_suite_config(raw, base_dir: Path, *, source: str = "config", check_paths: bool = True) -> SuiteConfig:
     """Validate a config mapping (see the module docstring); relative input paths resolve against
     ``base_dir``. ``check_paths=False`` skips the checks that need the data and model on disk."""
@@ -368,6 +410,7 @@ def parse_suite_config(raw, base_dir: Path, *, source: str = "config", check_pat
         "labels": mapping(raw.get("labels"), "labels"),
         "variants": _variants(raw.get("variants")),
         "lr_sweep": mapping(raw.get("lr_sweep"), "lr_sweep"),
+        "stream": _stream_options(raw),
     }, str)
     if config.matched_learning and not (config.lr_sweep or config.variants):
         raise ConfigError("matched_learning reads each method's sweep: give lr_sweep (or variants) too")
@@ -376,6 +419,7 @@ def parse_suite_config(raw, base_dir: Path, *, source: str = "config", check_pat
             swept = "variants" if stage == "sparse" and config.variants else f"lr_sweep.{stage}"
             raise ConfigError(f"{swept} and an lr in train or stages.{stage} cannot both be given")
     _check_own_data(config)
+    _check_stream(config)
     if check_paths and config.data.own:
         _check_own_files(config)
     if check_paths:  # the trainer's checks of combinations (batch sizes, layers, device, backend) on every stage's

@@ -248,6 +248,7 @@ def run_hash(config: SuiteConfig, run: Run) -> str:
         **science, "model": config.model, "condition": run.condition, "seed": run.seed, "protocol": config.protocol,
         "update": run.update, **({"reads": run.reads} if run.reads else {}),
         **({"variant": config.variant_options(run.variant)} if run.variant else {}),
+        **({"stream": config.stream} if config.stream else {}),  # a stream's runs: its tasks one after another
         "train_data": ([config.data.oasst, config.data.medmcqa_train] + own_train) if stages else [],
         "stages": {stage: {name: value for name, value in {
             **config.train, **config.stages.get(stage, {}),

@@ -34,6 +34,7 @@ from smf.suite.science import at_chosen_rates, learning_metric, sweep_rows
 from smf.suite.science import variant as result_variant
 from smf.suite.science_diagnostics import write_science_diagnostics
 from smf.suite.status import cell, write_status
+from smf.suite.stream_report import write_stream_report
 from smf.vocabulary import DEFAULT_MODEL
 
 logger = logging.getLogger(__name__)
@@ -355,7 +356,8 @@ def write_report_page(config: SuiteConfig, out_dir: Path) -> Path:
                   "![Pareto figure](pareto.png)\n"]
     else:
         lines.append("## Table 1\n\nNo run has results yet (suite_status.md says which ran and which failed).\n")
-    for name in ("matched_learning.md", "environment.md", "lr_sweep.md", "science_diagnostics.md", "locality.md",
+    for name in ("stream.md",  # a stream suite's answer first
+                 "matched_learning.md", "environment.md", "lr_sweep.md", "science_diagnostics.md", "locality.md",
                  "ablation_reads.md", "ablation_update.md", "accounting.md"):
         if (out_dir / name).is_file():
             text = (out_dir / name).read_text(encoding="utf-8")
@@ -395,6 +397,8 @@ def write_suite_report(suite_dir: str | Path) -> list[Path]:
             paths += write_science_diagnostics(config, results, layout.root)
         if config.world and config.variants:  # the locality experiment: which rows moved, which old facts went
             paths += write_locality(config, results, layout.root)
+        if config.stream:  # tasks one after another: each stage's accuracies, forgetting curves
+            paths += write_stream_report(config, results, layout.root, variant_label)
     paths += write_accounting(config, layout.root)
     paths += write_status(config, layout.root, failed={**foreign, **refused})
     paths.append(write_report_page(config, layout.root))

@@ -34,6 +34,7 @@ from smf.suite.plan import (Run, SuiteLayout, merged_plan, options_fingerprint, 
                             sparse_stage_dirs, stage_config)
 from smf.suite.science import prepare_science_inputs
 from smf.suite.status import write_status
+from smf.suite.stream import StreamRun
 from smf.threads import use_threads
 from smf.train.background import collect_background
 from smf.train.checkpoint import CHECKPOINT_FILE, LOG_FILE
@@ -49,7 +50,8 @@ REPORT_FILES = ("table1.md", "table1.csv", "table1.tex", "pareto.png", "pareto.p
                 "accounting.json", "ablation_update.md", "ablation_update.json", "report.md", "lr_sweep.md",
                 "lr_sweep.json", "pareto_sweep.png", "ablation_reads.md", "ablation_reads.json",
                 "science_diagnostics.md", "science_diagnostics.json", "matched_learning.md", "matched_learning.json",
-                "matched_learning.png", "environment.md", "environment.json", "locality.md", "locality.json")
+                "matched_learning.png", "environment.md", "environment.json", "locality.md", "locality.json",
+                "stream.md", "stream.json", "stream_forgetting.png")
 ABLATION_FILES = ("ablation_update.md", "ablation_update.json")
 DATA_LOGGERS = ("smf.data.sources",)  # their warnings (e.g. fewer rows than asked) are the same for every run
 
@@ -181,6 +183,8 @@ class SuiteRunner:
         path = self.layout.results_path(run)
         if path.is_file():
             return read_results(path, expected_hash)
+        if self.config.stream:  # tasks one after another, evaluated after each (smf.suite.stream)
+            return StreamRun(self, run, ensure_stage).results()
         started = time.perf_counter()
         markers = self.train_stages(run)
         metrics, eval_seconds, artefact, eval_rows = self.evaluate(run)
