@@ -91,7 +91,9 @@ class MemoryUpdateStep(StepHooks):
     for (``model`` without grad, under the trainer's ``autocast``), and finishes it with ``finish_step``. The
     rows it updated are kept for the log; a non-finite gradient ends the run with one line. An ablation's log also
     counts the value rows that moved without being selected (from a copy of the tables made at each step's
-    start); the exact update's is 0 by construction (tests/test_sparse_exact.py), so no copy is made."""
+    start); the exact update's is 0 by construction (tests/test_sparse_exact.py). On one process every log row
+    also gives ``row_change``: the median over the step's updated rows (all layers) of the row's change relative to
+    its norm before the step, ||v_after - v_before|| / ||v_before|| (from that copy of the tables)."""
 
     def __init__(self, update: MemoryStep, autocast, compiled: bool = False, world: int = 1,
                  step_tokens: int | None = None) -> None:
@@ -105,7 +107,7 @@ class MemoryUpdateStep(StepHooks):
         return self.update.ddp_ignored_names()  # the update reduces the memory values itself
 
     def begin_step(self, model: nn.Module, micro_batches: list[dict]) -> None:
-        if self._measure_leak:
+        if self._measure_leak or self.world == 1:
             self._before = {name: memory.values.detach().clone() for name, memory in self.update.memories.items()}
         plan: FillPlan = self.update.plan(len(micro_batches), compiled=self.compiled, world=self.world,
                                           step_tokens=self.step_tokens)
@@ -127,7 +129,20 @@ class MemoryUpdateStep(StepHooks):
 
     def step_log(self) -> dict:
         return {"selected_rows": sum(int(rows.numel()) for rows in self.rows.values()),
-                "rows_moved_outside": self.rows_moved_outside()}
+                "rows_moved_outside": self.rows_moved_outside(), **self.row_change()}
+
+    def row_change(self) -> dict:
+        """``{"row_change": median relative change of the rows this step updated}`` on one process (none updated:
+        0.0); empty on several, whose tables are sharded."""
+        if self.world != 1 or not self._before:
+            return {}
+        changes = []
+        for name, rows in self.rows.items():
+            before = self._before[name].index_select(0, rows).float()
+            after = self.update.memories[name].values.detach().index_select(0, rows).float()
+            changes.append((after - before).norm(dim=1) / before.norm(dim=1).clamp_min(1e-12))
+        changes = torch.cat(changes) if changes else torch.zeros(0)
+        return {"row_change": float(changes.median()) if changes.numel() else 0.0}
 
     def rows_moved_outside(self) -> int:
         if not self._measure_leak:
