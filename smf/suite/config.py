@@ -473,13 +473,11 @@ def _hypotheses(raw) -> dict[str, dict]:
 
 def _check_hypotheses(config: SuiteConfig) -> None:
     """ConfigError for a hypothesis whose methods the suite does not run, whose level is not a matched_learning
-    level, or that compares a method with itself; hypotheses need at least two seeds (a paired interval)."""
+    level, or that compares a method with itself (with fewer than two seeds they are evaluated as inconclusive)."""
     if not config.hypotheses:
         return
     if not config.matched_learning:
         raise ConfigError("hypotheses are evaluated at matched learning: give matched_learning (and a sweep) too")
-    if len(config.seeds) < 2:
-        raise ConfigError(f"hypotheses need a paired interval over at least 2 seeds, got seeds {list(config.seeds)}")
     for name, entry in config.hypotheses.items():
         where = f"hypotheses.{name}"
         for key in ("a", "b"):

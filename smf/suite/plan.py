@@ -33,7 +33,7 @@ from pathlib import Path
 
 from smf.options import only
 from smf.suite.config import STAGE_COMMANDS, SuiteConfig, seed_config, suite_config_from_dict
-from smf.train.config import RunConfig, build_config, fingerprint_form
+from smf.train.config import RECIPE_DEFAULTS, RunConfig, build_config, fingerprint_form
 from smf.vocabulary import CONDITIONS, FINGERPRINT_SPELLINGS, RETROFIT_MODE, condition_recipe, split_condition
 
 SUITE_CONFIG_FILE = "suite_config.json"
@@ -102,7 +102,8 @@ def _settings(config: SuiteConfig, condition: str) -> list[tuple[str | None, flo
         if recipe == "sparse" and config.variants else [None]
     settings = []
     for variant in variants:
-        configured = {**_configured(config, recipe), **config.variant_options(variant)}.get("epochs")
+        configured = {**_configured(config, recipe), **config.variant_options(variant)}.get(
+            "epochs") or RECIPE_DEFAULTS[recipe]["epochs"]  # what the stage resolves to
         settings += [(variant, lr, None if epochs == configured else epochs)
                      for epochs, lr in config.configurations(recipe, variant) or [(None, None)]]
     return settings
