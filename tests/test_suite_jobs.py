@@ -71,4 +71,5 @@ def test_two_processes_give_the_results_of_one(tmp_path):
     assert record["cost"]["steps"] == 2 * shorter["cost"]["steps"] > 0
     assert record["cost"]["flops"] > shorter["cost"]["flops"] > 0
     assert record["timing"]["cpu_s"] > 0 and record["sparse_steps"]["row_change"] > 0
+    assert record["sparse_steps"]["row_change_vs_start"] > 0
     assert len(run_suite(two, jobs=2)) == 5  # resumable: nothing left to do, every result read back

@@ -164,7 +164,7 @@ def test_cost_beside_kept_and_per_seed_tables():
         for record in _results("full", seed, {None: curve}):
             record.update(timing={"train_cpu_s": 10.0 + seed, "retrofit_cpu_s": 4.0, "background_cpu_s": 1.0},
                           cost={"steps": 20, "tokens": 100, "parameters": 7, "trained": 7, "flops": 4.2e12},
-                          sparse_steps={"row_change": 0.02 * (1 + seed)})
+                          sparse_steps={"row_change": 0.02 * (1 + seed), "row_change_vs_start": 0.5})
             results.append(record)
     costs = cost_rows(results, lambda r: (r["condition"],))
     cost = costs[("full",)]
@@ -173,7 +173,7 @@ def test_cost_beside_kept_and_per_seed_tables():
     assert cost["shared_cpu_s"] == pytest.approx(5.0) and cost["row_change"] == pytest.approx((0.03, 0.02, 0.04))
     rows = matched_learning(results, (0.9,), lambda r: (r["condition"],), "learn_acc", "retain_acc")
     table = "\n".join(cost_markdown(costs, rows, ["0.9"], {("full",): "Full finetune"}))
-    assert "| Full finetune | 2 | 20 | 21 | 8.40 | 5 | 0.03 (0.02–0.04) | 0.420 |" in table
+    assert "| Full finetune | 2 | 20 | 21 | 8.40 | 5 | 0.03 (0.02–0.04) | 0.5 (0.5–0.5) | 0.420 |" in table
     del results[0]["cost"]  # a run written before costs were recorded: the sum is unknown
     assert cost_rows(results, lambda r: (r["condition"],))[("full",)]["flops"] is None
     per_seed = "\n".join(per_seed_markdown(rows, ["0.9"], {("full",): "Full finetune"}, None))

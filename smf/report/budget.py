@@ -5,8 +5,9 @@ values behind the matched-learning means.
 Per method: its configurations (epochs x rates), the optimizer steps of one configuration (range), the training
 stage's CPU seconds and estimated FLOPs summed over its configurations (mean over seeds), the CPU seconds of the
 shared stages it starts from (retrofit and background, once per seed), and for sparse methods the per-touch row
-change (median over its configurations of each run's median relative change; range). Runs written before these were
-recorded count as missing ("—").
+change relative to the row's norm before the step and to its norm when training started (median over its
+configurations of each run's median over steps; range). Runs written before these were recorded count as missing
+("—").
 """
 from __future__ import annotations
 
@@ -45,17 +46,26 @@ def cost_rows(results: list[dict], key: Callable[[dict], tuple]) -> dict[tuple, 
     for method, runs in methods.items():
         costs = [run.get("cost") for run in runs]
         steps = [cost["steps"] for cost in costs if cost]
-        changes = [run["sparse_steps"]["row_change"] for run in runs
-                   if (run.get("sparse_steps") or {}).get("row_change") is not None]
         rows[method] = {
             "configurations": len({(run.get("epochs"), run["lr"]) for run in runs}),
             "steps": (min(steps), max(steps)) if steps else None,
             "train_cpu_s": _per_seed_sum(runs, lambda run: (run.get("timing") or {}).get("train_cpu_s")),
             "flops": _per_seed_sum(runs, lambda run: (run.get("cost") or {}).get("flops")),
             "shared_cpu_s": _shared_cpu(runs),
-            "row_change": (statistics.median(changes), min(changes), max(changes)) if changes else None,
+            **{field: _spread([(run.get("sparse_steps") or {}).get(field) for run in runs])
+               for field in ("row_change", "row_change_vs_start")},
         }
     return rows
+
+
+def _spread(values: list[float | None]) -> tuple[float, float, float] | None:
+    """(median, min, max) of the values given (None: not recorded), or None when none is."""
+    values = [value for value in values if value is not None]
+    return (statistics.median(values), min(values), max(values)) if values else None
+
+
+def _change(spread: tuple[float, float, float] | None) -> str:
+    return "—" if spread is None else f"{spread[0]:.3g} ({spread[1]:.3g}–{spread[2]:.3g})"
 
 
 def _number(value: float | None, digits: int = 0) -> str:
@@ -71,11 +81,12 @@ def cost_markdown(costs: dict[tuple, dict], matched: list[dict], levels: list[st
              "seconds (process time) and estimated FLOPs (forward 2N + backward 2N + 2N_trained per training token; "
              "N: parameters a token multiplies through, memory tables counted as the rows read; docs/science.md); "
              "the shared retrofit and background stages' CPU seconds once per seed; steps of one configuration; "
-             "for sparse methods the per-touch row change relative to the row's norm (median over configurations of "
-             "each run's median; range).\n",
+             "for sparse methods the per-touch row change relative to the row's norm before the step, and to its "
+             "norm when training started (median over configurations of each run's median over steps; range).\n",
              "| Method | Configs | Steps / config | Train CPU-s / seed | Train TFLOPs / seed | Shared stages CPU-s "
-             "| Row change per touch | " + " | ".join(f"kept @ {level}" for level in levels) + " |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in levels) + " |"]
+             "| Row change per touch | … to the start norm | " + " | ".join(f"kept @ {level}" for level in levels)
+             + " |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in levels) + " |"]
     for row in matched:
         method = tuple(row["method"])
         cost = costs.get(method)
@@ -83,12 +94,11 @@ def cost_markdown(costs: dict[tuple, dict], matched: list[dict], levels: list[st
             continue
         steps = "—" if cost["steps"] is None else (f"{cost['steps'][0]:,}" if cost["steps"][0] == cost["steps"][1]
                                                      else f"{cost['steps'][0]:,}–{cost['steps'][1]:,}")
-        change = "—" if cost["row_change"] is None else \
-            f"{cost['row_change'][0]:.3g} ({cost['row_change'][1]:.3g}–{cost['row_change'][2]:.3g})"
         kept = [_number(row["levels"][level]["mean"], 3) for level in levels]
         lines.append(f"| {labels[method]} | {cost['configurations']} | {steps} | {_number(cost['train_cpu_s'])} | "
                      f"{_number(None if cost['flops'] is None else cost['flops'] / 1e12, 2)} | "
-                     f"{_number(cost['shared_cpu_s'])} | {change} | " + " | ".join(kept) + " |")
+                     f"{_number(cost['shared_cpu_s'])} | {_change(cost['row_change'])} | "
+                     f"{_change(cost['row_change_vs_start'])} | " + " | ".join(kept) + " |")
     return lines + [""]
 
 

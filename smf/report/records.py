@@ -13,7 +13,8 @@ for the learning metric the sweep ranks rates by (``learn_acc``, else ``medmcqa_
 holds no ``lr``. ``reads`` is absent or the run's (``loss``: a count_reads ablation run). ``epochs`` is absent or
 the epochs of the run's schedule_sweep configuration; ``cost`` (absent in older files) null or the training stage's
 steps, tokens, parameter counts and estimated flops (:mod:`smf.suite.cost`); ``timing``'s ``*_cpu_s`` fields are
-CPU seconds and ``sparse_steps.row_change`` the median relative row change, each a number >= 0 where present.
+CPU seconds and ``sparse_steps.row_change`` / ``row_change_vs_start`` median relative row changes, each a number >= 0
+where present.
 """
 from __future__ import annotations
 
@@ -103,9 +104,9 @@ def _check_sparse_steps(steps: object) -> None:
     for key in SPARSE_STEP_FIELDS:
         _require(key in steps, f"sparse_steps.{key}", "present", _MISSING)
         _require(_is_number(steps[key]) and steps[key] >= 0, f"sparse_steps.{key}", "a number >= 0", steps[key])
-    if "row_change" in steps:
-        _require(_is_number(steps["row_change"]) and steps["row_change"] >= 0, "sparse_steps.row_change",
-                 "a number >= 0", steps["row_change"])
+    for key in ("row_change", "row_change_vs_start"):
+        if key in steps:
+            _require(_is_number(steps[key]) and steps[key] >= 0, f"sparse_steps.{key}", "a number >= 0", steps[key])
 
 
 def _check_cost(cost: object) -> None:

@@ -57,8 +57,9 @@ def training_cost(records: list[dict], counts: dict[str, int]) -> dict:
             "flops": float(tokens * (4 * counts["parameters"] + 2 * counts["trained"]))}
 
 
-def median_row_change(records: list[dict]) -> float | None:
-    """The median over a sparse run's steps of each step's median relative row change (``row_change`` in its log,
-    :class:`smf.train.steps.MemoryUpdateStep`); None when the log does not record it."""
-    changes = [record["row_change"] for record in records if "row_change" in record]
+def median_row_change(records: list[dict], field: str = "row_change") -> float | None:
+    """The median over a sparse run's steps of each step's median relative row change (``field`` of its log:
+    ``row_change``, to the row's norm before the step, or ``row_change_vs_start``, to its norm when training started;
+    :class:`smf.train.steps.MemoryUpdateStep`); None when the log does not record it at every step."""
+    changes = [record[field] for record in records if field in record]
     return statistics.median(changes) if changes and len(changes) == len(records) else None

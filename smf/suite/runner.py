@@ -88,14 +88,15 @@ def read_results(path: Path, expected_hash: str) -> dict:
 
 def sparse_step_stats(train_dir: Path) -> dict:
     """Mean per optimizer step of a sparse run's train_log.jsonl: rows selected (all layers) and value
-    rows that moved without being selected (all layers); and, where the log records it, ``row_change``: the median
-    over steps of the median per-touch row change relative to the row's norm (:mod:`smf.suite.cost`)."""
+    rows that moved without being selected (all layers); and, where the log records them, ``row_change`` and
+    ``row_change_vs_start``: the median over steps of the median per-touch row change relative to the row's norm
+    before the step, and when training started (:mod:`smf.suite.cost`)."""
     records = log_records(train_dir / LOG_FILE)
-    change = median_row_change(records)
+    changes = {field: median_row_change(records, field) for field in ("row_change", "row_change_vs_start")}
     return {"steps": len(records),
             "selected_rows": sum(r["selected_rows"] for r in records) / max(len(records), 1),
             "rows_moved_outside": sum(r["rows_moved_outside"] for r in records) / max(len(records), 1),
-            **({} if change is None else {"row_change": change})}
+            **{field: change for field, change in changes.items() if change is not None}}
 
 
 def ensure_stage(kind: str, config: RunConfig) -> dict:
