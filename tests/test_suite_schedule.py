@@ -57,9 +57,12 @@ def test_variants_give_a_schedule_and_their_conditions(tmp_path):
     with pytest.raises(ConfigError, match="additive-tfidf run in no variant"):
         _config(tmp_path, conditions=conditions, schedule_sweep={"full": {3: [1e-5]}},
                 variants={"small": {**variants["small"], "schedule_sweep": {3: [1e-3]}}})
-    with pytest.raises(ConfigError, match="variants.big.conditions: replacement-kl not among"):
+    with pytest.raises(ConfigError, match="variants.big.conditions: give distinct sparse conditions"):
         _config(tmp_path, conditions=conditions, schedule_sweep={"full": {3: [1e-5, 3e-5]}},
-                variants={**variants, "big": {**variants["big"], "conditions": ["additive-tfidf", "replacement-kl"]}})
+                variants={**variants, "big": {**variants["big"], "conditions": ["additive-tfidf", "lora"]}})
+    narrowed = _config(tmp_path, conditions=["base", "additive-kl", "full"], schedule_sweep={"full": {3: [1e-5, 3e-5]}},
+                       variants={**variants, "big": {**variants["big"], "lr_sweep": [1e-3, 1e-2]}})
+    assert {run.variant for run in plan_runs(narrowed)} == {None, "small"}  # --conditions: "big" has no runs
 
 
 def test_a_configuration_at_the_configured_epochs_is_the_run_it_was(tmp_path):
@@ -142,8 +145,8 @@ def test_hypotheses_are_checked_at_load(tmp_path):
     config = _config(tmp_path, **sweep, hypotheses={"sparse-vs-full": HYPOTHESIS})
     assert config.hypotheses["sparse-vs-full"]["threshold"] == 0.1
     cases = {"same method": ({"b": "additive-kl"}, "the same method"),
-             "unknown method": ({"b": "additive-tfidf"}, "not a trained method of this suite; choose from "
-                                                          "additive-kl, lora, full"),
+             "unknown method": ({"b": "additive-kl/big"}, "not a trained method of this suite; choose from "
+                                                            "replacement-kl, "),
              "base": ({"b": "base"}, "not a trained method"),
              "level": ({"level": 0.7}, "0.7 is not a matched_learning level"),
              "threshold": ({"threshold": 0}, "nonzero"),

@@ -398,14 +398,9 @@ def _check_schedules(config: SuiteConfig) -> None:
 
 
 def _check_variant_conditions(config: SuiteConfig) -> None:
-    """ConfigError for a variant's ``conditions`` that the suite does not run, or a sparse condition of the suite
-    that runs in no variant."""
+    """ConfigError for a sparse condition of the suite that runs in no variant. (A variant whose conditions the
+    suite does not run, e.g. after ``--conditions``, has no runs.)"""
     sparse = [c for c in config.conditions if c in SPARSE_CONDITIONS]
-    for name, options in config.variants.items():
-        foreign = [c for c in options.get("conditions", ()) if c not in sparse]
-        if foreign:
-            raise ConfigError(f"variants.{name}.conditions: {', '.join(foreign)} not among this suite's sparse "
-                              f"conditions ({', '.join(sparse)})")
     if config.variants:
         idle = [c for c in sparse if not any(config.variant_runs(name, c) for name in config.variants)]
         if idle:
@@ -472,24 +467,22 @@ def _hypotheses(raw) -> dict[str, dict]:
 
 
 def _check_hypotheses(config: SuiteConfig) -> None:
-    """ConfigError for a hypothesis whose methods the suite does not run, whose level is not a matched_learning
-    level, or that compares a method with itself (with fewer than two seeds they are evaluated as inconclusive)."""
+    """ConfigError for a hypothesis whose methods no suite of these variants runs (a method of a condition left out,
+    e.g. by ``--conditions``, is evaluated as inconclusive), whose level is not a matched_learning level, or that
+    compares a method with itself (with fewer than two seeds they are evaluated as inconclusive)."""
     if not config.hypotheses:
         return
     if not config.matched_learning:
         raise ConfigError("hypotheses are evaluated at matched learning: give matched_learning (and a sweep) too")
+    trained = [c for c in CONDITIONS if c != "base"]  # not only the suite's: --conditions may narrow it
+    methods = [c for c in trained if not (c in SPARSE_CONDITIONS and config.variants)]
+    methods += [f"{c}/{v}" for c in trained if c in SPARSE_CONDITIONS for v in config.variants
+                if config.variant_runs(v, c)]
     for name, entry in config.hypotheses.items():
         where = f"hypotheses.{name}"
         for key in ("a", "b"):
             condition, variant = method_of(entry[key])
-            runs = condition in config.conditions and condition != "base" and (
-                variant is None if not (condition in SPARSE_CONDITIONS and config.variants) else
-                variant in config.variants and config.variant_runs(variant, condition))
-            if not runs:
-                methods = [c for c in config.conditions if c != "base" and not (c in SPARSE_CONDITIONS
-                                                                              and config.variants)]
-                methods += [f"{c}/{v}" for c in config.conditions if c in SPARSE_CONDITIONS for v in config.variants
-                            if config.variant_runs(v, c)]
+            if (f"{condition}/{variant}" if variant else condition) not in methods:
                 raise ConfigError(f"{where}.{key}: {entry[key]!r} is not a trained method of this suite; choose "
                                   f"from {', '.join(methods)}")
         if method_of(entry["a"]) == method_of(entry["b"]):
