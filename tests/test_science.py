@@ -194,7 +194,7 @@ def test_science_suite_end_to_end(tmp_path):
     matched = matched_json["rows"]
     assert all("vs_reference" in cell for row in matched if row["method"][0] != "full"
                for cell in row["levels"].values())  # every method compared with full finetuning
-    assert [h["name"] for h in matched_json["hypotheses"]] == list(raw["hypotheses"])
+    assert sorted(h["name"] for h in matched_json["hypotheses"]) == sorted(raw["hypotheses"])
     assert all(h["verdict"] == "inconclusive" for h in matched_json["hypotheses"])  # one seed: no interval
     text = (config.output_dir / "matched_learning.md").read_text()
     assert "## Cost beside kept" in text and "## Per seed" in text and "**exploratory**" in text
