@@ -181,3 +181,26 @@ def test_cost_beside_kept_and_per_seed_tables():
     assert cost_rows(results, lambda r: (r["condition"],))[("full",)]["flops"] is None
     per_seed = "\n".join(per_seed_markdown(rows, ["0.9"], {("full",): "Full finetune"}, None))
     assert "| Full finetune | 0.9 | 0.420 | 0.420 |" in per_seed
+
+
+def test_hypotheses_are_registered_with_the_runs_finished_then(tmp_path, caplog):
+    import json
+
+    from smf.suite.plan import SuiteLayout
+    from smf.suite.runner import SuiteRunner
+
+    sweep = {"lr_sweep": {"sparse": [1e-3, 1e-2], "lora": [1e-4, 1e-3], "full": [1e-5, 1e-4]},
+             "matched_learning": [0.9]}
+    config = _config(tmp_path, **sweep, hypotheses={"h": HYPOTHESIS})
+    layout = SuiteLayout(config.output_dir)
+    SuiteRunner(config).register_hypotheses(config)
+    first = json.loads(layout.hypotheses_file.read_text())
+    assert first["runs_finished"] == 0 and first["runs_planned"] == len(plan_runs(config))
+    layout.results_dir.mkdir(parents=True)
+    layout.results_path(plan_runs(config)[0]).write_text("{}")
+    SuiteRunner(config).register_hypotheses(config)
+    assert json.loads(layout.hypotheses_file.read_text()) == first  # the same hypotheses: kept as registered
+    changed = _config(tmp_path, **sweep, hypotheses={"h": {**HYPOTHESIS, "threshold": 0.2}})
+    SuiteRunner(changed).register_hypotheses(changed)
+    assert json.loads(layout.hypotheses_file.read_text())["runs_finished"] == 1
+    assert "the hypotheses changed" in caplog.text

@@ -258,12 +258,12 @@ class SuiteRunner:
                 logger.info("removed %s: the recorded suite does not report it", layout.root / name)
         return recorded
 
-    def register_hypotheses(self) -> None:
-        """``hypotheses_registered.json``: the config's hypotheses with the time and the number of finished runs,
-        written when there is none or the hypotheses changed (a warning then: the report says they were registered
-        after those runs)."""
+    def register_hypotheses(self, recorded: SuiteConfig) -> None:
+        """``hypotheses_registered.json``: the hypotheses with the time and the number of finished runs of the
+        ``recorded`` plan (:meth:`record_plan`), written when there is none or the hypotheses changed (a warning
+        then: the report says they were registered after those runs)."""
         path = self.layout.hypotheses_file
-        hypotheses = self.config.to_dict()["hypotheses"]
+        hypotheses = recorded.to_dict()["hypotheses"]
         if not hypotheses:
             return
         if path.is_file():
@@ -271,9 +271,9 @@ class SuiteRunner:
                 return
             logger.warning("%s: the hypotheses changed; they are recorded as registered now, after the runs already "
                            "finished (the report says so)", path)
-        finished = sum(self.layout.results_path(run).is_file() for run in plan_runs(self.config))
-        write_json_atomic(path, {"hypotheses": hypotheses, "runs_finished": finished,
-                                 "runs_planned": len(plan_runs(self.config)),
+        planned = plan_runs(recorded)
+        finished = sum(self.layout.results_path(run).is_file() for run in planned)
+        write_json_atomic(path, {"hypotheses": hypotheses, "runs_finished": finished, "runs_planned": len(planned),
                                  "registered_at": datetime.datetime.now(datetime.timezone.utc).isoformat(
                                      timespec="seconds")})
 
@@ -331,7 +331,7 @@ class SuiteRunner:
         use_threads(self.config.threads, self.config.model)
         prepare_science_inputs(self.config)  # the world's files and the pretrained model, when configured
         recorded = self.record_plan()
-        self.register_hypotheses()
+        self.register_hypotheses(recorded)
         todo = len(self.pending())
         logger.info("suite %s: %d runs (%d finished, %d to do) in %s", self.config.name, len(runs),
                     len(runs) - todo, todo, self.config.output_dir)
