@@ -52,8 +52,10 @@ def test_variants_give_a_schedule_and_their_conditions(tmp_path):
     with pytest.raises(ConfigError, match=r"same number .*'variant small': 3"):
         _config(tmp_path, conditions=conditions, schedule_sweep={"full": {3: [1e-5, 3e-5]}},
                 variants={**variants, "small": {**variants["small"], "schedule_sweep": {3: [1e-3, 3e-3], 9: [3e-4]}}})
-    with pytest.raises(ConfigError, match="give lr_sweep or schedule_sweep"):
+    with pytest.raises(ConfigError, match="variants.small.lr_sweep is required"):
         _config(tmp_path, conditions=conditions, variants={"small": {"rows_per_step": 64}})
+    with pytest.raises(ConfigError, match="give lr_sweep or schedule_sweep, not both"):
+        _config(tmp_path, conditions=conditions, variants={"small": {**variants["small"], "lr_sweep": [1e-3]}})
     with pytest.raises(ConfigError, match="additive-tfidf run in no variant"):
         _config(tmp_path, conditions=conditions, schedule_sweep={"full": {3: [1e-5]}},
                 variants={"small": {**variants["small"], "schedule_sweep": {3: [1e-3]}}})

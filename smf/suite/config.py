@@ -204,9 +204,11 @@ def _variants(raw) -> dict[str, dict]:
                               ". + _ - (starting with a letter or digit)")
         options = mapping(options, where)
         own = {key: options.pop(key) for key in VARIANT_OWN_KEYS if key in options}
-        if sum(key in own for key in VARIANT_SWEEPS) != 1:
-            raise ConfigError(f"{where}: give lr_sweep or schedule_sweep (one of them): each variant runs at its own "
-                              "learning rates")
+        if not any(key in own for key in VARIANT_SWEEPS):
+            raise ConfigError(f"{where}.lr_sweep is required (or schedule_sweep: epochs -> rates): each variant runs "
+                              "at its own learning rates")
+        if all(key in own for key in VARIANT_SWEEPS):
+            raise ConfigError(f"{where}: give lr_sweep or schedule_sweep, not both")
         sweep_key = next(key for key in VARIANT_SWEEPS if key in own)
         try:
             sweep = (_RATES if sweep_key == "lr_sweep" else _SCHEDULE).validate_python(
