@@ -155,8 +155,9 @@ def test_chosen_rate_and_intervals():
 
 
 def test_science_suite_end_to_end(tmp_path):
-    """Every stage of the preset on the reduced world: world, pretraining, retrofit of both families, background,
-    sparse (both rules), LoRA, full, evaluation, report."""
+    """Every stage of the preset on the reduced world: world, pretraining, the retrofits of both SMF variants,
+    background, sparse (plain and +S), LoRA, full, each with two configurations (a schedule swept), evaluation, report
+    (matched learning with the hypotheses and the cost beside kept)."""
     from smf.suite.report import write_suite_report
     from smf.suite.runner import run_suite
 
@@ -164,16 +165,19 @@ def test_science_suite_end_to_end(tmp_path):
     raw.update(output_dir=str(tmp_path / "suite"), seeds=[3],  # base_per_seed: world seed 3, as SMALL_WORLD's
                world={k: v for k, v in SMALL_WORLD.items() if k != "seed"},
                pretrain={k: v for k, v in {**SMALL_PRETRAIN, "epochs": 2}.items() if k != "seed"},
-               lr_sweep={"sparse": [1e-2], "lora": [1e-3], "full": [1e-3]})
-    assert raw["base_per_seed"] and raw["matched_learning"]
+               lr_sweep={}, schedule_sweep={"lora": {1: [1e-3], 2: [1e-3]}, "full": {1: [1e-3], 2: [1e-3]}})
+    raw["variants"]["large-step"].update(n_keys=8, rows_per_step=16, lr_sweep=[1e-2, 3e-2])
+    raw["variants"]["paper-like"].update(n_keys=8, rows_per_step=32, schedule_sweep={1: [1e-2], 2: [1e-2]})
+    assert raw["base_per_seed"] and raw["matched_learning"] and raw["hypotheses"]
     raw["train"].update(layers=[0, 1], n_keys=8, topk=4, key_dim=16, rows_per_step=16, n_background=20)
     raw["stages"] = {"retrofit": {"epochs": 1}, "sparse": {"epochs": 1}, "lora": {"epochs": 1}, "full": {"epochs": 1}}
     path = tmp_path / "science.yaml"
     path.write_text(yaml.safe_dump(raw))
     config = load_suite_config(str(path))
     results = run_suite(config)
-    assert len(results) == len(config.conditions)
+    assert len(results) == 1 + 2 * (len(config.conditions) - 1)
     assert {r["condition"] for r in results} == set(config.conditions)
+    assert [r.get("epochs") for r in results if r["condition"] == "full"] == [None, 2]  # plan order
     for result in results:
         assert set(result["metrics"]) == {"learn_acc", "heldout_ppl", "retain_acc"}
         assert (result.get("lr") is None) == (result["condition"] == "base")
@@ -181,13 +185,19 @@ def test_science_suite_end_to_end(tmp_path):
     assert {"table1.md", "pareto.png", "lr_sweep.md", "report.md", "science_diagnostics.md", "matched_learning.md",
             "environment.md"} <= written
     diagnostics = json.loads((config.output_dir / "science_diagnostics.json").read_text())
-    assert set(diagnostics["retrofit"]) == {"replacement-seed3", "additive-seed3"}
-    assert sorted(diagnostics["alpha_reset"]) == ["additive+s-kl-lr0.01-seed3", "additive+s-tfidf-lr0.01-seed3"]
+    assert set(diagnostics["retrofit"]) == {"additive-seed3", "additive-alphalr0.0005-seed3"}
+    (reset,) = diagnostics["alpha_reset"]
+    assert reset.startswith("additive+s-tfidf-paper-like-")
     report = (config.output_dir / "report.md").read_text()
     assert "95% Student-t interval" in report and "new-fact acc" in report and "# Environment" in report
-    matched = json.loads((config.output_dir / "matched_learning.json").read_text())["rows"]
+    matched_json = json.loads((config.output_dir / "matched_learning.json").read_text())
+    matched = matched_json["rows"]
     assert all("vs_reference" in cell for row in matched if row["method"][0] != "full"
                for cell in row["levels"].values())  # every method compared with full finetuning
+    assert sorted(h["name"] for h in matched_json["hypotheses"]) == sorted(raw["hypotheses"])
+    assert all(h["verdict"] == "inconclusive" for h in matched_json["hypotheses"])  # one seed: no interval
+    text = (config.output_dir / "matched_learning.md").read_text()
+    assert "## Cost beside kept" in text and "## Per seed" in text and "**exploratory**" in text
     environment = json.loads((config.output_dir / "environment.json").read_text())
     (base,) = environment["bases"]
     assert base["seed"] == 3 and base["metrics"] == next(r["metrics"] for r in results if r["condition"] == "base")

@@ -34,6 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser, command: str = "suite") -> No
     parser.add_argument("--threads", type=positive_int, metavar="N", help="override the config's threads: torch "
                         "threads of the suite's process (default: the config's, else 1 for a small model, else "
                         "torch's default)")
+    parser.add_argument("--jobs", type=positive_int, default=1, metavar="N", help="run independent runs in N worker "
+                        "processes (one torch thread each unless --threads says otherwise), each shared retrofit and "
+                        "background stage before the runs that need it; the same results as one process, resumable "
+                        "(default: 1, everything in this process)")
     parser.add_argument("--dry-run", action="store_true", help="list the runs and whether each is done; run none")
     parser.add_argument("--no-report", action="store_true", help="skip `smf report` at the end")
 
@@ -72,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     from smf.suite.report import write_suite_report
     from smf.suite.runner import run_suite
 
-    run_suite(config)
+    run_suite(config, args.jobs)
     if not args.no_report:
         for path in write_suite_report(config.output_dir):
             print(path)

@@ -10,7 +10,11 @@ write; ``timing`` an object of non-negative seconds (``eval_s`` one per task); `
 step statistics; ``config_hash``, ``artefact``, ``model`` and ``finished_at`` strings (the last three optional:
 older files lack them). A run of an ``lr_sweep`` holds ``lr``, the rate in its file name, and a number (not null)
 for the learning metric the sweep ranks rates by (``learn_acc``, else ``medmcqa_acc``); a run without a swept rate
-holds no ``lr``. ``reads`` is absent or the run's (``loss``: a count_reads ablation run).
+holds no ``lr``. ``reads`` is absent or the run's (``loss``: a count_reads ablation run). ``epochs`` is absent or
+the epochs of the run's schedule_sweep configuration; ``cost`` (absent in older files) null or the training stage's
+steps, tokens, parameter counts and estimated flops (:mod:`smf.suite.cost`); ``timing``'s ``*_cpu_s`` fields are
+CPU seconds and ``sparse_steps.row_change`` / ``row_change_vs_start`` median relative row changes, each a number >= 0
+where present.
 """
 from __future__ import annotations
 
@@ -21,7 +25,9 @@ from pathlib import Path
 from smf.errors import ConfigError
 from smf.vocabulary import METRIC_OF_TASK
 
-STAGE_SECONDS = ("retrofit_s", "background_s", "train_s", "wall_s")
+STAGE_SECONDS = ("retrofit_s", "background_s", "train_s", "wall_s", "retrofit_cpu_s", "background_cpu_s",
+                 "train_cpu_s", "eval_cpu_s", "cpu_s")
+COST_FIELDS = ("steps", "tokens", "parameters", "trained", "flops")
 SPARSE_STEP_FIELDS = ("steps", "selected_rows", "rows_moved_outside")
 OPTIONAL_STRINGS = ("artefact", "model", "finished_at")
 LEARNING_METRICS = ("learn_acc", "medmcqa_acc")  # a sweep's ranking metric: own data's, else the paper's
@@ -98,6 +104,18 @@ def _check_sparse_steps(steps: object) -> None:
     for key in SPARSE_STEP_FIELDS:
         _require(key in steps, f"sparse_steps.{key}", "present", _MISSING)
         _require(_is_number(steps[key]) and steps[key] >= 0, f"sparse_steps.{key}", "a number >= 0", steps[key])
+    for key in ("row_change", "row_change_vs_start"):
+        if key in steps:
+            _require(_is_number(steps[key]) and steps[key] >= 0, f"sparse_steps.{key}", "a number >= 0", steps[key])
+
+
+def _check_cost(cost: object) -> None:
+    if cost is None:
+        return
+    _require(isinstance(cost, dict), "cost", "null or an object of the training stage's cost", cost)
+    for key in COST_FIELDS:
+        _require(key in cost, f"cost.{key}", "present", _MISSING)
+        _require(_is_number(cost[key]) and cost[key] >= 0, f"cost.{key}", "a number >= 0", cost[key])
 
 
 def _check_rate(record: dict, run) -> None:
@@ -127,6 +145,9 @@ def _check(record: dict, run, metric_keys: Iterable[str], known: set[str]) -> No
     _require(reads == run.reads, "reads", f"{_shown(run.reads)} (the run the file is named after)",
              record.get("reads", _MISSING))
     _check_rate(record, run)
+    epochs = record.get("epochs")
+    _require(epochs == run.epochs, "epochs", f"{run.epochs} (the epochs the file is named after)" if run.epochs
+             else "absent (the run the file is named after has its stage's configured epochs)", epochs)
     _check_metrics(record.get("metrics"), metric_keys, known)
     learning = next((key for key in LEARNING_METRICS if key in metric_keys), None)
     if run.lr is not None and learning is not None:
@@ -134,6 +155,7 @@ def _check(record: dict, run, metric_keys: Iterable[str], known: set[str]) -> No
                  "a finite number (the sweep chooses the rate by it)", None)
     _check_timing(record.get("timing"))
     _check_sparse_steps(record.get("sparse_steps"))
+    _check_cost(record.get("cost"))
     for field in OPTIONAL_STRINGS:
         if field in record:
             _require(isinstance(record[field], str), field, "a string", record[field])

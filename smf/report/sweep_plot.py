@@ -65,6 +65,7 @@ def plot_sweep(rows: list[dict], base: dict | None, out_path: Path, *, learning:
     for row in rows:
         name = display_name(row["condition"], model, row.get("variant")) + (
             "" if row.get("reads", "all") == "all" else f" ({row['reads']} reads)")
+        name += f", {row['epochs']} epochs" if row.get("epochs") else ""  # one line per schedule
         groups.setdefault(name, []).append(row)
     variants = list(dict.fromkeys(row["variant"] for row in rows if row.get("variant")))
     variant_colours = plt.get_cmap("tab20")

@@ -9,7 +9,18 @@ appear in ``train``, ``stages`` or ``variants``.
 ``variants`` (name -> trainer options and ``lr_sweep``): every sparse condition runs once per variant instead of once,
 with the variant's options applied after ``stages.{stage}`` to each stage that takes them, at the variant's own
 learning rates (as many as every other recipe's: the equal-budget rule); :mod:`smf.suite.plan` names the runs and the
-shared retrofit and background directories."""
+shared retrofit and background directories. A variant may give ``schedule_sweep`` (epochs -> rates) instead of
+``lr_sweep``, and ``conditions`` (the sparse conditions that run it; default every sparse condition of the suite).
+
+``schedule_sweep`` (recipe -> {epochs: rates}, instead of that recipe's ``lr_sweep``): the schedule is part of the
+tuning budget; each (epochs, rate) pair is one configuration of the method, run for every seed, its epochs applied to
+the training stage only (not the retrofit). Every method (a recipe, or a sparse condition in one variant) gets the same
+number of configurations (epochs x rates summed): a maximum over more noisy runs is higher.
+
+``hypotheses`` (name -> {a, b, level, threshold, statement}): contrasts registered before the runs, each "method ``a``
+minus method ``b`` keeps at least ``threshold`` more (a negative threshold: less) old knowledge at learned ``level``";
+evaluated by :mod:`smf.report.hypotheses` (paired 95% interval over seeds: confirmed, refuted or inconclusive); a
+method is a condition, or ``condition/variant``."""
 from __future__ import annotations
 
 import dataclasses
@@ -45,6 +56,10 @@ VARIANT_KEYS = tuple(name for name in TRAIN_KEYS if name != "lr"
                      and any(name in takes(RunConfig, command) for command in ("retrofit", "background", "train")))
 VARIANT_NAME = re.compile(r"[a-z0-9][a-z0-9.+_-]*")  # a piece of a run's name and directory
 _RATES = TypeAdapter(tuple[PositiveFloat, ...], config=OPTIONS_CONFIG)
+_SCHEDULE = TypeAdapter(dict[PositiveInt, tuple[PositiveFloat, ...]], config=OPTIONS_CONFIG)
+VARIANT_SWEEPS = ("lr_sweep", "schedule_sweep")  # how a variant gives its configurations (one of them)
+VARIANT_OWN_KEYS = (*VARIANT_SWEEPS, "conditions")  # a variant's keys that are not trainer options
+HYPOTHESIS_KEYS = ("a", "b", "level", "threshold", "statement")
 
 
 @dataclass(frozen=True)
@@ -91,6 +106,11 @@ class SuiteConfig:
     # tasks A, B, C, ... trained one after another, each stage from the previous one's result (smf.suite.stream);
     # empty: one task
     stream: dict = field(default_factory=dict)
+    # recipe -> {epochs: learning rates}: the schedule as part of the tuning budget (instead of that recipe's
+    # lr_sweep; the module docstring)
+    schedule_sweep: dict[str, dict[PositiveInt, tuple[PositiveFloat, ...]]] = field(default_factory=dict)
+    # name -> {a, b, level, threshold, statement}: contrasts registered before the runs (the module docstring)
+    hypotheses: dict[str, dict] = field(default_factory=dict)
 
     @field_validator("labels")
     @classmethod
@@ -112,8 +132,7 @@ class SuiteConfig:
 
     @field_validator("lr_sweep")
     @classmethod
-    def _equal_sweeps(cls, sweep: dict, info: ValidationInfo) -> dict:
-        trained = sorted({condition_recipe(c) for c in info.data.get("conditions", ()) if c != "base"})
+    def _sweep_rates(cls, sweep: dict, info: ValidationInfo) -> dict:
         variants = info.data.get("variants") or {}
         for recipe, rates in sweep.items():
             if recipe not in ("sparse", "lora", "full"):
@@ -122,21 +141,6 @@ class SuiteConfig:
                 raise ValueError(f"{recipe}: give distinct positive learning rates, got {list(rates)}")
         if variants and "sparse" in sweep:
             raise ValueError("sparse: not used with variants (each variant runs at its own lr_sweep); remove it")
-        if sweep or variants:
-            missing = [recipe for recipe in trained if recipe not in sweep and not (recipe == "sparse" and variants)]
-            if missing:
-                raise ValueError(f"no learning rates for {', '.join(missing)}: every trained recipe of the conditions "
-                                 "gets a sweep")
-            sizes = {recipe: len(sweep[recipe]) for recipe in trained if recipe in sweep}
-            sizes.update({f"variant {name}": len(options["lr_sweep"]) for name, options in variants.items()
-                          if "sparse" in trained})
-            if len(set(sizes.values())) > 1:
-                raise ValueError(f"every recipe gets the same number of learning rates (the same tuning budget), "
-                                 f"got {sizes}")
-            evaluated = info.data["eval"].tasks if "eval" in info.data else ()
-            if not {"learn", "medmcqa"} & set(evaluated):
-                raise ValueError(f"the sweep chooses each rate by the learning metric: eval.tasks {list(evaluated)} "
-                                 "must include learn (own data) or medmcqa")
         return sweep
 
     @field_validator("authors_update", "count_reads_ablation")
@@ -151,13 +155,28 @@ class SuiteConfig:
 
     @property
     def swept(self) -> bool:
-        """Whether runs carry learning rates of a sweep (``lr_sweep`` or ``variants``): the report then gives each
-        method at its chosen rate, with 95% intervals."""
-        return bool(self.lr_sweep or self.variants)
+        """Whether runs carry learning rates of a sweep (``lr_sweep``, ``schedule_sweep`` or ``variants``): the report
+        then gives each method at its chosen rate, with 95% intervals."""
+        return bool(self.lr_sweep or self.variants or self.schedule_sweep)
 
     def variant_options(self, variant: str | None) -> dict:
-        """The trainer options ``variant`` sets (its lr_sweep left out); none for None."""
-        return {} if variant is None else {k: v for k, v in self.variants[variant].items() if k != "lr_sweep"}
+        """The trainer options ``variant`` sets (its sweep and conditions left out); none for None."""
+        return {} if variant is None else {k: v for k, v in self.variants[variant].items()
+                                           if k not in VARIANT_OWN_KEYS}
+
+    def variant_runs(self, variant: str, condition: str) -> bool:
+        """Whether the sparse ``condition`` runs in ``variant`` (the variant's ``conditions``, default all)."""
+        return condition in self.variants[variant].get("conditions", (condition,))
+
+    def configurations(self, recipe: str | None, variant: str | None = None) -> list[tuple[int | None, float]]:
+        """(epochs, learning rate) of every configuration a method sweeps: ``recipe``'s (or ``variant``'s)
+        ``schedule_sweep`` pairs, else its ``lr_sweep`` rates at epochs None (the stage's configured epochs);
+        empty without a sweep."""
+        source = self.variants[variant] if variant is not None else {
+            "lr_sweep": self.lr_sweep.get(recipe), "schedule_sweep": self.schedule_sweep.get(recipe)}
+        if source.get("schedule_sweep"):
+            return [(int(epochs), lr) for epochs, rates in source["schedule_sweep"].items() for lr in rates]
+        return [(None, lr) for lr in source.get("lr_sweep") or ()]
 
     def to_dict(self) -> dict:
         """JSON-ready form; :func:`suite_config_from_dict` reads it back. Without a stream, no ``stream`` key: the
@@ -193,26 +212,44 @@ def _variants(raw) -> dict[str, dict]:
             raise ConfigError(f"{where}: a variant's name is part of its runs' names: lower-case letters, digits and "
                               ". + _ - (starting with a letter or digit)")
         options = mapping(options, where)
-        if "lr_sweep" not in options:
-            raise ConfigError(f"{where}.lr_sweep is required: each variant runs at its own learning rates")
+        own = {key: options.pop(key) for key in VARIANT_OWN_KEYS if key in options}
+        if not any(key in own for key in VARIANT_SWEEPS):
+            raise ConfigError(f"{where}.lr_sweep is required (or schedule_sweep: epochs -> rates): each variant runs "
+                              "at its own learning rates")
+        if all(key in own for key in VARIANT_SWEEPS):
+            raise ConfigError(f"{where}: give lr_sweep or schedule_sweep, not both")
+        sweep_key = next(key for key in VARIANT_SWEEPS if key in own)
         try:
-            rates = _RATES.validate_python(options.pop("lr_sweep"))
+            sweep = (_RATES if sweep_key == "lr_sweep" else _SCHEDULE).validate_python(
+                {str(k): v for k, v in own[sweep_key].items()} if isinstance(own[sweep_key], dict) else own[sweep_key])
         except ValidationError as err:
-            raise ConfigError(f"{where}.lr_sweep: give positive finite learning rates ({err.errors()[0]['msg']})") \
-                from None
-        if not rates or len(set(rates)) != len(rates):
-            raise ConfigError(f"{where}.lr_sweep: give distinct positive learning rates, got {list(rates)}")
+            raise ConfigError(f"{where}.{sweep_key}: give positive finite learning rates"
+                              f"{'' if sweep_key == 'lr_sweep' else ' per positive number of epochs'} "
+                              f"({err.errors()[0]['msg']})") from None
+        if not sweep or any(not rates or len(set(rates)) != len(rates)
+                            for rates in (sweep.values() if isinstance(sweep, dict) else [sweep])):
+            raise ConfigError(f"{where}.{sweep_key}: give distinct positive learning rates, got {sweep}")
+        own[sweep_key] = sweep
+        if "conditions" in own:
+            chosen = own["conditions"]
+            chosen = [chosen] if isinstance(chosen, str) else chosen
+            if not isinstance(chosen, list | tuple) or not chosen or any(c not in SPARSE_CONDITIONS for c in chosen) \
+                    or len(set(chosen)) != len(chosen):
+                raise ConfigError(f"{where}.conditions: give distinct sparse conditions "
+                                  f"({', '.join(SPARSE_CONDITIONS)}), got {own['conditions']!r}")
+            own["conditions"] = tuple(chosen)
         options = migrate_update_options(options, where)
         for key in options:
             if key not in VARIANT_KEYS:
                 why = "is set by the suite for each run" if key in SUITE_OWNED else \
                     "comes from the variant's lr_sweep" if key == "lr" else \
                     "is not an option of the sparse conditions' stages" if key in OPTIONS else "is unknown"
-                raise ConfigError(f"{where}: option {key!r} {why}; valid keys: lr_sweep, {', '.join(VARIANT_KEYS)}")
-        variants[name] = {**checked_options(options, where), "lr_sweep": rates}
+                raise ConfigError(f"{where}: option {key!r} {why}; valid keys: {', '.join(VARIANT_OWN_KEYS)}, "
+                                  f"{', '.join(VARIANT_KEYS)}")
+        variants[name] = {**checked_options(options, where), **own}
     same = {}
     for name, options in variants.items():
-        twin = same.setdefault(repr(sorted((k, v) for k, v in options.items() if k != "lr_sweep")), name)
+        twin = same.setdefault(repr(sorted((k, v) for k, v in options.items() if k not in VARIANT_OWN_KEYS)), name)
         if twin != name:
             raise ConfigError(f"variants.{name}: the same options as variants.{twin}; give each variant its own")
     return variants
@@ -390,6 +427,118 @@ def _check_stream(config: SuiteConfig) -> None:
                               "stream.tasks or global_batch_size, or raise world.n_new")
 
 
+def _check_schedules(config: SuiteConfig) -> None:
+    """ConfigError for a ``schedule_sweep`` entry that is not a recipe with distinct positive rates per epochs, or
+    one given beside its recipe's ``lr_sweep`` (or for sparse beside ``variants``)."""
+    for recipe, schedule in config.schedule_sweep.items():
+        where = f"schedule_sweep.{recipe}"
+        if recipe not in ("sparse", "lora", "full"):
+            raise ConfigError(f"schedule_sweep: unknown recipe {recipe!r}; valid: sparse, lora, full")
+        if recipe in config.lr_sweep:
+            raise ConfigError(f"{where} and lr_sweep.{recipe} cannot both be given: the schedule sweep gives the "
+                              "rates of each epochs count")
+        if recipe == "sparse" and config.variants:
+            raise ConfigError(f"{where}: not used with variants (give each variant its own schedule_sweep)")
+        if not schedule or any(not rates or len(set(rates)) != len(rates) for rates in schedule.values()):
+            raise ConfigError(f"{where}: give epochs -> distinct positive learning rates (e.g. {{10: [1e-3, 3e-3], "
+                              f"40: [3e-4, 1e-3]}}), got {schedule}")
+
+
+def _check_variant_conditions(config: SuiteConfig) -> None:
+    """ConfigError for a sparse condition of the suite that runs in no variant. (A variant whose conditions the
+    suite does not run, e.g. after ``--conditions``, has no runs.)"""
+    sparse = [c for c in config.conditions if c in SPARSE_CONDITIONS]
+    if config.variants:
+        idle = [c for c in sparse if not any(config.variant_runs(name, c) for name in config.variants)]
+        if idle:
+            raise ConfigError(f"conditions: {', '.join(idle)} run in no variant (each variant's conditions leave "
+                              "them out); add them to a variant's conditions or remove them")
+
+
+def _check_budget(config: SuiteConfig) -> None:
+    """ConfigError unless every trained recipe of the conditions has a sweep (with any sweep or variant) and every
+    method gets the same number of configurations (epochs x learning rates; the equal tuning budget)."""
+    trained = sorted({condition_recipe(c) for c in config.conditions if c != "base"})
+    swept = {**config.lr_sweep, **config.schedule_sweep}
+    if not (swept or config.variants):
+        return
+    missing = [recipe for recipe in trained if recipe not in swept and not (recipe == "sparse" and config.variants)]
+    if missing:
+        raise ConfigError(f"lr_sweep: no learning rates for {', '.join(missing)}: every trained recipe of the "
+                          "conditions gets a sweep (lr_sweep or schedule_sweep)")
+    sizes = {recipe: len(config.configurations(recipe)) for recipe in trained if recipe in swept}
+    if "sparse" in trained:
+        sizes.update({f"variant {name}": len(config.configurations("sparse", name)) for name in config.variants})
+    if len(set(sizes.values())) > 1:
+        raise ConfigError(f"lr_sweep: every recipe gets the same number of learning rates x epochs (the same tuning "
+                          f"budget: a maximum over more noisy runs is higher), got {sizes}")
+    if not {"learn", "medmcqa"} & set(config.eval.tasks):
+        raise ConfigError(f"lr_sweep: the sweep chooses each rate by the learning metric: eval.tasks "
+                          f"{list(config.eval.tasks)} must include learn (own data) or medmcqa")
+
+
+def method_of(spec: str) -> tuple[str, str | None]:
+    """(condition, variant or None) of a hypothesis's method ``condition`` or ``condition/variant``."""
+    condition, _, variant = spec.partition("/")
+    return condition, variant or None
+
+
+def _hypotheses(raw) -> dict[str, dict]:
+    """The ``hypotheses`` mapping: name -> {a, b (method strings), level, threshold (floats), statement}, each
+    entry's keys and types checked (what they name: :func:`_check_hypotheses`)."""
+    if not isinstance(raw, dict | None):
+        raise ConfigError(f"hypotheses must be a mapping of name -> hypothesis, got {type(raw).__name__}")
+    hypotheses = {}
+    for name, entry in (raw or {}).items():
+        where = f"hypotheses.{name}"
+        if not isinstance(name, str) or not VARIANT_NAME.fullmatch(name):
+            raise ConfigError(f"{where}: a hypothesis's name: lower-case letters, digits and . + _ - (starting with a "
+                              "letter or digit)")
+        entry = mapping(entry, where, HYPOTHESIS_KEYS)
+        missing = [key for key in HYPOTHESIS_KEYS if key not in entry]
+        if missing:
+            raise ConfigError(f"{where}: {', '.join(missing)} required (a, b: methods as condition or "
+                              "condition/variant; level: a matched_learning level; threshold: the difference a - b "
+                              "that confirms, nonzero; statement: the claim in words)")
+        for key in ("a", "b", "statement"):
+            if not isinstance(entry[key], str) or not entry[key].strip():
+                raise ConfigError(f"{where}.{key}: give a non-empty string, got {entry[key]!r}")
+        for key in ("level", "threshold"):
+            if isinstance(entry[key], bool) or not isinstance(entry[key], int | float):
+                raise ConfigError(f"{where}.{key}: give a number, got {entry[key]!r}")
+        if not 0 < abs(entry["threshold"]) <= 1:
+            raise ConfigError(f"{where}.threshold: give the smallest difference a - b that matters, nonzero and in "
+                              f"[-1, 1] (negative: a keeps less), got {entry['threshold']!r}")
+        hypotheses[name] = {**entry, "level": float(entry["level"]), "threshold": float(entry["threshold"])}
+    return hypotheses
+
+
+def _check_hypotheses(config: SuiteConfig) -> None:
+    """ConfigError for a hypothesis whose methods no suite of these variants runs (a method of a condition left out,
+    e.g. by ``--conditions``, is evaluated as inconclusive), whose level is not a matched_learning level, or that
+    compares a method with itself (with fewer than two seeds they are evaluated as inconclusive)."""
+    if not config.hypotheses:
+        return
+    if not config.matched_learning:
+        raise ConfigError("hypotheses are evaluated at matched learning: give matched_learning (and a sweep) too")
+    trained = [c for c in CONDITIONS if c != "base"]  # not only the suite's: --conditions may narrow it
+    methods = [c for c in trained if not (c in SPARSE_CONDITIONS and config.variants)]
+    methods += [f"{c}/{v}" for c in trained if c in SPARSE_CONDITIONS for v in config.variants
+                if config.variant_runs(v, c)]
+    for name, entry in config.hypotheses.items():
+        where = f"hypotheses.{name}"
+        for key in ("a", "b"):
+            condition, variant = method_of(entry[key])
+            if (f"{condition}/{variant}" if variant else condition) not in methods:
+                raise ConfigError(f"{where}.{key}: {entry[key]!r} is not a trained method of this suite; choose "
+                                  f"from {', '.join(methods)}")
+        if method_of(entry["a"]) == method_of(entry["b"]):
+            raise ConfigError(f"{where}: a and b are the same method")
+        if entry["level"] not in config.matched_learning:
+            raise ConfigError(f"{where}.level: {entry['level']:g} is not a matched_learning level "
+                              f"({', '.join(f'{level:g}' for level in config.matched_learning)})")
+
+
 def parse_suite_config(raw, base_dir: Path, *, source: str = "config", check_paths: bool = True) -> SuiteConfig:
     """Validate a config mapping (see the module docstring); relative input paths resolve against
     ``base_dir``. ``check_paths=False`` skips the checks that need the data and model on disk."""
@@ -411,10 +560,17 @@ def parse_suite_config(raw, base_dir: Path, *, source: str = "config", check_pat
         "variants": _variants(raw.get("variants")),
         "lr_sweep": mapping(raw.get("lr_sweep"), "lr_sweep"),
         "stream": _stream_options(raw),
+        "schedule_sweep": {str(recipe): mapping(schedule, f"schedule_sweep.{recipe}") for recipe, schedule in
+                           mapping(raw.get("schedule_sweep"), "schedule_sweep").items()},
+        "hypotheses": _hypotheses(raw.get("hypotheses")),
     }, str)
-    if config.matched_learning and not (config.lr_sweep or config.variants):
+    _check_schedules(config)
+    _check_variant_conditions(config)
+    _check_budget(config)
+    _check_hypotheses(config)
+    if config.matched_learning and not config.swept:
         raise ConfigError("matched_learning reads each method's sweep: give lr_sweep (or variants) too")
-    for stage in (*config.lr_sweep, *(["sparse"] if config.variants else [])):
+    for stage in (*config.lr_sweep, *config.schedule_sweep, *(["sparse"] if config.variants else [])):
         if "lr" in config.stages.get(stage, {}) or "lr" in config.train:
             swept = "variants" if stage == "sparse" and config.variants else f"lr_sweep.{stage}"
             raise ConfigError(f"{swept} and an lr in train or stages.{stage} cannot both be given")

@@ -295,8 +295,7 @@ def compute_locality(config, results: list[dict], root: Path) -> dict:
     for result in results:
         if result.get("sparse_steps") is None:
             continue
-        run = Run(result["condition"], result["seed"], result.get("update", "exact"), result.get("lr"),
-                  result.get("reads"), result.get("variant"))
+        run = Run.of_results(result)  # its epochs too (a schedule_sweep's run directory)
         cached = cache.get(run.name)
         if cached and cached.get("hash") == result["config_hash"]:
             measured[run.name] = cached

@@ -4,14 +4,17 @@ stage writes, and the fingerprints that tell whether something on disk came from
 Directory layout of a suite (``output_dir``)::
 
     suite_config.json                      the resolved config of the last `smf suite`
+    hypotheses_registered.json             the config's hypotheses, when and after how many runs they were recorded
     retrofit/{mode}{tag}-seed{s}/          stage 1, shared by both selection rules of a mode and seed
     background/{mode}{tag}-seed{s}/        background statistics of that retrofit
     train/{run name}/                      stage 2 (sparse), or the LoRA / full-finetune baseline
     eval/{run name}/{task}.jsonl           per-example evaluation output
     results/{run name}.json                one finished run (written last, atomically)
 
-A run's name is ``{condition}[-{variant}][-authors-update][-loss-reads][-lr{rate}]-seed{s}``
-(``additive-tfidf-s1024-t16-sgd-lr0.1-seed0``). ``{tag}`` is empty without ``variants``; with them, it names the
+A run's name is ``{condition}[-{variant}][-authors-update][-loss-reads][-ep{epochs}][-lr{rate}]-seed{s}``
+(``additive-tfidf-s1024-t16-sgd-lr0.1-seed0``); ``-ep{epochs}`` marks a configuration of a ``schedule_sweep`` whose
+epochs differ from the training stage's configured ones (at the configured epochs a run keeps the name, and the
+hash, it had before schedule sweeps existed). ``{tag}`` is empty without ``variants``; with them, it names the
 options of the run's variant that change the stage (:func:`stage_tag`: ``retrofit/additive-nkeys128-seed0``), so
 variants that retrofit alike (``rows_per_step`` or the row optimizer apart) share a retrofit and its background.
 
@@ -30,7 +33,7 @@ from pathlib import Path
 
 from smf.options import only
 from smf.suite.config import STAGE_COMMANDS, SuiteConfig, seed_config, suite_config_from_dict
-from smf.train.config import RunConfig, build_config, fingerprint_form
+from smf.train.config import RECIPE_DEFAULTS, RunConfig, build_config, fingerprint_form
 from smf.vocabulary import CONDITIONS, FINGERPRINT_SPELLINGS, RETROFIT_MODE, condition_recipe, split_condition
 
 SUITE_CONFIG_FILE = "suite_config.json"
@@ -58,14 +61,22 @@ class Run:
     lr: float | None = None  # a learning rate of the suite's lr_sweep (None: the configured one)
     reads: str | None = None  # "loss": a count_reads ablation run (None: the configured count_reads)
     variant: str | None = None  # a key of the suite's variants (None: the suite has none, or not a sparse run)
+    epochs: int | None = None  # epochs of a schedule_sweep configuration (None: the stage's configured epochs)
 
     @property
     def name(self) -> str:
         suffix = ("-authors-update" if self.update == "authors" else "") + (f"-{self.reads}-reads" if self.reads
                                                                              else "")
+        suffix += "" if self.epochs is None else f"-ep{self.epochs}"
         rate = "" if self.lr is None else f"-lr{number_label(self.lr)}"
         variant = "" if self.variant is None else f"-{self.variant}"
         return f"{self.condition}{variant}{suffix}{rate}-seed{self.seed}"
+
+    @classmethod
+    def of_results(cls, record: dict) -> Run:
+        """The run a results record (:meth:`smf.suite.runner.SuiteRunner.run_one`) was written for."""
+        return cls(record["condition"], record["seed"], record.get("update", "exact"), record.get("lr"),
+                   record.get("reads"), record.get("variant"), record.get("epochs"))
 
     @property
     def recipe(self) -> str | None:
@@ -88,25 +99,36 @@ class Run:
         return split_condition(self.condition)[1] if self.recipe == "sparse" else None
 
 
-def _settings(config: SuiteConfig, condition: str) -> list[tuple[str | None, float | None]]:
-    """(variant, learning rate) of every run ``condition`` makes per seed: a sparse condition once per variant at
-    the variant's rates (with ``variants``), else at every rate of its recipe's ``lr_sweep`` (None for base or
-    without a sweep)."""
+def _settings(config: SuiteConfig, condition: str) -> list[tuple[str | None, float | None, int | None]]:
+    """(variant, learning rate, epochs) of every run ``condition`` makes per seed: a sparse condition once per variant
+    that runs it, at the variant's configurations (with ``variants``), else at every configuration of its recipe's
+    ``lr_sweep`` or ``schedule_sweep`` (rate None for base or without a sweep; epochs None at the training stage's
+    configured epochs)."""
     recipe = condition_recipe(condition)
-    if recipe == "sparse" and config.variants:
-        return [(name, lr) for name, options in config.variants.items() for lr in options["lr_sweep"]]
-    return [(None, lr) for lr in (config.lr_sweep.get(recipe, (None,)) if recipe is not None else (None,))]
+    if recipe is None:
+        return [(None, None, None)]
+    variants = [name for name in config.variants if config.variant_runs(name, condition)] \
+        if recipe == "sparse" and config.variants else [None]
+    settings = []
+    for variant in variants:
+        configured = {**_configured(config, recipe), **config.variant_options(variant)}.get(
+            "epochs") or RECIPE_DEFAULTS[recipe]["epochs"]  # what the stage resolves to
+        settings += [(variant, lr, None if epochs == configured else epochs)
+                     for epochs, lr in config.configurations(recipe, variant) or [(None, None)]]
+    return settings
 
 
 def plan_runs(config: SuiteConfig) -> list[Run]:
     """Every run of the suite, seed by seed (a partial suite has whole seeds done first): the Table 1
-    conditions (each at every rate of its ``lr_sweep``, and a sparse one for every variant), then the
-    ``authors_update`` and ``count_reads_ablation`` runs of that seed."""
+    conditions (each at every configuration of its ``lr_sweep`` or ``schedule_sweep``, and a sparse one for every
+    variant that runs it), then the ``authors_update`` and ``count_reads_ablation`` runs of that seed."""
     return [run for seed in config.seeds
-            for run in [Run(c, seed, lr=lr, variant=v) for c in config.conditions for v, lr in _settings(config, c)]
-            + [Run(c, seed, "authors", lr, variant=v) for c in config.authors_update for v, lr in _settings(config, c)]
-            + [Run(c, seed, lr=lr, reads="loss", variant=v) for c in config.count_reads_ablation
-               for v, lr in _settings(config, c)]]
+            for run in [Run(c, seed, lr=lr, variant=v, epochs=e) for c in config.conditions
+                        for v, lr, e in _settings(config, c)]
+            + [Run(c, seed, "authors", lr, variant=v, epochs=e) for c in config.authors_update
+               for v, lr, e in _settings(config, c)]
+            + [Run(c, seed, lr=lr, reads="loss", variant=v, epochs=e) for c in config.count_reads_ablation
+               for v, lr, e in _settings(config, c)]]
 
 
 @dataclass(frozen=True)
@@ -122,6 +144,11 @@ class SuiteLayout:
     @property
     def results_dir(self) -> Path:
         return self.root / "results"
+
+    @property
+    def hypotheses_file(self) -> Path:
+        """The registration record of the suite's hypotheses (:meth:`smf.suite.runner.SuiteRunner.register_hypotheses`)."""
+        return self.root / "hypotheses_registered.json"
 
     def retrofit_dir(self, mode: str, seed: int, tag: str = "") -> Path:
         return self.root / "retrofit" / f"{mode}{tag}-seed{seed}"
@@ -142,17 +169,19 @@ class SuiteLayout:
 def stage_config(config: SuiteConfig, stage: str, seed: int, output_dir: Path, *, mode: str | None = None,
                  rule: str | None = None, adapter: Path | None = None, background: Path | None = None,
                  update: str | None = None, lr: float | None = None,
-                 count_reads: str | None = None, variant: str | None = None) -> RunConfig:
+                 count_reads: str | None = None, variant: str | None = None,
+                 epochs: int | None = None) -> RunConfig:
     """The resolved trainer options of one stage (retrofit, background, sparse, lora, full).
 
     Options: ``train`` < ``stages.{stage}`` < the options of ``variant`` (a key of ``variants``) < what the suite sets
     (model, device, data, seed, mode, rule, directories; ``update`` "authors" for the update ablation; ``lr`` a rate
-    of the sweep). The background stage also inherits ``stages.retrofit`` (its examples must be drawn exactly as the
+    of the sweep; ``epochs`` those of a schedule_sweep configuration). The background stage also inherits ``stages.retrofit`` (its examples must be drawn exactly as the
     retrofit's were).
     """
     command = STAGE_COMMANDS[stage]
     options = {**_configured(config, stage), **config.variant_options(variant), **({} if lr is None else {"lr": lr}),
-               **({} if count_reads is None else {"count_reads": count_reads})}
+               **({} if count_reads is None else {"count_reads": count_reads}),
+               **({} if epochs is None else {"epochs": epochs})}
     suite_set = {"output_dir": str(output_dir), "model": config.model, "device": config.device, "seed": seed,
                  "protocol": config.protocol,
                  "oasst_path": config.data.oasst, "medmcqa_path": config.data.medmcqa_train,
@@ -252,7 +281,8 @@ def run_hash(config: SuiteConfig, run: Run) -> str:
         "train_data": ([config.data.oasst, config.data.medmcqa_train] + own_train) if stages else [],
         "stages": {stage: {name: value for name, value in {
             **config.train, **config.stages.get(stage, {}),
-            **({"lr": run.lr} if run.lr is not None and stage == trained else {})}.items()
+            **({"lr": run.lr} if run.lr is not None and stage == trained else {}),
+            **({"epochs": run.epochs} if run.epochs is not None and stage == trained else {})}.items()
             if name not in IGNORED_OPTIONS} for stage in stages},
         "eval": config.to_dict()["eval"],
         "eval_data": [config.data.medmcqa_validation, config.data.wikitext, config.data.triviaqa] + own_eval,
@@ -263,6 +293,25 @@ PLAN_KEYS = ("seeds", "conditions", "authors_update")  # what --seeds / --condit
 _NOT_SETTINGS = (*PLAN_KEYS, "name", "device", "output_dir")  # where and under which name, not what is computed
 
 
+_OPTIONAL_SECTIONS = ("stream", "schedule_sweep", "hypotheses")  # absent from records written before they existed
+
+
+def _settings(saved: dict) -> dict:
+    """What a suite record (:meth:`SuiteConfig.to_dict`) computes, in a form that a record written before a section
+    or data role existed compares equal to: empty optional sections and data roles not given left out; with a base
+    per seed, the data files, model and world/pretraining seed left out (they follow the first seed of the call,
+    :func:`smf.suite.config.seed_config` gives each seed its own)."""
+    settings = {k: v for k, v in saved.items() if k not in _NOT_SETTINGS
+                and not (k in _OPTIONAL_SECTIONS and not v)}
+    settings["data"] = {k: v for k, v in (saved.get("data") or {}).items() if v is not None}
+    if saved.get("base_per_seed") and saved.get("world"):
+        for key in ("data", "model"):
+            settings.pop(key, None)
+        for key in ("world", "pretrain"):
+            settings[key] = {k: v for k, v in (saved.get(key) or {}).items() if k != "seed"}
+    return settings
+
+
 def merged_plan(recorded: dict | None, config: SuiteConfig) -> SuiteConfig | None:
     """The suite ``config`` joined with the one recorded in its directory (``suite_config.json``, as a dict):
     when both compute the same (every setting but seeds, conditions, authors_update, name and device equal),
@@ -271,8 +320,8 @@ def merged_plan(recorded: dict | None, config: SuiteConfig) -> SuiteConfig | Non
     if recorded is None:
         return config
     new = config.to_dict()
-    if {k: v for k, v in recorded.items() if k not in _NOT_SETTINGS} != \
-            {k: v for k, v in new.items() if k not in _NOT_SETTINGS}:
+    recorded = {**{key: {} for key in ("schedule_sweep", "hypotheses")}, **recorded}  # keys added later: empty
+    if _settings(recorded) != _settings(new):
         return None
     merged = dict(new)
     merged["seeds"] = list(recorded.get("seeds") or []) + [s for s in new["seeds"] if s not in (recorded.get("seeds")

@@ -21,13 +21,15 @@ from smf.errors import ConfigError
 from smf.files import read_json_object
 from smf.model.sizes import model_architecture
 from smf.report import accounting_markdown, parameter_accounting, write_report
+from smf.report.budget import cost_markdown, cost_rows, per_seed_markdown
+from smf.report.hypotheses import evaluate_hypotheses, hypotheses_markdown
 from smf.report.matched_learning import format_cell, matched_learning
 from smf.report.matched_plot import plot_matched
 from smf.report.paper_results import HIGHER_IS_BETTER, display_name, metric_keys, metric_title
 from smf.report.records import check_results_record
 from smf.report.sweep_plot import plot_sweep
 from smf.report.table import stat_text, summarize
-from smf.suite.config import SuiteConfig, base_root, suite_config_from_dict
+from smf.suite.config import SuiteConfig, base_root, method_of, suite_config_from_dict
 from smf.suite.locality_diagnostics import write_locality
 from smf.suite.plan import SuiteLayout, plan_runs, run_hash, stage_settings
 from smf.suite.science import at_chosen_rates, learning_metric, sweep_rows
@@ -146,7 +148,11 @@ def write_sweep_table(config: SuiteConfig, results: list[dict], out_dir: Path) -
     metrics = metric_keys(r["metrics"] for r in results)
     arrows = {metric: "↑" if HIGHER_IS_BETTER[metric] else "↓" for metric in metrics}
     budget = ", ".join([f"{recipe} {list(rates)}" for recipe, rates in config.lr_sweep.items()]
-                       + [f"{name} {list(options['lr_sweep'])}" for name, options in config.variants.items()])
+                       + [f"{recipe} (epochs: rates) {dict(schedule)}" for recipe, schedule in
+                          config.schedule_sweep.items()]
+                       + [f"{name} {list(options['lr_sweep'])}" if "lr_sweep" in options else
+                          f"{name} (epochs: rates) {dict(options['schedule_sweep'])}"
+                          for name, options in config.variants.items()])
     lines = ["# Learning-rate sweep\n",
              f"Every method gets the same number of learning rates ({budget}), each run for every seed; Table 1 "
              f"reports each method at the rate with the highest mean {metric_title(learning_metric(results), config.labels)} "
@@ -157,9 +163,10 @@ def write_sweep_table(config: SuiteConfig, results: list[dict], out_dir: Path) -
     order = {condition: index for index, condition in enumerate(config.conditions)}
     variants = {name: index for index, name in enumerate(config.variants)}
     for row in sorted(rows, key=lambda r: (order.get(r["condition"], 99), variants.get(r["variant"], -1), r["update"],
-                                           r["reads"], r["lr"])):
+                                           r["reads"], r.get("epochs") or 0, r["lr"])):
         cells = _cells(row, metrics)
         method = variant_label((row["condition"], row["update"], row["reads"], row["variant"]), config.model)
+        method += f", {row['epochs']} epochs" if row.get("epochs") else ""
         lines.append(f"| {method} | {row['lr']:g} | {'✓' if row['chosen'] else ''} | {row['seeds']} | "
                      + " | ".join(cells) + " |")
     learning = learning_metric(results)
@@ -277,6 +284,10 @@ def write_matched_learning(config: SuiteConfig, results: list[dict], out_dir: Pa
                 cells.append("—" if not diff else format_cell(diff["mean"], diff["half_width"], diff["pairs"],
                                                              len(row["seeds"]), signed=True))
             lines.append(f"| {variant_label(row['method'], config.model)} | " + " | ".join(cells) + " |")
+    labels = {tuple(row["method"]): variant_label(row["method"], config.model) for row in rows}
+    evaluated = hypotheses_section(config, rows, lines)
+    lines += [""] + per_seed_markdown(rows, levels, labels, tuple(reference) if tuple(reference) in labels else None)
+    lines += cost_markdown(cost_rows(results, result_variant), rows, levels, labels)
     lines.append("\n![Forgetting at matched learning](matched_learning.png)\n")
     png_path = plot_matched(rows, levels, {tuple(row["method"]): variant_label(row["method"], config.model)
                                            for row in rows}, out_dir / "matched_learning.png",
@@ -284,8 +295,26 @@ def write_matched_learning(config: SuiteConfig, results: list[dict], out_dir: Pa
     md_path, json_path = out_dir / "matched_learning.md", out_dir / "matched_learning.json"
     md_path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     json_path.write_text(json.dumps({"learn_metric": learn, "kept_metric": kept, "levels": config.matched_learning,
-                                     "rows": rows}, indent=1) + "\n", encoding="utf-8")
+                                     "rows": rows, **({"hypotheses": evaluated} if evaluated else {})}, indent=1)
+                         + "\n", encoding="utf-8")
     return [md_path, json_path, png_path]
+
+
+def hypotheses_section(config: SuiteConfig, rows: list[dict], lines: list[str]) -> list[dict]:
+    """With ``hypotheses`` in ``config``: their evaluation on the matched-learning ``rows``
+    (:mod:`smf.report.hypotheses`), its section appended to ``lines`` (the tables above are then labelled
+    exploratory); returns the evaluated hypotheses (none without)."""
+    if not config.hypotheses:
+        return []
+    specs = {spec for hypothesis in config.hypotheses.values() for spec in (hypothesis["a"], hypothesis["b"])}
+    methods = {spec: (method_of(spec)[0], "exact", "all", method_of(spec)[1]) for spec in specs}
+    evaluated = evaluate_hypotheses(config.hypotheses, rows, methods, len(config.seeds))
+    record = SuiteLayout(config.output_dir).hypotheses_file
+    registered = json.loads(record.read_text()) if record.is_file() else None
+    lines += ["", "The tables above are **exploratory** except for the pre-registered contrasts below.", ""]
+    lines += hypotheses_markdown(evaluated, {spec: variant_label(key, config.model) for spec, key in methods.items()},
+                                 registered)
+    return evaluated
 
 
 def write_environment(config: SuiteConfig, results: list[dict], out_dir: Path) -> list[Path]:

@@ -8,15 +8,17 @@ are trained by the first run that needs them and reused by the others. Results, 
 and trainer directories from a differently configured suite are refused with a ConfigError
 rather than mixed in.
 
-The suite runs in one process on one device (``device`` of the config); stages and evaluations
-run one after another.
+The suite runs in one process on one device (``device`` of the config), stages and evaluations one after
+another; or, with ``jobs`` > 1 (``smf suite --jobs N``), in N worker processes (:mod:`smf.suite.jobs`: one torch
+thread each unless ``threads`` says otherwise), each shared stage before the runs that need it, with the same
+results. A suite with ``hypotheses`` records them, with the time and the number of runs finished then, in
+``hypotheses_registered.json`` before its first run (a later change of them is recorded, and reported, as such).
 """
 from __future__ import annotations
 
 import dataclasses
 import datetime
 import gc
-import json
 import logging
 import time
 from pathlib import Path
@@ -30,6 +32,8 @@ from smf.eval.tasks import evaluate_model, load_eval_sets
 from smf.files import read_json_object, write_json_atomic
 from smf.model.loading import FINAL_DIR, RUN_CONFIG, load_model, read_run_config
 from smf.suite.config import SuiteConfig, seed_config
+from smf.suite.jobs import Task, run_tasks
+from smf.suite.cost import log_records, median_row_change, parameter_counts, training_cost
 from smf.suite.plan import (Run, SuiteLayout, merged_plan, options_fingerprint, plan_runs, run_hash,
                             sparse_stage_dirs, stage_config)
 from smf.suite.science import prepare_science_inputs
@@ -45,6 +49,7 @@ from smf.train.loop import train
 logger = logging.getLogger(__name__)
 
 STAGE_MARKER = "suite_stage.json"
+SHARED_STAGES = ("retrofit", "background")  # what a sparse run starts from, shared with the other runs of its seed
 # What `smf report` writes into a suite directory besides suite_status (rewritten by every call)
 REPORT_FILES = ("table1.md", "table1.csv", "table1.tex", "pareto.png", "pareto.pdf", "accounting.md",
                 "accounting.json", "ablation_update.md", "ablation_update.json", "report.md", "lr_sweep.md",
@@ -85,17 +90,22 @@ def read_results(path: Path, expected_hash: str) -> dict:
 
 def sparse_step_stats(train_dir: Path) -> dict:
     """Mean per optimizer step of a sparse run's train_log.jsonl: rows selected (all layers) and value
-    rows that moved without being selected (all layers)."""
-    records = [json.loads(line) for line in (train_dir / LOG_FILE).read_text().splitlines() if line.strip()]
+    rows that moved without being selected (all layers); and, where the log records them, ``row_change`` and
+    ``row_change_vs_start``: the median over steps of the median per-touch row change relative to the row's norm
+    before the step, and when training started (:mod:`smf.suite.cost`)."""
+    records = log_records(train_dir / LOG_FILE)
+    changes = {field: median_row_change(records, field) for field in ("row_change", "row_change_vs_start")}
     return {"steps": len(records),
             "selected_rows": sum(r["selected_rows"] for r in records) / max(len(records), 1),
-            "rows_moved_outside": sum(r["rows_moved_outside"] for r in records) / max(len(records), 1)}
+            "rows_moved_outside": sum(r["rows_moved_outside"] for r in records) / max(len(records), 1),
+            **{field: change for field, change in changes.items() if change is not None}}
 
 
 def ensure_stage(kind: str, config: RunConfig) -> dict:
     """Run one training stage (kind: retrofit, background or train) unless it already finished.
 
-    Returns its marker: {"fingerprint", "seconds", "resumed", "skipped"}.
+    Returns its marker: {"fingerprint", "seconds", "cpu_seconds" (process time of this process; markers written
+    before it was recorded lack it), "resumed", "skipped"}.
     """
     output_dir = Path(config.output_dir)
     marker_path = output_dir / STAGE_MARKER
@@ -112,7 +122,7 @@ def ensure_stage(kind: str, config: RunConfig) -> dict:
             raise ConfigError(foreign)
     resume = (output_dir / CHECKPOINT_FILE).is_file()
     logger.info("%s %s: %s", "resuming" if resume else "starting", kind, output_dir)
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     if kind == "background":
         collect_background(config)
     else:
@@ -120,7 +130,8 @@ def ensure_stage(kind: str, config: RunConfig) -> dict:
         if result["final_dir"] is None:
             raise RuntimeError(f"{kind} in {output_dir} stopped at step {result['step']} of "
                                f"{result['total_steps']} without a final artefact")
-    marker = {"fingerprint": fingerprint, "seconds": round(time.perf_counter() - started, 3), "resumed": resume}
+    marker = {"fingerprint": fingerprint, "seconds": round(time.perf_counter() - started, 3), "resumed": resume,
+              "cpu_seconds": round(time.process_time() - cpu_started, 3)}
     write_json_atomic(marker_path, marker)
     return {**marker, "skipped": False}
 
@@ -133,6 +144,7 @@ class SuiteRunner:
         self.layout = SuiteLayout(config.output_dir)
         self.device = pick_device(config.device)
         self._eval_sets: dict = {}
+        self._parameters: dict[str, dict] = {}  # run name -> smf.suite.cost.parameter_counts of its trained model
 
     def pending(self) -> list[Run]:
         """Planned runs whose results file does not exist yet."""
@@ -145,17 +157,25 @@ class SuiteRunner:
             return {}
         if run.recipe != "sparse":
             return {"train": ensure_stage("train", stage_config(config, run.recipe, run.seed, layout.train_dir(run),
-                                                                lr=run.lr))}
+                                                                lr=run.lr, epochs=run.epochs))}
         retrofit_dir, background_dir = sparse_stage_dirs(layout, run, config)
-        markers = {"retrofit": ensure_stage("retrofit", stage_config(config, "retrofit", run.seed, retrofit_dir,
-                                                                     mode=run.retrofit_mode, variant=run.variant))}
-        markers["background"] = ensure_stage("background", stage_config(
-            config, "background", run.seed, background_dir, adapter=retrofit_dir, variant=run.variant))
+        markers = {kind: self.shared_stage(run, kind) for kind in SHARED_STAGES}
         markers["train"] = ensure_stage("train", stage_config(
             config, "sparse", run.seed, layout.train_dir(run), mode=run.mode, rule=run.rule, adapter=retrofit_dir,
             background=background_dir, update="authors" if run.update == "authors" else None, lr=run.lr,
-            count_reads=run.reads, variant=run.variant))
+            count_reads=run.reads, variant=run.variant, epochs=run.epochs))
         return markers
+
+    def shared_stage(self, run: Run, kind: str) -> dict:
+        """Train (or reuse) the shared ``kind`` stage (retrofit, or background: its retrofit must be done) the sparse
+        ``run`` starts from; returns its marker."""
+        config = seed_config(self.config, run.seed)
+        retrofit_dir, background_dir = sparse_stage_dirs(self.layout, run, config)
+        if kind == "retrofit":
+            return ensure_stage("retrofit", stage_config(config, "retrofit", run.seed, retrofit_dir,
+                                                         mode=run.retrofit_mode, variant=run.variant))
+        return ensure_stage("background", stage_config(config, "background", run.seed, background_dir,
+                                                       adapter=retrofit_dir, variant=run.variant))
 
     def evaluate(self, run: Run) -> tuple[dict, dict, str, dict]:
         """(metrics, seconds per task, artefact, rows scored / skipped per task) of ``run``'s trained model (the
@@ -167,6 +187,8 @@ class SuiteRunner:
         model, tokenizer = load_model(config.model, run_dir, self.device)
         artefact = config.model if run_dir is None else str(run_dir / FINAL_DIR)
         rows = {}
+        if run.recipe is not None:
+            self._parameters[run.name] = parameter_counts(model, run.recipe)
         try:
             metrics, seconds = evaluate_model(model, tokenizer, self._eval_sets[config.data], config.eval,
                                               self.layout.eval_dir(run), config.protocol, rows=rows)
@@ -185,16 +207,26 @@ class SuiteRunner:
             return read_results(path, expected_hash)
         if self.config.stream:  # tasks one after another, evaluated after each (smf.suite.stream)
             return StreamRun(self, run, ensure_stage).results()
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         markers = self.train_stages(run)
+        eval_cpu_started = time.process_time()
         metrics, eval_seconds, artefact, eval_rows = self.evaluate(run)
+        eval_cpu = time.process_time() - eval_cpu_started
+        cost = None
+        if run.recipe is not None and run.name in self._parameters:
+            cost = training_cost(log_records(self.layout.train_dir(run) / LOG_FILE), self._parameters.pop(run.name))
         results = {
             "condition": run.condition, "seed": run.seed, "update": run.update, "metrics": metrics,
             **({} if run.lr is None else {"lr": run.lr}), **({"reads": run.reads} if run.reads else {}),
             **({"variant": run.variant} if run.variant else {}),
+            **({} if run.epochs is None else {"epochs": run.epochs}),
             "sparse_steps": sparse_step_stats(self.layout.train_dir(run)) if run.recipe == "sparse" else None,
+            "cost": cost,
             "timing": {**{f"{kind}_s": marker["seconds"] for kind, marker in markers.items()},
-                       "eval_s": eval_seconds, "wall_s": round(time.perf_counter() - started, 3)},
+                       "eval_s": eval_seconds, "wall_s": round(time.perf_counter() - started, 3),
+                       **{f"{kind}_cpu_s": marker["cpu_seconds"] for kind, marker in markers.items()
+                          if marker.get("cpu_seconds") is not None},
+                       "eval_cpu_s": round(eval_cpu, 3), "cpu_s": round(time.process_time() - cpu_started, 3)},
             "eval_rows": eval_rows, "config_hash": expected_hash, "artefact": artefact,
             "model": seed_config(self.config, run.seed).model, "environment": environment(),
             "finished_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -230,13 +262,80 @@ class SuiteRunner:
                 logger.info("removed %s: the recorded suite does not report it", layout.root / name)
         return recorded
 
-    def run(self) -> list[dict]:
-        """Every planned run, skipping finished ones; returns their results in plan order."""
+    def register_hypotheses(self, recorded: SuiteConfig) -> None:
+        """``hypotheses_registered.json``: the hypotheses with the time and the number of finished runs of the
+        ``recorded`` plan (:meth:`record_plan`), written when there is none or the hypotheses changed (a warning
+        then: the report says they were registered after those runs)."""
+        path = self.layout.hypotheses_file
+        hypotheses = recorded.to_dict()["hypotheses"]
+        if not hypotheses:
+            return
+        if path.is_file():
+            if read_json_object(path, "hypotheses record").get("hypotheses") == hypotheses:
+                return
+            logger.warning("%s: the hypotheses changed; they are recorded as registered now, after the runs already "
+                           "finished (the report says so)", path)
+        planned = plan_runs(recorded)
+        finished = sum(self.layout.results_path(run).is_file() for run in planned)
+        write_json_atomic(path, {"hypotheses": hypotheses, "runs_finished": finished, "runs_planned": len(planned),
+                                 "registered_at": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                                     timespec="seconds")})
+
+    def tasks(self, runs: list[Run]) -> list[Task]:
+        """The unfinished ``runs`` as tasks for :func:`smf.suite.jobs.run_tasks`, in plan order, each unfinished
+        shared stage (retrofit, background) a task of its own just before the first run that needs it."""
+        tasks, created = [], set()
+        for run in runs:
+            if self.layout.results_path(run).is_file():
+                continue
+            needs: tuple = ()
+            if run.recipe == "sparse":
+                directories = sparse_stage_dirs(self.layout, run, seed_config(self.config, run.seed))
+                for kind, directory in zip(SHARED_STAGES, directories):
+                    key = (kind, str(directory))
+                    if key not in created and not (directory / STAGE_MARKER).is_file():
+                        tasks.append(Task(key, (kind, run), needs))
+                        created.add(key)
+                    needs = (key,) if key in created else needs
+            tasks.append(Task(("run", run.name), ("run", run), needs, run.name))
+        return tasks
+
+    def run_in_processes(self, runs: list[Run], jobs: int, failed: dict[str, str]) -> None:
+        """Every unfinished run of ``runs`` in ``jobs`` worker processes (:meth:`tasks`); ``failed`` gets the run
+        name (a shared stage: the first run that needs it) -> error of the first task that raised, which is then
+        raised again."""
+        done = sum(self.layout.results_path(run).is_file() for run in runs)
+        threads = self.config.threads or 1
+        logger.info("%d worker processes, %d torch thread%s each", jobs, threads, "" if threads == 1 else "s")
+        active: list[str] = []
+        with tqdm(total=len(runs), initial=done, desc=f"suite {self.config.name}", unit="run") as progress:
+            def started(task: Task) -> None:
+                active.append(task.run or f"{task.key[0]} for {task.payload[1].name}")
+                progress.set_postfix_str(", ".join(active))
+
+            def finished(task: Task, _) -> None:
+                active.remove(task.run or f"{task.key[0]} for {task.payload[1].name}")
+                progress.set_postfix_str(", ".join(active))
+                if task.run is not None:
+                    progress.update(1)
+
+            failure = run_tasks(self.tasks(runs), jobs, _work, _start_worker,
+                                (self.config, threads, logging.getLogger().level), finished, started,
+                                {"TQDM_DISABLE": "1"})
+        if failure is not None:
+            task, error = failure
+            failed[task.payload[1].name] = f"{type(error).__name__}: {error}".splitlines()[0][:200]
+            raise error
+
+    def run(self, jobs: int = 1) -> list[dict]:
+        """Every planned run, skipping finished ones (in ``jobs`` worker processes when more than one); returns
+        their results in plan order."""
         runs = plan_runs(self.config)
         self.config.output_dir.mkdir(parents=True, exist_ok=True)
         use_threads(self.config.threads, self.config.model)
         prepare_science_inputs(self.config)  # the world's files and the pretrained model, when configured
         recorded = self.record_plan()
+        self.register_hypotheses(recorded)
         todo = len(self.pending())
         logger.info("suite %s: %d runs (%d finished, %d to do) in %s", self.config.name, len(runs),
                     len(runs) - todo, todo, self.config.output_dir)
@@ -245,7 +344,9 @@ class SuiteRunner:
         for name in DATA_LOGGERS:
             logging.getLogger(name).addFilter(once)
         try:
-            with tqdm(runs, desc=f"suite {self.config.name}", unit="run") as progress:
+            if jobs > 1 and todo:
+                self.run_in_processes(runs, jobs, failed)
+            with tqdm(runs, desc=f"suite {self.config.name}", unit="run", disable=jobs > 1) as progress:
                 for run in progress:
                     progress.set_postfix_str(run.name)
                     try:
@@ -260,6 +361,28 @@ class SuiteRunner:
         return results
 
 
-def run_suite(config: SuiteConfig) -> list[dict]:
-    """Run (or finish) the suite of ``config``; see :class:`SuiteRunner`."""
-    return SuiteRunner(config).run()
+_WORKER: list[SuiteRunner] = []  # a worker process's runner (smf.suite.jobs): set once by _start_worker
+
+
+def _start_worker(config: SuiteConfig, threads: int, level: int) -> None:
+    """Set up a worker process of :meth:`SuiteRunner.run_in_processes` (started with ``TQDM_DISABLE``: the parent
+    shows the suite's progress): logging as the parent's, ``threads`` torch threads, a runner of ``config``."""
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    once = _OncePerSuite()
+    for name in DATA_LOGGERS:
+        logging.getLogger(name).addFilter(once)
+    use_threads(threads, config.model)
+    _WORKER.append(SuiteRunner(config))
+
+
+def _work(payload: tuple[str, Run]) -> dict:
+    """One task in a worker process: ("run", run) -> its results; (shared stage kind, run) -> the stage's marker."""
+    kind, run = payload
+    runner = _WORKER[0]
+    return runner.run_one(run) if kind == "run" else runner.shared_stage(run, kind)
+
+
+def run_suite(config: SuiteConfig, jobs: int = 1) -> list[dict]:
+    """Run (or finish) the suite of ``config`` (in ``jobs`` worker processes when more than one); see
+    :class:`SuiteRunner`."""
+    return SuiteRunner(config).run(jobs)

@@ -9,7 +9,8 @@ start from, the learning-rate sweep's choice of the reported rate, and confidenc
   one seed's runs see it.
 - :func:`chosen_rates`: with an ``lr_sweep``, each condition is reported at the rate whose mean learning metric over
   the seeds is highest (ties: the lower rate). The same rule for every method; it is chosen on the reported seeds,
-  which flatters every method alike.
+  which flatters every method alike. With a ``schedule_sweep`` the choice is over (epochs, rate) configurations
+  (:func:`chosen_settings`; ties: the configured epochs, then fewer, then the lower rate).
 """
 from __future__ import annotations
 
@@ -76,38 +77,55 @@ def variant(result: dict) -> tuple[str, str, str, str | None]:
     return result["condition"], result.get("update", "exact"), result.get("reads") or "all", result.get("variant")
 
 
-def chosen_rates(results: list[dict]) -> dict[tuple[str, str, str, str | None], float]:
-    """:func:`variant` -> the swept rate with the highest mean learning metric over its seeds (ties: the lower
-    rate); runs without a rate are left out."""
+def setting(result: dict) -> tuple[int | None, float | None]:
+    """(epochs, learning rate) of a results record: its configuration in its method's sweep (epochs None: the
+    stage's configured epochs)."""
+    return result.get("epochs"), result.get("lr")
+
+
+def _order(configuration: tuple[int | None, float]) -> tuple[int, float]:
+    epochs, rate = configuration
+    return (-1 if epochs is None else epochs), rate
+
+
+def chosen_settings(results: list[dict]) -> dict[tuple[str, str, str, str | None], tuple[int | None, float]]:
+    """:func:`variant` -> the swept configuration (:func:`setting`) with the highest mean learning metric over its
+    seeds (ties: the configured epochs, then fewer epochs, then the lower rate); runs without a rate are left out."""
     metric = learning_metric(results)
-    means: dict[tuple[str, str, str, str | None], dict[float, list[float]]] = {}
+    means: dict[tuple[str, str, str, str | None], dict[tuple, list[float]]] = {}
     for result in results:
         if result.get("lr") is None:
             continue
-        key = variant(result)
-        means.setdefault(key, {}).setdefault(result["lr"], []).append(result["metrics"][metric])
-    return {key: max(sorted(by_rate), key=lambda rate: statistics.fmean(by_rate[rate]))
-            for key, by_rate in means.items()}
+        means.setdefault(variant(result), {}).setdefault(setting(result), []).append(result["metrics"][metric])
+    return {key: max(sorted(by_setting, key=_order), key=lambda chosen: statistics.fmean(by_setting[chosen]))
+            for key, by_setting in means.items()}
+
+
+def chosen_rates(results: list[dict]) -> dict[tuple[str, str, str, str | None], float]:
+    """:func:`variant` -> the rate of its chosen configuration (:func:`chosen_settings`; without a schedule sweep the
+    swept rate with the highest mean learning metric, ties: the lower rate)."""
+    return {key: rate for key, (_, rate) in chosen_settings(results).items()}
 
 
 def at_chosen_rates(results: list[dict]) -> list[dict]:
-    """The runs of ``results`` at their condition's chosen rate (:func:`chosen_rates`), and every run without one."""
-    chosen = chosen_rates(results)
-    return [r for r in results if r.get("lr") is None or chosen[variant(r)] == r["lr"]]
+    """The runs of ``results`` at their condition's chosen configuration (:func:`chosen_settings`), and every run
+    without a rate."""
+    chosen = chosen_settings(results)
+    return [r for r in results if r.get("lr") is None or chosen[variant(r)] == setting(r)]
 
 
 def sweep_rows(results: list[dict]) -> list[dict]:
-    """One row per (condition, update, reads, variant, rate): seeds, and per metric (mean, 95% half-width), with
-    ``chosen`` (rate None: runs without a sweep)."""
-    chosen = chosen_rates(results)
+    """One row per (condition, update, reads, variant, epochs, rate): seeds, and per metric (mean, 95% half-width),
+    with ``chosen`` (rate None: runs without a sweep; epochs None: the stage's configured epochs)."""
+    chosen = chosen_settings(results)
     groups: dict[tuple, list[dict]] = {}
     for result in results:
-        groups.setdefault((*variant(result), result.get("lr")), []).append(result)
+        groups.setdefault((*variant(result), *setting(result)), []).append(result)
     rows = []
-    for (condition, update, reads, name, rate), runs in groups.items():
+    for (condition, update, reads, name, epochs, rate), runs in groups.items():
         records = [{"condition": condition, "seed": r["seed"], **r["metrics"]} for r in runs]
         (summary,) = with_intervals(summarize(records), records)
         rows.append({"condition": condition, "update": update, "reads": reads, "variant": name, "lr": rate,
-                     "seeds": len(runs), "chosen": rate is None or chosen[(condition, update, reads, name)] == rate,
-                     "metrics": summary.stats})
+                     "seeds": len(runs), "chosen": rate is None or chosen[(condition, update, reads, name)]
+                     == (epochs, rate), "metrics": summary.stats, **({} if epochs is None else {"epochs": epochs})})
     return rows

@@ -113,7 +113,7 @@ def compute_diagnostics(config, results: list[dict], root: Path) -> dict:
     sparse = [r for r in at_chosen_rates(results) if r.get("sparse_steps") is not None and not r.get("reads")
               and r.get("update", "exact") == "exact"]
     for result in sparse:
-        run = Run(result["condition"], result["seed"], lr=result.get("lr"), variant=result.get("variant"))
+        run = Run.of_results(result)
         own = seed_config(config, run.seed)
         if own.data not in eval_sets:
             eval_sets[own.data] = load_eval_sets(own.data, own.eval, own.protocol)

@@ -16,6 +16,7 @@ def _status_rows(config: SuiteConfig, layout: SuiteLayout, failed: dict[str, str
     for run in plan_runs(config):
         path = layout.results_path(run)
         row = {"condition": run.condition, "variant": run.variant, "update": run.update, "seed": run.seed, "lr": run.lr,
+               "epochs": run.epochs,
                "status": "pending",
                "metrics": {},
                "train_s": None,
@@ -55,7 +56,8 @@ def write_status(config: SuiteConfig, root: Path, failed: dict[str, str] | None 
         values = " | ".join(cell(row["metrics"].get(metric)) for metric in metrics)
         method = display_name(row["condition"], config.model, row["variant"]) + (
             " (authors' update)" if row["update"] == "authors" else "")
-        method += "" if row["lr"] is None else f" (lr {row['lr']:g})"
+        schedule = "" if row["epochs"] is None else f", {row['epochs']} epochs"
+        method += "" if row["lr"] is None else f" (lr {row['lr']:g}{schedule})"
         lines.append(f"| {method} | {row['seed']} | {row['status']} | {values} | "
                      f"{cell(row['train_s'], 1)} | {cell(row['eval_s'], 1)} | {row['results'] or '—'} |")
     md_path, json_path = layout.root / "suite_status.md", layout.root / "suite_status.json"

@@ -91,7 +91,11 @@ class MemoryUpdateStep(StepHooks):
     for (``model`` without grad, under the trainer's ``autocast``), and finishes it with ``finish_step``. The
     rows it updated are kept for the log; a non-finite gradient ends the run with one line. An ablation's log also
     counts the value rows that moved without being selected (from a copy of the tables made at each step's
-    start); the exact update's is 0 by construction (tests/test_sparse_exact.py), so no copy is made."""
+    start); the exact update's is 0 by construction (tests/test_sparse_exact.py). On one process every log row
+    also gives ``row_change``: the median over the step's updated rows (all layers) of the row's change relative to
+    its norm before the step, ||v_after - v_before|| / ||v_before|| (from that copy of the tables), and
+    ``row_change_vs_start``: the same change relative to the row's norm when this process started training (a copy
+    made at its first step; a resumed run's is its resumption's)."""
 
     def __init__(self, update: MemoryStep, autocast, compiled: bool = False, world: int = 1,
                  step_tokens: int | None = None) -> None:
@@ -99,14 +103,17 @@ class MemoryUpdateStep(StepHooks):
         self.step_tokens = step_tokens
         self.rows: dict[str, torch.Tensor] = {}
         self._measure_leak = not isinstance(update, SparseMemoryController)
-        self._before: dict[str, torch.Tensor] = {}  # layer -> (M, D) values at the start of the step (ablations)
+        self._before: dict[str, torch.Tensor] = {}  # layer -> (M, D) values at the start of the step
+        self._start_norms: dict[str, torch.Tensor] = {}  # layer -> (M,) row norms at the first step
 
     def ddp_ignored_names(self) -> list[str]:
         return self.update.ddp_ignored_names()  # the update reduces the memory values itself
 
     def begin_step(self, model: nn.Module, micro_batches: list[dict]) -> None:
-        if self._measure_leak:
+        if self._measure_leak or self.world == 1:
             self._before = {name: memory.values.detach().clone() for name, memory in self.update.memories.items()}
+        if self.world == 1 and not self._start_norms:
+            self._start_norms = {name: values.float().norm(dim=1) for name, values in self._before.items()}
         plan: FillPlan = self.update.plan(len(micro_batches), compiled=self.compiled, world=self.world,
                                           step_tokens=self.step_tokens)
         self.update.begin_step(plan)
@@ -127,7 +134,23 @@ class MemoryUpdateStep(StepHooks):
 
     def step_log(self) -> dict:
         return {"selected_rows": sum(int(rows.numel()) for rows in self.rows.values()),
-                "rows_moved_outside": self.rows_moved_outside()}
+                "rows_moved_outside": self.rows_moved_outside(), **self.row_change()}
+
+    def row_change(self) -> dict:
+        """``{"row_change", "row_change_vs_start"}``: the median relative change of the rows this step updated, to
+        their norm before the step and at the first step, on one process (none updated: 0.0); empty on several,
+        whose tables are sharded."""
+        if self.world != 1 or not self._before:
+            return {}
+        changes, vs_start = [], []
+        for name, rows in self.rows.items():
+            before = self._before[name].index_select(0, rows).float()
+            change = (self.update.memories[name].values.detach().index_select(0, rows).float() - before).norm(dim=1)
+            changes.append(change / before.norm(dim=1).clamp_min(1e-12))
+            vs_start.append(change / self._start_norms[name].index_select(0, rows).clamp_min(1e-12))
+        changes, vs_start = (torch.cat(parts) if parts else torch.zeros(0) for parts in (changes, vs_start))
+        return {"row_change": float(changes.median()) if changes.numel() else 0.0,
+                "row_change_vs_start": float(vs_start.median()) if vs_start.numel() else 0.0}
 
     def rows_moved_outside(self) -> int:
         if not self._measure_leak:

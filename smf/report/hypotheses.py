@@ -1,0 +1,88 @@
+"""Pre-registered hypotheses at matched learning (docs/science.md): each is a contrast written in the suite config
+before its runs, "method a minus method b keeps at least ``threshold`` more (negative: less) old knowledge at learned
+level L", evaluated on the per-seed kept values of :func:`smf.report.matched_learning.matched_learning` (paired by
+seed: a seed is a world and a base).
+
+Verdicts, from the paired differences' mean and 95% Student-t interval (t with pairs - 1 degrees of freedom):
+
+- *confirmed*: the mean is at least the threshold (as far from zero, on its side) and the interval excludes zero;
+- *refuted*: the interval excludes the threshold (an effect as large as the one claimed is ruled out);
+- *inconclusive*: neither, or fewer than every seed measured the level for both methods (a level some seeds do not
+  reach selects the seeds that do), or fewer than two pairs.
+
+Every other contrast in a report is exploratory (no correction for multiplicity).
+"""
+from __future__ import annotations
+
+from smf.report.matched_learning import mean_interval
+
+CONFIRMED, REFUTED, INCONCLUSIVE = "confirmed", "refuted", "inconclusive"
+
+
+def verdict(differences: list[float], threshold: float, seeds: int) -> dict:
+    """{"verdict", "why", "mean", "half_width", "low", "high", "pairs"} of paired ``differences`` (a - b, one per seed
+    that measured the level for both) against ``threshold`` (nonzero), out of ``seeds`` seeds."""
+    if not threshold:
+        raise ValueError("threshold must be nonzero: the smallest difference that matters")
+    result = {"pairs": len(differences), "mean": None, "half_width": None, "low": None, "high": None}
+    if len(differences) < 2:
+        return {**result, "verdict": INCONCLUSIVE,
+                "why": f"{len(differences)} of {seeds} seeds measured the level for both methods: no interval"}
+    mean, half = mean_interval(differences)
+    low, high = mean - half, mean + half
+    result.update(mean=mean, half_width=half, low=low, high=high)
+    if len(differences) < seeds:
+        return {**result, "verdict": INCONCLUSIVE,
+                "why": f"only {len(differences)} of {seeds} seeds measured the level for both methods"}
+    side = 1 if threshold > 0 else -1
+    if side * mean >= side * threshold and (low > 0 if side > 0 else high < 0):
+        return {**result, "verdict": CONFIRMED, "why": f"mean {mean:+.3f} reaches {threshold:+g} and the interval "
+                                                       "excludes 0"}
+    if (high < threshold) if side > 0 else (low > threshold):
+        return {**result, "verdict": REFUTED, "why": f"the interval [{low:+.3f}, {high:+.3f}] excludes {threshold:+g}"}
+    return {**result, "verdict": INCONCLUSIVE,
+            "why": f"the interval [{low:+.3f}, {high:+.3f}] neither excludes {threshold:+g} nor, with the mean "
+                   "reaching it, 0"}
+
+
+def evaluate_hypotheses(hypotheses: dict[str, dict], rows: list[dict], methods: dict[str, tuple],
+                        seeds: int) -> list[dict]:
+    """One entry per hypothesis (name -> {a, b, level, threshold, statement}): its paired per-seed differences and
+    :func:`verdict`. ``rows``: :func:`~smf.report.matched_learning.matched_learning` rows; ``methods``: each
+    hypothesis's method string -> the row's method key; ``seeds``: the suite's number of seeds."""
+    by_method = {tuple(row["method"]): row for row in rows}
+    evaluated = []
+    for name, hypothesis in hypotheses.items():
+        level = str(hypothesis["level"])
+        cells = [by_method.get(tuple(methods[hypothesis[side]]), {}).get("levels", {}).get(level, {})
+                 for side in ("a", "b")]
+        a, b = (cell.get("per_seed", {}) for cell in cells)
+        differences = {seed: value - b[seed] for seed, value in a.items()
+                       if not isinstance(value, str) and not isinstance(b.get(seed, ""), str)}
+        evaluated.append({"name": name, **hypothesis, "per_seed": differences,
+                          **verdict(list(differences.values()), hypothesis["threshold"], seeds)})
+    return evaluated
+
+
+def hypotheses_markdown(evaluated: list[dict], labels: dict[str, str], registered: dict | None) -> list[str]:
+    """The report's section on the hypotheses (:func:`evaluate_hypotheses`); ``labels``: method string -> its table
+    label; ``registered``: the registration record (when, and how many runs had finished then), or None."""
+    lines = ["## Pre-registered hypotheses\n"]
+    if registered:
+        when = (f"Registered {registered['registered_at']}, when {registered['runs_finished']} of "
+                f"{registered['runs_planned']} runs had finished")
+        lines.append(when + (" (before any run)." if not registered["runs_finished"] else
+                             ": **registered after runs had finished**, so not pre-registered for those.") + "\n")
+    lines += ["Paired by seed, 95% Student-t interval; confirmed: the mean reaches the threshold and the interval "
+              "excludes 0; refuted: the interval excludes the threshold; otherwise, or when not every seed "
+              "measured the level, inconclusive. **Every other contrast in this report is exploratory** (not "
+              "corrected for multiplicity).\n",
+              "| Hypothesis | Contrast | Level | Threshold | Per seed | Mean ± 95% | Verdict |",
+              "| --- | --- | ---: | ---: | --- | ---: | --- |"]
+    for entry in evaluated:
+        per_seed = " / ".join(f"{value:+.3f}" for _, value in sorted(entry["per_seed"].items(), key=lambda i: int(i[0])))
+        interval = "—" if entry["mean"] is None else f"{entry['mean']:+.3f} ± {entry['half_width']:.3f}"
+        lines.append(f"| {entry['name']}: {entry['statement']} | {labels[entry['a']]} − {labels[entry['b']]} | "
+                     f"{entry['level']:g} | {entry['threshold']:+g} | {per_seed or '—'} | {interval} | "
+                     f"**{entry['verdict']}** ({entry['why']}) |")
+    return lines + [""]
