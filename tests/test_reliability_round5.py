@@ -269,9 +269,11 @@ def test_the_shipped_suites_keep_every_directory_name(name, tmp_path, monkeypatc
     names = _names_and_dirs(config)
     monkeypatch.setattr(plan, "number_label", lambda value: f"{value:g}")
     assert names == _names_and_dirs(config)
-    if name == "science":  # the rates of its sweep, each printed as it was
+    if name == "science":  # the rates of its sweep, each printed as it was (epochs other than the stage's: -epE)
+        configured = config.stages["full"]["epochs"]
         assert {run.name for run in plan_runs(config) if run.condition == "full" and run.seed == 0} == {
-            f"full-lr{rate}-seed0" for rate in ("5e-05", "8e-05", "0.00012", "0.0002", "0.0003", "0.0005", "0.0008")}
+            f"full{'' if epochs in (None, configured) else f'-ep{epochs}'}-lr{rate:g}-seed0"
+            for epochs, rate in config.configurations("full")}
 
 
 DUPLICATED = """name: t

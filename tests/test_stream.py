@@ -148,6 +148,14 @@ def test_every_stage_is_evaluated_on_old_facts_and_every_task(stream):
                 assert stage["tasks"][task_name(index)] == pytest.approx(correct)
         assert result["metrics"]["learn_acc"] == stages[-1]["tasks"]["C"]
         assert result["metrics"]["retain_acc"] == stages[-1]["metrics"]["retain_acc"]
+        assert result["timing"]["cpu_s"] > 0
+        if run.recipe is None:
+            assert result["cost"] is None
+        else:  # the whole stream's cost: every stage's steps, tokens and flops summed (smf.suite.cost)
+            records = [json.loads(line) for k in (1, 2, 3)
+                       for line in (streams.stage_dir(run, k) / "train_log.jsonl").read_text().splitlines()]
+            assert result["cost"]["steps"] == len(records) > 0
+            assert result["cost"]["tokens"] == sum(r["tokens"] for r in records)
 
 
 def test_report_has_stage_tables_matched_learning_and_forgetting_curves(stream):
@@ -246,8 +254,9 @@ def test_stream_preset_shares_the_science_bases_and_sweep():
     configs = Path(__file__).parents[1] / "smf" / "configs"
     science = yaml.safe_load((configs / "suite_science.yaml").read_text())
     raw = yaml.safe_load((configs / "suite_stream.yaml").read_text())
-    same = ("world", "pretrain", "train", "stages", "lr_sweep", "conditions", "seeds", "eval", "base_per_seed")
-    assert {key: raw[key] for key in same} == {key: science[key] for key in same}  # the shipped bases are copied
+    # the shipped bases are copied: the same worlds and pretraining; the stream keeps the earlier one-schedule sweep
+    same = ("world", "pretrain", "train", "eval", "base_per_seed")
+    assert {key: raw[key] for key in same} == {key: science[key] for key in same}
     config = load_suite_config("stream")
     assert config.stream == {"tasks": 3} and len(plan_runs(config)) == 3 * (1 + 8 * 7)
 

@@ -169,6 +169,8 @@ def test_a_leak_free_new_kind_suite_reports_both_probes_and_the_read_overlap(tmp
                world={**{k: v for k, v in SMALL_WORLD.items() if k != "seed"}, **LEAK_FREE, "new_kind": True},
                pretrain={k: v for k, v in {**SMALL_PRETRAIN, "epochs": 2}.items() if k != "seed"},
                lr_sweep={"sparse": [1e-2], "full": [1e-3]})
+    for key in ("variants", "schedule_sweep", "hypotheses"):  # one rate each, no SMF configurations
+        raw.pop(key, None)
     raw["train"].update(layers=[0, 1], n_keys=8, topk=4, key_dim=16, rows_per_step=16, n_background=20,
                         global_batch_size=8, micro_batch_size=8)
     raw["stages"] = {"retrofit": {"epochs": 1}, "sparse": {"epochs": 1}, "full": {"epochs": 1}}

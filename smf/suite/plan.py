@@ -296,7 +296,7 @@ _NOT_SETTINGS = (*PLAN_KEYS, "name", "device", "output_dir")  # where and under 
 _OPTIONAL_SECTIONS = ("stream", "schedule_sweep", "hypotheses")  # absent from records written before they existed
 
 
-def _settings(saved: dict) -> dict:
+def _computed_settings(saved: dict) -> dict:
     """What a suite record (:meth:`SuiteConfig.to_dict`) computes, in a form that a record written before a section
     or data role existed compares equal to: empty optional sections and data roles not given left out; with a base
     per seed, the data files, model and world/pretraining seed left out (they follow the first seed of the call,
@@ -321,7 +321,7 @@ def merged_plan(recorded: dict | None, config: SuiteConfig) -> SuiteConfig | Non
         return config
     new = config.to_dict()
     recorded = {**{key: {} for key in ("schedule_sweep", "hypotheses")}, **recorded}  # keys added later: empty
-    if _settings(recorded) != _settings(new):
+    if _computed_settings(recorded) != _computed_settings(new):
         return None
     merged = dict(new)
     merged["seeds"] = list(recorded.get("seeds") or []) + [s for s in new["seeds"] if s not in (recorded.get("seeds")

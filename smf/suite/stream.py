@@ -47,6 +47,7 @@ from smf.eval.tasks import evaluate_model, load_eval_sets
 from smf.files import read_json_object, write_json_atomic
 from smf.model.loading import FINAL_DIR, load_model, load_run
 from smf.suite.config import SuiteConfig, seed_config
+from smf.suite.cost import log_records, parameter_counts, training_cost
 from smf.suite.plan import Run, SuiteLayout, run_hash, sparse_stage_dirs, stage_config
 from smf.train.checkpoint import LOG_FILE
 from smf.train.config import RunConfig
@@ -184,6 +185,8 @@ class StreamRun:
         ``stage`` (``run_dir`` None: the base model)."""
         model, tokenizer = load_model(self.config.model, run_dir, self.runner.device)
         out_dir = self.layout.eval_dir(self.run, stage)
+        if run_dir is not None:
+            self._counts = parameter_counts(model, self.run.recipe)
         try:
             metrics, seconds = evaluate_model(model, tokenizer, self.eval_sets(None), self.eval_settings(None),
                                               out_dir, self.config.protocol)
@@ -219,17 +222,23 @@ class StreamRun:
             options, markers = self.stage_config(stage)
             markers["train"] = self.train_stage("train", options)
             run_dir = self.layout.stage_dir(self.run, stage)
+        cpu_started = time.process_time()
         metrics, accuracy, seconds = self.evaluate(stage, run_dir)
+        cost = None if run_dir is None else training_cost(log_records(run_dir / LOG_FILE), self._counts)
         record = {"stage": stage, "task": task_name(stage - 1) if stage else None, "config_hash": self.expected_hash,
                   "artefact": self.config.model if run_dir is None else str(run_dir / FINAL_DIR),
                   "metrics": metrics, "tasks": accuracy,
-                  "train_s": {kind: marker["seconds"] for kind, marker in markers.items()}, "eval_s": seconds}
+                  "train_s": {kind: marker["seconds"] for kind, marker in markers.items()}, "eval_s": seconds,
+                  "cost": cost,
+                  "train_cpu_s": {kind: marker["cpu_seconds"] for kind, marker in markers.items()
+                                  if marker.get("cpu_seconds") is not None},
+                  "eval_cpu_s": round(time.process_time() - cpu_started, 3)}
         write_json_atomic(path, record)
         return record
 
     def results(self) -> dict:
         """Every stage (module docstring), then the run's results file, written last; returns the results."""
-        run, started = self.run, time.perf_counter()
+        run, started, cpu_started = self.run, time.perf_counter(), time.process_time()
         stages = [self.stage_record(stage) for stage in ([0] if run.recipe is None else range(1, self.tasks + 1))]
         final = stages[-1]
         last = task_name(self.tasks - 1)
@@ -248,7 +257,9 @@ class StreamRun:
             if run.recipe == "sparse" else None,
             "timing": {**{f"{kind}_s": seconds for kind, seconds in trained.items()}, "eval_s": eval_s,
                        "stream_eval_s": round(sum(sum(s["eval_s"].values()) for s in stages), 3),
-                       "wall_s": round(time.perf_counter() - started, 3)},
+                       "wall_s": round(time.perf_counter() - started, 3),
+                       "cpu_s": round(time.process_time() - cpu_started, 3)},
+            "cost": _summed_cost([s.get("cost") for s in stages]) if run.recipe is not None else None,
             "eval_rows": {}, "config_hash": self.expected_hash, "artefact": final["artefact"],
             "model": self.config.model, "environment": environment(),
             "finished_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -258,3 +269,11 @@ class StreamRun:
         }
         write_json_atomic(self.runner.layout.results_path(run), results)
         return results
+
+
+def _summed_cost(costs: list[dict | None]) -> dict | None:
+    """The cost of a whole stream (smf.suite.cost.training_cost summed over its stages: steps, tokens, flops; the
+    parameter counts are every stage's); None when a stage's record has none (written before costs were recorded)."""
+    if not costs or any(cost is None for cost in costs):
+        return None
+    return {**costs[-1], **{key: sum(cost[key] for cost in costs) for key in ("steps", "tokens", "flops")}}
