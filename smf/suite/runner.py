@@ -29,7 +29,7 @@ from smf.errors import ConfigError
 from smf.eval.tasks import evaluate_model, load_eval_sets
 from smf.files import read_json_object, write_json_atomic
 from smf.model.loading import FINAL_DIR, RUN_CONFIG, load_model, read_run_config
-from smf.suite.config import SuiteConfig, seed_config
+from smf.suite.config import SuiteConfig, pretrained_adapter, seed_config
 from smf.suite.plan import (Run, SuiteLayout, merged_plan, options_fingerprint, plan_runs, run_hash,
                             sparse_stage_dirs, stage_config)
 from smf.suite.science import prepare_science_inputs
@@ -141,12 +141,13 @@ class SuiteRunner:
         config, layout = seed_config(self.config, run.seed), self.layout
         if run.recipe is None:
             return {}
+        pretrained = pretrained_adapter(config)  # a base pretrained with its memories: no retrofit
         if run.recipe != "sparse":
             return {"train": ensure_stage("train", stage_config(config, run.recipe, run.seed, layout.train_dir(run),
-                                                                lr=run.lr))}
+                                                                lr=run.lr, adapter=pretrained))}
         retrofit_dir, background_dir = sparse_stage_dirs(layout, run, config)
-        markers = {"retrofit": ensure_stage("retrofit", stage_config(config, "retrofit", run.seed, retrofit_dir,
-                                                                     mode=run.retrofit_mode, variant=run.variant))}
+        markers = {} if pretrained else {"retrofit": ensure_stage("retrofit", stage_config(
+            config, "retrofit", run.seed, retrofit_dir, mode=run.retrofit_mode, variant=run.variant))}
         markers["background"] = ensure_stage("background", stage_config(
             config, "background", run.seed, background_dir, adapter=retrofit_dir, variant=run.variant))
         markers["train"] = ensure_stage("train", stage_config(
@@ -162,7 +163,7 @@ class SuiteRunner:
         if config.data not in self._eval_sets:  # one set per world (per seed with base_per_seed)
             self._eval_sets = {config.data: load_eval_sets(config.data, config.eval, config.protocol)}
         run_dir = None if run.recipe is None else self.layout.train_dir(run)
-        model, tokenizer = load_model(config.model, run_dir, self.device)
+        model, tokenizer = load_model(config.model, run_dir or pretrained_adapter(config), self.device)
         artefact = config.model if run_dir is None else str(run_dir / FINAL_DIR)
         rows = {}
         try:
