@@ -16,8 +16,14 @@ and floating-point paths move when); trained to the target, every machine's base
 of the pretraining texts and one of the tokenizer's vocabulary and merges. A finished directory is reused only
 when its fingerprint matches and its files still have the digests recorded when they were written.
 
+**Memories pretrained with the model** (``memory``: :class:`PretrainMemory`): additive memories attached to the fresh
+decoder, every parameter trained from the first step; saved as a plain decoder plus a memory adapter in ``final/``
+(:func:`save_base`), so sparse finetuning, LoRA and full finetuning start from it without a retrofit. The fingerprint
+covers the memory options; a plain base's is computed as before the option existed.
+
 **Shipped bases.** The science preset's bases are package assets (``smf/assets/science/base-seed{S}/``, 1.2 MB each,
-made by ``python -m smf.train.pretrain --config science --seed S --output-dir DIR``): where an asset's fingerprint
+made by ``python -m smf.train.pretrain --config science --seed S --output-dir DIR``; the with-memories bases of
+``--config science_pretrained`` in ``base-memories-seed{S}/``): where an asset's fingerprint
 equals the one asked for (and ``use_shipped`` is on), it is copied instead of pretrained, so every machine starts
 from the same weights, to the bit. The run directory::
 
