@@ -137,3 +137,8 @@ def test_a_suite_on_a_base_with_memories_runs_no_retrofit(tmp_path, monkeypatch)
         assert changed == (run.startswith(("additive", "full"))), run  # LoRA leaves them frozen
     run_config = json.loads((root / "train" / "lora-lr0.001-seed5" / "run_config.json").read_text())
     assert run_config["adapter"] == str(final)
+    from smf.suite.report import write_suite_report
+
+    assert "report.md" in {p.name for p in write_suite_report(root)}
+    diagnostics = json.loads((root / "science_diagnostics.json").read_text())
+    assert set(diagnostics["retrofit"]) == {"pretrained-seed5"}  # the pretrained memories, named apart per seed

@@ -203,6 +203,13 @@ def sparse_stage_dirs(layout: SuiteLayout, run: Run, config: SuiteConfig) -> tup
             layout.background_dir(run.retrofit_mode, run.seed, stage_tag(config, run.variant, "background")))
 
 
+def start_name(run: Run, config: SuiteConfig) -> str:
+    """The name under which the diagnostics file the memories the sparse ``run`` starts from: its retrofit
+    directory's, or ``pretrained-seed{S}`` on bases pretrained with their memories (whose folders are all ``final``)."""
+    return f"pretrained-seed{run.seed}" if pretrained_adapter(config) else \
+        f"{run.retrofit_mode}{stage_tag(config, run.variant, 'retrofit')}-seed{run.seed}"
+
+
 def _digest(obj) -> str:
     """16 hex digits of ``obj``'s JSON; renamed option values are hashed in their old spelling
     (:data:`smf.vocabulary.FINGERPRINT_SPELLINGS`), so suite directories written before a rename still match."""
