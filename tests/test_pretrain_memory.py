@@ -142,3 +142,28 @@ def test_a_suite_on_a_base_with_memories_runs_no_retrofit(tmp_path, monkeypatch)
     assert "report.md" in {p.name for p in write_suite_report(root)}
     diagnostics = json.loads((root / "science_diagnostics.json").read_text())
     assert set(diagnostics["retrofit"]) == {"pretrained-seed5"}  # the pretrained memories, named apart per seed
+
+
+def test_every_shipped_base_is_intact_and_is_the_one_its_preset_asks_for():
+    from smf.suite.config import seed_config
+
+    tokenizer, wanted = world_tokenizer(), {}
+    for preset in ("science", "science_pretrained"):
+        config = load_suite_config(preset)
+        for seed in range(5):
+            own = seed_config(config, seed)
+            world = WorldOptions.from_dict(own.world)
+            texts = [row["text"] + "\n\n" for row in build_world(world).datasets["pretrain"]]
+            wanted[pretrain_fingerprint(world, PretrainOptions.from_dict(own.pretrain), texts, tokenizer)] = (
+                preset, seed)
+    shipped = sorted(module.SHIPPED.glob("base-*"))
+    assert len(shipped) >= 5
+    for directory in shipped:
+        marker = json.loads((directory / module.MARKER).read_text())
+        assert module.file_digests(directory) == {**marker["files"], module.MARKER: module.file_digests(directory)[
+            module.MARKER]}, directory.name
+        preset, seed = wanted[marker["fingerprint"]]
+        assert directory.name == f"base-{'memories-' if preset == 'science_pretrained' else ''}seed{seed}"
+        assert marker["reached_target"] and (ADAPTER_CONFIG in marker["files"]) == (preset == "science_pretrained")
+    assets = Path(module.__file__).resolve().parents[1] / "assets"
+    assert sum(path.stat().st_size for path in assets.rglob("*") if path.is_file()) <= 60 * 2 ** 20
