@@ -193,7 +193,7 @@ def test_eval_of_an_adapter_that_is_not_what_it_claims_is_one_line(tmp_path, cap
     (["train", "--recipe", "lora", "--rows-per-step", "8"], "--rows-per-step is not used by this run: only --recipe "
                                                             "sparse uses it (this run is --recipe lora)"),
     (["train", "--recipe", "full", "--backend", "torch"], "--backend is not used by this run"),
-    (["train", "--recipe", "lora", "--adapter", "{d}"], "--adapter is not used by this run"),
+    (["train", "--recipe", "lora", "--background", "{d}"], "--background is not used by this run"),
     (["train", "--recipe", "sparse", "--lora-r", "4", "--adapter", "{d}", "--background", "{d}"],
      "--lora-r is not used by this run: only --recipe lora uses it"),
     (["train", "--recipe", "lora", "--update", "authors"], "--update is not used by this run: only --recipe sparse "

@@ -36,7 +36,8 @@ DEFERRED = {
     "smf.train": {"smf.model"},  # torch: the deprecated names only; the CLI imports smf.train.config
     "smf.train.config": {"smf.model.adapter", "smf.model.loading", "smf.model.sizes", "smf.train.distributed",
                          "smf_kernels.backends"},  # torch: the CLI's parser reads the options defined here
-    "smf.train.pretrain": {"smf.data.world_tokenizer"},  # transformers: suite config checks import PretrainOptions
+    "smf.train.pretrain": {"smf.data.world_tokenizer",  # transformers: suite config checks import PretrainOptions
+                           "smf.model.adapter", "smf.model.attach"},  # the same, for pretrain.memory
 }
 
 

@@ -155,14 +155,18 @@ def load_run(run_dir: str | Path, device: torch.device | str = "cpu",
     if options["recipe"] == "full":
         return load_base(str(final), device, argument="--adapter")
     if options["recipe"] == "lora":
-        return _load_peft(options["model"], final, device)
+        return _load_peft(options["model"], final, device, options.get("adapter"), backend)
     return load_with_adapter(options["model"], final, device, backend)
 
 
-def _load_peft(base: str, adapter: Path, device: torch.device | str) -> tuple[nn.Module, object]:
+def _load_peft(base: str, adapter: Path, device: torch.device | str, memories: str | None = None,
+               backend: str | None = None) -> tuple[nn.Module, object]:
+    """``base`` (with the memory adapter ``memories`` attached, when given: a LoRA run of ``--adapter``) and the
+    peft LoRA ``adapter`` on top."""
     from peft import PeftModel  # optional and heavy: only a LoRA adapter needs it
 
-    model, tokenizer = load_base(base, device)
+    model, tokenizer = load_base(base, device) if memories is None else load_with_adapter(base, memories, device,
+                                                                                          backend)
     try:
         model = PeftModel.from_pretrained(model, adapter)
     except (pickle.UnpicklingError, EOFError, SafetensorError, OSError, RuntimeError, ValueError) as err:

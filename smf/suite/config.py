@@ -334,6 +334,34 @@ def seed_config(config, seed: int):
                                pretrain={**config.pretrain, "seed": seed} if config.pretrain else {})
 
 
+def pretrained_adapter(config) -> Path | None:
+    """The memory adapter of a base pretrained with its memories (``pretrain.memory``): the base's own folder
+    (:func:`smf.train.pretrain.save_base`), which the sparse runs finetune and the base condition, LoRA and full
+    finetuning load, in place of a retrofit; None for a plain base (``config`` as :func:`seed_config` gives it)."""
+    return Path(config.model) if config.pretrain and config.pretrain.get("memory") else None
+
+
+def _check_pretrained_memories(raw: dict, memory) -> None:
+    """ConfigError for what a base pretrained with its memories (``memory``: a PretrainMemory, or None for a plain
+    base) cannot run: replacement conditions (their memory would stand in for an MLP the base pretrained with) and
+    memory sizes in ``train`` other than the pretrained ones (no retrofit makes memories of those sizes)."""
+    if memory is None:
+        return
+    conditions = raw.get("conditions")
+    replaced = [c for c in (conditions if isinstance(conditions, list) else [conditions])
+                if str(c).startswith("replacement")]
+    if replaced:
+        raise ConfigError(f"conditions {replaced}: a base pretrained with its memories (pretrain.memory) has additive "
+                          "memories; drop the replacement conditions")
+    train = mapping(raw.get("train"), "train")
+    for name in ("layers", "n_keys", "heads", "topk", "key_dim"):
+        pretrained = getattr(memory, name)
+        if name in train and (list(train[name]) if isinstance(train[name], (list, tuple)) else train[name]) != \
+                (list(pretrained) if name == "layers" else pretrained):
+            raise ConfigError(f"train: option {name!r} is {train[name]!r} but pretrain.memory.{name} is "
+                              f"{pretrained!r}: the runs use the pretrained memories (no retrofit); make them equal")
+
+
 def _check_own_files(config: SuiteConfig) -> None:
     """Every own-data file read and checked now, before any model loads (ConfigError naming the key, the file, the
     line and what was expected): its schema for its role, and a training file's rows (the first ``n_examples``)
@@ -387,7 +415,8 @@ def _science_inputs(raw: dict) -> dict:
         raise ConfigError("world and data cannot both be given: the world's files are the suite's data")
     raw = {**raw, "data": data}
     if raw.get("pretrain"):
-        PretrainOptions.from_dict({**mapping(raw["pretrain"], "pretrain"), **seeded})
+        options = PretrainOptions.from_dict({**mapping(raw["pretrain"], "pretrain"), **seeded})
+        _check_pretrained_memories(raw, options.memory)
         if raw.get("model") not in (None, model):
             raise ConfigError("pretrain and model cannot both be given: the pretrained model is the suite's model")
         raw["model"] = model

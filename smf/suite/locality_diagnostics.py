@@ -47,7 +47,7 @@ from smf.model.attach import memory_blocks
 from smf.model.loading import load_model
 from smf.report.paper_results import display_name, metric_title
 from smf.suite.config import seed_config
-from smf.suite.plan import Run, SuiteLayout, sparse_stage_dirs
+from smf.suite.plan import Run, SuiteLayout, sparse_stage_dirs, start_name
 from smf.train.distributed import pick_device
 
 logger = logging.getLogger(__name__)
@@ -270,16 +270,16 @@ class _Retrofits:
         self.new_prompts = new_question_prompts(config) if config.data.eval_learn else []
         self.measured: dict[Path, tuple] = {}
 
-    def __call__(self, retrofit_dir: Path) -> tuple[dict, dict, list[bool], dict | None]:
-        """(values by layer, reads by layer, correct per question, read overlap) of the retrofit in
-        ``retrofit_dir``."""
+    def __call__(self, retrofit_dir: Path, name: str | None = None) -> tuple[dict, dict, list[bool], dict | None]:
+        """(values by layer, reads by layer, correct per question, read overlap) of the retrofit in ``retrofit_dir``
+        (its answers filed under ``name``, by default the directory's: :func:`smf.suite.plan.start_name`)."""
         if retrofit_dir not in self.measured:
             model, tokenizer = load_model(self.config.model, retrofit_dir, self.device)
             reads = question_reads(model, tokenizer, self.prompts)
             self.measured[retrofit_dir] = (
                 _values(model), reads,
                 _correct(model, tokenizer, self.config, self.rows,
-                         self.root / "eval-retrofit" / retrofit_dir.name / "retain.jsonl"),
+                         self.root / "eval-retrofit" / (name or retrofit_dir.name) / "retain.jsonl"),
                 retrofit_read_overlap(model, tokenizer, reads, self.new_prompts))
         return self.measured[retrofit_dir]
 
@@ -303,7 +303,8 @@ def compute_locality(config, results: list[dict], root: Path) -> dict:
         own = seed_config(config, run.seed)
         if own.data not in retrofits:
             retrofits[own.data] = _Retrofits(own, root, device)
-        before, reads, correct_before, overlap = retrofits[own.data](sparse_stage_dirs(layout, run, own)[0])
+        before, reads, correct_before, overlap = retrofits[own.data](sparse_stage_dirs(layout, run, own)[0],
+                                                                     start_name(run, own))
         model, tokenizer = load_model(own.model, layout.train_dir(run), device)
         correct_after = _correct(model, tokenizer, own, retrofits[own.data].rows, layout.eval_dir(run) / "retain.jsonl")
         measured[run.name] = {"hash": result["config_hash"], "condition": run.condition, "variant": run.variant,

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from smf.options import only
-from smf.suite.config import STAGE_COMMANDS, SuiteConfig, seed_config, suite_config_from_dict
+from smf.suite.config import (STAGE_COMMANDS, SuiteConfig, pretrained_adapter, seed_config,
+                              suite_config_from_dict)
 from smf.train.config import RECIPE_DEFAULTS, RunConfig, build_config, fingerprint_form
 from smf.vocabulary import CONDITIONS, FINGERPRINT_SPELLINGS, RETROFIT_MODE, condition_recipe, split_condition
 
@@ -232,9 +233,19 @@ def stage_tag(config: SuiteConfig, variant: str | None, stage: str) -> str:
 
 
 def sparse_stage_dirs(layout: SuiteLayout, run: Run, config: SuiteConfig) -> tuple[Path, Path]:
-    """(retrofit directory, background directory) that the sparse ``run`` of ``config`` trains from."""
-    return (layout.retrofit_dir(run.retrofit_mode, run.seed, stage_tag(config, run.variant, "retrofit")),
+    """(retrofit directory, background directory) that the sparse ``run`` of ``config`` trains from; on a base
+    pretrained with its memories, the base's own adapter (:func:`smf.suite.config.pretrained_adapter`) stands for
+    the retrofit."""
+    return (pretrained_adapter(config) or
+            layout.retrofit_dir(run.retrofit_mode, run.seed, stage_tag(config, run.variant, "retrofit")),
             layout.background_dir(run.retrofit_mode, run.seed, stage_tag(config, run.variant, "background")))
+
+
+def start_name(run: Run, config: SuiteConfig) -> str:
+    """The name under which the diagnostics file the memories the sparse ``run`` starts from: its retrofit
+    directory's, or ``pretrained-seed{S}`` on bases pretrained with their memories (whose folders are all ``final``)."""
+    return f"pretrained-seed{run.seed}" if pretrained_adapter(config) else \
+        f"{run.retrofit_mode}{stage_tag(config, run.variant, 'retrofit')}-seed{run.seed}"
 
 
 def _digest(obj) -> str:

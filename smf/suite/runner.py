@@ -31,9 +31,9 @@ from smf.errors import ConfigError
 from smf.eval.tasks import evaluate_model, load_eval_sets
 from smf.files import read_json_object, write_json_atomic
 from smf.model.loading import FINAL_DIR, RUN_CONFIG, load_model, read_run_config
-from smf.suite.config import SuiteConfig, seed_config
-from smf.suite.jobs import Task, run_tasks
+from smf.suite.config import SuiteConfig, pretrained_adapter, seed_config
 from smf.suite.cost import log_records, median_row_change, parameter_counts, training_cost
+from smf.suite.jobs import Task, run_tasks
 from smf.suite.plan import (Run, SuiteLayout, merged_plan, options_fingerprint, plan_runs, run_hash,
                             sparse_stage_dirs, stage_config)
 from smf.suite.science import prepare_science_inputs
@@ -50,6 +50,12 @@ logger = logging.getLogger(__name__)
 
 STAGE_MARKER = "suite_stage.json"
 SHARED_STAGES = ("retrofit", "background")  # what a sparse run starts from, shared with the other runs of its seed
+
+
+def shared_stages(config: SuiteConfig) -> tuple[str, ...]:
+    """The shared stages a sparse run of ``config`` (one seed's) trains: no retrofit on a base pretrained with its
+    memories (:func:`smf.suite.config.pretrained_adapter`), whose memory adapter is the background's start."""
+    return SHARED_STAGES[1:] if pretrained_adapter(config) else SHARED_STAGES
 # What `smf report` writes into a suite directory besides suite_status (rewritten by every call)
 REPORT_FILES = ("table1.md", "table1.csv", "table1.tex", "pareto.png", "pareto.pdf", "accounting.md",
                 "accounting.json", "ablation_update.md", "ablation_update.json", "report.md", "lr_sweep.md",
@@ -155,11 +161,12 @@ class SuiteRunner:
         config, layout = seed_config(self.config, run.seed), self.layout
         if run.recipe is None:
             return {}
+        pretrained = pretrained_adapter(config)  # a base pretrained with its memories: no retrofit
         if run.recipe != "sparse":
             return {"train": ensure_stage("train", stage_config(config, run.recipe, run.seed, layout.train_dir(run),
-                                                                lr=run.lr, epochs=run.epochs))}
+                                                                lr=run.lr, epochs=run.epochs, adapter=pretrained))}
         retrofit_dir, background_dir = sparse_stage_dirs(layout, run, config)
-        markers = {kind: self.shared_stage(run, kind) for kind in SHARED_STAGES}
+        markers = {kind: self.shared_stage(run, kind) for kind in shared_stages(config)}
         markers["train"] = ensure_stage("train", stage_config(
             config, "sparse", run.seed, layout.train_dir(run), mode=run.mode, rule=run.rule, adapter=retrofit_dir,
             background=background_dir, update="authors" if run.update == "authors" else None, lr=run.lr,
@@ -184,7 +191,7 @@ class SuiteRunner:
         if config.data not in self._eval_sets:  # one set per world (per seed with base_per_seed)
             self._eval_sets = {config.data: load_eval_sets(config.data, config.eval, config.protocol)}
         run_dir = None if run.recipe is None else self.layout.train_dir(run)
-        model, tokenizer = load_model(config.model, run_dir, self.device)
+        model, tokenizer = load_model(config.model, run_dir or pretrained_adapter(config), self.device)
         artefact = config.model if run_dir is None else str(run_dir / FINAL_DIR)
         rows = {}
         if run.recipe is not None:
@@ -292,6 +299,8 @@ class SuiteRunner:
             if run.recipe == "sparse":
                 directories = sparse_stage_dirs(self.layout, run, seed_config(self.config, run.seed))
                 for kind, directory in zip(SHARED_STAGES, directories):
+                    if kind not in shared_stages(seed_config(self.config, run.seed)):
+                        continue
                     key = (kind, str(directory))
                     if key not in created and not (directory / STAGE_MARKER).is_file():
                         tasks.append(Task(key, (kind, run), needs))

@@ -37,7 +37,7 @@ from smf.report.matched_learning import format_cell, matched_learning
 from smf.report.paper_results import display_name, metric_keys, metric_title
 from smf.suite.config import seed_config
 from smf.suite.locality_diagnostics import OVERLAPS, new_question_prompts, question_reads, retrofit_read_overlap
-from smf.suite.plan import Run, SuiteLayout, sparse_stage_dirs
+from smf.suite.plan import Run, SuiteLayout, sparse_stage_dirs, start_name
 from smf.suite.science import at_chosen_rates, learning_metric, variant
 from smf.train.distributed import pick_device
 
@@ -118,7 +118,7 @@ def compute_diagnostics(config, results: list[dict], root: Path) -> dict:
         if own.data not in eval_sets:
             eval_sets[own.data] = load_eval_sets(own.data, own.eval, own.protocol)
         retrofit_dir = sparse_stage_dirs(layout, run, own)[0]
-        key = retrofit_dir.name
+        key = start_name(run, own)
         if key not in measured["retrofit"]:
             entry = cache.get("retrofit", {}).get(key) or _measure(own, retrofit_dir, device)
             if "metrics" not in entry:

@@ -79,7 +79,8 @@ class RunConfig:
     # sparse memory finetuning
     adapter: ExistingDir | None = option(None, "retrofit memory adapter: the retrofit run directory or its final/ "
                                          "folder (required for background and --recipe sparse; --recipe full: "
-                                         "finetune the model with these memories, every parameter)", BG + TRAIN)
+                                         "finetune the model with these memories, every parameter; --recipe lora: "
+                                         "LoRA on the model with these memories, frozen)", BG + TRAIN)
     background: ExistingPath | None = option(None, "background statistics: a file written by `smf background` or its "
                                              "run directory (required for --recipe sparse)", TRAIN)
     rule: Literal[RULES] = option("tfidf", "slot scoring rule (--recipe sparse)", TRAIN)
@@ -290,8 +291,8 @@ def unused_options(config: RunConfig, command: str) -> dict[str, str]:
         unused["n_examples"] = ("the authors protocol draws the background examples from its own pool (the first "
                                 "--n-background of it), whatever the retrofit's size; --protocol clean holds them "
                                 "out of the first --n-examples")
-    if command == "train" and config.recipe == "full" and config.adapter is not None:
-        for name in ("adapter", "backend"):  # full finetuning from a checkpoint holding memories
+    if command == "train" and config.recipe in ("full", "lora") and config.adapter is not None:
+        for name in ("adapter", "backend"):  # full finetuning or LoRA from a checkpoint holding memories
             unused.pop(name, None)
     if command == "train" and config.recipe != "sparse":
         unused["count_reads"] = f"only --recipe sparse selects rows (this run is --recipe {config.recipe})"

@@ -16,8 +16,14 @@ and floating-point paths move when); trained to the target, every machine's base
 of the pretraining texts and one of the tokenizer's vocabulary and merges. A finished directory is reused only
 when its fingerprint matches and its files still have the digests recorded when they were written.
 
+**Memories pretrained with the model** (``memory``: :class:`PretrainMemory`): additive memories attached to the fresh
+decoder, every parameter trained from the first step; saved as a plain decoder plus a memory adapter in ``final/``
+(:func:`save_base`), so sparse finetuning, LoRA and full finetuning start from it without a retrofit. The fingerprint
+covers the memory options; a plain base's is computed as before the option existed.
+
 **Shipped bases.** The science preset's bases are package assets (``smf/assets/science/base-seed{S}/``, 1.2 MB each,
-made by ``python -m smf.train.pretrain --config science --seed S --output-dir DIR``): where an asset's fingerprint
+made by ``python -m smf.train.pretrain --config science --seed S --output-dir DIR``; the with-memories bases of
+``--config science_pretrained`` in ``base-memories-seed{S}/``): where an asset's fingerprint
 equals the one asked for (and ``use_shipped`` is on), it is copied instead of pretrained, so every machine starts
 from the same weights, to the bit. The run directory::
 
@@ -39,20 +45,20 @@ import math
 import random
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from typing import Annotated
 
 import torch
-from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt
+from pydantic import ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt
 from tqdm.auto import tqdm
 
 from smf.data.world import WorldOptions, build_world, chance_accuracy
 from smf.environment import environment
 from smf.errors import ConfigError
 from smf.files import read_json_object, write_json_atomic
-from smf.options import OPTIONS_CONFIG, checked, checked_option, mapping, read_file, section_names
+from smf.options import OPTIONS_CONFIG, Distinct, checked, checked_option, mapping, read_file, section_names
 from smf.train.config import CONFIGS
 
 logger = logging.getLogger(__name__)
@@ -62,6 +68,27 @@ MARKER = "pretrain_stage.json"
 FINAL = "final"
 CODE_VERSION = 2  # 2: the stopping rule on old-QA accuracy (1: a fixed number of epochs)
 SHIPPED = Path(__file__).resolve().parents[1] / "assets" / "science"
+
+
+@dataclass(frozen=True)
+class PretrainMemory:
+    """Memories attached before pretraining (``pretrain.memory:``): additive product-key memories at ``layers``,
+    trained with every other parameter from the first step (Lin et al. 2025's setting; the retrofit's sizes and
+    names). The base is saved as a plain model plus a memory adapter (``final/``), so sparse finetuning, LoRA and
+    full finetuning start from it without a retrofit."""
+
+    __pydantic_config__ = ConfigDict(allow_inf_nan=False, extra="forbid")
+
+    layers: Annotated[tuple[NonNegativeInt, ...], Field(min_length=1), Distinct]  # 0-based decoder layers
+    n_keys: PositiveInt = 32  # sub-keys per half: n_keys ** 2 slots per memory layer
+    heads: PositiveInt = 2
+    topk: PositiveInt = 8  # slots read per head per token
+    key_dim: Annotated[int, Field(gt=0, multiple_of=2)] = 32
+    alpha_init: PositiveFloat = 1.0  # the memory branch's initial scale (out = mlp(h) + alpha * mem(h))
+
+    def __post_init__(self) -> None:
+        if self.topk > self.n_keys:
+            raise ValueError(f"memory: topk ({self.topk}) must be at most n_keys ({self.n_keys})")
 
 
 @dataclass(frozen=True)
@@ -84,11 +111,16 @@ class PretrainOptions:
     seed: NonNegativeInt = 0
     save_every: PositiveInt = 500  # optimizer steps between checkpoints (not part of the fingerprint)
     use_shipped: bool = True  # copy a shipped base of the same fingerprint instead of pretraining (not fingerprinted)
+    memory: PretrainMemory | None = None  # None: a plain decoder (the retrofit adds memories later)
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ValueError(f"hidden_size ({self.hidden_size}) must be a multiple of num_heads ({self.num_heads}), "
                              f"and num_heads of num_kv_heads ({self.num_kv_heads})")
+        beyond = [i for i in (self.memory.layers if self.memory else ()) if i >= self.num_layers]
+        if beyond:
+            raise ValueError(f"memory: layers {beyond} are beyond the model's {self.num_layers} decoder layers "
+                             f"(valid: 0 to {self.num_layers - 1})")
 
     @classmethod
     def from_dict(cls, raw: dict | None) -> "PretrainOptions":
@@ -111,9 +143,10 @@ def tokenizer_digest(tokenizer) -> str:
 def pretrain_fingerprint(world_options, options: PretrainOptions, texts: list[str], tokenizer) -> str:
     """16 hex digits of everything that decides the pretrained model (module docstring; not ``save_every`` nor
     ``use_shipped``)."""
+    ignored = ("save_every", "use_shipped") + (("memory",) if options.memory is None else ())  # plain: as before
     return _digest({"world": world_options.pretraining_dict(), "code": CODE_VERSION, "texts": _digest(texts),
                     "tokenizer": tokenizer_digest(tokenizer),
-                    "pretrain": {k: v for k, v in options.to_dict().items() if k not in ("save_every", "use_shipped")}})
+                    "pretrain": {k: v for k, v in options.to_dict().items() if k not in ignored}})
 
 
 def base_fingerprint(world_options, options: PretrainOptions) -> str:
@@ -121,8 +154,9 @@ def base_fingerprint(world_options, options: PretrainOptions) -> str:
     (builds the world and loads its tokenizer: what ``smf suite --dry-run`` compares a finished base with)."""
     from smf.data.world_tokenizer import world_tokenizer  # transformers and tokenizers, as world_model's
 
-    texts = [row["text"] + "\n\n" for row in build_world(world_options).datasets["pretrain"]]
-    return pretrain_fingerprint(world_options, options, texts, world_tokenizer())
+    world = build_world(world_options)
+    texts = [row["text"] + "\n\n" for row in world.datasets["pretrain"]]
+    return pretrain_fingerprint(world_options, options, texts, world_tokenizer(world.options))
 
 
 def file_digests(directory: Path) -> dict[str, str]:
@@ -132,7 +166,8 @@ def file_digests(directory: Path) -> dict[str, str]:
 
 
 def world_model(options: PretrainOptions, tokenizer):
-    """A randomly initialised Qwen2ForCausalLM of ``options``' sizes for ``tokenizer`` (seeded by options.seed)."""
+    """A randomly initialised Qwen2ForCausalLM of ``options``' sizes for ``tokenizer`` (seeded by options.seed), with
+    the fresh memories of ``options.memory`` attached (initialised after the decoder, from the same seed)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM  # the suite's config checks import this module
 
     config = Qwen2Config(
@@ -143,7 +178,34 @@ def world_model(options: PretrainOptions, tokenizer):
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(options.seed)
-        return Qwen2ForCausalLM(config)
+        model = Qwen2ForCausalLM(config)
+        if options.memory is not None:
+            from smf.model.attach import attach_memories  # transformers: suite config checks import this module
+
+            memory = options.memory
+            attach_memories(model, list(memory.layers), "additive", alpha_init=memory.alpha_init,
+                            n_keys=memory.n_keys, heads=memory.heads, topk=memory.topk, key_dim=memory.key_dim)
+        return model
+
+
+def save_base(model, options: PretrainOptions, tokenizer, final: Path) -> None:
+    """Save the pretrained ``model`` and ``tokenizer`` to ``final``: with ``options.memory``, as a plain decoder
+    (``save_pretrained``; the additive blocks keep the MLPs' names) plus a memory adapter in the same folder
+    (``memory_adapter.safetensors`` / ``.json``, :func:`smf.model.save_memory_adapter`, recording no base model:
+    the folder moves), so ``--model final --adapter final`` loads the network as pretrained."""
+    if options.memory is None:
+        model.save_pretrained(final)
+    else:
+        from smf.model.adapter import ADAPTER_CONFIG, save_memory_adapter  # as world_model's
+
+        plain = world_model(replace(options, memory=None), tokenizer)
+        keys = plain.state_dict().keys()
+        plain.load_state_dict({k: v for k, v in model.state_dict().items() if k in keys}, strict=True)
+        plain.save_pretrained(final)
+        save_memory_adapter(model, final)
+        config = json.loads((final / ADAPTER_CONFIG).read_text())
+        write_json_atomic(final / ADAPTER_CONFIG, {**config, "base_model": None})
+    tokenizer.save_pretrained(final)
 
 
 def epoch_batches(features: list[list[int]], batch_size: int, seed: int, epoch: int) -> list[list[list[int]]]:
@@ -320,8 +382,7 @@ def pretrain_world(world_options, options: PretrainOptions, output_dir: str | Pa
     if accuracy is None or step % steps_per_epoch:  # the last epoch's end was not measured (a partial epoch)
         accuracy = old_qa_accuracy(model, tokenizer, retain)
     final = output_dir / FINAL
-    model.save_pretrained(final)
-    tokenizer.save_pretrained(final)
+    save_base(model, options, tokenizer, final)
     marker = {"fingerprint": fingerprint, "files": file_digests(final), "seconds": round(time.perf_counter() - started, 3),
               "old_qa_accuracy": accuracy, "chance": chance_accuracy(),
               "final_loss": None if loss is None else round(loss.item(), 4),

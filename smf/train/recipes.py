@@ -6,7 +6,8 @@
   :class:`RowSparseSGD` with ``--row-optimizer sgd`` (``--update exact``; the ablations ``--update dense_masked``
   and ``--update authors`` step torch AdamW, :mod:`smf_kernels.sparse.ablations`).
 - ``--alpha-lr``: alpha in its own parameter group at that rate, in any recipe where it trains.
-- ``lora``: peft LoRA on the seven projections; AdamW.
+- ``lora``: peft LoRA on the seven projections, of the base model or of the base model with the memories of
+  ``adapter`` (frozen); AdamW.
 - ``full``: every parameter of the base model, or of the base model with the memories of ``adapter`` (their
   values, keys, projections and alpha too); AdamW.
 """
@@ -139,8 +140,9 @@ def build_setup(config: RunConfig, world: World) -> TrainingSetup:
             update.set_background(BackgroundStats.load(resolve_background_file(config.background), update.memories))
         except ValueError as err:
             raise ConfigError(f"--background: {err}") from err
-    elif recipe == "lora":
-        model, tokenizer = load_base(config.model, world.device)
+    elif recipe == "lora":  # from the base model, or (--adapter) the base with its memories, which stay frozen
+        model, tokenizer = (load_base(config.model, world.device) if config.adapter is None else
+                            load_with_adapter(config.model, config.adapter, world.device, config.backend))
         model = apply_lora(model, r=config.lora_r, alpha=config.lora_alpha, dropout=config.lora_dropout)
         counts = {"trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
                   "total": sum(p.numel() for p in model.parameters())}
