@@ -18,6 +18,8 @@ ablation, :mod:`smf_kernels.sparse.ablations`). Every step ends in the one finis
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -93,9 +95,10 @@ class MemoryUpdateStep(StepHooks):
     counts the value rows that moved without being selected (from a copy of the tables made at each step's
     start); the exact update's is 0 by construction (tests/test_sparse_exact.py). On one process every log row
     also gives ``row_change``: the median over the step's updated rows (all layers) of the row's change relative to
-    its norm before the step, ||v_after - v_before|| / ||v_before|| (from that copy of the tables), and
-    ``row_change_vs_start``: the same change relative to the row's norm when this process started training (a copy
-    made at its first step; a resumed run's is its resumption's)."""
+    its norm before the step, ||v_after - v_before|| / ||v_before|| (an ablation: from that copy of the tables; the
+    exact update copies no table, only the T rows the optimizer is about to step), and ``row_change_vs_start``: the
+    same change relative to the row's norm when this process started training (the norms at its first step; a
+    resumed run's are its resumption's)."""
 
     def __init__(self, update: MemoryStep, autocast, compiled: bool = False, world: int = 1,
                  step_tokens: int | None = None) -> None:
@@ -103,17 +106,19 @@ class MemoryUpdateStep(StepHooks):
         self.step_tokens = step_tokens
         self.rows: dict[str, torch.Tensor] = {}
         self._measure_leak = not isinstance(update, SparseMemoryController)
-        self._before: dict[str, torch.Tensor] = {}  # layer -> (M, D) values at the start of the step
+        self._before: dict[str, torch.Tensor] = {}  # layer -> (M, D) values at the start of the step (ablations)
+        self._stepped: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(values) -> (rows, their values before)
         self._start_norms: dict[str, torch.Tensor] = {}  # layer -> (M,) row norms at the first step
 
     def ddp_ignored_names(self) -> list[str]:
         return self.update.ddp_ignored_names()  # the update reduces the memory values itself
 
     def begin_step(self, model: nn.Module, micro_batches: list[dict]) -> None:
-        if self._measure_leak or self.world == 1:
+        if self._measure_leak:
             self._before = {name: memory.values.detach().clone() for name, memory in self.update.memories.items()}
         if self.world == 1 and not self._start_norms:
-            self._start_norms = {name: values.float().norm(dim=1) for name, values in self._before.items()}
+            self._start_norms = {name: torch.linalg.vector_norm(memory.values.detach(), dim=1, dtype=torch.float32)
+                                 for name, memory in self.update.memories.items()}
         plan: FillPlan = self.update.plan(len(micro_batches), compiled=self.compiled, world=self.world,
                                           step_tokens=self.step_tokens)
         self.update.begin_step(plan)
@@ -127,10 +132,33 @@ class MemoryUpdateStep(StepHooks):
         self.update.after_forward()
 
     def finish_step(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float) -> None:
+        self._stepped = {}
+        measure = self.world == 1 and not self._measure_leak and hasattr(optimizer, "step_rows")
         try:
-            self.rows = self.update.finish_step(optimizer, max_grad_norm=max_grad_norm)
+            with self._rows_before_their_step(optimizer) if measure else contextlib.nullcontext():
+                self.rows = self.update.finish_step(optimizer, max_grad_norm=max_grad_norm)
         except NonFiniteGradientError as err:
             raise _diverged(err) from None
+
+    @contextlib.contextmanager
+    def _rows_before_their_step(self, optimizer: torch.optim.Optimizer):
+        """Within: ``optimizer.step_rows`` first keeps the (T, D) rows it is about to step in ``_stepped`` (for
+        :meth:`row_change`: T rows copied, never a whole table)."""
+        step_rows = optimizer.step_rows
+
+        def keeping_rows(param, rows, grad, **kwargs):
+            self._stepped[id(param)] = (rows, param.detach().index_select(0, rows))
+            return step_rows(param, rows, grad, **kwargs)
+
+        own = optimizer.__dict__.get("step_rows")  # an instance's own step_rows, if it has one
+        optimizer.step_rows = keeping_rows
+        try:
+            yield
+        finally:
+            if own is None:
+                del optimizer.step_rows  # the class's method again
+            else:
+                optimizer.step_rows = own
 
     def step_log(self) -> dict:
         return {"selected_rows": sum(int(rows.numel()) for rows in self.rows.values()),
@@ -140,12 +168,19 @@ class MemoryUpdateStep(StepHooks):
         """``{"row_change", "row_change_vs_start"}``: the median relative change of the rows this step updated, to
         their norm before the step and at the first step, on one process (none updated: 0.0); empty on several,
         whose tables are sharded."""
-        if self.world != 1 or not self._before:
+        if self.world != 1 or not (self._before or self._stepped):
             return {}
         changes, vs_start = [], []
         for name, rows in self.rows.items():
-            before = self._before[name].index_select(0, rows).float()
-            change = (self.update.memories[name].values.detach().index_select(0, rows).float() - before).norm(dim=1)
+            values = self.update.memories[name].values.detach()
+            if self._before:
+                before = self._before[name].index_select(0, rows).float()
+            elif id(values) in self._stepped:  # the rows the optimizer stepped, ascending: those updated among them
+                stepped, kept = self._stepped[id(values)]
+                before = kept.index_select(0, torch.searchsorted(stepped, rows)).float()
+            else:
+                continue
+            change = (values.index_select(0, rows).float() - before).norm(dim=1)
             changes.append(change / before.norm(dim=1).clamp_min(1e-12))
             vs_start.append(change / self._start_norms[name].index_select(0, rows).clamp_min(1e-12))
         changes, vs_start = (torch.cat(parts) if parts else torch.zeros(0) for parts in (changes, vs_start))
