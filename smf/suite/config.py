@@ -344,7 +344,8 @@ def pretrained_adapter(config) -> Path | None:
 def _check_pretrained_memories(raw: dict, memory) -> None:
     """ConfigError for what a base pretrained with its memories (``memory``: a PretrainMemory, or None for a plain
     base) cannot run: replacement conditions (their memory would stand in for an MLP the base pretrained with) and
-    memory sizes in ``train`` other than the pretrained ones (no retrofit makes memories of those sizes)."""
+    memory sizes in ``train``, ``stages`` or ``variants`` other than the pretrained ones (no retrofit makes memories of
+    those sizes: the runs would load the pretrained ones and ignore them)."""
     if memory is None:
         return
     conditions = raw.get("conditions")
@@ -353,13 +354,19 @@ def _check_pretrained_memories(raw: dict, memory) -> None:
     if replaced:
         raise ConfigError(f"conditions {replaced}: a base pretrained with its memories (pretrain.memory) has additive "
                           "memories; drop the replacement conditions")
-    train = mapping(raw.get("train"), "train")
-    for name in ("layers", "n_keys", "heads", "topk", "key_dim"):
-        pretrained = getattr(memory, name)
-        if name in train and (list(train[name]) if isinstance(train[name], (list, tuple)) else train[name]) != \
-                (list(pretrained) if name == "layers" else pretrained):
-            raise ConfigError(f"train: option {name!r} is {train[name]!r} but pretrain.memory.{name} is "
-                              f"{pretrained!r}: the runs use the pretrained memories (no retrofit); make them equal")
+    sources = {"train": mapping(raw.get("train"), "train"),
+               **{f"stages.{stage}": mapping(options, f"stages.{stage}")
+                  for stage, options in mapping(raw.get("stages"), "stages").items()},
+               **{f"variants.{name}": mapping(options, f"variants.{name}")
+                  for name, options in mapping(raw.get("variants"), "variants").items()}}
+    for where, train in sources.items():
+        for name in ("layers", "n_keys", "heads", "topk", "key_dim"):
+            pretrained = getattr(memory, name)
+            if name in train and (list(train[name]) if isinstance(train[name], (list, tuple)) else train[name]) != \
+                    (list(pretrained) if name == "layers" else pretrained):
+                raise ConfigError(f"{where}: option {name!r} is {train[name]!r} but pretrain.memory.{name} is "
+                                  f"{pretrained!r}: the runs use the pretrained memories (no retrofit); make them "
+                                  "equal")
 
 
 def _check_own_files(config: SuiteConfig) -> None:
@@ -391,6 +398,8 @@ def _science_inputs(raw: dict) -> dict:
     """``raw`` with the world's files as its own data and the pretrained model as its model, when ``world`` /
     ``pretrain`` are given (the suite writes them: :mod:`smf.suite.science`; with ``base_per_seed``, those of the
     first seed); ConfigError for what they replace."""
+    for key in ("world", "pretrain"):
+        mapping(raw.get(key), key)  # a mapping or absent: `pretrain: 0` is refused, not read as no pretraining
     if not raw.get("world") and not raw.get("pretrain"):
         if raw.get("base_per_seed"):
             raise ConfigError("base_per_seed needs world (and pretrain): it gives every seed a world of its own")
@@ -426,7 +435,7 @@ def _science_inputs(raw: dict) -> dict:
 def _stream_options(raw: dict) -> dict:
     """``stream`` checked (:class:`~smf.data.stream_tasks.StreamOptions`; empty: no stream) against the world whose
     new people it splits (ConfigError in one line)."""
-    if not raw.get("stream"):
+    if raw.get("stream", {}) == {}:  # not `not raw["stream"]`: stream: 0 (or false) is refused, not read as none
         return {}
     options = StreamOptions.from_dict(raw["stream"])
     if not raw.get("world"):
@@ -557,8 +566,7 @@ def _check_hypotheses(config: SuiteConfig) -> None:
     for name, entry in config.hypotheses.items():
         where = f"hypotheses.{name}"
         for key in ("a", "b"):
-            condition, variant = method_of(entry[key])
-            if (f"{condition}/{variant}" if variant else condition) not in methods:
+            if entry[key] not in methods:  # as written: 'additive-kl/' names no method
                 raise ConfigError(f"{where}.{key}: {entry[key]!r} is not a trained method of this suite; choose "
                                   f"from {', '.join(methods)}")
         if method_of(entry["a"]) == method_of(entry["b"]):
@@ -589,8 +597,9 @@ def parse_suite_config(raw, base_dir: Path, *, source: str = "config", check_pat
         "variants": _variants(raw.get("variants")),
         "lr_sweep": mapping(raw.get("lr_sweep"), "lr_sweep"),
         "stream": _stream_options(raw),
-        "schedule_sweep": {str(recipe): mapping(schedule, f"schedule_sweep.{recipe}") for recipe, schedule in
-                           mapping(raw.get("schedule_sweep"), "schedule_sweep").items()},
+        "schedule_sweep": {str(recipe): {str(epochs): rates for epochs, rates in (  # epochs as written (-1, not _1)
+            schedule.items() if isinstance(schedule, dict) else mapping(schedule, f"schedule_sweep.{recipe}").items())}
+            for recipe, schedule in mapping(raw.get("schedule_sweep"), "schedule_sweep").items()},
         "hypotheses": _hypotheses(raw.get("hypotheses")),
     }, str)
     _check_schedules(config)
