@@ -113,7 +113,8 @@ def test_a_malformed_hypotheses_section_is_refused(tmp_path, hypotheses, message
 
 
 def test_hypotheses_without_matched_learning_are_refused(tmp_path):
-    refused(tmp_path, "hypotheses are evaluated at matched learning: give matched_learning", hypotheses={"h": HYPOTHESIS})
+    refused(tmp_path, "hypotheses are evaluated at matched learning: give matched_learning",
+            hypotheses={"h": HYPOTHESIS})
 
 
 # --------------------------------------------------------------------------------------- variants' conditions
@@ -174,11 +175,14 @@ def test_a_bad_pretrain_memory_is_refused_by_name(tmp_path, change, message):
     ({"conditions": ["base", "replacement-tfidf", "lora"]}, "conditions ['replacement-tfidf']: a base pretrained "
                                                             "with its memories (pretrain.memory) has additive"),
     ({"train": {**TRAIN, "n_keys": 16}}, "train: option 'n_keys' is 16 but pretrain.memory.n_keys is 8"),
-    ({"stages": {"retrofit": {"topk": 2}}}, "stages.retrofit: option 'topk' is 2 but pretrain.memory.topk is 4"),  # fixed
+    ({"stages": {"retrofit": {"topk": 2}}},  # fixed: accepted, the runs loaded the pretrained memories
+     "stages.retrofit: option 'topk' is 2 but pretrain.memory.topk is 4"),
     ({"lr_sweep": {"lora": SWEEP["lora"]}, "variants": {"v": {"n_keys": 16, "lr_sweep": SWEEP["sparse"]}}},
      "variants.v: option 'n_keys' is 16 but pretrain.memory.n_keys is 8"),  # fixed: the runs ignored it
     ({"pretrain": {**PRETRAIN, "memory": [1]}}, "option 'memory': input should be a dictionary"),
     ({"pretrain": 0}, "pretrain must be a mapping, got int"),  # fixed: read as no pretraining ("model is required")
+    ({"stream": {"tasks": 2}},  # fixed: accepted, its first stage would retrofit into the base's own folder
+     "stream: not on a base pretrained with its memories (pretrain.memory) yet"),
 ])
 def test_what_a_base_with_pretrained_memories_cannot_run_is_refused(tmp_path, overrides, message):
     refused(tmp_path, message, **{"pretrain": {**PRETRAIN, "memory": MEMORY}, **overrides})
@@ -280,7 +284,8 @@ def test_the_default_rows_per_step_is_the_papers_share_and_at_least_one(caplog):
 # ------------------------------------------------------------------------------------------- duplicated YAML keys
 @pytest.mark.parametrize("text, message", [
     ("name: t\nworld:\n  n_old: 40\n  n_new: 8\n  n_new: 9\n", "duplicate key 'n_new' at line 5 (first at line 4)"),
-    ("name: t\nschedule_sweep:\n  full:\n    3: [1e-5]\n    3: [2e-5]\n", "duplicate key 3 at line 5 (first at line 4)"),
+    ("name: t\nschedule_sweep:\n  full:\n    3: [1e-5]\n    3: [2e-5]\n",
+     "duplicate key 3 at line 5 (first at line 4)"),
     ("name: t\nhypotheses:\n  h:\n    a: full\n    a: lora\n", "duplicate key 'a' at line 5 (first at line 4)"),
 ])
 def test_a_key_twice_in_a_nested_section_is_refused_by_name_and_line(tmp_path, capsys, text, message):

@@ -449,12 +449,15 @@ def _stream_options(raw: dict) -> dict:
 
 
 def _check_stream(config: SuiteConfig) -> None:
-    """ConfigError unless ``config``'s stream evaluates each task (eval.tasks has learn) and its smallest task fills
-    one global batch of every trained stage."""
+    """ConfigError unless ``config``'s stream evaluates each task (eval.tasks has learn), is on a plain base (not one
+    pretrained with its memories) and its smallest task fills one global batch of every trained stage."""
     if not config.stream:
         return
     if "learn" not in config.eval.tasks:
         raise ConfigError(f"stream: eval.tasks {list(config.eval.tasks)} must include learn (each task's accuracy)")
+    if config.pretrain.get("memory"):  # smf.suite.stream would retrofit into the base's own folder (its adapter)
+        raise ConfigError("stream: not on a base pretrained with its memories (pretrain.memory) yet: the stream's "
+                          "first stage retrofits and its LoRA and full stages start from the plain model; remove one")
     options, n_new = StreamOptions.from_dict(config.stream), WorldOptions.from_dict(config.world).n_new
     for stage in sorted({condition_recipe(c) for c in config.conditions} - {None}):
         batch = {**config.train, **config.stages.get(stage, {})}.get(
