@@ -69,6 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         p.error(f"--out {args.out!r}: must be a new or empty folder (the stage files are appended to)")
+    blocked = next((parent for parent in out.parents if parent.exists() and not parent.is_dir()), None)
+    if blocked is not None:  # else mkdir's traceback after the checks
+        p.error(f"--out {args.out!r}: {str(blocked)!r} is a file, not a folder")
     if not 0 < args.budget < math.inf:  # nan compares false: refused too
         p.error(f"--budget must be a finite number > 0 seconds, got {args.budget}")
     repeated = sorted({stage for stage in args.stages if args.stages.count(stage) > 1})

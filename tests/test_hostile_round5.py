@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from smf.cli import main
 from smf.errors import ConfigError
 from smf.suite.config import parse_suite_config
 from smf.suite.jobs import Task, run_tasks
@@ -233,6 +234,21 @@ def test_more_jobs_than_runs_is_accepted_and_the_dry_run_writes_nothing(tmp_path
     assert code == 0 and not out.exists()
 
 
+@pytest.mark.parametrize("config, conditions", [("science", ["base", "full"]), ("science", ["base"]),
+                                                ("science_pretrained", ["base", "lora"])])
+def test_a_world_suite_narrowed_to_its_baselines_lists_their_runs(tmp_path, capsys, config, conditions):
+    """fixed: refused, naming its variants ("this suite has none") or its world's background file ("not used"),
+    neither of which the call gave; a subset of a suite's conditions is documented (docs/cli.md)."""
+    out = tmp_path / "suite"
+    code = main(["--log-level", "ERROR", "suite", "--config", config, "--output-dir", str(out), "--seeds", "0",
+                 "--conditions", *conditions, "--dry-run"])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    listed = [line.split()[0] for line in printed.out.splitlines()
+              if line.endswith("to do") and not line.startswith("before")]
+    assert listed and all(name.startswith(tuple(conditions)) for name in listed) and not out.exists()
+
+
 def test_more_jobs_than_tasks_runs_every_task():
     finished = {}
     failure = run_tasks([Task(("a",), 4.0), Task(("b",), 9.0, (("a",),))], 8, math.sqrt, int, (),
@@ -320,4 +336,14 @@ def test_gpu_runs_out_must_not_be_a_file(tmp_path, capsys):
     with pytest.raises(SystemExit) as exited:
         gpu_run.parse_args(["--out", str(path), "--dry-run"])
     assert exited.value.code == 2 and "must be a new or empty folder" in capsys.readouterr().err
+    assert path.read_text() == "kept\n"
+
+
+def test_gpu_runs_out_under_a_file_is_refused_before_mkdir(tmp_path, capsys):
+    """fixed: accepted, then main's mkdir raised NotADirectoryError (a traceback)."""
+    path = tmp_path / "results.md"
+    path.write_text("kept\n")
+    with pytest.raises(SystemExit) as exited:
+        gpu_run.parse_args(["--out", str(path / "gpu"), "--dry-run"])
+    assert exited.value.code == 2 and f"{str(path)!r} is a file, not a folder" in capsys.readouterr().err
     assert path.read_text() == "kept\n"

@@ -122,14 +122,6 @@ class SuiteConfig:
                 raise ValueError(f"labels: the title of {key!r} is empty")
         return labels
 
-    @field_validator("variants")
-    @classmethod
-    def _variants_of_sparse_conditions(cls, variants: dict, info: ValidationInfo) -> dict:
-        if variants and not any(c in SPARSE_CONDITIONS for c in info.data.get("conditions", ())):
-            raise ValueError(f"variants {list(variants)} vary the sparse conditions, and this suite has none; add one "
-                             f"to conditions ({', '.join(SPARSE_CONDITIONS)})")
-        return variants
-
     @field_validator("lr_sweep")
     @classmethod
     def _sweep_rates(cls, sweep: dict, info: ValidationInfo) -> dict:
@@ -301,7 +293,7 @@ def _check_own_data(config: SuiteConfig) -> None:
     sparse = [c for c in config.conditions if c in SPARSE_CONDITIONS]
     if sparse and data.retrofit is None:
         raise ConfigError(f"data.retrofit is required: conditions {sparse} retrofit memories on it")
-    if data.background is not None and not sparse:
+    if data.background is not None and not sparse and not config.world:  # a world writes every role
         raise ConfigError("data.background is not used: no sparse condition computes background statistics")
 
 
@@ -487,7 +479,8 @@ def _check_schedules(config: SuiteConfig) -> None:
 
 def _check_variant_conditions(config: SuiteConfig) -> None:
     """ConfigError for a sparse condition of the suite that runs in no variant. (A variant whose conditions the
-    suite does not run, e.g. after ``--conditions``, has no runs.)"""
+    suite does not run, e.g. after ``--conditions``, has no runs; so have all variants of a suite narrowed to its
+    baselines, ``--conditions base full``.)"""
     sparse = [c for c in config.conditions if c in SPARSE_CONDITIONS]
     if config.variants:
         idle = [c for c in sparse if not any(config.variant_runs(name, c) for name in config.variants)]
