@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from smf.cli import main
+from smf.data.stream_tasks import StreamOptions, stream_task_rows
+from smf.data.world import WorldOptions, build_world
 from smf.errors import ConfigError
 from smf.suite.config import parse_suite_config
 from smf.suite.jobs import Task, run_tasks
@@ -154,6 +156,23 @@ def test_a_stream_without_a_world_or_too_small_for_a_batch_is_refused(tmp_path):
             world=None, pretrain=None, model="tiny")
     refused(tmp_path, "stream: the smallest of 4 tasks has 12 training rows, fewer than one global batch of 64",
             stream={"tasks": 4}, train={**TRAIN, "global_batch_size": 64, "micro_batch_size": 8})
+
+
+def test_a_new_kind_worlds_stream_counts_its_own_templates(tmp_path):
+    """fixed: the smallest task's rows were counted with the old attributes' templates (12 instead of 8 here), so a
+    global batch larger than a task was accepted."""
+    world = build_world(WorldOptions(**{**WORLD, "new_kind": True}))
+    assert min(len(task["train"]) for task in stream_task_rows(world, 3)) == \
+        StreamOptions(tasks=3).train_rows(WORLD["n_new"], new_kind=True) == 8
+    refused(tmp_path, "stream: the smallest of 3 tasks has 8 training rows, fewer than one global batch of 10",
+            world={**WORLD, "new_kind": True}, stream={"tasks": 3}, train={**TRAIN, "global_batch_size": 10})
+
+
+def test_a_variants_batch_larger_than_a_task_is_refused(tmp_path):
+    """fixed: only train's and stages' batch sizes were checked."""
+    refused(tmp_path, "stream: the smallest of 2 tasks has 24 training rows, fewer than one global batch of 32 "
+                      "(variants.big)", stream={"tasks": 2}, lr_sweep={"lora": SWEEP["lora"]},
+            variants={"big": {"global_batch_size": 32, "micro_batch_size": 8, "lr_sweep": SWEEP["sparse"]}})
 
 
 # ----------------------------------------------------------------------------------------------- pretrain.memory

@@ -450,13 +450,17 @@ def _check_stream(config: SuiteConfig) -> None:
     if config.pretrain.get("memory"):  # smf.suite.stream would retrofit into the base's own folder (its adapter)
         raise ConfigError("stream: not on a base pretrained with its memories (pretrain.memory) yet: the stream's "
                           "first stage retrofits and its LoRA and full stages start from the plain model; remove one")
-    options, n_new = StreamOptions.from_dict(config.stream), WorldOptions.from_dict(config.world).n_new
-    for stage in sorted({condition_recipe(c) for c in config.conditions} - {None}):
-        batch = {**config.train, **config.stages.get(stage, {})}.get(
+    options, world = StreamOptions.from_dict(config.stream), WorldOptions.from_dict(config.world)
+    rows = options.train_rows(world.n_new, world.new_kind)
+    stages = sorted({condition_recipe(c) for c in config.conditions} - {None})
+    for stage, variant in [(stage, None) for stage in stages] + [  # a variant's batch size too
+            ("sparse", name) for name in config.variants if "sparse" in stages]:
+        batch = {**config.train, **config.stages.get(stage, {}), **config.variant_options(variant)}.get(
             "global_batch_size", RunConfig.__dataclass_fields__["global_batch_size"].default)
-        if options.train_rows(n_new) < batch:
-            raise ConfigError(f"stream: the smallest of {options.tasks} tasks has {options.train_rows(n_new)} "
-                              f"training rows, fewer than one global batch of {batch} (stages.{stage}); lower "
+        if rows < batch:
+            raise ConfigError(f"stream: the smallest of {options.tasks} tasks has {rows} "
+                              f"training rows, fewer than one global batch of {batch} "
+                              f"({f'variants.{variant}' if variant else f'stages.{stage}'}); lower "
                               "stream.tasks or global_batch_size, or raise world.n_new")
 
 
