@@ -322,6 +322,9 @@ def test_the_default_rows_per_step_is_the_papers_share_and_at_least_one(caplog):
     ("name: t\nschedule_sweep:\n  full:\n    3: [1e-5]\n    3: [2e-5]\n",
      "duplicate key 3 at line 5 (first at line 4)"),
     ("name: t\nhypotheses:\n  h:\n    a: full\n    a: lora\n", "duplicate key 'a' at line 5 (first at line 4)"),
+    # fixed: two keys on one line (a flow mapping, as the shipped configs write schedules) were not compared
+    ("name: t\nschedule_sweep:\n  full: {10: [1e-5], 10: [2e-5]}\n", "duplicate key 10 at line 3 (first at line 3)"),
+    ("name: t\nvariants: [{a: {rows_per_step: 2}, a: {rows_per_step: 4}}]\n", "duplicate key 'a' at line 2"),
 ])
 def test_a_key_twice_in_a_nested_section_is_refused_by_name_and_line(tmp_path, capsys, text, message):
     path = tmp_path / "suite.yaml"
