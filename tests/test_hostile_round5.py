@@ -16,6 +16,7 @@ from smf.data.world import WorldOptions, build_world
 from smf.errors import ConfigError
 from smf.suite.config import parse_suite_config
 from smf.suite.jobs import Task, run_tasks
+from smf.suite.plan import plan_runs
 from smf_kernels.sparse import SparseMemoryController
 from smf_kernels.sparse.selection import default_rows_per_step
 from helpers import MemoryLM
@@ -268,6 +269,13 @@ def test_a_world_suite_narrowed_to_its_baselines_lists_their_runs(tmp_path, caps
     assert listed and all(name.startswith(tuple(conditions)) for name in listed) and not out.exists()
 
 
+def test_variants_of_a_suite_without_sparse_conditions_have_no_runs(tmp_path):
+    """What ``--conditions base lora`` makes of a suite with variants (documented: a subset's variants have no runs)."""
+    config = parse(tmp_path, conditions=["base", "lora"], lr_sweep={"lora": SWEEP["lora"]},
+                   variants={"v": {"lr_sweep": SWEEP["sparse"]}})
+    assert [run.name for run in plan_runs(config)] == ["base-seed0", "lora-lr0.001-seed0", "lora-lr0.01-seed0"]
+
+
 def test_more_jobs_than_tasks_runs_every_task():
     finished = {}
     failure = run_tasks([Task(("a",), 4.0), Task(("b",), 9.0, (("a",),))], 8, math.sqrt, int, (),
@@ -292,6 +300,12 @@ def test_rows_per_step_on_the_command_line_must_be_a_positive_integer(tmp_path, 
         f"argument --rows-per-step: invalid int value: '{rows}'"
     cli_refuses(["train", "--config", TINY_TRAIN, "--recipe", "sparse", "--output-dir", str(out),
                  "--rows-per-step", rows], capsys, message, out)
+
+
+def test_rows_per_step_for_a_lora_run_is_refused_as_unused(tmp_path, capsys):
+    out = tmp_path / "out"
+    cli_refuses(["train", "--config", TINY_TRAIN, "--recipe", "lora", "--output-dir", str(out), "--rows-per-step", "8"],
+                capsys, "--rows-per-step is not used by this run: only --recipe sparse uses it", out)
 
 
 def test_a_misspelt_flag_is_named_with_the_closest_one(tmp_path, capsys):
