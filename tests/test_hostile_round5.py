@@ -9,11 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from smf.cli import main
 from smf.data.stream_tasks import StreamOptions, stream_task_rows
 from smf.data.world import WorldOptions, build_world
 from smf.errors import ConfigError
+from smf.train import pretrain
 from smf.suite.config import parse_suite_config
 from smf.suite.jobs import Task, run_tasks
 from smf.suite.plan import plan_runs
@@ -383,3 +385,29 @@ def test_gpu_runs_out_under_a_file_is_refused_before_mkdir(tmp_path, capsys):
         gpu_run.parse_args(["--out", str(path / "gpu"), "--dry-run"])
     assert exited.value.code == 2 and f"{str(path)!r} is a file, not a folder" in capsys.readouterr().err
     assert path.read_text() == "kept\n"
+
+
+# ----------------------------------------------------------------------------- python -m smf.train.pretrain
+def science_without(tmp_path, **changes) -> str:
+    """The science preset's file with ``changes`` (None: the key removed)."""
+    raw = yaml.safe_load((pretrain.CONFIGS / "suite_science.yaml").read_text())
+    raw.update(changes)
+    path = tmp_path / "suite.yaml"
+    path.write_text(yaml.safe_dump({key: value for key, value in raw.items() if value is not None}))
+    return str(path)
+
+
+@pytest.mark.parametrize("config, extra, message", [
+    ("paper", [], "--config 'paper': no world and pretrain sections"),  # fixed: pretrained a default world's base
+    ({"base_per_seed": None}, ["--seed", "3"], "--seed 3: suite.yaml has no base_per_seed"),  # fixed: ignored
+    ({"world": [1]}, [], "world must be a mapping, got list"),  # fixed: a TypeError traceback
+    ({}, ["--seed", "-1"], "world: option 'seed': input should be greater than or equal to 0, got -1"),
+])
+def test_pretrains_command_refuses_what_it_would_ignore(tmp_path, capsys, config, extra, message):
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exited:
+        pretrain.main(["--config", config if isinstance(config, str) else science_without(tmp_path, **config),
+                       *extra, "--output-dir", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert exited.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("error: ") and message in err
+    assert not out.exists()
