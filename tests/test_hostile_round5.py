@@ -1,6 +1,6 @@
 """Issue 50's hostile pass over what round 5 built: the study options (schedule_sweep, hypotheses, variants'
-conditions), streams, pretraining with memories, world options, ``--jobs``, rows_per_step, duplicated keys and
-``benchmarks/gpu_run.py``'s options. Each case is an input a careless or hostile user would give, with its expected
+conditions), streams, pretraining with memories (and ``python -m smf.train.pretrain``), world options, ``--jobs``,
+rows_per_step, duplicated keys and ``benchmarks/gpu_run.py``'s options. Each case is an input a careless or hostile user would give, with its expected
 one-line outcome: a ConfigError (CLI: ``smf <cmd>: error: ...``, exit 2, nothing written) naming the option, or the
 documented behaviour. The cases marked "fixed" were accepted silently or misnamed before this pass."""
 import logging
