@@ -1,8 +1,9 @@
 """Issue 50's hostile pass over what round 5 built: the study options (schedule_sweep, hypotheses, variants'
-conditions), streams, pretraining with memories (and ``python -m smf.train.pretrain``), world options, ``--jobs``,
-rows_per_step, duplicated keys and ``benchmarks/gpu_run.py``'s options. Each case is an input a careless or hostile user would give, with its expected
-one-line outcome: a ConfigError (CLI: ``smf <cmd>: error: ...``, exit 2, nothing written) naming the option, or the
-documented behaviour. The cases marked "fixed" were accepted silently or misnamed before this pass."""
+conditions, the hypotheses record), streams, pretraining with memories (and ``python -m smf.train.pretrain``), world
+options, ``--jobs``, rows_per_step, duplicated keys and ``benchmarks/gpu_run.py``'s options. Each case is an input a
+careless or hostile user would give, with its expected one-line outcome: a ConfigError (CLI: ``smf <cmd>: error:
+...``, exit 2, nothing written) naming the option, or the documented behaviour. The cases marked "fixed" were
+accepted silently, misnamed or a traceback before this pass."""
 import logging
 import math
 import sys
@@ -18,7 +19,8 @@ from smf.errors import ConfigError
 from smf.train import pretrain
 from smf.suite.config import parse_suite_config
 from smf.suite.jobs import Task, run_tasks
-from smf.suite.plan import plan_runs
+from smf.suite.plan import SuiteLayout, plan_runs
+from smf.suite.report import hypotheses_section
 from smf_kernels.sparse import SparseMemoryController
 from smf_kernels.sparse.selection import default_rows_per_step
 from helpers import MemoryLM
@@ -176,6 +178,18 @@ def test_a_variants_batch_larger_than_a_task_is_refused(tmp_path):
     refused(tmp_path, "stream: the smallest of 2 tasks has 24 training rows, fewer than one global batch of 32 "
                       "(variants.big)", stream={"tasks": 2}, lr_sweep={"lora": SWEEP["lora"]},
             variants={"big": {"global_batch_size": 32, "micro_batch_size": 8, "lr_sweep": SWEEP["sparse"]}})
+
+
+@pytest.mark.parametrize("content, message", [("{not json", "is not a readable hypotheses record"),
+                                              ('{"hypotheses": {}}', "expected a JSON object with 'registered_at'")])
+def test_a_damaged_hypotheses_record_is_named_by_the_report(tmp_path, content, message):
+    """fixed: the report read it with json.loads (a JSONDecodeError or KeyError traceback)."""
+    config = parse(tmp_path, matched_learning=[0.5], hypotheses={"h": HYPOTHESIS})
+    record = SuiteLayout(config.output_dir).hypotheses_file
+    record.parent.mkdir(parents=True)
+    record.write_text(content)
+    with pytest.raises(ConfigError, match=f"^{record}.*{message}"):
+        hypotheses_section(config, [], [])
 
 
 # ----------------------------------------------------------------------------------------------- pretrain.memory
