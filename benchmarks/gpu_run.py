@@ -29,6 +29,7 @@ same test files without running them.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import resource
 import subprocess
@@ -68,8 +69,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         p.error(f"--out {args.out!r}: must be a new or empty folder (the stage files are appended to)")
-    if args.budget <= 0:
-        p.error(f"--budget must be > 0 seconds, got {args.budget}")
+    blocked = next((parent for parent in out.parents if parent.exists() and not parent.is_dir()), None)
+    if blocked is not None:  # else mkdir's traceback after the checks
+        p.error(f"--out {args.out!r}: {str(blocked)!r} is a file, not a folder")
+    if not 0 < args.budget < math.inf:  # nan compares false: refused too
+        p.error(f"--budget must be a finite number > 0 seconds, got {args.budget}")
+    repeated = sorted({stage for stage in args.stages if args.stages.count(stage) > 1})
+    if repeated:
+        p.error(f"--stages {' '.join(repeated)}: given twice; name each stage once (its file is appended to)")
     return args
 
 

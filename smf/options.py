@@ -167,13 +167,14 @@ class UniqueKeyLoader(yaml.SafeLoader):
                     continue
                 key = self.construct_object(key_node, deep=deep)
                 try:
-                    seen = first.setdefault(key, key_node.start_mark.line + 1)
+                    seen = first.get(key)  # not by line: a flow mapping, {a: 1, a: 2}, holds both on one
                 except TypeError:  # an unhashable key: yaml's own error follows
                     continue
-                if seen != key_node.start_mark.line + 1:
+                if seen is not None:
                     raise yaml.constructor.ConstructorError(
                         None, None, f"duplicate key {key!r} at line {key_node.start_mark.line + 1} (first at line "
                         f"{seen}); a mapping holds each key once", key_node.start_mark)
+                first[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep)
 
 

@@ -72,7 +72,6 @@ def test_suites_without_variants_keep_their_hashes():
     ({"variants": {"A b": {"lr_sweep": [1e-2, 1e-1]}}}, "a variant's name is part of its runs' names"),
     ({"variants": {"a": {"n_keys": 16, "lr_sweep": [1e-2, 1e-1]}, "b": {"n_keys": 16, "lr_sweep": [1, 2]}}},
      "variants.b: the same options as variants.a"),
-    ({"conditions": ["base", "lora"]}, "this suite has none"),
     ({"lr_sweep": {"sparse": [1e-2, 1e-1], "lora": [1e-3, 1e-2]}}, "sparse: not used with variants"),
     ({"lr_sweep": {}}, "no learning rates for lora"),
 ])

@@ -20,7 +20,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from smf.data.world import ATTRIBUTES, World
+from smf.data.world import ATTRIBUTES, NEW_KINDS, World
 from smf.options import OPTIONS_CONFIG, checked, mapping, section_names
 
 __all__ = ["STREAM_ROLES", "StreamOptions", "split_people", "stream_task_rows", "task_name", "write_stream_tasks"]
@@ -46,9 +46,11 @@ class StreamOptions:
         """People in the smallest task of a world with ``n_new`` new people."""
         return n_new // self.tasks
 
-    def train_rows(self, n_new: int) -> int:
-        """Training rows of the smallest task (every fact once per question template)."""
-        return self.smallest_task(n_new) * sum(len(templates) for _, _, templates in ATTRIBUTES.values())
+    def train_rows(self, n_new: int, new_kind: bool = False) -> int:
+        """Training rows of the smallest task (every fact once per question template; ``new_kind``: the world's new
+        facts are of :data:`~smf.data.world.NEW_KINDS`, with their own count of templates)."""
+        kinds = NEW_KINDS if new_kind else ATTRIBUTES
+        return self.smallest_task(n_new) * sum(len(templates) for _, _, templates in kinds.values())
 
 
 def task_name(index: int) -> str:

@@ -122,14 +122,6 @@ class SuiteConfig:
                 raise ValueError(f"labels: the title of {key!r} is empty")
         return labels
 
-    @field_validator("variants")
-    @classmethod
-    def _variants_of_sparse_conditions(cls, variants: dict, info: ValidationInfo) -> dict:
-        if variants and not any(c in SPARSE_CONDITIONS for c in info.data.get("conditions", ())):
-            raise ValueError(f"variants {list(variants)} vary the sparse conditions, and this suite has none; add one "
-                             f"to conditions ({', '.join(SPARSE_CONDITIONS)})")
-        return variants
-
     @field_validator("lr_sweep")
     @classmethod
     def _sweep_rates(cls, sweep: dict, info: ValidationInfo) -> dict:
@@ -301,7 +293,7 @@ def _check_own_data(config: SuiteConfig) -> None:
     sparse = [c for c in config.conditions if c in SPARSE_CONDITIONS]
     if sparse and data.retrofit is None:
         raise ConfigError(f"data.retrofit is required: conditions {sparse} retrofit memories on it")
-    if data.background is not None and not sparse:
+    if data.background is not None and not sparse and not config.world:  # a world writes every role
         raise ConfigError("data.background is not used: no sparse condition computes background statistics")
 
 
@@ -344,7 +336,8 @@ def pretrained_adapter(config) -> Path | None:
 def _check_pretrained_memories(raw: dict, memory) -> None:
     """ConfigError for what a base pretrained with its memories (``memory``: a PretrainMemory, or None for a plain
     base) cannot run: replacement conditions (their memory would stand in for an MLP the base pretrained with) and
-    memory sizes in ``train`` other than the pretrained ones (no retrofit makes memories of those sizes)."""
+    memory sizes in ``train``, ``stages`` or ``variants`` other than the pretrained ones (no retrofit makes memories of
+    those sizes: the runs would load the pretrained ones and ignore them)."""
     if memory is None:
         return
     conditions = raw.get("conditions")
@@ -353,13 +346,19 @@ def _check_pretrained_memories(raw: dict, memory) -> None:
     if replaced:
         raise ConfigError(f"conditions {replaced}: a base pretrained with its memories (pretrain.memory) has additive "
                           "memories; drop the replacement conditions")
-    train = mapping(raw.get("train"), "train")
-    for name in ("layers", "n_keys", "heads", "topk", "key_dim"):
-        pretrained = getattr(memory, name)
-        if name in train and (list(train[name]) if isinstance(train[name], (list, tuple)) else train[name]) != \
-                (list(pretrained) if name == "layers" else pretrained):
-            raise ConfigError(f"train: option {name!r} is {train[name]!r} but pretrain.memory.{name} is "
-                              f"{pretrained!r}: the runs use the pretrained memories (no retrofit); make them equal")
+    sources = {"train": mapping(raw.get("train"), "train"),
+               **{f"stages.{stage}": mapping(options, f"stages.{stage}")
+                  for stage, options in mapping(raw.get("stages"), "stages").items()},
+               **{f"variants.{name}": mapping(options, f"variants.{name}")
+                  for name, options in mapping(raw.get("variants"), "variants").items()}}
+    for where, train in sources.items():
+        for name in ("layers", "n_keys", "heads", "topk", "key_dim"):
+            pretrained = getattr(memory, name)
+            if name in train and (list(train[name]) if isinstance(train[name], (list, tuple)) else train[name]) != \
+                    (list(pretrained) if name == "layers" else pretrained):
+                raise ConfigError(f"{where}: option {name!r} is {train[name]!r} but pretrain.memory.{name} is "
+                                  f"{pretrained!r}: the runs use the pretrained memories (no retrofit); make them "
+                                  "equal")
 
 
 def _check_own_files(config: SuiteConfig) -> None:
@@ -391,6 +390,8 @@ def _science_inputs(raw: dict) -> dict:
     """``raw`` with the world's files as its own data and the pretrained model as its model, when ``world`` /
     ``pretrain`` are given (the suite writes them: :mod:`smf.suite.science`; with ``base_per_seed``, those of the
     first seed); ConfigError for what they replace."""
+    for key in ("world", "pretrain"):
+        mapping(raw.get(key), key)  # a mapping or absent: `pretrain: 0` is refused, not read as no pretraining
     if not raw.get("world") and not raw.get("pretrain"):
         if raw.get("base_per_seed"):
             raise ConfigError("base_per_seed needs world (and pretrain): it gives every seed a world of its own")
@@ -426,7 +427,7 @@ def _science_inputs(raw: dict) -> dict:
 def _stream_options(raw: dict) -> dict:
     """``stream`` checked (:class:`~smf.data.stream_tasks.StreamOptions`; empty: no stream) against the world whose
     new people it splits (ConfigError in one line)."""
-    if not raw.get("stream"):
+    if raw.get("stream", {}) == {}:  # not `not raw["stream"]`: stream: 0 (or false) is refused, not read as none
         return {}
     options = StreamOptions.from_dict(raw["stream"])
     if not raw.get("world"):
@@ -440,19 +441,26 @@ def _stream_options(raw: dict) -> dict:
 
 
 def _check_stream(config: SuiteConfig) -> None:
-    """ConfigError unless ``config``'s stream evaluates each task (eval.tasks has learn) and its smallest task fills
-    one global batch of every trained stage."""
+    """ConfigError unless ``config``'s stream evaluates each task (eval.tasks has learn), is on a plain base (not one
+    pretrained with its memories) and its smallest task fills one global batch of every trained stage."""
     if not config.stream:
         return
     if "learn" not in config.eval.tasks:
         raise ConfigError(f"stream: eval.tasks {list(config.eval.tasks)} must include learn (each task's accuracy)")
-    options, n_new = StreamOptions.from_dict(config.stream), WorldOptions.from_dict(config.world).n_new
-    for stage in sorted({condition_recipe(c) for c in config.conditions} - {None}):
-        batch = {**config.train, **config.stages.get(stage, {})}.get(
+    if config.pretrain.get("memory"):  # smf.suite.stream would retrofit into the base's own folder (its adapter)
+        raise ConfigError("stream: not on a base pretrained with its memories (pretrain.memory) yet: the stream's "
+                          "first stage retrofits and its LoRA and full stages start from the plain model; remove one")
+    options, world = StreamOptions.from_dict(config.stream), WorldOptions.from_dict(config.world)
+    rows = options.train_rows(world.n_new, world.new_kind)
+    stages = sorted({condition_recipe(c) for c in config.conditions} - {None})
+    for stage, variant in [(stage, None) for stage in stages] + [  # a variant's batch size too
+            ("sparse", name) for name in config.variants if "sparse" in stages]:
+        batch = {**config.train, **config.stages.get(stage, {}), **config.variant_options(variant)}.get(
             "global_batch_size", RunConfig.__dataclass_fields__["global_batch_size"].default)
-        if options.train_rows(n_new) < batch:
-            raise ConfigError(f"stream: the smallest of {options.tasks} tasks has {options.train_rows(n_new)} "
-                              f"training rows, fewer than one global batch of {batch} (stages.{stage}); lower "
+        if rows < batch:
+            raise ConfigError(f"stream: the smallest of {options.tasks} tasks has {rows} "
+                              f"training rows, fewer than one global batch of {batch} "
+                              f"({f'variants.{variant}' if variant else f'stages.{stage}'}); lower "
                               "stream.tasks or global_batch_size, or raise world.n_new")
 
 
@@ -475,7 +483,8 @@ def _check_schedules(config: SuiteConfig) -> None:
 
 def _check_variant_conditions(config: SuiteConfig) -> None:
     """ConfigError for a sparse condition of the suite that runs in no variant. (A variant whose conditions the
-    suite does not run, e.g. after ``--conditions``, has no runs.)"""
+    suite does not run, e.g. after ``--conditions``, has no runs; so have all variants of a suite narrowed to its
+    baselines, ``--conditions base full``.)"""
     sparse = [c for c in config.conditions if c in SPARSE_CONDITIONS]
     if config.variants:
         idle = [c for c in sparse if not any(config.variant_runs(name, c) for name in config.variants)]
@@ -557,8 +566,7 @@ def _check_hypotheses(config: SuiteConfig) -> None:
     for name, entry in config.hypotheses.items():
         where = f"hypotheses.{name}"
         for key in ("a", "b"):
-            condition, variant = method_of(entry[key])
-            if (f"{condition}/{variant}" if variant else condition) not in methods:
+            if entry[key] not in methods:  # as written: 'additive-kl/' names no method
                 raise ConfigError(f"{where}.{key}: {entry[key]!r} is not a trained method of this suite; choose "
                                   f"from {', '.join(methods)}")
         if method_of(entry["a"]) == method_of(entry["b"]):
@@ -589,8 +597,9 @@ def parse_suite_config(raw, base_dir: Path, *, source: str = "config", check_pat
         "variants": _variants(raw.get("variants")),
         "lr_sweep": mapping(raw.get("lr_sweep"), "lr_sweep"),
         "stream": _stream_options(raw),
-        "schedule_sweep": {str(recipe): mapping(schedule, f"schedule_sweep.{recipe}") for recipe, schedule in
-                           mapping(raw.get("schedule_sweep"), "schedule_sweep").items()},
+        "schedule_sweep": {str(recipe): {str(epochs): rates for epochs, rates in (  # epochs as written (-1, not _1)
+            schedule.items() if isinstance(schedule, dict) else mapping(schedule, f"schedule_sweep.{recipe}").items())}
+            for recipe, schedule in mapping(raw.get("schedule_sweep"), "schedule_sweep").items()},
         "hypotheses": _hypotheses(raw.get("hypotheses")),
     }, str)
     _check_schedules(config)

@@ -41,9 +41,18 @@ def run_tasks(tasks: list[Task], jobs: int, worker: Callable, initializer: Calla
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
     keys = {task.key for task in tasks}
+    if len(keys) != len(tasks):
+        raise ValueError(f"tasks: a key given twice (each names one task): {[task.key for task in tasks]}")
     unknown = [need for task in tasks for need in task.needs if need not in keys]
     if unknown:
         raise ValueError(f"tasks need {unknown[0]}, which is not among the tasks")
+    reachable, left = set(), list(tasks)  # a cycle of needs would leave its tasks unrun, reported as no failure
+    while left:
+        ready = {task.key for task in left if set(task.needs) <= reachable}
+        if not ready:
+            raise ValueError(f"tasks {[task.key for task in left]} wait on each other (a cycle of needs)")
+        reachable |= ready
+        left = [task for task in left if task.key not in ready]
     saved = {name: os.environ.get(name) for name in environment or {}}
     os.environ.update(environment or {})  # the workers start with it (spawned on the first submit)
     waiting, running, done = list(tasks), {}, set()

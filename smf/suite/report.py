@@ -310,7 +310,8 @@ def hypotheses_section(config: SuiteConfig, rows: list[dict], lines: list[str]) 
     methods = {spec: (method_of(spec)[0], "exact", "all", method_of(spec)[1]) for spec in specs}
     evaluated = evaluate_hypotheses(config.hypotheses, rows, methods, len(config.seeds))
     record = SuiteLayout(config.output_dir).hypotheses_file
-    registered = json.loads(record.read_text()) if record.is_file() else None
+    registered = read_json_object(record, "hypotheses record", ("registered_at", "runs_finished", "runs_planned")) \
+        if record.is_file() else None
     lines += ["", "The tables above are **exploratory** except for the pre-registered contrasts below.", ""]
     lines += hypotheses_markdown(evaluated, {spec: variant_label(key, config.model) for spec, key in methods.items()},
                                  registered)

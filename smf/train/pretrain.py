@@ -427,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     copying a shipped one: the command that remakes the shipped bases (``smf/assets/science/``)."""
     parser = argparse.ArgumentParser(prog="python -m smf.train.pretrain", description=main.__doc__)
     parser.add_argument("--config", default="science", help="suite config: a file or a shipped name")
-    parser.add_argument("--seed", type=int, default=0, help="world and pretraining seed (base_per_seed suites)")
+    parser.add_argument("--seed", type=int, help="world and pretraining seed (base_per_seed suites only; default 0)")
     parser.add_argument("--output-dir", required=True, help="where pretrain_stage.json and final/ go")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -436,9 +436,14 @@ def main(argv: list[str] | None = None) -> int:
         if not path.is_file():
             raise ConfigError(f"--config {args.config!r}: no such file, nor a shipped suite config")
         raw = read_file(path)
-        seeded = {"seed": args.seed} if raw.get("base_per_seed") else {}
-        world = WorldOptions.from_dict({**(raw.get("world") or {}), **seeded})
-        options = PretrainOptions.from_dict({**(raw.get("pretrain") or {}), **seeded, "use_shipped": False})
+        if not raw.get("world") or not raw.get("pretrain"):  # else a default world's base, unasked for
+            raise ConfigError(f"--config {args.config!r}: no world and pretrain sections, so no base to pretrain")
+        if args.seed is not None and not raw.get("base_per_seed"):  # else ignored: the sections give the seeds
+            raise ConfigError(f"--seed {args.seed}: {path.name} has no base_per_seed; its world and pretrain sections "
+                              "give the seeds")
+        seeded = {"seed": args.seed or 0} if raw.get("base_per_seed") else {}
+        world = WorldOptions.from_dict({**mapping(raw["world"], "world"), **seeded})
+        options = PretrainOptions.from_dict({**mapping(raw["pretrain"], "pretrain"), **seeded, "use_shipped": False})
         threads = checked_option("threads", PositiveInt | None, raw.get("threads"))  # as the suite checks it
         if threads is not None:
             torch.set_num_threads(threads)
