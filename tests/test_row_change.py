@@ -30,3 +30,33 @@ def test_row_change_is_the_median_relative_change_of_the_updated_rows():
     assert abs(logged["row_change_vs_start"] - sorted(expected_start)[2]) < 1e-6 * sorted(expected_start)[2]
     step.world = 2
     assert step.row_change() == {}  # sharded tables: not measured
+
+
+def test_the_exact_update_measures_from_the_rows_the_optimizer_steps():
+    """The exact update copies no table: row_change reads the T rows the optimizer's step_rows was about to step
+    (kept by MemoryUpdateStep._rows_before_their_step), the rows it updated being a subset of them."""
+    generator = torch.Generator().manual_seed(1)
+    memories = {name: SimpleNamespace(values=torch.nn.Parameter(torch.randn(23, 4, generator=generator)))
+                for name in ("layers.0", "layers.2")}
+    start = {name: memory.values.detach().clone() for name, memory in memories.items()}
+
+    class RowOptimizer:
+        def step_rows(self, param, rows, grad, **kwargs):
+            with torch.no_grad():
+                param[rows] += grad
+
+    step = MemoryUpdateStep.__new__(MemoryUpdateStep)
+    step.update, step.world, step._before, step._stepped = SimpleNamespace(memories=memories), 1, {}, {}
+    step._start_norms = {name: table.norm(dim=1) for name, table in start.items()}
+    stepped = {"layers.0": torch.tensor([1, 4, 8, 20]), "layers.2": torch.tensor([0, 3, 22])}
+    optimizer = RowOptimizer()
+    with step._rows_before_their_step(optimizer):
+        for name, rows in stepped.items():
+            optimizer.step_rows(memories[name].values, rows, 0.2 * torch.randn(len(rows), 4, generator=generator))
+    assert "step_rows" not in vars(optimizer)  # the class's method again
+    step.rows = {"layers.0": torch.tensor([4, 20]), "layers.2": torch.tensor([0, 3, 22])}  # 5 updated
+    expected = sorted(float((memories[name].values[row] - start[name][row]).norm() / start[name][row].norm())
+                      for name, rows in step.rows.items() for row in rows.tolist())
+    logged = step.row_change()
+    assert abs(logged["row_change"] - expected[2]) < 1e-6 * expected[2] and logged["row_change"] > 0
+    assert abs(logged["row_change_vs_start"] - expected[2]) < 1e-6 * expected[2]

@@ -172,11 +172,12 @@ class MemoryUpdateStep(StepHooks):
             return {}
         changes, vs_start = [], []
         for name, rows in self.rows.items():
-            values = self.update.memories[name].values.detach()
+            table = self.update.memories[name].values  # the parameter the optimizer stepped (its id keys _stepped)
+            values = table.detach()
             if self._before:
                 before = self._before[name].index_select(0, rows).float()
-            elif id(values) in self._stepped:  # the rows the optimizer stepped, ascending: those updated among them
-                stepped, kept = self._stepped[id(values)]
+            elif id(table) in self._stepped:  # the rows the optimizer stepped, ascending: those updated among them
+                stepped, kept = self._stepped[id(table)]
                 before = kept.index_select(0, torch.searchsorted(stepped, rows)).float()
             else:
                 continue
