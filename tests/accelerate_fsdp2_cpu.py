@@ -7,6 +7,7 @@ tests/test_hf_fsdp2.py."""
 import runpy
 import sys
 
+import torch.distributed
 from accelerate.state import PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from transformers import Trainer
@@ -28,3 +29,7 @@ def _with_fsdp2(self):
 Trainer.create_accelerator_and_postprocess = _with_fsdp2
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
+# The process group ended before the interpreter exits: under load, gloo's threads torn down by exit's static
+# destructors once aborted a rank after the run had finished ("terminate called without an active exception").
+if torch.distributed.is_initialized():
+    torch.distributed.destroy_process_group()
