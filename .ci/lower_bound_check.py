@@ -84,14 +84,19 @@ def main() -> None:
 
         reference = load_file(OLD_NAMES / "reference.safetensors")
         old = from_pretrained(OLD_NAMES / "hf", backend="torch")
-        assert torch.equal(old(reference["ids"]).logits, reference["logits"]), "old projection names: logits differ"
+        with torch.no_grad():
+            old_logits = old(reference["ids"]).logits
+        # the stored reference comes from another CPU: within float32 precision (tests/test_old_projection_names.py's
+        # LOGITS_ATOL, ~200 ulps of the largest logit); comparisons on this machine below stay bit for bit
+        difference = (old_logits - reference["logits"]).abs().max().item()
+        assert difference <= 1e-4, f"old projection names: logits differ by {difference:.3g}"
         old.save_pretrained(Path(tmp) / "resaved")
-        torch.save(reference, Path(tmp) / "resaved" / "ref.pt")
+        torch.save({"ids": reference["ids"], "logits": old_logits}, Path(tmp) / "resaved" / "ref.pt")
         with safe_open(Path(tmp) / "resaved" / "model.safetensors", "pt") as handle:
             assert not [name for name in handle.keys() if "_proj." in name and ".memory." in name]
         _load_without_smf(Path(tmp) / "resaved", tmp)
-        print("checkpoint of the old projection names: equal logits with smf; saved again under the new names, "
-              "equal logits without smf")
+        print(f"checkpoint of the old projection names: logits within {difference:.1e} of the stored reference with "
+              "smf; saved again under the new names, equal logits without smf")
 
         configure_trainable(loaded, "sparse")
         controller = SparseMemoryController(loaded, rule="tfidf", rows_per_step=6)
