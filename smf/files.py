@@ -26,10 +26,11 @@ def os_error_behind(err: BaseException) -> OSError | None:
 
 
 def write_atomic(path: str | Path, write: Callable[[Path], object]) -> Path:
-    """Call ``write(tmp)`` to fill a temporary file beside ``path``, sync it, rename it to ``path``."""
+    """Call ``write(tmp)`` to fill a temporary file beside ``path``, sync it, rename it to ``path``. The temporary
+    file is this process's own (``smf suite --jobs`` workers may write one file at once: the last rename wins whole)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         write(tmp)
         with open(tmp, "rb+") as handle:

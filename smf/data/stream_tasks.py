@@ -12,7 +12,6 @@ Everything is a function of the world and ``tasks``: the same options give the s
 from __future__ import annotations
 
 import json
-import os
 import string
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Annotated
 from pydantic import Field
 
 from smf.data.world import ATTRIBUTES, NEW_KINDS, World
+from smf.files import write_text_atomic
 from smf.options import OPTIONS_CONFIG, checked, mapping, section_names
 
 __all__ = ["STREAM_ROLES", "StreamOptions", "split_people", "stream_task_rows", "task_name", "write_stream_tasks"]
@@ -97,10 +97,7 @@ def _write_if_changed(path: Path, text: str) -> None:
     """``text`` into ``path`` unless it holds it already; atomically (several processes may prepare one world)."""
     if path.is_file() and path.read_text() == text:
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    partial.write_text(text)
-    os.replace(partial, path)
+    write_text_atomic(path, text)
 
 
 def write_stream_tasks(world: World, tasks: int, directory: str | Path) -> list[dict[str, str]]:

@@ -63,3 +63,15 @@ def median_row_change(records: list[dict], field: str = "row_change") -> float |
     :class:`smf.train.steps.MemoryUpdateStep`); None when the log does not record it at every step."""
     changes = [record[field] for record in records if field in record]
     return statistics.median(changes) if changes and len(changes) == len(records) else None
+
+
+def sparse_step_stats(records: list[dict]) -> dict:
+    """Mean per optimizer step of a sparse run's train_log.jsonl ``records``: rows selected (all layers) and value
+    rows that moved without being selected (all layers); and, where the log records them, ``row_change`` and
+    ``row_change_vs_start``: the median over steps of the median per-touch row change relative to the row's norm
+    before the step, and when training started (:mod:`smf.suite.cost`)."""
+    changes = {field: median_row_change(records, field) for field in ("row_change", "row_change_vs_start")}
+    return {"steps": len(records),
+            "selected_rows": sum(r["selected_rows"] for r in records) / max(len(records), 1),
+            "rows_moved_outside": sum(r["rows_moved_outside"] for r in records) / max(len(records), 1),
+            **{field: change for field, change in changes.items() if change is not None}}

@@ -32,7 +32,7 @@ from smf.eval.tasks import evaluate_model, load_eval_sets
 from smf.files import read_json_object, write_json_atomic
 from smf.model.loading import FINAL_DIR, RUN_CONFIG, load_model, read_run_config
 from smf.suite.config import SuiteConfig, pretrained_adapter, seed_config
-from smf.suite.cost import log_records, median_row_change, parameter_counts, training_cost
+from smf.suite.cost import log_records, parameter_counts, sparse_step_stats, training_cost
 from smf.suite.jobs import Task, run_tasks
 from smf.suite.plan import (Run, SuiteLayout, merged_plan, options_fingerprint, plan_runs, run_hash,
                             sparse_stage_dirs, stage_config)
@@ -92,19 +92,6 @@ def read_results(path: Path, expected_hash: str) -> dict:
                           f"{results.get('config_hash')} != {expected_hash}); delete it to recompute that run, "
                           "or use another output_dir")
     return results
-
-
-def sparse_step_stats(train_dir: Path) -> dict:
-    """Mean per optimizer step of a sparse run's train_log.jsonl: rows selected (all layers) and value
-    rows that moved without being selected (all layers); and, where the log records them, ``row_change`` and
-    ``row_change_vs_start``: the median over steps of the median per-touch row change relative to the row's norm
-    before the step, and when training started (:mod:`smf.suite.cost`)."""
-    records = log_records(train_dir / LOG_FILE)
-    changes = {field: median_row_change(records, field) for field in ("row_change", "row_change_vs_start")}
-    return {"steps": len(records),
-            "selected_rows": sum(r["selected_rows"] for r in records) / max(len(records), 1),
-            "rows_moved_outside": sum(r["rows_moved_outside"] for r in records) / max(len(records), 1),
-            **{field: change for field, change in changes.items() if change is not None}}
 
 
 def ensure_stage(kind: str, config: RunConfig) -> dict:
@@ -219,15 +206,16 @@ class SuiteRunner:
         eval_cpu_started = time.process_time()
         metrics, eval_seconds, artefact, eval_rows = self.evaluate(run)
         eval_cpu = time.process_time() - eval_cpu_started
+        records = log_records(self.layout.train_dir(run) / LOG_FILE) if run.recipe is not None else []
         cost = None
         if run.recipe is not None and run.name in self._parameters:
-            cost = training_cost(log_records(self.layout.train_dir(run) / LOG_FILE), self._parameters.pop(run.name))
+            cost = training_cost(records, self._parameters.pop(run.name))
         results = {
             "condition": run.condition, "seed": run.seed, "update": run.update, "metrics": metrics,
             **({} if run.lr is None else {"lr": run.lr}), **({"reads": run.reads} if run.reads else {}),
             **({"variant": run.variant} if run.variant else {}),
             **({} if run.epochs is None else {"epochs": run.epochs}),
-            "sparse_steps": sparse_step_stats(self.layout.train_dir(run)) if run.recipe == "sparse" else None,
+            "sparse_steps": sparse_step_stats(records) if run.recipe == "sparse" else None,
             "cost": cost,
             "timing": {**{f"{kind}_s": marker["seconds"] for kind, marker in markers.items()},
                        "eval_s": eval_seconds, "wall_s": round(time.perf_counter() - started, 3),

@@ -47,7 +47,7 @@ from smf.eval.tasks import evaluate_model, load_eval_sets
 from smf.files import read_json_object, write_json_atomic
 from smf.model.loading import FINAL_DIR, load_model, load_run
 from smf.suite.config import SuiteConfig, seed_config
-from smf.suite.cost import log_records, parameter_counts, training_cost
+from smf.suite.cost import log_records, parameter_counts, sparse_step_stats, training_cost
 from smf.suite.plan import Run, SuiteLayout, run_hash, sparse_stage_dirs, stage_config
 from smf.train.checkpoint import LOG_FILE
 from smf.train.config import RunConfig
@@ -118,13 +118,8 @@ def merge_lora(run_dir: Path, merged_dir: Path, device) -> Path:
 
 
 def stream_step_stats(stage_dirs: list[Path]) -> dict:
-    """Mean per optimizer step, over every stage of a sparse stream run, of value rows selected and of rows moved
-    without being selected (all layers), as :func:`smf.suite.runner.sparse_step_stats` gives for one stage."""
-    records = [json.loads(line) for directory in stage_dirs
-               for line in (directory / LOG_FILE).read_text().splitlines() if line.strip()]
-    return {"steps": len(records),
-            "selected_rows": sum(r["selected_rows"] for r in records) / max(len(records), 1),
-            "rows_moved_outside": sum(r["rows_moved_outside"] for r in records) / max(len(records), 1)}
+    """:func:`smf.suite.cost.sparse_step_stats` over every stage of a sparse stream run (its steps in order)."""
+    return sparse_step_stats([record for directory in stage_dirs for record in log_records(directory / LOG_FILE)])
 
 
 class StreamRun:
