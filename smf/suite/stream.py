@@ -3,7 +3,8 @@ suite learns the world's new people as tasks A, B, C, ... (:mod:`smf.data.stream
 stage starting from the previous stage's result, and is evaluated after every stage on the old facts, the held-out
 texts and every task (earlier, current and later ones: the whole accuracy matrix).
 
-How each method continues (each stage trains ``stages.{recipe}``'s epochs on its task at the run's rate):
+How each method continues (each stage trains ``stages.{recipe}``'s epochs, or those of the run's ``schedule_sweep``
+configuration, on its task at the run's rate):
 
 - sparse: stage 1 trains the retrofit's memories as a single-task run does; stage k trains the memories stage k-1
   left (its adapter), the base model frozen throughout. The background statistics are the retrofit's, computed once
@@ -153,13 +154,13 @@ class StreamRun:
                                 layout.stage_dir(run, stage), mode=run.mode, rule=run.rule,
                                 adapter=previous or retrofit_dir, background=background_dir,
                                 update="authors" if run.update == "authors" else None, lr=run.lr,
-                                count_reads=run.reads, variant=run.variant), markers
+                                count_reads=run.reads, variant=run.variant, epochs=run.epochs), markers
         model = self.config.model
         if previous is not None:
             model = str(previous / FINAL_DIR) if run.recipe == "full" else str(
                 merge_lora(previous, layout.merged_dir(run, stage - 1), self.runner.device))
         return stage_config(dataclasses.replace(self.config, data=data, model=model), run.recipe, run.seed,
-                            layout.stage_dir(run, stage), lr=run.lr), {}
+                            layout.stage_dir(run, stage), lr=run.lr, epochs=run.epochs), {}
 
     def eval_sets(self, task: int | None) -> dict:
         """The evaluation sets of the old knowledge (``task`` None: every configured role but learn), or of task

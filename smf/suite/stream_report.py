@@ -1,7 +1,8 @@
 """What a stream suite adds to its report (``stream.md`` / ``.json`` and ``stream_forgetting.png``;
 docs/science.md#a-stream-of-tasks), from the ``stream`` records of its results files (:mod:`smf.suite.stream`):
 
-- per method, at its chosen rate (the highest mean accuracy on the last task, as Table 1), a table of the old-fact
+- per method, at its chosen configuration (rate, and epochs with a schedule sweep: the highest mean accuracy on the
+  last task, as Table 1), a table of the old-fact
   accuracy, the held-out perplexity and every task's accuracy after each stage, mean ± 95% interval over seeds, the
   base model's first;
 - matched learning at the final stage: learning is the last task's accuracy, and each method's kept value is read off
@@ -19,7 +20,7 @@ from smf.report.matched_learning import format_cell, matched_learning, mean_inte
 from smf.report.paper_results import metric_title
 from smf.report.stream_plot import OLD_FACTS, plot_forgetting
 from smf.suite.config import SuiteConfig
-from smf.suite.science import at_chosen_rates, chosen_rates
+from smf.suite.science import at_chosen_rates, chosen_settings
 from smf.suite.science import variant as result_variant
 
 OLD_KEY, HELDOUT_KEY = "retain_acc", "heldout_ppl"
@@ -46,7 +47,7 @@ def _summaries(values: dict[int, dict[str, list[float]]]) -> dict[int, dict[str,
 def stage_rows(config: SuiteConfig, results: list[dict]) -> list[dict]:
     """Per method (at its chosen rate with a sweep), the per-stage summaries, stage 0 the base model's."""
     streamed = [r for r in (at_chosen_rates(results) if config.swept else results) if r.get("stream")]
-    chosen = chosen_rates(results) if config.swept else {}
+    chosen = chosen_settings(results) if config.swept else {}
     base = _summaries(_stage_values([r for r in streamed if r["condition"] == "base"])).get(0, {})
     methods: dict[tuple, list[dict]] = {}
     for result in streamed:
@@ -56,7 +57,9 @@ def stage_rows(config: SuiteConfig, results: list[dict]) -> list[dict]:
     rows = []
     for method, runs in sorted(methods.items(), key=lambda item: (order.get(item[0][0], 99), str(item[0]))):
         stages = {**({0: base} if base else {}), **_summaries(_stage_values(runs))}
-        rows.append({"method": list(method), "lr": chosen.get(method), "seeds": sorted(r["seed"] for r in runs),
+        epochs, rate = chosen.get(method, (None, None))
+        rows.append({"method": list(method), "lr": rate, **({"epochs": epochs} if epochs is not None else {}),
+                     "seeds": sorted(r["seed"] for r in runs),
                      "stages": {str(stage): stages[stage] for stage in sorted(stages)}})
     return rows
 
@@ -69,7 +72,8 @@ def _matched_records(results: list[dict], tasks: list[str]) -> list[dict]:
         if result.get("lr") is None or not result.get("stream"):
             continue
         final = result["stream"]["stages"][-1]
-        records.append({**{k: result.get(k) for k in ("condition", "seed", "update", "reads", "variant", "lr")},
+        records.append({**{k: result.get(k) for k in ("condition", "seed", "update", "reads", "variant", "lr",
+                                                      "epochs")},
                         "metrics": {LEARNED: final["tasks"][tasks[-1]], OLD_KEY: final["metrics"].get(OLD_KEY),
                                     **{f"task {task}": final["tasks"][task] for task in tasks[:-1]}}})
     return records
@@ -99,7 +103,8 @@ def write_stream_report(config: SuiteConfig, results: list[dict], out_dir: Path,
              f"mean task-{tasks[-1]} accuracy after the stream); ± is the 95% Student-t interval over seeds. Later "
              "tasks' columns before they are trained show what the model guesses.\n"]
     for row in rows:
-        rate = "" if row["lr"] is None else f", lr {row['lr']:g}"
+        rate = ("" if row.get("epochs") is None else f", {row['epochs']} epochs") + (
+            "" if row["lr"] is None else f", lr {row['lr']:g}")
         seeds = f"{len(row['seeds'])} seed" + "s" * (len(row["seeds"]) > 1)
         lines += [f"### {label(tuple(row['method']), config.model)}{rate} ({seeds})\n",
                   f"| After | {old_title} | {metric_title(HELDOUT_KEY, config.labels)} | "
