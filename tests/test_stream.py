@@ -4,6 +4,7 @@ LoRA: the merged model; full: its weights), checked on the start model's logits;
 facts and on every task's own questions; the report draws the per-stage tables, matched learning on the last task
 and the forgetting curves; a stream killed in its second stage resumes there and writes the same files as an
 unbroken one; bad ``stream:`` options are refused in one line. No test says which method forgets less."""
+import dataclasses
 import json
 from pathlib import Path
 
@@ -33,6 +34,8 @@ PROBE = "Question: Where was Abel Aldmoor born ?\nAnswer:"
 
 def _raw(output_dir: Path, conditions=CONDITIONS, **changes) -> dict:
     raw = yaml.safe_load((Path(__file__).parents[1] / "smf" / "configs" / "suite_stream.yaml").read_text())
+    for key in ("variants", "schedule_sweep", "hypotheses"):  # one rate per method at the stage's epochs
+        raw.pop(key, None)
     raw.update(output_dir=str(output_dir), seeds=[SEED], world=WORLD, pretrain=PRETRAIN, conditions=conditions,
                lr_sweep=RATES)
     raw["train"].update(layers=[0, 1], n_keys=8, topk=4, key_dim=16, rows_per_step=16, n_background=20,
@@ -121,6 +124,22 @@ def test_each_stage_starts_from_the_previous_stages_result(stream):
             torch.testing.assert_close(starts[directory], _logits(model, tokenizer), rtol=1e-5, atol=1e-5)
             if stage > 1:  # it learned something in the stage before: the chain is not the start model's
                 assert not torch.equal(starts[directory], starts[dirs[stage - 2]])
+
+
+def test_a_schedule_configuration_trains_its_epochs_in_every_stage(stream):
+    """A schedule_sweep configuration's epochs reach every stage of its stream (not the stage's configured ones)."""
+    from types import SimpleNamespace
+
+    from smf.suite.stream import StreamRun
+
+    config, _, _ = stream
+    runner = SimpleNamespace(config=config, layout=SuiteLayout(config.output_dir), device=torch.device("cpu"))
+    for run in _trained_runs(config):  # at the stage's configured epochs (1), every stage
+        streamed = StreamRun(runner, run, lambda stage, run_config: {})
+        assert [streamed.stage_config(stage)[0].epochs for stage in (1, 2, 3)] == [1, 1, 1]
+        # a configuration of 3 epochs (stage 1: later stages start from directories this run never trained)
+        swept = StreamRun(runner, dataclasses.replace(run, epochs=3), lambda stage, run_config: {})
+        assert swept.stage_config(1)[0].epochs == 3 and swept.stage_config(1)[0].lr == run.lr
 
 
 def test_every_stage_is_evaluated_on_old_facts_and_every_task(stream):
@@ -254,11 +273,14 @@ def test_stream_preset_shares_the_science_bases_and_sweep():
     configs = Path(__file__).parents[1] / "smf" / "configs"
     science = yaml.safe_load((configs / "suite_science.yaml").read_text())
     raw = yaml.safe_load((configs / "suite_stream.yaml").read_text())
-    # the shipped bases are copied: the same worlds and pretraining; the stream keeps the earlier one-schedule sweep
-    same = ("world", "pretrain", "train", "eval", "base_per_seed")
+    # the shipped bases are copied (the same worlds and pretraining), and the methods, SMF configurations and
+    # schedule sweep are the science preset's
+    same = ("seeds", "conditions", "world", "pretrain", "train", "stages", "eval", "base_per_seed", "variants",
+            "schedule_sweep", "matched_learning")
     assert {key: raw[key] for key in same} == {key: science[key] for key in same}
     config = load_suite_config("stream")
-    assert config.stream == {"tasks": 3} and len(plan_runs(config)) == 3 * (1 + 8 * 7)
+    assert config.stream == {"tasks": 3} and len(plan_runs(config)) == 5 * (1 + 4 * 6)
+    assert {h["a"] for h in config.hypotheses.values()} == {"additive+s-tfidf/paper-like", "additive-tfidf/large-step"}
 
 
 def test_a_suite_without_a_stream_records_no_stream_key(tmp_path):
