@@ -90,6 +90,8 @@ def test_bad_memory_options_are_refused_in_one_line(memory, message):
 
 def _suite(tmp_path, **changes) -> dict:
     raw = yaml.safe_load((Path(__file__).parents[1] / "smf" / "configs" / "suite_science_pretrained.yaml").read_text())
+    for key in ("variants", "schedule_sweep", "hypotheses"):  # one rate per method at the stage's epochs
+        raw.pop(key, None)
     raw.update(output_dir=str(tmp_path / "suite"), seeds=[5], world={k: v for k, v in WORLD.items() if k != "seed"},
                pretrain={**TINY, "memory": MEMORY},
                lr_sweep={"sparse": [1e-2], "lora": [1e-3], "full": [1e-3]}, matched_learning=[0.5])
