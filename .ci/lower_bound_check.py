@@ -1,7 +1,8 @@
 """The oldest transformers pyproject.toml accepts, checked end to end (run by .ci/run in a venv holding it).
 
 Saves a tiny Qwen-2 with memories, loads it back with smf (``smf.model.from_pretrained``) and through the code
-saved beside it in a process that cannot import smf (``trust_remote_code=True``), both with the saved logits,
+saved beside it in a process that cannot import smf (``trust_remote_code=True``), both with the saved logits, loads
+its tokenizer subfolder there with nothing on stderr (no custom-code prompt: smf.model.saved_tokenizer),
 loads the checkpoint saved before the memory projections were renamed (tests/fixtures/old_projection_names) with
 smf, with the old code's logits, and saves it again under the new names (loaded back without smf), then runs one
 ``SparseMemoryTrainer`` step and checks that only selected value rows changed and that its log holds
@@ -19,8 +20,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import TrainingArguments
 
-from smf.model import attach_memories, configure_trainable, from_pretrained
-from smf.tiny import TINY_MEMORY_KWARGS, tiny_model
+from smf.model import attach_memories, configure_trainable, from_pretrained, save_tokenizer
+from smf.tiny import TINY_MEMORY_KWARGS, tiny_model, tiny_tokenizer
 from smf_kernels.hf import SparseMemoryTrainer
 from smf_kernels.sparse import SparseMemoryController
 
@@ -39,6 +40,11 @@ model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True
 assert torch.equal(model(ref["ids"]).logits, ref["logits"]), "saved code: logits differ"
 print(type(model).__name__)
 """
+TOKENIZER_WITHOUT_SMF = WITHOUT_SMF[:WITHOUT_SMF.index("import torch")] + r"""
+from transformers import AutoTokenizer
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1], subfolder="tokenizer")
+print(tokenizer("ab").input_ids)
+"""
 
 
 class Sequences(torch.utils.data.Dataset):
@@ -53,12 +59,15 @@ class Sequences(torch.utils.data.Dataset):
                 "labels": self.ids[index]}
 
 
-def _load_without_smf(directory: Path, tmp: str) -> str:
-    """The class a process without smf loads ``directory`` as (``trust_remote_code=True``, its ``ref.pt`` logits)."""
-    done = subprocess.run([sys.executable, "-c", WITHOUT_SMF, str(directory)], capture_output=True, text=True,
-                          env={"HF_MODULES_CACHE": str(Path(tmp) / "modules"), "HF_HUB_OFFLINE": "1",
-                               "PATH": "/usr/bin:/bin"})
+def _load_without_smf(directory: Path, tmp: str, script: str = WITHOUT_SMF) -> str:
+    """What ``script`` prints in a process without smf: the class it loads ``directory`` as (``trust_remote_code=True``,
+    its ``ref.pt`` logits), or the token ids of its tokenizer subfolder (``TOKENIZER_WITHOUT_SMF``, which must load
+    with nothing on stderr: no custom-code prompt, no model-type warning)."""
+    done = subprocess.run([sys.executable, "-c", script, str(directory)], capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, env={"HF_MODULES_CACHE": str(Path(tmp) / "modules"),
+                                                         "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
     assert done.returncode == 0, done.stderr[-3000:]
+    assert script != TOKENIZER_WITHOUT_SMF or not done.stderr.strip(), done.stderr[-3000:]
     return done.stdout.strip()
 
 
@@ -75,12 +84,16 @@ def main() -> None:
         with torch.no_grad():
             logits = model(ids).logits
         model.save_pretrained(directory)
+        save_tokenizer(tiny_tokenizer(), directory)
         torch.save({"ids": ids, "logits": logits}, directory / "ref.pt")
 
         loaded = from_pretrained(directory, backend="torch")
         assert torch.equal(loaded(ids).logits, logits), "smf.model.from_pretrained: logits differ"
         print("smf.model.from_pretrained: equal logits")
         print(f"trust_remote_code without smf: {_load_without_smf(directory, tmp)}, equal logits")
+        ids_ab = _load_without_smf(directory, tmp, TOKENIZER_WITHOUT_SMF)
+        assert ids_ab == "[97, 98]", ids_ab
+        print("tokenizer subfolder without smf: loaded, nothing on stderr (no prompt, no warning)")
 
         reference = load_file(OLD_NAMES / "reference.safetensors")
         old = from_pretrained(OLD_NAMES / "hf", backend="torch")

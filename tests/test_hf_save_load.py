@@ -1,6 +1,7 @@
 """save_pretrained of a model with memories records them; smf.model.from_pretrained and, once smf is
 imported, a plain AutoModelForCausalLM.from_pretrained restore them."""
 import json
+import os
 import subprocess
 import sys
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from smf.model import attach_memories, from_pretrained, memory_blocks
+from smf.model import TOKENIZER_SUBFOLDER, attach_memories, from_pretrained, memory_blocks, save_tokenizer
 from smf.tiny import TINY_MEMORY_KWARGS, tiny_model, tiny_tokenizer
 
 
@@ -69,6 +70,7 @@ def test_plain_auto_from_pretrained_without_smf_asks_for_trust_remote_code(tmp_p
     model = tiny_model()
     attach_memories(model, (2,), "additive", **TINY_MEMORY_KWARGS)
     model.save_pretrained(tmp_path)
+    save_tokenizer(tiny_tokenizer(), tmp_path)
     script = ("import sys\nfrom transformers import AutoModelForCausalLM\n"
               "try:\n    AutoModelForCausalLM.from_pretrained(sys.argv[1])\n"
               "except ValueError as err:\n    print('ERROR', err)\n"
@@ -77,6 +79,31 @@ def test_plain_auto_from_pretrained_without_smf_asks_for_trust_remote_code(tmp_p
                             timeout=300, cwd=tmp_path, stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stderr
     assert "ERROR" in result.stdout and "trust_remote_code=True" in result.stdout, result.stdout
+
+
+def test_the_tokenizer_subfolder_loads_without_smf_with_no_prompt_or_warning(tmp_path):
+    """A model with memories keeps a copy of its tokenizer in ``tokenizer/`` (no config.json there): a process
+    without smf loads it with no custom-code prompt and no model-type warning (smf.model.saved_tokenizer)."""
+    model = tiny_model()
+    attach_memories(model, (2,), "additive", **TINY_MEMORY_KWARGS)
+    model.save_pretrained(tmp_path)
+    save_tokenizer(tiny_tokenizer(), tmp_path)
+    copy = tmp_path / TOKENIZER_SUBFOLDER
+    assert (copy / "tokenizer_config.json").is_file() and not (copy / "config.json").exists()
+    script = ("import sys\nfrom transformers import AutoTokenizer\n"
+              "tokenizer = AutoTokenizer.from_pretrained(sys.argv[1], subfolder='tokenizer')\n"
+              "print(tokenizer('ab').input_ids)\n"
+              "assert not any(name.split('.')[0] == 'smf' for name in sys.modules)\n")
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
+                            timeout=300, cwd=tmp_path, stdin=subprocess.DEVNULL,
+                            env={**os.environ, "TRANSFORMERS_VERBOSITY": "warning"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[97, 98]"
+    assert "custom code" not in result.stderr and "model of type" not in result.stderr, result.stderr
+    plain = tmp_path / "plain"  # a model without memories: no copy (its config.json is transformers' own)
+    tiny_model().save_pretrained(plain)
+    save_tokenizer(tiny_tokenizer(), plain)
+    assert (plain / "tokenizer_config.json").is_file() and not (plain / TOKENIZER_SUBFOLDER).exists()
 
 
 def test_from_pretrained_without_memories_is_a_plain_model(tmp_path):

@@ -17,6 +17,7 @@ from smf.model.loading import (
 )
 from smf.model.memory_mode import set_memory_mode
 from smf.model.read_mask import loss_positions, reads_counted_at_loss
+from smf.model.saved_tokenizer import TOKENIZER_SUBFOLDER, save_tokenizer
 from smf.model.sizes import scaled_memory_sizes
 from smf.vocabulary import DEFAULT_MODEL
 
@@ -31,6 +32,7 @@ __all__ = [
     "MemoryDiagnostics",
     "PAPER_LAYERS",
     "STAGES",
+    "TOKENIZER_SUBFOLDER",
     "apply_lora",
     "attach_memories",
     "configure_trainable",
@@ -52,6 +54,7 @@ __all__ = [
     "read_adapter_config",
     "reads_counted_at_loss",
     "save_memory_adapter",
+    "save_tokenizer",
     "scaled_memory_sizes",
     "set_memory_mode",
     "warn_if_inert",

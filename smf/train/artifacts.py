@@ -1,7 +1,8 @@
 """What a training run leaves in its directory: ``run_config.json`` (the resolved options) and, once
 training finishes, ``final/``: a memory adapter for retrofit and sparse runs (see
 :func:`smf.model.save_memory_adapter`), a peft adapter for LoRA, a transformers ``save_pretrained``
-model for full finetuning; the tokenizer is saved beside each. :func:`smf.model.load_run` loads it.
+model for full finetuning; the tokenizer is saved beside each (a model with memories: also in its
+``tokenizer/`` subfolder, :func:`smf.model.save_tokenizer`). :func:`smf.model.load_run` loads it.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 from torch import nn
 
 from smf.files import write_json_atomic
-from smf.model import save_memory_adapter
+from smf.model import save_memory_adapter, save_tokenizer
 
 
 def write_run_config(path: Path, options: dict) -> None:
@@ -24,5 +25,5 @@ def save_final(model: nn.Module, tokenizer, recipe: str, directory: Path) -> Pat
         save_memory_adapter(model, directory)
     else:
         model.save_pretrained(directory)  # peft writes only the adapter; full writes the whole model
-    tokenizer.save_pretrained(directory)
+    save_tokenizer(tokenizer, directory)  # a full model with memories: also in tokenizer/ (no config.json there)
     return directory
