@@ -33,7 +33,6 @@ DEFERRED = {
     "smf.model.remote_code": {"smf.model.attach", "smf_kernels.memory"},  # the saved copy of this file runs without smf
     "smf.suite.config": {"smf.data.own_data", "smf.train.pretrain"},  # torch: `smf suite` / `smf eval` parse
     "smf.suite.dry_run": {"smf.train.pretrain"},  # torch: `smf suite --dry-run` of a config without a world
-    "smf.train": {"smf.model"},  # torch: the deprecated names only; the CLI imports smf.train.config
     "smf.train.config": {"smf.model.adapter", "smf.model.loading", "smf.model.sizes", "smf.train.distributed",
                          "smf_kernels.backends"},  # torch: the CLI's parser reads the options defined here
     "smf.train.pretrain": {"smf.data.world_tokenizer",  # transformers: suite config checks import PretrainOptions
