@@ -16,7 +16,7 @@ from smf.model.block import MODES, MemoryBlock
 from smf.model.hf_auto import base_model_type, memory_config_class, use_attach
 from smf.model.memory_spec import CONFIG_KEY, check_memory_spec, layers_path_in
 from smf.model.sizes import scaled_layers, scaled_memory_kwargs
-from smf.vocabulary import PAPER_LAYERS, canonical, check_layers  # noqa: F401 (smf.model exports it)
+from smf.vocabulary import PAPER_LAYERS, check_layers  # noqa: F401 (smf.model exports it)
 from smf_kernels import ProductKeyMemory
 from smf_kernels.memory import PROJECTIONS
 
@@ -96,8 +96,7 @@ def attach_memories(model: nn.Module, layers=None, mode: str = "additive",
             other layouts (see :func:`decoder_layers`; GPT-2 and GPT-NeoX are known).
         layers: 0-based decoder layer indices; None: scaled to the model (:mod:`smf.model.sizes`: a quarter,
             half and three quarters of the depth; the paper's 6, 12, 18 at Qwen-2.5-0.5B).
-        mode: ``"replacement"``, ``"additive"`` or ``"additive+s"`` (see :class:`MemoryBlock`; the old
-            spelling ``"additive_s"`` is read with a DeprecationWarning).
+        mode: ``"replacement"``, ``"additive"`` or ``"additive+s"`` (see :class:`MemoryBlock`).
         alpha_init: initial scalar of the memory branch in additive modes (paper: 0.01).
         **memory_kwargs: ProductKeyMemory arguments (n_keys, heads, topk, key_dim, value_dim,
             backend); unset sizes are scaled to the model (:mod:`smf.model.sizes`; the paper's at
@@ -111,7 +110,6 @@ def attach_memories(model: nn.Module, layers=None, mode: str = "additive",
     through the code saved beside it (``trust_remote_code=True``), never silently without them.
     Returns the blocks, by layer index.
     """
-    mode = canonical(mode, "mode")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if "d_model" in memory_kwargs:
