@@ -9,7 +9,6 @@ from torch import nn
 from smf_kernels._precision import no_autocast
 from smf_kernels.backends import construction_error
 from smf_kernels.ops import GradientSink, product_key_topk, weighted_gather
-from smf_kernels.ops.weighted_gather import COO_REMOVED
 from smf_kernels.projection import MemoryProjection
 
 PROJECTIONS = ("query_map", "gate_map", "out_map")  # the memory's MemoryProjection submodules
@@ -141,10 +140,6 @@ class ProductKeyMemory(nn.Module):
         if not (sink is None or isinstance(sink, GradientSink)):
             raise TypeError(f"sink must be a GradientSink or None, got {type(sink).__name__}")
         self.grad_sink = sink
-
-    def set_update_rows(self, rows) -> None:
-        """Removed (the sparse COO value gradient): raises TypeError naming what replaced it."""
-        raise TypeError(f"ProductKeyMemory.set_update_rows: {COO_REMOVED}")
 
     def lookup(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores (N, heads, topk) fp32 and slot ids (N, heads, topk) for x (N, d_model).

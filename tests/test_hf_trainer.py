@@ -239,9 +239,9 @@ def test_the_trainer_and_smf_train_fill_a_step_the_same_way(tmp_path, accumulati
     model, controller = _model_and_controller()
     plans, real_begin = [], controller.begin_step
 
-    def begin_step(fill="reads_kept", **removed):
+    def begin_step(fill="reads_kept"):
         plans.append(fill)
-        real_begin(fill, **removed)
+        real_begin(fill)
 
     controller.begin_step = begin_step
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2,

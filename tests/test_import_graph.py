@@ -1,10 +1,14 @@
 """smf_kernels' and smf's modules import each other without cycles (imports inside functions included): the
 backend registry loads the adapters, the adapters load raw kernels, and nothing below points back up. smf's
 packages follow the layer order of smf/__init__.py, and import smf modules inside functions only where that defers
-a heavy dependency (:data:`DEFERRED`)."""
+a heavy dependency (:data:`DEFERRED`). An import is an ``import``, a ``from ... import`` (relative ones resolved
+against the importing module's package) or an ``importlib.import_module`` / ``__import__`` call with a literal name;
+the checks run on any tree (``root``), which the planted-import tests use."""
 import ast
 from collections import defaultdict
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,7 +37,6 @@ DEFERRED = {
     "smf.model.remote_code": {"smf.model.attach", "smf_kernels.memory"},  # the saved copy of this file runs without smf
     "smf.suite.config": {"smf.data.own_data", "smf.train.pretrain"},  # torch: `smf suite` / `smf eval` parse
     "smf.suite.dry_run": {"smf.train.pretrain"},  # torch: `smf suite --dry-run` of a config without a world
-    "smf.train": {"smf.model"},  # torch: the deprecated names only; the CLI imports smf.train.config
     "smf.train.config": {"smf.model.adapter", "smf.model.loading", "smf.model.sizes", "smf.train.distributed",
                          "smf_kernels.backends"},  # torch: the CLI's parser reads the options defined here
     "smf.train.pretrain": {"smf.data.world_tokenizer",  # transformers: suite config checks import PretrainOptions
@@ -41,8 +44,8 @@ DEFERRED = {
 }
 
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
+def _module_name(path: Path, root: Path = ROOT) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -50,28 +53,73 @@ def _ours(module: str, package: str) -> bool:
     return module == package or module.startswith(f"{package}.")
 
 
-def _modules(*packages: str) -> dict[str, Path]:
-    return {_module_name(p): p for package in packages for p in (ROOT / package).rglob("*.py")}
+def _modules(*packages: str, root: Path = ROOT) -> dict[str, Path]:
+    return {_module_name(p, root): p for package in packages for p in (root / package).rglob("*.py")}
 
 
-def _imports(package: str, of: tuple[str, ...]):
-    """``(module, line, imported module, inside a function)`` for every import in ``package``'s files of a module of
-    the packages ``of`` (``from pkg import name`` of a submodule counts as that submodule)."""
-    modules = _modules(*of)
-    for name, path in _modules(package).items():
+def _resolve(name: str, level: int, package: str) -> str | None:
+    """The absolute name of ``name`` imported ``level`` packages up from ``package`` (``from ..x import y`` in
+    ``a.b.c``: name "x", level 2, package "a.b" -> "a.x"); ``name`` itself at level 0; None beyond the top."""
+    if level == 0:
+        return name
+    parts = package.split(".")
+    if level > len(parts):
+        return None
+    base = ".".join(parts[:len(parts) - level + 1])
+    return f"{base}.{name}" if name else base
+
+
+def _literal(node) -> str | None:
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+
+def _dynamic_import(node: ast.Call, name: str, package: str) -> tuple[str | None, list[str]]:
+    """``(module, names)`` that the call ``node`` in module ``name`` (of package ``package``) imports when it is
+    ``importlib.import_module("literal"[, package])`` or ``__import__("literal"[, globals, locals, fromlist,
+    level])``; ``(None, [])`` for any other call, or a name that is no literal."""
+    func = node.func
+    called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+    target = _literal(node.args[0]) if node.args else None
+    if called not in ("import_module", "__import__") or target is None:
+        return None, []
+    keywords = {keyword.arg: keyword.value for keyword in node.keywords}
+    if called == "import_module":  # a leading dot counts from the package argument, as importlib's resolve_name
+        level = len(target) - len(target.lstrip("."))
+        anchor = node.args[1] if len(node.args) > 1 else keywords.get("package")
+        anchor = {"__package__": package, "__name__": name}.get(getattr(anchor, "id", None)) or _literal(anchor)
+        return (_resolve(target[level:], level, anchor) if anchor else None) if level else target, []
+    fromlist = node.args[3] if len(node.args) > 3 else keywords.get("fromlist")
+    level = node.args[4] if len(node.args) > 4 else keywords.get("level")
+    names = [_literal(item) for item in getattr(fromlist, "elts", ()) if _literal(item)]
+    return _resolve(target, getattr(level, "value", 0), package), names
+
+
+def _imports(package: str, of: tuple[str, ...], root: Path = ROOT):
+    """``(module, line, imported module, inside a function)`` for every import in ``package``'s files (under
+    ``root``) of a module of the packages ``of``: ``import``, ``from ... import`` (a relative one resolved against
+    the importing module's package; ``from pkg import name`` of a submodule counts as that submodule), and
+    ``importlib.import_module`` / ``__import__`` calls with a literal name."""
+    modules = _modules(*of, root=root)
+    for name, path in _modules(package, root=root).items():
+        own = name if path.name == "__init__.py" else name.rpartition(".")[0]  # where its relative imports start
         tree = ast.parse(path.read_text())
         functions = [node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
         inner = {id(node) for function in functions for node in ast.walk(function)}
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module and any(_ours(node.module, p) for p in of):
-                targets = {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
-                           for a in node.names}
-            elif isinstance(node, ast.Import):
-                targets = {a.name for a in node.names if any(_ours(a.name, p) for p in of)}
+            if isinstance(node, ast.Import):
+                found = [(alias.name, []) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                found = [(_resolve(node.module or "", node.level, own), [alias.name for alias in node.names])]
+            elif isinstance(node, ast.Call):
+                found = [_dynamic_import(node, name, own)]
             else:
                 continue
-            for target in sorted(targets):
-                yield name, node.lineno, target, id(node) in inner
+            for module, names in found:
+                if module is None or not any(_ours(module, p) for p in of):
+                    continue
+                targets = {f"{module}.{n}" if f"{module}.{n}" in modules else module for n in names} or {module}
+                for target in sorted(targets):
+                    yield name, node.lineno, target, id(node) in inner
 
 
 def _edges(package: str = "smf_kernels") -> dict[str, set[str]]:
@@ -132,16 +180,62 @@ def _layer_of(module: str) -> str | None:
     return module.split(".")[1] if "." in module else None
 
 
-def _against_layers(package: str, layers: tuple[tuple[str, ...], ...]) -> list[str]:
-    """Each import in ``package`` from a package of the same or a higher layer of ``layers``, with its line; first
-    checks that ``layers`` places every package of ``package`` (its ``__init__``, the public surface, is above all)."""
+def _against_layers(package: str, layers: tuple[tuple[str, ...], ...], root: Path = ROOT) -> list[str]:
+    """Each import in ``package`` (under ``root``) from a package of the same or a higher layer of ``layers``, with
+    its line; first checks that ``layers`` places every package of ``package`` (its ``__init__``, the public
+    surface, is above all)."""
     depth = {name: index for index, layer in enumerate(layers) for name in layer}
-    placed = {_layer_of(name) for name in _modules(package)} - {None}
+    placed = {_layer_of(name) for name in _modules(package, root=root)} - {None}
     assert placed == set(depth), f"packages of {package} not in its layers (or listed but gone): {placed ^ set(depth)}"
     return [f"{name}:{line} imports {target} ({_layer_of(name)} -> {_layer_of(target)})"
-            for name, line, target, _ in _imports(package, (package,))
+            for name, line, target, _ in _imports(package, (package,), root)
             if None not in (_layer_of(name), _layer_of(target)) and _layer_of(target) != _layer_of(name)
             and depth[_layer_of(target)] <= depth[_layer_of(name)]]
+
+
+PLANTED_LAYERS = (("high",), ("low",))  # the planted tree's: pkg.low may import nothing of pkg.high
+
+
+def _planted_tree(root: Path, leaf: str) -> Path:
+    """A package ``pkg`` under ``root``: ``pkg.high.mod``, ``pkg.low.sibling`` and ``pkg.low.leaf``, whose text is
+    ``leaf``."""
+    files = {"__init__.py": "", "high/__init__.py": "", "high/mod.py": "thing = 1\n", "low/__init__.py": "",
+             "low/sibling.py": "x = 1\n", "low/leaf.py": leaf}
+    for name, text in files.items():
+        (root / "pkg" / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / "pkg" / name).write_text(text)
+    return root
+
+
+@pytest.mark.parametrize("leaf, target", [
+    ("from ..high import mod\n", "pkg.high.mod"),
+    ("from ..high.mod import thing\n", "pkg.high.mod"),
+    ("from .. import high\n", "pkg.high"),
+    ("import importlib\nimportlib.import_module('pkg.high.mod')\n", "pkg.high.mod"),
+    ("from importlib import import_module\nimport_module('..high', __package__)\n", "pkg.high"),
+    ("import importlib\nimportlib.import_module('..high.mod', package='pkg.low')\n", "pkg.high.mod"),
+    ("__import__('pkg.high')\n", "pkg.high"),
+    ("__import__('high', globals(), locals(), ['mod'], 2)\n", "pkg.high.mod"),
+    ("def load():\n    import importlib\n    return importlib.import_module('pkg.high')\n", "pkg.high"),
+], ids=["relative", "relative-module", "relative-package", "import_module", "import_module-relative",
+        "import_module-package", "__import__", "__import__-level", "inside-a-function"])
+def test_a_planted_upward_import_is_flagged(tmp_path, leaf, target):
+    """Relative imports and importlib / ``__import__`` calls with a literal name count as imports: each planted
+    in a tree of two layers (pkg.low under pkg.high) is reported with its line (the checker missed the first kind
+    and both importlib kinds before)."""
+    line = leaf.count("\n")  # each planted import is on the leaf's last line
+    assert _against_layers("pkg", PLANTED_LAYERS, _planted_tree(tmp_path, leaf)) == [
+        f"pkg.low.leaf:{line} imports {target} (low -> high)"]
+
+
+@pytest.mark.parametrize("leaf", ["from . import sibling\n", "from .sibling import x\n",
+                                  "import importlib\nimportlib.import_module('.sibling', __package__)\n",
+                                  "__import__('sibling', globals(), locals(), ['x'], 1)\n"])
+def test_a_planted_import_of_the_own_package_is_resolved_and_allowed(tmp_path, leaf):
+    root = _planted_tree(tmp_path, leaf)
+    assert [target for name, _, target, _ in _imports("pkg", ("pkg",), root) if name == "pkg.low.leaf"] == [
+        "pkg.low.sibling"]
+    assert _against_layers("pkg", PLANTED_LAYERS, root) == []
 
 
 def test_smf_packages_import_only_their_own_or_a_lower_layer():

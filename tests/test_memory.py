@@ -71,15 +71,6 @@ def test_read_counting_on_off_reset_and_padding():
     assert mem.read_counts.sum() == 0
 
 
-def test_the_removed_sparse_coo_gradient_names_what_replaced_it():
-    mem = ProductKeyMemory(40, **SMALL)
-    with pytest.raises(TypeError, match=r"set_update_rows: update_rows was removed: .*set_grad_sink.*COO value"):
-        mem.set_update_rows(torch.tensor([5, 0, 77]))
-    assert mem.grad_sink is None
-    mem(torch.randn(4, 40)).sum().backward()
-    assert mem.values.grad.layout == torch.strided
-
-
 def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="key_dim must be even"):
         ProductKeyMemory(40, key_dim=21)

@@ -1,14 +1,12 @@
 """smf.model.loading, the one home of model loading: what each kind of directory loads as, clear errors
-for what it cannot load, and the deprecated names that still work."""
+for what it cannot load."""
 import json
 
 import pytest
 import torch
 
-import smf.train
 from smf.errors import ConfigError
-from smf.model import (attach_memories, load_base, load_base_model, load_model, load_model_with_memories,
-                       load_with_adapter, memory_blocks, save_memory_adapter)
+from smf.model import attach_memories, load_base, load_model, load_with_adapter, memory_blocks, save_memory_adapter
 from smf.tiny import TINY_MEMORY_KWARGS, tiny_model
 
 
@@ -48,14 +46,3 @@ def test_what_cannot_be_loaded_is_one_clear_error(adapter, tmp_path):
     config.write_text(json.dumps({**json.loads(config.read_text()), "base_model": None}))
     with pytest.raises(ConfigError, match="records no base model"):
         load_with_adapter(None, adapter)
-
-
-def test_deprecated_loaders_still_load(adapter):
-    with pytest.deprecated_call(match="load_base_model is deprecated"):
-        assert not memory_blocks(load_base_model("tiny"))
-    with pytest.deprecated_call(match="load_model_with_memories is deprecated"):
-        assert len(memory_blocks(load_model_with_memories(None, adapter))) == 2
-    with pytest.deprecated_call(match="smf.train.load_trained_model is deprecated; use smf.model.load_run"):
-        assert smf.train.load_trained_model.__name__ == "load_run"
-    with pytest.deprecated_call(match="smf.train.load_base is deprecated"):
-        assert smf.train.load_base is load_base

@@ -229,11 +229,6 @@ def test_clip_sharded_grad_norm_of_float64_gradients_is_float64():
     assert abs(torch.cat([table.grad.flatten(), bias.grad.double()]).norm().item() - 0.5) < 1e-6
 
 
-def test_the_removed_sparse_clip_names_what_replaced_it():
-    with pytest.raises(ImportError, match="clip_grad_norm_ was removed .* torch.nn.utils.clip_grad_norm_"):
-        from smf_kernels.sparse import clip_grad_norm_  # noqa: F401
-
-
 def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="betas"):
         RowSparseAdamW([torch.nn.Parameter(torch.randn(2, 2))], betas=(1.0, 0.9))

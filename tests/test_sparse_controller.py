@@ -9,7 +9,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from smf_kernels.sparse import (BackgroundStats, DenseMaskedUpdate, RowGradients, RowSparseAdamW,
+from smf_kernels.sparse import (BackgroundStats, DenseMaskedUpdate, RowSparseAdamW,
                                 SparseMemoryController, StepMisuseError)
 from helpers import MemoryLM
 from sparse_oracle import dense_reference
@@ -155,15 +155,11 @@ def test_controller_misuse_raises():
         controller.finish_step(torch.optim.SGD([model.alpha], lr=0.1))
     assert controller.in_step
     controller.abort_step()
-    with pytest.raises(TypeError, match=r"select_before_backward=\.\.\.\) was renamed: .*fill='rows_first'"):
-        controller.begin_step(select_before_backward=True)
     with pytest.raises(ValueError, match="fill must be one of"):
         controller.begin_step(fill="count_first")
     with pytest.raises(ValueError, match="fill 'rows_first' is the exact update's; DenseMaskedUpdate selects at"):
         DenseMaskedUpdate(model, background=controller.background).begin_step(fill="rows_first")
     assert not controller.in_step
-    with pytest.raises(TypeError, match=r"apply\(optimizer, grad_scale=\) became the whole finishing sequence"):
-        RowGradients({}, {}, {}).apply(torch.optim.SGD([model.alpha], lr=0.1), grad_scale=torch.ones(()))
     controller.begin_step()
     gradients = controller.end_step()
     gradients.apply(RowSparseAdamW([model.memory.values], lr=0.1))

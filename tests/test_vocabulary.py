@@ -1,5 +1,6 @@
 """One spelling per word (smf.vocabulary): old spellings still read, with a deprecation warning, from the
-command line, config files, the Python API and adapters saved before the rename; suite fingerprints unchanged."""
+command line, config files and adapters saved before the rename (user files; the Python API takes the one
+spelling); suite fingerprints unchanged."""
 import hashlib
 import json
 
@@ -55,11 +56,9 @@ def test_suite_fingerprints_hash_the_spelling_they_were_written_with(tmp_path):
             assert options_fingerprint({"update": update, "compile": compile_}) == options_fingerprint(written_before)
 
 
-def test_old_mode_spelling_in_the_api_and_in_saved_adapters(tmp_path):
+def test_old_mode_spelling_in_saved_adapters(tmp_path):
     model = tiny_model()
-    with pytest.deprecated_call(match="'additive_s' is deprecated"):
-        attach_memories(model, (2,), "additive_s", **TINY_MEMORY_KWARGS)
-    assert memory_blocks(model)[0].mode == "additive+s"
+    attach_memories(model, (2,), "additive+s", **TINY_MEMORY_KWARGS)
     save_memory_adapter(model, tmp_path)
     adapter = tmp_path / "memory_adapter.json"
     saved = json.loads(adapter.read_text())

@@ -221,7 +221,6 @@ def test_out_of_range_indices_raise():
         (dict(counts=torch.zeros(50, dtype=torch.int64), valid=torch.ones(36, dtype=torch.bool)), ValueError,
          r"valid must have shape \(N,\)"),
         (dict(valid=torch.ones(37, dtype=torch.bool)), ValueError, "pass counts too"),
-        (dict(update_rows=torch.tensor([3, 5])), TypeError, r"update_rows was removed: .* grad_sink="),
         (dict(grad_sink=torch.tensor([3, 5])), TypeError, "grad_sink must be a GradientSink or None, got Tensor"),
         (dict(weights=torch.rand(37, 8, device="meta")), ValueError, "same device"),
     ],

@@ -16,7 +16,7 @@ from smf.model.block import MODES, MemoryBlock
 from smf.model.hf_auto import base_model_type, memory_config_class, use_attach
 from smf.model.memory_spec import CONFIG_KEY, check_memory_spec, layers_path_in
 from smf.model.sizes import scaled_layers, scaled_memory_kwargs
-from smf.vocabulary import PAPER_LAYERS, canonical, check_layers  # noqa: F401 (smf.model exports it)
+from smf.vocabulary import PAPER_LAYERS, check_layers  # noqa: F401 (smf.model exports it)
 from smf_kernels import ProductKeyMemory
 from smf_kernels.memory import PROJECTIONS
 
@@ -96,8 +96,7 @@ def attach_memories(model: nn.Module, layers=None, mode: str = "additive",
             other layouts (see :func:`decoder_layers`; GPT-2 and GPT-NeoX are known).
         layers: 0-based decoder layer indices; None: scaled to the model (:mod:`smf.model.sizes`: a quarter,
             half and three quarters of the depth; the paper's 6, 12, 18 at Qwen-2.5-0.5B).
-        mode: ``"replacement"``, ``"additive"`` or ``"additive+s"`` (see :class:`MemoryBlock`; the old
-            spelling ``"additive_s"`` is read with a DeprecationWarning).
+        mode: ``"replacement"``, ``"additive"`` or ``"additive+s"`` (see :class:`MemoryBlock`).
         alpha_init: initial scalar of the memory branch in additive modes (paper: 0.01).
         **memory_kwargs: ProductKeyMemory arguments (n_keys, heads, topk, key_dim, value_dim,
             backend); unset sizes are scaled to the model (:mod:`smf.model.sizes`; the paper's at
@@ -111,7 +110,6 @@ def attach_memories(model: nn.Module, layers=None, mode: str = "additive",
     through the code saved beside it (``trust_remote_code=True``), never silently without them.
     Returns the blocks, by layer index.
     """
-    mode = canonical(mode, "mode")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if "d_model" in memory_kwargs:
@@ -211,6 +209,24 @@ def _own_config(model: nn.Module, config_class: type) -> None:
     for module in model.modules():
         if getattr(module, "config", None) is old:
             module.config = new
+
+
+def without_memories(model: nn.Module) -> tuple[object, dict[str, torch.Tensor]]:
+    """``model``'s config and state dict as they were before :func:`attach_memories` (copies; ``model`` is not
+    changed): the config of the base architecture's class without ``smf_memories``, and every tensor but the
+    memories' and alphas' (an additive block holds its MLP's weights under their names). What ``save_pretrained``
+    of the decoder alone takes. ValueError for replacement memories (their blocks dropped the MLPs)."""
+    replaced = [block.layer_index for block in memory_blocks(model) if not block.has_mlp]
+    if replaced:
+        raise ValueError(f"the memories at layers {replaced} replaced their MLPs: there is no decoder without them")
+    config = copy.deepcopy(model.config)
+    if getattr(type(config), "smf_base_model_type", None):
+        config.__class__ = type(config).__mro__[1]
+    if hasattr(config, CONFIG_KEY):
+        delattr(config, CONFIG_KEY)
+    prefixes = tuple(f"{name}.{part}" for name, module in model.named_modules() if isinstance(module, MemoryBlock)
+                     for part in ("memory.", "alpha"))
+    return config, {key: value for key, value in model.state_dict().items() if not key.startswith(prefixes)}
 
 
 def _install_mask_hooks(stack: nn.Module, blocks: list[MemoryBlock]) -> None:

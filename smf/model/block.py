@@ -6,7 +6,6 @@ import torch
 from torch import nn
 
 from smf.vocabulary import MEMORY_MODES as MODES
-from smf.vocabulary import canonical
 from smf_kernels import ProductKeyMemory
 
 _MEMORY_PARTS = ("memory", "alpha")  # what a block adds to the module it stands for
@@ -56,7 +55,6 @@ class MemoryBlock(nn.Module):
                alpha_init: float = 0.01) -> "MemoryBlock":
         """The block of ``mode`` at decoder layer ``layer_index``: for ``replacement`` (``mlp`` None)
         a new module; for the additive modes ``mlp`` itself, turned into a block in place."""
-        mode = canonical(mode, "mode")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if (mlp is None) != (mode == "replacement"):

@@ -19,7 +19,6 @@ import logging
 import os
 import pickle
 import re
-import warnings
 from pathlib import Path
 
 import torch
@@ -271,22 +270,3 @@ def _legacy_key_mapping(directory: Path, spec: dict) -> dict[str, str] | None:
         return None
     logger.info("%s holds the older layout (%s*); loading its MLP weights under their current names", directory, old)
     return {re.escape(old): f".{spec['mlp_attr']}."}
-
-
-def _deprecated(old: str, new: str) -> None:
-    warnings.warn(f"{old} is deprecated; use smf.model.{new}", DeprecationWarning, stacklevel=3)
-
-
-def load_base_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32,
-                    device: str | torch.device = "cpu") -> nn.Module:
-    """Deprecated: ``load_base(name_or_path, device, dtype)[0]``."""
-    _deprecated("load_base_model", "load_base(...)[0]")
-    return load_base(name_or_path, device, dtype)[0]
-
-
-def load_model_with_memories(base_name_or_path: str | None, adapter_dir: str | Path,
-                             dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                             backend: str | None = None) -> nn.Module:
-    """Deprecated: ``load_with_adapter(base_name_or_path, adapter_dir, device, backend)[0]``."""
-    _deprecated("load_model_with_memories", "load_with_adapter(...)[0]")
-    return load_with_adapter(base_name_or_path, adapter_dir, device, backend)[0].to(dtype)

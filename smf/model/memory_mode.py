@@ -7,7 +7,6 @@ from torch import nn
 
 from smf.model.attach import CONFIG_KEY, memory_blocks
 from smf.model.block import MemoryBlock
-from smf.vocabulary import canonical
 
 logger = logging.getLogger(__name__)
 
@@ -21,7 +20,6 @@ def set_memory_mode(model: nn.Module, mode: str) -> list[MemoryBlock]:
     When the model is already set up for sparse finetuning (only memory values train), alpha's ``requires_grad``
     follows the new mode at once. ValueError for a replacement model (it has no alpha) or another mode.
     Returns the blocks."""
-    mode = canonical(mode, "mode")
     blocks = memory_blocks(model)
     if not blocks:
         raise ValueError("model holds no memories; call smf.model.attach_memories first")

@@ -45,7 +45,7 @@ import math
 import random
 import shutil
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from typing import Annotated
@@ -190,18 +190,23 @@ def world_model(options: PretrainOptions, tokenizer):
 
 def save_base(model, options: PretrainOptions, tokenizer, final: Path) -> None:
     """Save the pretrained ``model`` and ``tokenizer`` to ``final``: with ``options.memory``, as a plain decoder
-    (``save_pretrained``; the additive blocks keep the MLPs' names) plus a memory adapter in the same folder
+    (``save_pretrained`` of the model with its config and weights without the memories,
+    :func:`smf.model.attach.without_memories`; the additive blocks keep the MLPs' names) plus a memory adapter in
+    the same folder
     (``memory_adapter.safetensors`` / ``.json``, :func:`smf.model.save_memory_adapter`, recording no base model:
     the folder moves), so ``--model final --adapter final`` loads the network as pretrained."""
     if options.memory is None:
         model.save_pretrained(final)
     else:
         from smf.model.adapter import ADAPTER_CONFIG, save_memory_adapter  # as world_model's
+        from smf.model.attach import without_memories
 
-        plain = world_model(replace(options, memory=None), tokenizer)
-        keys = plain.state_dict().keys()
-        plain.load_state_dict({k: v for k, v in model.state_dict().items() if k in keys}, strict=True)
-        plain.save_pretrained(final)
+        config, state = without_memories(model)
+        with_memories, model.config = model.config, config  # save_pretrained writes model.config
+        try:
+            model.save_pretrained(final, state_dict=state)
+        finally:
+            model.config = with_memories
         save_memory_adapter(model, final)
         config = json.loads((final / ADAPTER_CONFIG).read_text())
         write_json_atomic(final / ADAPTER_CONFIG, {**config, "base_model": None})

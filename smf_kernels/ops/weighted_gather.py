@@ -12,14 +12,6 @@ from smf_kernels.backends import resolve_backend
 from smf_kernels.ops import _gather_ops as gather_ops
 
 
-# What replaced ``update_rows`` (a tensor: the removed sparse COO value gradient; a sink: renamed), for the error a
-# caller gets
-COO_REMOVED = ("update_rows was removed: a gradient sink is passed as grad_sink= (ProductKeyMemory.set_grad_sink); "
-               "a tensor of rows, the sparse COO value gradient, is gone: a RowGradSink with the rows set takes their "
-               "compact (T, D) gradient, and SparseMemoryController does this for you "
-               "(docs/method.md#what-sparse-means); for a dense gradient, pass neither")
-
-
 class GradientSink:
     """Where a backward puts the value gradient instead of a ``.grad``: pass an instance as ``grad_sink`` and
     the gather's backward calls :meth:`backward` for the value gradient and the others
@@ -81,7 +73,6 @@ def weighted_gather(
     grad_sink: GradientSink | None = None,
     gate: torch.Tensor | None = None,
     backend: str | None = None,
-    **removed,
 ) -> torch.Tensor:
     """``out[n] = sum_l weights[n, l] * values[indices[n, l]]``, with a read histogram.
 
@@ -95,8 +86,7 @@ def weighted_gather(
             (needs ``counts``).
         grad_sink: optional :class:`GradientSink` (:class:`smf_kernels.sparse.RowGradSink`: the (T, D) gradient
             of a step's selected rows) that takes the value gradient; ``values`` then gets none through autograd.
-            Default: a dense gradient. (``update_rows=``, a sparse COO gradient of some rows, was removed: a
-            TypeError says so.)
+            Default: a dense gradient.
         gate: optional (N, D) float tensor, the memory layer's gate: the result is then ``silu(gate) * out`` in
             gate's dtype, in the same op calls (:func:`smf_kernels.ops.silu_mul`); differentiable w.r.t. gate.
         backend: "torch", "triton", "ext" or None (see :mod:`smf_kernels.backends`).
@@ -104,10 +94,6 @@ def weighted_gather(
     Returns:
         (N, D) tensor in values' dtype (gate's with a gate); differentiable w.r.t. values and weights.
     """
-    if "update_rows" in removed:
-        raise TypeError(f"weighted_gather: {COO_REMOVED}")
-    if removed:
-        raise TypeError(f"weighted_gather got unexpected keyword arguments {sorted(removed)}")
     if grad_sink is not None and not isinstance(grad_sink, GradientSink):
         raise TypeError(f"grad_sink must be a GradientSink or None, got {type(grad_sink).__name__}")
     check_gather_args(values, indices, weights, counts, valid, None)

@@ -66,17 +66,3 @@ __all__ = [
     "select_top_rows",
     "tfidf_scores",
 ]
-
-# Public names that were removed, with what replaced them (the error a caller of the old name gets).
-_REMOVED = {
-    "clip_grad_norm_": "smf_kernels.sparse.clip_grad_norm_ was removed with the sparse COO gradients it understood "
-                       "(it shadowed torch's name with other semantics): use torch.nn.utils.clip_grad_norm_, or "
-                       "clip_sharded_grad_norm_ for memories split by smf_kernels.sharded (the whole table's norm); "
-                       "the sparse update clips with the rows in the norm itself (RowGradients.apply)",
-}
-
-
-def __getattr__(name: str):
-    if name in _REMOVED:  # an ImportError: ``from smf_kernels.sparse import name`` shows the message too
-        raise ImportError(_REMOVED[name])
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -130,10 +130,10 @@ class AuthorsSparseUpdate(MemoryStep):
         self._used_rows: dict[str, torch.Tensor] = {}  # layer -> (M,) bool: selected by a micro-batch of the step
         self._handles: list[Any] = []
 
-    def begin_step(self, fill: str | FillPlan = READS_KEPT, **removed) -> None:
+    def begin_step(self, fill: str | FillPlan = READS_KEPT) -> None:
         """:meth:`MemoryStep.begin_step`; dense value gradients, masked by each micro-batch's selection, and reads
         counted with padding (as the authors count them)."""
-        super().begin_step(fill, **removed)
+        super().begin_step(fill)
         self._used_rows = {name: torch.zeros_like(mask) for name, mask in self._masks.items()}
         for memory in self.memories.values():
             self._handles.append(memory.register_forward_pre_hook(_count_padding_too, with_kwargs=True))

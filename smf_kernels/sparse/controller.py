@@ -194,7 +194,7 @@ class RowGradients:
         return total, coef
 
     def apply(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None,
-              nonfinite: str = "raise", **removed) -> StepResult:
+              nonfinite: str = "raise") -> StepResult:
         """The finishing sequence (see the module docstring): check every gradient of the step for inf / NaN,
         clip all of them to ``max_grad_norm`` (None: no clipping) with the rows' in the norm, step ``optimizer``
         (the parameters with a ``.grad``, then each layer's selected rows: a :class:`RowSparseAdamW` or
@@ -208,12 +208,6 @@ class RowGradients:
         range (the optimizer's ``check_groups()``), a second call (the rows would step twice), and gradients
         :meth:`discard`-ed.
         """
-        if "grad_scale" in removed:
-            raise TypeError("RowGradients.apply(optimizer, grad_scale=) became the whole finishing sequence: call "
-                            "apply(optimizer, max_grad_norm=..., nonfinite=...) alone (it checks, clips, steps the "
-                            "optimizer and the rows, and zeroes; no clip_ or optimizer.step() before it)")
-        if removed:
-            raise TypeError(f"apply() got unexpected keyword arguments {sorted(removed)}")
         max_grad_norm = None if max_grad_norm is None else check_max_norm(max_grad_norm)
         nonfinite = step_checks.check_nonfinite_option(nonfinite)
         if self.discarded:
@@ -374,15 +368,10 @@ class MemoryStep:
         return plan_fill(micro_batches, compiled=compiled, world=world, step_tokens=step_tokens,
                          slots=min(memory.num_slots for memory in self.memories.values()))
 
-    def begin_step(self, fill: str | FillPlan = READS_KEPT, **removed) -> None:
+    def begin_step(self, fill: str | FillPlan = READS_KEPT) -> None:
         """Start an optimizer step: refuse misuse, zero and count reads, give every memory this update's gradient
         sink (:meth:`_make_sink`). ``fill``: "reads_kept" (the default), "rows_first" (the exact update only), or
         a :class:`FillPlan` (:meth:`plan`) that ``after_forward()`` follows too (see the module docstring)."""
-        if "select_before_backward" in removed:
-            raise TypeError("begin_step(select_before_backward=...) was renamed: begin_step(fill='rows_first') "
-                            "(select_before_backward=True) or begin_step(fill='reads_kept') (False, the default)")
-        if removed:
-            raise TypeError(f"begin_step() got unexpected keyword arguments {sorted(removed)}")
         plan = fill if isinstance(fill, FillPlan) else FillPlan(fill)
         check_fill(plan.fill)
         if plan.fill not in self.FILLS:
@@ -538,9 +527,9 @@ class SparseMemoryController(MemoryStep):
 
     FILLS = FILLS
 
-    def begin_step(self, fill: str | FillPlan = READS_KEPT, **removed) -> None:
+    def begin_step(self, fill: str | FillPlan = READS_KEPT) -> None:
         """:meth:`MemoryStep.begin_step` (both fills)."""
-        super().begin_step(fill, **removed)
+        super().begin_step(fill)
         self._selected = False
 
     def _make_sink(self, name: str, values: nn.Parameter, fill: str) -> RowGradSink:
