@@ -51,3 +51,15 @@ def test_a_section_check_runs_only_for_the_stages_that_take_it(tmp_path):
         build_config("train", {}, {"output_dir": str(tmp_path), "preset": "tiny", "adapter": str(tmp_path)})
     lora = build_config("train", {}, {"output_dir": str(tmp_path), "preset": "tiny", "recipe": "lora"})
     assert lora.background is None and lora.adapter is None
+
+
+def test_an_option_added_after_the_recorded_order_leaves_fingerprints_alone_at_its_default(monkeypatch):
+    """Planted: lora_r as if added now (not in the recorded order); suite directories written before it still
+    match while it stays at its default, and a run that sets it is another run."""
+    from smf.suite import plan
+
+    before = plan.options_fingerprint({"lr": 0.1})
+    assert plan.options_fingerprint({"lr": 0.1, "lora_r": 16}) != before  # a recorded option: hashed at any value
+    monkeypatch.setattr(plan, "RECORDED_ORDER", tuple(name for name in RECORDED_ORDER if name != "lora_r"))
+    assert plan.options_fingerprint({"lr": 0.1, "lora_r": 16}) == before
+    assert plan.options_fingerprint({"lr": 0.1, "lora_r": 8}) != before
