@@ -120,13 +120,7 @@ def checked(cls, options: dict, name_of=flag):
     try:
         return _adapter(cls).validate_python({name: canonical(value, name_of(name)) for name, value in options.items()})
     except ValidationError as err:
-        error = err.errors()[0]
-        where = name_of(".".join(part for part in error["loc"] if isinstance(part, str)))  # eval.tasks, not its index
-        if error["type"] == "missing":
-            raise ConfigError(f"{where} is required") from None
-        if error["type"] == "value_error":  # from the validators here, whose messages name the value
-            raise ConfigError(f"{where}: {error['ctx']['error']}") from None
-        raise ConfigError(f"{where}: {error['msg'][0].lower()}{error['msg'][1:]}, got {error['input']!r}") from None
+        raise ConfigError(_one_line(err, name_of)) from None
 
 
 def checked_option(name: str, kind, value):
@@ -136,8 +130,18 @@ def checked_option(name: str, kind, value):
     try:
         return _adapter(kind).validate_python(value)
     except ValidationError as err:
-        error = err.errors()[0]
-        raise ConfigError(f"{name}: {error['msg'][0].lower()}{error['msg'][1:]}, got {error['input']!r}") from None
+        raise ConfigError(_one_line(err, lambda _: name)) from None
+
+
+def _one_line(err: ValidationError, name_of) -> str:
+    """pydantic's first error in ``err`` as one line naming the value's option, ``name_of(name)``."""
+    error = err.errors()[0]
+    where = name_of(".".join(part for part in error["loc"] if isinstance(part, str)))  # eval.tasks, not its index
+    if error["type"] == "missing":
+        return f"{where} is required"
+    if error["type"] == "value_error":  # from the validators here, whose messages name the value
+        return f"{where}: {error['ctx']['error']}"
+    return f"{where}: {error['msg'][0].lower()}{error['msg'][1:]}, got {error['input']!r}"
 
 
 def mapping(raw, where: str, valid=None) -> dict:
