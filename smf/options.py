@@ -253,21 +253,25 @@ def shown_value(value) -> str:
 
 
 def add_flags(parser: argparse.ArgumentParser, cls, command: str, shown: dict[str, str] | None = None,
-              preset: tuple[str, dict] | None = None) -> None:
+              preset: tuple[str, dict] | None = None, groups: list[tuple[str, str, list[str]]] = ()) -> None:
     """One flag per option of ``cls`` that ``command`` takes, with one default in its help: ``shown[name]`` if
     given, else the option's ``shown`` text, else its value; and, when ``preset = (name, options)`` sets the
     option otherwise, the preset's value too (``default: 512; --preset tiny: 32``). A switch for a bool, the
     choices of a ``Literal``, one or more values for a list (:class:`ListAction`); unset flags stay out of the
-    namespace (so a config file can set them)."""
+    namespace (so a config file can set them). With ``groups`` ((title, description, option names), ...), ``--help``
+    lists those options under their title, in that order."""
     hints = typing.get_type_hints(cls)
+    group_of = {name: group for title, description, names in groups
+                for group in [parser.add_argument_group(title, description)] for name in names}
     for spec in only(cls, command, {spec.name: spec for spec in dataclasses.fields(cls)}).values():
         hint, name, default = hints[spec.name], flag(spec.name), spec.default
+        target = group_of.get(spec.name, parser)
         text = (shown or {}).get(spec.name) or spec.metadata.get("shown") or shown_value(default)
         if preset is not None and spec.name in preset[1] and preset[1][spec.name] != default:
             text += f"; --preset {preset[0]}: {shown_value(preset[1][spec.name])}"
         kwargs = {"default": argparse.SUPPRESS, "help": f"{spec.metadata['help']} (default: {text})"}
         if hint is bool:
-            parser.add_argument(name, action="store_true", **kwargs)
+            target.add_argument(name, action="store_true", **kwargs)
             continue
         hint = typing.get_args(hint)[0] if type(None) in typing.get_args(hint) else hint  # X | None: X
         hint = typing.get_args(hint)[0] if typing.get_origin(hint) is Annotated else hint  # its base type
@@ -276,7 +280,7 @@ def add_flags(parser: argparse.ArgumentParser, cls, command: str, shown: dict[st
         read = functools.partial(canonical, argument=name) if choices else hint
         if typing.get_origin(hint) in (list, tuple):
             item = typing.get_args(hint)[0]
-            parser.add_argument(name, action=ListAction, item_type=item, metavar=spec.name.upper(), **kwargs)
+            target.add_argument(name, action=ListAction, item_type=item, metavar=spec.name.upper(), **kwargs)
             continue
-        parser.add_argument(name, type=read, choices=choices, metavar=None if choices else spec.name.upper(),
+        target.add_argument(name, type=read, choices=choices, metavar=None if choices else spec.name.upper(),
                             **kwargs)

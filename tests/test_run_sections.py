@@ -63,3 +63,20 @@ def test_an_option_added_after_the_recorded_order_leaves_fingerprints_alone_at_i
     monkeypatch.setattr(plan, "RECORDED_ORDER", tuple(name for name in RECORDED_ORDER if name != "lora_r"))
     assert plan.options_fingerprint({"lr": 0.1, "lora_r": 16}) == before
     assert plan.options_fingerprint({"lr": 0.1, "lora_r": 8}) != before
+
+
+def test_help_lists_each_flag_under_its_section_naming_the_recipes_that_take_it(capsys):
+    from smf.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    groups, title = {}, None
+    for line in capsys.readouterr().out.splitlines():  # a group: its title at column 0, its flags indented
+        title = line if line and not line.startswith(" ") else title
+        groups.setdefault(title, []).append(line)
+    flags = {title: " ".join(lines) for title, lines in groups.items()}
+    lora = flags["lora options (--recipe lora):"]
+    assert "--lora-r" in lora and "--lr " not in lora
+    assert all(flag in flags["sparse options (--recipe sparse):"]
+               for flag in ("--rule", "--update", "--rows-per-step", "--background"))
+    assert "--lr " in flags["optimizer options:"] and "--lora-r" not in flags["optimizer options:"]  # every recipe's

@@ -94,7 +94,7 @@ class ModelOptions(Section):
 
 @dataclasses.dataclass
 class MemoryOptions(Section):
-    """The memories a retrofit attaches (its own section), and how they join the layer (also --recipe sparse's)."""
+    """The memories a retrofit attaches, and how they join the layer's MLP (for --recipe sparse too: --mode)."""
 
     mode: Literal[MEMORY_MODES] | None = option(None, "how memories join the layer's MLP (--recipe sparse: "
                                                 "the adapter's mode, or additive+s on an additive adapter; "
@@ -124,7 +124,7 @@ class MemoryOptions(Section):
 
 @dataclasses.dataclass
 class SparseOptions(Section):
-    """--recipe sparse's own section: the background statistics, the row selection and the sparse update."""
+    """The background statistics, the row selection and the sparse update (--recipe sparse's own section)."""
 
     background: ExistingPath | None = option(None, "background statistics: a file written by `smf background` or its "
                                              "run directory (required for --recipe sparse)", TRAIN)
@@ -165,7 +165,7 @@ class SparseOptions(Section):
 
 @dataclasses.dataclass
 class LoraOptions(Section):
-    """--recipe lora's own section."""
+    """LoRA's rank, alpha and dropout (--recipe lora's own section)."""
 
     lora_r: PositiveInt = option(16, "LoRA rank (--recipe lora)", TRAIN)
     lora_alpha: PositiveInt = option(32, "LoRA alpha (--recipe lora)", TRAIN)
@@ -174,7 +174,7 @@ class LoraOptions(Section):
 
 @dataclasses.dataclass
 class BackgroundOptions(Section):
-    """``smf background``'s own section: how many documents it reads, and how."""
+    """How many documents smf background reads, and how many per forward (its own section)."""
 
     n_background: PositiveInt = option(2000, "background documents (the paper's single-example batches)", BG)
     batch_size: PositiveInt = option(1, "background documents per forward, each counted apart (the same statistics "
