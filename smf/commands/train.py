@@ -8,6 +8,7 @@ from smf.threads import use_threads
 from smf.train.config import (OPTIONS, RECIPE_DEFAULTS, STAGE_COMMANDS, TINY_PRESET, RunConfig, build_config,
                               read_config_file, refuse_unused)
 from smf.train.sections import SECTION_OF, SECTIONS, section_users
+from smf.vocabulary import TRAIN_RECIPES
 
 
 def config_from_args(args: argparse.Namespace, command: str) -> RunConfig:
@@ -48,11 +49,11 @@ def shown_defaults(command: str) -> dict[str, str]:
 def section_groups(command: str) -> list[tuple[str, str, list[str]]]:
     """``--help``'s groups of ``command``'s flags: (title, description, options) of each section that has some
     (:mod:`smf.train.sections`), the title naming the recipes that take the section where not all of them do."""
-    groups, recipes = [], section_users("run", "train")  # every stage of a command takes the run section
+    groups = []
     for name, section in SECTIONS.items():
         options = [option for option in takes(RunConfig, command) if SECTION_OF[option] == name]
         users = section_users(name, command)
-        taken = f" (--recipe {', '.join(users)})" if command == "train" and len(users) < len(recipes) else ""
+        taken = f" (--recipe {', '.join(users)})" if command == "train" and len(users) < len(TRAIN_RECIPES) else ""
         if options:
             groups.append((f"{name} options{taken}", section.__doc__.splitlines()[0], options))
     return groups
