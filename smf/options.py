@@ -120,13 +120,7 @@ def checked(cls, options: dict, name_of=flag):
     try:
         return _adapter(cls).validate_python({name: canonical(value, name_of(name)) for name, value in options.items()})
     except ValidationError as err:
-        error = err.errors()[0]
-        where = name_of(".".join(part for part in error["loc"] if isinstance(part, str)))  # eval.tasks, not its index
-        if error["type"] == "missing":
-            raise ConfigError(f"{where} is required") from None
-        if error["type"] == "value_error":  # from the validators here, whose messages name the value
-            raise ConfigError(f"{where}: {error['ctx']['error']}") from None
-        raise ConfigError(f"{where}: {error['msg'][0].lower()}{error['msg'][1:]}, got {error['input']!r}") from None
+        raise ConfigError(_one_line(err, name_of)) from None
 
 
 def checked_option(name: str, kind, value):
@@ -136,8 +130,18 @@ def checked_option(name: str, kind, value):
     try:
         return _adapter(kind).validate_python(value)
     except ValidationError as err:
-        error = err.errors()[0]
-        raise ConfigError(f"{name}: {error['msg'][0].lower()}{error['msg'][1:]}, got {error['input']!r}") from None
+        raise ConfigError(_one_line(err, lambda _: name)) from None
+
+
+def _one_line(err: ValidationError, name_of) -> str:
+    """pydantic's first error in ``err`` as one line naming the value's option, ``name_of(name)``."""
+    error = err.errors()[0]
+    where = name_of(".".join(part for part in error["loc"] if isinstance(part, str)))  # eval.tasks, not its index
+    if error["type"] == "missing":
+        return f"{where} is required"
+    if error["type"] == "value_error":  # from the validators here, whose messages name the value
+        return f"{where}: {error['ctx']['error']}"
+    return f"{where}: {error['msg'][0].lower()}{error['msg'][1:]}, got {error['input']!r}"
 
 
 def mapping(raw, where: str, valid=None) -> dict:
@@ -249,21 +253,25 @@ def shown_value(value) -> str:
 
 
 def add_flags(parser: argparse.ArgumentParser, cls, command: str, shown: dict[str, str] | None = None,
-              preset: tuple[str, dict] | None = None) -> None:
+              preset: tuple[str, dict] | None = None, groups: list[tuple[str, str, list[str]]] = ()) -> None:
     """One flag per option of ``cls`` that ``command`` takes, with one default in its help: ``shown[name]`` if
     given, else the option's ``shown`` text, else its value; and, when ``preset = (name, options)`` sets the
     option otherwise, the preset's value too (``default: 512; --preset tiny: 32``). A switch for a bool, the
     choices of a ``Literal``, one or more values for a list (:class:`ListAction`); unset flags stay out of the
-    namespace (so a config file can set them)."""
+    namespace (so a config file can set them). With ``groups`` ((title, description, option names), ...), ``--help``
+    lists those options under their title, in that order."""
     hints = typing.get_type_hints(cls)
+    group_of = {name: group for title, description, names in groups
+                for group in [parser.add_argument_group(title, description)] for name in names}
     for spec in only(cls, command, {spec.name: spec for spec in dataclasses.fields(cls)}).values():
         hint, name, default = hints[spec.name], flag(spec.name), spec.default
+        target = group_of.get(spec.name, parser)
         text = (shown or {}).get(spec.name) or spec.metadata.get("shown") or shown_value(default)
         if preset is not None and spec.name in preset[1] and preset[1][spec.name] != default:
             text += f"; --preset {preset[0]}: {shown_value(preset[1][spec.name])}"
         kwargs = {"default": argparse.SUPPRESS, "help": f"{spec.metadata['help']} (default: {text})"}
         if hint is bool:
-            parser.add_argument(name, action="store_true", **kwargs)
+            target.add_argument(name, action="store_true", **kwargs)
             continue
         hint = typing.get_args(hint)[0] if type(None) in typing.get_args(hint) else hint  # X | None: X
         hint = typing.get_args(hint)[0] if typing.get_origin(hint) is Annotated else hint  # its base type
@@ -272,7 +280,7 @@ def add_flags(parser: argparse.ArgumentParser, cls, command: str, shown: dict[st
         read = functools.partial(canonical, argument=name) if choices else hint
         if typing.get_origin(hint) in (list, tuple):
             item = typing.get_args(hint)[0]
-            parser.add_argument(name, action=ListAction, item_type=item, metavar=spec.name.upper(), **kwargs)
+            target.add_argument(name, action=ListAction, item_type=item, metavar=spec.name.upper(), **kwargs)
             continue
-        parser.add_argument(name, type=read, choices=choices, metavar=None if choices else spec.name.upper(),
+        target.add_argument(name, type=read, choices=choices, metavar=None if choices else spec.name.upper(),
                             **kwargs)

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import argparse
 
-from smf.options import add_flags, only, shown_value
+from smf.options import add_flags, only, shown_value, takes
 from smf.threads import use_threads
 from smf.train.config import (OPTIONS, RECIPE_DEFAULTS, STAGE_COMMANDS, TINY_PRESET, RunConfig, build_config,
                               read_config_file, refuse_unused)
+from smf.train.sections import SECTION_OF, SECTIONS, section_users
+from smf.vocabulary import TRAIN_RECIPES
 
 
 def config_from_args(args: argparse.Namespace, command: str) -> RunConfig:
@@ -44,12 +46,26 @@ def shown_defaults(command: str) -> dict[str, str]:
     return shown
 
 
+def section_groups(command: str) -> list[tuple[str, str, list[str]]]:
+    """``--help``'s groups of ``command``'s flags: (title, description, options) of each section that has some
+    (:mod:`smf.train.sections`), the title naming the recipes that take the section where not all of them do."""
+    groups = []
+    for name, section in SECTIONS.items():
+        options = [option for option in takes(RunConfig, command) if SECTION_OF[option] == name]
+        users = section_users(name, command)
+        taken = f" (--recipe {', '.join(users)})" if command == "train" and len(users) < len(TRAIN_RECIPES) else ""
+        if options:
+            groups.append((f"{name} options{taken}", section.__doc__.splitlines()[0], options))
+    return groups
+
+
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
-    """``--config`` and one flag per option of ``command``, each with the default that applies (and the tiny
-    preset's, where it differs)."""
+    """``--config`` and one flag per option of ``command``, grouped by section, each with the default that applies
+    (and the tiny preset's, where it differs)."""
     parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help="YAML or JSON file of options "
                         "(keys: option names below, e.g. output-dir); command-line flags override it (default: none)")
-    add_flags(parser, RunConfig, command, shown_defaults(command), ("tiny", only(RunConfig, command, TINY_PRESET)))
+    add_flags(parser, RunConfig, command, shown_defaults(command), ("tiny", only(RunConfig, command, TINY_PRESET)),
+              section_groups(command))
 
 
 COMMANDS = {"retrofit": "stage 1: attach fresh memories and train them on oasst1 (memory adapter)",

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import (AfterValidator, Field, PositiveFloat, PositiveInt, TypeAdapter, ValidationError, ValidationInfo,
-                      field_validator)
+from pydantic import (AfterValidator, BeforeValidator, Field, PositiveFloat, PositiveInt, TypeAdapter,
+                      ValidationError, ValidationInfo, field_validator)
 from pydantic_core import to_jsonable_python
 
 from smf.data.paths import OWN_KEYS, OWN_SCHEMAS, DataPaths
@@ -59,7 +59,20 @@ _RATES = TypeAdapter(tuple[PositiveFloat, ...], config=OPTIONS_CONFIG)
 _SCHEDULE = TypeAdapter(dict[PositiveInt, tuple[PositiveFloat, ...]], config=OPTIONS_CONFIG)
 VARIANT_SWEEPS = ("lr_sweep", "schedule_sweep")  # how a variant gives its configurations (one of them)
 VARIANT_OWN_KEYS = (*VARIANT_SWEEPS, "conditions")  # a variant's keys that are not trainer options
-HYPOTHESIS_KEYS = ("a", "b", "level", "threshold", "statement")
+
+
+SWEPT_RECIPES = ("sparse", "lora", "full")  # the recipes lr_sweep and schedule_sweep give rates to
+
+
+def _unknown_recipe(recipe) -> str | None:
+    """Why ``recipe`` is not a key of lr_sweep or schedule_sweep, or None when it is one."""
+    return None if recipe in SWEPT_RECIPES else f"unknown recipe {recipe!r}; valid: {', '.join(SWEPT_RECIPES)}"
+
+
+def _distinct_rates(rates) -> bool:
+    """Whether ``rates`` (of lr_sweep, a schedule_sweep's epochs, a variant's sweep) are distinct positive rates,
+    at least one."""
+    return bool(rates) and len(set(rates)) == len(rates) and all(rate > 0 for rate in rates)
 
 
 @dataclass(frozen=True)
@@ -127,9 +140,9 @@ class SuiteConfig:
     def _sweep_rates(cls, sweep: dict, info: ValidationInfo) -> dict:
         variants = info.data.get("variants") or {}
         for recipe, rates in sweep.items():
-            if recipe not in ("sparse", "lora", "full"):
-                raise ValueError(f"unknown recipe {recipe!r}; valid: sparse, lora, full")
-            if not rates or len(set(rates)) != len(rates) or any(not rate > 0 for rate in rates):
+            if _unknown_recipe(recipe):
+                raise ValueError(_unknown_recipe(recipe))
+            if not _distinct_rates(rates):
                 raise ValueError(f"{recipe}: give distinct positive learning rates, got {list(rates)}")
         if variants and "sparse" in sweep:
             raise ValueError("sparse: not used with variants (each variant runs at its own lr_sweep); remove it")
@@ -218,8 +231,7 @@ def _variants(raw) -> dict[str, dict]:
             raise ConfigError(f"{where}.{sweep_key}: give positive finite learning rates"
                               f"{'' if sweep_key == 'lr_sweep' else ' per positive number of epochs'} "
                               f"({err.errors()[0]['msg']})") from None
-        if not sweep or any(not rates or len(set(rates)) != len(rates)
-                            for rates in (sweep.values() if isinstance(sweep, dict) else [sweep])):
+        if not sweep or not all(map(_distinct_rates, sweep.values() if isinstance(sweep, dict) else [sweep])):
             raise ConfigError(f"{where}.{sweep_key}: give distinct positive learning rates, got {sweep}")
         own[sweep_key] = sweep
         if "conditions" in own:
@@ -469,14 +481,14 @@ def _check_schedules(config: SuiteConfig) -> None:
     one given beside its recipe's ``lr_sweep`` (or for sparse beside ``variants``)."""
     for recipe, schedule in config.schedule_sweep.items():
         where = f"schedule_sweep.{recipe}"
-        if recipe not in ("sparse", "lora", "full"):
-            raise ConfigError(f"schedule_sweep: unknown recipe {recipe!r}; valid: sparse, lora, full")
+        if _unknown_recipe(recipe):
+            raise ConfigError(f"schedule_sweep: {_unknown_recipe(recipe)}")
         if recipe in config.lr_sweep:
             raise ConfigError(f"{where} and lr_sweep.{recipe} cannot both be given: the schedule sweep gives the "
                               "rates of each epochs count")
         if recipe == "sparse" and config.variants:
             raise ConfigError(f"{where}: not used with variants (give each variant its own schedule_sweep)")
-        if not schedule or any(not rates or len(set(rates)) != len(rates) for rates in schedule.values()):
+        if not schedule or not all(map(_distinct_rates, schedule.values())):
             raise ConfigError(f"{where}: give epochs -> distinct positive learning rates (e.g. {{10: [1e-3, 3e-3], "
                               f"40: [3e-4, 1e-3]}}), got {schedule}")
 
@@ -521,9 +533,59 @@ def method_of(spec: str) -> tuple[str, str | None]:
     return condition, variant or None
 
 
+def _given(kind: str, test):
+    """A validator run before pydantic's: the value if ``test(value)``, else ValueError "give {kind}, got ..."."""
+    def given(value):
+        if not test(value):
+            raise ValueError(f"give {kind}, got {value!r}")
+        return value
+    return BeforeValidator(given)
+
+
+_Text = Annotated[str, _given("a non-empty string", lambda value: isinstance(value, str) and value.strip())]
+_Number = Annotated[float, _given("a number", lambda value: isinstance(value, int | float)
+                                  and not isinstance(value, bool))]
+
+
+def _threshold(value: float) -> float:
+    if not 0 < abs(value) <= 1:
+        raise ValueError(f"give the smallest difference a - b that matters, nonzero and in [-1, 1] (negative: a keeps "
+                         f"less), got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Hypothesis:
+    """One of ``hypotheses``: methods ``a`` and ``b`` (a condition, or ``condition/variant``), the matched_learning
+    ``level`` it is read at, the difference a - b that confirms it (``threshold``) and the claim in words (what
+    they name is checked against the suite: :func:`_check_hypotheses`)."""
+
+    a: _Text
+    b: _Text
+    level: _Number
+    threshold: Annotated[_Number, AfterValidator(_threshold)]
+    statement: _Text
+
+    @classmethod
+    def checked(cls, raw, where: str) -> dict:
+        """The entry ``raw`` of ``hypotheses`` named ``where`` (``hypotheses.h``), checked: its keys in the order
+        given, level and threshold as floats; a one-line ConfigError naming the key otherwise."""
+        entry = mapping(raw, where, HYPOTHESIS_KEYS)
+        missing = [key for key in HYPOTHESIS_KEYS if key not in entry]
+        if missing:
+            raise ConfigError(f"{where}: {', '.join(missing)} required (a, b: methods as condition or "
+                              "condition/variant; level: a matched_learning level; threshold: the difference a - b "
+                              "that confirms, nonzero; statement: the claim in words)")
+        values = dataclasses.asdict(checked(cls, entry, lambda key: f"{where}.{key}"))
+        return {key: values[key] for key in entry}
+
+
+HYPOTHESIS_KEYS = tuple(Hypothesis.__dataclass_fields__)
+
+
 def _hypotheses(raw) -> dict[str, dict]:
-    """The ``hypotheses`` mapping: name -> {a, b (method strings), level, threshold (floats), statement}, each
-    entry's keys and types checked (what they name: :func:`_check_hypotheses`)."""
+    """The ``hypotheses`` mapping: name -> its :class:`Hypothesis`, as a dict (what the names name:
+    :func:`_check_hypotheses`)."""
     if not isinstance(raw, dict | None):
         raise ConfigError(f"hypotheses must be a mapping of name -> hypothesis, got {type(raw).__name__}")
     hypotheses = {}
@@ -532,22 +594,7 @@ def _hypotheses(raw) -> dict[str, dict]:
         if not isinstance(name, str) or not VARIANT_NAME.fullmatch(name):
             raise ConfigError(f"{where}: a hypothesis's name: lower-case letters, digits and . + _ - (starting with a "
                               "letter or digit)")
-        entry = mapping(entry, where, HYPOTHESIS_KEYS)
-        missing = [key for key in HYPOTHESIS_KEYS if key not in entry]
-        if missing:
-            raise ConfigError(f"{where}: {', '.join(missing)} required (a, b: methods as condition or "
-                              "condition/variant; level: a matched_learning level; threshold: the difference a - b "
-                              "that confirms, nonzero; statement: the claim in words)")
-        for key in ("a", "b", "statement"):
-            if not isinstance(entry[key], str) or not entry[key].strip():
-                raise ConfigError(f"{where}.{key}: give a non-empty string, got {entry[key]!r}")
-        for key in ("level", "threshold"):
-            if isinstance(entry[key], bool) or not isinstance(entry[key], int | float):
-                raise ConfigError(f"{where}.{key}: give a number, got {entry[key]!r}")
-        if not 0 < abs(entry["threshold"]) <= 1:
-            raise ConfigError(f"{where}.threshold: give the smallest difference a - b that matters, nonzero and in "
-                              f"[-1, 1] (negative: a keeps less), got {entry['threshold']!r}")
-        hypotheses[name] = {**entry, "level": float(entry["level"]), "threshold": float(entry["threshold"])}
+        hypotheses[name] = Hypothesis.checked(entry, where)
     return hypotheses
 
 

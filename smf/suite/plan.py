@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from smf.options import only
 from smf.suite.config import (STAGE_COMMANDS, SuiteConfig, pretrained_adapter, seed_config,
                               suite_config_from_dict)
-from smf.train.config import RECIPE_DEFAULTS, RunConfig, build_config, fingerprint_form
+from smf.train.config import RECIPE_DEFAULTS, RECORDED_ORDER, RunConfig, build_config, fingerprint_form
 from smf.vocabulary import CONDITIONS, FINGERPRINT_SPELLINGS, RETROFIT_MODE, condition_recipe, split_condition
 
 SUITE_CONFIG_FILE = "suite_config.json"
@@ -258,17 +258,21 @@ def _digest(obj) -> str:
 
 
 # Options added after suites were first fingerprinted, with the value that computes what was computed before they
-# existed: left out of the fingerprint at that value, so suite directories written before them still match.
+# existed: left out of the fingerprint at that value, so suite directories written before them still match. An
+# option added after RunConfig's recorded order is left out at its default in the same way, without a line here.
 LATER_OPTIONS = {"retrofit_data": None, "background_data": None, "train_data": None, "loss_on": "all",
                  "count_reads": "all", "batch_size": 1, "row_optimizer": "adamw", "alpha_lr": None, "fsdp": False}
 
 
 def options_fingerprint(options: dict) -> str:
     """Hash of a stage's resolved trainer options, without :data:`IGNORED_OPTIONS` (nor :data:`LATER_OPTIONS` at
-    their old behaviour); the update options in the form hashed before ``--update`` replaced ``--optimizer``
+    their old behaviour, nor options newer than :data:`smf.train.config.RECORDED_ORDER` at their default); the
+    update options in the form hashed before ``--update`` replaced ``--optimizer``
     (:func:`smf.train.config.fingerprint_form`)."""
+    newer = {spec.name: spec.default for spec in fields(RunConfig) if spec.name not in RECORDED_ORDER}
+    later = {**LATER_OPTIONS, **newer}
     return _digest({name: value for name, value in fingerprint_form(options).items() if name not in IGNORED_OPTIONS
-                    and not (name in LATER_OPTIONS and value == LATER_OPTIONS[name])})
+                    and not (name in later and value == later[name])})
 
 
 def run_hash(config: SuiteConfig, run: Run) -> str:

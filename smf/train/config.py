@@ -1,24 +1,21 @@
-"""The options of ``smf retrofit``, ``smf background`` and ``smf train``: one dataclass with the paper's defaults
-(docs/method.md#two-stage-training), a tiny preset for CPU runs, and :func:`build_config`, which layers defaults <
-``preset`` < config file < command-line flags. Options left at None get the recipe's paper default when the run
-starts (:meth:`RunConfig.resolved`)."""
+"""The options of ``smf retrofit``, ``smf background`` and ``smf train``: :class:`RunConfig`, which holds the options
+of every section of :mod:`smf.train.sections` (where each is declared, with the paper's defaults:
+docs/method.md#two-stage-training), a tiny preset for CPU runs, and :func:`build_config`, which layers defaults <
+``preset`` < config file < command-line flags and runs the checks of the sections a run takes. Options left at
+None get the recipe's paper default when the run starts (:meth:`RunConfig.resolved`); :func:`refuse_unused` refuses
+a flag of a section the run does not take (:data:`smf.train.sections.STAGE_SECTIONS`)."""
 from __future__ import annotations
 
 import dataclasses
 import logging
+import typing
 import warnings
 from pathlib import Path
-from typing import Annotated, Literal
 
-from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
-
-from smf.data.protocol import DEFAULT_PROTOCOL, PROTOCOLS
 from smf.errors import ConfigError
-from smf.options import (OPTIONS_CONFIG, AsList, DatasetPath, ExistingDir, ExistingPath, Seed, checked, flag, only,
-                         option, read_file)
-from smf.vocabulary import (BACKENDS, COUNT_READS, DEFAULT_MODEL, LOSS_ON, MEMORY_MODES, ROW_OPTIMIZERS, RULES,
-                            SPARSE_UPDATES, TINY_MEMORY_KWARGS, TINY_MEMORY_LAYERS, TINY_MODEL, TRAIN_RECIPES,
-                            check_layers)
+from smf.options import OPTIONS_CONFIG, checked, flag, only, read_file, takes
+from smf.train.sections import SECTION_OF, SECTIONS, STAGE_SECTIONS, section_users
+from smf.vocabulary import TINY_MEMORY_KWARGS, TINY_MEMORY_LAYERS, TINY_MODEL, TRAIN_RECIPES
 
 logger = logging.getLogger(__name__)
 
@@ -31,11 +28,16 @@ RECIPE_DEFAULTS = {"retrofit": {"mode": "additive", "lr": RECIPE_LR["retrofit"],
 STAGE_COMMANDS = {"retrofit": "retrofit", "background": "background", **dict.fromkeys(TRAIN_RECIPES, "train")}
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"  # shipped configs and the tiny preset (package data)
 
-ALL, FIT = ("retrofit", "background", "train"), ("retrofit", "train")
-RETRO, BG, TRAIN = ("retrofit",), ("background",), ("train",)
-
-
-SCALED = "scaled to the model (docs/own-data.md#memory-sizes); {} at Qwen-2.5-0.5B"
+# The order of the options in run_config.json and --help, as written before they were grouped into sections (so
+# that runs write the same files); an option added since follows them, in section order.
+RECORDED_ORDER = (
+    "output_dir", "preset", "model", "recipe", "mode", "layers", "n_keys", "heads", "topk", "key_dim", "alpha_init",
+    "backend", "adapter", "background", "rule", "rows_per_step", "update", "row_optimizer", "count_reads",
+    "shard_memories", "fsdp", "lora_r", "lora_alpha", "lora_dropout", "protocol", "oasst_path", "oasst_languages",
+    "medmcqa_path", "retrofit_data", "background_data", "train_data", "loss_on", "n_examples", "n_background",
+    "batch_size", "data_seed", "max_length", "epochs", "lr", "alpha_lr", "weight_decay", "warmup_steps",
+    "global_batch_size", "micro_batch_size", "max_grad_norm", "seed", "bf16", "device", "threads", "compile",
+    "save_every", "max_steps", "resume")
 MEMORY_SIZES = ("layers", "n_keys", "heads", "topk", "key_dim")
 
 
@@ -51,115 +53,8 @@ def model_config(model: str):
                           "--layers, --n-keys, --heads, --topk and --key-dim") from None
 
 
-@dataclasses.dataclass
-class RunConfig:
-    """Options of ``smf retrofit``, ``smf background`` and ``smf train`` (see :func:`smf.options.option`)."""
-
-    __pydantic_config__ = OPTIONS_CONFIG  # every float finite
-
-    output_dir: str | None = option(None, "run directory: checkpoints, train_log.jsonl, final artefact (required)", ALL)
-    preset: Literal["tiny"] | None = option(None, "'tiny': every recipe on CPU in seconds (tiny Qwen-2, byte "
-                                            "tokenizer, tiny memories, small batches, the data in smf/assets)", ALL)
-    model: str = option(DEFAULT_MODEL, "base model: hub id, local save_pretrained directory, or 'tiny'", ALL)
-    recipe: Literal[TRAIN_RECIPES] = option("sparse", "what to train (docs/method.md#two-stage-training)", TRAIN)
-    # memories (retrofit)
-    mode: Literal[MEMORY_MODES] | None = option(None, "how memories join the layer's MLP (--recipe sparse: "
-                                                "the adapter's mode, or additive+s on an additive adapter; "
-                                                "docs/method.md#placement-in-qwen-2)", FIT)
-    layers: Annotated[list[int], AsList] | None = option(None, "0-based decoder layers that get a memory", RETRO,
-                                                         shown=SCALED.format("6,12,18"))
-    n_keys: PositiveInt | None = option(None, "sub-keys per half (slots = n_keys**2)", RETRO, shown=SCALED.format(128))
-    heads: PositiveInt | None = option(None, "memory query heads", RETRO, shown=SCALED.format(4))
-    topk: PositiveInt | None = option(None, "slots read per head per token", RETRO, shown=SCALED.format(16))
-    key_dim: Annotated[int, Field(gt=0, multiple_of=2)] | None = option(
-        None, "query/key width (even: split in halves)", RETRO, shown=SCALED.format(256))
-    alpha_init: NonNegativeFloat = option(0.01, "initial alpha of the memory branch (additive modes)", RETRO)
-    backend: Literal[BACKENDS] | None = option(None, "memory kernel backend; it must run on --device", ALL,
-                                               shown="automatic: triton on CUDA, else ext when built, else torch")
-    # sparse memory finetuning
-    adapter: ExistingDir | None = option(None, "retrofit memory adapter: the retrofit run directory or its final/ "
-                                         "folder (required for background and --recipe sparse; --recipe full: "
-                                         "finetune the model with these memories, every parameter; --recipe lora: "
-                                         "LoRA on the model with these memories, frozen)", BG + TRAIN)
-    background: ExistingPath | None = option(None, "background statistics: a file written by `smf background` or its "
-                                             "run directory (required for --recipe sparse)", TRAIN)
-    rule: Literal[RULES] = option("tfidf", "slot scoring rule (--recipe sparse)", TRAIN)
-    rows_per_step: PositiveInt | None = option(None, "T: value rows trained per layer per step (--recipe sparse)",
-                                               TRAIN, shown="3.1%% of each memory's slots, at least 1: the paper's "
-                                               "512 of 16,384")
-    update: Literal[SPARSE_UPDATES] = option(
-        "exact", "exact: only the selected rows and their AdamW state move (--recipe sparse); the ablations "
-        "dense_masked and authors (one process): docs/method.md#the-sparse-update-exact-default-and-the-authors-"
-        "ablation", TRAIN)
-    row_optimizer: Literal[ROW_OPTIMIZERS] = option(
-        "adamw", "how --update exact steps the selected rows: adamw (row-sparse AdamW, the paper's) or sgd (plain "
-        "SGD, as Lin et al. 2025: a row moves with its gradient; docs/method.md#the-row-optimizer-and-alphas-rate)",
-        TRAIN)
-    count_reads: Literal[COUNT_READS] = option(
-        "all", "which tokens' memory reads steer the row selection (--recipe sparse): all = every non-padding token "
-        "(the paper's), loss = only the positions whose next token the loss scores (docs/own-data.md#read-counting)",
-        TRAIN)
-    shard_memories: bool = option(False, "split every memory's value table and its optimizer state by columns over the "
-                                  "torchrun processes, for memories larger than one device (retrofit, --recipe "
-                                  "sparse; docs/sharding.md)", FIT)
-    fsdp: bool = option(False, "shard the base model (decoder layers, embeddings) and its optimizer state over the "
-                        "torchrun processes with FSDP2; the memories stay out of it, replicated or split by "
-                        "--shard-memories (docs/sharding.md#the-base-model-under-fsdp2)", TRAIN)
-    # LoRA
-    lora_r: PositiveInt = option(16, "LoRA rank (--recipe lora)", TRAIN)
-    lora_alpha: PositiveInt = option(32, "LoRA alpha (--recipe lora)", TRAIN)
-    lora_dropout: Annotated[float, Field(ge=0, lt=1)] = option(0.05, "LoRA dropout (--recipe lora)", TRAIN)
-    # data
-    protocol: Literal[PROTOCOLS] = option(DEFAULT_PROTOCOL, "data protocol: authors = the authors' texts and sampling, "
-                                          "clean = loss-masked prompts (docs/method.md#the-protocol-setting)", ALL)
-    oasst_path: DatasetPath | None = option(None, "local oasst1 train split (jsonl/parquet/save_to_disk)",
-                                             RETRO + BG, shown="the hub")
-    oasst_languages: str = option("en", "--protocol clean: comma-separated languages of the oasst1 replies used "
-                                  "(e.g. en,de), or 'all' (the paper names no filter; English-only may hold under "
-                                  "52,000 replies); the authors protocol takes English replies", RETRO + BG)
-    medmcqa_path: DatasetPath | None = option(None, "local MedMCQA train split (jsonl/parquet/save_to_disk)",
-                                               TRAIN, shown="the hub")
-    retrofit_data: DatasetPath | None = option(None, "own retrofit texts, rows {\"text\": str} (docs/own-data.md); "
-                                               "instead of --oasst-path / the hub", RETRO, shown="none: oasst1")
-    background_data: DatasetPath | None = option(None, "own background-statistics texts, rows {\"text\": str} "
-                                                 "(docs/own-data.md)", BG,
-                                                 shown="the retrofit's --retrofit-data, else oasst1")
-    train_data: DatasetPath | None = option(None, "own finetuning data: text, qa or mc rows (docs/own-data.md); "
-                                            "instead of --medmcqa-path / the hub", TRAIN, shown="none: MedMCQA")
-    loss_on: Literal[LOSS_ON] = option("all", "--train-data qa/mc rows: the loss on every token (all, as the "
-                                       "authors) or on the answer only (answer: the prompt's labels are -100)", TRAIN)
-    n_examples: PositiveInt | None = option(None, "training examples (own data: the first N rows, default all); background (--protocol clean): the retrofit "
-                                            "set size, which background examples avoid", ALL)
-    n_background: PositiveInt = option(2000, "background documents (the paper's single-example batches)", BG)
-    batch_size: PositiveInt = option(1, "background documents per forward, each counted apart (the same statistics "
-                                     "as one per forward up to last-bit rounding; benchmarks/RESULTS.md)", BG)
-    data_seed: Seed = option(0, "seed choosing the example subset (keep it fixed across runs)", ALL)
-    max_length: PositiveInt = option(1024, "tokens per example (longer ones are cut)", ALL)
-    # optimisation
-    epochs: PositiveInt | None = option(None, "epochs", FIT)
-    lr: PositiveFloat | None = option(None, "peak learning rate", FIT)
-    alpha_lr: PositiveFloat | None = option(None, "peak learning rate of alpha, the memory branch's scale, in its own "
-                                            "parameter group (the schedule scales it like --lr; the paper's +S: "
-                                            "5e-4); only where alpha trains", FIT, shown="the run's --lr")
-    weight_decay: NonNegativeFloat = option(0.0, "weight decay (AdamW: decoupled; --row-optimizer sgd: added to the "
-                                            "selected rows' and alpha's gradient, as torch.optim.SGD)", FIT)
-    warmup_steps: NonNegativeInt = option(100, "linear warm-up steps before the cosine decay", FIT)
-    global_batch_size: PositiveInt = option(16, "examples per optimizer step, over all processes", FIT)
-    micro_batch_size: PositiveInt = option(4, "examples per forward/backward, per process (gradient accumulation)", FIT)
-    max_grad_norm: PositiveFloat = option(1.0, "global gradient-norm clip", FIT)
-    seed: Seed = option(0, "training seed (memory init, epoch order, dropout)", FIT)
-    bf16: Literal["auto", "on", "off"] = option("auto", "bf16 autocast (auto: on if the CUDA device has bf16)", FIT)
-    device: str = option("auto", "torch device: auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...", ALL)
-    threads: PositiveInt | None = option(None, "torch threads of this process", ALL,
-                                         shown="1 for a small model (tiny, or local of hidden size <= 256)")
-    compile: bool = option(False, "torch.compile the model, mode reduce-overhead (CUDA graphs on a GPU); --recipe "
-                           "sparse then selects the rows before (or, one micro-batch, in) the backward, a step "
-                           "without graph breaks (one process)", FIT)
-    # checkpoints
-    save_every: PositiveInt = option(500, "optimizer steps between checkpoints (one is always written at the end)", FIT)
-    max_steps: PositiveInt | None = option(None, "stop at this step (the schedule spans all epochs; see --resume)", FIT,
-                                           shown="none: every step")
-    resume: bool = option(False, "continue from the checkpoint in --output-dir", FIT)
+class _RunConfigMethods:
+    """The methods of :class:`RunConfig` (whose fields are its sections' options)."""
 
     def __post_init__(self) -> None:
         self.layers = None if self.layers is None else list(self.layers)
@@ -196,6 +91,30 @@ class RunConfig:
     def to_dict(self) -> dict:
         """The options the run's command takes (plus ``recipe``), e.g. for run_config.json."""
         return {"recipe": self.recipe, **only(RunConfig, STAGE_COMMANDS[self.recipe], dataclasses.asdict(self))}
+
+    def stage(self, command: str) -> str:
+        """The stage a ``command`` run of this config is: its recipe for train, else the command."""
+        return self.recipe if command == "train" else command
+
+    def frozen_alpha(self, command: str) -> str | None:
+        """:func:`frozen_alpha` of this config."""
+        return frozen_alpha(self, command)
+
+
+def _run_config_fields() -> list[tuple]:
+    """(name, type, field) of every section's options, in :data:`RECORDED_ORDER` (new ones after, by section)."""
+    declared = {spec.name: (spec, typing.get_type_hints(section, include_extras=True)[spec.name])
+                for section in SECTIONS.values() for spec in dataclasses.fields(section)}
+    order = [name for name in RECORDED_ORDER if name in declared] + [n for n in declared if n not in RECORDED_ORDER]
+    return [(name, declared[name][1], dataclasses.field(default=declared[name][0].default,
+                                                        metadata=declared[name][0].metadata)) for name in order]
+
+
+RunConfig = dataclasses.make_dataclass(
+    "RunConfig", _run_config_fields(), bases=(_RunConfigMethods,),
+    namespace={"__module__": __name__, "__pydantic_config__": OPTIONS_CONFIG,  # every float finite
+               "__doc__": "Options of ``smf retrofit``, ``smf background`` and ``smf train``: those of every section "
+                          "of :mod:`smf.train.sections`, flat (``config.lr``), in :data:`RECORDED_ORDER`."})
 
 
 OPTIONS = tuple(field.name for field in dataclasses.fields(RunConfig))
@@ -274,43 +193,17 @@ def check_device_and_backend(device: str, backend: str | None) -> None:
 
 
 def unused_options(config: RunConfig, command: str) -> dict[str, str]:
-    """The options of ``command`` that a run of ``config`` does not use, each with the reason."""
-    unused = {}
-    if command == "train":
-        if config.recipe != "sparse":
-            why = f"only --recipe sparse uses it (this run is --recipe {config.recipe})"
-            unused.update(dict.fromkeys(("adapter", "background", "rule", "rows_per_step", "update", "row_optimizer",
-                                         "mode", "backend"), why))
-        if config.recipe != "lora":
-            unused.update(dict.fromkeys(("lora_r", "lora_alpha", "lora_dropout"),
-                                        f"only --recipe lora uses it (this run is --recipe {config.recipe})"))
-    if command in ("retrofit", "background") and config.protocol == "authors":
-        unused["oasst_languages"] = ("the authors protocol takes the English replies, as the authors' code does; "
-                                     "--protocol clean takes other languages")
-    if command == "background" and config.protocol == "authors":
-        unused["n_examples"] = ("the authors protocol draws the background examples from its own pool (the first "
-                                "--n-background of it), whatever the retrofit's size; --protocol clean holds them "
-                                "out of the first --n-examples")
-    if command == "train" and config.recipe in ("full", "lora") and config.adapter is not None:
-        for name in ("adapter", "backend"):  # full finetuning or LoRA from a checkpoint holding memories
-            unused.pop(name, None)
-    if command == "train" and config.recipe != "sparse":
-        unused["count_reads"] = f"only --recipe sparse selects rows (this run is --recipe {config.recipe})"
-    if command == "train" and config.train_data is None:
-        unused["loss_on"] = ("only --train-data uses it (MedMCQA's training text is the protocol's: docs/method.md"
-                             "#the-protocol-setting)")
-    if command in ("retrofit", "background") and config.own_data(command):
-        unused["oasst_languages"] = "it filters oasst1 replies; own data is used as given"
-        if command == "background":
-            unused["n_examples"] = "own background texts are the first --n-background rows of --background-data"
-    if command == "retrofit" and config.mode == "replacement":
-        unused["alpha_init"] = "--mode replacement has no alpha (the memory replaces the MLP)"
-    if command == "train" and config.recipe == "sparse" and config.update != "exact":
-        unused["row_optimizer"] = f"--update {config.update} steps torch AdamW; only --update exact steps rows with it"
-    if command in ("retrofit", "train") and config.alpha_lr is not None:
-        why = frozen_alpha(config, command)
-        if why:
-            unused["alpha_lr"] = why
+    """The options of ``command`` that a run of ``config`` does not use, each with the reason: those of the sections
+    its stage does not take (:data:`smf.train.sections.STAGE_SECTIONS`), and those its sections' rules name."""
+    stage, unused = config.stage(command), {}
+    for name in takes(RunConfig, command):
+        section = SECTION_OF[name]
+        if section not in STAGE_SECTIONS[stage]:
+            users = " or ".join(f"--recipe {user}" for user in section_users(section, command))
+            unused[name] = f"only {users} uses it (this run is --recipe {config.recipe})"
+    for section in STAGE_SECTIONS[stage]:
+        unused.update({name: why for name, why in SECTIONS[section].unused(config, command).items()
+                       if name in takes(RunConfig, command)})
     return unused
 
 
@@ -352,8 +245,9 @@ def refuse_unused(config: RunConfig, command: str, cli_options: dict, file_optio
 
 def build_config(command: str, file_options: dict, cli_options: dict) -> RunConfig:
     """Defaults < preset (from file or flags) < file options < command-line options, checked (ConfigError): each value
-    by its type (choices, bounds, existing paths), then combinations, the model directory, what ``command`` needs,
-    and that the device exists and the backend runs on it."""
+    by its type (choices, bounds, existing paths), then by the checks of the sections ``command``'s stage takes
+    (combinations, the model directory, what the stage needs), and that the device exists and the backend runs on
+    it."""
     preset = cli_options.get("preset", file_options.get("preset"))
     options = {**(only(RunConfig, command, TINY_PRESET) if preset == "tiny" else {}), **file_options, **cli_options}
     given = {**file_options, **cli_options}
@@ -364,32 +258,7 @@ def build_config(command: str, file_options: dict, cli_options: dict) -> RunConf
         if options.get(own) is not None:
             options.pop(paper, None)  # the preset's paper data gives way to the user's own
     config = checked(RunConfig, options)
-    if config.output_dir is None:
-        raise ConfigError("--output-dir is required")
-    if config.layers is not None:
-        check_layers(config.layers, argument="--layers")
-    if config.topk is not None and config.n_keys is not None and config.topk > config.n_keys:
-        raise ConfigError(f"--topk {config.topk} must be <= --n-keys {config.n_keys}")
-    if config.global_batch_size % config.micro_batch_size:
-        raise ConfigError(f"--global-batch-size {config.global_batch_size} is not a multiple of "
-                          f"--micro-batch-size {config.micro_batch_size}")
-    if config.model != TINY_MODEL and (config.model.startswith((".", "/", "~")) or Path(config.model).exists()):
-        if not Path(config.model).is_dir():
-            raise ConfigError(f"--model: no such directory {config.model!r}")
-    sparse = command == "train" and config.recipe == "sparse"
-    if (command == "background" or sparse) and config.adapter is None:
-        raise ConfigError(f"--adapter (the retrofit run directory) is required for "
-                          f"{'background' if command == 'background' else '--recipe sparse'}")
-    if sparse and config.background is None:
-        raise ConfigError("--background (file from `smf background`) is required for --recipe sparse")
-    if config.shard_memories and command == "train" and (not sparse or config.update == "authors"):
-        raise ConfigError(f"--shard-memories splits the memories of retrofit and --recipe sparse runs, not of --recipe "
-                          f"{config.recipe}{' --update authors (one process)' if sparse else ''}")
-    if command == "train" and config.fsdp and config.compile:
-        raise ConfigError("--fsdp is not available with --compile (the compiled step is not written for FSDP2's "
-                          "hooks); drop one of them")
-    if command == "train" and config.count_reads == "loss" and config.compile:
-        raise ConfigError("--count-reads loss is not available with --compile (its mask is set by a forward hook); "
-                          "drop one of them")
+    for section in STAGE_SECTIONS[config.stage(command)]:
+        SECTIONS[section].check(config, command)
     check_device_and_backend(config.device, config.backend)
     return config
