@@ -78,3 +78,17 @@ def test_the_readme_says_which_op_of_a_backend_runs_as_torch(name):
     for method in README_OPS.values():
         overridden = getattr(type(backend), method) is not getattr(Backend, method)
         assert cells[method, name].startswith("kernel" if overridden else "**torch**"), (method, cells[method, name])
+
+
+def test_a_memory_forward_chooses_its_backend_once(monkeypatch):
+    """The automatic choice (environment, then each backend's availability) runs once per ProductKeyMemory
+    forward, for both of its ops; the ops check only that the chosen backend runs."""
+    from smf_kernels import ProductKeyMemory, backends
+
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    choices = []
+    choose = backends.available_backends
+    monkeypatch.setattr(backends, "available_backends", lambda *args: choices.append(args) or choose(*args))
+    memory = ProductKeyMemory(16, n_keys=6, heads=2, topk=3, key_dim=8)
+    memory(torch.randn(2, 3, 16)).square().sum().backward()
+    assert len(choices) == 1
