@@ -38,16 +38,16 @@ def _cases():
     slots = torch.randint(0, 144, (37, 2, 4), generator=gen)
     grad_scores = torch.randn(37, 2, 4, generator=gen)
     return {
-        "weighted_gather backward (dense)": (triton_impl.gather_backward,
+        "weighted_gather backward (dense)": (triton_impl.BACKEND.gather_backward,
                                              (grad_out, values, indices, weights, None, False, True, True)),
-        "weighted_gather backward (T rows)": (triton_impl.gather_backward,
+        "weighted_gather backward (T rows)": (triton_impl.BACKEND.gather_backward,
                                               (grad_out, values, indices, weights, rows, False, True, True)),
-        "weighted_gather backward (T rows, no dW)": (triton_impl.gather_backward,
+        "weighted_gather backward (T rows, no dW)": (triton_impl.BACKEND.gather_backward,
                                                      (grad_out, values, indices, weights, rows, False, True, False)),
         "weighted_gather backward into a sink (T rows)": (
-            triton_impl.gather_backward_into, (grad_out, values, indices, weights, rows,
-                                               torch.zeros(rows.numel(), 48), True)),
-        "product_key_topk backward": (triton_impl.topk_backward, (grad_scores, query, keys, slots, True, True)),
+            triton_impl.BACKEND.gather_backward_into, (grad_out, values, indices, weights, rows,
+                                                       torch.zeros(rows.numel(), 48), True, True)),
+        "product_key_topk backward": (triton_impl.BACKEND.topk_backward, (grad_scores, query, keys, slots, True, True)),
     }
 
 

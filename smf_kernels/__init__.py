@@ -9,7 +9,7 @@ Layers, top to bottom; a module imports only from its own package or from a lowe
 3. ``smf_kernels.sharded``: memories whose value tables are split by columns over ranks;
 4. ``smf_kernels.memory``: :class:`ProductKeyMemory`;
 5. ``smf_kernels.ops``: the ops with their autograd and checks;
-6. ``smf_kernels.backends``: the registry and one adapter per backend (torch, triton, ext);
+6. ``smf_kernels.backends``: the registry and the backends, a class each (torch, the base; triton, ext);
 7. ``smf_kernels.triton_kernels`` (raw kernels), ``reference`` (the float64 oracle), ``build_ext``, ``_checks``,
    ``projection``;
 8. ``smf_kernels._rows``, ``smf_kernels._precision``.

@@ -109,9 +109,9 @@ def missing_build_tools() -> list[str]:
 
 
 class _BuildProgress(threading.Thread):
-    """Logs each file the build finishes, read from ninja's log in ``directory`` once a second, with the seconds
-    it took and since the build started, and every ``QUIET_SECONDS`` without one the files still compiling: a
-    build on a loaded machine takes minutes, and silence looks like a hang."""
+    """Logs each file the build finishes, read from what ninja appended to its log in ``directory`` once a second,
+    with the seconds it took and since the build started, and every ``QUIET_SECONDS`` without one the files still
+    compiling: a build on a loaded machine takes minutes, and silence looks like a hang."""
 
     QUIET_SECONDS = 10
 
@@ -119,7 +119,8 @@ class _BuildProgress(threading.Thread):
         super().__init__(daemon=True)
         self.log = directory / ".ninja_log"
         self.outputs = {f"{Path(name).stem}.o": name for name in sources} | {f"{MODULE_NAME}.so": "the library"}
-        self.skip = len(self.log.read_text().splitlines()) if self.log.exists() else 0  # an earlier attempt's
+        self.offset = self.log.stat().st_size if self.log.exists() else 0  # an earlier attempt's lines: skipped
+        self.partial = b""  # a line ninja has not finished writing
         self.started = self.last_line = time.perf_counter()
         self.finished: set[str] = set()
         self.done = threading.Event()
@@ -137,11 +138,19 @@ class _BuildProgress(threading.Thread):
         self.report()
 
     def report(self) -> None:
-        lines = self.log.read_text().splitlines()[max(self.skip, 1):] if self.log.exists() else []
-        self.skip = max(self.skip, 1) + len(lines)
+        """Log the files of the lines appended to ninja's log since the last call (only those bytes are read)."""
+        if not self.log.exists():
+            return
+        with self.log.open("rb") as f:
+            if f.seek(0, os.SEEK_END) < self.offset:  # ninja rewrote a long log in compact form: read it anew
+                self.offset, self.partial = 0, b""
+            f.seek(self.offset)
+            appended = f.read()
+        self.offset += len(appended)
+        *lines, self.partial = (self.partial + appended).split(b"\n")
         for line in lines:
-            fields = line.split("\t")
-            if len(fields) < 4 or fields[3] not in self.outputs:
+            fields = line.decode(errors="replace").split("\t")
+            if line.startswith(b"#") or len(fields) < 4 or fields[3] not in self.outputs:
                 continue
             seconds = (int(fields[1]) - int(fields[0])) / 1000
             self.finished.add(fields[3])

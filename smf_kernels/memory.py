@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from smf_kernels._precision import no_autocast
-from smf_kernels.backends import construction_error
+from smf_kernels.backends import construction_error, resolve_backend
 from smf_kernels.ops import GradientSink, product_key_topk, weighted_gather
 from smf_kernels.projection import MemoryProjection
 
@@ -141,15 +141,23 @@ class ProductKeyMemory(nn.Module):
             raise TypeError(f"sink must be a GradientSink or None, got {type(sink).__name__}")
         self.grad_sink = sink
 
-    def lookup(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scores (N, heads, topk) fp32 and slot ids (N, heads, topk) for x (N, d_model).
+    def lookup(self, x: torch.Tensor, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scores (N, heads, topk) fp32 and slot ids (N, heads, topk) for x (N, d_model); ``backend``: the one
+        :meth:`forward` resolved, or None to resolve :attr:`backend` here.
 
         Runs in the parameters' precision even under autocast: which slots a token reads must
         not depend on it (background statistics and training would disagree on the slots).
         """
         with no_autocast(x.device):
             query = self.query_map(x).view(x.shape[0], self.heads, self.key_dim)
-            return product_key_topk(query.to(self.keys.dtype), self.keys, self.topk, backend=self.backend)
+            return product_key_topk(query.to(self.keys.dtype), self.keys, self.topk,
+                                    backend=self.backend if backend is None else backend)
+
+    def resolved_backend(self, device: torch.device) -> str:
+        """The backend this memory's ops run on ``device``: :attr:`backend`, or the automatic choice
+        (:func:`smf_kernels.backends.resolve_backend`) for its keys' and values' dtypes; resolved once per
+        forward and handed to both ops."""
+        return resolve_backend(self.backend, device, torch.promote_types(self.keys.dtype, self.values.dtype))
 
     def forward(self, x: torch.Tensor, valid_mask: torch.Tensor | None = None) -> torch.Tensor:
         """x: (..., d_model) -> (..., d_model).
@@ -167,21 +175,22 @@ class ProductKeyMemory(nn.Module):
                 f"valid_mask must have shape x.shape[:-1] = {tuple(x.shape[:-1])}, got {tuple(valid_mask.shape)}"
             )
         flat = x.reshape(-1, self.d_model)
-        scores, indices = self.lookup(flat)
+        backend = self.resolved_backend(flat.device)
+        scores, indices = self.lookup(flat, backend)
         weights = torch.softmax(scores, dim=-1)  # the scores' precision: fp32, or fp64 for an fp64 memory
         num_tokens, per_token = flat.shape[0], self.heads * self.topk
         gate = self.gate_map(flat)
         gated_read = self._read_values(indices.view(num_tokens, per_token), weights.view(num_tokens, per_token),
-                                       None if valid_mask is None else valid_mask.reshape(-1).bool(), gate)
+                                       None if valid_mask is None else valid_mask.reshape(-1).bool(), gate, backend)
         out = self.out_map(gated_read)
         return out.view(*x.shape[:-1], self.d_model)
 
     def _read_values(self, indices: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor | None,
-                     gate: torch.Tensor) -> torch.Tensor:
+                     gate: torch.Tensor, backend: str) -> torch.Tensor:
         """silu(gate) * r (N, value_dim) in gate's dtype: r is each token's weighted sum of the value rows it reads
         (indices, weights (N, L); valid (N,) bool or None; gate (N, value_dim)), counting reads and routing the
-        value gradient as set, in the gather's op calls. A subclass may read the rows elsewhere
-        (:class:`smf_kernels.sharded.ShardedProductKeyMemory`: from several ranks)."""
+        value gradient as set, in the gather's op calls on ``backend`` (resolved by :meth:`forward`). A subclass may
+        read the rows elsewhere (:class:`smf_kernels.sharded.ShardedProductKeyMemory`: from several ranks)."""
         counting = self.count_reads
         return weighted_gather(
             self.values, indices, weights,
@@ -189,7 +198,7 @@ class ProductKeyMemory(nn.Module):
             valid=valid if counting else None,
             grad_sink=self.grad_sink,
             gate=gate,
-            backend=self.backend,
+            backend=backend,
         )
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,

@@ -207,7 +207,8 @@ def test_fused_backward_gives_each_gradient_asked_for(dtype, sparse, need):
     indices[0, :3] = 7  # one token reading the same row three times
     update_rows = indices.flatten().unique()[::2].contiguous() if sparse else None
     grad_out = torch.randn(21, 130).to(dtype)
-    got_values, got_weights = ext_impl.gather_backward(grad_out, values, indices, weights, update_rows, True, *need)
+    got_values, got_weights = ext_impl.BACKEND.gather_backward(grad_out, values, indices, weights, update_rows, True,
+                                                               *need)
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     table, per_sample = values.double().requires_grad_(), weights.double().requires_grad_()
     want_values, want_weights = torch.autograd.grad(
@@ -264,10 +265,10 @@ def test_fused_backward_weight_grad_does_not_depend_on_update_rows(dtype):
 
     values, indices, weights = gather_inputs((300, 130, 21, 12), dtype)
     grad_out = torch.randn(21, 130).to(dtype)
-    runs = [ext_impl.gather_backward(grad_out, values, indices, weights, rows, True, True, True)[1]
+    runs = [ext_impl.BACKEND.gather_backward(grad_out, values, indices, weights, rows, True, True, True)[1]
             for rows in (None, indices.flatten().unique(), torch.tensor([3, 50]))]
-    runs.append(ext_impl.gather_backward(grad_out, values, indices, weights, None, True, False, True)[1])
-    runs.append(ext_impl.gather_backward_weights(grad_out, values, indices))
+    runs.append(ext_impl.BACKEND.gather_backward(grad_out, values, indices, weights, None, True, False, True)[1])
+    runs.append(ext_impl._ext.gather_backward_weights(grad_out, values, indices))
     assert all(torch.equal(run, runs[0]) for run in runs[1:])
     want = torch.einsum("nd,nld->nl", grad_out.double(), values.double()[indices])
     assert rel_err(runs[0], want) < 1e-6
@@ -283,13 +284,13 @@ def test_large_outputs_reuse_freed_blocks_without_stale_values():
         grad_out = torch.randn(2100, 500)
     ext_impl.release_idle_outputs()
     first_out = weighted_gather(values, indices, weights, backend="ext")
-    first_grad = ext_impl.gather_backward(grad_out, values, indices, weights, None, True, True, False)[0]
+    first_grad = ext_impl.BACKEND.gather_backward(grad_out, values, indices, weights, None, True, True, False)[0]
     blocks = {first_out.data_ptr(), first_grad.data_ptr()}
     first_out.fill_(float("nan"))
     first_grad.fill_(float("nan"))
     del first_out, first_grad
     out = weighted_gather(values, indices, weights, backend="ext")
-    grad = ext_impl.gather_backward(grad_out, values, indices, weights, None, True, True, False)[0]
+    grad = ext_impl.BACKEND.gather_backward(grad_out, values, indices, weights, None, True, True, False)[0]
     assert {out.data_ptr(), grad.data_ptr()} == blocks  # the freed blocks were reused
     assert rel_err(out, weighted_gather_reference(values.double(), indices, weights.double())) < 1e-5
     table = values.double().requires_grad_()
@@ -336,7 +337,7 @@ def test_fused_backward_sorts_many_reads_in_parallel_in_the_serial_order():
     try:
         for num_threads in (max(2, threads), 1):
             torch.set_num_threads(num_threads)
-            runs.append(ext_impl.gather_backward(grad_out, values, indices, weights, None, True, True, True))
+            runs.append(ext_impl.BACKEND.gather_backward(grad_out, values, indices, weights, None, True, True, True))
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(runs[0], runs[1]))

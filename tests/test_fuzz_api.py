@@ -56,7 +56,7 @@ CLEAR = (ValueError, TypeError, IndexError)
 
 def _dtypes(backend: str) -> list[torch.dtype]:
     """The DTYPES that ``backend`` takes (Triton has no float64)."""
-    supported = getattr(implementation(backend), "SUPPORTED_DTYPES", None)
+    supported = implementation(backend).supported_dtypes
     return [d for d in DTYPES if supported is None or d in supported]
 
 

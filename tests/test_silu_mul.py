@@ -88,7 +88,7 @@ def test_ext_binding_checks_its_inputs():
 
     with torch.device("cpu"):  # the ext's silu_mul is CPU-only (also under SMF_TEST_DEVICE=cuda)
         with pytest.raises(RuntimeError, match=r"read must have the shape of gate \[3, 4\], got \[12\]"):
-            ext_impl.silu_mul_forward(torch.randn(3, 4), torch.randn(12))
+            ext_impl.BACKEND.silu_mul_forward(torch.randn(3, 4), torch.randn(12))
         with pytest.raises(RuntimeError, match="grad must have the shape of gate"):
-            ext_impl.silu_mul_backward(torch.randn(2), torch.randn(3), torch.randn(3))
-        assert ext_impl.silu_mul_forward(torch.empty(0, 5), torch.empty(0, 5)).shape == (0, 5)
+            ext_impl.BACKEND.silu_mul_backward(torch.randn(2), torch.randn(3), torch.randn(3))
+        assert ext_impl.BACKEND.silu_mul_forward(torch.empty(0, 5), torch.empty(0, 5)).shape == (0, 5)

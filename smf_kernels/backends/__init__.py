@@ -11,39 +11,23 @@ variable, else the fastest available backend for the tensors' device (CUDA:
 triton, then ext, then torch; CPU: ext, then torch). Asking for a backend that
 cannot run raises :class:`BackendUnavailableError` saying why.
 
-Each adapter module here (``torch_impl``, ``triton_impl``, ``ext_impl``) exposes the
-same functions; :mod:`smf_kernels.ops` validates arguments and dispatches to them.
-The raw Triton kernels live apart, in :mod:`smf_kernels.triton_kernels`, and the C++
-/ CUDA ones in ``csrc/``; adapters import kernels, never this registry.
-
-    unavailable_reason(device) -> str | None
-    topk_forward(query, keys, topk) -> (scores fp32 (N,H,k), indices int64 (N,H,k))
-    gather_forward(values, indices, weights, counts, valid) -> out (N, D), values' dtype
-    gather_backward(grad_out, values, indices, weights, update_rows, deterministic,
-                    need_values, need_weights)
-        -> (grad_values, grad_weights), both fp32 (fp64 for fp64):
-           grad_values (M, D) if update_rows is None else (T, D), row t for update_rows[t];
-           grad_weights (N, L); a gradient not needed has 0 rows.
-
-The ops hand the backends ``indices``, ``weights``, ``valid`` and ``update_rows`` contiguous, and
-``grad_out`` / ``grad_scores`` contiguous; ``values``, ``counts`` (written in place), ``query`` and
-``keys`` may be strided views.
-
-Optional (the op runs its plain-PyTorch form where a backend lacks one or returns None):
-
-    topk_backward(grad_scores, query, keys, indices, need_query, need_keys) -> (grad_query, grad_keys)
-    silu_mul_forward(gate, read) -> silu(gate) * read;  silu_mul_backward(grad, gate, read) -> (grad_gate, grad_read)
-    row_adamw(param, exp_avg, exp_avg_sq, row_step, rows, grad, valid, lr, grad_scale, beta1, beta2, eps,
-              weight_decay) -> None   (in place; smf_kernels.ops.row_adamw; the torch one runs elsewhere)
+A backend is a :class:`Backend` (``torch_impl``): its methods are the ops' torch implementations, and the
+``ext`` and ``triton`` backends are subclasses (``ext_impl.ExtBackend``, ``triton_impl.TritonBackend``) that
+override the ops they have kernels for, so an op a backend lacks runs as torch (the README's table says which).
+Each adapter module holds its instance as ``BACKEND``; :func:`implementation` returns it.
+:mod:`smf_kernels.ops` validates arguments, resolves the backend once per call and dispatches to its methods.
+The raw Triton kernels live apart, in :mod:`smf_kernels.triton_kernels`, and the C++ / CUDA ones in ``csrc/``;
+adapters import kernels, never this registry.
 """
 from __future__ import annotations
 
 import functools
 import importlib
 import os
-from types import ModuleType
 
 import torch
+
+from smf_kernels.backends.torch_impl import Backend
 
 BACKENDS = ("torch", "triton", "ext")
 ENV_VAR = "SMF_KERNELS_BACKEND"
@@ -54,15 +38,15 @@ class BackendUnavailableError(RuntimeError):
 
 
 @functools.lru_cache(maxsize=None)
-def _load(name: str) -> tuple[ModuleType | None, str]:
-    """Import a backend's implementation module; return (module, reason-if-missing)."""
+def _load(name: str) -> tuple[Backend | None, str]:
+    """Import a backend's implementation module; return (its Backend, reason-if-missing)."""
     module_name = {
         "torch": "smf_kernels.backends.torch_impl",
         "triton": "smf_kernels.backends.triton_impl",
         "ext": "smf_kernels.backends.ext_impl",
     }[name]
     try:
-        return importlib.import_module(module_name), ""
+        return importlib.import_module(module_name).BACKEND, ""
     except ImportError as exc:  # missing optional dependency or unbuilt extension
         return None, f"{type(exc).__name__}: {exc}"
 
@@ -88,8 +72,8 @@ def construction_error(name: str | None) -> str | None:
         return None
     if name not in BACKENDS:
         return f"unknown backend {name!r}; expected one of {BACKENDS} or None (automatic)"
-    module, reason = _load(name)
-    return None if module is not None else f"backend {name!r} could not be imported ({reason})"
+    backend, reason = _load(name)
+    return None if backend is not None else f"backend {name!r} could not be imported ({reason})"
 
 
 def unavailable_reason(name: str, device: torch.device | str) -> str | None:
@@ -98,15 +82,15 @@ def unavailable_reason(name: str, device: torch.device | str) -> str | None:
     device = torch.device(device)
     if name not in BACKENDS:
         return f"unknown backend {name!r}; expected one of {BACKENDS}"
-    module, reason = _load(name)
-    if module is None:
+    backend, reason = _load(name)
+    if backend is None:
         return f"backend {name!r} could not be imported ({reason})"
-    return module.unavailable_reason(device)
+    return backend.unavailable_reason(device)
 
 
 def _supports(name: str, dtype: torch.dtype | None) -> bool:
-    """Whether backend ``name`` takes inputs of ``dtype`` (a module may list SUPPORTED_DTYPES)."""
-    supported = getattr(_load(name)[0], "SUPPORTED_DTYPES", None)
+    """Whether backend ``name`` takes inputs of ``dtype`` (:attr:`Backend.supported_dtypes`)."""
+    supported = _load(name)[0].supported_dtypes
     return dtype is None or supported is None or dtype in supported
 
 
@@ -138,9 +122,9 @@ def resolve_backend(backend: str | None, device: torch.device, dtype: torch.dtyp
     return requested
 
 
-def implementation(name: str) -> ModuleType:
-    """The implementation module of a backend already checked by resolve_backend."""
-    module, reason = _load(name)
-    if module is None:
+def implementation(name: str) -> Backend:
+    """The :class:`Backend` named ``name``, a name already checked by resolve_backend."""
+    backend, reason = _load(name)
+    if backend is None:
         raise BackendUnavailableError(f"backend {name!r} is not available: {reason}")
-    return module
+    return backend

@@ -1,4 +1,6 @@
-"""The ``torch`` backend: plain PyTorch on any device, the baseline of every "vs torch" figure.
+"""The ``torch`` backend, plain PyTorch on any device and the baseline of every "vs torch" figure, as
+:class:`Backend`: the base class of every backend, whose methods are the ops' torch implementations, so that a
+backend without a kernel for an op runs this one.
 
 Each op is computed the way the authors' pure-PyTorch layer computes it, so that
 the baseline is fair: the lookup is einsum + torch.topk (made to follow the
@@ -22,10 +24,6 @@ from smf_kernels.reference import ranked_topk as _stable_ranked_topk
 
 # Upper bound on elements of a temporary (chunk, L, D) tensor: 16M fp32 = 64 MiB.
 _CHUNK_ELEMENTS = 1 << 24
-
-
-def unavailable_reason(device: torch.device) -> str | None:
-    return None
 
 
 def _token_chunks(num_tokens: int, per_token: int):
@@ -63,34 +61,35 @@ def _undominated_pairs(topk: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(pairs, dtype=torch.int64, device=device).unbind(1)
 
 
-def topk_forward(query: torch.Tensor, keys: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The authors' lookup: two einsums and top-k of each half, then the top-k of their sums, in fp32
-    (fp64 stays fp64: the reference's sort). The sums are taken only over the pairs that can win
-    (:func:`_undominated_pairs`) unless a half has a non-finite score; the result is the same."""
-    if query.dtype == torch.float64:
-        with torch.no_grad():
-            return product_key_topk_reference(query, keys, topk)
+def _sub_key_grad(grad_scores: torch.Tensor, sub_index: torch.Tensor, n_keys: int) -> torch.Tensor:
+    """Scatter grad_scores (N, H, k) onto the sub-keys they came from: (N, H, n_keys).
+
+    A sub-key can be shared by several of the k pairs, so this accumulates;
+    index_put_(accumulate=True) is deterministic under use_deterministic_algorithms.
+    """
+    num_tokens, heads, _ = grad_scores.shape
+    rows = torch.arange(num_tokens * heads, device=grad_scores.device).view(num_tokens, heads, 1) * n_keys
+    dense = grad_scores.new_zeros(num_tokens * heads * n_keys)
+    dense.index_put_(((rows + sub_index).flatten(),), grad_scores.flatten(), accumulate=True)
+    return dense.view(num_tokens, heads, n_keys)
+
+
+def _backward_by_dense_sub_key_grads(grad_scores, query, keys, indices, need_query, need_keys):
+    """The sub-key gradients scattered into dense (N, H, n_keys) tensors, then einsums."""
     n_keys, half = keys.shape[2], keys.shape[3]
-    q, k = query.float(), keys.float()
-    a, i = ranked_topk(torch.einsum("nhd,hkd->nhk", q[..., :half], k[:, 0]), topk)
-    b, j = ranked_topk(torch.einsum("nhd,hkd->nhk", q[..., half:], k[:, 1]), topk)
-    if bool(a.isfinite().all() and b.isfinite().all()):
-        first, second = _undominated_pairs(topk, query.device)
-        scores, best = ranked_topk(a[..., first] + b[..., second], topk)
-        ia, ib = first[best], second[best]
-    else:  # every candidate c = ia * topk + ib
-        scores, best = ranked_topk((a.unsqueeze(-1) + b.unsqueeze(-2)).flatten(-2), topk)
-        ia, ib = torch.div(best, topk, rounding_mode="floor"), best % topk
-    return scores, i.gather(-1, ia) * n_keys + j.gather(-1, ib)
-
-
-def gather_forward(values, indices, weights, counts, valid):
-    """The authors' gather: F.embedding_bag in values' dtype; the histogram by bincount."""
-    out = F.embedding_bag(indices, values, per_sample_weights=weights.to(values.dtype), mode="sum")
-    if counts is not None:
-        read = indices if valid is None else indices[valid]
-        counts += torch.bincount(read.flatten(), minlength=counts.numel())
-    return out
+    dtype = grad_scores.dtype
+    g1 = _sub_key_grad(grad_scores, torch.div(indices, n_keys, rounding_mode="floor"), n_keys)
+    g2 = _sub_key_grad(grad_scores, indices % n_keys, n_keys)
+    grad_query = grad_keys = query.new_empty(0, dtype=dtype)
+    if need_query:
+        k = keys.to(dtype)
+        grad_query = torch.cat(
+            [torch.einsum("nhk,hkd->nhd", g1, k[:, 0]), torch.einsum("nhk,hkd->nhd", g2, k[:, 1])], dim=-1)
+    if need_keys:
+        q = query.to(dtype)
+        grad_keys = torch.stack(
+            [torch.einsum("nhk,nhd->hkd", g1, q[..., :half]), torch.einsum("nhk,nhd->hkd", g2, q[..., half:])], dim=1)
+    return grad_query, grad_keys
 
 
 def _reads_a_row_twice(indices: torch.Tensor) -> bool:
@@ -185,59 +184,143 @@ def _embedding_bag_backward(grad_out, values, indices, weights, need_values, nee
     return grad_values, grad_weights
 
 
-def gather_backward(grad_out, values, indices, weights, update_rows, deterministic, need_values, need_weights):
-    """Gradients from embedding_bag's backward (on CPU always; elsewhere unless deterministic, its
-    CUDA value gradient using atomics); on CPU the row-sparse value gradient from one CSR product."""
-    dtype = accumulation_dtype(values.dtype)
-    by_bag = values.device.type == "cpu" or not deterministic
-    # The sparse value gradient too, off CPU (index_put_ took 0.7 s at the paper size on an H100);
-    # on CPU the CSR product below is the faster one.
-    bag_values = by_bag and need_values and (update_rows is None or values.device.type != "cpu")
-    # ATen's CUDA per-sample-weights backward has no bfloat16 kernel (torch 2.11).
-    bag_weights = by_bag and need_weights and (values.device.type == "cpu" or values.dtype != torch.bfloat16)
-    grad_values = grad_out.new_empty(0, values.shape[1], dtype=dtype)
-    grad_weights = grad_out.new_empty(0, indices.shape[1], dtype=dtype)
-    if bag_values or bag_weights:
-        from_values, from_weights = _embedding_bag_backward(grad_out, values, indices, weights, bag_values,
-                                                            bag_weights, update_rows)
-        grad_values = from_values.to(dtype) if bag_values else grad_values
-        grad_weights = from_weights.to(dtype) if bag_weights else grad_weights
-    if need_values and not bag_values:
-        grad_values = gather_backward_values(grad_out, indices, weights, values.shape[0], update_rows, deterministic)
-    if need_weights and not bag_weights:
-        grad_weights = gather_backward_weights(grad_out, values, indices)
-    return grad_values, grad_weights
+class Backend:
+    """A backend: the implementation the ops dispatch to. This class is the ``torch`` one; a subclass
+    (:class:`~smf_kernels.backends.ext_impl.ExtBackend`, :class:`~smf_kernels.backends.triton_impl.TritonBackend`)
+    overrides the methods it has kernels for and calls ``super()`` where its kernel does not apply (a device, a
+    dtype, a layout), so every op runs on every backend: the torch implementation where a backend lacks one.
+
+    The ops (:mod:`smf_kernels.ops`) validate arguments and hand the methods ``indices``, ``weights``, ``valid``,
+    ``update_rows``, ``grad_out`` and ``grad_scores`` contiguous; ``values``, ``counts`` (written in place),
+    ``query`` and ``keys`` may be strided views. Gradients come back in the accumulation dtype
+    (:func:`~smf_kernels._precision.accumulation_dtype`: fp32, fp64 for fp64); a gradient not needed has 0 rows.
+    """
+
+    name = "torch"
+    #: dtypes the backend's kernels take (None: any); the automatic choice skips a backend for other dtypes
+    supported_dtypes: tuple[torch.dtype, ...] | None = None
+    #: whether the kernels check every id and row they read through on CUDA (the ops then skip the host check)
+    kernels_guard_indices = False
+
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        """None if the backend runs on ``device``, else why not."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"<smf_kernels backend {self.name!r}>"
+
+    def topk_forward(self, query: torch.Tensor, keys: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The authors' lookup: two einsums and top-k of each half, then the top-k of their sums, in fp32
+        (fp64 stays fp64: the reference's sort). The sums are taken only over the pairs that can win
+        (:func:`_undominated_pairs`) unless a half has a non-finite score; the result is the same.
+        query (N, H, key_dim), keys (H, 2, n_keys, key_dim // 2) -> scores (N, H, topk), int64 slots (N, H, topk)."""
+        if query.dtype == torch.float64:
+            with torch.no_grad():
+                return product_key_topk_reference(query, keys, topk)
+        n_keys, half = keys.shape[2], keys.shape[3]
+        q, k = query.float(), keys.float()
+        a, i = ranked_topk(torch.einsum("nhd,hkd->nhk", q[..., :half], k[:, 0]), topk)
+        b, j = ranked_topk(torch.einsum("nhd,hkd->nhk", q[..., half:], k[:, 1]), topk)
+        if bool(a.isfinite().all() and b.isfinite().all()):
+            first, second = _undominated_pairs(topk, query.device)
+            scores, best = ranked_topk(a[..., first] + b[..., second], topk)
+            ia, ib = first[best], second[best]
+        else:  # every candidate c = ia * topk + ib
+            scores, best = ranked_topk((a.unsqueeze(-1) + b.unsqueeze(-2)).flatten(-2), topk)
+            ia, ib = torch.div(best, topk, rounding_mode="floor"), best % topk
+        return scores, i.gather(-1, ia) * n_keys + j.gather(-1, ib)
+
+    def topk_backward(self, grad_scores, query, keys, indices, need_query, need_keys):
+        """(grad_query (N, H, key_dim), grad_keys (H, 2, n_keys, key_dim // 2)) in grad_scores' dtype, from the
+        sub-key gradients scattered into dense (N, H, n_keys) tensors."""
+        return _backward_by_dense_sub_key_grads(grad_scores, query, keys, indices, need_query, need_keys)
+
+    def gather_forward(self, values, indices, weights, counts, valid):
+        """out (N, D) in values' dtype, by the authors' gather: F.embedding_bag; the read histogram added to
+        ``counts`` (M,) (reads of tokens with ``valid`` (N,) False left out) by bincount."""
+        out = F.embedding_bag(indices, values, per_sample_weights=weights.to(values.dtype), mode="sum")
+        if counts is not None:
+            read = indices if valid is None else indices[valid]
+            counts += torch.bincount(read.flatten(), minlength=counts.numel())
+        return out
+
+    def gather_backward(self, grad_out, values, indices, weights, update_rows, deterministic, need_values,
+                        need_weights):
+        """Gradients from embedding_bag's backward (on CPU always; elsewhere unless deterministic, its
+        CUDA value gradient using atomics); on CPU the row-sparse value gradient from one CSR product."""
+        dtype = accumulation_dtype(values.dtype)
+        by_bag = values.device.type == "cpu" or not deterministic
+        # The sparse value gradient too, off CPU (index_put_ took 0.7 s at the paper size on an H100);
+        # on CPU the CSR product below is the faster one.
+        bag_values = by_bag and need_values and (update_rows is None or values.device.type != "cpu")
+        # ATen's CUDA per-sample-weights backward has no bfloat16 kernel (torch 2.11).
+        bag_weights = by_bag and need_weights and (values.device.type == "cpu" or values.dtype != torch.bfloat16)
+        grad_values = grad_out.new_empty(0, values.shape[1], dtype=dtype)
+        grad_weights = grad_out.new_empty(0, indices.shape[1], dtype=dtype)
+        if bag_values or bag_weights:
+            from_values, from_weights = _embedding_bag_backward(grad_out, values, indices, weights, bag_values,
+                                                                bag_weights, update_rows)
+            grad_values = from_values.to(dtype) if bag_values else grad_values
+            grad_weights = from_weights.to(dtype) if bag_weights else grad_weights
+        if need_values and not bag_values:
+            grad_values = gather_backward_values(grad_out, indices, weights, values.shape[0], update_rows,
+                                                 deterministic)
+        if need_weights and not bag_weights:
+            grad_weights = gather_backward_weights(grad_out, values, indices)
+        return grad_values, grad_weights
+
+    def gather_backward_into(self, grad_out, values, indices, weights, update_rows, sink, deterministic,
+                             need_weights):
+        """:meth:`gather_backward`'s (T, D) value gradient of rows ``update_rows`` added into ``sink`` (T, D) in
+        place; returns grad_weights (N, L), or (0, L) without need_weights."""
+        compact, grad_weights = self.gather_backward(grad_out, values, indices, weights, update_rows, deterministic,
+                                                     True, need_weights)
+        sink += compact
+        return grad_weights
+
+    def silu_mul_forward(self, gate, read):
+        """silu(gate) * read, the plain composition (same shape and dtype)."""
+        return F.silu(gate) * read
+
+    def silu_mul_backward(self, grad, gate, read):
+        """(grad of gate, grad of read) in gate's dtype: silu'(x) = s (1 + x (1 - s)), s = sigmoid(x), in fp32
+        (fp64 for fp64)."""
+        g, x, r = (t.to(accumulation_dtype(gate.dtype)) for t in (grad, gate, read))
+        s = torch.sigmoid(x)
+        return (g * r * (s * (1 + x * (1 - s)))).to(gate.dtype), (g * (x * s)).to(gate.dtype)
+
+    def row_adamw(self, param, exp_avg, exp_avg_sq, row_step, rows, grad, valid, lr, grad_scale, beta1, beta2,
+                  eps, weight_decay):
+        """:class:`~smf_kernels.sparse.RowSparseAdamW`'s row update, op for op (index_select, the update in the
+        parameter's dtype with fp32 / fp64 factors, index_copy_); a row with ``valid`` False gets its old bits back."""
+        g = grad if grad_scale is None else grad * grad_scale
+        g = g.to(param.dtype)
+        old_steps = row_step.index_select(0, rows)
+        steps = old_steps + 1
+        exp_avg_rows = exp_avg.index_select(0, rows)
+        exp_avg_sq_rows = exp_avg_sq.index_select(0, rows)
+        new_exp_avg = exp_avg_rows.clone().lerp_(g, 1 - beta1)
+        new_exp_avg_sq = exp_avg_sq_rows.clone().mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        factor_dtype = accumulation_dtype(param.dtype)  # never round the factors to bf16
+        steps64 = steps.to(torch.float64)
+        step_size = (lr / (1 - torch.pow(beta1, steps64))).to(factor_dtype).unsqueeze(1)  # (T, 1)
+        bias_correction2_sqrt = (1 - torch.pow(beta2, steps64)).sqrt().to(factor_dtype).unsqueeze(1)
+        denom = (new_exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+        param_rows = param.index_select(0, rows)
+        updated = param_rows.clone()
+        if weight_decay != 0:
+            updated.mul_(1 - lr * weight_decay)
+        updated.sub_(new_exp_avg / denom * step_size)
+        if valid is not None:  # rows that were not selected keep their bits
+            keep = valid.unsqueeze(1)
+            steps = torch.where(valid, steps, old_steps)
+            new_exp_avg = torch.where(keep, new_exp_avg, exp_avg_rows)
+            new_exp_avg_sq = torch.where(keep, new_exp_avg_sq, exp_avg_sq_rows)
+            updated = torch.where(keep, updated, param_rows)
+        row_step.index_copy_(0, rows, steps)
+        exp_avg.index_copy_(0, rows, new_exp_avg)
+        exp_avg_sq.index_copy_(0, rows, new_exp_avg_sq)
+        param.index_copy_(0, rows, updated)
 
 
-def row_adamw(param, exp_avg, exp_avg_sq, row_step, rows, grad, valid, lr, grad_scale, beta1, beta2, eps,
-              weight_decay):
-    """:class:`~smf_kernels.sparse.RowSparseAdamW`'s row update, op for op (index_select, the update in the
-    parameter's dtype with fp32 / fp64 factors, index_copy_); a row with ``valid`` False gets its old bits back."""
-    g = grad if grad_scale is None else grad * grad_scale
-    g = g.to(param.dtype)
-    old_steps = row_step.index_select(0, rows)
-    steps = old_steps + 1
-    exp_avg_rows = exp_avg.index_select(0, rows)
-    exp_avg_sq_rows = exp_avg_sq.index_select(0, rows)
-    new_exp_avg = exp_avg_rows.clone().lerp_(g, 1 - beta1)
-    new_exp_avg_sq = exp_avg_sq_rows.clone().mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    factor_dtype = accumulation_dtype(param.dtype)  # never round the factors to bf16
-    steps64 = steps.to(torch.float64)
-    step_size = (lr / (1 - torch.pow(beta1, steps64))).to(factor_dtype).unsqueeze(1)  # (T, 1)
-    bias_correction2_sqrt = (1 - torch.pow(beta2, steps64)).sqrt().to(factor_dtype).unsqueeze(1)
-    denom = (new_exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-    param_rows = param.index_select(0, rows)
-    updated = param_rows.clone()
-    if weight_decay != 0:
-        updated.mul_(1 - lr * weight_decay)
-    updated.sub_(new_exp_avg / denom * step_size)
-    if valid is not None:  # rows that were not selected keep their bits
-        keep = valid.unsqueeze(1)
-        steps = torch.where(valid, steps, old_steps)
-        new_exp_avg = torch.where(keep, new_exp_avg, exp_avg_rows)
-        new_exp_avg_sq = torch.where(keep, new_exp_avg_sq, exp_avg_sq_rows)
-        updated = torch.where(keep, updated, param_rows)
-    row_step.index_copy_(0, rows, steps)
-    exp_avg.index_copy_(0, rows, new_exp_avg)
-    exp_avg_sq.index_copy_(0, rows, new_exp_avg_sq)
-    param.index_copy_(0, rows, updated)
+BACKEND = Backend()

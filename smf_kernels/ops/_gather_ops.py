@@ -13,26 +13,22 @@ import torch
 
 from smf_kernels._checks import check_gather_values
 from smf_kernels._precision import accumulation_dtype, no_autocast
-from smf_kernels.backends import implementation
-from smf_kernels.ops.silu_mul import silu_mul_backward, silu_mul_forward
+from smf_kernels.backends import Backend, implementation
 
 
-def _kernels_guard(values: torch.Tensor, backend: str) -> bool:
-    """Whether ``backend``'s kernels check ids and rows themselves on values' device (the triton backend on CUDA:
-    a bad one raises at the next sync there, without the host check's min, max, compare and assertion kernels)."""
-    return values.device.type == "cuda" and getattr(implementation(backend), "KERNELS_GUARD_INDICES", False)
+def _check_ids(values: torch.Tensor, backend: Backend, indices: torch.Tensor | None = None,
+               update_rows: torch.Tensor | None = None) -> None:
+    """The range of the ids (and of update_rows, with their distinctness), unless ``backend``'s kernels check every
+    access through them on values' device (the triton backend on CUDA: a bad one raises at the next sync there,
+    without the host check's min, max, compare and assertion kernels)."""
+    if not (values.device.type == "cuda" and backend.kernels_guard_indices):
+        check_gather_values(values.shape[0], indices, update_rows=update_rows)
 
 
-def _check_ids(values: torch.Tensor, indices: torch.Tensor, backend: str) -> None:
-    """The ids' range, unless the backend's kernels guard every access through them (:func:`_kernels_guard`)."""
-    if not _kernels_guard(values, backend):
-        check_gather_values(values.shape[0], indices)
-
-
-def _gated(read: torch.Tensor, gate: torch.Tensor | None, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _gated(read: torch.Tensor, gate: torch.Tensor | None, backend: Backend) -> tuple[torch.Tensor, torch.Tensor]:
     if gate is None:
         return read, read.new_empty(0)  # an op's two outputs may not be one tensor
-    return silu_mul_forward(gate, read.to(gate.dtype), backend), read
+    return backend.silu_mul_forward(gate, read.to(gate.dtype)), read
 
 
 def _fake_outputs(values, indices, gate):
@@ -45,9 +41,10 @@ def forward(values: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, 
             backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, read): the gather without a read histogram (a pure op: Inductor can schedule it freely);
     out = silu(gate) * read in gate's dtype when a gate is given, else out = read and the second output is empty."""
-    _check_ids(values, indices, backend)
+    impl = implementation(backend)
+    _check_ids(values, impl, indices)
     with no_autocast(values.device):
-        return _gated(implementation(backend).gather_forward(values, indices, weights, None, None), gate, backend)
+        return _gated(impl.gather_forward(values, indices, weights, None, None), gate, impl)
 
 
 @forward.register_fake
@@ -60,10 +57,10 @@ def forward_counted(values: torch.Tensor, indices: torch.Tensor, weights: torch.
                     valid: torch.Tensor | None, gate: torch.Tensor | None,
                     backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`forward`, adding every read of a valid token to ``counts`` (M,) in place."""
-    _check_ids(values, indices, backend)
+    impl = implementation(backend)
+    _check_ids(values, impl, indices)
     with no_autocast(values.device):
-        read = implementation(backend).gather_forward(values, indices, weights, counts, valid)
-        return _gated(read, gate, backend)
+        return _gated(impl.gather_forward(values, indices, weights, counts, valid), gate, impl)
 
 
 @forward_counted.register_fake
@@ -71,11 +68,11 @@ def _(values, indices, weights, counts, valid, gate, backend):
     return _fake_outputs(values, indices, gate)
 
 
-def _ungated(grad_out, gate, read, values, backend):
-    """(gradient reaching the gather (N, D) in values' dtype, grad of gate or an empty tensor)."""
+def _ungated(grad_out, gate, read, values, backend: Backend):
+    """(gradient reaching the gather (N, D) in values' dtype, grad of gate or an empty tensor); under no_autocast."""
     if gate is None:
         return grad_out, grad_out.new_empty(0)
-    grad_gate, grad_read = silu_mul_backward(grad_out, gate, read.to(gate.dtype), backend)
+    grad_gate, grad_read = backend.silu_mul_backward(grad_out, gate, read.to(gate.dtype))
     return grad_read.to(values.dtype), grad_gate
 
 
@@ -102,11 +99,11 @@ def backward(
     (empty without a gate); read_grad, the gradient reaching the gather (N, D) in values' dtype, when a gate
     is given and ``keep_read_grad`` (what a RowGradSink keeping reads keeps), else empty.
     """
-    if not _kernels_guard(values, backend):  # the triton backward checks update_rows as it maps them to slots
-        check_gather_values(values.shape[0], update_rows=update_rows)
+    impl = implementation(backend)
+    _check_ids(values, impl, update_rows=update_rows)  # the triton kernels: as they map rows to slots
     with no_autocast(grad_out.device):
-        read_grad, grad_gate = _ungated(grad_out, gate, read, values, backend)
-        grad_values, grad_weights = implementation(backend).gather_backward(
+        read_grad, grad_gate = _ungated(grad_out, gate, read, values, impl)
+        grad_values, grad_weights = impl.gather_backward(
             read_grad, values, indices, weights, update_rows, deterministic, need_values, need_weights)
     return grad_values, grad_weights, grad_gate, read_grad if gate is not None and keep_read_grad \
         else grad_out.new_empty(0)
@@ -144,20 +141,14 @@ def backward_into(
     need_weights: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`backward` with the (T, D) value gradient of rows ``update_rows`` added into ``sink`` in place;
-    returns (grad_weights (N, L), 0 rows if not needed; grad_gate, empty without a gate). A backend with a
-    ``gather_backward_into`` (triton) adds in its kernel's epilogue, the same fp32 adds as ``sink += compact``."""
-    module = implementation(backend)
-    if not (hasattr(module, "gather_backward_into") and sink.is_contiguous() and sink.dtype == torch.float32):
-        compact, grad_weights, grad_gate, _ = backward(grad_out, values, indices, weights, update_rows, gate, read,
-                                                       backend, deterministic, True, need_weights, False)
-        sink += compact
-        return grad_weights, grad_gate
-    if not _kernels_guard(values, backend):
-        check_gather_values(values.shape[0], update_rows=update_rows)
+    returns (grad_weights (N, L), 0 rows if not needed; grad_gate, empty without a gate). The backend adds as
+    ``sink += compact`` does (the triton one in its kernel's epilogue, without the (T, D) buffer)."""
+    impl = implementation(backend)
+    _check_ids(values, impl, update_rows=update_rows)
     with no_autocast(grad_out.device):
-        read_grad, grad_gate = _ungated(grad_out, gate, read, values, backend)
-        grad_weights = module.gather_backward_into(read_grad, values, indices, weights, update_rows, sink,
-                                                   need_weights)
+        read_grad, grad_gate = _ungated(grad_out, gate, read, values, impl)
+        grad_weights = impl.gather_backward_into(read_grad, values, indices, weights, update_rows, sink,
+                                                 deterministic, need_weights)
     return grad_weights, grad_gate
 
 

@@ -21,37 +21,6 @@ def _(query, keys, topk, backend):
     return query.new_empty(shape, dtype=accumulation_dtype(query.dtype)), query.new_empty(shape, dtype=torch.int64)
 
 
-def _sub_key_grad(grad_scores: torch.Tensor, sub_index: torch.Tensor, n_keys: int) -> torch.Tensor:
-    """Scatter grad_scores (N, H, k) onto the sub-keys they came from: (N, H, n_keys).
-
-    A sub-key can be shared by several of the k pairs, so this accumulates;
-    index_put_(accumulate=True) is deterministic under use_deterministic_algorithms.
-    """
-    num_tokens, heads, _ = grad_scores.shape
-    rows = torch.arange(num_tokens * heads, device=grad_scores.device).view(num_tokens, heads, 1) * n_keys
-    dense = grad_scores.new_zeros(num_tokens * heads * n_keys)
-    dense.index_put_(((rows + sub_index).flatten(),), grad_scores.flatten(), accumulate=True)
-    return dense.view(num_tokens, heads, n_keys)
-
-
-def _backward_by_dense_sub_key_grads(grad_scores, query, keys, indices, need_query, need_keys):
-    """Any backend: the sub-key gradients scattered into dense (N, H, n_keys) tensors, then einsums."""
-    n_keys, half = keys.shape[2], keys.shape[3]
-    dtype = grad_scores.dtype
-    g1 = _sub_key_grad(grad_scores, torch.div(indices, n_keys, rounding_mode="floor"), n_keys)
-    g2 = _sub_key_grad(grad_scores, indices % n_keys, n_keys)
-    grad_query = grad_keys = query.new_empty(0, dtype=dtype)
-    if need_query:
-        k = keys.to(dtype)
-        grad_query = torch.cat(
-            [torch.einsum("nhk,hkd->nhd", g1, k[:, 0]), torch.einsum("nhk,hkd->nhd", g2, k[:, 1])], dim=-1)
-    if need_keys:
-        q = query.to(dtype)
-        grad_keys = torch.stack(
-            [torch.einsum("nhk,nhd->hkd", g1, q[..., :half]), torch.einsum("nhk,nhd->hkd", g2, q[..., half:])], dim=1)
-    return grad_query, grad_keys
-
-
 @torch.library.custom_op("smf_kernels::product_key_topk_backward", mutates_args=())
 def _topk_backward(
     grad_scores: torch.Tensor,
@@ -63,15 +32,10 @@ def _topk_backward(
     need_keys: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad_query (N, H, key_dim), grad_keys (H, 2, n_keys, key_dim // 2)) in the scores' dtype;
-    a gradient not needed comes back empty (0 elements). A backend with a ``topk_backward``
-    computes them itself (it returns None where it does not apply)."""
+    a gradient not needed comes back empty (0 elements)."""
     with no_autocast(query.device):
         grad_scores = grad_scores.to(accumulation_dtype(query.dtype)).contiguous()
-        fused = getattr(implementation(backend), "topk_backward", None)
-        result = fused(grad_scores, query, keys, indices, need_query, need_keys) if fused is not None else None
-        if result is None:
-            result = _backward_by_dense_sub_key_grads(grad_scores, query, keys, indices, need_query, need_keys)
-        return result
+        return implementation(backend).topk_backward(grad_scores, query, keys, indices, need_query, need_keys)
 
 
 @_topk_backward.register_fake

@@ -22,7 +22,7 @@ import torch
 from smf_kernels._checks import (FLOAT_DTYPES, check_ascending, check_index_range, check_row_gradient,
                                  check_same_device, check_scalar, check_tensor)
 from smf_kernels._precision import accumulation_dtype, no_autocast
-from smf_kernels.backends import implementation, resolve_backend, torch_impl
+from smf_kernels.backends import implementation, resolve_backend
 
 
 def check_hyper_parameters(lr: torch.Tensor | float | None, beta1: float, beta2: float, eps: float,
@@ -64,10 +64,9 @@ def _row_adamw(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Ten
         return
     check_index_range("rows", rows, param.shape[0])  # the values are checked here, compiled or not
     check_ascending("rows", rows)
-    update = getattr(implementation(backend), "row_adamw", None) or torch_impl.row_adamw  # one pass, or torch ops
-    with no_autocast(param.device):
-        update(param, exp_avg, exp_avg_sq, row_step, rows, grad, valid, lr, grad_scale, beta1, beta2, eps,
-               weight_decay)
+    with no_autocast(param.device):  # one pass per row (ext on CPU, triton), or the torch ops
+        implementation(backend).row_adamw(param, exp_avg, exp_avg_sq, row_step, rows, grad, valid, lr, grad_scale,
+                                          beta1, beta2, eps, weight_decay)
 
 
 @_row_adamw.register_fake

@@ -2,41 +2,21 @@
 
 A backend with a fused kernel (the ``ext`` one on CPU) does the forward and the backward in one pass each and
 returns outputs from its cache of freed blocks; the backward recomputes ``silu(gate)`` instead of keeping it,
-so the layer saves one (N, D) activation fewer than the plain composition. Elsewhere the plain composition runs.
+so the layer saves one (N, D) activation fewer than the plain composition. Elsewhere (the ``triton`` backend
+included) the plain composition runs: :meth:`smf_kernels.backends.Backend.silu_mul_forward`.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from smf_kernels._checks import FLOAT_DTYPES, check_same_device
-from smf_kernels._precision import accumulation_dtype, no_autocast
+from smf_kernels._precision import no_autocast
 from smf_kernels.backends import implementation, resolve_backend
-
-
-def silu_mul_forward(gate: torch.Tensor, read: torch.Tensor, backend: str) -> torch.Tensor:
-    """silu(gate) * read (same shape and dtype) by ``backend``'s fused kernel where it has one."""
-    fused = getattr(implementation(backend), "silu_mul_forward", None)
-    out = fused(gate, read) if fused is not None else None
-    return F.silu(gate) * read if out is None else out
-
-
-def silu_mul_backward(grad: torch.Tensor, gate: torch.Tensor, read: torch.Tensor,
-                      backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(grad of gate, grad of read), in gate's dtype, by ``backend``'s fused kernel where it has one."""
-    with no_autocast(gate.device):
-        fused = getattr(implementation(backend), "silu_mul_backward", None)
-        result = fused(grad, gate, read) if fused is not None else None
-        if result is None:  # silu'(x) = s (1 + x (1 - s)), s = sigmoid(x); in fp32 (fp64) for low precision
-            g, x, r = (t.to(accumulation_dtype(gate.dtype)) for t in (grad, gate, read))
-            s = torch.sigmoid(x)
-            result = ((g * r * (s * (1 + x * (1 - s)))).to(gate.dtype), (g * (x * s)).to(gate.dtype))
-        return result
 
 
 @torch.library.custom_op("smf_kernels::silu_mul", mutates_args=())
 def _silu_mul(gate: torch.Tensor, read: torch.Tensor, backend: str) -> torch.Tensor:
-    return silu_mul_forward(gate, read, backend)
+    return implementation(backend).silu_mul_forward(gate, read)
 
 
 @_silu_mul.register_fake
@@ -49,7 +29,8 @@ def _silu_mul_backward(
     grad: torch.Tensor, gate: torch.Tensor, read: torch.Tensor, backend: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad of gate, grad of read), in gate's dtype."""
-    return silu_mul_backward(grad, gate, read, backend)
+    with no_autocast(gate.device):
+        return implementation(backend).silu_mul_backward(grad, gate, read)
 
 
 @_silu_mul_backward.register_fake

@@ -92,10 +92,10 @@ class ShardedProductKeyMemory(ProductKeyMemory):
         return self
 
     def _read_values(self, indices: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor | None,
-                     gate: torch.Tensor) -> torch.Tensor:
+                     gate: torch.Tensor, backend: str) -> torch.Tensor:
         shard = self.shard
         if shard.size == 1:
-            return super()._read_values(indices, weights, valid, gate)
+            return super()._read_values(indices, weights, valid, gate, backend)
         num_tokens = indices.shape[0]
         reads_grad = torch.is_grad_enabled() and (self.values.requires_grad or weights.requires_grad)
         counts = token_counts(num_tokens, shard, indices.device,
@@ -110,10 +110,10 @@ class ShardedProductKeyMemory(ProductKeyMemory):
         part = weighted_gather(
             AverageGradOverGroup.apply(self.values, shard.size), all_indices, all_weights,
             counts=self.read_counts if counting else None, valid=all_valid, grad_sink=self.grad_sink,
-            backend=self.backend,
+            backend=backend,
         )
         read = ExchangeColumns.apply(part, counts, shard)
-        return silu_mul(gate, read.to(gate.dtype), backend=self.backend)  # the gate acts on whole rows
+        return silu_mul(gate, read.to(gate.dtype), backend=backend)  # the gate acts on whole rows
 
     def _agreed(self, weights_dtype: torch.dtype, weights_need_grad: bool, read_needs_grad: bool) -> dict[str, int]:
         """This rank's values of :data:`~smf_kernels.sharded.exchange.READ_FIELDS` for a read (sent with the token
