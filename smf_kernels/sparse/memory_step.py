@@ -43,7 +43,8 @@ from smf_kernels.sparse.background_collection import collect_background
 from smf_kernels.sparse.fill_plan import FillPlan, plan_fill
 from smf_kernels.sparse.row_grad_sink import READS_KEPT, ROWS_FIRST, check_fill
 from smf_kernels.sparse.row_gradients import BeforeRows, RowGradients, StepResult, check_finish
-from smf_kernels.sparse.selection import RULES, default_rows_per_step, score_slots, select_rows_padded, warn_if_not_sparse
+from smf_kernels.sparse.selection import (RULES, default_rows_per_step, score_slots, select_rows_padded,
+                                          warn_if_not_sparse)
 
 logger = logging.getLogger(__name__)
 
