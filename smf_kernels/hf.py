@@ -3,8 +3,8 @@
 :class:`SparseMemoryTrainer` is a ``Trainer`` whose optimizer steps are SMF steps driven by a
 :class:`~smf_kernels.sparse.SparseMemoryController`: the Trainer keeps its own loop (gradient
 accumulation, LR schedulers, logging, checkpoints, ``resume_from_checkpoint``); the controller plans, begins and
-ends each step (:mod:`smf_kernels.sparse.controller`), and the step's :class:`~smf_kernels.sparse.RowGradients`
-finish it (``apply``: the finishing sequence ``smf train`` runs too) right before the Trainer's optimizer step.
+ends each step through the one driver ``smf train`` drives too (:class:`~smf_kernels.sparse.StepDriver`), whose
+finishing sequence runs right before the Trainer's optimizer step.
 Example (README, "Training with the Hugging Face Trainer")::
 
     controller = SparseMemoryController(model, rule="tfidf", rows_per_step=512)
@@ -25,7 +25,8 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from smf_kernels.fsdp import average_gradients
-from smf_kernels.sparse.controller import RowGradients, SparseMemoryController
+from smf_kernels.sparse.controller import SparseMemoryController
+from smf_kernels.sparse.driver import StepDriver
 from smf_kernels.sparse.row_sparse_adamw import RowSparseAdamW
 
 logger = logging.getLogger(__name__)
@@ -52,12 +53,12 @@ class SparseMemoryTrainer(Trainer):
         controller: a :class:`SparseMemoryController` over the same model, with its background
             statistics set (``collect_background`` / ``set_background``).
 
-    Per optimizer step: the first micro-batch's ``training_step`` begins the step with the fill
-    ``controller.plan`` chooses (:func:`smf_kernels.sparse.plan_fill`, as ``smf train`` does: one micro-batch:
-    rows first, selected between its forward and backward; under gradient accumulation: reads kept, no second
-    forward); after the last micro-batch's backward, ``controller.end_step()`` computes the selected rows'
-    compact (T, D) gradient; right before the Trainer's optimizer step, :meth:`RowGradients.apply
-    <smf_kernels.sparse.RowGradients.apply>` finishes the step as ``smf train`` does: every gradient of the step
+    Per optimizer step, through :class:`~smf_kernels.sparse.StepDriver` (``self.driver``, the one ``smf train``
+    drives): the first micro-batch's ``training_step`` begins the step with the fill it plans
+    (:func:`smf_kernels.sparse.plan_fill`: one micro-batch: rows first, selected between its forward and
+    backward; under gradient accumulation: reads kept, no second forward); right before the Trainer's optimizer
+    step, the driver ends the step (the selected rows' compact (T, D) gradient) and finishes it as ``smf train``
+    does (:meth:`RowGradients.finish <smf_kernels.sparse.RowGradients.finish>`): every gradient of the step
     is checked for inf / NaN (the controller's ``nonfinite``: raise, or skip the step: no parameter moves), the
     rows' gradients join the global norm, which clips everything to ``args.max_grad_norm``, the optimizer steps
     the other parameters and the rows, and the gradients are zeroed (so the Trainer's own optimizer step then
@@ -99,12 +100,12 @@ class SparseMemoryTrainer(Trainer):
                              "checkpointing would re-run each forward in the backward and count them twice: leave "
                              "it off in TrainingArguments and call model.gradient_checkpointing_disable()")
         self.controller = controller
+        self.driver = StepDriver(controller, compiled=bool(self.args.torch_compile), world=self.args.world_size)
         self._outside_fsdp = self._keep_out_of_fsdp2()
         self.sparse_max_grad_norm = self.args.max_grad_norm
         self.args = copy.copy(self.args)
         self.args.max_grad_norm = 0.0  # clipping happens in training_step, with the rows' compact gradients
         self.last_selected_rows: dict[str, torch.Tensor] = {}
-        self._row_gradients: RowGradients | None = None  # the ended step's, until it is finished
         self._sparse_grad_norm: float | None = None
         self._total_rows = sum(memory.num_slots for memory in controller.memories.values())
         self._rows_since_log, self._steps_since_log = 0, 0
@@ -113,7 +114,7 @@ class SparseMemoryTrainer(Trainer):
     def _keep_out_of_fsdp2(self) -> list[torch.nn.Parameter]:
         """Under accelerate's FSDP2: the memories and every trainable parameter (the values; ``alpha``, a scalar
         FSDP2 cannot shard) join the plugin's ignored modules, so they stay plain tensors on every rank; returns
-        the trainable ones other than the values, whose gradients :meth:`_end_smf_step` averages over the ranks
+        the trainable ones other than the values, whose gradients :meth:`_finish_smf_step` averages over the ranks
         (the controller averages the rows'). Elsewhere: [] (DDP reduces them)."""
         plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
         if plugin is None or getattr(plugin, "fsdp_version", 1) != 2:
@@ -146,45 +147,32 @@ class SparseMemoryTrainer(Trainer):
         super()._load_optimizer_and_scheduler(checkpoint)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        if not self.controller.in_step:  # the step's fill, chosen as smf train chooses it (plan_fill)
-            self.controller.begin_step(self.controller.plan(self.args.gradient_accumulation_steps,
-                                                            compiled=bool(self.args.torch_compile),
-                                                            world=self.args.world_size))
+        if not self.driver.in_step:  # the step's fill, planned as smf train plans it (plan_fill)
+            self.driver.begin(self.args.gradient_accumulation_steps)
         try:
-            loss = super().training_step(model, inputs, num_items_in_batch)
-            if self.accelerator.sync_gradients:  # the step's last micro-batch: the Trainer steps next
-                self._end_smf_step()
+            return super().training_step(model, inputs, num_items_in_batch)
         except BaseException:  # the step is lost: the next training_step begins a fresh one
-            self.controller.abort_step()
+            self.driver.abort()
             raise
-        return loss
 
     def compute_loss(self, model, inputs, *args, **kwargs):
         """The Trainer's loss, then the controller's ``after_forward()`` (in a step of one eager micro-batch it
         selects the rows from the forward's counts, before the backward, which writes only their gradient)."""
         result = super().compute_loss(model, inputs, *args, **kwargs)
-        if self.controller.in_step:
-            self.controller.after_forward()
+        if self.driver.in_step:
+            self.driver.after_forward()
         return result
 
-    def _end_smf_step(self) -> None:
-        average_gradients(self._outside_fsdp)
-        self._row_gradients = self.controller.end_step()  # finished right before the optimizer step
-
     def _finish_smf_step(self) -> None:
-        """The finishing sequence of the ended step (:meth:`RowGradients.apply`) on the Trainer's optimizer."""
-        gradients, self._row_gradients = self._row_gradients, None
-        if gradients is None:
+        """The step's end and finishing sequence (:meth:`StepDriver.finish`) on the Trainer's optimizer, the
+        gradients of the trainable parameters outside FSDP2 averaged first."""
+        if not self.driver.in_step:
             return
+        average_gradients(self._outside_fsdp)
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # inside accelerate's wrapper
         max_norm = self.sparse_max_grad_norm if self.sparse_max_grad_norm and self.sparse_max_grad_norm > 0 \
             else float("inf")  # the Trainer's convention: no clipping at 0 or below
-        try:
-            result = gradients.apply(optimizer, max_grad_norm=max_norm, nonfinite=self.controller.nonfinite)
-        except BaseException:  # refused (nothing moved): the step is dropped, so that a later train() begins afresh
-            self.controller.abort_step()
-            raise
-        self.controller.skipped_steps += result.skipped
+        result = self.driver.finish(optimizer, max_grad_norm=max_norm)  # raised: dropped, a later train() begins afresh
         self.last_selected_rows = {} if result.skipped else result.selected
         self._sparse_grad_norm = float("nan") if result.skipped else float(result.grad_norm)
         if not result.skipped:

@@ -34,7 +34,8 @@ def test_row_change_is_the_median_relative_change_of_the_updated_rows():
 
 def test_the_exact_update_measures_from_the_rows_the_optimizer_steps():
     """The exact update copies no table: row_change reads the T rows the optimizer's step_rows was about to step
-    (kept by MemoryUpdateStep._rows_before_their_step), the rows it updated being a subset of them."""
+    (kept by MemoryUpdateStep._keep_rows, the driver's before_rows hook), the rows it updated being a subset of
+    them."""
     generator = torch.Generator().manual_seed(1)
     memories = {name: SimpleNamespace(values=torch.nn.Parameter(torch.randn(23, 4, generator=generator)))
                 for name in ("layers.0", "layers.2")}
@@ -50,10 +51,9 @@ def test_the_exact_update_measures_from_the_rows_the_optimizer_steps():
     step._start_norms = {name: table.norm(dim=1) for name, table in start.items()}
     stepped = {"layers.0": torch.tensor([1, 4, 8, 20]), "layers.2": torch.tensor([0, 3, 22])}
     optimizer = RowOptimizer()
-    with step._rows_before_their_step(optimizer):
-        for name, rows in stepped.items():
-            optimizer.step_rows(memories[name].values, rows, 0.2 * torch.randn(len(rows), 4, generator=generator))
-    assert "step_rows" not in vars(optimizer)  # the class's method again
+    for name, rows in stepped.items():  # as RowGradients.finish calls the hook, then steps the rows
+        step._keep_rows(memories[name].values, rows)
+        optimizer.step_rows(memories[name].values, rows, 0.2 * torch.randn(len(rows), 4, generator=generator))
     step.rows = {"layers.0": torch.tensor([4, 20]), "layers.2": torch.tensor([0, 3, 22])}  # 5 updated
     expected = sorted(float((memories[name].values[row] - start[name][row]).norm() / start[name][row].norm())
                       for name, rows in step.rows.items() for row in rows.tolist())

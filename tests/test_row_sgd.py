@@ -102,3 +102,34 @@ def test_the_state_of_the_other_row_optimizer_is_refused_on_load():
     sgd = RowSparseSGD([table], lr=0.5)
     sgd.load_state_dict(RowSparseSGD([table], lr=0.1).state_dict())  # its own state loads
     assert sgd.param_groups[0]["lr"] == 0.1
+
+
+def test_a_tensor_rate_is_read_as_a_tensor_and_agrees_with_the_number(monkeypatch):
+    """A learning rate and weight decay held in tensors (a scheduler's, on an accelerator) are used as tensors,
+    never read back on the host (float() of them raises here, past the range checks, which read a CPU tensor and
+    check an accelerator's on its device), moving the rows and a dense parameter as the same numbers do, to
+    float32 rounding."""
+    from smf_kernels.sparse import row_sparse_sgd
+
+    class NoHostRead(torch.Tensor):
+        def __float__(self):
+            raise AssertionError("read on the host")
+
+    results = []
+    for as_tensor in (False, True):
+        table = torch.nn.Parameter(torch.randn(9, 5, generator=torch.Generator().manual_seed(1)))
+        scale = torch.nn.Parameter(torch.full((), 1.5))
+        optimizer = RowSparseSGD([table, scale], lr=0.3, weight_decay=0.1)
+        if as_tensor:  # after construction, as a capturable scheduler writes them
+            optimizer.param_groups[0].update(lr=torch.tensor(0.3).as_subclass(NoHostRead),
+                                             weight_decay=torch.tensor(0.1).as_subclass(NoHostRead))
+            monkeypatch.setattr(row_sparse_sgd, "check_sgd_hyper_parameters", lambda lr, weight_decay: None)
+        rows, grad = torch.tensor([0, 4, 7]), torch.randn(3, 5, generator=torch.Generator().manual_seed(2))
+        optimizer.step_rows(table, rows, grad, grad_scale=torch.tensor(0.5), valid=torch.tensor([True, True, False]))
+        scale.grad = torch.full((), 0.7)
+        optimizer.step()
+        results.append((table.detach().clone(), scale.detach().clone()))
+    (table_number, scale_number), (table_tensor, scale_tensor) = results
+    torch.testing.assert_close(table_tensor, table_number, rtol=2e-7, atol=0)
+    torch.testing.assert_close(scale_tensor, scale_number, rtol=2e-7, atol=0)
+    assert torch.equal(table_tensor[7], table_number[7])  # the padding row keeps its bits

@@ -5,7 +5,7 @@ from torch import nn
 
 from smf_kernels import ProductKeyMemory
 from smf_kernels.sparse import DenseMaskedUpdate, FillPlan, SparseMemoryController, plan_fill
-from smf_kernels.sparse.controller import KEPT_READS_PER_SLOT
+from smf_kernels.sparse.fill_plan import KEPT_READS_PER_SLOT
 
 
 @pytest.mark.parametrize("micro_batches, compiled, step_tokens, expected", [

@@ -59,10 +59,10 @@ def _worker(rank, init_file, root, job):
 
             real_check = loop.check_finite
 
-            def check_or_die(setup, step, world):
+            def check_or_die(setup, step, world, **options):
                 if step == KILL_AT:  # after the optimizer step, before its checkpoint: every rank dies
                     os._exit(3)
-                real_check(setup, step, world)
+                real_check(setup, step, world, **options)
 
             loop.check_finite = check_or_die
             train(run_config(root, "full", 1, "killed", fsdp=True))

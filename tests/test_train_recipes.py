@@ -16,7 +16,7 @@ from smf.train.distributed import World
 from smf.train.recipes import build_setup
 from smf.train.steps import MemoryUpdateStep
 from smf_kernels.sparse import BackgroundStats, SparseMemoryController
-from smf_kernels.sparse import controller as sparse_step
+from smf_kernels.sparse import fill_plan
 
 WIDTH, INTERMEDIATE, LAYERS, KV_WIDTH = 64, 128, 8, 32  # tiny Qwen-2: hidden, MLP, layers, 2 KV heads x 16
 
@@ -193,7 +193,7 @@ def test_both_fillers_of_the_rows_gradient_train_the_same_weights(tmp_path, monk
     overrides = {**SPARSE_RUN, "micro_batch_size": 2, "adapter": str(adapter), "background": str(adapter)}
     finals = []
     for name, kept_reads_per_slot in (("kept", 10 ** 9), ("counted", 0)):
-        monkeypatch.setattr(sparse_step, "KEPT_READS_PER_SLOT", kept_reads_per_slot)
+        monkeypatch.setattr(fill_plan, "KEPT_READS_PER_SLOT", kept_reads_per_slot)
         train(tiny_run_config(tmp_path / name, "train", "sparse", **overrides))
         finals.append(torch.load(tmp_path / name / "sparse-run" / CHECKPOINT_FILE, weights_only=True)["trainable"])
     for name, tensor in finals[0].items():

@@ -1,16 +1,24 @@
-"""torch.distributed helpers for data-parallel training under ``torchrun``.
+"""torch.distributed helpers for data-parallel training under ``torchrun``, and DDP applied to a model.
 
 ``torchrun --nproc-per-node N -m smf.cli train ...`` sets WORLD_SIZE, RANK and LOCAL_RANK;
 :func:`setup_distributed` then starts the default process group (NCCL on CUDA, gloo on CPU)
 unless the caller already did (tests start gloo themselves).
+
+Parallelisms are applied to the model before the loop by small functions, each returning the
+:class:`Parallelism` the loop runs its steps with (torchtitan's ``parallelize_*``): the memories split by
+columns (:func:`smf.train.sharding.parallelize_memories`, before the optimizer), the base model under FSDP2
+(:func:`smf.train.fsdp.parallelize_fsdp`) or DDP (:func:`parallelize_ddp`).
 """
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from smf.errors import ConfigError
 
@@ -87,3 +95,42 @@ def gather_objects(obj, world: World) -> list:
     gathered = [None] * world.size
     dist.all_gather_object(gathered, obj)
     return gathered
+
+
+def _no_context(last: bool) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
+
+
+def _nothing() -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """How the parallelisms applied to a model take part in the loop's steps (the default: none, one process).
+
+    ``module``: what the forwards run through (DDP's wrapper, a compiled module), None: the model itself;
+    ``micro_batch(last)``: the context of one micro-batch's forward and backward, ``last`` True for the step's
+    last, whose backward reduces the gradients; ``reduce_gradients()``: called after the step's last backward,
+    before its finish, to average the gradients no wrapper reduced; ``sharded``: trainable parameters are split
+    over the processes (a check of their values agrees over all of them).
+    """
+
+    module: nn.Module | None = None
+    micro_batch: Callable[[bool], contextlib.AbstractContextManager] = _no_context
+    reduce_gradients: Callable[[], None] = _nothing
+    sharded: bool = False
+
+
+def parallelize_ddp(model: nn.Module, world: World, kept_out: list[str]) -> Parallelism:
+    """DDP over ``model``'s trainable parameters but those named in ``kept_out`` (and buffers so named: reduced by
+    the sparse step or by the sharded read itself); no wrapper in one process or when nothing is left for DDP.
+    All micro-batches of a step but the last run under ``no_sync``."""
+    if world.size == 1:
+        return Parallelism()
+    if not any(p.requires_grad for name, p in model.named_parameters() if name not in kept_out):
+        return Parallelism()  # only memory values train: nothing left for DDP
+    nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, kept_out)
+    device_ids = [world.device] if world.device.type == "cuda" else None
+    wrapped = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+    return Parallelism(wrapped, lambda last: contextlib.nullcontext() if last else wrapped.no_sync())

@@ -6,10 +6,11 @@
   group) and the model with ``fully_shard`` over all processes. Every memory parameter (the memory modules
   and ``alpha``) is passed as ``ignored_params``: it stays a plain tensor, replicated (or column-sharded by
   ``--shard-memories``), so the row selection, the row-sparse update and its exactness are those of DDP.
-- :class:`FSDPStep` wraps a recipe's step: FSDP reduce-scatters (averages) the gradients of the parameters it
-  shards; the trainable parameters it leaves alone are averaged here, as DDP would, unless the step reduces
-  them itself (the controller's value rows, a column shard's values). Clipping then takes the norm of every
-  gradient, FSDP's shards included (a shard's squared norm is summed over the ranks).
+- :func:`parallelize_fsdp` applies it before the loop and says how it takes part in a step
+  (:class:`~smf.train.distributed.Parallelism`): FSDP reduce-scatters (averages) the gradients of the parameters
+  it shards; the trainable parameters it leaves alone are averaged after the step's last backward, as DDP would,
+  unless the step reduces them itself (the controller's value rows, a column shard's values). Clipping then
+  takes the norm of every gradient, FSDP's shards included (a shard's squared norm is summed over the ranks).
 - Checkpoints are consolidated: :func:`consolidated` lets rank 0 see the whole tensors of the sharded
   parameters and their optimizer state, so ``checkpoint.pt`` and ``final/`` are those a single process
   writes; :func:`local_part` and :func:`shard_optimizer_state` give each rank its part back on resume.
@@ -26,8 +27,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from smf.errors import ConfigError
 from smf.model import memory_blocks
-from smf.train.distributed import World
-from smf.train.steps import StepHooks
+from smf.train.distributed import Parallelism, World
 from smf_kernels.fsdp import average_gradients
 
 logger = logging.getLogger(__name__)
@@ -86,32 +86,24 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
     model.set_requires_gradient_sync(enabled)
 
 
-class FSDPStep(StepHooks):
-    """``inner`` (a recipe's step) on a model under FSDP2: before ``inner`` clips and steps, the gradients of the
-    trainable parameters outside FSDP that ``inner`` does not reduce itself are averaged over the processes (one
-    all_reduce). Everything else is ``inner``'s."""
+@contextlib.contextmanager
+def _gradient_sync(model: nn.Module, last: bool) -> Iterator[None]:
+    """One micro-batch's forward and backward: FSDP reduce-scatters its gradients at the step's ``last`` only."""
+    set_gradient_sync(model, last)
+    yield
 
-    def __init__(self, inner: StepHooks, model: nn.Module) -> None:
-        self.inner = inner
-        reduced_by_inner = set(inner.ddp_ignored_names())
-        self._replicated = [p for name, p in model.named_parameters() if p.requires_grad
-                            and not isinstance(p, DTensor) and name not in reduced_by_inner]
 
-    def ddp_ignored_names(self) -> list[str]:
-        return self.inner.ddp_ignored_names()
-
-    def begin_step(self, model: nn.Module, micro_batches: list[dict]) -> None:
-        self.inner.begin_step(model, micro_batches)
-
-    def after_forward(self) -> None:
-        self.inner.after_forward()
-
-    def finish_step(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float) -> None:
-        average_gradients(self._replicated)
-        self.inner.finish_step(optimizer, max_grad_norm=max_grad_norm)
-
-    def step_log(self) -> dict:
-        return self.inner.step_log()
+def parallelize_fsdp(model: nn.Module, optimizer: torch.optim.Optimizer, world: World,
+                     kept_out: list[str]) -> Parallelism:
+    """:func:`shard_base_model`, and how it takes part in a step: FSDP reduce-scatters (averages) the gradients
+    of the parameters it shards once per step (at its last micro-batch); the trainable parameters it leaves alone
+    are averaged over the processes after the last backward (one all_reduce), as DDP would, except those named
+    in ``kept_out`` (reduced by the sparse step or by the sharded read itself). Collective."""
+    shard_base_model(model, optimizer, world)
+    replicated = [p for name, p in model.named_parameters() if p.requires_grad and not isinstance(p, DTensor)
+                  and name not in kept_out]
+    return Parallelism(micro_batch=lambda last: _gradient_sync(model, last),
+                       reduce_gradients=lambda: average_gradients(replicated), sharded=True)
 
 
 def local_part_of(tensor: torch.Tensor) -> torch.Tensor:

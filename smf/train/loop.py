@@ -13,12 +13,12 @@ The logged loss is the token mean either way.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
 import random
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -37,14 +37,15 @@ from smf.train.artifacts import save_final, write_run_config
 from smf.train.checkpoint import CHECKPOINT_FILE, LOG_FILE, load_checkpoint, rng_state, save_checkpoint, truncate_log
 from smf.train.config import RunConfig
 from smf.train.data import StepPlan, check_own_rows, collate, target_tokens, training_features
-from smf.train.distributed import World, all_reduce_sum, barrier, gather_objects, setup_distributed
-from smf.train.fsdp import FSDPStep, check_fsdp_world, consolidated, local_part_of, set_gradient_sync, shard_base_model
+from smf.train.distributed import (Parallelism, World, all_reduce_sum, barrier, gather_objects, parallelize_ddp,
+                                   setup_distributed)
+from smf.train.fsdp import check_fsdp_world, consolidated, local_part_of, parallelize_fsdp
 from smf.train.recipes import TrainingSetup, build_setup
 from smf.train.run_dir import RunFiles, claim_output_dir
 from smf.train.sharding import SHARDS_DIR, remove_stale_shards, save_memory_shards
 from smf.train.steps import bf16_autocast
 from smf.vocabulary import TINY_MODEL
-from smf_kernels.sharded import unsharded_memories
+from smf_kernels.sharded import ddp_ignored_names, unsharded_memories
 
 logger = logging.getLogger(__name__)
 
@@ -71,12 +72,13 @@ def summed_token_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def check_finite(setup: TrainingSetup, step: int, world: World) -> None:
+def check_finite(setup: TrainingSetup, step: int, world: World, *, sharded: bool = False) -> None:
     """ConfigError if a trainable parameter holds inf or NaN after optimizer step ``step`` (the run diverged).
-    Under FSDP every rank checks its part and the ranks agree (one all_reduce), so all of them raise."""
+    ``sharded`` (FSDP: :attr:`Parallelism.sharded <smf.train.distributed.Parallelism>`): every rank checks its part
+    and the ranks agree (one all_reduce), so all of them raise."""
     named = setup.trainable_parameters()
     bad = torch.stack([~torch.isfinite(local_part_of(p)).all() for p in named.values()]).int()
-    if isinstance(setup.step, FSDPStep):
+    if sharded:
         all_reduce_sum(bad, world)
     for name, flag in zip(named, bad.tolist()):
         if flag:
@@ -84,18 +86,20 @@ def check_finite(setup: TrainingSetup, step: int, world: World) -> None:
                               "--max-grad-norm")
 
 
-def _wrap_for_ddp(setup: TrainingSetup, world: World) -> nn.Module:
-    """DDP over the parameters DDP should reduce (not those the recipe's step reduces itself)."""
-    if world.size == 1:
-        return setup.model
-    if isinstance(setup.step, FSDPStep):
-        return setup.model  # the base model is under FSDP2, the rest reduced by the step (smf.train.fsdp)
-    ignored = setup.step.ddp_ignored_names()
-    if not any(p.requires_grad for name, p in setup.model.named_parameters() if name not in ignored):
-        return setup.model  # only memory values train: nothing left for DDP
-    nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(setup.model, ignored)
-    device_ids = [world.device] if world.device.type == "cuda" else None
-    return nn.parallel.DistributedDataParallel(setup.model, device_ids=device_ids)
+def parallelize(setup: TrainingSetup, config: RunConfig, world: World) -> Parallelism:
+    """The parallelisms of ``config`` applied to ``setup.model`` before the loop (its memories were split before
+    its optimizer was built, :func:`~smf.train.recipes.build_setup`): the base model under FSDP2 (``--fsdp``) or
+    DDP, then ``--compile``; both leave alone what the step or the sharded read reduces itself. Returns how they
+    take part in a step, its ``module`` the one the forwards run through."""
+    kept_out = list(dict.fromkeys(setup.step.ddp_ignored_names() + ddp_ignored_names(setup.model)))
+    if config.fsdp:
+        parallel = parallelize_fsdp(setup.model, setup.optimizer, world, kept_out)
+    else:
+        parallel = parallelize_ddp(setup.model, world, kept_out)
+    module = parallel.module or setup.model
+    if config.compile:  # the compiled module syncs DDP's gradients at every micro-batch (no_sync is not reached)
+        return Parallelism(torch.compile(module, mode="reduce-overhead"))
+    return replace(parallel, module=module)
 
 
 def micro_batch_mean_scale(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -108,26 +112,23 @@ def micro_batch_mean_scale(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def run_step(wrapped: nn.Module, setup: TrainingSetup, scheduler, micro_batches: list[dict], num_tokens: int,
-             config: RunConfig, world: World) -> torch.Tensor:
-    """One optimizer step over this rank's micro-batches, the recipe's hooks (:mod:`smf.train.steps`) around
-    its forwards and backwards; returns this rank's summed token loss (0-d)."""
+             config: RunConfig, world: World, parallel: Parallelism = Parallelism()) -> torch.Tensor:
+    """One optimizer step over this rank's micro-batches, the recipe's hooks (:mod:`smf.train.steps`) and the
+    parallelisms applied to the model (``parallel``, :func:`parallelize`; ``wrapped``, its module) around its
+    forwards and backwards; returns this rank's summed token loss (0-d)."""
     autocast = bf16_autocast(config.bf16, world.device)
     per_micro_batch = config.recipe == "sparse" and get_protocol(config.protocol).sparse_loss_sums_micro_batch_means
     setup.step.begin_step(wrapped if config.compile else setup.model, micro_batches)
     loss_sum = torch.zeros((), device=world.device)
     for index, batch in enumerate(micro_batches):
-        last = index == len(micro_batches) - 1
-        no_sync = wrapped.no_sync() if isinstance(wrapped, nn.parallel.DistributedDataParallel) and not last \
-            else contextlib.nullcontext()
-        if isinstance(setup.step, FSDPStep):
-            set_gradient_sync(setup.model, last)
-        with no_sync:
+        with parallel.micro_batch(index == len(micro_batches) - 1):  # the last one reduces the gradients
             with autocast():
                 loss = summed_token_loss(wrapped, batch)
             setup.step.after_forward()
             scale = micro_batch_mean_scale(batch) if per_micro_batch else world.size / max(num_tokens, 1)
             (loss * scale).backward()
         loss_sum += loss.detach()
+    parallel.reduce_gradients()  # what no wrapper reduced (FSDP2's replicated parameters)
     setup.step.finish_step(setup.optimizer, max_grad_norm=config.max_grad_norm)
     scheduler.step()
     return loss_sum
@@ -195,12 +196,7 @@ def _train(config: RunConfig, world: World, files: RunFiles) -> dict:
                     config.seed)
     total_steps = plan.steps_per_epoch * config.epochs
     scheduler = cosine_schedule(setup.optimizer, config.warmup_steps, total_steps)
-    if config.fsdp:
-        shard_base_model(setup.model, setup.optimizer, world)
-        setup.step = FSDPStep(setup.step, setup.model)
-    wrapped = _wrap_for_ddp(setup, world)
-    if config.compile:
-        wrapped = torch.compile(wrapped, mode="reduce-overhead")
+    parallel = parallelize(setup, config, world)
     collator = CausalLMCollator(setup.tokenizer.pad_token_id)
     count_at_loss = config.recipe == "sparse" and config.count_reads == "loss"
     if count_at_loss and config.update == "authors":
@@ -234,7 +230,8 @@ def _train(config: RunConfig, world: World, files: RunFiles) -> dict:
         micro_batches = [collate(features, chunk, collator, world.device) for chunk in plan.micro_batches(step)]
         try:
             with reads_counted_at_loss(setup.model, micro_batches if count_at_loss else ()):
-                loss_sum = run_step(wrapped, setup, scheduler, micro_batches, num_tokens, config, world)
+                loss_sum = run_step(parallel.module, setup, scheduler, micro_batches, num_tokens, config, world,
+                                    parallel)
         except RuntimeError as err:  # torch refusing a scalar of the update that float32 cannot hold
             if "without overflow" not in str(err):
                 raise
@@ -254,7 +251,8 @@ def _train(config: RunConfig, world: World, files: RunFiles) -> dict:
             progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{seen_tokens / elapsed:.0f}")
             progress.update(1)
         if step % config.save_every == 0 or step == stop:
-            check_finite(setup, step, world)  # never a checkpoint (or final artefact) of non-finite weights
+            # never a checkpoint (or final artefact) of non-finite weights
+            check_finite(setup, step, world, sharded=parallel.sharded)
             rng_states = gather_objects(rng_state(), world)
             files.path(SHARDS_DIR)  # this run's, if it creates it
             shards = save_memory_shards(output_dir, step, setup.model, setup.optimizer, world)  # None: unsharded

@@ -27,7 +27,7 @@ from smf.model.memory_mode import set_memory_mode
 from smf.model.precision import authors_bf16_weights, cast_like_the_authors
 from smf.train.config import RunConfig
 from smf.train.distributed import World
-from smf.train.sharding import ShardedDenseStep, shard_model_memories
+from smf.train.sharding import parallelize_memories
 from smf.train.steps import DenseStep, MemoryUpdateStep, StepHooks, bf16_autocast
 from smf_kernels.sparse import (AuthorsSparseUpdate, BackgroundStats, DenseMaskedUpdate, RowSparseAdamW,
                                  RowSparseSGD, SparseMemoryController)
@@ -104,54 +104,24 @@ def param_groups(model: nn.Module, trainable: list[nn.Parameter], alpha_lr: floa
 
 
 def build_setup(config: RunConfig, world: World) -> TrainingSetup:
-    """Model, tokenizer, frozen/trainable parameters and optimizer of ``config.recipe``.
+    """Model, tokenizer, frozen/trainable parameters and optimizer of ``config.recipe``: the recipe's model, its
+    memories split over the processes (``--shard-memories``: :func:`~smf.train.sharding.parallelize_memories`,
+    before anything holds their parameters), its trainable parameters, its step and its optimizer. The other
+    parallelisms are applied to the result before the loop (:func:`smf.train.loop.parallelize`).
 
     Uses torch's global RNG (seeded by the caller identically on every rank) to initialise
     fresh memories and LoRA weights.
     """
-    recipe, step = config.recipe, DenseStep()
-    if recipe == "retrofit":
-        model, tokenizer = load_base(config.model, world.device)
-        attach_memories(model, config.layers, config.mode, alpha_init=config.alpha_init,
-                        n_keys=config.n_keys, heads=config.heads, topk=config.topk, key_dim=config.key_dim,
-                        backend=config.backend)
-        model.to(world.device)
-        if config.shard_memories:
-            shard_model_memories(model, world)
-            step = ShardedDenseStep(model)
-        counts = configure_trainable(model, "retrofit")
-    elif recipe == "sparse":
-        model, tokenizer = load_with_adapter(config.model, config.adapter, world.device, config.backend)
-        set_sparse_mode(model, config.mode)
-        if config.shard_memories:
-            shard_model_memories(model, world)
-        counts = configure_trainable(model, "sparse")
-        if config.compile and world.size > 1:
-            raise ConfigError("--compile with --recipe sparse runs in one process: under torchrun every rank must "
-                              "select the same rows before its backward, outside the compiled graph")
-        if config.update == "authors" and world.size > 1:
-            raise ConfigError("--update authors runs in one process (the authors' single-GPU update); "
-                              "drop torchrun or choose --update exact")
-        update = UPDATES[config.update][0](model, rule=config.rule, rows_per_step=config.rows_per_step)
-        step = MemoryUpdateStep(update, bf16_autocast(config.bf16, world.device), compiled=config.compile,
-                                world=world.size,
-                                step_tokens=config.global_batch_size // world.size * config.max_length)
-        try:
-            update.set_background(BackgroundStats.load(resolve_background_file(config.background), update.memories))
-        except ValueError as err:
-            raise ConfigError(f"--background: {err}") from err
-    elif recipe == "lora":  # from the base model, or (--adapter) the base with its memories, which stay frozen
-        model, tokenizer = (load_base(config.model, world.device) if config.adapter is None else
-                            load_with_adapter(config.model, config.adapter, world.device, config.backend))
-        model = apply_lora(model, r=config.lora_r, alpha=config.lora_alpha, dropout=config.lora_dropout)
+    recipe = config.recipe
+    model, tokenizer = recipe_model(config, world)
+    if config.shard_memories:
+        parallelize_memories(model, world)
+    if recipe == "lora":
         counts = {"trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
                   "total": sum(p.numel() for p in model.parameters())}
-    elif recipe == "full":  # from the base model, or (--adapter) from a checkpoint holding memories
-        model, tokenizer = (load_base(config.model, world.device) if config.adapter is None else
-                            load_with_adapter(config.model, config.adapter, world.device, config.backend))
-        counts = configure_trainable(model, "full")
     else:
-        raise ConfigError(f"--recipe must be one of retrofit, sparse, lora, full; got {recipe!r}")
+        counts = configure_trainable(model, recipe)
+    step = sparse_step(config, model, world) if recipe == "sparse" else DenseStep()
     trainable = [p for p in model.parameters() if p.requires_grad]
     if authors_bf16_weights(config.protocol, config.bf16, world.device):
         cast_like_the_authors(model, keep_fp32=() if recipe == "full" else trainable)
@@ -162,3 +132,47 @@ def build_setup(config: RunConfig, world: World) -> TrainingSetup:
     logger.info("recipe %s: %d of %d parameters trainable (%s)", recipe, counts["trainable"], counts["total"],
                 type(optimizer).__name__)
     return TrainingSetup(model, tokenizer, optimizer, step)
+
+
+def recipe_model(config: RunConfig, world: World) -> tuple[nn.Module, object]:
+    """``config.recipe``'s model (on ``world.device``; before any parallelism and before its trainable parameters
+    are chosen) and its tokenizer: the base with fresh memories (retrofit), the adapter's memories in the run's
+    mode (sparse), the base or the base with the adapter's memories, with LoRA (lora) or as it is (full)."""
+    recipe = config.recipe
+    if recipe == "retrofit":
+        model, tokenizer = load_base(config.model, world.device)
+        attach_memories(model, config.layers, config.mode, alpha_init=config.alpha_init,
+                        n_keys=config.n_keys, heads=config.heads, topk=config.topk, key_dim=config.key_dim,
+                        backend=config.backend)
+        return model.to(world.device), tokenizer
+    if recipe == "sparse":
+        model, tokenizer = load_with_adapter(config.model, config.adapter, world.device, config.backend)
+        set_sparse_mode(model, config.mode)
+        return model, tokenizer
+    if recipe not in ("lora", "full"):
+        raise ConfigError(f"--recipe must be one of retrofit, sparse, lora, full; got {recipe!r}")
+    # from the base model, or (--adapter) the base with its memories (frozen under LoRA, trained by full)
+    model, tokenizer = (load_base(config.model, world.device) if config.adapter is None else
+                        load_with_adapter(config.model, config.adapter, world.device, config.backend))
+    if recipe == "lora":
+        model = apply_lora(model, r=config.lora_r, alpha=config.lora_alpha, dropout=config.lora_dropout)
+    return model, tokenizer
+
+
+def sparse_step(config: RunConfig, model: nn.Module, world: World) -> MemoryUpdateStep:
+    """--recipe sparse's step: ``config.update``'s :class:`~smf_kernels.sparse.MemoryStep` over ``model``'s
+    memories with the background statistics of ``config.background``, driven by :class:`MemoryUpdateStep`."""
+    if config.compile and world.size > 1:
+        raise ConfigError("--compile with --recipe sparse runs in one process: under torchrun every rank must "
+                          "select the same rows before its backward, outside the compiled graph")
+    if config.update == "authors" and world.size > 1:
+        raise ConfigError("--update authors runs in one process (the authors' single-GPU update); "
+                          "drop torchrun or choose --update exact")
+    update = UPDATES[config.update][0](model, rule=config.rule, rows_per_step=config.rows_per_step)
+    step = MemoryUpdateStep(update, bf16_autocast(config.bf16, world.device), compiled=config.compile,
+                            world=world.size, step_tokens=config.global_batch_size // world.size * config.max_length)
+    try:
+        update.set_background(BackgroundStats.load(resolve_background_file(config.background), update.memories))
+    except ValueError as err:
+        raise ConfigError(f"--background: {err}") from err
+    return step

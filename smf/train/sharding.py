@@ -1,10 +1,10 @@
 """``--shard-memories``: the trainer's memories split by value columns over the torchrun processes
 (:mod:`smf_kernels.sharded`, docs/sharding.md).
 
-- :func:`shard_model_memories` replaces the model's memories by sharded copies, over a process group of
-  their own (their collectives never interleave with DDP's reducer on one communicator);
-- :class:`ShardedDenseStep` is the retrofit's step on them: DDP leaves the shards alone, clipping takes
-  the whole tables' norm;
+- :func:`parallelize_memories` replaces the model's memories by sharded copies, over a process group of
+  their own (their collectives never interleave with DDP's reducer on one communicator), before the optimizer
+  is built; DDP and FSDP then leave the shards alone (their gradients are averaged by the sharded read;
+  :func:`smf_kernels.sharded.ddp_ignored_names`), and clipping takes the whole tables' norm;
 - checkpoints: every rank writes its shard file of a step into ``checkpoint-shards/step-{step}/`` before
   rank 0 writes ``checkpoint.pt`` naming that folder (so a kill at any moment leaves a checkpoint whose
   shards are complete); older folders are removed once the new checkpoint is in place. A checkpoint
@@ -21,8 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from smf.train.distributed import World, barrier
-from smf.train.steps import DenseStep
-from smf_kernels.sharded import ddp_ignored_names, shard_memories
+from smf_kernels.sharded import shard_memories
 from smf_kernels.sharded.checkpoint import load_shards, save_shard, sharded_parameters
 
 logger = logging.getLogger(__name__)
@@ -30,24 +29,11 @@ logger = logging.getLogger(__name__)
 SHARDS_DIR = "checkpoint-shards"
 
 
-def shard_model_memories(model: nn.Module, world: World) -> None:
+def parallelize_memories(model: nn.Module, world: World) -> None:
     """Split every memory of ``model`` by value columns over all ``world`` processes (collective)."""
     group = dist.new_group(list(range(world.size))) if world.size > 1 else None
     names = shard_memories(model, group)
     logger.info("memories %s split by value columns over %d processes", ", ".join(names), world.size)
-
-
-class ShardedDenseStep(DenseStep):
-    """:class:`DenseStep` on sharded memories: their value shards stay out of DDP (their gradients are averaged
-    by the sharded read); the clipping norm is the whole tables' (the finishing sequence sums a shard's squares
-    over its group)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self._ignored = ddp_ignored_names(model)
-
-    def ddp_ignored_names(self) -> list[str]:
-        return self._ignored
 
 
 def _shard_file(directory: Path, rank: int, size: int) -> Path:

@@ -18,17 +18,14 @@ ablation, :mod:`smf_kernels.sparse.ablations`). Every step ends in the one finis
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from smf.model.precision import bf16_enabled
 from smf.errors import ConfigError
-from smf_kernels.sparse import (MemoryStep, NonFiniteGradientError, RowGradients, SparseMemoryController,
+from smf_kernels.sparse import (MemoryStep, NonFiniteGradientError, RowGradients, SparseMemoryController, StepDriver,
                                  rows_moved_outside)
-from smf_kernels.sparse.controller import FillPlan
 
 
 def bf16_autocast(setting: str, device: torch.device):
@@ -102,10 +99,12 @@ class MemoryUpdateStep(StepHooks):
 
     def __init__(self, update: MemoryStep, autocast, compiled: bool = False, world: int = 1,
                  step_tokens: int | None = None) -> None:
-        self.update, self.autocast, self.compiled, self.world = update, autocast, compiled, world
-        self.step_tokens = step_tokens
-        self.rows: dict[str, torch.Tensor] = {}
+        self.update, self.autocast, self.world = update, autocast, world
         self._measure_leak = not isinstance(update, SparseMemoryController)
+        keep_rows = self._keep_rows if world == 1 and not self._measure_leak else None
+        self.driver = StepDriver(update, compiled=compiled, world=world, step_tokens=step_tokens,
+                                 before_rows=keep_rows)
+        self.rows: dict[str, torch.Tensor] = {}
         self._before: dict[str, torch.Tensor] = {}  # layer -> (M, D) values at the start of the step (ablations)
         self._stepped: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(values) -> (rows, their values before)
         self._start_norms: dict[str, torch.Tensor] = {}  # layer -> (M,) row norms at the first step
@@ -119,46 +118,28 @@ class MemoryUpdateStep(StepHooks):
         if self.world == 1 and not self._start_norms:
             self._start_norms = {name: torch.linalg.vector_norm(memory.values.detach(), dim=1, dtype=torch.float32)
                                  for name, memory in self.update.memories.items()}
-        plan: FillPlan = self.update.plan(len(micro_batches), compiled=self.compiled, world=self.world,
-                                          step_tokens=self.step_tokens)
-        self.update.begin_step(plan)
-        if plan.counting_forward:
-            with torch.no_grad(), self.autocast():
+
+        def counting_forward() -> None:
+            with self.autocast():
                 for batch in micro_batches:
                     model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-            self.update.select_rows()
+
+        self._stepped = {}
+        self.driver.begin(len(micro_batches), counting_forward)
 
     def after_forward(self) -> None:
-        self.update.after_forward()
+        self.driver.after_forward()
 
     def finish_step(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float) -> None:
-        self._stepped = {}
-        measure = self.world == 1 and not self._measure_leak and hasattr(optimizer, "step_rows")
         try:
-            with self._rows_before_their_step(optimizer) if measure else contextlib.nullcontext():
-                self.rows = self.update.finish_step(optimizer, max_grad_norm=max_grad_norm)
+            self.rows = self.driver.finish(optimizer, max_grad_norm=max_grad_norm).selected
         except NonFiniteGradientError as err:
             raise _diverged(err) from None
 
-    @contextlib.contextmanager
-    def _rows_before_their_step(self, optimizer: torch.optim.Optimizer):
-        """Within: ``optimizer.step_rows`` first keeps the (T, D) rows it is about to step in ``_stepped`` (for
-        :meth:`row_change`: T rows copied, never a whole table)."""
-        step_rows = optimizer.step_rows
-
-        def keeping_rows(param, rows, grad, **kwargs):
-            self._stepped[id(param)] = (rows, param.detach().index_select(0, rows))
-            return step_rows(param, rows, grad, **kwargs)
-
-        own = optimizer.__dict__.get("step_rows")  # an instance's own step_rows, if it has one
-        optimizer.step_rows = keeping_rows
-        try:
-            yield
-        finally:
-            if own is None:
-                del optimizer.step_rows  # the class's method again
-            else:
-                optimizer.step_rows = own
+    def _keep_rows(self, values: nn.Parameter, rows: torch.Tensor) -> None:
+        """The driver's ``before_rows`` hook: keep the (T, D) rows of ``values`` about to step in ``_stepped``
+        (for :meth:`row_change`: T rows copied, never a whole table)."""
+        self._stepped[id(values)] = (rows, values.detach().index_select(0, rows))
 
     def step_log(self) -> dict:
         return {"selected_rows": sum(int(rows.numel()) for rows in self.rows.values()),

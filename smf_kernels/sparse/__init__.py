@@ -26,16 +26,22 @@ Usage (stage 2; only the memory values, plus e.g. a +S scale, are trainable)::
     loss.backward()
     controller.finish_step(optimizer, max_grad_norm=1.0)
 
-The whole step (its protocol, its two fills, :func:`plan_fill`, the finishing sequence :meth:`RowGradients.apply`):
-:mod:`smf_kernels.sparse.controller`; the ablations beside it: :mod:`smf_kernels.sparse.ablations`. The controller
-holds no state that changes during training (resume = same background file + optimizer state_dict).
+The step, one job per file: its protocol, :mod:`smf_kernels.sparse.memory_step`; its two fills and
+:func:`plan_fill`, :mod:`smf_kernels.sparse.fill_plan`; its gradients and the finishing sequence
+(:meth:`RowGradients.apply`), :mod:`smf_kernels.sparse.row_gradients`; the exact update,
+:mod:`smf_kernels.sparse.controller`; the ablations, :mod:`smf_kernels.sparse.ablations`; the one driver a training
+loop calls (``smf train``, the Hugging Face Trainer), :class:`StepDriver`. The controller holds no state that
+changes during training (resume = same background file + optimizer state_dict).
 """
 from smf_kernels.sparse.ablations import AuthorsSparseUpdate, DenseMaskedUpdate, rows_moved_outside
 from smf_kernels.sparse.background import BackgroundStats
 from smf_kernels.sparse.clipping import clip_sharded_grad_norm_
-from smf_kernels.sparse.controller import (FillPlan, MemoryStep, RowGradients, SparseMemoryController, StepResult,
-                                           plan_fill)
+from smf_kernels.sparse.controller import SparseMemoryController
+from smf_kernels.sparse.driver import StepDriver
+from smf_kernels.sparse.fill_plan import FillPlan, plan_fill
+from smf_kernels.sparse.memory_step import MemoryStep
 from smf_kernels.sparse.row_grad_sink import FILLS, READS_KEPT, ROWS_FIRST, RowGradSink
+from smf_kernels.sparse.row_gradients import RowGradients, StepResult
 from smf_kernels.sparse.row_sparse_adamw import RowSparseAdamW
 from smf_kernels.sparse.row_sparse_sgd import RowSparseSGD
 from smf_kernels.sparse.selection import kl_scores, score_slots, select_top_rows, tfidf_scores
@@ -56,6 +62,7 @@ __all__ = [
     "RowSparseAdamW",
     "RowSparseSGD",
     "SparseMemoryController",
+    "StepDriver",
     "StepMisuseError",
     "StepResult",
     "clip_sharded_grad_norm_",

@@ -15,7 +15,7 @@ every index, sparse_memory.py:29-33); right after that forward the top-T rows ar
 (a tensor hook, sparse_memory.py:107-117) and gradients accumulate. Then global-norm clipping and a dense AdamW
 step, so a step can touch up to (micro-batches x T) rows.
 
-Both follow the exact update's protocol (:mod:`smf_kernels.sparse.controller`: ``begin_step``,
+Both follow the exact update's protocol (:mod:`smf_kernels.sparse.memory_step`: ``begin_step``,
 ``after_forward``, ``end_step`` returning :class:`~smf_kernels.sparse.RowGradients` whose ``apply`` is the one
 finishing sequence; the values' masked dense gradient is their ``.grad`` there), refuse misuse and treat
 non-finite gradients as it does (:mod:`smf_kernels.sparse.step_checks`): their backwards write the dense value
@@ -33,8 +33,10 @@ from torch import nn
 from smf_kernels.ops import _gather_ops as gather_ops
 from smf_kernels.ops.weighted_gather import GradientSink
 from smf_kernels.sparse.background import BackgroundStats
-from smf_kernels.sparse.controller import FillPlan, MemoryStep, RowGradients
+from smf_kernels.sparse.fill_plan import FillPlan
+from smf_kernels.sparse.memory_step import MemoryStep
 from smf_kernels.sparse.row_grad_sink import READS_KEPT
+from smf_kernels.sparse.row_gradients import RowGradients
 from smf_kernels.sharded.layout import gradient_copies
 
 
@@ -82,11 +84,10 @@ class DenseMaskedUpdate(MemoryStep):
     def _make_sink(self, name: str, values: nn.Parameter, fill: str) -> DenseGradSink:
         return DenseGradSink(values.device)
 
-    def end_step(self) -> RowGradients:
+    def _end(self) -> RowGradients:
         """Select from the step's counts; each value table's ``.grad`` := its (rank-averaged) dense gradient with
         every unselected row zeroed. Selected rows: none for a layer no backward of the step reached (it gets no
         gradient, so nothing of it moves)."""
-        self._check_can_end("end_step")
         counts = self._step_counts()
         reached = self._reached()  # on any rank: every rank reduces the same tables
         selected = {}
@@ -158,11 +159,10 @@ class AuthorsSparseUpdate(MemoryStep):
             self._used_rows[name][rows[valid]] = True
             memory.reset_read_counts()
 
-    def end_step(self) -> RowGradients:
+    def _end(self) -> RowGradients:
         """Each value table's ``.grad`` := its masked dense gradient summed over the step's micro-batches.
         Selected rows: those any micro-batch of the step selected ((R,) int64, ascending); none for a layer no
         backward reached (it gets no gradient, so nothing of it moves)."""
-        self._check_can_end("end_step")
         rows = {}
         for name, memory in self.memories.items():
             memory.values.grad = self._sinks[name].grad

@@ -57,7 +57,13 @@ def norm_and_clip_coefficient(grads: list[torch.Tensor], max_norm: float,
     holds one rank's columns of a table split over a group (smf_kernels.sharded): its norm is then that of the
     whole table's gradient. No host sync.
     ``max_norm``: :func:`check_max_norm`."""
-    max_norm = check_max_norm(max_norm)
+    return clip_coefficient(grads, check_max_norm(max_norm), shards)
+
+
+def clip_coefficient(grads: list[torch.Tensor], max_norm: float,
+                     shards: list[ColumnShard | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`norm_and_clip_coefficient` of a ``max_norm`` already checked (:func:`check_max_norm`: a float > 0),
+    for the finishing sequence, which checks it once per step before anything moves."""
     if not grads:
         return torch.zeros(()), torch.ones(())
     shards = shards if shards is not None else [None] * len(grads)

@@ -3,7 +3,7 @@
 Each memory's backward writes the gradient of the step's T selected rows into one compact (T, D) float32 tensor
 (float64 for a float64 table) that :meth:`RowSparseAdamW.step_rows <smf_kernels.sparse.RowSparseAdamW.step_rows>`
 reads (as FBGEMM's sparse optimizers read compact rows). Filled one of the step's two fills
-(:data:`FILLS`; which one a step uses: :func:`smf_kernels.sparse.controller.plan_fill`):
+(:data:`FILLS`; which one a step uses: :func:`smf_kernels.sparse.fill_plan.plan_fill`):
 
 - **rows first** (``fill="rows_first"``): the rows are known before the first backward: set between the
   forwards and the first backward (:meth:`set_rows`), or chosen by the first backward from this process's counts

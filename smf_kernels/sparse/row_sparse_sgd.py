@@ -25,11 +25,28 @@ from smf_kernels._checks import (FLOAT_DTYPES, check_ascending, check_index_rang
 
 def check_sgd_hyper_parameters(lr: float | torch.Tensor, weight_decay: float | torch.Tensor) -> None:
     """TypeError / ValueError naming the first of ``lr`` and ``weight_decay`` that is not a finite number >= 0
-    (a real number or a one-element floating tensor)."""
+    (a real number or a one-element floating tensor). A tensor on an accelerator is checked there (a device-side
+    assertion, no host sync: a violation aborts the next synchronising call)."""
     for name, value in (("lr", lr), ("weight_decay", weight_decay)):
         check_scalar(name, value)
-        if not 0.0 <= float(value) < math.inf:
+        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+            torch._assert_async(((value >= 0) & torch.isfinite(value)).all(), f"{name} must be a finite number >= 0")
+        elif not 0.0 <= float(value) < math.inf:
             raise ValueError(f"{name} must be a finite number >= 0, got {float(value)}")
+
+
+def _times(factor: float | torch.Tensor, tensor: torch.Tensor) -> torch.Tensor | float:
+    """``factor`` as a multiplier of ``tensor``: a number stays a number (torch's ``alpha=``); a tensor learning
+    rate or weight decay is read on ``tensor``'s device as a 0-d tensor of its dtype, never on the host."""
+    if isinstance(factor, torch.Tensor):
+        return factor.detach().to(device=tensor.device, dtype=tensor.dtype).reshape(())
+    return float(factor)
+
+
+def _add_scaled(base: torch.Tensor, other: torch.Tensor, factor: float | torch.Tensor) -> torch.Tensor:
+    """``base + factor * other`` out of place: torch's ``add(alpha=)`` for a number, a tensor product otherwise."""
+    factor = _times(factor, base)
+    return base.add(other, alpha=factor) if isinstance(factor, float) else base + factor * other
 
 
 class RowSparseSGD(torch.optim.Optimizer):
@@ -81,12 +98,15 @@ class RowSparseSGD(torch.optim.Optimizer):
             if any(p.grad is not None and p.grad.is_sparse for p in group["params"]):
                 raise ValueError("RowSparseSGD takes a table's rows through step_rows(), not a sparse .grad")
         for group in self.param_groups:
-            lr, weight_decay = float(group["lr"]), float(group["weight_decay"])
+            lr, weight_decay = group["lr"], group["weight_decay"]
             for param in group["params"]:
                 if param.grad is None:
                     continue
-                grad = param.grad if weight_decay == 0 else param.grad.add(param, alpha=weight_decay)
-                param.add_(grad, alpha=-lr)
+                grad = param.grad if _no_decay(weight_decay) else _add_scaled(param.grad, param, weight_decay)
+                if isinstance(lr, torch.Tensor):
+                    param.copy_(_add_scaled(param, grad, -lr))
+                else:
+                    param.add_(grad, alpha=-float(lr))
         return loss
 
     @torch.no_grad()
@@ -115,12 +135,17 @@ class RowSparseSGD(torch.optim.Optimizer):
         g = grad if grad_scale is None else grad * grad_scale.to(device=grad.device, dtype=dtype).reshape(())
         old = param.index_select(0, rows)
         old_wide = old.to(dtype)
-        if weight_decay != 0:
-            g = g.add(old_wide, alpha=float(weight_decay))
-        updated = old_wide.add(g, alpha=-float(lr)).to(param.dtype)
+        if not _no_decay(weight_decay):
+            g = _add_scaled(g, old_wide, weight_decay)
+        updated = _add_scaled(old_wide, g, -lr).to(param.dtype)
         if valid is not None:  # rows padding the selection keep their bits
             updated = torch.where(valid.unsqueeze(1), updated, old)
         param.index_copy_(0, rows, updated)
+
+
+def _no_decay(weight_decay: float | torch.Tensor) -> bool:
+    """True for a weight decay given as the number 0 (a tensor's value is not read on the host)."""
+    return not isinstance(weight_decay, torch.Tensor) and weight_decay == 0
 
 
 def _check_row_arguments(param, rows, grad, grad_scale, valid) -> None:
