@@ -28,7 +28,8 @@ PRETRAIN = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_he
             "epochs": 3, "lr": 1e-2, "batch_size": 16, "warmup_steps": 10}
 SEED, TASKS = 3, 3
 CONDITIONS = ["base", "additive+s-tfidf", "lora", "full"]
-RATES = {"sparse": [1e-2], "lora": [1e-3], "full": [1e-3]}
+RATES = {"sparse": [1e-2], "lora": [1e-3]}
+SCHEDULES = {"full": {2: [1e-3]}}  # a schedule configuration: 2 epochs per stage (the stages' configured: 1)
 PROBE = "Question: Where was Abel Aldmoor born ?\nAnswer:"
 
 
@@ -37,7 +38,7 @@ def _raw(output_dir: Path, conditions=CONDITIONS, **changes) -> dict:
     for key in ("variants", "schedule_sweep", "hypotheses"):  # one rate per method at the stage's epochs
         raw.pop(key, None)
     raw.update(output_dir=str(output_dir), seeds=[SEED], world=WORLD, pretrain=PRETRAIN, conditions=conditions,
-               lr_sweep=RATES)
+               lr_sweep=RATES, schedule_sweep=SCHEDULES)
     raw["train"].update(layers=[0, 1], n_keys=8, topk=4, key_dim=16, rows_per_step=16, n_background=20,
                         global_batch_size=8, micro_batch_size=8, save_every=1)
     raw["stages"] = {"retrofit": {"epochs": 1}, "sparse": {"epochs": 1}, "lora": {"epochs": 1}, "full": {"epochs": 1}}
@@ -80,11 +81,13 @@ def stream(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(loop, "build_setup", spy)
         results = run_suite(config)
-    return config, {Run(r["condition"], r["seed"], lr=r.get("lr")).name: r for r in results}, starts
+    return config, {Run(r["condition"], r["seed"], lr=r.get("lr"), epochs=r.get("epochs")).name: r
+                    for r in results}, starts
 
 
 def _trained_runs(config):
-    return [Run(condition, SEED, lr=RATES[{"lora": "lora", "full": "full"}.get(condition, "sparse")][0])
+    return [Run("full", SEED, lr=1e-3, epochs=2) if condition == "full" else
+            Run(condition, SEED, lr=RATES["lora" if condition == "lora" else "sparse"][0])
             for condition in CONDITIONS if condition != "base"]
 
 
@@ -114,6 +117,7 @@ def test_each_stage_starts_from_the_previous_stages_result(stream):
         for stage, directory in enumerate(dirs, start=1):
             recorded = json.loads((directory / "run_config.json").read_text())
             assert recorded["train_data"].endswith(f"task{task_name(stage - 1)}/train.jsonl")
+            assert recorded["epochs"] == (run.epochs or 1)  # a schedule configuration's epochs, every stage
             previous = first if stage == 1 else dirs[stage - 2]
             if run.recipe == "sparse":
                 assert Path(recorded["adapter"]) == previous
@@ -134,9 +138,9 @@ def test_a_schedule_configuration_trains_its_epochs_in_every_stage(stream):
 
     config, _, _ = stream
     runner = SimpleNamespace(config=config, layout=SuiteLayout(config.output_dir), device=torch.device("cpu"))
-    for run in _trained_runs(config):  # at the stage's configured epochs (1), every stage
+    for run in _trained_runs(config):  # the configuration's epochs (the stage's configured 1 without), every stage
         streamed = StreamRun(runner, run, lambda stage, run_config: {})
-        assert [streamed.stage_config(stage)[0].epochs for stage in (1, 2, 3)] == [1, 1, 1]
+        assert [streamed.stage_config(stage)[0].epochs for stage in (1, 2, 3)] == [run.epochs or 1] * 3
         # a configuration of 3 epochs (stage 1: later stages start from directories this run never trained)
         swept = StreamRun(runner, dataclasses.replace(run, epochs=3), lambda stage, run_config: {})
         assert swept.stage_config(1)[0].epochs == 3 and swept.stage_config(1)[0].lr == run.lr
@@ -167,7 +171,7 @@ def test_every_stage_is_evaluated_on_old_facts_and_every_task(stream):
                 assert stage["tasks"][task_name(index)] == pytest.approx(correct)
         assert result["metrics"]["learn_acc"] == stages[-1]["tasks"]["C"]
         assert result["metrics"]["retain_acc"] == stages[-1]["metrics"]["retain_acc"]
-        assert result["timing"]["cpu_s"] > 0
+        assert result["timing"]["cpu_s"] > 0 and result.get("epochs") == run.epochs  # the envelope's schedule
         if run.recipe is None:
             assert result["cost"] is None
         else:  # the whole stream's cost: every stage's steps, tokens and flops summed (smf.suite.cost)
@@ -175,6 +179,7 @@ def test_every_stage_is_evaluated_on_old_facts_and_every_task(stream):
                        for line in (streams.stage_dir(run, k) / "train_log.jsonl").read_text().splitlines()]
             assert result["cost"]["steps"] == len(records) > 0
             assert result["cost"]["tokens"] == sum(r["tokens"] for r in records)
+            assert result["timing"]["train_cpu_s"] > 0  # every stage's training CPU seconds, summed
 
 
 def test_report_has_stage_tables_matched_learning_and_forgetting_curves(stream):

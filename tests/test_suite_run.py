@@ -269,6 +269,16 @@ def test_merged_plan_joins_seeds_conditions_and_ablation(tmp_path):
     assert merged_plan(full.to_dict(), other) is None
 
 
+def test_merged_plan_of_a_world_suite_called_on_later_seeds(tmp_path):
+    """A world suite recorded for seed 0 and called on seeds 2 and 3: the data files and model follow the merged
+    plan's first seed (the call's own are its seed 2's, which used to be refused as "world and data")."""
+    first = load_suite_config("science", {"output_dir": str(tmp_path / "suite"), "seeds": [0]})
+    later = load_suite_config("science", {"output_dir": str(tmp_path / "suite"), "seeds": [2, 3]})
+    assert later.data != first.data
+    merged = merged_plan(first.to_dict(), later)
+    assert merged.seeds == (0, 2, 3) and merged.data == first.data and merged.model == first.model
+
+
 def test_each_data_warning_is_logged_once_per_suite(caplog):
     from smf.data.sources import subset
 

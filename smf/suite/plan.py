@@ -344,4 +344,6 @@ def merged_plan(recorded: dict | None, config: SuiteConfig) -> SuiteConfig | Non
     for key in ("conditions", "authors_update"):
         chosen = set(recorded.get(key) or []) | set(new[key] or [])
         merged[key] = [condition for condition in CONDITIONS if condition in chosen]
+    if merged.get("base_per_seed") and merged.get("world"):  # derived again from the merged first seed (the call's
+        merged.update(data={}, model=None)                    # are its own first seed's: they would not match)
     return suite_config_from_dict(merged)

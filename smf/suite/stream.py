@@ -245,13 +245,17 @@ class StreamRun:
                   for task in self.config.eval.tasks}
         trained = {kind: round(sum(s["train_s"].get(kind, 0) for s in stages), 3)
                    for kind in ("retrofit", "background", "train") if any(kind in s["train_s"] for s in stages)}
+        trained_cpu = {kind: round(sum(s.get("train_cpu_s", {}).get(kind, 0) for s in stages), 3)
+                       for kind in trained if any(kind in s.get("train_cpu_s", {}) for s in stages)}
         results = {
             "condition": run.condition, "seed": run.seed, "update": run.update, "metrics": metrics,
             **({} if run.lr is None else {"lr": run.lr}), **({"reads": run.reads} if run.reads else {}),
             **({"variant": run.variant} if run.variant else {}),
+            **({} if run.epochs is None else {"epochs": run.epochs}),
             "sparse_steps": stream_step_stats([self.layout.stage_dir(run, stage) for stage in range(1, self.tasks + 1)])
             if run.recipe == "sparse" else None,
-            "timing": {**{f"{kind}_s": seconds for kind, seconds in trained.items()}, "eval_s": eval_s,
+            "timing": {**{f"{kind}_s": seconds for kind, seconds in trained.items()},
+                       **{f"{kind}_cpu_s": seconds for kind, seconds in trained_cpu.items()}, "eval_s": eval_s,
                        "stream_eval_s": round(sum(sum(s["eval_s"].values()) for s in stages), 3),
                        "wall_s": round(time.perf_counter() - started, 3),
                        "cpu_s": round(time.process_time() - cpu_started, 3)},
