@@ -48,10 +48,10 @@ README_OPS = {"`product_key_topk` forward": "topk_forward", "`product_key_topk` 
 
 
 def _readme_op_table() -> dict[tuple[str, str], str]:
-    """{(method, backend): cell} from the README's table of each op on each backend."""
+    """{(method, backend): cell} from docs/library.md's table of each op on each backend."""
     from pathlib import Path
 
-    lines = (Path(__file__).parents[1] / "README.md").read_text().splitlines()
+    lines = (Path(__file__).parents[1] / "docs" / "library.md").read_text().splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("| op | `triton` | `ext` | `torch` |"))
     cells = {}
     for line in lines[header + 2:]:
@@ -66,7 +66,7 @@ def _readme_op_table() -> dict[tuple[str, str], str]:
 @pytest.mark.parametrize("name", ["triton", "ext"])
 def test_the_readme_says_which_op_of_a_backend_runs_as_torch(name):
     """Each backend is a Backend whose ops without a kernel of its own are the torch backend's methods; the
-    README's table says "kernel" exactly for the ops the backend's class overrides, "**torch**" for the others."""
+    docs/library.md's table says "kernel" exactly for the ops the backend's class overrides, "**torch**" for the others."""
     from smf_kernels.backends import Backend, construction_error, implementation
 
     if construction_error(name) is not None:

@@ -185,8 +185,8 @@ def _kept_reads(blocks) -> Iterator[dict[int, list[tuple[torch.Tensor, torch.Ten
     kept: dict[int, list] = {block.layer_index: [] for block in blocks}
 
     def keeping(layer: int, lookup):
-        def lookup_and_keep(x: torch.Tensor):
-            scores, indices = lookup(x)
+        def lookup_and_keep(x: torch.Tensor, backend: str | None = None):  # ProductKeyMemory.lookup's signature
+            scores, indices = lookup(x, backend)
             kept[layer].append((scores, indices))
             return scores, indices
         return lookup_and_keep

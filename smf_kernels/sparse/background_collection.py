@@ -99,8 +99,8 @@ def _kept_lookups(memories: Mapping[str, ProductKeyMemory]) -> Iterator[dict[str
     kept: dict[str, list[torch.Tensor]] = {name: [] for name in memories}
 
     def keeping(name: str, lookup: Callable):
-        def lookup_and_keep(x: torch.Tensor):
-            scores, indices = lookup(x)
+        def lookup_and_keep(x: torch.Tensor, backend: str | None = None):  # ProductKeyMemory.lookup's signature
+            scores, indices = lookup(x, backend)
             kept[name].append(indices)
             return scores, indices
         return lookup_and_keep
