@@ -70,7 +70,7 @@ def held_gradient_bytes(controller, memory) -> int:
     sink = controller._sinks.get("")
     if sink is None:
         return tensor_bytes(memory.values.grad)
-    kept = sum(tensor_bytes(t) for read in sink.reads for t in read[:3])
+    kept = sum(tensor_bytes(t) for read in getattr(sink, "reads", ()) for t in read[:3])  # dense_masked's keeps none
     return kept + tensor_bytes(sink.grad)
 
 
