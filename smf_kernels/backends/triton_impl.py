@@ -27,7 +27,7 @@ class TritonBackend(Backend):
     name = "triton"
     supported_dtypes = SUPPORTED_DTYPES
     # Every Triton kernel masks each access through a loaded id and raises an error flag (triton_kernels.guards),
-    # so on CUDA the ops skip their host-side range check of the gather's ids (smf_kernels.ops._gather_ops), and
+    # so on CUDA the ops skip their host-side range check of the gather's ids (smf_kernels.ops.weighted_gather), and
     # of the backward's update_rows (range and distinctness, checked where the row backward maps them to slots).
     kernels_guard_indices = True
 

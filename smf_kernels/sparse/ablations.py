@@ -30,8 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from smf_kernels.ops import _gather_ops as gather_ops
-from smf_kernels.ops.weighted_gather import GradientSink
+from smf_kernels.ops.weighted_gather import GradientSink, gather_backward
 from smf_kernels.sparse.background import BackgroundStats
 from smf_kernels.sparse.fill_plan import FillPlan
 from smf_kernels.sparse.memory_step import MemoryStep
@@ -60,7 +59,7 @@ class DenseGradSink(GradientSink):
             raise RuntimeError("a backward of a memory forward run in a step that has ended (finish_step or "
                                "abort_step came before this backward): run every backward of a step before its "
                                "end, and drop graphs of aborted steps")
-        grad, grad_weights, grad_gate, _ = gather_ops.backward(grad_out, values, indices, weights, None, gate, read,
+        grad, grad_weights, grad_gate, _ = gather_backward(grad_out, values, indices, weights, None, gate, read,
                                                                backend, deterministic, True, need_weights, False)
         grad = grad.to(values.dtype)
         if self.mask is not None:

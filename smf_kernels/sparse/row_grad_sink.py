@@ -25,8 +25,7 @@ import torch
 
 from smf_kernels._checks import check_gather_args
 from smf_kernels._precision import accumulation_dtype
-from smf_kernels.ops import _gather_ops as gather_ops
-from smf_kernels.ops.weighted_gather import GradientSink
+from smf_kernels.ops.weighted_gather import GradientSink, gather_backward, gather_backward_into
 from smf_kernels.sparse.step_checks import StepMisuseError
 
 Selection = tuple[torch.Tensor, torch.Tensor]  # rows (T,) int64 ascending, valid (T,) bool
@@ -115,7 +114,7 @@ class RowGradSink(GradientSink):
                                "end, and drop graphs of aborted steps")
         self.reached.fill_(True)
         if self.fill == READS_KEPT:
-            _, grad_weights, grad_gate, read_grad = gather_ops.backward(
+            _, grad_weights, grad_gate, read_grad = gather_backward(
                 grad_out, values, indices, weights, None, gate, read, backend, deterministic, False, need_weights,
                 True)
             # kept without a graph (the saved weights require grad): their sum at the step's end builds none
@@ -124,7 +123,7 @@ class RowGradSink(GradientSink):
             return grad_weights, grad_gate
         rows, _ = self.selection()
         check_gather_args(values, indices, weights, None, None, rows)  # its values: in the op
-        return gather_ops.backward_into(grad_out, values, indices, weights, rows, self.grad, gate, read, backend,
+        return gather_backward_into(grad_out, values, indices, weights, rows, self.grad, gate, read, backend,
                                         deterministic, need_weights)
 
     @torch.no_grad()
@@ -134,7 +133,7 @@ class RowGradSink(GradientSink):
         grad = torch.zeros(rows.numel(), values.shape[1], dtype=accumulation_dtype(values.dtype),
                            device=values.device)
         for read_grad, indices, weights, backend in self.reads:
-            compact, _, _, _ = gather_ops.backward(read_grad, values.detach(), indices, weights, rows, None, None,
+            compact, _, _, _ = gather_backward(read_grad, values.detach(), indices, weights, rows, None, None,
                                                    backend, torch.are_deterministic_algorithms_enabled(), True,
                                                    False, False)
             grad += compact
