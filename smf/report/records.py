@@ -97,25 +97,27 @@ def _check_timing(timing: object) -> None:
             _require(_is_number(timing[key]) and timing[key] >= 0, f"timing.{key}", "seconds >= 0", timing[key])
 
 
+def _check_counts(record: dict, name: str, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
+    """Every ``required`` key of ``record`` (the results file's ``name`` object) present, and it and every present
+    ``optional`` key a number >= 0."""
+    for key in required:
+        _require(key in record, f"{name}.{key}", "present", _MISSING)
+    for key in (*required, *(key for key in optional if key in record)):
+        _require(_is_number(record[key]) and record[key] >= 0, f"{name}.{key}", "a number >= 0", record[key])
+
+
 def _check_sparse_steps(steps: object) -> None:
     if steps is None:
         return
     _require(isinstance(steps, dict), "sparse_steps", "null or an object of step statistics", steps)
-    for key in SPARSE_STEP_FIELDS:
-        _require(key in steps, f"sparse_steps.{key}", "present", _MISSING)
-        _require(_is_number(steps[key]) and steps[key] >= 0, f"sparse_steps.{key}", "a number >= 0", steps[key])
-    for key in ("row_change", "row_change_vs_start"):
-        if key in steps:
-            _require(_is_number(steps[key]) and steps[key] >= 0, f"sparse_steps.{key}", "a number >= 0", steps[key])
+    _check_counts(steps, "sparse_steps", tuple(SPARSE_STEP_FIELDS), ("row_change", "row_change_vs_start"))
 
 
 def _check_cost(cost: object) -> None:
     if cost is None:
         return
     _require(isinstance(cost, dict), "cost", "null or an object of the training stage's cost", cost)
-    for key in COST_FIELDS:
-        _require(key in cost, f"cost.{key}", "present", _MISSING)
-        _require(_is_number(cost[key]) and cost[key] >= 0, f"cost.{key}", "a number >= 0", cost[key])
+    _check_counts(cost, "cost", tuple(COST_FIELDS))
 
 
 def _check_rate(record: dict, run) -> None:
