@@ -5,7 +5,8 @@ Layers, top to bottom; a module imports only from its own package or from a lowe
 
 1. ``smf_kernels.hf``: the Hugging Face Trainer integration;
 2. ``smf_kernels.sparse`` (the sparse step, its fills, finishing sequence, ablations and optimizers),
-   ``smf_kernels.fsdp`` (the base model under FSDP2, the memories left out);
+   ``smf_kernels.fsdp`` (the base model under FSDP2, the memories left out), ``smf_kernels.patch`` (knowledge
+   patches: the rows a finetune changed);
 3. ``smf_kernels.sharded``: memories whose value tables are split by columns over ranks;
 4. ``smf_kernels.memory``: :class:`ProductKeyMemory`;
 5. ``smf_kernels.ops``: the ops with their autograd and checks;

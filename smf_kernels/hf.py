@@ -25,6 +25,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from smf_kernels.fsdp import average_gradients
+from smf_kernels.patch import MemoryPatch
 from smf_kernels.sparse.controller import SparseMemoryController
 from smf_kernels.sparse.driver import StepDriver
 from smf_kernels.sparse.row_sparse_adamw import RowSparseAdamW
@@ -178,6 +179,17 @@ class SparseMemoryTrainer(Trainer):
         if not result.skipped:
             self._rows_since_log += sum(int(rows.numel()) for rows in result.selected.values())
             self._steps_since_log += 1
+
+    def save_patch(self, directory, base, rows=None) -> MemoryPatch:
+        """Write the knowledge patch of this run into ``directory`` (the main process writes it) and return it: the
+        value rows (and any other memory tensor or trainable parameter) of the model that differ from ``base``,
+        the model before training or a mapping of state name -> tensor (:meth:`MemoryPatch.between
+        <smf_kernels.patch.MemoryPatch.between>`; ``rows``: the rows to save per memory path instead).
+        docs/hf.md#knowledge-patches."""
+        patch = MemoryPatch.between(self.model, base, rows=rows)
+        if self.args.should_save:
+            patch.save(directory)
+        return patch
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if ("grad_norm" in logs or "loss" in logs) and self._sparse_grad_norm is not None:  # transformers 4.57

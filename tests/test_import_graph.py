@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SMF_LAYERS = (("cli",), ("commands",), ("suite",), ("train", "eval", "report"), ("model",), ("data",),
               ("tiny", "options", "threads", "environment", "files", "_lazy"), ("vocabulary",), ("errors",))
 # smf_kernels/__init__.py's layers, top to bottom, by package or top-level module (smf_kernels.<name>), the same rule.
-KERNELS_LAYERS = (("hf",), ("fsdp", "sparse"), ("sharded",), ("memory",), ("ops",), ("backends",),
+KERNELS_LAYERS = (("hf",), ("fsdp", "sparse", "patch"), ("sharded",), ("memory",), ("ops",), ("backends",),
                   ("triton_kernels", "reference", "build_ext", "_checks", "projection"), ("_rows", "_precision"))
 
 # The imports of smf / smf_kernels modules made inside functions, by importing module. Each defers what the target

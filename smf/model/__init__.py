@@ -14,6 +14,7 @@ from smf.model.loading import (
     load_with_adapter,
 )
 from smf.model.memory_mode import set_memory_mode
+from smf.model.patch import load_patch, save_patch
 from smf.model.read_mask import loss_positions, reads_counted_at_loss
 from smf.model.saved_tokenizer import TOKENIZER_SUBFOLDER, save_tokenizer
 from smf.model.sizes import scaled_memory_sizes
@@ -44,12 +45,14 @@ __all__ = [
     "load_run",
     "load_tokenizer",
     "load_with_adapter",
+    "load_patch",
     "loss_positions",
     "memory_blocks",
     "memory_diagnostics",
     "read_adapter_config",
     "reads_counted_at_loss",
     "save_memory_adapter",
+    "save_patch",
     "save_tokenizer",
     "scaled_memory_sizes",
     "set_memory_mode",

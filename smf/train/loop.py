@@ -273,7 +273,8 @@ def _train(config: RunConfig, world: World, files: RunFiles) -> dict:
         with unsharded_memories(setup.model), consolidated(setup.model, None, world,
                                                            trainable_only=config.recipe != "full"):
             if world.is_main:
-                save_final(setup.model, setup.tokenizer, config.recipe, final_dir)
+                patch_base = config.adapter if config.recipe == "sparse" and config.save_patch else None
+                save_final(setup.model, setup.tokenizer, config.recipe, final_dir, patch_base)
                 logger.info("saved the final %s artefact to %s", config.recipe, final_dir)
                 if config.recipe == "retrofit":
                     write_memory_diagnostics(setup.model, features, collator, world.device,

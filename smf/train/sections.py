@@ -144,6 +144,9 @@ class SparseOptions(Section):
         "all", "which tokens' memory reads steer the row selection (--recipe sparse): all = every non-padding token "
         "(the paper's), loss = only the positions whose next token the loss scores (docs/own-data.md#read-counting)",
         TRAIN)
+    save_patch: bool = option(
+        False, "also write final/patch/: a knowledge patch, the value rows (and any other memory tensor or alpha) "
+        "this run changed against --adapter, a fraction of the adapter's size (docs/hf.md#knowledge-patches)", TRAIN)
 
     @staticmethod
     def unused(config, command: str) -> dict[str, str]:
