@@ -1,17 +1,18 @@
 """Knowledge patches: the rows of the memory tables a run changed, saved apart from the tables themselves.
 
 Sparse Memory Finetuning moves a few value rows of large tables; a :class:`MemoryPatch` holds only those: for each
-memory's ``values`` table (M, D), the changed rows' indices (K,) int64 (ascending, unique) and the rows (K, D) in the
+memory's ``values`` table (M, D), the changed rows' indices (K,) (ascending, unique) and the rows (K, D) in the
 table's dtype; for any other tensor of the patch's scope that changed (a memory's keys or projections, a trainable
 scale such as ``alpha``), the whole tensor. Each entry names its tensor by the model's state name and records two
 fingerprints: the base tensor it was made against and the tensor it leaves (:func:`fingerprint`: sha256 over shape,
 dtype, the memory's config and the bytes, read in chunks).
 
-On disk (a directory, docs/hf.md#knowledge-patches): ``patch.safetensors`` holds ``{name}:indices`` and
-``{name}:rows`` per row entry and ``{name}:tensor`` per whole-tensor entry; ``patch.json`` holds the format name and
-version, per entry its name, kind (``rows`` / ``tensor``), whole shape, dtype, row count, memory config (or null) and
-both fingerprints, and the sha256 of ``patch.safetensors``. Both files are written to a temporary name and renamed
-(the JSON last). Bytes: the changed rows, 8 per index, a few hundred per entry for the headers.
+On disk (a directory, docs/hf.md#knowledge-patches): ``patch.safetensors`` holds ``{name}:indices`` (int32 where
+the table has at most 2**31 rows, else int64) and ``{name}:rows`` per row entry and ``{name}:tensor`` per
+whole-tensor entry; ``patch.json`` (compact) holds the format name and version, per entry its name, kind (``rows`` /
+``tensor``), whole shape, dtype, row count and both fingerprints, and the sha256 of ``patch.safetensors``. Both files
+are written to a temporary name and renamed (the JSON last). Bytes: the changed rows, 4 (or 8) per index, about 300
+per entry for the headers.
 
 :meth:`MemoryPatch.merge` checks every entry against the model (shape, dtype, base fingerprint) before it writes
 anything, keeps the rows it replaces (the same bytes as the patch, on the tables' device) and writes the patch's;
@@ -85,13 +86,12 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
 @dataclass
 class PatchEntry:
     """One tensor of a patch. ``indices`` (K,) int64 and ``data`` (K, D): the rows of a values table (M, D) =
-    ``shape``; ``indices`` None: ``data`` is the whole tensor. ``memory``: the config of the memory the tensor
-    belongs to (None: outside any memory); ``base`` / ``result``: :func:`fingerprint` before / after the patch."""
+    ``shape``; ``indices`` None: ``data`` is the whole tensor. ``base`` / ``result``: :func:`fingerprint` (with the
+    config of the memory the tensor belongs to) before / after the patch."""
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
-    memory: dict | None
     base: str
     result: str
     data: torch.Tensor
@@ -104,7 +104,7 @@ class PatchEntry:
     def to_json(self) -> dict:
         return {"name": self.name, "kind": self.kind, "shape": list(self.shape),
                 "dtype": str(self.dtype).replace("torch.", ""), "rows": None if self.indices is None else
-                len(self.indices), "memory": self.memory, "base": self.base, "result": self.result}
+                len(self.indices), "base": self.base, "result": self.result}
 
 
 def memory_scope(model: nn.Module) -> dict[str, dict | None]:
@@ -182,7 +182,7 @@ class MemoryPatch:
             if name in tables:
                 entry = _row_entry(name, tensor, base_tensor, memory, rows.get(tables[name]))
             elif not torch.equal(_bits(base_tensor.to(tensor.device, tensor.dtype)), _bits(tensor)):
-                entry = PatchEntry(name, tuple(tensor.shape), tensor.dtype, memory,
+                entry = PatchEntry(name, tuple(tensor.shape), tensor.dtype,
                                    fingerprint(base_tensor.to(tensor.dtype), memory), fingerprint(tensor, memory),
                                    tensor.cpu().clone())
             else:
@@ -207,13 +207,13 @@ class MemoryPatch:
             if entry.indices is None:
                 tensors[f"{entry.name}:tensor"] = entry.data.contiguous()
             else:
-                tensors[f"{entry.name}:indices"] = entry.indices.contiguous()
+                tensors[f"{entry.name}:indices"] = entry.indices.to(_index_dtype(entry.shape[0]))
                 tensors[f"{entry.name}:rows"] = entry.data.contiguous()
         blob = save(tensors)
         config = {"format": FORMAT, "version": VERSION, "weights_sha256": hashlib.sha256(blob).hexdigest(),
                   "entries": [entry.to_json() for entry in self.entries.values()]}
         _write_atomic(directory / PATCH_WEIGHTS, blob)
-        _write_atomic(directory / PATCH_CONFIG, (json.dumps(config, indent=2) + "\n").encode())
+        _write_atomic(directory / PATCH_CONFIG, (json.dumps(config, separators=(",", ":")) + "\n").encode())
         return directory
 
     @classmethod
@@ -336,7 +336,7 @@ def _row_entry(name: str, table: torch.Tensor, base: torch.Tensor, memory: dict 
         changed = rows
     if changed.numel() == 0:
         return None
-    return PatchEntry(name, tuple(table.shape), table.dtype, memory, f"sha256:{base_digest.hexdigest()}",
+    return PatchEntry(name, tuple(table.shape), table.dtype, f"sha256:{base_digest.hexdigest()}",
                       f"sha256:{result_digest.hexdigest()}", table.detach().index_select(0, changed).cpu(),
                       changed.cpu().to(torch.int64))
 
@@ -370,10 +370,8 @@ def _read_entry(path: Path, index: int, spec, tensors: dict[str, torch.Tensor]) 
     if any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in shape) or (
             spec["kind"] == "rows" and len(shape) != 2):
         raise ValueError(f"{where}: shape must be positive ints (two for a row entry), got {shape}")
-    if not (spec.get("memory") is None or isinstance(spec["memory"], dict)):
-        raise ValueError(f"{where}: memory must be an object or null")
     dtype, shape = _DTYPES[spec["dtype"]], tuple(shape)
-    entry = PatchEntry(name, shape, dtype, spec.get("memory"), spec["base"], spec["result"], None)
+    entry = PatchEntry(name, shape, dtype, spec["base"], spec["result"], None)
     if spec["kind"] == "rows":
         count = spec.get("rows")
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
@@ -381,9 +379,12 @@ def _read_entry(path: Path, index: int, spec, tensors: dict[str, torch.Tensor]) 
         indices, data = tensors.get(f"{name}:indices"), tensors.get(f"{name}:rows")
         if indices is None or data is None:
             raise ValueError(f"{where}: {PATCH_WEIGHTS} lacks {name}:indices or {name}:rows")
-        _check_indices(f"{where}: indices", indices, shape[0])
+        if indices.dtype != _index_dtype(shape[0]):
+            raise ValueError(f"{where}: indices must be {_index_dtype(shape[0])} for {shape[0]} rows, got "
+                             f"{indices.dtype}")
+        entry.indices = indices.to(torch.int64)
+        _check_indices(f"{where}: indices", entry.indices, shape[0])
         expected = (count, shape[1])
-        entry.indices = indices
     else:
         data = tensors.get(f"{name}:tensor")
         if data is None:
@@ -397,6 +398,12 @@ def _read_entry(path: Path, index: int, spec, tensors: dict[str, torch.Tensor]) 
         raise ValueError(f"{where} holds non-finite values (saved by a run that diverged?)")
     entry.data = data
     return entry
+
+
+def _index_dtype(num_rows: int) -> torch.dtype:
+    """How a table of ``num_rows`` rows stores its row indices on disk: int32 when they fit (half the bytes), else
+    int64."""
+    return torch.int32 if num_rows <= 2 ** 31 else torch.int64
 
 
 def _tensor_keys(entry: PatchEntry) -> tuple[str, ...]:
