@@ -180,13 +180,14 @@ class SparseMemoryTrainer(Trainer):
             self._rows_since_log += sum(int(rows.numel()) for rows in result.selected.values())
             self._steps_since_log += 1
 
-    def save_patch(self, directory, base, rows=None) -> MemoryPatch:
+    def save_patch(self, directory, base, rows=None, optimizer_rows: bool = False) -> MemoryPatch:
         """Write the knowledge patch of this run into ``directory`` (the main process writes it) and return it: the
         value rows (and any other memory tensor or trainable parameter) of the model that differ from ``base``,
         the model before training or a mapping of state name -> tensor (:meth:`MemoryPatch.between
-        <smf_kernels.patch.MemoryPatch.between>`; ``rows``: the rows to save per memory path instead).
-        docs/hf.md#knowledge-patches."""
-        patch = MemoryPatch.between(self.model, base, rows=rows)
+        <smf_kernels.patch.MemoryPatch.between>`; ``rows``: the rows to save per memory path instead;
+        ``optimizer_rows``: with the optimizer's state of those rows). docs/hf.md#knowledge-patches."""
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer) if optimizer_rows else None
+        patch = MemoryPatch.between(self.model, base, rows=rows, optimizer=optimizer)
         if self.args.should_save:
             patch.save(directory)
         return patch

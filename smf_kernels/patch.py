@@ -12,7 +12,9 @@ the table has at most 2**31 rows, else int64) and ``{name}:rows`` per row entry 
 whole-tensor entry; ``patch.json`` (compact) holds the format name and version, per entry its name, kind (``rows`` /
 ``tensor``), whole shape, dtype, row count and both fingerprints, and the sha256 of ``patch.safetensors``. Both files
 are written to a temporary name and renamed (the JSON last). Bytes: the changed rows, 4 (or 8) per index, about 300
-per entry for the headers.
+per entry for the headers. Optionally (``optimizer=``) a row entry also carries the optimizer's state of its rows
+(``{name}:row_step`` (K,) int64, ``{name}:exp_avg`` and ``{name}:exp_avg_sq`` (K, D); ``"moments": true``), which
+:meth:`MemoryPatch.load_optimizer_rows` puts back so that training continues from the merged patch.
 
 :meth:`MemoryPatch.merge` checks every entry against the model (shape, dtype, base fingerprint) before it writes
 anything, keeps the rows it replaces (the same bytes as the patch, on the tables' device) and writes the patch's;
@@ -96,6 +98,7 @@ class PatchEntry:
     result: str
     data: torch.Tensor
     indices: torch.Tensor | None = None
+    moments: dict[str, torch.Tensor] | None = None  # the optimizer's state of the rows (:data:`ROW_MOMENTS`)
 
     @property
     def kind(self) -> str:
@@ -104,7 +107,7 @@ class PatchEntry:
     def to_json(self) -> dict:
         return {"name": self.name, "kind": self.kind, "shape": list(self.shape),
                 "dtype": str(self.dtype).replace("torch.", ""), "rows": None if self.indices is None else
-                len(self.indices), "base": self.base, "result": self.result}
+                len(self.indices), "moments": self.moments is not None, "base": self.base, "result": self.result}
 
 
 def memory_scope(model: nn.Module) -> dict[str, dict | None]:
@@ -143,7 +146,8 @@ class MemoryPatch:
 
     @classmethod
     def between(cls, model: nn.Module, base: nn.Module | Mapping[str, torch.Tensor],
-                rows: Mapping[str, torch.Tensor] | None = None) -> "MemoryPatch":
+                rows: Mapping[str, torch.Tensor] | None = None,
+                optimizer: torch.optim.Optimizer | None = None) -> "MemoryPatch":
         """The patch that turns ``base`` into ``model``.
 
         Args:
@@ -154,6 +158,10 @@ class MemoryPatch:
             rows: optional, memory module path -> (K,) int64 ascending rows to save of its values table (e.g. those
                 an optimizer touched), instead of the rows that differ bitwise from the base; every other row must
                 be unchanged (checked). Memories not named are compared.
+            optimizer: optional; the optimizer's state of the saved rows (``row_step``, ``exp_avg``,
+                ``exp_avg_sq``: :class:`~smf_kernels.sparse.RowSparseAdamW`'s) travels with them, so that training
+                can continue from the merged patch (:meth:`load_optimizer_rows`). A table the optimizer has not
+                stepped gets none; one it steps densely is refused.
 
         Tensors equal to the base bit for bit get no entry; ValueError for a tensor the model lacks or of another
         shape, or a ``rows`` entry that is not ascending, unique and in range.
@@ -181,6 +189,8 @@ class MemoryPatch:
             memory = configs.get(name)
             if name in tables:
                 entry = _row_entry(name, tensor, base_tensor, memory, rows.get(tables[name]))
+                if entry is not None and optimizer is not None:
+                    entry.moments = _row_moments(name, optimizer, state[name], entry.indices)
             elif not torch.equal(_bits(base_tensor.to(tensor.device, tensor.dtype)), _bits(tensor)):
                 entry = PatchEntry(name, tuple(tensor.shape), tensor.dtype,
                                    fingerprint(base_tensor.to(tensor.dtype), memory), fingerprint(tensor, memory),
@@ -209,6 +219,8 @@ class MemoryPatch:
             else:
                 tensors[f"{entry.name}:indices"] = entry.indices.to(_index_dtype(entry.shape[0]))
                 tensors[f"{entry.name}:rows"] = entry.data.contiguous()
+                tensors.update({f"{entry.name}:{key}": value.contiguous()
+                                for key, value in (entry.moments or {}).items()})
         blob = save(tensors)
         config = {"format": FORMAT, "version": VERSION, "weights_sha256": hashlib.sha256(blob).hexdigest(),
                   "entries": [entry.to_json() for entry in self.entries.values()]}
@@ -244,8 +256,9 @@ class MemoryPatch:
         entries = [_read_entry(config_path, index, spec, tensors) for index, spec in enumerate(config["entries"])]
         expected = {key for entry in entries for key in _tensor_keys(entry)}
         if len({entry.name for entry in entries}) != len(entries) or set(tensors) != expected:
+            missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
             raise ValueError(f"{weights_path} does not match {PATCH_CONFIG}: entries named twice, or tensors "
-                             f"missing {sorted(expected - set(tensors))} / unexpected {sorted(set(tensors) - expected)}")
+                             f"missing {missing} / unexpected {unexpected}")
         return cls(entries)
 
     # -- applying ----------------------------------------------------------------------------------------------
@@ -286,6 +299,38 @@ class MemoryPatch:
             else:
                 target.index_copy_(0, entry.indices.to(target.device), kept)
         self._replaced = None
+
+    @torch.no_grad()
+    def load_optimizer_rows(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Write the optimizer rows the patch carries (saved with ``between(..., optimizer=)``) into ``optimizer``'s
+        state of ``model``'s tables (a table without state gets zero state first, as
+        :class:`~smf_kernels.sparse.RowSparseAdamW`'s first update by rows), so that training continues from the
+        merged patch as it would have from the finetuned model. Every table is checked first (a parameter of
+        ``optimizer``, state by rows or none); ValueError otherwise, nothing changed."""
+        state = model.state_dict(keep_vars=True)
+        owned = {id(param) for group in optimizer.param_groups for param in group["params"]}
+        carried = [entry for entry in self.entries.values() if entry.moments is not None]
+        if not carried:
+            raise ValueError("this patch carries no optimizer rows (saved without optimizer=)")
+        for entry in carried:
+            table = state.get(entry.name)
+            if table is None or id(table) not in owned or tuple(table.shape) != entry.shape:
+                raise ValueError(f"patch entry {entry.name}: the model has no {entry.shape} parameter of that name "
+                                 "that the optimizer steps")
+            existing = optimizer.state.get(table) or {}
+            if existing and any(key not in existing for key in ROW_MOMENTS):
+                raise ValueError(f"patch entry {entry.name}: the optimizer's state of it is not by rows (keys "
+                                 f"{sorted(existing)})")
+        for entry in carried:
+            table = state[entry.name]
+            row_state = optimizer.state[table]
+            if not row_state:
+                row_state["row_step"] = torch.zeros(entry.shape[0], dtype=torch.int64, device=table.device)
+                row_state["exp_avg"] = torch.zeros_like(table, memory_format=torch.preserve_format)
+                row_state["exp_avg_sq"] = torch.zeros_like(table, memory_format=torch.preserve_format)
+            indices = entry.indices.to(table.device)
+            for key, rows in entry.moments.items():
+                row_state[key].index_copy_(0, indices, rows.to(table.device))
 
     def _targets(self, model: nn.Module, expected: str) -> dict[str, torch.Tensor]:
         """The model's tensor of every entry, each checked (shape, dtype, ``expected`` fingerprint: "base" or
@@ -362,7 +407,8 @@ def _read_entry(path: Path, index: int, spec, tensors: dict[str, torch.Tensor]) 
     """Entry ``index`` of ``path``'s ``entries`` with its tensors, checked (ValueError naming what is wrong)."""
     where = f"{path}: entries[{index}]"
     if not isinstance(spec, dict) or any(not isinstance(spec.get(k), t) for k, t in _FIELDS.items()):
-        raise ValueError(f"{where} must be an object with {', '.join(f'{k} ({t.__name__})' for k, t in _FIELDS.items())}")
+        fields = ", ".join(f"{key} ({kind.__name__})" for key, kind in _FIELDS.items())
+        raise ValueError(f"{where} must be an object with {fields}")
     name, shape = spec["name"], spec["shape"]
     where = f"{path}: entry {name!r}"
     if spec["kind"] not in ("rows", "tensor") or spec["dtype"] not in _DTYPES:
@@ -397,6 +443,10 @@ def _read_entry(path: Path, index: int, spec, tensors: dict[str, torch.Tensor]) 
     if not bool(torch.isfinite(data).all()):
         raise ValueError(f"{where} holds non-finite values (saved by a run that diverged?)")
     entry.data = data
+    if spec.get("moments") is True and entry.indices is not None:
+        entry.moments = _read_moments(where, name, tensors, data)
+    elif spec.get("moments") not in (None, False):
+        raise ValueError(f"{where}: moments must be true (a row entry) or false, got {spec['moments']!r}")
     return entry
 
 
@@ -407,7 +457,41 @@ def _index_dtype(num_rows: int) -> torch.dtype:
 
 
 def _tensor_keys(entry: PatchEntry) -> tuple[str, ...]:
-    return (f"{entry.name}:tensor",) if entry.indices is None else (f"{entry.name}:indices", f"{entry.name}:rows")
+    if entry.indices is None:
+        return (f"{entry.name}:tensor",)
+    return (f"{entry.name}:indices", f"{entry.name}:rows", *(f"{entry.name}:{key}" for key in entry.moments or ()))
+
+
+ROW_MOMENTS = ("row_step", "exp_avg", "exp_avg_sq")  # a table's optimizer state by rows (RowSparseAdamW's)
+
+
+def _row_moments(name: str, optimizer: torch.optim.Optimizer, table: torch.Tensor,
+                 indices: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """The optimizer's state of rows ``indices`` of ``table`` (None: no state yet); ValueError for a state that is
+    not by rows."""
+    state = optimizer.state.get(table) or {}
+    if not state:
+        return None
+    if any(key not in state for key in ROW_MOMENTS):
+        raise ValueError(f"optimizer: its state of {name} is not by rows (keys {sorted(state)}, not {ROW_MOMENTS}: "
+                         "RowSparseAdamW's)")
+    rows = indices.to(table.device)
+    return {key: state[key].index_select(0, rows).cpu() for key in ROW_MOMENTS}
+
+
+def _read_moments(where: str, name: str, tensors: dict[str, torch.Tensor], rows: torch.Tensor) -> dict:
+    """The optimizer rows of entry ``name`` (rows ``rows`` (K, D)), checked."""
+    moments = {key: tensors.get(f"{name}:{key}") for key in ROW_MOMENTS}
+    for key, value in moments.items():
+        shape, dtype = ((rows.shape[0],), torch.int64) if key == "row_step" else (tuple(rows.shape), rows.dtype)
+        if value is None or tuple(value.shape) != shape or value.dtype != dtype:
+            raise ValueError(f"{where}: {name}:{key} must be {shape} {dtype}, got "
+                             f"{'nothing' if value is None else (tuple(value.shape), value.dtype)}")
+        if key != "row_step" and not bool(torch.isfinite(value).all()):
+            raise ValueError(f"{where}: {name}:{key} holds non-finite values")
+        if key != "exp_avg" and bool((value < 0).any()):
+            raise ValueError(f"{where}: {name}:{key} holds negative values")
+    return moments
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

@@ -18,7 +18,7 @@ from smf.train import train
 from smf_kernels import ProductKeyMemory
 from smf_kernels.hf import SparseMemoryTrainer
 from smf_kernels.patch import PATCH_CONFIG, PATCH_WEIGHTS, MemoryPatch, fingerprint
-from smf_kernels.sparse import SparseMemoryController
+from smf_kernels.sparse import RowSparseAdamW, SparseMemoryController
 from test_hf_trainer import Sequences
 from test_train_recipes import tiny_run_config, write_adapter_and_background
 
@@ -211,8 +211,8 @@ DAMAGES = {
     "json shape edited": (lambda d: _rewrite(d, config=lambda s: _entry(s).update(shape=[169, 73])),
                           "must be \\(4, 73\\)"),
     "json entry dropped": (lambda d: _rewrite(d, config=lambda s: s.update(entries=[])), "unexpected"),
-    "wrong row shape": (lambda d: _rewrite(d, tensors=lambda t: {**t, "values:rows": t["values:rows"][:, :-1].contiguous()}),
-                        "must be \\(4, 72\\)"),
+    "wrong row shape": (lambda d: _rewrite(d, tensors=lambda t: {
+        **t, "values:rows": t["values:rows"][:, :-1].contiguous()}), "must be \\(4, 72\\)"),
     "index out of range": (lambda d: _rewrite(d, tensors=lambda t: {
         **t, "values:indices": torch.tensor([1, 2, 3, 169], dtype=torch.int32)}), "outside \\[0, 169\\)"),
     "index repeated": (lambda d: _rewrite(d, tensors=lambda t: {
@@ -284,11 +284,52 @@ def test_the_trainer_saves_the_patch_of_its_run(tmp_path):
                              save_strategy="no")
     trainer = SparseMemoryTrainer(model=model, args=args, train_dataset=Sequences(8), controller=controller)
     trainer.train()
-    saved = trainer.save_patch(tmp_path / "patch", base)
+    saved = trainer.save_patch(tmp_path / "patch", base, optimizer_rows=True)
     assert {entry.kind for entry in saved.entries.values()} == {"rows"} and len(saved.entries) == 3
-    assert all(0 < len(entry.indices) <= 18 for entry in saved.entries.values())
+    for entry in saved.entries.values():  # 3 steps of at most 6 rows; each saved row stepped at least once
+        assert 0 < len(entry.indices) <= 18 and entry.moments["row_step"].min() >= 1
     ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(4))
     load_patch(tmp_path / "patch").merge(base)
     model.eval()
     with torch.no_grad():
         assert torch.equal(base(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def _row_steps(memory, optimizer, steps, seed):
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        rows = torch.randperm(memory.num_slots, generator=generator)[:11].sort().values
+        optimizer.step_rows(memory.values, rows, torch.randn(11, VALUE_DIM, generator=generator))
+
+
+def test_a_patch_with_its_optimizer_rows_continues_training_as_the_finetuned_run(tmp_path):
+    base = _memory()
+    model = copy.deepcopy(base)
+    optimizer = RowSparseAdamW([model.values], lr=1e-2, weight_decay=0.1)
+    _row_steps(model, optimizer, 3, seed=1)
+    save_patch(model, base, tmp_path / "patch", optimizer=optimizer)
+    patch = load_patch(tmp_path / "patch")
+    assert set(patch.entries["values"].moments) == {"row_step", "exp_avg", "exp_avg_sq"}
+
+    resumed = copy.deepcopy(base)
+    patch.merge(resumed)
+    resumed_optimizer = RowSparseAdamW([resumed.values], lr=1e-2, weight_decay=0.1)
+    patch.load_optimizer_rows(resumed, resumed_optimizer)
+    _row_steps(model, optimizer, 2, seed=2)
+    _row_steps(resumed, resumed_optimizer, 2, seed=2)
+    assert _same(_state(resumed), _state(model))
+    for key, value in optimizer.state[model.values].items():
+        assert torch.equal(resumed_optimizer.state[resumed.values][key], value), key
+    with pytest.raises(ValueError, match="carries no optimizer rows"):
+        MemoryPatch.between(model, base).load_optimizer_rows(resumed, resumed_optimizer)
+
+
+def test_damaged_optimizer_rows_are_refused(tmp_path):
+    base = _memory()
+    model = copy.deepcopy(base)
+    optimizer = RowSparseAdamW([model.values], lr=1e-2)
+    _row_steps(model, optimizer, 2, seed=1)
+    save_patch(model, base, tmp_path / "patch", optimizer=optimizer)
+    _rewrite(tmp_path / "patch", tensors=lambda t: {**t, "values:exp_avg_sq": -t["values:exp_avg_sq"]})
+    with pytest.raises(ValueError, match="exp_avg_sq holds negative values"):
+        load_patch(tmp_path / "patch")

@@ -46,22 +46,26 @@ class AdapterTensors(Mapping):
 
 
 def save_patch(model: nn.Module, base: nn.Module | Mapping[str, torch.Tensor] | str | Path, directory: str | Path,
-               rows: Mapping[str, torch.Tensor] | None = None) -> MemoryPatch:
+               rows: Mapping[str, torch.Tensor] | None = None,
+               optimizer: torch.optim.Optimizer | None = None) -> MemoryPatch:
     """Write the knowledge patch that turns ``base`` into ``model`` to ``directory`` and return it.
 
     ``base``: the memory adapter the finetune started from (its folder or its retrofit run directory: every memory
     tensor and ``alpha`` it holds is compared), the model before finetuning, or a mapping of state name -> tensor
     (:meth:`MemoryPatch.between <smf_kernels.patch.MemoryPatch.between>`). ``rows``: memory module path -> (K,)
-    int64 ascending rows to save of its values (e.g. those the optimizer touched) instead of the rows that differ.
+    int64 ascending rows to save of its values (e.g. those the optimizer touched) instead of the rows that differ;
+    ``optimizer``: its state of the saved rows travels too (:meth:`MemoryPatch.load_optimizer_rows
+    <smf_kernels.patch.MemoryPatch.load_optimizer_rows>` puts it back to continue training).
     """
     if isinstance(base, (str, Path)):
         base = AdapterTensors(model, base)
-    patch = MemoryPatch.between(model, base, rows=rows)
+    patch = MemoryPatch.between(model, base, rows=rows, optimizer=optimizer)
     patch.save(directory)
     return patch
 
 
 def load_patch(directory: str | Path) -> MemoryPatch:
     """The knowledge patch saved in ``directory``, checked whole (:meth:`MemoryPatch.load
-    <smf_kernels.patch.MemoryPatch.load>`); merge it with ``patch.merge(model)``, undo it with ``patch.unmerge(model)``."""
+    <smf_kernels.patch.MemoryPatch.load>`); merge it with ``patch.merge(model)``, undo it with
+    ``patch.unmerge(model)``."""
     return MemoryPatch.load(directory)

@@ -2,8 +2,9 @@
 training finishes, ``final/``: a memory adapter for retrofit and sparse runs (see
 :func:`smf.model.save_memory_adapter`), a peft adapter for LoRA, a transformers ``save_pretrained``
 model for full finetuning (a sparse run with ``--save-patch`` adds ``final/patch/``, the knowledge patch of its
-changes against its adapter: :func:`smf.model.save_patch`); the tokenizer is saved beside each (a model with memories: also in its
-``tokenizer/`` subfolder, :func:`smf.model.save_tokenizer`). :func:`smf.model.load_run` loads it.
+changes against its adapter: :func:`smf.model.save_patch`); the tokenizer is saved beside each (a model with
+memories: also in its ``tokenizer/`` subfolder, :func:`smf.model.save_tokenizer`). :func:`smf.model.load_run` loads
+it.
 """
 from __future__ import annotations
 
