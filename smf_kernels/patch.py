@@ -194,18 +194,12 @@ class MemoryPatch:
             elif not torch.equal(_bits(base_tensor.to(tensor.device, tensor.dtype)), _bits(tensor)):
                 entry = PatchEntry(name, tuple(tensor.shape), tensor.dtype,
                                    fingerprint(base_tensor.to(tensor.dtype), memory), fingerprint(tensor, memory),
-                                   tensor.cpu().clone())
+                                   tensor.to("cpu", copy=True))
             else:
                 entry = None
             if entry is not None:
                 entries.append(entry)
         return cls(entries)
-
-    # -- size --------------------------------------------------------------------------------------------------
-    def data_bytes(self) -> int:
-        """Bytes of the saved tensors (rows, indices, whole tensors), without the headers."""
-        return sum(entry.data.numel() * entry.data.element_size()
-                   + (0 if entry.indices is None else entry.indices.numel() * 8) for entry in self.entries.values())
 
     # -- files -------------------------------------------------------------------------------------------------
     def save(self, directory: str | Path) -> Path:
