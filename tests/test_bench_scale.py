@@ -76,3 +76,16 @@ def test_bad_sizes_are_refused_in_one_line(bench, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--sizes", "1000"])
     assert "each size must be n_keys ** 2 with n_keys >= 16 (top-16), got 1000" in capsys.readouterr().err
+
+
+def test_model_run_reports_the_build_and_the_steps_peaks(bench, monkeypatch, one_thread):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    resets = []
+    monkeypatch.setattr(bench, "reset_peak_rss", lambda: resets.append(True) or True)  # this process's mark stays
+    args = bench.parse_args(["--model-tiny", "--model-slots", "324", "--rows", "16", "--model-tokens", "24"])
+    run = bench.measure_model(args, bf16=False)
+    assert resets == [True]  # once, between the build and the steps
+    assert run["dtype"] == "fp32" and run["slots"] == 324 and run["rss_target_gib"] == 16
+    assert run["build_peak_rss_gib"] > 0 and run["steps_peak_rss_gib"] > 0
+    row = bench.format_model_table([run]).splitlines()[-1]
+    assert row.startswith("| tiny fp32 | 324 | 24 |") and row.endswith("| <= 16 | pass |")
