@@ -109,17 +109,20 @@ def timed_step(layer: dict, held: dict | None = None) -> dict:
 
 
 def _tensors(obj, depth: int = 0):
-    """Every tensor reachable from ``obj`` through containers and plain objects' attributes (a few levels)."""
+    """Every tensor reachable from ``obj`` through containers and plain objects' attributes (six levels deep)."""
     if isinstance(obj, torch.Tensor):
         yield obj
-    elif depth < 4 and isinstance(obj, dict):
+    elif depth < 6 and isinstance(obj, dict):
         for value in obj.values():
             yield from _tensors(value, depth + 1)
-    elif depth < 4 and isinstance(obj, (list, tuple, set)):
+    elif depth < 6 and isinstance(obj, (list, tuple, set)):
         for value in obj:
             yield from _tensors(value, depth + 1)
-    elif depth < 4 and hasattr(obj, "__dict__") and not isinstance(obj, (torch.nn.Module, type)):
-        yield from _tensors(vars(obj), depth + 1)
+    elif depth < 6 and not isinstance(obj, (torch.nn.Module, type)):
+        slots = [name for cls in type(obj).__mro__ for name in getattr(cls, "__slots__", ())]
+        fields = dict(vars(obj)) if hasattr(obj, "__dict__") else {}
+        fields.update((name, getattr(obj, name)) for name in slots if hasattr(obj, name))
+        yield from _tensors(fields, depth + 1)
 
 
 def held_bytes(layer: dict) -> dict:
