@@ -53,6 +53,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from smf_kernels.backends import BACKENDS  # noqa: E402
+
 logger = logging.getLogger("bench_scale")
 D_MODEL, LAYER_KWARGS = 896, dict(heads=4, topk=16, key_dim=256)
 PAPER_LAYERS = (6, 12, 18)
@@ -310,7 +312,7 @@ def measure_model(args: argparse.Namespace, bf16: bool) -> dict:
 # ------------------------------------------------------------------------------------------------ processes
 def run_child(job: list[str], args: argparse.Namespace, label: str) -> dict:
     """Run ``job`` (child arguments) in a fresh process with ``--threads`` torch threads; a progress line every
-    10 s while it runs; its result (ValueError with its exit status if it failed)."""
+    10 s while it runs; its result, or ``{"failed": why}`` when it exited with an error (killed for memory, say)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         threads = str(args.threads)
@@ -325,7 +327,9 @@ def run_child(job: list[str], args: argparse.Namespace, label: str) -> dict:
             except subprocess.TimeoutExpired:
                 logger.info("  ... %s still running (%.0f s)", label, time.perf_counter() - start)
         if proc.returncode != 0:
-            raise RuntimeError(f"{label} failed (exit status {proc.returncode}; its error is above)")
+            why = "killed (out of memory?)" if proc.returncode == -9 else f"exit status {proc.returncode}"
+            logger.error("%s failed: %s", label, why)
+            return {"failed": why}
         with open(out) as handle:
             return json.load(handle)
 
@@ -361,7 +365,10 @@ def verdict(ok: bool) -> str:
 
 
 def targets(results: list[dict]) -> list[dict]:
-    """The issue's targets at the largest size measured (its ratio against the smallest)."""
+    """The issue's targets at the largest size measured (its ratio against the smallest); none when no size ran."""
+    results = [r for r in results if "failed" not in r]
+    if not results:
+        return []
     big = max(results, key=lambda r: r["slots"])
     step = big["phases_ms"]["step"]
     table = big["held_bytes"]["layer"] + big["held_bytes"]["background"]
@@ -392,6 +399,9 @@ def format_table(results: list[dict]) -> str:
              "| checkpoint MiB | patch | CPU s / wall s |",
              "|---:|" + "---:|" * len(PHASES) + "---:|---:|---:|---|---:|---:|---|---:|"]
     for r in results:
+        if "failed" in r:
+            lines.append(f"| {r['slots']:,} | failed: {r['failed']} |" + " - |" * (len(PHASES) + 7))
+            continue
         held = r["held_bytes"]
         parts = " + ".join(f"{held[part] / MIB:,.1f}" for part in ("layer", "background", "optimizer", "sinks"))
         patch = r["patch_note"] if r["patch_bytes"] is None else f"{r['patch_bytes'] / MIB:,.2f} MiB"
@@ -400,8 +410,10 @@ def format_table(results: list[dict]) -> str:
                      + f" | {pairs} | {r['first_step_ms']:,.1f} | {r['first_optimizer_ms']:,.1f} "
                      f"| {r['held_total_bytes'] / MIB:,.1f} = {parts} | {r['peak_rss_gib']:.2f} "
                      f"| {r['checkpoint_bytes'] / MIB:,.1f} | {patch} | {r['cpu_s']:.0f} / {r['wall_s']:.0f} |")
-    lines += ["", "| target | measured | verdict |", "|---|---:|---|"]
-    lines += [f"| {t['target']} | {t['measured']} | {t['verdict']} |" for t in targets(results)]
+    checks = targets(results)
+    if checks:
+        lines += ["", "| target | measured | verdict |", "|---|---:|---|"]
+        lines += [f"| {t['target']} | {t['measured']} | {t['verdict']} |" for t in checks]
     return "\n".join(lines)
 
 
@@ -409,6 +421,9 @@ def format_model_table(runs: list[dict]) -> str:
     lines = ["| model run | slots per memory | tokens | first step s | step s | peak RSS GiB: build / steps "
              "| target GiB (steps) | verdict |", "|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in runs:
+        if "failed" in r:
+            lines.append(f"| {r['dtype']} | failed: {r['failed']} | - | - | - | - | - | - |")
+            continue
         name = ("tiny" if r["tiny"] else "Qwen-2.5-0.5B-shaped") + f" {r['dtype']}"
         lines.append(f"| {name} | {r['slots']:,} | {r['tokens']} | {r['first_step_s']:.1f} | {r['step_s']:.1f} "
                      f"| {r['build_peak_rss_gib']:.2f} / {r['steps_peak_rss_gib']:.2f} | <= {r['rss_target_gib']:.0f} "
@@ -437,7 +452,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=2048, help="tokens per step (one micro-batch)")
     p.add_argument("--rows", type=int, default=512, help="T, rows selected per step (passed explicitly)")
     p.add_argument("--rule", default="tfidf", choices=("tfidf", "kl"), help="the selection's scoring rule")
-    p.add_argument("--backend", default=None, help="kernel backend: torch, triton or ext; None picks automatically")
+    p.add_argument("--backend", default=None, choices=BACKENDS, help="kernel backend; None picks automatically")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps after the first")
     p.add_argument("--repeats", type=int, default=5, help="timed steps (medians are reported)")
     p.add_argument("--pairs", type=int, default=5, help="interleaved pairs per size (the median ratio is reported)")
@@ -483,7 +498,9 @@ def main(argv=None) -> int:
     results, base = [], args.sizes[0]
     for slots in args.sizes:
         r = run_child(["--child", "layer", "--slots", str(slots), "--base", str(base)], args, f"{slots:,} slots")
-        results.append(r)
+        results.append(dict(r, slots=slots))
+        if "failed" in r:
+            continue
         logger.info("%s slots: step %.1f ms (selection %.1f, optimizer %.1f), %.2fx the smallest, held %.1f MiB, "
                     "peak RSS %.2f GiB, first step %.1f ms (optimizer %.1f), %.0f CPU s / %.0f s", f"{slots:,}",
                     r["phases_ms"]["step"], r["phases_ms"]["selection"], r["phases_ms"]["optimizer"],
@@ -492,7 +509,7 @@ def main(argv=None) -> int:
     models = []
     if args.model:
         for dtype in ("fp32", "bf16") if args.bf16 else ("fp32",):
-            models.append(run_child(["--child", f"model-{dtype}"], args, f"model run {dtype}"))
+            models.append(dict(run_child(["--child", f"model-{dtype}"], args, f"model run {dtype}"), dtype=dtype))
     print(f"one SMF step of ProductKeyMemory({D_MODEL}, heads 4, top-16, key_dim 256): {args.tokens} tokens, "
           f"T = {args.rows}, RowSparseAdamW, rule {args.rule}, {args.threads} torch thread(s), medians of "
           f"{args.repeats}; {where}\n")
@@ -505,7 +522,7 @@ def main(argv=None) -> int:
                        results=results, targets=targets(results), model=models)
         with open(args.json, "w") as handle:
             json.dump(payload, handle, indent=2)
-    return 0
+    return 1 if any("failed" in r for r in results + models) else 0
 
 
 if __name__ == "__main__":

@@ -100,3 +100,13 @@ def test_model_run_reports_the_build_and_the_steps_peaks(bench, monkeypatch, one
     assert run["build_peak_rss_gib"] > 0 and run["steps_peak_rss_gib"] > 0
     row = bench.format_model_table([run]).splitlines()[-1]
     assert row.startswith("| tiny fp32 | 324 | 24 |") and row.endswith("| <= 16 | pass |")
+
+
+def test_a_process_that_fails_is_a_row_not_a_crash(bench, capfd):
+    args = bench.parse_args(["--tokens", "16"])
+    failed = bench.run_child(["--child", "layer", "--slots", "225", "--base", "225"], args, "225 slots")  # top-16 > 15
+    assert failed == {"failed": "exit status 1"}
+    assert "topk must be <= n_keys" in capfd.readouterr().err  # the child's own error, as it happened
+    table = bench.format_table([dict(failed, slots=225)])
+    assert "| 225 | failed: exit status 1 |" in table and len(table.splitlines()) == 3  # no size ran: no targets
+    assert table.splitlines()[2].count("|") == table.splitlines()[0].count("|")
