@@ -53,7 +53,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from smf_kernels.backends import BACKENDS  # noqa: E402
+from smf_kernels.backends import BACKENDS, resolve_backend  # noqa: E402
 
 logger = logging.getLogger("bench_scale")
 D_MODEL, LAYER_KWARGS = 896, dict(heads=4, topk=16, key_dim=256)
@@ -209,6 +209,7 @@ def measure_layer(slots: int, base: int, args: argparse.Namespace) -> dict:
             steps.append(seconds)
         logger.info("%s step %d of %d: %.3f s", tag, index + 1, args.warmup + args.repeats, seconds["step"])
     result = dict(slots=slots, n_keys=math.isqrt(slots), tokens=args.tokens, rows=args.rows,
+                  backend=resolve_backend(args.backend, torch.device("cpu"), torch.float32),
                   phases_ms={phase: 1e3 * statistics.median(s[phase] for s in steps) for phase in PHASES},
                   first_step_ms=1e3 * first["step"], first_optimizer_ms=1e3 * first["optimizer"],
                   held_bytes=held, held_total_bytes=sum(held.values()), touched_bytes=touched_bytes(layer),
@@ -468,9 +469,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--base", type=int, help=argparse.SUPPRESS)
     p.add_argument("--child-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    for name in ("tokens", "rows", "repeats", "pairs", "threads", "model_tokens"):
-        if getattr(args, name) < 1:
-            p.error(f"argument --{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    for name in ("tokens", "rows", "repeats", "pairs", "threads", "model_tokens", "warmup"):
+        if getattr(args, name) < (0 if name == "warmup" else 1):
+            p.error(f"argument --{name.replace('_', '-')}: must be >= {0 if name == 'warmup' else 1}, got "
+                    f"{getattr(args, name)}")
     if args.model_slots < 256 or math.isqrt(args.model_slots) ** 2 != args.model_slots:
         p.error(f"argument --model-slots: must be n_keys ** 2 with n_keys >= 16, got {args.model_slots}")
     return args
@@ -510,9 +512,10 @@ def main(argv=None) -> int:
     if args.model:
         for dtype in ("fp32", "bf16") if args.bf16 else ("fp32",):
             models.append(dict(run_child(["--child", f"model-{dtype}"], args, f"model run {dtype}"), dtype=dtype))
+    backends = sorted({r["backend"] for r in results if "backend" in r})
     print(f"one SMF step of ProductKeyMemory({D_MODEL}, heads 4, top-16, key_dim 256): {args.tokens} tokens, "
-          f"T = {args.rows}, RowSparseAdamW, rule {args.rule}, {args.threads} torch thread(s), medians of "
-          f"{args.repeats}; {where}\n")
+          f"T = {args.rows}, RowSparseAdamW, rule {args.rule}, backend {', '.join(backends) or '-'}, "
+          f"{args.threads} torch thread(s), medians of {args.repeats}; {where}\n")
     print(format_table(results))
     if models:
         print()
