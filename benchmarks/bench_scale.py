@@ -18,7 +18,7 @@ after the forward). Reported per size:
   peak RSS    the process's resident-set high-water mark after the timed steps (ru_maxrss)
   checkpoint  bytes torch.save writes for the trainable parameters and the optimizer state (smf train's
               checkpoint.pt holds these two, :func:`smf.train.checkpoint.save_checkpoint`)
-  patch       bytes of the step's row patch, where the tree has a patch API (:func:`patch_bytes`)
+  patch       bytes of the knowledge patch (smf_kernels.patch) of the rows the steps changed, and their count
 
 The targets, printed beside the measurements at the largest size: its step <= 1.25x the smallest's (interleaved);
 selection <= 5% of its step; held bytes <= table + 1.1 x (touched rows' state + gradient) for a T-row step (table:
@@ -83,7 +83,7 @@ def build_layer(slots: int, args: argparse.Namespace, seed: int) -> dict:
     for _ in range(4):
         background.add_batch("", torch.randint(0, 3, (slots,), generator=generator))
     controller.set_background(background)
-    return dict(memory=memory, controller=controller, driver=StepDriver(controller),
+    return dict(memory=memory, seed=seed, controller=controller, driver=StepDriver(controller),
                 optimizer=RowSparseAdamW([memory.values], lr=5e-4),
                 inputs=torch.randn(args.tokens, D_MODEL), target=torch.randn(args.tokens, D_MODEL))
 
@@ -158,16 +158,22 @@ def checkpoint_bytes(layer: dict) -> int:
 
 
 def patch_bytes(layer: dict) -> tuple[int | None, str]:
-    """(bytes of one step's row patch, note). This tree has no patch API: (None, the note the table prints).
-    Wire the row-delta patch writer here (save the rows the last step changed, return the file's size)."""
-    import smf_kernels
-    import smf_kernels.sparse
+    """(bytes of the knowledge patch of the rows the layer's steps changed, note): a
+    :class:`smf_kernels.patch.MemoryPatch` against the layer's initial table (rebuilt from its seed), written to a
+    temporary directory."""
+    from smf_kernels import ProductKeyMemory
+    from smf_kernels.patch import MemoryPatch
 
-    found = sorted({f"{module.__name__}.{name}" for module in (smf_kernels, smf_kernels.sparse)
-                    for name in dir(module) if "patch" in name.lower()})
-    if found:
-        return None, f"n/a (patch API {', '.join(found)} found but not wired into patch_bytes)"
-    return None, "n/a (no patch API in this tree)"
+    memory = layer["memory"]
+    torch.manual_seed(layer["seed"])
+    base = ProductKeyMemory(D_MODEL, n_keys=memory.n_keys, **LAYER_KWARGS)
+    patch = MemoryPatch.between(memory, base)
+    del base
+    changed = sum(0 if entry.indices is None else entry.indices.numel() for entry in patch.entries.values())
+    with tempfile.TemporaryDirectory() as tmp:
+        patch.save(tmp)
+        size = sum(os.path.getsize(os.path.join(tmp, name)) for name in os.listdir(tmp))
+    return size, f"{changed:,} rows"
 
 
 def touched_bytes(layer: dict) -> int:
@@ -405,7 +411,7 @@ def format_table(results: list[dict]) -> str:
             continue
         held = r["held_bytes"]
         parts = " + ".join(f"{held[part] / MIB:,.1f}" for part in ("layer", "background", "optimizer", "sinks"))
-        patch = r["patch_note"] if r["patch_bytes"] is None else f"{r['patch_bytes'] / MIB:,.2f} MiB"
+        patch = f"{r['patch_bytes'] / MIB:,.2f} MiB ({r['patch_note']})"
         pairs = f"{r['ratio_to_base']:.2f}x ({len(r['pair_ratios'])})" if r["pair_ratios"] else "1.00x"
         lines.append(f"| {r['slots']:,} | " + " | ".join(f"{r['phases_ms'][p]:,.1f}" for p in PHASES)
                      + f" | {pairs} | {r['first_step_ms']:,.1f} | {r['first_optimizer_ms']:,.1f} "
