@@ -95,17 +95,16 @@ def test_scoring_only_the_read_slots_selects_what_scoring_every_slot_did(rule, n
     reads = doc_freq * torch.randint(1, 3, (num_slots,), generator=generator)
     weights = background_weights(rule, doc_freq, reads, 5)
     assert weights.dtype == torch.float64 and weights.shape == (num_slots,)
-    for share in (0.02, 0.3, 0.9):
+    for share in (0.0, 0.02, 0.3, 0.9):  # 0: nothing read, every row fills the size
         counts = torch.randint(1, 3, (num_slots,), generator=generator)
         counts[torch.rand(num_slots, generator=generator) > share] = 0
         scores = earlier_scores(rule, counts, doc_freq, reads, 5)
         assert torch.equal(weighted_scores(rule, counts, weights), scores)
         read = int((counts > 0).sum())
-        for num_rows in (0, 1, 13, read - 1, read, read + 40, num_slots, num_slots + 1):
-            expected = sorted_selection(scores, counts, max(num_rows, 0))
-            assert_same(select_read_rows_padded(rule, counts, weights, max(num_rows, 0)), expected)
-            assert_same(select_rows_padded(weighted_scores(rule, counts, weights), counts, max(num_rows, 0)),
-                         expected)
+        for num_rows in {0, 1, 13, max(read - 1, 0), read, read + 40, num_slots, num_slots + 1}:
+            expected = sorted_selection(scores, counts, num_rows)
+            assert_same(select_read_rows_padded(rule, counts, weights, num_rows), expected)
+            assert_same(select_rows_padded(weighted_scores(rule, counts, weights), counts, num_rows), expected)
 
 
 def test_bad_weights_and_rules_raise_clear_errors():
