@@ -329,7 +329,8 @@ def test_help_shows_at_most_one_default_per_option(command):
 
 def test_help_shows_the_default_that_applies_and_the_tiny_presets():
     train, retrofit = _help_entries("train"), _help_entries("retrofit")
-    assert ("(default: 3.1%% of each memory's slots, at least 1: the paper's 512 of 16,384; --preset tiny: 32)"
+    assert ("(default: 3.1%% of each memory's slots, at least 1, at most 512: the paper's 512 of 16,384; --preset "
+            "tiny: 32)"
             in train["--rows-per-step"])
     assert "(default: 0.0005 sparse, 0.0002 lora, 5e-05 full)" in train["--lr"]
     assert "(default: 3)" in train["--epochs"] and "(default: 2)" in retrofit["--epochs"]

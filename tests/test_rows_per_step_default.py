@@ -18,6 +18,15 @@ def test_the_default_is_the_papers_share_of_the_slots_and_at_least_one():
     assert [default_rows_per_step(n * n) for n in (16, 21, 32, 5, 1)] == [8, 13, 32, 1, 1]
 
 
+def test_the_default_never_exceeds_the_papers_T_however_many_slots():
+    """T does not grow with the memory: 512 at 16,384 slots and at every larger memory (1M slots: 512, not 32,768);
+    an explicit rows_per_step above it is the user's and kept."""
+    assert [default_rows_per_step(n * n) for n in (127, 128, 129, 512, 1024)] == [504, 512, 512, 512, 512]
+    memory = ProductKeyMemory(16, n_keys=192, heads=2, topk=4, key_dim=8)
+    assert SparseMemoryController(memory).layer_rows == {"": 512}
+    assert SparseMemoryController(memory, rows_per_step=1152).layer_rows == {"": 1152}
+
+
 def _two_memories() -> nn.Module:
     """Memories of 64 and 441 slots (T 2 and 13 by default) whose values alone train."""
     model = nn.ModuleDict({"small": ProductKeyMemory(32, n_keys=8, heads=2, topk=4, key_dim=16),

@@ -64,7 +64,8 @@ def lora_parameters(model: nn.Module, rank: int = 16, targets: Sequence[str] = L
 def memory_row(config: PretrainedConfig, mode: str, layers: Sequence[int], rows_per_step: int | None,
                memory_kwargs: dict) -> AccountingRow:
     """Counts for memories of ``mode`` at ``layers`` of the model built from ``config``; ``rows_per_step`` None:
-    each memory's default T (:func:`smf_kernels.sparse.selection.default_rows_per_step`)."""
+    each memory's default T (:func:`smf_kernels.sparse.selection.default_rows_per_step`: the paper's 3.1% of its
+    slots, at least 1 and at most 512)."""
     base_total = count_parameters(_meta_model(config))["total"]
     model = _meta_model(config)
     blocks = attach_memories(model, layers=layers, mode=mode, **memory_kwargs)

@@ -207,7 +207,7 @@ def write_accounting(config: SuiteConfig, out_dir: Path) -> list[Path]:
     base_parameters = rows[0].updated_per_step  # full finetuning updates every base parameter
     header = (f"Parameter accounting for `{config.model}` ({base_parameters:,} parameters): memories at layers "
               f"{list(retrofit.layers)}, n_keys={retrofit.n_keys}, heads={retrofit.heads}, topk={retrofit.topk}, "
-              f"key_dim={retrofit.key_dim}; T={rows_per_step or '3.1% of the slots'} rows per layer per step; "
+              f"key_dim={retrofit.key_dim}; T={rows_per_step or '3.1% of the slots, at most 512'} rows per layer per step; "
               f"LoRA r={lora_rank}{_variant_sizes(config)}.\n\n")
     md_path, json_path = out_dir / "accounting.md", out_dir / "accounting.json"
     md_path.write_text(header + accounting_markdown(rows, base_parameters), encoding="utf-8")

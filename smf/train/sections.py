@@ -130,8 +130,8 @@ class SparseOptions(Section):
                                              "run directory (required for --recipe sparse)", TRAIN)
     rule: Literal[RULES] = option("tfidf", "slot scoring rule (--recipe sparse)", TRAIN)
     rows_per_step: PositiveInt | None = option(None, "T: value rows trained per layer per step (--recipe sparse)",
-                                               TRAIN, shown="3.1%% of each memory's slots, at least 1: the paper's "
-                                               "512 of 16,384")
+                                               TRAIN, shown="3.1%% of each memory's slots, at least 1, at most "
+                                               "512: the paper's 512 of 16,384")
     update: Literal[SPARSE_UPDATES] = option(
         "exact", "exact: only the selected rows and their AdamW state move (--recipe sparse); the ablations "
         "dense_masked and authors (one process): docs/method.md#the-sparse-update-exact-default-and-the-authors-"

@@ -37,7 +37,6 @@ class SparseMemoryController(MemoryStep):
     def _make_sink(self, name: str, values: nn.Parameter, fill: str) -> RowGradSink:
         chooser = None
         if fill == ROWS_FIRST:
-            self._background_tensors(name, values.device)  # made now: a backward that selects mutates nothing
             chooser = self._chooser(name)
         return RowGradSink(values, min(self.layer_rows[name], values.shape[0]), fill=fill, chooser=chooser)
 

@@ -43,8 +43,8 @@ from smf_kernels.sparse.background_collection import collect_background
 from smf_kernels.sparse.fill_plan import FillPlan, plan_fill
 from smf_kernels.sparse.row_grad_sink import READS_KEPT, ROWS_FIRST, check_fill
 from smf_kernels.sparse.row_gradients import BeforeRows, RowGradients, StepResult, check_finish
-from smf_kernels.sparse.selection import (RULES, default_rows_per_step, score_slots, select_rows_padded,
-                                          warn_if_not_sparse)
+from smf_kernels.sparse.selection import (RULES, background_weights, default_rows_per_step, select_read_rows_padded,
+                                          select_rows_padded, warn_if_not_sparse, weighted_scores)
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,8 @@ class MemoryStep:
             module path.
         rule: "tfidf" or "kl" (docs/method.md#slot-selection).
         rows_per_step: T, rows selected per layer per optimizer step; None (the default): the paper's share of
-            each memory's slots, 512 of 16,384 (:func:`~smf_kernels.sparse.selection.default_rows_per_step`).
+            each memory's slots, 512 of 16,384, at most the paper's 512 however many slots a memory has
+            (:func:`~smf_kernels.sparse.selection.default_rows_per_step`); a number given is used as is.
         background: statistics for these memories (or collect them later with :meth:`collect_background`, or
             assign with :meth:`set_background`).
         nonfinite: "raise" (the default: :class:`~smf_kernels.sparse.step_checks.NonFiniteGradientError` naming
@@ -91,7 +92,8 @@ class MemoryStep:
         if rows_per_step is None:
             self.layer_rows = {name: default_rows_per_step(m.num_slots) for name, m in self.memories.items()}
             shares = {f"{rows} of {m.num_slots}" for rows, m in zip(self.layer_rows.values(), self.memories.values())}
-            logger.info("rows_per_step: T = %s slots per layer (the default: the paper's share, 512 of 16,384)",
+            logger.info("rows_per_step: T = %s slots per layer (the default: the paper's share, 512 of 16,384, "
+                        "at most 512)",
                         ", ".join(sorted(shares)))
         else:
             self.layer_rows = dict.fromkeys(self.memories, rows_per_step)
@@ -103,7 +105,8 @@ class MemoryStep:
         self._plan = FillPlan()
         self._sinks: dict[str, GradientSink] = {}
         self._ended: RowGradients | None = None  # the last end_step()'s: begin_step waits until it is applied
-        self._background_on: dict[tuple[str, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        # layer -> (what the weights were made from, the rule's background_weights on the table's device)
+        self._weights: dict[str, tuple[tuple, torch.Tensor]] = {}
         if background is not None:
             self.set_background(background)
 
@@ -123,7 +126,7 @@ class MemoryStep:
         """Use ``background`` for scoring; raises ValueError if it was built for other memories."""
         background.check_matches(self.memories)
         self.background = background
-        self._background_on = {}
+        self._weights = {}
 
     def _world(self) -> int:
         if dist.is_available() and dist.is_initialized():
@@ -190,6 +193,7 @@ class MemoryStep:
         self._plan = plan
         self._sinks = {}
         for name, memory in self.memories.items():
+            self._make_weights(name, memory.values.device)  # now: a backward that selects mutates nothing
             self._sinks[name] = self._make_sink(name, memory.values, plan.fill)
             memory.reset_read_counts()
             memory.set_read_counting(True)
@@ -293,24 +297,34 @@ class MemoryStep:
         self._sinks = {}
         self._in_step = False
 
-    def _background_tensors(self, name: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``name``'s background (doc_freq, reads) on ``device``: the statistics live on the CPU, copied
-        once per device (begin_step makes the copies, so a backward that selects mutates nothing)."""
-        key = (name, device)
-        if key not in self._background_on:
-            self._background_on[key] = (self.background.doc_freq[name].to(device),
-                                        self.background.reads[name].to(device))
-        return self._background_on[key]
+    def _make_weights(self, name: str, device: torch.device) -> None:
+        """Layer ``name``'s :func:`~smf_kernels.sparse.selection.background_weights` of the rule on ``device``
+        ((M,) float64: the IDF, or the smoothed background distribution + eps), made once per background: again
+        only when its statistics changed (other tensors, an in-place update such as ``add_batch``, another N) or
+        the table moved. The statistics live on the CPU; their copies on ``device`` are dropped once used."""
+        doc_freq, reads = self.background.doc_freq[name], self.background.reads[name]
+        source = (doc_freq, doc_freq._version, reads, reads._version, self.background.num_batches[name], device)
+        made = self._weights.get(name)
+        if made is not None and all(a is b or (not isinstance(a, torch.Tensor) and a == b)
+                                    for a, b in zip(made[0], source)):
+            return
+        self._weights[name] = (source, background_weights(self.rule, doc_freq.to(device), reads.to(device),
+                                                          self.background.num_batches[name]))
 
     def _padded_selection(self, name: str, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows (T,) ascending, valid (T,) bool): the step's selection at a fixed size, no host sync."""
-        doc_freq, reads = self._background_tensors(name, counts.device)
-        scores = score_slots(self.rule, counts, doc_freq, reads, self.background.num_batches[name])
-        return select_rows_padded(scores, counts, self.layer_rows[name])
+        """(rows (T,) ascending, valid (T,) bool): the step's selection at a fixed size. Eager: only the read
+        slots are scored (one host sync); compiled: every slot, with no host sync (the same rows)."""
+        weights = self._weights[name][1]
+        if torch.compiler.is_compiling():
+            return select_rows_padded(weighted_scores(self.rule, counts, weights), counts, self.layer_rows[name])
+        return select_read_rows_padded(self.rule, counts, weights, self.layer_rows[name])
 
     def _step_counts(self) -> dict[str, torch.Tensor]:
-        """Each layer's (M,) int64 read counts of the whole step, summed over ranks (one all_reduce)."""
+        """Each layer's (M,) int64 read counts of the whole step, summed over ranks (one all_reduce of them packed
+        into one tensor); in one process, the ``read_counts`` buffers themselves (no copy)."""
         names = list(self.memories)
+        if self._world() == 1:
+            return {name: self.memories[name].read_counts for name in names}
         packed = torch.cat([self.memories[name].read_counts for name in names])
         self._all_reduce_sum(packed)
         return dict(zip(names, packed.split([self.memories[name].num_slots for name in names])))
