@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from smf.cli import main
 from smf.model import save_tokenizer
 from smf.tiny import tiny_tokenizer
 from test_cli_smf import run_main
@@ -54,3 +55,59 @@ def test_save_tokenizer_whose_subfolder_is_a_file_raises(tmp_path):
     (tmp_path / "tokenizer").write_text("not a folder")
     with pytest.raises(NotADirectoryError, match="tokenizer'.*it is a file"):
         save_tokenizer(tiny_tokenizer(), tmp_path)
+
+
+# ------------------------------------------------------------------- SMF_KERNELS_BACKEND and flags of other stages
+@pytest.mark.parametrize("argv", [["retrofit", "--preset", "tiny"], ["suite", "--config", "tiny"]])
+def test_an_unknown_backend_in_the_environment_is_one_line(tmp_path, capsys, monkeypatch, argv):
+    monkeypatch.setenv("SMF_KERNELS_BACKEND", "bogus")
+    cli_refuses([*argv, "--output-dir", str(tmp_path / "out")], capsys,
+                "the environment variable SMF_KERNELS_BACKEND=bogus cannot run on cpu (--device cpu): unknown "
+                "backend 'bogus'")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["retrofit", "--rule", "kl"], "--rule (smf retrofit does not take it: only smf train --recipe sparse uses it)"),
+    (["background", "--lr", "1e-3"], "--lr (smf background does not take it: only smf retrofit and smf train use it)"),
+    (["train", "--layers", "2"], "--layers (smf train does not take it: only smf retrofit uses it)"),
+])
+def test_a_flag_of_another_stage_is_named_with_the_stage_that_takes_it(capsys, argv, message):
+    cli_refuses(argv, capsys, message)
+
+
+# ------------------------------------------------------------------------- one rule for a finished result
+def _tiny_suite(tmp_path):
+    from smf.suite.config import load_suite_config
+    from smf.suite.plan import SuiteLayout, plan_runs
+    config = load_suite_config("tiny", {"output_dir": str(tmp_path / "suite")})
+    layout = SuiteLayout(config.output_dir)
+    layout.results_dir.mkdir(parents=True)
+    return config, layout, plan_runs(config)[0]
+
+
+def _whole_record(config, run) -> dict:
+    from smf.suite.plan import run_hash
+    from smf.vocabulary import METRIC_OF_TASK
+    return {"condition": run.condition, "seed": run.seed, "config_hash": run_hash(config, run),
+            "metrics": {METRIC_OF_TASK[task]: 1.0 for task in config.eval.tasks},
+            "timing": {"wall_s": 9.0, "eval_s": {task: 1.0 for task in config.eval.tasks}}}
+
+
+@pytest.mark.parametrize("damage", ["{}", "no metrics", "[1, 2"])
+def test_a_damaged_result_is_neither_done_nor_from_other_settings(tmp_path, capsys, damage):
+    import json
+    from smf.suite.report import collect_results
+    from smf.suite.runner import SuiteRunner
+    config, layout, run = _tiny_suite(tmp_path)
+    record = _whole_record(config, run)
+    layout.results_path(run).write_text(json.dumps(record))
+    assert run not in SuiteRunner(config).pending()  # the baseline: a whole record is done
+    record.pop("metrics")
+    layout.results_path(run).write_text({"{}": "{}", "no metrics": json.dumps(record), "[1, 2": "[1, 2"}[damage])
+    assert run in SuiteRunner(config).pending()  # computed again, as the report refuses it
+    results, refused, foreign = collect_results(layout, config)
+    assert run.name in refused and not foreign and not results
+    code = main(["suite", "--config", "tiny", "--output-dir", str(config.output_dir), "--dry-run"])
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith(run.name + " "))
+    assert code == 0 and "to do (its results file is damaged" in line and "other settings" not in line

@@ -33,6 +33,7 @@ from smf.files import read_json_object, write_json_atomic
 from smf.model.loading import FINAL_DIR, RUN_CONFIG, load_model, read_run_config
 from smf.suite.config import SuiteConfig, pretrained_adapter, seed_config
 from smf.suite.cost import log_records, parameter_counts, sparse_step_stats, training_cost
+from smf.suite.finished import run_state
 from smf.suite.jobs import Task, run_tasks
 from smf.suite.plan import (Run, SuiteLayout, merged_plan, options_fingerprint, plan_runs, run_hash,
                             sparse_stage_dirs, stage_config)
@@ -84,16 +85,6 @@ class _OncePerSuite(logging.Filter):
         return True
 
 
-def read_results(path: Path, expected_hash: str) -> dict:
-    """A finished run's results, refused if another configuration wrote them."""
-    results = read_json_object(path, "suite results file", ("config_hash", "metrics", "timing"))
-    if results.get("config_hash") != expected_hash:
-        raise ConfigError(f"{path} was written by a suite with other settings (config hash "
-                          f"{results.get('config_hash')} != {expected_hash}); delete it to recompute that run, "
-                          "or use another output_dir")
-    return results
-
-
 def ensure_stage(kind: str, config: RunConfig) -> dict:
     """Run one training stage (kind: retrofit, background or train) unless it already finished.
 
@@ -140,8 +131,12 @@ class SuiteRunner:
         self._parameters: dict[str, dict] = {}  # run name -> smf.suite.cost.parameter_counts of its trained model
 
     def pending(self) -> list[Run]:
-        """Planned runs whose results file does not exist yet."""
-        return [run for run in plan_runs(self.config) if not self.layout.results_path(run).is_file()]
+        """Planned runs not finished yet (:func:`smf.suite.finished.run_state`)."""
+        return [run for run in plan_runs(self.config) if not self.done(run)]
+
+    def done(self, run: Run) -> bool:
+        """Whether ``run`` finished: its results file holds a whole record of this configuration."""
+        return run_state(self.layout, self.config, run).state == "done"
 
     def train_stages(self, run: Run) -> dict[str, dict]:
         """Train (or reuse) every stage ``run`` needs; returns their markers by stage kind."""
@@ -197,8 +192,13 @@ class SuiteRunner:
         """Train, evaluate and record ``run`` (or read its results if finished); returns the results."""
         expected_hash = run_hash(self.config, run)
         path = self.layout.results_path(run)
-        if path.is_file():
-            return read_results(path, expected_hash)
+        state = run_state(self.layout, self.config, run)
+        if state.state == "done":
+            return state.record
+        if state.state == "foreign":
+            raise ConfigError(f"{state.why}; delete it to recompute that run, or use another output_dir")
+        if state.state == "damaged":
+            logger.warning("%s; computing the run again", state.why)
         if self.config.stream:  # tasks one after another, evaluated after each (smf.suite.stream)
             return StreamRun(self, run, ensure_stage).results()
         started, cpu_started = time.perf_counter(), time.process_time()
@@ -271,7 +271,7 @@ class SuiteRunner:
             logger.warning("%s: the hypotheses changed; they are recorded as registered now, after the runs already "
                            "finished (the report says so)", path)
         planned = plan_runs(recorded)
-        finished = sum(self.layout.results_path(run).is_file() for run in planned)
+        finished = sum(run_state(self.layout, recorded, run).state == "done" for run in planned)
         write_json_atomic(path, {"hypotheses": hypotheses, "runs_finished": finished, "runs_planned": len(planned),
                                  "registered_at": datetime.datetime.now(datetime.timezone.utc).isoformat(
                                      timespec="seconds")})
@@ -281,7 +281,7 @@ class SuiteRunner:
         shared stage (retrofit, background) a task of its own just before the first run that needs it."""
         tasks, created = [], set()
         for run in runs:
-            if self.layout.results_path(run).is_file():
+            if self.done(run):
                 continue
             needs: tuple = ()
             if run.recipe == "sparse":
@@ -301,7 +301,7 @@ class SuiteRunner:
         """Every unfinished run of ``runs`` in ``jobs`` worker processes (:meth:`tasks`); ``failed`` gets the run
         name (a shared stage: the first run that needs it) -> error of the first task that raised, which is then
         raised again."""
-        done = sum(self.layout.results_path(run).is_file() for run in runs)
+        done = sum(self.done(run) for run in runs)
         threads = self.config.threads or 1
         logger.info("%d worker processes, %d torch thread%s each", jobs, threads, "" if threads == 1 else "s")
         active: list[str] = []
