@@ -111,3 +111,26 @@ def test_a_damaged_result_is_neither_done_nor_from_other_settings(tmp_path, caps
     code = main(["suite", "--config", "tiny", "--output-dir", str(config.output_dir), "--dry-run"])
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith(run.name + " "))
     assert code == 0 and "to do (its results file is damaged" in line and "other settings" not in line
+
+
+# ------------------------------------------------------------ options a base pretrained with memories would ignore
+def _science_suite(tmp_path, **overrides):
+    from smf.suite.config import parse_suite_config
+    raw = {"name": "h", "output_dir": str(tmp_path / "suite"), "seeds": [0], "device": "cpu",
+           "conditions": ["base", "additive-tfidf", "lora"],
+           "world": {"seed": 3, "n_old": 40, "n_new": 8, "bio_renders": 4, "heldout_people": 10, "n_retain": 40},
+           "pretrain": {"hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_heads": 2,
+                        "num_kv_heads": 1, "memory": {"layers": [1], "n_keys": 8, "heads": 2, "topk": 4, "key_dim": 8}},
+           "train": {"n_keys": 8, "rows_per_step": 4, "global_batch_size": 2, "micro_batch_size": 2},
+           "lr_sweep": {"sparse": [1e-2, 1e-1], "lora": [1e-3, 1e-2]}, **overrides}
+    return parse_suite_config(raw, tmp_path)
+
+
+def test_an_alpha_init_other_than_the_pretrained_one_is_refused(tmp_path):
+    from smf.errors import ConfigError
+    train = {"n_keys": 8, "rows_per_step": 4, "global_batch_size": 2, "micro_batch_size": 2}
+    assert _science_suite(tmp_path, train={**train, "alpha_init": 1.0}).train["alpha_init"] == 1.0  # the same: kept
+    with pytest.raises(ConfigError, match="train: option 'alpha_init' is 0.01 but pretrain.memory.alpha_init is 1.0"):
+        _science_suite(tmp_path, train={**train, "alpha_init": 0.01})
+    with pytest.raises(ConfigError, match="stages.retrofit: option 'alpha_init' is 0.5"):
+        _science_suite(tmp_path, stages={"retrofit": {"alpha_init": 0.5}})
