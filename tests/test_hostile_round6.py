@@ -134,3 +134,58 @@ def test_an_alpha_init_other_than_the_pretrained_one_is_refused(tmp_path):
         _science_suite(tmp_path, train={**train, "alpha_init": 0.01})
     with pytest.raises(ConfigError, match="stages.retrofit: option 'alpha_init' is 0.5"):
         _science_suite(tmp_path, stages={"retrofit": {"alpha_init": 0.5}})
+
+
+# ---------------------------------------------------------------------------------- a suite stopped or killed
+WORKER_MODULE = '''
+import os, sys, time
+from pathlib import Path
+
+def slow(path):
+    Path(path + ".started").write_text(str(os.getpid()))
+    time.sleep(6)
+    Path(path + ".done").write_text("written after the suite stopped")
+
+if __name__ == "__main__":
+    from smf.suite.jobs import Task, run_tasks
+    tasks = [Task((name,), str(Path(sys.argv[1]) / name)) for name in ("a", "b")]
+    run_tasks(tasks, 2, slow, int, (), lambda task, result: None)
+'''
+
+
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGHUP", "SIGINT", "SIGKILL"])
+def test_a_stopped_suite_stops_its_workers(tmp_path, signum):
+    """SIGTERM, SIGHUP, SIGINT to the main process end it and its workers at once; after SIGKILL (nothing runs in
+    the main process) the workers see their parent gone and exit: no task writes after the stop."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    (tmp_path / "jobs_script.py").write_text(WORKER_MODULE)
+    root = Path(__file__).resolve().parents[1]
+    main_process = subprocess.Popen([sys.executable, str(tmp_path / "jobs_script.py"), str(tmp_path)], cwd=tmp_path,
+                                    env={**os.environ, "PYTHONPATH": f"{root}:{tmp_path}"})
+    started = [tmp_path / "a.started", tmp_path / "b.started"]
+    deadline = time.monotonic() + 120
+    while not all(path.is_file() and path.read_text() for path in started):
+        assert main_process.poll() is None and time.monotonic() < deadline, "the workers never started"
+        time.sleep(0.1)
+    main_process.send_signal(getattr(signal, signum))
+    code = main_process.wait(timeout=30)
+    assert code == (-9 if signum == "SIGKILL" else 128 + getattr(signal, signum))
+    workers = [int(path.read_text()) for path in started]
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid) for pid in workers):
+        assert time.monotonic() < deadline, "a worker outlived the suite"
+        time.sleep(0.1)
+    time.sleep(7)  # past the tasks' end: nothing was written
+    assert not list(tmp_path.glob("*.done"))
+
+
+def _state(pid: int) -> str:
+    """The state word of process ``pid`` (``zombie``: ended, not yet reaped), or "" once it is gone."""
+    try:
+        return {"Z": "zombie"}.get(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0], "running")
+    except OSError:
+        return ""
