@@ -189,3 +189,69 @@ def _state(pid: int) -> str:
         return {"Z": "zombie"}.get(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0], "running")
     except OSError:
         return ""
+
+
+# ----------------------------------------------------------------------------------------- a suite folder moved
+def test_a_world_suites_run_hashes_do_not_depend_on_where_its_folder_is(tmp_path):
+    """The world's files and the pretrained base lie inside the suite folder: they are hashed relative to it, so a
+    folder copied elsewhere keeps its finished runs; a record hashed with absolute paths (written before) is still
+    done in place."""
+    import json
+    from smf.suite.finished import run_state
+    from smf.suite.plan import SuiteLayout, options_fingerprint, plan_runs, run_hash, stage_fingerprints
+    here, there = _science_suite(tmp_path / "a"), _science_suite(tmp_path / "b")
+    for run in plan_runs(here):
+        assert run_hash(here, run) == run_hash(there, run)
+        assert run_hash(here, run, relative=False) != run_hash(there, run, relative=False)  # what moved before
+    options = [{"model": str(config.output_dir / "pretrain" / "final"), "lr": 1e-3, "data_seed": 0,
+                "train_data": str(config.output_dir / "world" / "train.jsonl")} for config in (here, there)]
+    assert stage_fingerprints(options[0], here.output_dir)[0] == stage_fingerprints(options[1], there.output_dir)[0]
+    assert stage_fingerprints(options[0], here.output_dir)[1] != stage_fingerprints(options[1], there.output_dir)[1]
+    outside = {"model": "Qwen/Qwen2-0.5B", "lr": 1e-3, "train_data": "/data/medmcqa.jsonl"}  # unchanged
+    assert stage_fingerprints(outside, here.output_dir) == (options_fingerprint(outside),) * 2
+    layout = SuiteLayout(here.output_dir)
+    layout.results_dir.mkdir(parents=True)
+    base = plan_runs(here)[0]
+    record = {**_whole_record(here, base), "config_hash": run_hash(here, base, relative=False)}
+    layout.results_path(base).write_text(json.dumps(record))
+    assert run_state(layout, here, base).state == "done", run_state(layout, here, base).why
+
+
+def test_a_world_suite_moved_elsewhere_keeps_its_finished_runs(tmp_path, monkeypatch, caplog):
+    """A small world suite (its world and pretrained base inside the folder) run, then moved: the same config on
+    the new folder finds every run and stage finished (nothing trains or evaluates again), keeps the recorded plan,
+    and its report reads every run."""
+    import json
+    import shutil
+    import yaml
+    from smf.suite import runner as runner_module
+    from smf.suite.runner import SuiteRunner
+    raw = {"name": "mv", "seeds": [0], "device": "cpu", "conditions": ["base", "lora"],
+           "world": {"seed": 3, "n_old": 40, "n_new": 8, "bio_renders": 4, "heldout_people": 10, "n_retain": 40},
+           "pretrain": {"hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_heads": 2,
+                        "num_kv_heads": 1, "epochs": 1},
+           "train": {"global_batch_size": 8, "micro_batch_size": 8}, "stages": {"lora": {"epochs": 1}},
+           "lr_sweep": {"lora": [1e-3]}}
+    (tmp_path / "suite.yaml").write_text(yaml.safe_dump(raw))
+    first, moved = tmp_path / "first", tmp_path / "elsewhere" / "moved"
+    assert main(["--log-level", "WARNING", "suite", "--config", str(tmp_path / "suite.yaml"), "--output-dir",
+                 str(first), "--no-report"]) == 0
+    results = sorted(path.name for path in (first / "results").glob("*.json"))
+    assert len(results) == 2
+    moved.parent.mkdir()
+    shutil.move(first, moved)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a finished run of the moved folder ran again")
+    monkeypatch.setattr(runner_module, "train", forbidden)
+    monkeypatch.setattr(SuiteRunner, "evaluate", forbidden)
+    caplog.set_level("INFO")
+    assert main(["suite", "--config", str(tmp_path / "suite.yaml"), "--output-dir", str(moved)]) == 0
+    assert json.loads((moved / "suite_config.json").read_text())["conditions"] == ["base", "lora"]
+    status = json.loads((moved / "suite_status.json").read_text())
+    assert [row["status"] for row in status] == ["done", "done"]
+    from smf.suite.plan import SuiteLayout
+    from smf.suite.report import collect_results, load_suite_dir
+    found, refused, foreign = collect_results(SuiteLayout(moved), load_suite_dir(moved))
+    assert len(found) == 2 and not refused and not foreign
+    assert "report of 2 runs" in caplog.text and "other settings" not in caplog.text

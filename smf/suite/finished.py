@@ -1,7 +1,8 @@
 """Whether a planned run of a suite is finished: the one rule that the runner (what it still runs), its dry run and
 status file, and ``smf report`` (what it reads) share.
 
-A run is done when its results file is a regular file holding a record of this configuration (its run hash) that
+A run is done when its results file is a regular file holding a record of this configuration (its run hash, with
+the paths inside the folder relative to it or, written before issue 57, absolute: :func:`smf.suite.plan.run_hashes`) that
 passes :func:`smf.report.records.check_results_record`; ``foreign`` when the file names another configuration's
 hash (the runner refuses to overwrite it); ``damaged`` when it is unreadable, not a record, or lacks a field (a file
 left half-written or edited: the runner computes the run again and replaces it); ``to do`` when there is none.
@@ -14,7 +15,7 @@ from smf.errors import ConfigError
 from smf.files import read_json_object
 from smf.report.records import check_results_record
 from smf.suite.config import SuiteConfig
-from smf.suite.plan import Run, SuiteLayout, run_hash
+from smf.suite.plan import Run, SuiteLayout, run_hashes
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ def run_state(layout: SuiteLayout, config: SuiteConfig, run: Run) -> RunState:
     try:
         record = read_json_object(path, "suite results file")
         recorded = record.get("config_hash")
-        if isinstance(recorded, str) and recorded != run_hash(config, run):
+        if isinstance(recorded, str) and recorded not in run_hashes(config, run):
             return RunState("foreign", why=f"{path} was written by a suite with other settings")
         check_results_record(path, record, run, config.eval.tasks)
     except ConfigError as err:

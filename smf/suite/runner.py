@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import gc
 import logging
 import time
@@ -35,7 +36,7 @@ from smf.suite.config import SuiteConfig, pretrained_adapter, seed_config
 from smf.suite.cost import log_records, parameter_counts, sparse_step_stats, training_cost
 from smf.suite.finished import run_state
 from smf.suite.jobs import Task, run_tasks
-from smf.suite.plan import (Run, SuiteLayout, merged_plan, options_fingerprint, plan_runs, run_hash,
+from smf.suite.plan import (Run, SuiteLayout, merged_plan, plan_runs, run_hash, stage_fingerprints,
                             sparse_stage_dirs, stage_config)
 from smf.suite.science import prepare_science_inputs
 from smf.suite.status import write_status
@@ -85,24 +86,26 @@ class _OncePerSuite(logging.Filter):
         return True
 
 
-def ensure_stage(kind: str, config: RunConfig) -> dict:
-    """Run one training stage (kind: retrofit, background or train) unless it already finished.
+def ensure_stage(kind: str, config: RunConfig, root: Path) -> dict:
+    """Run one training stage (kind: retrofit, background or train) of the suite in folder ``root`` unless it already
+    finished (its marker's fingerprint: :func:`smf.suite.plan.stage_fingerprints`).
 
     Returns its marker: {"fingerprint", "seconds", "cpu_seconds" (process time of this process; markers written
     before it was recorded lack it), "resumed", "skipped"}.
     """
     output_dir = Path(config.output_dir)
     marker_path = output_dir / STAGE_MARKER
-    fingerprint = options_fingerprint(config.to_dict())
+    fingerprints = stage_fingerprints(config.to_dict(), root)
+    fingerprint = fingerprints[0]
     foreign = f"{output_dir} holds a {kind} run with other options than this suite's; delete it or use another " \
               "output_dir"
     if marker_path.is_file():
         marker = read_json_object(marker_path, "suite stage marker", ("fingerprint",))
-        if marker["fingerprint"] != fingerprint:
+        if marker["fingerprint"] not in fingerprints:
             raise ConfigError(foreign)
         return {**marker, "skipped": True}
     if (output_dir / RUN_CONFIG).is_file():
-        if options_fingerprint(read_run_config(output_dir)) != fingerprint:
+        if stage_fingerprints(read_run_config(output_dir), root)[0] != fingerprint:
             raise ConfigError(foreign)
     resume = (output_dir / CHECKPOINT_FILE).is_file()
     logger.info("%s %s: %s", "resuming" if resume else "starting", kind, output_dir)
@@ -146,13 +149,14 @@ class SuiteRunner:
         pretrained = pretrained_adapter(config)  # a base pretrained with its memories: no retrofit
         if run.recipe != "sparse":
             return {"train": ensure_stage("train", stage_config(config, run.recipe, run.seed, layout.train_dir(run),
-                                                                lr=run.lr, epochs=run.epochs, adapter=pretrained))}
+                                                                lr=run.lr, epochs=run.epochs, adapter=pretrained),
+                                          layout.root)}
         retrofit_dir, background_dir = sparse_stage_dirs(layout, run, config)
         markers = {kind: self.shared_stage(run, kind) for kind in shared_stages(config)}
         markers["train"] = ensure_stage("train", stage_config(
             config, "sparse", run.seed, layout.train_dir(run), mode=run.mode, rule=run.rule, adapter=retrofit_dir,
             background=background_dir, update="authors" if run.update == "authors" else None, lr=run.lr,
-            count_reads=run.reads, variant=run.variant, epochs=run.epochs))
+            count_reads=run.reads, variant=run.variant, epochs=run.epochs), layout.root)
         return markers
 
     def shared_stage(self, run: Run, kind: str) -> dict:
@@ -162,9 +166,9 @@ class SuiteRunner:
         retrofit_dir, background_dir = sparse_stage_dirs(self.layout, run, config)
         if kind == "retrofit":
             return ensure_stage("retrofit", stage_config(config, "retrofit", run.seed, retrofit_dir,
-                                                         mode=run.retrofit_mode, variant=run.variant))
+                                                         mode=run.retrofit_mode, variant=run.variant), self.layout.root)
         return ensure_stage("background", stage_config(config, "background", run.seed, background_dir,
-                                                       adapter=retrofit_dir, variant=run.variant))
+                                                       adapter=retrofit_dir, variant=run.variant), self.layout.root)
 
     def evaluate(self, run: Run) -> tuple[dict, dict, str, dict]:
         """(metrics, seconds per task, artefact, rows scored / skipped per task) of ``run``'s trained model (the
@@ -200,7 +204,7 @@ class SuiteRunner:
         if state.state == "damaged":
             logger.warning("%s; computing the run again", state.why)
         if self.config.stream:  # tasks one after another, evaluated after each (smf.suite.stream)
-            return StreamRun(self, run, ensure_stage).results()
+            return StreamRun(self, run, functools.partial(ensure_stage, root=self.layout.root)).results()
         started, cpu_started = time.perf_counter(), time.process_time()
         markers = self.train_stages(run)
         eval_cpu_started = time.process_time()
