@@ -255,3 +255,105 @@ def test_a_world_suite_moved_elsewhere_keeps_its_finished_runs(tmp_path, monkeyp
     found, refused, foreign = collect_results(SuiteLayout(moved), load_suite_dir(moved))
     assert len(found) == 2 and not refused and not foreign
     assert "report of 2 runs" in caplog.text and "other settings" not in caplog.text
+
+
+# ---------------------------------------------------------------------------------------- benchmarks/gpu_run.py
+def _gpu_run():
+    import sys
+    bench = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    import gpu_run
+    return gpu_run
+
+
+def test_a_failure_by_design_is_expected_and_leaves_exit_status_0(tmp_path, monkeypatch):
+    """The authors' layer in bf16 fails on CUDA by design (ATen's embedding_bag backward): recorded as expected, the
+    run exits 0; any other failure of that item, or of another, still exits 1."""
+    import sys
+    gpu_run = _gpu_run()
+    reason = {"expected": "RuntimeError: \"_embedding_bag_per_sample_weights_backward_cuda\" not implemented for "
+                          "'BFloat16'", "other": "RuntimeError: CUDA out of memory"}
+    for case, code in (("expected", 0), ("other", 1)):
+        line = {"item": "authors/bf16", "event": "failed", "reason": reason[case]}
+
+        def worker_command(stage, dry_run, jsonl, line=line):
+            script = f"import json; open({str(jsonl)!r}, 'a').write(json.dumps({line!r}) + '\\n')"
+            return ["authors/bf16"], lambda left: [sys.executable, "-c", script]
+        monkeypatch.setattr(gpu_run, "worker_command", worker_command)
+        out = tmp_path / case
+        assert gpu_run.main(["--out", str(out), "--dry-run", "--stages", "layer"]) == code
+        summary = (out / "summary.md").read_text()
+        assert ("failed as expected (by design: ATen has no bf16" in summary) == (case == "expected")
+
+
+def test_gpu_runs_out_where_nothing_can_be_written_is_one_line(capsys):
+    gpu_run = _gpu_run()
+    with pytest.raises(SystemExit) as exited:
+        gpu_run.parse_args(["--out", "/proc/gpu_run_out", "--dry-run"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and err[-1] == ("gpu_run.py: error: --out '/proc/gpu_run_out': cannot write there "
+                                                  "(No such file or directory)")
+
+
+def test_ext_tests_run_file_by_file_in_the_budget_left(tmp_path, monkeypatch):
+    """A file that outlasts the time left costs itself and the files after it, each named; the files before it keep
+    their outcome."""
+    gpu_run = _gpu_run()
+    for name, body in (("test_quick.py", "def test_a():\n    pass\n"),
+                       ("test_slow.py", "import time\n\ndef test_b():\n    time.sleep(60)\n"),
+                       ("test_late.py", "def test_c():\n    pass\n")):
+        (tmp_path / name).write_text(body)
+    monkeypatch.setattr(gpu_run, "EXT_TESTS", tuple(str(tmp_path / name)
+                                                   for name in ("test_quick.py", "test_slow.py", "test_late.py")))
+    with pytest.raises(gpu_run.StageFailed) as failed:
+        gpu_run.ext_tests(gpu_run.child_env(False), 25, tmp_path / "log", dry_run=False)
+    files = failed.value.result["files"]
+    assert "1 passed" in files[str(tmp_path / "test_quick.py")]
+    assert files[str(tmp_path / "test_slow.py")].startswith("timed out after")
+    assert files[str(tmp_path / "test_late.py")] == "not run: the run's --budget ran out"
+    assert str(failed.value) == (f"2 of 3 test files did not pass: {tmp_path / 'test_slow.py'}, "
+                                 f"{tmp_path / 'test_late.py'}")
+
+
+@pytest.mark.parametrize("versions, skipped", [({"triton": "3.6.0", "numpy": "2.4.6"}, True),
+                                               ({"triton": "3.7.1", "numpy": "2.4.6"}, False),
+                                               ({"triton": "3.6.0", "numpy": "2.3.5"}, False)])
+def test_a_dry_run_skips_the_interpreted_items_where_the_interpreter_cannot_run(tmp_path, monkeypatch, versions,
+                                                                                 skipped):
+    """Triton 3.6's interpreter raises under numpy >= 2.4: the dry run records its items as skipped (expected),
+    names why, and exits 0; the other items run."""
+    import importlib.metadata
+    import sys
+    gpu_run = _gpu_run()
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: versions[name])
+    assert (gpu_run.interpreter_unusable() is not None) == skipped
+
+    def worker_command(stage, dry_run, jsonl):
+        script = ("import json, sys; [open(sys.argv[1], 'a').write(json.dumps({'item': item, 'event': 'failed', "
+                  "'reason': 'InterpreterError'}) + '\\n') for item in sys.argv[2:]]")
+        return ["triton/bf16", "torch/bf16"], lambda left: [sys.executable, "-c", script, str(jsonl), *left]
+    monkeypatch.setattr(gpu_run, "worker_command", worker_command)
+    out = tmp_path / "out"
+    gpu_run.main(["--out", str(out), "--dry-run", "--stages", "layer"])
+    from guarded import final_rows
+    rows = final_rows(out / "layer.jsonl")
+    assert rows["torch/bf16"]["reason"] == "InterpreterError"  # run: not a Triton item
+    assert rows["triton/bf16"]["reason"].startswith("skipped: Triton 3.6.0's interpreter") == skipped
+
+
+def test_a_cuda_home_without_headers_builds_the_cpu_extension(tmp_path, monkeypatch, caplog):
+    """torch guesses CUDA_HOME from an nvcc on the PATH, a wrapper without the toolkit too: no cuda_runtime.h
+    there, the extension builds its CPU kernels, with a warning, instead of failing to compile."""
+    import torch
+    from torch.utils import cpp_extension
+    from smf_kernels import build_ext
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", str(tmp_path))
+    (extension,) = build_ext.setup_extensions()
+    assert not any(source.endswith(".cu") for source in extension.sources)
+    assert "holds no include/cuda_runtime.h" in caplog.text
+    (tmp_path / "include").mkdir()
+    (tmp_path / "include" / "cuda_runtime.h").write_text("")
+    (extension,) = build_ext.setup_extensions()
+    assert any(source.endswith(".cu") for source in extension.sources)
