@@ -244,7 +244,7 @@ def setup_extensions() -> list:
     sources = [str(SOURCE_DIR / name) for name in CPU_SOURCES]
     cxx = _compile_flags(digest)
     home = cpp_extension.CUDA_HOME
-    if torch.version.cuda is not None and home is not None and not (Path(home) / "include" / "cuda_runtime.h").is_file():
+    if torch.version.cuda is not None and home is not None and not (Path(home) / "include/cuda_runtime.h").is_file():
         logger.warning("CUDA_HOME %s holds no include/cuda_runtime.h (an nvcc without the CUDA toolkit?): building the "
                        "extension's CPU kernels only; set CUDA_HOME to the toolkit for its CUDA kernels", home)
         home = None
