@@ -22,6 +22,9 @@ PAPER = dict(tokens=16384, d_model=896, n_keys=128, heads=4, topk=16, key_dim=25
 TINY = dict(tokens=6, d_model=20, n_keys=8, heads=2, topk=4, key_dim=16)
 BACKENDS = ("triton", "torch", "authors")
 ITEMS = tuple(f"{backend}/{dtype}" for dtype in ("bf16", "fp32") for backend in BACKENDS)
+# item -> (text of its failure's reason, why it fails): the failures that are the design, not a defect
+EXPECTED_FAILURES = {"authors/bf16": ("'BFloat16'", "by design: ATen has no bf16 per-sample-weights embedding_bag "
+                                                    "backward on CUDA, so the authors' layer cannot train in bf16")}
 
 
 def _layer(backend: str, cfg: dict, dtype, device):

@@ -32,8 +32,10 @@ STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
 
 class _ArgumentParser(argparse.ArgumentParser):
     """argparse whose usage errors are a single line (exit code 2) from the subcommand's parser (``smf train:
-    error: ...``); an unknown option is named with the closest option of that subcommand, or with what replaced
-    it where it was removed."""
+    error: ...``); an unknown option is named with the closest option of that subcommand, with what replaced
+    it where it was removed, or with the reason where it is an option of other commands (:attr:`not_taken`)."""
+
+    not_taken: dict[str, str] = {}  # a subcommand's: flag -> why it does not take that flag (set by its module)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n")
@@ -60,6 +62,7 @@ class _ArgumentParser(argparse.ArgumentParser):
             name = word.split("=")[0]
             close = difflib.get_close_matches(name, known, n=1) if name.startswith("--") else []
             described.append(f"{word} ({REMOVED_OPTIONS[name]})" if name in REMOVED_OPTIONS
+                             else f"{word} ({self.not_taken[name]})" if name in self.not_taken
                              else f"{word} (did you mean {close[0]}?)" if close else word)
         return f"unrecognized argument{'s' if len(options) > 1 else ''} {', '.join(described)}"
 

@@ -171,23 +171,37 @@ class UniqueKeyLoader(yaml.SafeLoader):
                     continue
                 key = self.construct_object(key_node, deep=deep)
                 try:
-                    seen = first.get(key)  # not by line: a flow mapping, {a: 1, a: 2}, holds both on one
+                    seen = first.get(_one_spelling(key))  # not by line: a flow mapping, {a: 1, a: 2}, holds both on one
                 except TypeError:  # an unhashable key: yaml's own error follows
                     continue
                 if seen is not None:
                     raise yaml.constructor.ConstructorError(
-                        None, None, f"duplicate key {key!r} at line {key_node.start_mark.line + 1} (first at line "
-                        f"{seen}); a mapping holds each key once", key_node.start_mark)
-                first[key] = key_node.start_mark.line + 1
+                        None, None, f"duplicate key {key!r} at line {key_node.start_mark.line + 1} (first "
+                        f"{_first_spelling(seen[0], key)}at line {seen[1]}); a mapping holds each key once",
+                        key_node.start_mark)
+                first[_one_spelling(key)] = (key, key_node.start_mark.line + 1)
         return super().construct_mapping(node, deep)
 
 
+def _one_spelling(key):
+    """``key`` as :func:`mapping` reads it (``-`` as ``_``), so ``output-dir`` and ``output_dir`` are one key."""
+    return key.replace("-", "_") if isinstance(key, str) else key
+
+
+def _first_spelling(first, key) -> str:
+    """The first spelling of a key given twice, when it differs from ``key`` (``'output_dir' ``), else nothing."""
+    return f"{first!r} " if first != key else ""
+
+
 def _unique_json_object(pairs: list) -> dict:
-    """json's ``object_pairs_hook``: the object, or ValueError naming a key it holds twice (json keeps the last)."""
-    keys = [key for key, _ in pairs]
-    twice = next((key for index, key in enumerate(keys) if key in keys[:index]), None)
-    if twice is not None:
-        raise ValueError(f"duplicate key {twice!r}; an object holds each key once")
+    """json's ``object_pairs_hook``: the object, or ValueError naming a key it holds twice, in either spelling of
+    :func:`_one_spelling` (json keeps the last)."""
+    first: dict = {}
+    for key, _ in pairs:
+        if _one_spelling(key) in first:
+            raise ValueError(f"duplicate key {key!r} (first {_first_spelling(first[_one_spelling(key)], key)}"
+                             f"given earlier); an object holds each key once")
+        first[_one_spelling(key)] = key
     return dict(pairs)
 
 

@@ -235,13 +235,20 @@ def load_extension() -> ModuleType:
 
 
 def setup_extensions() -> list:
-    """setup.py's extension modules: ``smf_kernels._ext``, with CUDA kernels when torch has CUDA."""
+    """setup.py's extension modules: ``smf_kernels._ext``, with CUDA kernels when torch has CUDA and the CUDA toolkit
+    it finds has its headers (torch guesses ``CUDA_HOME`` from any ``nvcc`` on the PATH, a wrapper without a toolkit
+    too: the build then stays CPU-only, with a warning, instead of failing on a missing ``cuda_runtime.h``)."""
     from torch.utils import cpp_extension
 
     digest = source_hash()
     sources = [str(SOURCE_DIR / name) for name in CPU_SOURCES]
     cxx = _compile_flags(digest)
-    if torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None:
+    home = cpp_extension.CUDA_HOME
+    if torch.version.cuda is not None and home is not None and not (Path(home) / "include/cuda_runtime.h").is_file():
+        logger.warning("CUDA_HOME %s holds no include/cuda_runtime.h (an nvcc without the CUDA toolkit?): building the "
+                       "extension's CPU kernels only; set CUDA_HOME to the toolkit for its CUDA kernels", home)
+        home = None
+    if torch.version.cuda is not None and home is not None:
         return [
             cpp_extension.CUDAExtension(
                 f"smf_kernels.{MODULE_NAME}",

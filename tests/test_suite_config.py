@@ -10,7 +10,7 @@ from smf import cli
 from smf.report import CONDITIONS
 from smf.suite.config import TRAIN_KEYS, load_suite_config
 from smf.errors import ConfigError
-from smf.vocabulary import DEFAULT_MODEL
+from smf.vocabulary import DEFAULT_MODEL, METRIC_OF_TASK
 
 from helpers import dry_run_names
 
@@ -132,8 +132,10 @@ def test_dry_run_lists_the_plan_with_totals_and_runs_nothing(tmp_path, monkeypat
     layout = SuiteLayout(config.output_dir)
     layout.results_dir.mkdir(parents=True)
     first, second = plan_runs(config)[:2]
-    layout.results_path(first).write_text(json.dumps({"config_hash": run_hash(config, first),
-                                                      "timing": {"wall_s": 90.0}}))
+    layout.results_path(first).write_text(json.dumps({
+        "condition": first.condition, "seed": first.seed, "config_hash": run_hash(config, first),
+        "metrics": {METRIC_OF_TASK[task]: 1.0 for task in config.eval.tasks},
+        "timing": {"wall_s": 90.0, "eval_s": {task: 1.0 for task in config.eval.tasks}}}))
     layout.results_path(second).write_text(json.dumps({"config_hash": "other", "timing": {"wall_s": 1.0}}))
     assert cli.main(["suite", "--config", "tiny", "--dry-run"]) == 0
     lines = capsys.readouterr().out.splitlines()

@@ -190,6 +190,7 @@ def test_hypotheses_are_registered_with_the_runs_finished_then(tmp_path, caplog)
 
     from smf.suite.plan import SuiteLayout
     from smf.suite.runner import SuiteRunner
+    from smf.vocabulary import METRIC_OF_TASK
 
     sweep = {"lr_sweep": {"sparse": [1e-3, 1e-2], "lora": [1e-4, 1e-3], "full": [1e-5, 1e-4]},
              "matched_learning": [0.9]}
@@ -199,7 +200,12 @@ def test_hypotheses_are_registered_with_the_runs_finished_then(tmp_path, caplog)
     first = json.loads(layout.hypotheses_file.read_text())
     assert first["runs_finished"] == 0 and first["runs_planned"] == len(plan_runs(config))
     layout.results_dir.mkdir(parents=True)
-    layout.results_path(plan_runs(config)[0]).write_text("{}")
+    run = plan_runs(config)[0]  # finished: a whole record of this configuration (smf.suite.finished)
+    layout.results_path(run).write_text(json.dumps({
+        "condition": run.condition, "seed": run.seed, "config_hash": run_hash(config, run),
+        **({} if run.lr is None else {"lr": run.lr}),
+        "metrics": {METRIC_OF_TASK[task]: 1.0 for task in config.eval.tasks},
+        "timing": {"eval_s": {task: 1.0 for task in config.eval.tasks}}}))
     SuiteRunner(config).register_hypotheses(config)
     assert json.loads(layout.hypotheses_file.read_text()) == first  # the same hypotheses: kept as registered
     changed = _config(tmp_path, **sweep, hypotheses={"h": {**HYPOTHESIS, "threshold": 0.2}})

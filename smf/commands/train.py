@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
-from smf.options import add_flags, only, shown_value, takes
+from smf.options import add_flags, flag, only, shown_value, takes
 from smf.threads import use_threads
 from smf.train.config import (OPTIONS, RECIPE_DEFAULTS, STAGE_COMMANDS, TINY_PRESET, RunConfig, build_config,
                               read_config_file, refuse_unused)
@@ -66,6 +67,25 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                         "(keys: option names below, e.g. output-dir); command-line flags override it (default: none)")
     add_flags(parser, RunConfig, command, shown_defaults(command), ("tiny", only(RunConfig, command, TINY_PRESET)),
               section_groups(command))
+    parser.not_taken = not_taken(command)
+
+
+def not_taken(command: str) -> dict[str, str]:
+    """The flags of the other stage commands that ``command`` does not take, each with why: who uses it
+    (``--rule``: ``smf retrofit does not take it: only smf train --recipe sparse uses it``)."""
+    reasons = {}
+    for spec in dataclasses.fields(RunConfig):
+        commands = spec.metadata.get("commands", ())
+        if command in commands:
+            continue
+        users = []
+        for user in commands:
+            recipes = section_users(SECTION_OF[spec.name], user) if user == "train" else TRAIN_RECIPES
+            users.append(f"smf {user}" if len(recipes) == len(TRAIN_RECIPES)
+                         else f"smf train --recipe {' or '.join(recipes)}")
+        reasons[flag(spec.name)] = (f"smf {command} does not take it: only {' and '.join(users)} "
+                                    f"use{'s' if len(users) == 1 else ''} it")
+    return reasons
 
 
 COMMANDS = {"retrofit": "stage 1: attach fresh memories and train them on oasst1 (memory adapter)",

@@ -22,9 +22,19 @@ TOKENIZER_SUBFOLDER = "tokenizer"
 def save_tokenizer(tokenizer, directory: str | Path) -> Path:
     """``tokenizer.save_pretrained(directory)``; where ``directory`` holds a model with memories saved by
     ``save_pretrained`` (its loader file, :data:`smf.model.hf_auto.REMOTE_CODE_FILE`), also into
-    ``directory/tokenizer/``. Save the model first. Returns ``directory``."""
+    ``directory/tokenizer/``. Save the model first. Returns ``directory``; NotADirectoryError where either folder
+    is a file, OSError where the tokenizer saved nothing (transformers logs that and returns)."""
     directory = Path(directory)
-    tokenizer.save_pretrained(directory)
+    _save_into(tokenizer, directory)
     if (directory / REMOTE_CODE_FILE).is_file():
-        tokenizer.save_pretrained(directory / TOKENIZER_SUBFOLDER)
+        _save_into(tokenizer, directory / TOKENIZER_SUBFOLDER)
     return directory
+
+
+def _save_into(tokenizer, directory: Path) -> None:
+    """``tokenizer.save_pretrained(directory)``, or an error where it wrote nothing (``directory`` a file: transformers
+    only logs that)."""
+    if directory.exists() and not directory.is_dir():
+        raise NotADirectoryError(f"cannot save the tokenizer into {str(directory)!r}: it is a file, not a folder")
+    if not tokenizer.save_pretrained(directory):
+        raise OSError(f"the tokenizer saved no files into {str(directory)!r}")

@@ -348,8 +348,8 @@ def pretrained_adapter(config) -> Path | None:
 def _check_pretrained_memories(raw: dict, memory) -> None:
     """ConfigError for what a base pretrained with its memories (``memory``: a PretrainMemory, or None for a plain
     base) cannot run: replacement conditions (their memory would stand in for an MLP the base pretrained with) and
-    memory sizes in ``train``, ``stages`` or ``variants`` other than the pretrained ones (no retrofit makes memories of
-    those sizes: the runs would load the pretrained ones and ignore them)."""
+    memory sizes or an ``alpha_init`` in ``train``, ``stages`` or ``variants`` other than the pretrained ones (no
+    retrofit makes such memories: the runs would load the pretrained ones and ignore them)."""
     if memory is None:
         return
     conditions = raw.get("conditions")
@@ -364,7 +364,7 @@ def _check_pretrained_memories(raw: dict, memory) -> None:
                **{f"variants.{name}": mapping(options, f"variants.{name}")
                   for name, options in mapping(raw.get("variants"), "variants").items()}}
     for where, train in sources.items():
-        for name in ("layers", "n_keys", "heads", "topk", "key_dim"):
+        for name in ("layers", "n_keys", "heads", "topk", "key_dim", "alpha_init"):
             pretrained = getattr(memory, name)
             if name in train and (list(train[name]) if isinstance(train[name], (list, tuple)) else train[name]) != \
                     (list(pretrained) if name == "layers" else pretrained):

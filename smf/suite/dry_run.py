@@ -8,7 +8,8 @@ import statistics
 from smf.data.world import WorldOptions
 from smf.files import read_json_object
 from smf.suite.config import SuiteConfig, base_root, seed_config
-from smf.suite.plan import SuiteLayout, plan_runs, run_hash
+from smf.suite.finished import run_state
+from smf.suite.plan import SuiteLayout, plan_runs
 
 
 def _pretraining_state(config: SuiteConfig, seed: int | None) -> str:
@@ -39,13 +40,12 @@ def _pretraining_lines(config: SuiteConfig) -> list[str]:
 
 def _run_state(layout: SuiteLayout, config: SuiteConfig, run) -> tuple[str, float | None]:
     """(state, wall seconds of a finished run) of a planned run."""
-    path = layout.results_path(run)
-    if not path.is_file():
-        return "to do", None
-    results = read_json_object(path, "suite results file")
-    if results.get("config_hash") != run_hash(config, run):
+    state = run_state(layout, config, run)  # the rule the runner follows
+    if state.state == "foreign":
         return "refused: written with other settings (delete it to recompute)", None
-    return "done", results.get("timing", {}).get("wall_s")
+    if state.state == "damaged":
+        return "to do (its results file is damaged: it is computed again)", None
+    return state.state, None if state.record is None else state.record["timing"].get("wall_s")
 
 
 def _duration(seconds: float) -> str:
@@ -67,7 +67,7 @@ def dry_run_lines(config: SuiteConfig) -> list[str]:
     states = [_run_state(layout, config, run) for run in runs]
     lines += [f"{run.name:<{width}}  {state}" for run, (state, _) in zip(runs, states)]
     done = [seconds for state, seconds in states if state == "done"]
-    todo = sum(state == "to do" for state, _ in states)
+    todo = sum(state.startswith("to do") for state, _ in states)
     total = f"total: {len(runs)} runs, {len(done)} done, {todo} to do"
     if len(done) + todo < len(runs):
         total += f", {len(runs) - len(done) - todo} refused"

@@ -7,6 +7,11 @@ is free and what they need has finished. The workers are started with ``spawn`` 
 forked torch state) and keep their state between tasks (loaded evaluation sets). A task that raises stops the
 scheduling of new ones; those already running finish, and the first failure is returned.
 
+Stopping the suite stops its workers: SIGTERM, SIGHUP or SIGINT (Ctrl-C) to the main process ends it with exit code
+128 + the signal's number after terminating every worker (a running task leaves no results file: each is written
+whole, at its end), and a worker whose parent dies (SIGKILL, a crash) notices within :data:`PARENT_POLL_S` seconds and
+exits, so that no orphan goes on writing into the suite folder.
+
 What a task computes depends neither on the process it runs in nor on the order (each training stage seeds itself;
 evaluation draws no random numbers), so the results files equal those of one process but for their timing and CPU
 fields (tests/test_suite_jobs.py).
@@ -15,9 +20,17 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass
+
+
+PARENT_POLL_S = 0.5  # how often a worker checks that the process that started it is alive
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP", "SIGINT") if hasattr(signal, name))
+ORPHANED_EXIT = 3  # a worker's exit code once its parent is gone
 
 
 @dataclass(frozen=True)
@@ -57,8 +70,10 @@ def run_tasks(tasks: list[Task], jobs: int, worker: Callable, initializer: Calla
     os.environ.update(environment or {})  # the workers start with it (spawned on the first submit)
     waiting, running, done = list(tasks), {}, set()
     failure: tuple[Task, BaseException] | None = None
-    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=initializer,
-                               initargs=initargs)
+    handlers = _stop_on_signals()
+    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker,
+                               initargs=(os.getpid(), initializer, initargs))
+    finished_normally = False
     try:
         while waiting or running:
             if failure is None:
@@ -79,8 +94,13 @@ def run_tasks(tasks: list[Task], jobs: int, worker: Callable, initializer: Calla
                     continue
                 done.add(task.key)
                 on_finished(task, future.result())
+        finished_normally = True
     finally:
+        if not finished_normally:  # stopped (a signal, an error here): what runs must not finish after this process
+            _terminate_workers(pool)
         pool.shutdown(wait=True, cancel_futures=True)
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
@@ -88,3 +108,39 @@ def run_tasks(tasks: list[Task], jobs: int, worker: Callable, initializer: Calla
                 os.environ[name] = value
     return failure
 
+
+
+def _stop(signum, frame) -> None:
+    """A stop signal's handler in the main process: SystemExit(128 + signum), which terminates the workers on its
+    way out (:func:`run_tasks`' ``finally``) and ends the command without a traceback."""
+    raise SystemExit(128 + signum)
+
+
+def _stop_on_signals() -> dict:
+    """Install :func:`_stop` for :data:`STOP_SIGNALS` (only the main thread can); returns the handlers replaced."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {signum: signal.signal(signum, _stop) for signum in STOP_SIGNALS}
+
+
+def _terminate_workers(pool: ProcessPoolExecutor) -> None:
+    """SIGTERM to every worker process of ``pool``, then wait for each to end."""
+    processes = list((pool._processes or {}).values())  # the executor has no public handle on them
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join()
+
+
+def _start_worker(parent: int, initializer: Callable, initargs: tuple) -> None:
+    """A worker's initializer: watch ``parent`` (:func:`_exit_when_orphaned`), then ``initializer(*initargs)``."""
+    threading.Thread(target=_exit_when_orphaned, args=(parent,), name="smf-watch-parent", daemon=True).start()
+    initializer(*initargs)
+
+
+def _exit_when_orphaned(parent: int) -> None:
+    """End this worker as soon as the process that started it (pid ``parent``) is gone: its parent pid changes."""
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_S)
+    os._exit(ORPHANED_EXIT)

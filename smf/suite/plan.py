@@ -264,6 +264,30 @@ LATER_OPTIONS = {"retrofit_data": None, "background_data": None, "train_data": N
                  "count_reads": "all", "batch_size": 1, "row_optimizer": "adamw", "alpha_lr": None, "fsdp": False}
 
 
+IN_SUITE = "<suite>"  # how run hashes and stage fingerprints write the suite folder (the folder can move)
+
+
+def in_suite(value, root: Path | None):
+    """``value`` (options, or a run's hashed settings) with every path inside the suite folder ``root`` written
+    relative to it (``<suite>/bases/seed0/pretrain/final``), in nested dicts and lists too; ``root`` None: as it is
+    (folders written before issue 57 hashed these paths absolute: :func:`run_hashes`, :func:`stage_fingerprints`)."""
+    if root is None:
+        return value
+    if isinstance(value, dict):
+        return {key: in_suite(item, root) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [in_suite(item, root) for item in value]
+    if isinstance(value, (str, Path)) and Path(value).is_absolute() and Path(value).is_relative_to(root):
+        return f"{IN_SUITE}/{Path(value).relative_to(root).as_posix()}".removesuffix("/.")
+    return value
+
+
+def stage_fingerprints(options: dict, root: Path) -> tuple[str, str]:
+    """(fingerprint, as written before issue 57) of a stage's ``options`` in the suite folder ``root``: paths inside
+    the folder relative to it (:func:`in_suite`), or absolute; the same where no option names a path inside."""
+    return options_fingerprint(in_suite(options, Path(root))), options_fingerprint(options)
+
+
 def options_fingerprint(options: dict) -> str:
     """Hash of a stage's resolved trainer options, without :data:`IGNORED_OPTIONS` (nor :data:`LATER_OPTIONS` at
     their old behaviour, nor options newer than :data:`smf.train.config.RECORDED_ORDER` at their default); the
@@ -275,10 +299,17 @@ def options_fingerprint(options: dict) -> str:
                     and not (name in later and value == later[name])})
 
 
-def run_hash(config: SuiteConfig, run: Run) -> str:
+def run_hashes(config: SuiteConfig, run: Run) -> tuple[str, str]:
+    """(:func:`run_hash`, the hash written before issue 57, with the paths inside the suite folder absolute): the
+    hashes a results record of ``run`` may hold in its folder; the same where no path lies inside the folder."""
+    return run_hash(config, run), run_hash(config, run, relative=False)
+
+
+def run_hash(config: SuiteConfig, run: Run, relative: bool = True) -> str:
     """Hash of everything that decides ``run``'s numbers: model, data, the options of its stages
     as configured, its seed and condition, and the evaluation settings (of the world and base of its seed, with
-    ``base_per_seed``)."""
+    ``base_per_seed``); paths inside the suite folder relative to it (:func:`in_suite`; ``relative`` False: all
+    absolute, as before issue 57)."""
     config = seed_config(config, run.seed)
     stages = {"base": (), "lora": ("lora",), "full": ("full",)}.get(run.condition,
                                                                       ("retrofit", "background", "sparse"))
@@ -288,7 +319,7 @@ def run_hash(config: SuiteConfig, run: Run) -> str:
     own_eval = [data.eval_learn, data.eval_heldout, data.eval_retain] if data.own else []
     own_eval += [data.eval_retain_heldout] if data.eval_retain_heldout else []  # issue 48: other suites keep hashes
     science = {"world": config.world, "pretrain": config.pretrain} if config.world else {}
-    return _digest({
+    return _digest(in_suite({
         **science, "model": config.model, "condition": run.condition, "seed": run.seed, "protocol": config.protocol,
         "update": run.update, **({"reads": run.reads} if run.reads else {}),
         **({"variant": config.variant_options(run.variant)} if run.variant else {}),
@@ -301,7 +332,7 @@ def run_hash(config: SuiteConfig, run: Run) -> str:
             if name not in IGNORED_OPTIONS} for stage in stages},
         "eval": config.to_dict()["eval"],
         "eval_data": [config.data.medmcqa_validation, config.data.wikitext, config.data.triviaqa] + own_eval,
-    })
+    }, Path(config.output_dir).absolute() if relative else None))
 
 
 PLAN_KEYS = ("seeds", "conditions", "authors_update")  # what --seeds / --conditions / --authors-update narrow
@@ -316,9 +347,10 @@ def _computed_settings(saved: dict) -> dict:
     or data role existed compares equal to: empty optional sections and data roles not given left out; with a base
     per seed, the data files, model and world/pretraining seed left out (they follow the first seed of the call,
     :func:`smf.suite.config.seed_config` gives each seed its own)."""
-    settings = {k: v for k, v in saved.items() if k not in _NOT_SETTINGS
+    root = Path(saved["output_dir"]).absolute() if saved.get("output_dir") else None
+    settings = {k: in_suite(v, root) for k, v in saved.items() if k not in _NOT_SETTINGS  # the folder can move
                 and not (k in _OPTIONAL_SECTIONS and not v)}
-    settings["data"] = {k: v for k, v in (saved.get("data") or {}).items() if v is not None}
+    settings["data"] = {k: in_suite(v, root) for k, v in (saved.get("data") or {}).items() if v is not None}
     if saved.get("base_per_seed") and saved.get("world"):
         for key in ("data", "model"):
             settings.pop(key, None)

@@ -26,12 +26,12 @@ from smf.report.hypotheses import evaluate_hypotheses, hypotheses_markdown
 from smf.report.matched_learning import format_cell, matched_learning
 from smf.report.matched_plot import plot_matched
 from smf.report.paper_results import HIGHER_IS_BETTER, display_name, metric_keys, metric_title
-from smf.report.records import check_results_record
 from smf.report.sweep_plot import plot_sweep
 from smf.report.table import stat_text, summarize
 from smf.suite.config import SuiteConfig, base_root, method_of, suite_config_from_dict
+from smf.suite.finished import run_state
 from smf.suite.locality_diagnostics import write_locality
-from smf.suite.plan import SuiteLayout, plan_runs, run_hash, stage_settings
+from smf.suite.plan import SuiteLayout, plan_runs, stage_settings
 from smf.suite.science import at_chosen_rates, learning_metric, sweep_rows
 from smf.suite.science import variant as result_variant
 from smf.suite.science_diagnostics import write_science_diagnostics
@@ -63,19 +63,14 @@ def collect_results(layout: SuiteLayout, config: SuiteConfig) -> tuple[list[dict
         if run is None:
             logger.warning("skipping %s: not a run of this suite config", path)
             continue
-        try:
-            if not path.is_file():  # a directory, or a pipe (reading one would wait forever)
-                raise ConfigError(f"{path} is not a suite results file: not a regular file")
-            record = read_json_object(path, "suite results file")
-            if isinstance(record.get("config_hash"), str) and record["config_hash"] != run_hash(config, run):
-                logger.warning("skipping %s: not a run of this suite config", path)
-                foreign[run.name] = f"{path} was written by a suite with other settings; skipped"
-                continue
-            check_results_record(path, record, run, config.eval.tasks)
-        except ConfigError as err:
-            refused[run.name] = str(err)
-            continue
-        results.append(record)
+        state = run_state(layout, config, run)  # the rule the runner follows too
+        if state.state == "foreign":
+            logger.warning("skipping %s: not a run of this suite config", path)
+            foreign[run.name] = f"{state.why}; skipped"
+        elif state.state == "damaged":
+            refused[run.name] = state.why
+        else:
+            results.append(state.record)
     return results, refused, foreign
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import gc
 import logging
 import time
@@ -33,8 +34,9 @@ from smf.files import read_json_object, write_json_atomic
 from smf.model.loading import FINAL_DIR, RUN_CONFIG, load_model, read_run_config
 from smf.suite.config import SuiteConfig, pretrained_adapter, seed_config
 from smf.suite.cost import log_records, parameter_counts, sparse_step_stats, training_cost
+from smf.suite.finished import run_state
 from smf.suite.jobs import Task, run_tasks
-from smf.suite.plan import (Run, SuiteLayout, merged_plan, options_fingerprint, plan_runs, run_hash,
+from smf.suite.plan import (Run, SuiteLayout, merged_plan, plan_runs, run_hash, stage_fingerprints,
                             sparse_stage_dirs, stage_config)
 from smf.suite.science import prepare_science_inputs
 from smf.suite.status import write_status
@@ -84,34 +86,26 @@ class _OncePerSuite(logging.Filter):
         return True
 
 
-def read_results(path: Path, expected_hash: str) -> dict:
-    """A finished run's results, refused if another configuration wrote them."""
-    results = read_json_object(path, "suite results file", ("config_hash", "metrics", "timing"))
-    if results.get("config_hash") != expected_hash:
-        raise ConfigError(f"{path} was written by a suite with other settings (config hash "
-                          f"{results.get('config_hash')} != {expected_hash}); delete it to recompute that run, "
-                          "or use another output_dir")
-    return results
-
-
-def ensure_stage(kind: str, config: RunConfig) -> dict:
-    """Run one training stage (kind: retrofit, background or train) unless it already finished.
+def ensure_stage(kind: str, config: RunConfig, root: Path) -> dict:
+    """Run one training stage (kind: retrofit, background or train) of the suite in folder ``root`` unless it already
+    finished (its marker's fingerprint: :func:`smf.suite.plan.stage_fingerprints`).
 
     Returns its marker: {"fingerprint", "seconds", "cpu_seconds" (process time of this process; markers written
     before it was recorded lack it), "resumed", "skipped"}.
     """
     output_dir = Path(config.output_dir)
     marker_path = output_dir / STAGE_MARKER
-    fingerprint = options_fingerprint(config.to_dict())
+    fingerprints = stage_fingerprints(config.to_dict(), root)
+    fingerprint = fingerprints[0]
     foreign = f"{output_dir} holds a {kind} run with other options than this suite's; delete it or use another " \
               "output_dir"
     if marker_path.is_file():
         marker = read_json_object(marker_path, "suite stage marker", ("fingerprint",))
-        if marker["fingerprint"] != fingerprint:
+        if marker["fingerprint"] not in fingerprints:
             raise ConfigError(foreign)
         return {**marker, "skipped": True}
     if (output_dir / RUN_CONFIG).is_file():
-        if options_fingerprint(read_run_config(output_dir)) != fingerprint:
+        if stage_fingerprints(read_run_config(output_dir), root)[0] != fingerprint:
             raise ConfigError(foreign)
     resume = (output_dir / CHECKPOINT_FILE).is_file()
     logger.info("%s %s: %s", "resuming" if resume else "starting", kind, output_dir)
@@ -140,8 +134,12 @@ class SuiteRunner:
         self._parameters: dict[str, dict] = {}  # run name -> smf.suite.cost.parameter_counts of its trained model
 
     def pending(self) -> list[Run]:
-        """Planned runs whose results file does not exist yet."""
-        return [run for run in plan_runs(self.config) if not self.layout.results_path(run).is_file()]
+        """Planned runs not finished yet (:func:`smf.suite.finished.run_state`)."""
+        return [run for run in plan_runs(self.config) if not self.done(run)]
+
+    def done(self, run: Run) -> bool:
+        """Whether ``run`` finished: its results file holds a whole record of this configuration."""
+        return run_state(self.layout, self.config, run).state == "done"
 
     def train_stages(self, run: Run) -> dict[str, dict]:
         """Train (or reuse) every stage ``run`` needs; returns their markers by stage kind."""
@@ -151,13 +149,14 @@ class SuiteRunner:
         pretrained = pretrained_adapter(config)  # a base pretrained with its memories: no retrofit
         if run.recipe != "sparse":
             return {"train": ensure_stage("train", stage_config(config, run.recipe, run.seed, layout.train_dir(run),
-                                                                lr=run.lr, epochs=run.epochs, adapter=pretrained))}
+                                                                lr=run.lr, epochs=run.epochs, adapter=pretrained),
+                                          layout.root)}
         retrofit_dir, background_dir = sparse_stage_dirs(layout, run, config)
         markers = {kind: self.shared_stage(run, kind) for kind in shared_stages(config)}
         markers["train"] = ensure_stage("train", stage_config(
             config, "sparse", run.seed, layout.train_dir(run), mode=run.mode, rule=run.rule, adapter=retrofit_dir,
             background=background_dir, update="authors" if run.update == "authors" else None, lr=run.lr,
-            count_reads=run.reads, variant=run.variant, epochs=run.epochs))
+            count_reads=run.reads, variant=run.variant, epochs=run.epochs), layout.root)
         return markers
 
     def shared_stage(self, run: Run, kind: str) -> dict:
@@ -167,9 +166,9 @@ class SuiteRunner:
         retrofit_dir, background_dir = sparse_stage_dirs(self.layout, run, config)
         if kind == "retrofit":
             return ensure_stage("retrofit", stage_config(config, "retrofit", run.seed, retrofit_dir,
-                                                         mode=run.retrofit_mode, variant=run.variant))
+                                                         mode=run.retrofit_mode, variant=run.variant), self.layout.root)
         return ensure_stage("background", stage_config(config, "background", run.seed, background_dir,
-                                                       adapter=retrofit_dir, variant=run.variant))
+                                                       adapter=retrofit_dir, variant=run.variant), self.layout.root)
 
     def evaluate(self, run: Run) -> tuple[dict, dict, str, dict]:
         """(metrics, seconds per task, artefact, rows scored / skipped per task) of ``run``'s trained model (the
@@ -197,10 +196,15 @@ class SuiteRunner:
         """Train, evaluate and record ``run`` (or read its results if finished); returns the results."""
         expected_hash = run_hash(self.config, run)
         path = self.layout.results_path(run)
-        if path.is_file():
-            return read_results(path, expected_hash)
+        state = run_state(self.layout, self.config, run)
+        if state.state == "done":
+            return state.record
+        if state.state == "foreign":
+            raise ConfigError(f"{state.why}; delete it to recompute that run, or use another output_dir")
+        if state.state == "damaged":
+            logger.warning("%s; computing the run again", state.why)
         if self.config.stream:  # tasks one after another, evaluated after each (smf.suite.stream)
-            return StreamRun(self, run, ensure_stage).results()
+            return StreamRun(self, run, functools.partial(ensure_stage, root=self.layout.root)).results()
         started, cpu_started = time.perf_counter(), time.process_time()
         markers = self.train_stages(run)
         eval_cpu_started = time.process_time()
@@ -271,7 +275,7 @@ class SuiteRunner:
             logger.warning("%s: the hypotheses changed; they are recorded as registered now, after the runs already "
                            "finished (the report says so)", path)
         planned = plan_runs(recorded)
-        finished = sum(self.layout.results_path(run).is_file() for run in planned)
+        finished = sum(run_state(self.layout, recorded, run).state == "done" for run in planned)
         write_json_atomic(path, {"hypotheses": hypotheses, "runs_finished": finished, "runs_planned": len(planned),
                                  "registered_at": datetime.datetime.now(datetime.timezone.utc).isoformat(
                                      timespec="seconds")})
@@ -281,7 +285,7 @@ class SuiteRunner:
         shared stage (retrofit, background) a task of its own just before the first run that needs it."""
         tasks, created = [], set()
         for run in runs:
-            if self.layout.results_path(run).is_file():
+            if self.done(run):
                 continue
             needs: tuple = ()
             if run.recipe == "sparse":
@@ -301,7 +305,7 @@ class SuiteRunner:
         """Every unfinished run of ``runs`` in ``jobs`` worker processes (:meth:`tasks`); ``failed`` gets the run
         name (a shared stage: the first run that needs it) -> error of the first task that raised, which is then
         raised again."""
-        done = sum(self.layout.results_path(run).is_file() for run in runs)
+        done = sum(self.done(run) for run in runs)
         threads = self.config.threads or 1
         logger.info("%d worker processes, %d torch thread%s each", jobs, threads, "" if threads == 1 else "s")
         active: list[str] = []

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from smf.files import read_json_object
 from smf.report.paper_results import METRICS, OWN_METRICS, display_name, metric_title
 from smf.suite.config import SuiteConfig
+from smf.suite.finished import run_state
 from smf.suite.plan import SuiteLayout, plan_runs
 
 
@@ -23,8 +23,11 @@ def _status_rows(config: SuiteConfig, layout: SuiteLayout, failed: dict[str, str
                "eval_s": None, "results": None}
         if run.name in failed:  # before the file: the report names results files it refused here
             row["status"] = f"failed: {failed[run.name]}"
-        elif path.is_file():
-            results = read_json_object(path, "suite results file", ("metrics", "timing"))
+        elif (state := run_state(layout, config, run)).state != "done":
+            row["status"] = {"to do": "pending", "foreign": "refused: written by a suite with other settings",
+                             "damaged": "pending: its results file is damaged"}[state.state]
+        else:
+            results = state.record
             timing = results["timing"]
             stages = [v for k, v in timing.items() if k in ("retrofit_s", "background_s", "train_s")]
             row.update(status="done", metrics=results["metrics"], results=str(path.relative_to(layout.root)),

@@ -49,7 +49,7 @@ from smf.files import read_json_object, write_json_atomic
 from smf.model.loading import FINAL_DIR, load_model, load_run
 from smf.suite.config import SuiteConfig, seed_config
 from smf.suite.cost import log_records, parameter_counts, sparse_step_stats, training_cost
-from smf.suite.plan import Run, SuiteLayout, run_hash, sparse_stage_dirs, stage_config
+from smf.suite.plan import Run, SuiteLayout, run_hash, run_hashes, sparse_stage_dirs, stage_config
 from smf.train.checkpoint import LOG_FILE
 from smf.train.config import RunConfig
 from smf.vocabulary import METRIC_OF_TASK
@@ -207,7 +207,7 @@ class StreamRun:
         path = self.layout.record_path(self.run, stage)
         if path.is_file():
             record = read_json_object(path, "stream stage record", ("config_hash", "metrics", "tasks"))
-            if record["config_hash"] != self.expected_hash:
+            if record["config_hash"] not in run_hashes(self.runner.config, self.run):
                 raise ConfigError(f"{path} was written by a suite with other settings (config hash "
                                   f"{record['config_hash']} != {self.expected_hash}); delete {path.parent} to "
                                   "recompute that stream, or use another output_dir")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import typing
 import warnings
 from pathlib import Path
@@ -182,14 +183,17 @@ def read_config_file(path: str | Path, command: str) -> dict:
 
 
 def check_device_and_backend(device: str, backend: str | None) -> None:
-    """ConfigError unless ``device`` is a device of this machine and ``backend`` (None: automatic) runs on it."""
+    """ConfigError unless ``device`` is a device of this machine and ``backend`` runs on it; with no ``backend``
+    (automatic), the one the environment variable ``SMF_KERNELS_BACKEND`` names, where set."""
     from smf.train.distributed import pick_device
-    from smf_kernels.backends import unavailable_reason
+    from smf_kernels.backends import ENV_VAR, unavailable_reason
 
     resolved = pick_device(device)
-    reason = None if backend is None else unavailable_reason(backend, resolved)
+    chosen = backend if backend is not None else os.environ.get(ENV_VAR) or None  # as resolve_backend reads it
+    reason = None if chosen is None else unavailable_reason(chosen, resolved)
     if reason is not None:
-        raise ConfigError(f"--backend {backend} cannot run on {resolved.type} (--device {device}): {reason}")
+        source = f"--backend {backend}" if backend is not None else f"the environment variable {ENV_VAR}={chosen}"
+        raise ConfigError(f"{source} cannot run on {resolved.type} (--device {device}): {reason}")
 
 
 def unused_options(config: RunConfig, command: str) -> dict[str, str]:
