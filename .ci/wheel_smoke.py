@@ -23,7 +23,7 @@ for module in (smf_kernels, smf):
 distribution = importlib.metadata.distribution("smf-kernels")
 assert venv in Path(distribution.locate_file("")).resolve().parents, distribution.locate_file("")
 assert smf_kernels.__version__ == distribution.version, (smf_kernels.__version__, distribution.version)
-assert distribution.metadata["License-Expression"] == "Apache-2.0", distribution.metadata["License-Expression"]
+assert distribution.metadata["License"] == "Apache-2.0", distribution.metadata["License"]
 assert any(Path(str(f)).name == "LICENSE" for f in distribution.files), "LICENSE is not in the wheel"
 
 package = Path(smf_kernels.__file__).resolve().parent

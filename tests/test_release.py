@@ -22,7 +22,7 @@ def test_the_version_is_written_once_and_pyproject_reads_it():
 
 
 def test_the_license_file_is_the_declared_one():
-    assert 'license = "Apache-2.0"' in (REPO / "pyproject.toml").read_text()
+    assert 'license = { text = "Apache-2.0" }' in (REPO / "pyproject.toml").read_text()
     text = (REPO / "LICENSE").read_text()
     assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text
 
