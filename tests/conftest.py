@@ -91,6 +91,8 @@ def pytest_sessionstart(session):
     try:
         build_ext.load_extension()
     except ImportError:
+        if _startup_progress:
+            _startup_progress[0].doing = "building the compiled extension (a line per compiled file)"
         with _build_progress_shown(session):
             try:
                 build_ext.build()
