@@ -21,6 +21,24 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # OMP_NUM_THREADS=4 python -m pytest ...
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+
+def _inductor_cache_dir() -> str:
+    """A torch.compile (inductor) cache directory for this version of smf_kernels' sources: inductor's on-disk cache
+    keys a graph by the names of the custom ops it calls, not their signatures, so a graph cached while an op had
+    other arguments (another checkout, another branch) would be replayed against this one and fail."""
+    import hashlib
+    import pathlib
+    import tempfile
+
+    digest = hashlib.sha256()
+    package = pathlib.Path(__file__).resolve().parent.parent / "smf_kernels"
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes())
+    return os.path.join(tempfile.gettempdir(), f"torchinductor_smf_{digest.hexdigest()[:16]}")
+
+
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", _inductor_cache_dir())
+
 import contextlib  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
