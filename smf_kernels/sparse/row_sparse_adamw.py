@@ -196,6 +196,7 @@ class RowSparseAdamW(torch.optim.Optimizer):
             valid: optional (T,) bool; rows with ``valid[t] == False`` are left alone.
         """
         group = self._group_of(param)
+        self.check_groups()  # before a compact state grows for new rows
         state = self._row_state(param)
         hyper = dict(lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
                      grad_scale=grad_scale, valid=valid)
