@@ -56,8 +56,9 @@ def _reserve(state: dict, needed: int) -> None:
     used, size = state["slots_used"], slot_capacity(needed, state["slot_of_row"].shape[0])
     for key in ("slot_step", "exp_avg", "exp_avg_sq"):
         old = state[key]
-        grown = old.new_zeros((size, *old.shape[1:]))
+        grown = old.new_empty((size, *old.shape[1:]))  # one pass over the new storage: copy, then zeros
         grown[:used] = old[:used]
+        grown[used:] = 0
         state[key] = grown
 
 
