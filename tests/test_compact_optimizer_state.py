@@ -74,7 +74,8 @@ def test_compact_state_gives_the_dense_forms_bits_step_after_step(backend, dtype
     updated = torch.cat([rows if valid is None else rows[valid] for rows, _, valid, _, _ in plan]).unique()
     assert torch.equal(touched, updated)  # a row valid left alone has no state
     state = compact.state[compact_param]
-    assert state["slots_used"] == touched.numel()
+    assert torch.equal(state["held_rows"], touched) and state["held_slots"].sort()[0].tolist() == list(
+        range(touched.numel()))
     assert touched.numel() < num_rows // 2 and state["exp_avg"].shape[0] <= slot_capacity(touched.numel() + per_step,
                                                                                            num_rows)
 
@@ -84,12 +85,13 @@ def test_storage_grows_with_the_rows_updated_in_small_chunks():
     optimizer = RowSparseAdamW([param], lr=1e-3)
     optimizer.step_rows(param, torch.arange(0, 1024, 2), torch.randn(512, 8))
     state = optimizer.state[param]
-    assert state["slots_used"] == 512 and state["exp_avg"].shape == (544, 8)  # 512 + 512 / 16
-    assert state["slot_of_row"].dtype == torch.int32 and state["slot_of_row"].shape == (20_000,)
+    assert state["held_rows"].shape == (512,) and state["exp_avg"].shape == (544, 8)  # 512 + 512 / 16
+    assert sum(t.numel() * t.element_size() for t in state.values()) == 512 * 16 + 544 * (8 + 2 * 8 * 4)  # no (M,)
     optimizer.step_rows(param, torch.arange(0, 1024, 2), torch.randn(512, 8))  # the same rows: no growth
-    assert state["exp_avg"].shape == (544, 8) and state["slots_used"] == 512
+    assert state["exp_avg"].shape == (544, 8) and state["held_rows"].shape == (512,)
     optimizer.step_rows(param, torch.arange(1, 101, 2), torch.randn(50, 8))
-    assert state["slots_used"] == 562 and state["exp_avg"].shape[0] == slot_capacity(562, 20_000) == 598
+    assert state["held_rows"].shape == (562,) and state["exp_avg"].shape[0] == slot_capacity(562, 20_000) == 598
+    assert torch.equal(state["held_rows"], torch.cat([torch.arange(0, 100), torch.arange(100, 1024, 2)]))
     assert slot_capacity(3, 20_000) == 35 and slot_capacity(20_000, 20_000) == 20_000
 
 
@@ -111,9 +113,9 @@ def test_a_state_dict_of_either_form_loads_into_either_and_continues_bit_identic
     resumed = RowSparseAdamW([resumed_param], **HYPER, state=loaded_form)
     resumed.load_state_dict(saved)
     held = resumed.state[resumed_param]
-    assert ("slot_of_row" in held) == (loaded_form == "compact") and ("row_step" in held) == (loaded_form == "dense")
-    assert all(value.dtype in (torch.int32, torch.int64) for key, value in held.items()
-               if key in ("slot_of_row", "slot_step", "row_step"))
+    assert ("held_rows" in held) == (loaded_form == "compact") and ("row_step" in held) == (loaded_form == "dense")
+    assert all(value.dtype == torch.int64 for key, value in held.items()
+               if key in ("held_rows", "held_slots", "slot_step", "row_step"))
     assert_same_state(resumed, resumed_param, optimizer, original)
     run(optimizer, original, plan[3:])
     run(resumed, resumed_param, plan[3:])
@@ -133,19 +135,20 @@ def _set(key, make):
 
 @pytest.mark.parametrize("change, message", [
     (lambda state: state.pop("slot_step"), "lacks slot_step"),
-    (_set("slot_of_row", lambda s: s["slot_of_row"][:8]), r"slot_of_row must be a int32 tensor of shape \(9,\)"),
-    (_set("slot_of_row", lambda s: s["slot_of_row"].float()), r"slot_of_row must be a int32 tensor"),
-    (_set("slot_of_row", lambda s: s["slot_of_row"].index_fill(0, torch.tensor([2]), 0)), "slots 0..2"),
-    (_set("slot_of_row", lambda s: s["slot_of_row"].index_fill(0, torch.tensor([1]), 5)), "slots 0..2"),
-    (_set("slot_of_row", lambda s: s["slot_of_row"].index_fill(0, torch.tensor([0]), -2)), "slots 0..2"),
-    (_set("slots_used", lambda s: 2.0), "slots_used must be an int >= 0"),
-    (_set("slots_used", lambda s: s["slot_step"].shape[0] + 1), "exceeds the 9 slots held"),
+    (_set("held_rows", lambda s: s["held_rows"].int()), "held_rows must be a 1-D int64 tensor"),
+    (_set("held_rows", lambda s: s["held_rows"][:2]), "one entry per row with state"),
+    (_set("held_rows", lambda s: s["held_rows"].flip(0)), r"held_rows must be strictly ascending rows in \[0, 9\)"),
+    (_set("held_rows", lambda s: s["held_rows"] + 5), r"held_rows must be strictly ascending rows in \[0, 9\)"),
+    (_set("held_slots", lambda s: s["held_slots"].index_fill(0, torch.tensor([0]), 1)), "slots 0..2"),
+    (_set("held_slots", lambda s: s["held_slots"] + 1), "slots 0..2"),
+    (_set("held_slots", lambda s: [0, 1, 2]), "held_slots must be a tensor, got list"),
+    (_set("slot_step", lambda s: s["slot_step"][:2]), r"one entry per row with state \(K <= C = 2 slots\)"),
     (_set("slot_step", lambda s: s["slot_step"].float()), "slot_step must be a 1-D int64"),
     (_set("slot_step", lambda s: s["slot_step"].index_fill(0, torch.tensor([1]), -1)), "slot_step holds negative"),
     (_set("exp_avg", lambda s: s["exp_avg"][:, :3]), r"exp_avg must be a floating tensor of shape \(9, 4\)"),
     (_set("exp_avg_sq", lambda s: -s["exp_avg_sq"] - 1), "exp_avg_sq holds negative"),
     (_set("exp_avg", lambda s: s["exp_avg"].index_fill(0, torch.tensor([3]), 1.0)), "exp_avg is not zero past"),
-    (_set("row_step", lambda s: torch.zeros(9, dtype=torch.int64)), "holds both slot_of_row and row_step"),
+    (_set("row_step", lambda s: torch.zeros(9, dtype=torch.int64)), "holds both held_rows and row_step"),
 ])
 def test_a_malformed_compact_state_is_refused_before_anything_loads(change, message):
     table, saved = _compact_state_dict()

@@ -8,9 +8,9 @@ count bit-identical: no momentum or weight decay leaks into them, as embedding l
 State of a row-updated (M, D) parameter, in one of two forms that give the same bits:
 
 * ``state="compact"`` (the default): moments and step counts only for the rows ever updated, by slot
-  (:mod:`smf_kernels.sparse.compact_row_state`: ``slot_of_row`` (M,) int32, ``slots_used``, ``slot_step`` (C,),
-  ``exp_avg`` / ``exp_avg_sq`` (C, D) with C at most 6.25% or 32 slots above the rows updated). A 512-row step
-  of a 1M-row table holds 512 rows of state, not 1M.
+  (:mod:`smf_kernels.sparse.compact_row_state`: the K rows with state ``held_rows`` (K,) ascending and their
+  ``held_slots`` (K,), ``slot_step`` (C,), ``exp_avg`` / ``exp_avg_sq`` (C, D) with C at most 6.25% or 32 slots
+  above K). A 512-row step of a 1M-row table holds 512 rows of state, not 1M.
 * ``state="dense"``: ``exp_avg`` and ``exp_avg_sq`` (M, D) allocated on the first step (zeros) and ``row_step``
   an (M,) int64 per-row step count. A column-sharded table (:mod:`smf_kernels.sharded`) or a DTensor (FSDP2)
   keeps this form whatever ``state`` says: their checkpoints split the state tensors of the table's shape.
@@ -27,7 +27,7 @@ from collections.abc import Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
-from smf_kernels._checks import check_index_range, check_scalar, check_tensor
+from smf_kernels._checks import check_ascending, check_index_range, check_scalar, check_tensor
 from smf_kernels.ops.row_adamw import check_hyper_parameters, row_adamw_
 from smf_kernels.sharded.layout import shard_of
 from smf_kernels.sparse import compact_row_state as compact
@@ -120,7 +120,7 @@ class RowSparseAdamW(torch.optim.Optimizer):
         if compact.is_compact(state):
             other = [key for key in ("row_step", "step") if key in state]
             if other:
-                raise ValueError(f"RowSparseAdamW state of {where} holds both slot_of_row and {other[0]}")
+                raise ValueError(f"RowSparseAdamW state of {where} holds both held_rows and {other[0]}")
             if param.dim() != 2:
                 raise ValueError(f"RowSparseAdamW state of {where}: a compact row state needs a 2-D table")
             compact.check_compact_state(state, tuple(param.shape), where)
@@ -203,17 +203,18 @@ class RowSparseAdamW(torch.optim.Optimizer):
         if not compact.is_compact(state):
             row_adamw_(param, state["exp_avg"], state["exp_avg_sq"], state["row_step"], rows, grad, **hyper)
             return
-        # the rows index the slot map before the op sees them: checked here first
+        # the rows are looked up in the index before the op sees them: checked here first
         check_tensor("rows", rows, ndim=1, dtypes=(torch.int64,), shape_doc="(T,)")
         check_index_range("rows", rows, param.shape[0])
         if valid is not None:
             check_tensor("valid", valid, ndim=1, dtypes=(torch.bool,), shape_doc="(T,)")
             if valid.shape != rows.shape:
                 raise ValueError(f"valid must have shape (T,) = {tuple(rows.shape)}, got {tuple(valid.shape)}")
-        slots, claim = compact.assign_slots(state, rows, valid)
+        check_ascending("rows", rows)
+        slots, claim = compact.assign_slots(state, rows, valid, param.shape[0])
         row_adamw_(param, state["exp_avg"], state["exp_avg_sq"], state["slot_step"], rows, grad, **hyper,
                    state_slots=slots)
-        compact.commit_slots(state, rows, claim)
+        compact.commit_slots(state, rows, slots, claim)
 
     def _group_of(self, param: torch.Tensor) -> dict:
         group = next((g for g in self.param_groups if any(p is param for p in g["params"])), None)
