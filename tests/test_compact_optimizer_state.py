@@ -228,3 +228,36 @@ def test_the_extension_checks_state_slots_itself():
         _ext.row_adamw(param, exp_avg, exp_avg_sq[:4], slot_step, rows, grad, None, 0.01, 1.0, 0.9, 0.99, 1e-8, 0.0,
                        torch.tensor([0, 1, 2]))
     assert all(torch.equal(a, b) for a, b in zip((param, exp_avg, exp_avg_sq, slot_step), before))
+
+
+@pytest.mark.parametrize("form", ["compact", "dense"])
+def test_set_row_state_writes_what_row_state_reads_in_either_form(form):
+    torch.manual_seed(3)
+    source_param = torch.nn.Parameter(torch.randn(101, 7))
+    source = RowSparseAdamW([source_param], **HYPER)
+    run(source, source_param, schedule(101, 7, 4, 12, torch.float32, seed=5))
+    rows = source.touched_rows(source_param)
+    param = torch.nn.Parameter(source_param.detach().clone())
+    target = RowSparseAdamW([param], **HYPER, state=form)
+    target.set_row_state(param, rows, source.row_state(source_param, rows))
+    for key, value in source.row_state(source_param).items():
+        assert torch.equal(target.row_state(param)[key], value), key
+    assert torch.equal(target.touched_rows(param), rows)
+    plan = schedule(101, 7, 3, 12, torch.float32, seed=6)
+    run(source, source_param, plan)
+    run(target, param, plan)
+    assert torch.equal(param, source_param)
+
+
+def test_set_row_state_refuses_bad_rows_or_state_with_nothing_written():
+    param = torch.nn.Parameter(torch.randn(50, 4))
+    optimizer = RowSparseAdamW([param], **HYPER)
+    good = {"exp_avg": torch.randn(2, 4), "exp_avg_sq": torch.rand(2, 4), "row_step": torch.tensor([1, 2])}
+    cases = [(torch.tensor([4, 2]), good, "ascending"), (torch.tensor([2, 50]), good, "lie in"),
+             (torch.tensor([2, 4]), {**good, "exp_avg_sq": -good["exp_avg_sq"]}, "negative"),
+             (torch.tensor([2, 4]), {**good, "row_step": torch.tensor([1.0, 2.0])}, "row_step"),
+             (torch.tensor([2, 4]), {"exp_avg": good["exp_avg"]}, "exactly")]
+    for rows, state, match in cases:
+        with pytest.raises((ValueError, IndexError), match=match):
+            optimizer.set_row_state(param, rows, state)
+        assert optimizer.touched_rows(param).numel() == 0

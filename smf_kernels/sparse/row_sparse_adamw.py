@@ -240,6 +240,43 @@ class RowSparseAdamW(torch.optim.Optimizer):
             return compact.dense_rows(state, rows)
         return {key: state[key].index_select(0, rows) for key in ("exp_avg", "exp_avg_sq", "row_step")}
 
+    @torch.no_grad()
+    def set_row_state(self, param: torch.Tensor, rows: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+        """Write the dense-equivalent state of rows ``rows`` (R,) int64 strictly ascending of a table, in whatever
+        form this optimizer keeps it (a row without state gets a slot): ``state`` as :meth:`row_state` returns it,
+        ``exp_avg`` and ``exp_avg_sq`` (R, D) of the table's dtype, ``row_step`` (R,) int64 >= 0. What a knowledge
+        patch's optimizer rows are put back with (:meth:`smf_kernels.patch.MemoryPatch.load_optimizer_rows`).
+        Everything is checked before anything is written."""
+        self._group_of(param)
+        if "step" in self.state.get(param, {}):
+            raise ValueError("this parameter is updated with dense gradients, not by rows")
+        check_tensor("rows", rows, ndim=1, dtypes=(torch.int64,), shape_doc="(R,)")
+        check_index_range("rows", rows, param.shape[0])
+        check_ascending("rows", rows)
+        expected = {"exp_avg": ((rows.numel(), param.shape[1]), param.dtype),
+                    "exp_avg_sq": ((rows.numel(), param.shape[1]), param.dtype),
+                    "row_step": ((rows.numel(),), torch.int64)}
+        if set(state) != set(expected):
+            raise ValueError(f"state must hold exactly {sorted(expected)}, got {sorted(state)}")
+        for key, (shape, dtype) in expected.items():
+            value = state[key]
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape or value.dtype != dtype:
+                raise ValueError(f"state[{key!r}] must be a {dtype} tensor of shape {shape}, got "
+                                 f"{getattr(value, 'dtype', type(value).__name__)} {tuple(getattr(value, 'shape', ()))}")
+            if key != "exp_avg" and bool((value < 0).any()):
+                raise ValueError(f"state[{key!r}] holds negative values")
+        table_state = self._row_state(param)
+        values = {key: value.to(param.device) for key, value in state.items()}
+        if not compact.is_compact(table_state):
+            for key, value in values.items():
+                table_state[key].index_copy_(0, rows, value)
+            return
+        slots, claim = compact.assign_slots(table_state, rows, None, param.shape[0])
+        for key, value in (("slot_step", values["row_step"]), ("exp_avg", values["exp_avg"]),
+                           ("exp_avg_sq", values["exp_avg_sq"])):
+            table_state[key].index_copy_(0, slots, value)
+        compact.commit_slots(table_state, rows, slots, claim)
+
     def touched_rows(self, param: torch.Tensor) -> torch.Tensor:
         """(K,) int64 ascending: the rows of table ``param`` that have optimizer state (updated at least once;
         in the dense form, the rows with a step count above zero)."""
