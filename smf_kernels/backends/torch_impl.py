@@ -245,12 +245,13 @@ class Backend:
         return _backward_by_dense_sub_key_grads(grad_scores, query, keys, indices, need_query, need_keys)
 
     def gather_forward(self, values, indices, weights, counts, valid):
-        """out (N, D) in values' dtype, by the authors' gather: F.embedding_bag; the read histogram added to
-        ``counts`` (M,) (reads of tokens with ``valid`` (N,) False left out) by bincount."""
+        """out (N, D) in values' dtype, by the authors' gather: F.embedding_bag; the reads added to ``counts``
+        (M,) in place (reads of tokens with ``valid`` (N,) False left out), with no (M,) histogram per call."""
         out = F.embedding_bag(indices, values, per_sample_weights=weights.to(values.dtype), mode="sum")
         if counts is not None:
-            read = indices if valid is None else indices[valid]
-            counts += torch.bincount(read.flatten(), minlength=counts.numel())
+            read = (indices if valid is None else indices[valid]).flatten()
+            counts.index_put_((read,), torch.ones((), dtype=counts.dtype, device=counts.device).expand(read.numel()),
+                              accumulate=True)
         return out
 
     def gather_backward(self, grad_out, values, indices, weights, update_rows, deterministic, need_values,
