@@ -10,6 +10,9 @@ backend it prints the time per generated token without memories (the same weight
 them, the memory layers' own forward time per token (timed around each ProductKeyMemory.forward) and that time's
 share of the token. ``ext, layout per call`` runs the ext backend with the top-k's key layout made on every lookup
 (the path before the memories kept it, smf_kernels.ops.KeyLayoutCache). One torch thread unless --threads.
+
+A second table times the top-k lookup alone (product_key_topk forward, the memories' shape, random queries) at
+1, 2, 4 and 8 tokens on each backend, interleaved, median of --lookup-repeats calls.
 """
 from __future__ import annotations
 
@@ -34,11 +37,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=5, help="generations per variant, interleaved (default: 5)")
+    p.add_argument("--lookup-repeats", type=int, default=50, help="calls per lookup timing (default: 50)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = p.parse_args(argv)
     for name in ("hidden", "layers", "n_keys", "heads", "topk", "key_dim", "prompt_tokens", "new_tokens", "repeats",
-                 "threads"):
+                 "lookup_repeats", "threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     return args
@@ -127,9 +131,37 @@ def benchmark(args) -> dict:
         memory = statistics.median(m for _, m in runs) / tokens
         rows[variant] = {"token_ms": total * 1e3, "memory_ms": memory * 1e3, "memory_share": memory / total}
     return {"config": {k: v for k, v in vars(args).items() if k != "json"}, "slots": args.n_keys ** 2,
+            "lookup": time_lookups(args, memories[0], [v for v in variants if variants[v][0] is not None]),
             "memory_layers": len(memories), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "machine": platform.processor() or platform.machine(), "load_average": os.getloadavg(), "rows": rows,
             "note": "per generated token, prompt included in the total (divided by new tokens); medians of repeats"}
+
+
+def time_lookups(args, memory, variants) -> dict:
+    """{tokens: {variant: median ms}} of product_key_topk at 1, 2, 4, 8 tokens with memory's keys."""
+    import torch
+
+    from smf_kernels.ops import KeyLayoutCache, product_key_topk
+
+    keys, result = memory.keys.detach(), {}
+    with torch.inference_mode():
+        for tokens in (1, 2, 4, 8):
+            query = torch.randn(tokens, args.heads, args.key_dim)
+            calls = {}
+            for variant in variants:
+                backend = variant.split(",")[0]
+                cache = None if variant.endswith("per call") else KeyLayoutCache()
+                calls[variant] = (lambda b=backend, c=cache: product_key_topk(query, keys, args.topk, backend=b,
+                                                                              key_layouts=c))
+                calls[variant]()
+            times = {v: [] for v in calls}
+            for _ in range(args.lookup_repeats):
+                for variant, call in calls.items():
+                    start = time.perf_counter()
+                    call()
+                    times[variant].append(time.perf_counter() - start)
+            result[tokens] = {v: statistics.median(t) * 1e3 for v, t in times.items()}
+    return result
 
 
 def print_table(result: dict) -> None:
@@ -141,6 +173,11 @@ def print_table(result: dict) -> None:
     print(f"{'':22} {'ms/token':>9} {'memory ms/token':>16} {'memory share':>13}")
     for name, row in result["rows"].items():
         print(f"{name:22} {row['token_ms']:9.3f} {row['memory_ms']:16.3f} {row['memory_share']:13.1%}")
+    variants = list(next(iter(result["lookup"].values())))
+    print(f"\nproduct_key_topk alone, {result['slots']:,} slots (median ms):")
+    print(f"{'tokens':>6} " + " ".join(f"{v:>22}" for v in variants))
+    for tokens, row in result["lookup"].items():
+        print(f"{tokens:>6} " + " ".join(f"{row[v]:22.3f}" for v in variants))
 
 
 def main(argv=None) -> int:
