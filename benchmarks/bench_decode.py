@@ -6,9 +6,10 @@
 The model is :func:`smf.tiny.tiny_config` (or that config widened: --hidden, --intermediate, --layers), randomly
 initialised, with memories at a quarter, half and three quarters of the depth (additive, value rows as wide as the
 hidden state). Greedy generation of --new-tokens tokens after a --prompt-tokens prompt, the KV cache on. For each
-backend it prints the time per generated token without memories (the same weights, the memories detached), with
-them, the memory layers' own forward time per token (timed around each ProductKeyMemory.forward) and that time's
-share of the token. ``ext, layout per call`` runs the ext backend with the top-k's key layout made on every lookup
+backend it prints the time per generated token without memories (the same random Qwen-2 before they were attached),
+with them, the memory layers' own forward time per token (timed around each ProductKeyMemory.forward) and that
+time's share of the token: the generating thread's CPU time (steady on a loaded machine; with one torch thread the
+whole work), and the wall time per token beside it. The prompt's forward is included (divided by the new tokens). ``ext, layout per call`` runs the ext backend with the top-k's key layout made on every lookup
 (the path before the memories kept it, smf_kernels.ops.KeyLayoutCache). One torch thread unless --threads.
 
 A second table times the top-k lookup alone (product_key_topk forward, the memories' shape, random queries) at
@@ -72,21 +73,19 @@ def build_models(args):
 
 
 class MemoryTimer:
-    """Seconds spent inside the memories' forwards (pre/post forward hooks)."""
+    """Thread CPU seconds spent inside the memories' forwards (pre/post forward hooks)."""
 
     def __init__(self, memories):
         self.seconds, self._start = 0.0, 0.0
-        self.enabled = True
         for memory in memories:
             memory.register_forward_pre_hook(self._begin)
             memory.register_forward_hook(self._end)
 
     def _begin(self, *_):
-        self._start = time.perf_counter()
+        self._start = time.thread_time()
 
     def _end(self, *_):
-        if self.enabled:
-            self.seconds += time.perf_counter() - self._start
+        self.seconds += time.thread_time() - self._start
 
 
 def benchmark(args) -> dict:
@@ -112,12 +111,12 @@ def benchmark(args) -> dict:
             memory.key_layouts = KeyLayoutCache() if cached else None
         timer.seconds = 0.0
         with torch.inference_mode():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             (base if backend is None else model).generate(
                 prompt, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
                 use_cache=True, pad_token_id=0)
-            total = time.perf_counter() - start
-        return total, timer.seconds
+            cpu, wall = time.thread_time() - start_cpu, time.perf_counter() - start
+        return cpu, timer.seconds, wall
 
     for variant in variants:
         generate(variant)  # warm-up
@@ -128,9 +127,11 @@ def benchmark(args) -> dict:
     tokens = args.new_tokens
     rows = {}
     for variant, runs in times.items():
-        total = statistics.median(t for t, _ in runs) / tokens
-        memory = statistics.median(m for _, m in runs) / tokens
-        rows[variant] = {"token_ms": total * 1e3, "memory_ms": memory * 1e3, "memory_share": memory / total}
+        total = statistics.median(t for t, _, _ in runs) / tokens
+        memory = statistics.median(m for _, m, _ in runs) / tokens
+        wall = statistics.median(w for _, _, w in runs) / tokens
+        rows[variant] = {"token_ms": total * 1e3, "memory_ms": memory * 1e3, "memory_share": memory / total,
+                         "token_wall_ms": wall * 1e3}
     return {"config": {k: v for k, v in vars(args).items() if k != "json"}, "slots": args.n_keys ** 2,
             "lookup": time_lookups(args, memories[0], [v for v in variants if variants[v][0] is not None]),
             "memory_layers": len(memories), "threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -174,9 +175,10 @@ def print_table(result: dict) -> None:
           f"of {result['slots']:,} slots ({c['heads']} heads, top-{c['topk']}, key width {c['key_dim']}), "
           f"{c['prompt_tokens']}-token prompt, {c['new_tokens']} new tokens, KV cache, {result['threads']} thread(s); "
           "load " + " ".join(f"{v:.2f}" for v in result["load_average"]))
-    print(f"{'':22} {'ms/token':>9} {'memory ms/token':>16} {'memory share':>13}")
+    print(f"{'(thread CPU time)':22} {'ms/token':>9} {'memory ms/token':>16} {'memory share':>13} {'wall ms/token':>14}")
     for name, row in result["rows"].items():
-        print(f"{name:22} {row['token_ms']:9.3f} {row['memory_ms']:16.3f} {row['memory_share']:13.1%}")
+        print(f"{name:22} {row['token_ms']:9.3f} {row['memory_ms']:16.3f} {row['memory_share']:13.1%} "
+              f"{row['token_wall_ms']:14.3f}")
     variants = list(next(iter(result["lookup"].values())))
     print(f"\nproduct_key_topk alone, {result['slots']:,} slots (median thread CPU ms, wall ms in brackets):")
     print(f"{'tokens':>6} " + " ".join(f"{v:>24}" for v in variants))
