@@ -13,7 +13,8 @@ Rows: ``forward`` (under no_grad); ``read only`` (under no_grad): ours without t
 (query projection, top-k, softmax, weighted gather: the work both layers do); ``forward+backward`` (the backward of
 the output's sum, into every parameter).
 The two layers run in interleaved pairs (the order alternating between pairs), so each ratio compares runs taken
-side by side; the table shows the median of each layer's times and the median of the per-pair ratios ours / theirs
+side by side; the table shows the median of each layer's times (the thread's CPU time, which a loaded machine
+disturbs far less than the wall time, shown beside it) and the median of the per-pair CPU-time ratios ours / theirs
 (< 1: ours faster). ``--profile`` adds the median time of each stage of our forward (query projection, top-k,
 softmax, gather, gate, output projection) and the ops of theirs by self CPU time (torch.profiler). Exits 0 with a message when ``product-key-memory`` is not installed
 (``pip install -c constraints-cpu.txt product-key-memory colt5-attention local-attention hyper-connections einops
@@ -63,18 +64,21 @@ def build_layers(backend):
     return ours, theirs
 
 
-def _time(fn) -> float:
-    start = time.perf_counter()
+def _time(fn) -> tuple[float, float]:
+    """(the calling thread's CPU seconds, wall seconds) of fn(): with one torch thread the CPU time is the whole
+    work, and a loaded machine disturbs it far less than the wall time."""
+    start, start_cpu = time.perf_counter(), time.thread_time()
     fn()
-    return time.perf_counter() - start
+    return time.thread_time() - start_cpu, time.perf_counter() - start
 
 
 def time_pairs(ours_fn, theirs_fn, pairs: int) -> dict:
-    """Medians (s) of each side and of the per-pair ratios ours / theirs; two untimed pairs first."""
+    """Medians (s) of each side's CPU and wall times and of the per-pair CPU-time ratios ours / theirs; two untimed
+    pairs first."""
     for _ in range(2):
         ours_fn()
         theirs_fn()
-    ours, theirs, ratios = [], [], []
+    ours, theirs = [], []
     for p in range(pairs):
         if p % 2:
             b, a = _time(theirs_fn), _time(ours_fn)
@@ -82,13 +86,15 @@ def time_pairs(ours_fn, theirs_fn, pairs: int) -> dict:
             a, b = _time(ours_fn), _time(theirs_fn)
         ours.append(a)
         theirs.append(b)
-        ratios.append(a / b)
-    return {"ours_s": statistics.median(ours), "theirs_s": statistics.median(theirs),
-            "ratio": statistics.median(ratios), "pairs": pairs}
+    return {"ours_s": statistics.median(a for a, _ in ours), "theirs_s": statistics.median(b for b, _ in theirs),
+            "ours_wall_s": statistics.median(a for _, a in ours),
+            "theirs_wall_s": statistics.median(b for _, b in theirs),
+            "ratio": statistics.median(a[0] / b[0] for a, b in zip(ours, theirs, strict=True)), "pairs": pairs}
 
 
 def profile_ours(ours, x, pairs: int) -> dict:
-    """Median seconds of each stage of our forward (no_grad), the stages run as ProductKeyMemory.forward runs them."""
+    """Median CPU seconds of each stage of our forward (no_grad), the stages run as ProductKeyMemory.forward runs
+    them."""
     import torch
 
     from smf_kernels.ops import product_key_topk, silu_mul, weighted_gather
@@ -121,7 +127,7 @@ def profile_ours(ours, x, pairs: int) -> dict:
             fn()
         for _ in range(pairs):
             for name, fn in stages.items():
-                times[name].append(_time(fn))
+                times[name].append(_time(fn)[0])
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -177,12 +183,13 @@ def print_table(result: dict) -> None:
           f"d_model {SHAPE['d_model']}, {SHAPE['n_keys']}**2 slots, {SHAPE['heads']} heads, top-{SHAPE['topk']}, "
           f"key width {SHAPE['key_dim']}, fp32, {result['threads']} thread(s); load "
           + " ".join(f"{v:.2f}" for v in result["load_average"]))
-    print(f"{'':18} {'ours ms':>9} {'theirs ms':>10} {'ours/theirs':>12}  (median of {result['rows']['forward']['pairs']}"
-          " per-pair ratios)")
+    print(f"{'(thread CPU time)':18} {'ours ms':>9} {'theirs ms':>10} {'ours/theirs':>12} {'wall: ours':>11} "
+          f"{'theirs':>8}  (ratio: median of {result['rows']['forward']['pairs']} per-pair ratios)")
     for name, row in result["rows"].items():
-        print(f"{name:18} {row['ours_s'] * 1e3:9.2f} {row['theirs_s'] * 1e3:10.2f} {row['ratio']:12.3f}")
+        print(f"{name:18} {row['ours_s'] * 1e3:9.2f} {row['theirs_s'] * 1e3:10.2f} {row['ratio']:12.3f} "
+              f"{row['ours_wall_s'] * 1e3:11.2f} {row['theirs_wall_s'] * 1e3:8.2f}")
     if "profile" in result:
-        print("\nour forward by stage (no_grad, median ms):")
+        print("\nour forward by stage (no_grad, median thread CPU ms):")
         for name, seconds in result["profile"].items():
             print(f"  {name:24} {seconds * 1e3:8.2f}")
         print("\ntheir forward by op (no_grad, self CPU ms per forward, torch.profiler):")

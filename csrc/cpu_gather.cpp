@@ -79,9 +79,12 @@ inline void prefetch(const void* start, int64_t bytes) {
   for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset);
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__)
 // AVX2 tile: 14 ymm accumulators (112 floats) stay in registers, next to the broadcast
 // weight and one temporary; the generic loop's 256-wide array spills without AVX-512.
+// AVX-512 builds take this forward too, for its column groups: on this project's AVX-512 EPYC VM (32 MB L3), at
+// N = 2048, L = 64, D = 896 fp32 and 16k rows, one thread, it took 23 ms where the generic whole-row loop took
+// 40 ms (F.embedding_bag: 33 ms), bit for bit the same sums (each output a d-ordered chain of FMAs from zero).
 constexpr int kAvx2Vectors = 14;
 constexpr int64_t kAvx2Tile = 8 * kAvx2Vectors;
 
@@ -142,7 +145,7 @@ void gather_forward_impl(const T* values, const int64_t* indices, const typename
     my_counts = local_counts[omp_get_thread_num()].data();
   }
   int64_t d_start = 0;  // columns before it were done by a vector path
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__)
   if constexpr (!std::is_same_v<T, double>) {
     const int64_t vector_cols = dim / kAvx2Tile * kAvx2Tile;
     const int64_t group = gather_column_group(num_rows, sizeof(T));
