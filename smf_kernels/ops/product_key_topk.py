@@ -42,10 +42,6 @@ class KeyLayoutCache:
             self._stamp, self._keys = stamp, keys.detach()
         return self._layout
 
-    def clear(self) -> None:
-        """Drop the layout and the keys it holds."""
-        self._stamp = self._keys = self._layout = None
-
 
 @torch.library.custom_op("smf_kernels::product_key_topk", mutates_args=())
 def _product_key_topk(query: torch.Tensor, keys: torch.Tensor, topk: int, backend: str,
