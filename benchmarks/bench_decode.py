@@ -63,6 +63,7 @@ def build_models(args):
     config = tiny_config()
     config.hidden_size, config.num_hidden_layers = args.hidden, args.layers
     config.intermediate_size = args.intermediate or 2 * args.hidden
+    config.layer_types = ["full_attention"] * args.layers  # sized by the config's own layer count
     torch.manual_seed(0)
     base = Qwen2ForCausalLM(config).eval()
     model = copy.deepcopy(base)
