@@ -129,11 +129,11 @@ def _tensors(obj, depth: int = 0):
 
 def held_bytes(layer: dict) -> dict:
     """Bytes of the tensors the layer and its step hold, by part, each storage counted once (in the first part
-    that holds it): ``layer`` (parameters and buffers), ``background`` (the controller's statistics and their
-    device copies), ``optimizer`` (its state), ``sinks`` (the step's gradient sinks: call after the backward)."""
+    that holds it): ``layer`` (parameters and buffers), ``background`` (the controller's statistics and the
+    selection weights made from them), ``optimizer`` (its state), ``sinks`` (the step's gradient sinks: call after the backward)."""
     controller = layer["controller"]
     parts = {"layer": list(layer["memory"].parameters()) + list(layer["memory"].buffers()),
-             "background": list(_tensors(vars(controller.background))) + list(_tensors(controller._background_on)),
+             "background": list(_tensors(vars(controller.background))) + list(_tensors(controller._weights)),
              "optimizer": list(_tensors(layer["optimizer"].state)),
              "sinks": list(_tensors(controller._sinks))}
     seen, sizes = set(), {}
