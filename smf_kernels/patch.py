@@ -163,11 +163,14 @@ class MemoryPatch:
                 can continue from the merged patch (:meth:`load_optimizer_rows`). A table the optimizer has not
                 stepped gets none; one it steps densely is refused.
 
-        Tensors equal to the base bit for bit get no entry; ValueError for a tensor the model lacks or of another
-        shape, or a ``rows`` entry that is not ascending, unique and in range.
+        Tensors equal to the base bit for bit get no entry; ValueError for a model without memories, a tensor the
+        model lacks or of another shape, or a ``rows`` entry that is not ascending, unique and in range.
         """
         state = model.state_dict(keep_vars=True)
         tables = _value_tables(model)
+        if not tables:
+            raise ValueError(f"model: a {type(model).__name__} without memories (no ProductKeyMemory): a knowledge "
+                             "patch holds the changes of a model's memories")
         configs = _memory_configs(model)
         names = list(memory_scope(model)) if isinstance(base, nn.Module) else list(base)
         base_state = base.state_dict(keep_vars=True) if isinstance(base, nn.Module) else base
@@ -203,8 +206,16 @@ class MemoryPatch:
 
     # -- files -------------------------------------------------------------------------------------------------
     def save(self, directory: str | Path) -> Path:
-        """Write ``patch.safetensors`` and ``patch.json`` into ``directory`` (created), each atomically; returns it."""
+        """Write ``patch.safetensors`` and ``patch.json`` into ``directory`` (created), each atomically; returns it.
+        ValueError before anything is written for an entry holding non-finite values (:meth:`load` refuses them),
+        NotADirectoryError for a ``directory`` that is a file."""
         directory = Path(directory)
+        for entry in self.entries.values():
+            if not all(bool(torch.isfinite(t).all()) for t in (entry.data, *(entry.moments or {}).values())):
+                raise ValueError(f"patch entry {entry.name} holds non-finite values (a run that diverged?); nothing "
+                                 f"was written to {str(directory)!r}")
+        if directory.exists() and not directory.is_dir():
+            raise NotADirectoryError(f"directory: {str(directory)!r} is a file, not a folder for a knowledge patch")
         directory.mkdir(parents=True, exist_ok=True)
         tensors = {}
         for entry in self.entries.values():
