@@ -23,8 +23,10 @@ the authors' layer. Backends alternate within every repetition, so each ratio
 compares runs taken side by side. On CPU the compiled extension is built on
 first use (once, cached; see smf_kernels.build_ext) so that the table shows it;
 without a compiler the table has the torch rows. ``--json PATH`` also writes
-every number. Needs no GPU and no download. Progress goes to stderr as it happens (the extension's build file
-by file, then one line per op and backend as each op finishes); the table comes at the end, on stdout.
+every number. Needs no GPU and no download. Progress goes to stderr as it happens (what is loading, the
+extension's build file by file, then one line per op and backend as each op finishes, and, whenever
+``Progress.QUIET_SECONDS`` pass without a line, what is running: which op, backend and run); the table comes at
+the end, on stdout.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ import os
 import platform
 import statistics
 import sys
+import threading
 import time
 
 PAPER = dict(n_keys=128, heads=4, topk=16, key_dim=256, value_dim=896)
@@ -46,6 +49,53 @@ logger = logging.getLogger("bench_lookup")
 
 class UsageError(Exception):
     """A request this machine cannot run (a backend unavailable on the device): one line, exit code 2."""
+
+
+class Progress(threading.Thread):
+    """What the benchmark is doing (:meth:`doing`), logged whenever ``QUIET_SECONDS`` pass without any log line
+    (the benchmark's, the extension build's), once :meth:`start` ed: one op's runs take minutes on a loaded machine,
+    and silence looks like a hang. Unstarted, it only records (a caller of :func:`benchmark` that wants no
+    thread)."""
+
+    QUIET_SECONDS = 8
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.started = self.last_line = time.perf_counter()
+        self.what = "starting"
+        self.done = threading.Event()
+        self.seen = _LineSeen(self)
+
+    def doing(self, what: str) -> None:
+        self.what = what
+
+    def start(self) -> None:
+        logging.getLogger().addHandler(self.seen)
+        super().start()
+
+    def run(self) -> None:
+        while not self.done.wait(1.0):
+            now = time.perf_counter()
+            if now - self.last_line >= self.QUIET_SECONDS:
+                logger.info("  still %s (%.0f s since the start)", self.what, now - self.started)
+                self.last_line = now
+
+    def stop(self) -> None:
+        self.done.set()
+        if self.is_alive():
+            self.join()
+        logging.getLogger().removeHandler(self.seen)
+
+
+class _LineSeen(logging.Handler):
+    """Restarts a :class:`Progress`'s quiet interval at every log line."""
+
+    def __init__(self, progress: Progress) -> None:
+        super().__init__()
+        self.progress = progress
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.progress.last_line = time.perf_counter()
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -118,14 +168,17 @@ def _timer(device):
     return time_once
 
 
-def _time_side_by_side(fns: dict, repeats: int, time_once, warmup: int = 2) -> dict:
-    """Median seconds of each of ``fns`` (name -> callable), the calls alternating within every repetition."""
-    for _ in range(warmup):
-        for fn in fns.values():
+def _time_side_by_side(fns: dict, repeats: int, time_once, warmup: int = 2, doing=lambda what: None) -> dict:
+    """Median seconds of each of ``fns`` (name -> callable), the calls alternating within every repetition;
+    ``doing(what)`` is told each call before it starts ("torch, warm-up 1 of 2", "ext, run 3 of 10")."""
+    for number in range(1, warmup + 1):
+        for name, fn in fns.items():
+            doing(f"{name}, warm-up {number} of {warmup}")
             fn()
     times = {name: [] for name in fns}
-    for _ in range(repeats):
+    for number in range(1, repeats + 1):
         for name, fn in fns.items():
+            doing(f"{name}, run {number} of {repeats}")
             times[name].append(time_once(fn))
     return {name: statistics.median(t) for name, t in times.items()}
 
@@ -172,7 +225,10 @@ def authors_layer_class():
     return AuthorsMemoryLayer
 
 
-def benchmark(args: argparse.Namespace) -> dict:
+def benchmark(args: argparse.Namespace, progress: Progress | None = None) -> dict:
+    """Time the ops and the layer as ``args`` say; ``progress`` (a started :class:`Progress`) is told each step."""
+    progress = progress or Progress()
+    progress.doing("loading torch and smf_kernels")
     import torch
 
     import smf_kernels
@@ -198,6 +254,9 @@ def benchmark(args: argparse.Namespace) -> dict:
     num_slots, dim, per_token = cfg["n_keys"] ** 2, cfg["value_dim"], cfg["heads"] * cfg["topk"]
     update_rows = min(args.update_rows, num_slots)
     time_once = _timer(device)
+    logger.info("making the inputs and the layers: %d tokens (layer %d), %s slots of width %d, %s, on %s",
+                tokens, layer_tokens, f"{num_slots:,}", dim, args.dtype, device)
+    progress.doing("making the inputs and the layers")
 
     gen = torch.Generator(device="cpu").manual_seed(0)
     query = torch.randn(tokens, cfg["heads"], cfg["key_dim"], generator=gen).to(device, dtype)
@@ -262,6 +321,7 @@ def benchmark(args: argparse.Namespace) -> dict:
     per_backend = {name: ops_of(name) for name in backends}
     authors = step(authors_layer_class()(cfg["value_dim"], value_dim=cfg["value_dim"], **layer_args).to(device, dtype))
     authors_unavailable = None
+    progress.doing("running the authors' layer once")
     try:
         authors()
     except NotImplementedError as exc:  # CUDA bf16: ATen has no per-sample-weights embedding_bag backward
@@ -274,7 +334,11 @@ def benchmark(args: argparse.Namespace) -> dict:
         fns = {name: per_backend[name][op] for name in backends}
         if op == "layer fwd+bwd" and authors_unavailable is None:
             fns["authors"] = authors
-        for name, seconds in _time_side_by_side(fns, repeats, time_once).items():
+
+        def doing(what: str, op: str = op, number: int = number) -> None:
+            progress.doing(f"timing {op} (op {number} of {len(_OP_ORDER)}): {what}")
+
+        for name, seconds in _time_side_by_side(fns, repeats, time_once, doing=doing).items():
             moved = _bytes_moved(op, cfg, tokens, values.element_size(), update_rows)
             results.append({"op": op, "backend": name, "median_ms": seconds * 1e3,
                             "gb_per_s": moved / seconds / 1e9 if moved else None, "bytes": moved})
@@ -358,12 +422,19 @@ def main(argv=None) -> int:
         # Triton on CPU runs only through its interpreter, enabled before any kernel is defined, i.e. before
         # torch is imported (torch 2.13 imports triton.language, whose own helpers are @triton.jit).
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    prepare_extension(args)
+    progress = Progress()
+    logger.info("bench_lookup: the memory-layer ops on %s (%s); loading torch and smf_kernels", args.device,
+                "tiny configuration" if args.tiny else "the paper's configuration")
+    progress.doing("loading torch, then the CPU extension (built on the first run: a line per file)")
+    progress.start()
     try:
-        report = benchmark(args)
+        prepare_extension(args)
+        report = benchmark(args, progress)
     except UsageError as exc:
         print(f"bench_lookup.py: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        progress.stop()
     print(format_table(report))
     if args.json:
         with open(args.json, "w") as f:

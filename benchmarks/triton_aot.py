@@ -112,6 +112,9 @@ def launch_plans(dtype_name: str, config: dict) -> dict:
         "row_adamw (T rows, clipped)": triton_row_adamw.plan_row_adamw(
             values, torch.empty_like(values), torch.empty_like(values), row_step, update_rows, grad_rows, row_valid,
             lr, clip, 0.9, 0.999, 1e-8, 0.01)[0],
+        "row_adamw (T rows, clipped, compact state)": triton_row_adamw.plan_row_adamw(
+            values, grad_rows.to(dtype), grad_rows.to(dtype), row_step[:selected], update_rows, grad_rows, row_valid,
+            lr, clip, 0.9, 0.999, 1e-8, 0.01, state_slots=update_rows)[0],
     }
 
 

@@ -431,31 +431,35 @@ std::tuple<at::Tensor, at::Tensor> silu_mul_backward(const at::Tensor& grad_in, 
   return {grad_gate.to(gate_in.scalar_type()), grad_read.to(gate_in.scalar_type())};
 }
 
-// AdamW on rows of a table in place (CPU): param, exp_avg, exp_avg_sq (M, D) of one float dtype (not
-// float16), row_step (M,) int64, rows (T,) int64 strictly ascending in [0, M), grad (T, D) acc, valid
-// (T,) bool or None, grad_scale a number. Everything is checked before any row is touched.
+// AdamW on rows of a table in place (CPU): param (M, D) of one float dtype (not float16), rows (T,) int64 strictly
+// ascending in [0, M), grad (T, D) acc, valid (T,) bool or None, grad_scale a number; the state exp_avg,
+// exp_avg_sq (M, D) of param's dtype and row_step (M,) int64 by row, or with state_slots (T,) int64 distinct in
+// [0, S) (S, D) and (S,) by slot. Everything is checked before any row is touched.
 void row_adamw(at::Tensor param, at::Tensor exp_avg, at::Tensor exp_avg_sq, at::Tensor row_step,
                const at::Tensor& rows, const at::Tensor& grad_in, std::optional<at::Tensor> valid_in, double lr,
-               double grad_scale, double beta1, double beta2, double eps, double weight_decay) {
+               double grad_scale, double beta1, double beta2, double eps, double weight_decay,
+               std::optional<at::Tensor> state_slots_in) {
   TORCH_CHECK(param.is_cpu(), "smf_kernels ext: row_adamw runs on CPU; got ", param.device());
   check_rank(param, "param", 2, "(M, D)");
   check_float(param, "param");
   TORCH_CHECK(param.scalar_type() != at::kHalf, "smf_kernels ext: row_adamw takes no float16 table");
+  check_rank(row_step, "row_step", 1, state_slots_in.has_value() ? "(S,)" : "(M,)");
+  check_dtype(row_step, "row_step", at::kLong);
+  check_device(row_step, "row_step", param, "param");
+  const int64_t state_rows = state_slots_in.has_value() ? row_step.size(0) : param.size(0);
+  TORCH_CHECK(row_step.size(0) == state_rows, "smf_kernels ext: row_step must have shape (M,) = (",
+              text(param.size(0)), "), got ", text(row_step.sizes()));
   for (const auto& [state, name] : {std::pair<const at::Tensor&, const char*>{exp_avg, "exp_avg"},
                                     std::pair<const at::Tensor&, const char*>{exp_avg_sq, "exp_avg_sq"}}) {
     check_dtype(state, name, param.scalar_type());
     check_device(state, name, param, "param");
-    TORCH_CHECK(state.sizes() == param.sizes(), "smf_kernels ext: ", name, " must have param's shape ",
-                text(param.sizes()), ", got ", text(state.sizes()));
+    TORCH_CHECK(state.dim() == 2 && state.size(0) == state_rows && state.size(1) == param.size(1),
+                "smf_kernels ext: ", name, " must have shape (", text(state_rows), ", ", text(param.size(1)),
+                "), got ", text(state.sizes()));
   }
   TORCH_CHECK(param.is_contiguous() && exp_avg.is_contiguous() && exp_avg_sq.is_contiguous() &&
                   row_step.is_contiguous(),
               "smf_kernels ext: row_adamw updates param and its state in place: they must be contiguous");
-  check_rank(row_step, "row_step", 1, "(M,)");
-  check_dtype(row_step, "row_step", at::kLong);
-  check_device(row_step, "row_step", param, "param");
-  TORCH_CHECK(row_step.size(0) == param.size(0), "smf_kernels ext: row_step must have shape (M,) = (",
-              text(param.size(0)), "), got ", text(row_step.sizes()));
   check_rank(rows, "rows", 1, "(T,)");
   check_dtype(rows, "rows", at::kLong);
   check_device(rows, "rows", param, "param");
@@ -464,6 +468,20 @@ void row_adamw(at::Tensor param, at::Tensor exp_avg, at::Tensor exp_avg_sq, at::
   const int64_t* row_ids = ordered.const_data_ptr<int64_t>();
   for (int64_t t = 1; t < ordered.numel(); ++t)
     TORCH_CHECK(row_ids[t] > row_ids[t - 1], "smf_kernels ext: rows must be strictly ascending (sorted, distinct)");
+  at::Tensor state_slots;
+  if (state_slots_in.has_value()) {
+    state_slots = state_slots_in->contiguous();
+    check_rank(state_slots, "state_slots", 1, "(T,)");
+    check_dtype(state_slots, "state_slots", at::kLong);
+    check_device(state_slots, "state_slots", param, "param");
+    TORCH_CHECK(state_slots.numel() == rows.numel(), "smf_kernels ext: state_slots must have shape (T,) = (",
+                text(rows.numel()), "), got ", text(state_slots.sizes()));
+    check_index_range(state_slots, "state_slots", state_rows);
+    const at::Tensor sorted = std::get<0>(state_slots.sort());  // threads own slots: they must be distinct
+    const int64_t* slot_ids = sorted.const_data_ptr<int64_t>();
+    for (int64_t t = 1; t < sorted.numel(); ++t)
+      TORCH_CHECK(slot_ids[t] != slot_ids[t - 1], "smf_kernels ext: state_slots must be distinct");
+  }
   check_rank(grad_in, "grad", 2, "(T, D)");
   check_dtype(grad_in, "grad", accumulation_type(param));
   check_device(grad_in, "grad", param, "param");
@@ -481,7 +499,8 @@ void row_adamw(at::Tensor param, at::Tensor exp_avg, at::Tensor exp_avg_sq, at::
   }
   const at::Tensor grad = grad_in.contiguous();
   smf::cpu::row_adamw(kernel_dtype(param), param.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
-                      row_step.data_ptr<int64_t>(), row_ids, grad.const_data_ptr(),
+                      row_step.data_ptr<int64_t>(), row_ids,
+                      state_slots.defined() ? state_slots.const_data_ptr<int64_t>() : nullptr, grad.const_data_ptr(),
                       valid.defined() ? valid.const_data_ptr<bool>() : nullptr, rows.numel(), param.size(1), lr,
                       grad_scale, beta1, beta2, eps, weight_decay, at::get_num_threads());
 }
@@ -519,7 +538,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("gate"), py::arg("read"));
   m.def("row_adamw", &row_adamw, "AdamW on rows of a table, in place; CPU", py::arg("param"), py::arg("exp_avg"),
         py::arg("exp_avg_sq"), py::arg("row_step"), py::arg("rows"), py::arg("grad"), py::arg("valid"), py::arg("lr"),
-        py::arg("grad_scale"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"));
+        py::arg("grad_scale"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
+        py::arg("state_slots") = py::none());
   m.def("release_idle_outputs", &smf::cpu::release_idle_outputs,
         "return the cached blocks of freed large CPU outputs to the system; the bytes released");
 }

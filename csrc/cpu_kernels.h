@@ -87,9 +87,10 @@ void silu_mul_backward(DType dtype, const void* grad, const void* gate, const vo
 
 // AdamW on rows `rows` (T,) of param (M, D) `dtype` in place, with its moments exp_avg and exp_avg_sq
 // (M, D) `dtype` and per-row step counts row_step (M,): row t of grad (T, D) acc, times grad_scale, is
-// row rows[t]'s gradient; rows with valid != nullptr && !valid[t] are skipped. Rows are distinct.
+// row rows[t]'s gradient; rows with valid != nullptr && !valid[t] are skipped. Rows are distinct. With
+// slots != nullptr (T,) distinct, row rows[t]'s moments and step count are row slots[t] of (S, D) / (S,) state.
 void row_adamw(DType dtype, void* param, void* exp_avg, void* exp_avg_sq, int64_t* row_step, const int64_t* rows,
-               const void* grad, const bool* valid, int64_t num_update_rows, int64_t dim, double lr, double grad_scale,
+               const int64_t* slots, const void* grad, const bool* valid, int64_t num_update_rows, int64_t dim, double lr, double grad_scale,
                double beta1, double beta2, double eps, double weight_decay, int threads);
 
 }  // namespace smf::cpu

@@ -5,11 +5,13 @@ namespace smf::cpu {
 
 // AdamW on rows of a table, one pass over each selected row: its parameter and both moments are read
 // and written once (smf_kernels/ops/row_adamw.py has the formulas). Rows are distinct, so threads own rows.
+// The moments and the step count of row rows[t] are at row slots[t] of the state when slots is given (distinct
+// too), else at row rows[t].
 // The moments and the parameter are rounded to T where torch's optimizer rounds them; the bias
 // corrections are computed in double and rounded to A, as RowSparseAdamW's factors are.
 template <typename T>
 void row_adamw_impl(T* param, T* exp_avg, T* exp_avg_sq, int64_t* row_step, const int64_t* rows,
-                    const typename Accumulate<T>::type* grad, const bool* valid, int64_t num_update_rows, int64_t dim,
+                    const int64_t* slots, const typename Accumulate<T>::type* grad, const bool* valid, int64_t num_update_rows, int64_t dim,
                     double lr, double grad_scale, double beta1, double beta2, double eps, double weight_decay,
                     int threads) {
   using A = typename Accumulate<T>::type;
@@ -19,13 +21,13 @@ void row_adamw_impl(T* param, T* exp_avg, T* exp_avg_sq, int64_t* row_step, cons
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t t = 0; t < num_update_rows; ++t) {
     if (valid != nullptr && !valid[t]) continue;
-    const int64_t r = rows[t];
-    const int64_t step = ++row_step[r];
+    const int64_t r = rows[t], s = slots != nullptr ? slots[t] : r;
+    const int64_t step = ++row_step[s];
     const A step_size = static_cast<A>(lr / (1.0 - std::pow(beta1, static_cast<double>(step))));
     const A correction2 = static_cast<A>(std::sqrt(1.0 - std::pow(beta2, static_cast<double>(step))));
     T* p = param + r * dim;
-    T* m = exp_avg + r * dim;
-    T* v = exp_avg_sq + r * dim;
+    T* m = exp_avg + s * dim;
+    T* v = exp_avg_sq + s * dim;
     const A* g_row = grad + t * dim;
     for (int64_t d = 0; d < dim; ++d) {
       const A g = rounded<T>(g_row[d] * scale);  // the gradient in the table's dtype, as torch's is
@@ -40,10 +42,10 @@ void row_adamw_impl(T* param, T* exp_avg, T* exp_avg_sq, int64_t* row_step, cons
 }
 
 void row_adamw(DType dtype, void* param, void* exp_avg, void* exp_avg_sq, int64_t* row_step, const int64_t* rows,
-               const void* grad, const bool* valid, int64_t num_update_rows, int64_t dim, double lr, double grad_scale,
+               const int64_t* slots, const void* grad, const bool* valid, int64_t num_update_rows, int64_t dim, double lr, double grad_scale,
                double beta1, double beta2, double eps, double weight_decay, int threads) {
   SMF_CPU_DISPATCH(dtype, row_adamw_impl(static_cast<T*>(param), static_cast<T*>(exp_avg), static_cast<T*>(exp_avg_sq),
-                                         row_step, rows, static_cast<const typename Accumulate<T>::type*>(grad), valid,
+                                         row_step, rows, slots, static_cast<const typename Accumulate<T>::type*>(grad), valid,
                                          num_update_rows, dim, lr, grad_scale, beta1, beta2, eps, weight_decay,
                                          threads));
 }

@@ -34,7 +34,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE_DIR = Path(__file__).resolve().parent.parent / "csrc"
+# The sources: smf_kernels/csrc/ in an installed wheel (setup.py copies them there), csrc/ beside the package in a
+# checkout or an editable install.
+_PACKAGE_SOURCES = Path(__file__).resolve().parent / "csrc"
+SOURCE_DIR = _PACKAGE_SOURCES if _PACKAGE_SOURCES.is_dir() else Path(__file__).resolve().parent.parent / "csrc"
 # bindings.cpp (torch/extension.h, pybind11) takes most of the build; the kernels, one file per op, compile beside it.
 CPU_SOURCES = ("bindings.cpp", "cpu_topk.cpp", "cpu_gather.cpp", "cpu_silu_mul.cpp", "cpu_row_adamw.cpp",
                "cpu_output_pool.cpp")
@@ -113,7 +116,7 @@ class _BuildProgress(threading.Thread):
     with the seconds it took and since the build started, and every ``QUIET_SECONDS`` without one the files still
     compiling: a build on a loaded machine takes minutes, and silence looks like a hang."""
 
-    QUIET_SECONDS = 10
+    QUIET_SECONDS = 8  # under 10 s between lines, the 1 s poll included
 
     def __init__(self, directory: Path, sources: list[str]) -> None:
         super().__init__(daemon=True)

@@ -160,8 +160,9 @@ class MemoryPatch:
                 be unchanged (checked). Memories not named are compared.
             optimizer: optional; the optimizer's state of the saved rows (``row_step``, ``exp_avg``,
                 ``exp_avg_sq``: :class:`~smf_kernels.sparse.RowSparseAdamW`'s) travels with them, so that training
-                can continue from the merged patch (:meth:`load_optimizer_rows`). A table the optimizer has not
-                stepped gets none; one it steps densely is refused.
+                can continue from the merged patch (:meth:`load_optimizer_rows`); every row the optimizer has
+                touched is saved (a row whose bits did not move still has state that did). A table the optimizer
+                has not stepped gets none; one it steps densely is refused.
 
         Tensors equal to the base bit for bit get no entry; ValueError for a model without memories, a tensor the
         model lacks or of another shape, or a ``rows`` entry that is not ascending, unique and in range.
@@ -191,7 +192,9 @@ class MemoryPatch:
                                  "in the model")
             memory = configs.get(name)
             if name in tables:
-                entry = _row_entry(name, tensor, base_tensor, memory, rows.get(tables[name]))
+                touched = (_touched_rows(optimizer, state[name])
+                           if optimizer is not None and tables[name] not in rows else None)
+                entry = _row_entry(name, tensor, base_tensor, memory, rows.get(tables[name]), touched)
                 if entry is not None and optimizer is not None:
                     entry.moments = _row_moments(name, optimizer, state[name], entry.indices)
             elif not torch.equal(_bits(base_tensor.to(tensor.device, tensor.dtype)), _bits(tensor)):
@@ -317,25 +320,19 @@ class MemoryPatch:
         carried = [entry for entry in self.entries.values() if entry.moments is not None]
         if not carried:
             raise ValueError("this patch carries no optimizer rows (saved without optimizer=)")
+        if not hasattr(optimizer, "set_row_state"):
+            raise ValueError(f"optimizer: a {type(optimizer).__name__} keeps no state by rows (RowSparseAdamW does)")
         for entry in carried:
             table = state.get(entry.name)
             if table is None or id(table) not in owned or tuple(table.shape) != entry.shape:
                 raise ValueError(f"patch entry {entry.name}: the model has no {entry.shape} parameter of that name "
                                  "that the optimizer steps")
-            existing = optimizer.state.get(table) or {}
-            if existing and any(key not in existing for key in ROW_MOMENTS):
-                raise ValueError(f"patch entry {entry.name}: the optimizer's state of it is not by rows (keys "
-                                 f"{sorted(existing)})")
+            if "step" in (optimizer.state.get(table) or {}):
+                raise ValueError(f"patch entry {entry.name}: the optimizer's state of it is not by rows")
         for entry in carried:
             table = state[entry.name]
-            row_state = optimizer.state[table]
-            if not row_state:
-                row_state["row_step"] = torch.zeros(entry.shape[0], dtype=torch.int64, device=table.device)
-                row_state["exp_avg"] = torch.zeros_like(table, memory_format=torch.preserve_format)
-                row_state["exp_avg_sq"] = torch.zeros_like(table, memory_format=torch.preserve_format)
-            indices = entry.indices.to(table.device)
-            for key, rows in entry.moments.items():
-                row_state[key].index_copy_(0, indices, rows.to(table.device))
+            optimizer.set_row_state(table, entry.indices.to(device=table.device, dtype=torch.int64),
+                                    {key: rows.to(table.device) for key, rows in entry.moments.items()})
 
     def _targets(self, model: nn.Module, expected: str) -> dict[str, torch.Tensor]:
         """The model's tensor of every entry, each checked (shape, dtype, ``expected`` fingerprint: "base" or
@@ -361,9 +358,10 @@ class MemoryPatch:
 
 
 def _row_entry(name: str, table: torch.Tensor, base: torch.Tensor, memory: dict | None,
-               rows: torch.Tensor | None) -> PatchEntry | None:
-    """The row entry of values table ``name`` (M, D) against ``base`` (M, D): the rows that differ bitwise, or
-    ``rows`` (checked: every other row unchanged); None when no row changed and none was given."""
+               rows: torch.Tensor | None, touched: torch.Tensor | None = None) -> PatchEntry | None:
+    """The row entry of values table ``name`` (M, D) against ``base`` (M, D): the rows that differ bitwise (and
+    the optimizer's ``touched`` rows, whose state moved even where a row's bits did not), or ``rows`` (checked:
+    every other row unchanged); None when no row changed and none was given."""
     if rows is not None:
         _check_indices(f"rows[{name!r}]", rows, table.shape[0])
         rows = rows.to(table.device)
@@ -384,6 +382,8 @@ def _row_entry(name: str, table: torch.Tensor, base: torch.Tensor, memory: dict 
             raise ValueError(f"rows[{name!r}] misses rows that changed, e.g. {missed[:5].tolist()} "
                              f"({missed.numel()} in all)")
         changed = rows
+    elif touched is not None:
+        changed = torch.unique(torch.cat([changed, touched.to(changed.device)]))
     if changed.numel() == 0:
         return None
     return PatchEntry(name, tuple(table.shape), table.dtype, f"sha256:{base_digest.hexdigest()}",
@@ -470,18 +470,29 @@ def _tensor_keys(entry: PatchEntry) -> tuple[str, ...]:
 ROW_MOMENTS = ("row_step", "exp_avg", "exp_avg_sq")  # a table's optimizer state by rows (RowSparseAdamW's)
 
 
+def _touched_rows(optimizer: torch.optim.Optimizer, table: torch.Tensor) -> torch.Tensor | None:
+    """The rows of ``table`` with the optimizer's state by rows (:meth:`RowSparseAdamW.touched_rows
+    <smf_kernels.sparse.RowSparseAdamW.touched_rows>`), or None (no such state)."""
+    state = optimizer.state.get(table) or {}
+    if not state or "step" in state or not hasattr(optimizer, "touched_rows"):
+        return None
+    return optimizer.touched_rows(table)
+
+
 def _row_moments(name: str, optimizer: torch.optim.Optimizer, table: torch.Tensor,
                  indices: torch.Tensor) -> dict[str, torch.Tensor] | None:
-    """The optimizer's state of rows ``indices`` of ``table`` (None: no state yet); ValueError for a state that is
-    not by rows."""
+    """The optimizer's state of rows ``indices`` of ``table`` (:meth:`RowSparseAdamW.row_state
+    <smf_kernels.sparse.RowSparseAdamW.row_state>`, either of its forms; None: no state yet); ValueError for an
+    optimizer or a state that is not by rows."""
+    if not hasattr(optimizer, "row_state"):
+        raise ValueError(f"optimizer: a {type(optimizer).__name__} keeps no state by rows (RowSparseAdamW does)")
     state = optimizer.state.get(table) or {}
     if not state:
         return None
-    if any(key not in state for key in ROW_MOMENTS):
-        raise ValueError(f"optimizer: its state of {name} is not by rows (keys {sorted(state)}, not {ROW_MOMENTS}: "
-                         "RowSparseAdamW's)")
-    rows = indices.to(table.device)
-    return {key: state[key].index_select(0, rows).cpu() for key in ROW_MOMENTS}
+    if "step" in state:
+        raise ValueError(f"optimizer: its state of {name} is not by rows (a dense update's)")
+    rows = optimizer.row_state(table, indices.to(device=table.device, dtype=torch.int64))
+    return {key: rows[key].cpu() for key in ROW_MOMENTS}
 
 
 def _read_moments(where: str, name: str, tensors: dict[str, torch.Tensor], rows: torch.Tensor) -> dict:

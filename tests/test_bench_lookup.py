@@ -1,6 +1,8 @@
 """benchmarks/bench_lookup.py: the authors' layer row, the extension built or explained on first use, progress as
 it runs and bad arguments in one line."""
 import logging
+import re
+import time
 
 import pytest
 import torch
@@ -79,3 +81,20 @@ def test_a_backend_that_cannot_run_here_is_one_line(bench, monkeypatch, capsys):
     assert bench.main(["--tiny", "--backends", "ext"]) == 2
     assert capsys.readouterr().err.endswith("bench_lookup.py: error: argument --backends: ext cannot run on cpu: "
                                             "not built\n")
+
+
+def test_a_quiet_stretch_says_which_op_backend_and_run_is_running(bench, monkeypatch, caplog):
+    monkeypatch.setattr(bench.Progress, "QUIET_SECONDS", 0)  # a line at every poll (once a second)
+    monkeypatch.setattr(bench, "_timer", lambda device: lambda fn: (time.sleep(0.3), fn(), 0.001)[2])
+    progress = bench.Progress()
+    progress.start()
+    try:
+        with caplog.at_level(logging.INFO, logger="bench_lookup"):
+            bench.benchmark(bench.parse_args(["--tiny", "--repeats", "2", "--backends", "torch"]), progress)
+    finally:
+        progress.stop()
+    still = [record.getMessage() for record in caplog.records if record.getMessage().startswith("  still ")]
+    assert still and all(" s since the start)" in message for message in still)
+    assert any(re.match(r"  still timing [\w+ ]+ \(op \d of 8\): (torch|authors), run \d of 2 \(", message)
+               for message in still), still
+    assert not progress.is_alive() and progress.seen not in logging.getLogger().handlers

@@ -318,10 +318,24 @@ def test_a_patch_with_its_optimizer_rows_continues_training_as_the_finetuned_run
     _row_steps(model, optimizer, 2, seed=2)
     _row_steps(resumed, resumed_optimizer, 2, seed=2)
     assert _same(_state(resumed), _state(model))
-    for key, value in optimizer.state[model.values].items():
-        assert torch.equal(resumed_optimizer.state[resumed.values][key], value), key
+    for key, value in optimizer.row_state(model.values).items():
+        assert torch.equal(resumed_optimizer.row_state(resumed.values)[key], value), key
+    assert torch.equal(resumed_optimizer.touched_rows(resumed.values), optimizer.touched_rows(model.values))
     with pytest.raises(ValueError, match="carries no optimizer rows"):
         MemoryPatch.between(model, base).load_optimizer_rows(resumed, resumed_optimizer)
+
+
+def test_a_patch_with_optimizer_rows_keeps_a_touched_row_whose_bits_did_not_move(tmp_path):
+    base = _memory()
+    model = copy.deepcopy(base)
+    optimizer = RowSparseAdamW([model.values], lr=1e-2, weight_decay=0.0)
+    rows = torch.tensor([3, 17])
+    optimizer.step_rows(model.values, rows, torch.zeros(2, VALUE_DIM))  # a zero gradient: the rows keep their bits
+    optimizer.step_rows(model.values, torch.tensor([5]), torch.randn(1, VALUE_DIM))
+    assert MemoryPatch.between(model, base).entries["values"].indices.tolist() == [5]
+    patch = MemoryPatch.between(model, base, optimizer=optimizer)
+    assert patch.entries["values"].indices.tolist() == [3, 5, 17]
+    assert patch.entries["values"].moments["row_step"].tolist() == [1, 1, 1]
 
 
 def test_damaged_optimizer_rows_are_refused(tmp_path):

@@ -128,7 +128,9 @@ def test_python_blocks_run_as_written_each_on_its_own(tmp_path, document):
     print("\n".join(done))
     assert len(done) == len(steps)
     if document == "README.md":
-        assert (tmp_path / "runs" / "hf-finetuned" / "modeling_smf_memories.py").is_file()
+        saved = tmp_path / "runs" / "recipe" / "model"  # the recipe's model, loaded again by the next block
+        assert (saved / "modeling_smf_memories.py").is_file() and (saved / "tokenizer").is_dir()
+        assert "Do you wish to run the custom code" not in result.stdout + result.stderr
         losses = re.search(r"^loss: \[(.*)\]$", result.stdout, re.M)
         assert losses, result.stdout[-2000:]
         losses = [float(v) for v in losses[1].split(",")]

@@ -29,8 +29,10 @@ def test_selected_rows_follow_adamw_on_just_those_rows_and_others_stay_bit_ident
     others = torch.ones(20, dtype=torch.bool)
     others[rows] = False
     assert torch.equal(table.detach()[others], start[others])
-    assert torch.equal(sparse_opt.state[table]["exp_avg"][others], torch.zeros(16, 7))
-    assert sparse_opt.state[table]["row_step"].tolist() == [6 if r in (3, 4, 11, 17) else 0 for r in range(20)]
+    state = sparse_opt.row_state(table)  # dense-equivalent, whatever form holds it
+    assert torch.equal(state["exp_avg"][others], torch.zeros(16, 7))
+    assert state["row_step"].tolist() == [6 if r in (3, 4, 11, 17) else 0 for r in range(20)]
+    assert sparse_opt.touched_rows(table).tolist() == [3, 4, 11, 17]
 
 
 def test_each_row_has_its_own_step_count_and_lr_follows_the_scheduler():
@@ -87,7 +89,7 @@ def test_state_dict_resume_continues_identically():
     resumed_table = torch.nn.Parameter(table.detach().clone())
     resumed = RowSparseAdamW([resumed_table], **HYPER)
     resumed.load_state_dict(copy.deepcopy(optimizer.state_dict()))  # as if read back from a file
-    assert resumed.state[resumed_table]["row_step"].dtype == torch.int64
+    assert resumed.state[resumed_table]["slot_step"].dtype == torch.int64
     run(optimizer, table, grads[2:])
     run(resumed, resumed_table, grads[2:])
     assert torch.equal(table, resumed_table)
@@ -100,11 +102,12 @@ def test_row_step_counts_of_a_bf16_table_survive_a_state_dict_round_trip():
         optimizer.step_rows(table, torch.tensor([1]), torch.randn(1, 3))
     resumed = RowSparseAdamW([table], lr=1e-3)
     resumed.load_state_dict(copy.deepcopy(optimizer.state_dict()))
-    row_step = resumed.state[table]["row_step"]
-    assert row_step.dtype == torch.int64 and row_step.tolist() == [0, 301, 0, 0]
+    row_step = resumed.row_state(table)["row_step"]
+    assert resumed.state[table]["slot_step"].dtype == torch.int64 and row_step.tolist() == [0, 301, 0, 0]
 
 
-def test_state_dicts_load_through_torch_distributed_checkpoint_after_init_state():
+@pytest.mark.parametrize("form", ["compact", "dense"])
+def test_state_dicts_load_through_torch_distributed_checkpoint_after_init_state(form):
     """set_optimizer_state_dict (accelerate's FSDP2 resume) fills an optimizer without state by a dense zero-gradient
     step, then merges the saved state in: a table would hold both row_step and step. A sharded load reads only the
     entries the optimizer already has. init_state first gives every parameter the entries the saved state holds."""
@@ -115,7 +118,7 @@ def test_state_dicts_load_through_torch_distributed_checkpoint_after_init_state(
     table, scale = model["table"].weight, model["scale"].weight
 
     def optimizer():
-        return RowSparseAdamW(model.parameters(), **HYPER)
+        return RowSparseAdamW(model.parameters(), **HYPER, state=form)
 
     trained = optimizer()
     trained.step_rows(table, torch.tensor([1, 4]), torch.randn(2, 3))
@@ -123,7 +126,8 @@ def test_state_dicts_load_through_torch_distributed_checkpoint_after_init_state(
     trained.step()
     scale.grad = None
     saved = get_optimizer_state_dict(model, trained, options=full)
-    with pytest.raises(ValueError, match="holds both row_step and step"):
+    # without init_state, the table's saved row state meets the dense zero step's step
+    with pytest.raises(ValueError, match=f"holds both {'row_step' if form == 'dense' else 'held_rows'} and step"):
         set_optimizer_state_dict(model, optimizer(), saved, options=full)
     resumed = optimizer()
     resumed.init_state([table])
@@ -139,7 +143,7 @@ def test_state_dicts_load_through_torch_distributed_checkpoint_after_init_state(
 
 
 def _state_after_one_step(table, dense):
-    optimizer = RowSparseAdamW([table], lr=1e-3)
+    optimizer = RowSparseAdamW([table], lr=1e-3, state="dense")  # the compact form: test_compact_optimizer_state
     if dense:
         table.grad = torch.randn(table.shape)
         optimizer.step()
@@ -161,7 +165,7 @@ def test_load_state_dict_refuses_state_of_another_shape_before_changing_anything
     table = torch.nn.Parameter(torch.randn(4, 3))
     saved = _state_after_one_step(table, dense=False)
     change(saved["state"][0])
-    fresh = RowSparseAdamW([table], lr=1e-3)
+    fresh = RowSparseAdamW([table], lr=1e-3, state="dense")
     with pytest.raises(ValueError, match="parameter 0 of group 0.*" + message):
         fresh.load_state_dict(saved)
     assert not fresh.state  # nothing was loaded

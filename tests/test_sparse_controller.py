@@ -1,5 +1,6 @@
 """SparseMemoryController end to end: no value gradient, per-step selection under gradient accumulation and under
 torch.distributed (gloo, 2 processes, against the float64 oracle), misuse refused, and the dense-masked leak."""
+import copy
 import datetime
 import gc
 import pytest
@@ -231,7 +232,7 @@ def test_a_value_gradient_made_outside_a_step_is_refused_by_name_before_anything
     assert not controller.in_step
     optimizer.zero_grad(set_to_none=True)
     train(model, controller, optimizer, make_steps(1, sequences=2), micro_batches=1)  # a first step: some state
-    state = {key: value.clone() for key, value in optimizer.state[model.memory.values].items()}
+    state = copy.deepcopy(optimizer.state[model.memory.values])
     values = model.memory.values.detach().clone()
     early = micro_loss(model, tokens, targets, valid, valid.sum())  # a forward before the step
     controller.begin_step(fill=fill)
@@ -240,7 +241,8 @@ def test_a_value_gradient_made_outside_a_step_is_refused_by_name_before_anything
         with pytest.raises(StepMisuseError, match=r"memory\.values has a gradient"):
             end()
     assert controller.in_step and torch.equal(model.memory.values.detach(), values)
-    assert all(torch.equal(optimizer.state[model.memory.values][key], value) for key, value in state.items())
+    assert all(torch.equal(torch.as_tensor(optimizer.state[model.memory.values][key]), torch.as_tensor(value))
+               for key, value in state.items())
     controller.abort_step()
     optimizer.zero_grad(set_to_none=True)
     controller.begin_step()

@@ -168,7 +168,7 @@ def test_a_forward_before_the_step_whose_backward_runs_inside_it_is_refused_with
         update.finish_step(optimizer, max_grad_norm=1.0)
     assert_unchanged(model, optimizer, before)
     if isinstance(optimizer, RowSparseAdamW):
-        assert "row_step" in optimizer.state[model.memory.values]
+        assert "held_rows" in optimizer.state[model.memory.values]  # the compact row state
         assert "step" not in optimizer.state[model.memory.values]
     update.abort_step()
     optimizer.zero_grad(set_to_none=True)

@@ -106,6 +106,7 @@ def _read_checkpoint(path: Path) -> dict:
 
 
 # Per-element optimizer state (torch's AdamW, RowSparseAdamW): the parameter's shape; second moments never negative.
+# RowSparseAdamW's compact row state (``held_rows``: moments by slot) is checked by its load_state_dict.
 _MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
@@ -125,7 +126,7 @@ def _check_optimizer_state(path: Path, optimizer: torch.optim.Optimizer, saved: 
                 raise ConfigError(f"{where} is not a mapping")
             for key in _MOMENTS:
                 value = state.get(key)
-                if value is None:
+                if value is None or "held_rows" in state:
                     continue
                 if not isinstance(value, torch.Tensor) or value.shape != param.shape:
                     shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__

@@ -78,16 +78,18 @@ class ExtBackend(Backend):
         return _ext.silu_mul_backward(grad, gate, read)
 
     def row_adamw(self, param, exp_avg, exp_avg_sq, row_step, rows, grad, valid, lr, grad_scale, beta1, beta2,
-                  eps, weight_decay):
-        """CPU: each selected row's parameter and moments read and written once; the torch ops elsewhere, and for
-        float16 or non-contiguous tables (updated in place, they cannot go through a float32 copy)."""
+                  eps, weight_decay, state_slots=None):
+        """CPU: each selected row's parameter and moments (at its slot of ``state_slots`` when given) read and
+        written once; the torch ops elsewhere, and for float16 or non-contiguous tables (updated in place, they
+        cannot go through a float32 copy)."""
         if param.device.type != "cpu" or param.dtype == torch.float16 or not all(
                 t.is_contiguous() for t in (param, exp_avg, exp_avg_sq, row_step)):
             return super().row_adamw(param, exp_avg, exp_avg_sq, row_step, rows, grad, valid, lr, grad_scale,
-                                     beta1, beta2, eps, weight_decay)
+                                     beta1, beta2, eps, weight_decay, state_slots)
         # lr and grad_scale are 0-d tensors on the CPU: reading them is not a device sync
         _ext.row_adamw(param, exp_avg, exp_avg_sq, row_step, rows, grad, valid, float(lr),
-                       1.0 if grad_scale is None else float(grad_scale), beta1, beta2, eps, weight_decay)
+                       1.0 if grad_scale is None else float(grad_scale), beta1, beta2, eps, weight_decay,
+                       state_slots)
 
 
 BACKEND = ExtBackend()

@@ -290,15 +290,17 @@ class Backend:
         return (g * r * (s * (1 + x * (1 - s)))).to(gate.dtype), (g * (x * s)).to(gate.dtype)
 
     def row_adamw(self, param, exp_avg, exp_avg_sq, row_step, rows, grad, valid, lr, grad_scale, beta1, beta2,
-                  eps, weight_decay):
+                  eps, weight_decay, state_slots=None):
         """:class:`~smf_kernels.sparse.RowSparseAdamW`'s row update, op for op (index_select, the update in the
-        parameter's dtype with fp32 / fp64 factors, index_copy_); a row with ``valid`` False gets its old bits back."""
+        parameter's dtype with fp32 / fp64 factors, index_copy_); a row with ``valid`` False gets its old bits back.
+        The moments and step counts are read and written at ``state_slots`` (T,) when given, else at ``rows``."""
+        slots = rows if state_slots is None else state_slots
         g = grad if grad_scale is None else grad * grad_scale
         g = g.to(param.dtype)
-        old_steps = row_step.index_select(0, rows)
+        old_steps = row_step.index_select(0, slots)
         steps = old_steps + 1
-        exp_avg_rows = exp_avg.index_select(0, rows)
-        exp_avg_sq_rows = exp_avg_sq.index_select(0, rows)
+        exp_avg_rows = exp_avg.index_select(0, slots)
+        exp_avg_sq_rows = exp_avg_sq.index_select(0, slots)
         new_exp_avg = exp_avg_rows.clone().lerp_(g, 1 - beta1)
         new_exp_avg_sq = exp_avg_sq_rows.clone().mul_(beta2).addcmul_(g, g, value=1 - beta2)
         factor_dtype = accumulation_dtype(param.dtype)  # never round the factors to bf16
@@ -317,9 +319,9 @@ class Backend:
             new_exp_avg = torch.where(keep, new_exp_avg, exp_avg_rows)
             new_exp_avg_sq = torch.where(keep, new_exp_avg_sq, exp_avg_sq_rows)
             updated = torch.where(keep, updated, param_rows)
-        row_step.index_copy_(0, rows, steps)
-        exp_avg.index_copy_(0, rows, new_exp_avg)
-        exp_avg_sq.index_copy_(0, rows, new_exp_avg_sq)
+        row_step.index_copy_(0, slots, steps)
+        exp_avg.index_copy_(0, slots, new_exp_avg)
+        exp_avg_sq.index_copy_(0, slots, new_exp_avg_sq)
         param.index_copy_(0, rows, updated)
 
 

@@ -84,14 +84,15 @@ class TritonBackend(Backend):
         return grad_values.to(dtype), grad_weights.to(dtype)
 
     def row_adamw(self, param, exp_avg, exp_avg_sq, row_step, rows, grad, valid, lr, grad_scale, beta1, beta2,
-                  eps, weight_decay):
-        """One program per row; float16 or non-contiguous tables (updated in place) take the torch ops."""
+                  eps, weight_decay, state_slots=None):
+        """One program per row (its state at its slot of ``state_slots`` when given); float16 or non-contiguous
+        tables (updated in place) take the torch ops."""
         if param.dtype not in SUPPORTED_DTYPES or not all(t.is_contiguous() for t in (param, exp_avg, exp_avg_sq,
                                                                                        row_step)):
             return super().row_adamw(param, exp_avg, exp_avg_sq, row_step, rows, grad, valid, lr, grad_scale,
-                                     beta1, beta2, eps, weight_decay)
+                                     beta1, beta2, eps, weight_decay, state_slots)
         triton_row_adamw.row_adamw(param, exp_avg, exp_avg_sq, row_step, rows, grad, valid, lr, grad_scale, beta1,
-                                   beta2, eps, weight_decay)
+                                   beta2, eps, weight_decay, state_slots)
 
 
 BACKEND = TritonBackend()
