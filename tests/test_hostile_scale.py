@@ -472,3 +472,159 @@ def test_bench_scale_a_size_killed_for_memory_is_a_failed_row_not_a_lost_table(t
     rows = {r["slots"]: r for r in json.loads(out.read_text())["results"]}
     assert "failed" not in rows[256] and rows[256]["held_bytes"]["background"] > 0
     assert rows[400]["failed"] == "killed (out of memory?)" and "400 slots failed" in proc.stderr
+
+
+# ======================================================================== compact optimizer state (RowSparseAdamW)
+M_ROWS, WIDTH = 37, 6
+
+
+def _table(form="compact", dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    param = nn.Parameter(torch.randn(M_ROWS, WIDTH).to(dtype))
+    return param, RowSparseAdamW([param], lr=0.1, state=form)
+
+
+def _row_steps(param, optimizer, steps, seed=0):
+    """``steps`` row updates of 5 random rows each (the same for the same ``seed``)."""
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        rows = torch.randperm(M_ROWS, generator=generator)[:5].sort().values
+        optimizer.step_rows(param, rows, torch.randn(5, WIDTH, generator=generator))
+
+
+def _compact_state_dict():
+    param, optimizer = _table()
+    _row_steps(param, optimizer, 3)
+    return optimizer.state_dict()
+
+
+COMPACT_DAMAGES = {
+    "held_rows unsorted": (lambda s: s.update(held_rows=s["held_rows"].flip(0)), "held_rows must be strictly ascending"),
+    "held_rows duplicated": (lambda s: s["held_rows"].__setitem__(1, s["held_rows"][0]),
+                             "held_rows must be strictly ascending"),
+    "held_rows out of range": (lambda s: s["held_rows"].__setitem__(-1, M_ROWS), "rows in [0, 37)"),
+    "held_rows negative": (lambda s: s["held_rows"].__setitem__(0, -1), "rows in [0, 37)"),
+    "held_rows wrong length": (lambda s: s.update(held_rows=s["held_rows"][:-1]),
+                               "held_rows and held_slots must have one entry per row"),
+    "held_rows int32": (lambda s: s.update(held_rows=s["held_rows"].int()), "held_rows must be a 1-D int64 tensor"),
+    "held_slots repeated": (lambda s: s["held_slots"].__setitem__(0, s["held_slots"][1]),
+                            "held_slots must give slots 0..13 to one row each"),
+    "both forms": (lambda s: s.update(row_step=torch.zeros(M_ROWS, dtype=torch.int64)), "holds both held_rows and"),
+    "moments of another width": (lambda s: s.update(exp_avg=s["exp_avg"][:, :-1]), "exp_avg must be a floating"),
+}
+
+
+@pytest.mark.parametrize("damage", list(COMPACT_DAMAGES))
+def test_a_damaged_compact_state_dict_is_refused_with_nothing_loaded(damage):
+    saved = _compact_state_dict()
+    spoil, message = COMPACT_DAMAGES[damage]
+    spoil(saved["state"][0])
+    param, optimizer = _table()
+    with pytest.raises(ValueError) as err:
+        optimizer.load_state_dict(saved)
+    assert message in _one_line(err) and "parameter 0 of group 0 ((37, 6))" in str(err.value)
+    assert optimizer.state == {} or not optimizer.state[param]
+
+
+@pytest.mark.parametrize("saved_form, loaded_form", [("dense", "compact"), ("compact", "dense")])
+def test_a_state_saved_in_one_form_continues_bit_identically_in_the_other(saved_form, loaded_form):
+    reference, reference_optimizer = _table(saved_form)
+    _row_steps(reference, reference_optimizer, 3)
+    param, optimizer = _table(loaded_form)
+    with torch.no_grad():
+        param.copy_(reference)
+    optimizer.load_state_dict(copy.deepcopy(reference_optimizer.state_dict()))
+    assert ("held_rows" in optimizer.state[param]) == (loaded_form == "compact")
+    _row_steps(reference, reference_optimizer, 4, seed=5)
+    _row_steps(param, optimizer, 4, seed=5)
+    assert torch.equal(param, reference)
+    ours, theirs = optimizer.row_state(param), reference_optimizer.row_state(reference)
+    assert all(torch.equal(ours[key], theirs[key]) for key in theirs)
+    assert torch.equal(optimizer.touched_rows(param), reference_optimizer.touched_rows(reference))
+
+
+@pytest.mark.parametrize("form", ["compact", "dense"])
+def test_a_state_saved_from_an_fp32_table_loads_into_a_bf16_one_as_torch_casts_it(form):
+    """was: the moments stayed fp32 and the next step failed ('exp_avg must have dtype in (bfloat16)'); torch's
+    AdamW (and this optimizer before the compact form) cast them to the table's dtype (fix: load_state_dict)."""
+    fp32, fp32_optimizer = _table(form)
+    _row_steps(fp32, fp32_optimizer, 2)
+    bf16, optimizer = _table(form, torch.bfloat16)
+    optimizer.load_state_dict(fp32_optimizer.state_dict())
+    state = optimizer.state[bf16]
+    assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
+    steps = state["slot_step" if form == "compact" else "row_step"]
+    assert steps.dtype == torch.int64
+    expected = fp32_optimizer.row_state(fp32)
+    loaded = optimizer.row_state(bf16)
+    assert torch.equal(loaded["exp_avg"], expected["exp_avg"].to(torch.bfloat16))
+    assert torch.equal(loaded["row_step"], expected["row_step"])
+    _row_steps(bf16, optimizer, 1, seed=3)  # steps
+    assert torch.isfinite(bf16).all()
+
+
+@pytest.mark.parametrize("form", ["compact", "dense"])
+def test_touched_rows_and_row_state_of_a_table_never_stepped_are_empty_and_zero(form):
+    param, optimizer = _table(form)
+    assert optimizer.touched_rows(param).tolist() == []
+    state = optimizer.row_state(param, torch.tensor([0, 36]))
+    assert not state["exp_avg"].any() and state["row_step"].tolist() == [0, 0]
+    assert optimizer.state_dict()["state"] == {}
+
+
+@pytest.mark.parametrize("form", ["compact", "dense"])
+@pytest.mark.parametrize("rows, error, message", [
+    (torch.tensor([M_ROWS + 3]), IndexError, "rows must lie in [0, 37)"),
+    (torch.tensor([-1]), IndexError, "rows must lie in [0, 37)"),
+    (torch.tensor([1], dtype=torch.int32), TypeError, "rows must have dtype in (int64)"),
+])
+def test_row_state_refuses_rows_outside_the_table_in_both_forms(form, rows, error, message):
+    """was (compact): rows outside the table, negative or int32 read as 'no state' (zeros), where the dense form
+    raised an IndexError without naming the argument (fix: row_state checks its rows)."""
+    param, optimizer = _table(form)
+    _row_steps(param, optimizer, 2)
+    with pytest.raises(error) as err:
+        optimizer.row_state(param, rows)
+    assert message in _one_line(err)
+
+
+def test_a_failed_step_rows_leaves_the_compact_state_as_it_was():
+    param, optimizer = _table()
+    _row_steps(param, optimizer, 2)
+    before, table = copy.deepcopy(optimizer.state_dict()), param.detach().clone()
+    for rows in (torch.tensor([1, 1]), torch.tensor([3, M_ROWS])):
+        with pytest.raises((ValueError, IndexError)):
+            optimizer.step_rows(param, rows, torch.ones(2, WIDTH))
+    after = optimizer.state_dict()
+    assert all(torch.equal(after["state"][0][key], before["state"][0][key]) for key in before["state"][0])
+    assert torch.equal(param, table)
+
+
+def test_a_patch_with_optimizer_rows_continues_in_a_dense_form_optimizer_as_in_a_compact_one(tmp_path):
+    """The patch's optimizer rows, saved from a compact state, put back into a fresh optimizer of either form:
+    the next steps give the same table as the run that saved it."""
+    base = _memory()
+    model = copy.deepcopy(base)
+    model.requires_grad_(False)
+    model.values.requires_grad_(True)
+    optimizer = RowSparseAdamW([model.values], lr=1e-2)
+
+    def steps(memory, opt, seed):
+        g = torch.Generator().manual_seed(seed)
+        for _ in range(3):
+            rows = torch.randperm(169, generator=g)[:11].sort().values
+            opt.step_rows(memory.values, rows, torch.randn(11, VALUE_DIM, generator=g))
+
+    steps(model, optimizer, 1)
+    save_patch(model, base, tmp_path / "patch", optimizer=optimizer)
+    steps(model, optimizer, 2)
+    for form in ("compact", "dense"):
+        resumed = copy.deepcopy(base)
+        resumed.requires_grad_(False)
+        resumed.values.requires_grad_(True)
+        resumed_optimizer = RowSparseAdamW([resumed.values], lr=1e-2, state=form)
+        patch = MemoryPatch.load(tmp_path / "patch")
+        patch.merge(resumed)
+        patch.load_optimizer_rows(resumed, resumed_optimizer)
+        steps(resumed, resumed_optimizer, 2)
+        assert torch.equal(resumed.values, model.values), form
