@@ -9,6 +9,8 @@
 
 #include <algorithm>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "cpu_kernels.h"
 #include "cpu_output_pool.h"
@@ -148,7 +150,8 @@ void check_grad_out(const at::Tensor& grad_out, const at::Tensor& indices, int64
   }
 #endif
 
-std::tuple<at::Tensor, at::Tensor> topk_forward(const at::Tensor& query, const at::Tensor& keys, int64_t topk) {
+// keys (heads, 2, n_keys, key_dim // 2) against query (N, heads, key_dim) and topk.
+void check_topk(const at::Tensor& query, const at::Tensor& keys, int64_t topk) {
   check_rank(query, "query", 3, "(N, heads, key_dim)");
   check_float(query, "query");
   check_rank(keys, "keys", 4, "(heads, 2, n_keys, key_dim // 2)");
@@ -160,39 +163,94 @@ std::tuple<at::Tensor, at::Tensor> topk_forward(const at::Tensor& query, const a
               text(query.size(2) / 2), "), got ", text(keys.sizes()));
   TORCH_CHECK(topk >= 1 && topk <= keys.size(2), "smf_kernels ext: topk must lie in [1, n_keys=", text(keys.size(2)),
               "], got ", text(topk));
+}
+
+// float32 top-k on CPU runs fused where the kernels have vector score tiles (AVX-512, AVX2 with FMA): the
+// scores of a block of tokens selected while in cache. On the project's AVX2 VM (2 threads, N = 4096,
+// paper shape) the fp32 lookup took 0.67-0.77x the time of at::bmm plus the selection.
+bool fused_float_topk(const at::Tensor& keys) {
+  return keys.is_cpu() && accumulation_type(keys) == at::kFloat && smf::cpu::kFusedTopkFloat;
+}
+
+int64_t padded_sub_keys(int64_t n_keys) { return (n_keys + 15) / 16 * 16; }
+
+// The keys as topk_forward's kernels read them, for keys (H, 2, n_keys, half): CUDA: the keys themselves
+// (float16 as float32); CPU fused float32: the sub-keys zero-padded to a multiple of 16 and transposed in
+// panels of 16, (2H, padded / 16, half, 16) float32 (smf::cpu::topk_forward_float); CPU otherwise:
+// (2H, n_keys, half) in the accumulation dtype (the GEMM's right operand, transposed there).
+// Shape and dtype of that layout, without building it.
+std::pair<std::vector<int64_t>, at::ScalarType> key_layout_spec(const at::Tensor& keys) {
+  const int64_t heads = keys.size(0), n_keys = keys.size(2), half = keys.size(3);
+  if (!keys.is_cpu())
+    return {keys.sizes().vec(), keys.scalar_type() == at::kHalf ? at::kFloat : keys.scalar_type()};
+  if (fused_float_topk(keys)) return {{heads * 2, padded_sub_keys(n_keys) / 16, half, 16}, at::kFloat};
+  return {{heads * 2, n_keys, half}, accumulation_type(keys)};
+}
+
+at::Tensor key_layout(const at::Tensor& keys) {
+  const int64_t heads = keys.size(0), n_keys = keys.size(2), half = keys.size(3);
+  if (!keys.is_cpu()) return kernel_input(keys);
+  if (fused_float_topk(keys)) {
+    const int64_t padded_keys = padded_sub_keys(n_keys);
+    at::Tensor padded = at::zeros({heads * 2, padded_keys, half}, keys.options().dtype(at::kFloat));
+    padded.narrow(1, 0, n_keys).copy_(keys.to(at::kFloat).reshape({heads * 2, n_keys, half}));
+    return padded.reshape({heads * 2, padded_keys / 16, 16, half}).transpose(2, 3).contiguous();
+  }
+  return keys.to(accumulation_type(keys)).reshape({heads * 2, n_keys, half}).contiguous();
+}
+
+// The layout of keys for topk_forward, built once by the caller and handed to every later lookup with these keys
+// (smf_kernels.ops.KeyLayoutCache): at one token, rebuilding it took about half of a 1M-slot lookup.
+at::Tensor prepare_topk_keys(const at::Tensor& keys) {
+  check_rank(keys, "keys", 4, "(heads, 2, n_keys, key_dim // 2)");
+  check_float(keys, "keys");
+  TORCH_CHECK(keys.size(1) == 2, "smf_kernels ext: keys must have shape (heads, 2, n_keys, key_dim // 2), got ",
+              text(keys.sizes()));
+  return key_layout(keys);
+}
+
+// A layout handed in: that of keys (key_layout_spec), contiguous, on keys' device. Its entries are the caller's
+// word (prepare_topk_keys of these keys); its shape, dtype and device are what the kernels read through.
+void check_key_layout(const at::Tensor& layout, const at::Tensor& keys) {
+  const auto [sizes, dtype] = key_layout_spec(keys);
+  TORCH_CHECK(layout.defined() && layout.sizes() == at::IntArrayRef(sizes) && layout.scalar_type() == dtype,
+              "smf_kernels ext: key_layout must be prepare_topk_keys(keys): shape ", text(sizes), " ", dtype,
+              ", got ", layout.defined() ? text(layout.sizes()) : std::string("None"), " ",
+              layout.defined() ? layout.scalar_type() : dtype);
+  check_device(layout, "key_layout", keys, "keys");
+  TORCH_CHECK(layout.is_contiguous(), "smf_kernels ext: key_layout must be contiguous");
+}
+
+std::tuple<at::Tensor, at::Tensor> topk_forward(const at::Tensor& query, const at::Tensor& keys, int64_t topk,
+                                                std::optional<at::Tensor> key_layout_in) {
+  check_topk(query, keys, topk);
+  if (key_layout_in.has_value()) check_key_layout(*key_layout_in, keys);
+  const at::Tensor layout = key_layout_in.has_value() ? *key_layout_in : key_layout(keys);
   const int64_t num_tokens = query.size(0), heads = query.size(1), key_dim = query.size(2), n_keys = keys.size(2);
   const at::ScalarType acc = accumulation_type(query);
   at::Tensor scores = at::empty({num_tokens, heads, topk}, query.options().dtype(acc));
   at::Tensor indices = at::empty({num_tokens, heads, topk}, query.options().dtype(at::kLong));
 #ifdef SMF_WITH_CUDA
   if (query.is_cuda()) {  // one fused kernel: sub-key scores, both top-k, the merge
-    const at::Tensor q = kernel_input(query), k = kernel_input(keys);
+    const at::Tensor q = kernel_input(query);
     const c10::cuda::CUDAGuard device_guard(query.device());
-    C10_CUDA_CHECK(smf::cuda::topk_forward(kernel_dtype(q), q.const_data_ptr(), k.const_data_ptr(), scores.data_ptr(),
-                                           indices.data_ptr<int64_t>(), num_tokens, heads, key_dim, n_keys, topk,
-                                           c10::cuda::getCurrentCUDAStream()));
+    C10_CUDA_CHECK(smf::cuda::topk_forward(kernel_dtype(q), q.const_data_ptr(), layout.const_data_ptr(),
+                                           scores.data_ptr(), indices.data_ptr<int64_t>(), num_tokens, heads, key_dim,
+                                           n_keys, topk, c10::cuda::getCurrentCUDAStream()));
     return {scores, indices};
   }
 #endif
   TORCH_CHECK(query.is_cpu(), "smf_kernels ext was built without CUDA kernels; got a tensor on ", query.device());
-  // float32 where the kernels have vector score tiles (AVX-512, AVX2 with FMA): fused, the scores
-  // of a block of tokens selected while in cache. On the project's AVX2 VM (2 threads, N = 4096,
-  // paper shape) the fp32 lookup took 0.67-0.77x the time of at::bmm plus the selection below.
-  if (acc == at::kFloat && smf::cpu::kFusedTopkFloat) {
-    const int64_t half = key_dim / 2, padded_keys = (n_keys + 15) / 16 * 16;
+  if (fused_float_topk(keys)) {
     const at::Tensor q = kernel_input(query);  // bfloat16 stays: the kernel converts a block's rows
-    at::Tensor padded = at::zeros({heads * 2, padded_keys, half}, query.options().dtype(at::kFloat));
-    padded.narrow(1, 0, n_keys).copy_(keys.to(at::kFloat).reshape({heads * 2, n_keys, half}));
-    const at::Tensor keys_t = padded.reshape({heads * 2, padded_keys / 16, 16, half}).transpose(2, 3).contiguous();
-    smf::cpu::topk_forward_float(kernel_dtype(q), q.const_data_ptr(), keys_t.const_data_ptr<float>(),
-                                 scores.data_ptr<float>(), indices.data_ptr<int64_t>(), num_tokens, heads, half,
-                                 n_keys, padded_keys, topk, at::get_num_threads());
+    smf::cpu::topk_forward_float(kernel_dtype(q), q.const_data_ptr(), layout.const_data_ptr<float>(),
+                                 scores.data_ptr<float>(), indices.data_ptr<int64_t>(), num_tokens, heads,
+                                 key_dim / 2, n_keys, padded_sub_keys(n_keys), topk, at::get_num_threads());
     return {scores, indices};
   }
   // Sub-key scores by one batched GEMM: (2H, N, half) x (2H, half, n_keys) -> (2H, N, n_keys).
   const at::Tensor q = query.to(acc).reshape({num_tokens, heads * 2, key_dim / 2}).transpose(0, 1);
-  const at::Tensor k = keys.to(acc).reshape({heads * 2, n_keys, key_dim / 2}).transpose(1, 2);
-  const at::Tensor sub_scores = at::bmm(q, k).contiguous();
+  const at::Tensor sub_scores = at::bmm(q, layout.transpose(1, 2)).contiguous();
   smf::cpu::topk_select(acc == at::kDouble ? smf::DType::Float64 : smf::DType::Float32, sub_scores.const_data_ptr(),
                         scores.data_ptr(), indices.data_ptr<int64_t>(), num_tokens, heads, n_keys, topk,
                         at::get_num_threads());
@@ -519,7 +577,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("with_cuda") = false;
 #endif
   m.def("topk_forward", &topk_forward, "scores (N, H, k) acc, indices (N, H, k) int64",
-        py::arg("query"), py::arg("keys"), py::arg("topk"));
+        py::arg("query"), py::arg("keys"), py::arg("topk"), py::arg("key_layout") = py::none());
+  m.def("prepare_topk_keys", &prepare_topk_keys, "the keys as topk_forward reads them (its key_layout)",
+        py::arg("keys"));
   m.def("gather_forward", &gather_forward, "out (N, D); counts updated in place", py::arg("values"),
         py::arg("indices"), py::arg("weights"), py::arg("counts"), py::arg("valid"));
   m.def("gather_backward_weights", &gather_backward_weights, "grad of weights (N, L) acc", py::arg("grad_out"),

@@ -66,8 +66,8 @@ inline typename Accumulate<T>::type rounded(typename Accumulate<T>::type x) {
   return load(out);
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-// 8 floats from 8 float32 or bfloat16 values.
+#if defined(__AVX2__) && defined(__FMA__)
+// 8 floats from 8 float32 or bfloat16 values (also in AVX-512 builds: the gather's forward tile).
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const BFloat16* p) {
   const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));

@@ -296,87 +296,109 @@ static_assert(kTokenBlock % kTileRows == 0, "a block is whole tiles");
 constexpr int64_t kMaxRankCandidates = 64;
 
 #if defined(__AVX512F__)
-// out_r[j] = q_r . k[:, j] for 4 query rows and the 16 * V columns of V panels of kt (panel v
-// is (half, 16) row-major at kt + v * half * 16); the 4 x V accumulators stay in registers.
-template <int V>
+// out_r[j] = q_r . k[:, j] for R <= 4 query rows and the 16 * V columns of V panels of kt (panel v
+// is (half, 16) row-major at kt + v * half * 16); the R x V accumulators stay in registers.
+template <int R, int V>
 inline void score_tile(const float* const* q, const float* kt, int64_t half, float* const* out) {
-  __m512 acc[kTileRows][V];
-  for (int r = 0; r < kTileRows; ++r)
+  __m512 acc[R][V];
+  for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
   for (int64_t d = 0; d < half; ++d) {
     __m512 k[V];
     for (int v = 0; v < V; ++v) k[v] = _mm512_loadu_ps(kt + (v * half + d) * 16);
-    for (int r = 0; r < kTileRows; ++r) {
+    for (int r = 0; r < R; ++r) {
       const __m512 b = _mm512_set1_ps(q[r][d]);
       for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(b, k[v], acc[r][v]);
     }
   }
-  for (int r = 0; r < kTileRows; ++r)
+  for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) _mm512_storeu_ps(out[r] + 16 * v, acc[r][v]);
 }
+
+// The R-row tiles across all columns of kt (padded columns, a multiple of 16): 4 panels at a time.
+template <int R>
+inline void score_rows(const float* const* q, const float* kt, int64_t half, int64_t padded, float* const* out) {
+  for (int64_t j0 = 0; j0 < padded;) {
+    float* tile_out[R];
+    for (int r = 0; r < R; ++r) tile_out[r] = out[r] + j0;
+    const int64_t vectors = std::min<int64_t>(4, (padded - j0) / 16);
+    switch (vectors) {
+      case 4: score_tile<R, 4>(q, kt + j0 * half, half, tile_out); break;
+      case 3: score_tile<R, 3>(q, kt + j0 * half, half, tile_out); break;
+      case 2: score_tile<R, 2>(q, kt + j0 * half, half, tile_out); break;
+      default: score_tile<R, 1>(q, kt + j0 * half, half, tile_out); break;
+    }
+    j0 += 16 * vectors;
+  }
+}
 #elif defined(__AVX2__) && defined(__FMA__)
-// out_r[j] = q_r . k[:, j] for kTileRows query rows and the 16 columns of the panel kt ((half, 16)
-// row-major), summed in d order as the AVX-512 tiles do; the kTileRows x 2 accumulators stay in
-// registers. Per d: 2 key loads and kTileRows broadcasts feed 12 FMAs.
+// out_r[j] = q_r . k[:, j] for R <= kTileRows query rows and the 16 columns of the panel kt ((half, 16)
+// row-major), summed in d order as the AVX-512 tiles do; the R x 2 accumulators stay in
+// registers. Per d: 2 key loads and R broadcasts feed 2 R FMAs.
+template <int R>
 inline void score_tile(const float* const* q, const float* kt, int64_t half, float* const* out) {
-  __m256 acc[kTileRows][2];
-  for (int r = 0; r < kTileRows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t d = 0; d < half; ++d) {
     const __m256 k0 = _mm256_loadu_ps(kt + d * 16), k1 = _mm256_loadu_ps(kt + d * 16 + 8);
-    for (int r = 0; r < kTileRows; ++r) {
+    for (int r = 0; r < R; ++r) {
       const __m256 b = _mm256_broadcast_ss(q[r] + d);
       acc[r][0] = _mm256_fmadd_ps(b, k0, acc[r][0]);
       acc[r][1] = _mm256_fmadd_ps(b, k1, acc[r][1]);
     }
   }
-  for (int r = 0; r < kTileRows; ++r) {
+  for (int r = 0; r < R; ++r) {
     _mm256_storeu_ps(out[r], acc[r][0]);
     _mm256_storeu_ps(out[r] + 8, acc[r][1]);
   }
 }
+
+template <int R>
+inline void score_rows(const float* const* q, const float* kt, int64_t half, int64_t padded, float* const* out) {
+  for (int64_t j0 = 0; j0 < padded; j0 += 16) {
+    float* tile_out[R];
+    for (int r = 0; r < R; ++r) tile_out[r] = out[r] + j0;
+    score_tile<R>(q, kt + j0 * half, half, tile_out);
+  }
+}
+#else
+template <int R>
+inline void score_rows(const float* const* q, const float* kt, int64_t half, int64_t padded, float* const* out) {
+  for (int r = 0; r < R; ++r) {
+    std::fill(out[r], out[r] + padded, 0.0f);
+    for (int64_t j0 = 0; j0 < padded; j0 += 16) {
+      const float* panel = kt + j0 * half;
+      for (int64_t d = 0; d < half; ++d) {
+        const float b = q[r][d];
+#pragma omp simd
+        for (int64_t j = 0; j < 16; ++j) out[r][j0 + j] += b * panel[d * 16 + j];
+      }
+    }
+  }
+}
 #endif
 
-// Scores (rows, padded) of `rows` (a multiple of kTileRows) query rows q[r] against the sub-keys
-// k (half, padded), padded a multiple of 16, stored as kt (padded / 16, half, 16): panels of 16
-// columns, each read in one contiguous stream (rows of k 512 bytes apart kept only 8 of L1's
-// 64 sets busy, and AVX2 tiles reading them reached 75 instead of 88 GFLOP/s on one core).
-// out[r * padded + j] = q[r] . k[:, j].
+// Scores (rows, padded) of `rows` query rows q[r] against the sub-keys k (half, padded), padded a
+// multiple of 16, stored as kt (padded / 16, half, 16): panels of 16 columns, each read in one
+// contiguous stream (rows of k 512 bytes apart kept only 8 of L1's 64 sets busy, and AVX2 tiles
+// reading them reached 75 instead of 88 GFLOP/s on one core). out[r * padded + j] = q[r] . k[:, j].
+// Tiles of kTileRows rows, the last one as narrow as the rows left: a decoded token (1 row) costs
+// one row of multiply-adds, not kTileRows. Every score is the same d-ordered sum whatever its tile.
+template <int R>
+void score_tail(const float* const* q, int64_t left, const float* kt, int64_t half, int64_t padded,
+                float* const* out) {
+  if constexpr (R > 1) {
+    if (left < R) return score_tail<R - 1>(q, left, kt, half, padded, out);
+  }
+  score_rows<R>(q, kt, half, padded, out);
+}
+
 void block_scores(const float* const* q, int64_t rows, const float* kt, int64_t half, int64_t padded, float* out) {
   for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
-    const float* const* tile_q = q + r0;
-#if defined(__AVX512F__)
-    for (int64_t j0 = 0; j0 < padded;) {
-      float* tile_out[kTileRows];
-      for (int64_t r = 0; r < kTileRows; ++r) tile_out[r] = out + (r0 + r) * padded + j0;
-      const int64_t vectors = std::min<int64_t>(4, (padded - j0) / 16);
-      switch (vectors) {
-        case 4: score_tile<4>(tile_q, kt + j0 * half, half, tile_out); break;
-        case 3: score_tile<3>(tile_q, kt + j0 * half, half, tile_out); break;
-        case 2: score_tile<2>(tile_q, kt + j0 * half, half, tile_out); break;
-        default: score_tile<1>(tile_q, kt + j0 * half, half, tile_out); break;
-      }
-      j0 += 16 * vectors;
-    }
-#elif defined(__AVX2__) && defined(__FMA__)
-    for (int64_t j0 = 0; j0 < padded; j0 += 16) {
-      float* tile_out[kTileRows];
-      for (int64_t r = 0; r < kTileRows; ++r) tile_out[r] = out + (r0 + r) * padded + j0;
-      score_tile(tile_q, kt + j0 * half, half, tile_out);
-    }
-#else
-    for (int64_t r = 0; r < kTileRows; ++r) {
-      float* row_out = out + (r0 + r) * padded;
-      std::fill(row_out, row_out + padded, 0.0f);
-      for (int64_t j0 = 0; j0 < padded; j0 += 16) {
-        const float* panel = kt + j0 * half;
-        for (int64_t d = 0; d < half; ++d) {
-          const float b = tile_q[r][d];
-#pragma omp simd
-          for (int64_t j = 0; j < 16; ++j) row_out[j0 + j] += b * panel[d * 16 + j];
-        }
-      }
-    }
-#endif
+    float* tile_out[kTileRows];
+    const int64_t left = std::min(kTileRows, rows - r0);
+    for (int64_t r = 0; r < left; ++r) tile_out[r] = out + (r0 + r) * padded;
+    score_tail<kTileRows>(q + r0, left, kt, half, padded, tile_out);
   }
 }
 
@@ -617,34 +639,33 @@ void topk_forward_float_impl(const T* query, const float* keys_t, float* scores,
 #pragma omp parallel num_threads(threads)
   {
     // Both halves' scores of a block of tokens: half c of row r at (c * kTokenBlock + r) * padded_keys.
-    std::vector<float> block(2 * kTokenBlock * padded_keys);
+    // Uninitialised (a decoded token at 1M slots would zero 196 KB a call): every entry read is written first.
+    const std::unique_ptr<float[]> block(new float[2 * kTokenBlock * padded_keys]);
     ProductTopkBuffers<float> buffers(n_keys, topk, padded_keys);
     std::vector<float> converted(std::is_same_v<T, float> ? 0 : kTokenBlock * half);  // see float_row
+    // One (block, head) a task: a few decoded tokens still spread their heads over the threads.
 #pragma omp for schedule(static)
-    for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t task = 0; task < blocks * heads; ++task) {
+      const int64_t b = task / heads, h = task % heads;
       const int64_t n0 = b * kTokenBlock, rows = std::min(kTokenBlock, num_tokens - n0);
-      const int64_t tiled_rows = (rows + kTileRows - 1) / kTileRows * kTileRows;
-      for (int64_t h = 0; h < heads; ++h) {
-        for (int64_t c = 0; c < 2; ++c) {
-          const float* q[kTokenBlock];
+      for (int64_t c = 0; c < 2; ++c) {
+        const float* q[kTokenBlock];
+        for (int64_t r = 0; r < rows; ++r)
+          q[r] = float_row(query + ((n0 + r) * heads + h) * 2 * half + c * half, r, half, converted.data());
+        float* out = block.get() + c * kTokenBlock * padded_keys;
+        block_scores(q, rows, keys_t + (h * 2 + c) * half * padded_keys, half, padded_keys, out);
+        // The padding columns' scores (0) become -inf, never selected.
+        if (n_keys < padded_keys)
           for (int64_t r = 0; r < rows; ++r)
-            q[r] = float_row(query + ((n0 + r) * heads + h) * 2 * half + c * half, r, half, converted.data());
-          std::fill(q + rows, q + tiled_rows, q[rows - 1]);  // past the last token: scores not read
-          float* out = block.data() + c * kTokenBlock * padded_keys;
-          block_scores(q, tiled_rows, keys_t + (h * 2 + c) * half * padded_keys, half, padded_keys, out);
-          // The padding columns' scores (0) become -inf, never selected.
-          if (n_keys < padded_keys)
-            for (int64_t r = 0; r < rows; ++r)
-              std::fill(out + r * padded_keys + n_keys, out + (r + 1) * padded_keys,
-                        -std::numeric_limits<float>::infinity());
-        }
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t nh = (n0 + r) * heads + h;
-          const float* half_scores[2] = {block.data() + r * padded_keys,
-                                         block.data() + (kTokenBlock + r) * padded_keys};
-          select_product_topk(half_scores, n_keys, padded_keys, topk, buffers, scores + nh * topk,
-                              indices + nh * topk);
-        }
+            std::fill(out + r * padded_keys + n_keys, out + (r + 1) * padded_keys,
+                      -std::numeric_limits<float>::infinity());
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t nh = (n0 + r) * heads + h;
+        const float* half_scores[2] = {block.get() + r * padded_keys,
+                                       block.get() + (kTokenBlock + r) * padded_keys};
+        select_product_topk(half_scores, n_keys, padded_keys, topk, buffers, scores + nh * topk,
+                            indices + nh * topk);
       }
     }
   }

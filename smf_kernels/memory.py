@@ -8,7 +8,7 @@ from torch import nn
 
 from smf_kernels._precision import no_autocast
 from smf_kernels.backends import construction_error, resolve_backend
-from smf_kernels.ops import GradientSink, product_key_topk, weighted_gather
+from smf_kernels.ops import GradientSink, KeyLayoutCache, product_key_topk, weighted_gather
 from smf_kernels.projection import MemoryProjection
 
 PROJECTIONS = ("query_map", "gate_map", "out_map")  # the memory's MemoryProjection submodules
@@ -91,6 +91,9 @@ class ProductKeyMemory(nn.Module):
         self.register_buffer("read_counts", torch.zeros(self.num_slots, dtype=torch.int64), persistent=False)
         self.count_reads = False
         self.grad_sink: GradientSink | None = None
+        # The backend's layout of ``keys`` for the top-k, made once and again when the keys change (an optimizer
+        # step, load_state_dict, .to()): see smf_kernels.ops.KeyLayoutCache. Not state: never saved.
+        self.key_layouts = KeyLayoutCache()
         self.reset_parameters()
 
     def config(self) -> dict:
@@ -151,7 +154,7 @@ class ProductKeyMemory(nn.Module):
         with no_autocast(x.device):
             query = self.query_map(x).view(x.shape[0], self.heads, self.key_dim)
             return product_key_topk(query.to(self.keys.dtype), self.keys, self.topk,
-                                    backend=self.backend if backend is None else backend)
+                                    backend=self.backend if backend is None else backend, key_layouts=self.key_layouts)
 
     def resolved_backend(self, device: torch.device) -> str:
         """The backend this memory's ops run on ``device``: :attr:`backend`, or the automatic choice

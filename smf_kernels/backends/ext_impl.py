@@ -39,9 +39,13 @@ class ExtBackend(Backend):
                     "`SMF_KERNELS_BUILD_EXT=1 pip install --no-build-isolation -e .`")
         return f"the compiled extension has no {device.type} kernels"
 
-    def topk_forward(self, query, keys, topk):
-        scores, indices = _ext.topk_forward(query, keys, topk)
-        return scores, indices
+    def prepare_topk_keys(self, keys):
+        """The layout the kernels read (csrc/bindings.cpp key_layout): on CPU in float32 the sub-keys padded to a
+        multiple of 16 and transposed in panels of 16."""
+        return _ext.prepare_topk_keys(keys)
+
+    def topk_forward(self, query, keys, topk, key_layout=None):
+        return _ext.topk_forward(query, keys, topk, key_layout)
 
     def topk_backward(self, grad_scores, query, keys, indices, need_query, need_keys):
         """CPU: the gradients from the k chosen sub-keys only (no dense (N, H, n_keys) buffers)."""

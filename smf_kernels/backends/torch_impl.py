@@ -209,16 +209,25 @@ class Backend:
     def __repr__(self) -> str:
         return f"<smf_kernels backend {self.name!r}>"
 
-    def topk_forward(self, query: torch.Tensor, keys: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def prepare_topk_keys(self, keys: torch.Tensor) -> torch.Tensor | None:
+        """The layout of keys (H, 2, n_keys, key_dim // 2) that :meth:`topk_forward` reads, for a caller to make
+        once and hand back as ``key_layout`` while the keys are unchanged
+        (:class:`~smf_kernels.ops.KeyLayoutCache`); None where the keys are read as they are. Here: float32 keys
+        for 16-bit ones."""
+        return keys.float() if keys.dtype in (torch.bfloat16, torch.float16) else None
+
+    def topk_forward(self, query: torch.Tensor, keys: torch.Tensor, topk: int,
+                     key_layout: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The authors' lookup: two einsums and top-k of each half, then the top-k of their sums, in fp32
         (fp64 stays fp64: the reference's sort). The sums are taken only over the pairs that can win
         (:func:`_undominated_pairs`) unless a half has a non-finite score; the result is the same.
-        query (N, H, key_dim), keys (H, 2, n_keys, key_dim // 2) -> scores (N, H, topk), int64 slots (N, H, topk)."""
+        query (N, H, key_dim), keys (H, 2, n_keys, key_dim // 2) -> scores (N, H, topk), int64 slots (N, H, topk);
+        key_layout: :meth:`prepare_topk_keys` of these keys, or None to lay them out here."""
         if query.dtype == torch.float64:
             with torch.no_grad():
                 return product_key_topk_reference(query, keys, topk)
         n_keys, half = keys.shape[2], keys.shape[3]
-        q, k = query.float(), keys.float()
+        q, k = query.float(), keys.float() if key_layout is None else key_layout
         a, i = ranked_topk(torch.einsum("nhd,hkd->nhk", q[..., :half], k[:, 0]), topk)
         b, j = ranked_topk(torch.einsum("nhd,hkd->nhk", q[..., half:], k[:, 1]), topk)
         if bool(a.isfinite().all() and b.isfinite().all()):
@@ -236,12 +245,13 @@ class Backend:
         return _backward_by_dense_sub_key_grads(grad_scores, query, keys, indices, need_query, need_keys)
 
     def gather_forward(self, values, indices, weights, counts, valid):
-        """out (N, D) in values' dtype, by the authors' gather: F.embedding_bag; the read histogram added to
-        ``counts`` (M,) (reads of tokens with ``valid`` (N,) False left out) by bincount."""
+        """out (N, D) in values' dtype, by the authors' gather: F.embedding_bag; the reads added to ``counts``
+        (M,) in place (reads of tokens with ``valid`` (N,) False left out), with no (M,) histogram per call."""
         out = F.embedding_bag(indices, values, per_sample_weights=weights.to(values.dtype), mode="sum")
         if counts is not None:
-            read = indices if valid is None else indices[valid]
-            counts += torch.bincount(read.flatten(), minlength=counts.numel())
+            read = (indices if valid is None else indices[valid]).flatten()
+            counts.index_put_((read,), torch.ones((), dtype=counts.dtype, device=counts.device).expand(read.numel()),
+                              accumulate=True)
         return out
 
     def gather_backward(self, grad_out, values, indices, weights, update_rows, deterministic, need_values,

@@ -39,7 +39,11 @@ class TritonBackend(Backend):
         return ("Triton kernels need CUDA tensors (or, on CPU, the Triton interpreter: set "
                 "TRITON_INTERPRET=1 before importing smf_kernels)")
 
-    def topk_forward(self, query, keys, topk):
+    def prepare_topk_keys(self, keys):
+        """None: the kernel reads the keys as they are, in their own dtype."""
+        return None
+
+    def topk_forward(self, query, keys, topk, key_layout=None):
         _check_dtype("query", query)
         return triton_topk.product_key_topk(query, keys, topk)
 

@@ -8,15 +8,50 @@ from smf_kernels._precision import accumulation_dtype, no_autocast
 from smf_kernels.backends import implementation, resolve_backend
 
 
+class KeyLayoutCache:
+    """The layout of a keys tensor that a backend's top-k reads (:meth:`Backend.prepare_topk_keys`), made once and
+    made again only when the keys change: a lookup of a few decoded tokens would otherwise spend about half its time
+    re-laying every key (the ``ext`` backend pads, casts and transposes them).
+
+    The keys are taken as unchanged while their version counter (bumped by every in-place write: an optimizer step,
+    ``copy_``, ``load_state_dict``), storage pointer, dtype, device, shape and strides are; the cache holds the keys it
+    was built from, so that their memory cannot be reused by other keys of the same stamp. The layout is made under
+    ``no_grad`` from the detached keys: it never feeds autograd (the backward reads the live keys). One cache serves
+    one keys tensor at a time (:class:`~smf_kernels.memory.ProductKeyMemory` holds one per memory).
+    """
+
+    def __init__(self) -> None:
+        self._stamp: tuple | None = None
+        self._keys: torch.Tensor | None = None
+        self._layout: torch.Tensor | None = None
+
+    @staticmethod
+    def _stamp_of(keys: torch.Tensor, backend: str) -> tuple:
+        return (backend, keys._version, keys.untyped_storage().data_ptr(), keys.storage_offset(), keys.dtype,
+                keys.device, tuple(keys.shape), keys.stride())
+
+    def layout(self, keys: torch.Tensor, backend: str) -> torch.Tensor | None:
+        """The layout of ``keys`` (H, 2, n_keys, key_dim // 2) for ``backend`` (a resolved name); None where the
+        backend reads the keys as they are or the keys cannot be tracked (inference tensors carry no version)."""
+        if keys.is_inference():
+            return None
+        stamp = self._stamp_of(keys, backend)
+        if stamp != self._stamp:
+            with torch.no_grad():
+                self._layout = implementation(backend).prepare_topk_keys(keys.detach())
+            self._stamp, self._keys = stamp, keys.detach()
+        return self._layout
+
+
 @torch.library.custom_op("smf_kernels::product_key_topk", mutates_args=())
-def _product_key_topk(query: torch.Tensor, keys: torch.Tensor, topk: int,
-                      backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _product_key_topk(query: torch.Tensor, keys: torch.Tensor, topk: int, backend: str,
+                      key_layout: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     with no_autocast(query.device):  # the kernels choose their own precision
-        return implementation(backend).topk_forward(query, keys, topk)
+        return implementation(backend).topk_forward(query, keys, topk, key_layout)
 
 
 @_product_key_topk.register_fake
-def _(query, keys, topk, backend):
+def _(query, keys, topk, backend, key_layout=None):
     shape = (query.shape[0], query.shape[1], topk)
     return query.new_empty(shape, dtype=accumulation_dtype(query.dtype)), query.new_empty(shape, dtype=torch.int64)
 
@@ -46,7 +81,7 @@ def _(grad_scores, query, keys, indices, backend, need_query, need_keys):
 
 
 def _setup_context(ctx, inputs, output):
-    query, keys, _, backend = inputs
+    query, keys, _, backend, _ = inputs
     _, indices = output
     ctx.save_for_backward(query, keys, indices)
     ctx.backend = backend
@@ -57,14 +92,15 @@ def _backward(ctx, grad_scores, _grad_indices):
     need_query, need_keys = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     grad_query, grad_keys = _topk_backward(grad_scores, query, keys, indices, ctx.backend, need_query, need_keys)
     return (grad_query.to(query.dtype) if need_query else None, grad_keys.to(keys.dtype) if need_keys else None,
-            None, None)
+            None, None, None)
 
 
 _product_key_topk.register_autograd(_backward, setup_context=_setup_context)
 
 
 def product_key_topk(
-    query: torch.Tensor, keys: torch.Tensor, topk: int, *, backend: str | None = None
+    query: torch.Tensor, keys: torch.Tensor, topk: int, *, backend: str | None = None,
+    key_layouts: KeyLayoutCache | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-``topk`` slots of a product-key memory for every (token, head).
 
@@ -74,6 +110,9 @@ def product_key_topk(
         keys: (H, 2, n_keys, key_dim // 2), same dtype and device as query.
         topk: slots per (token, head), 1 <= topk <= n_keys.
         backend: "torch", "triton", "ext" or None (see :mod:`smf_kernels.backends`).
+        key_layouts: a :class:`KeyLayoutCache` kept with ``keys``: the backend's layout of the keys is taken from
+            it (made once, made again when the keys change) instead of being made on every call. Same results.
+            Not used while torch.compile traces (the compiled graph lays the keys out itself).
 
     Returns:
         scores: (N, H, topk) float32 (float64 for float64 inputs), descending;
@@ -82,4 +121,6 @@ def product_key_topk(
     """
     check_topk_args(query, keys, topk)
     name = resolve_backend(backend, query.device, query.dtype)
-    return _product_key_topk(query, keys, topk, name)
+    if key_layouts is None or torch.compiler.is_compiling():
+        return _product_key_topk(query, keys, topk, name)
+    return _product_key_topk(query, keys, topk, name, key_layouts.layout(keys, name))
