@@ -628,3 +628,122 @@ def test_a_patch_with_optimizer_rows_continues_in_a_dense_form_optimizer_as_in_a
         patch.load_optimizer_rows(resumed, resumed_optimizer)
         steps(resumed, resumed_optimizer, 2)
         assert torch.equal(resumed.values, model.values), form
+
+
+# ==================================================================================== key-layout cache, decoding
+def _decoder_memory(dtype=torch.bfloat16, seed=0):
+    """A memory whose torch-backend top-k reads a layout of its keys (float32 copies of 16-bit keys)."""
+    torch.manual_seed(seed)
+    return ProductKeyMemory(D_MODEL, n_keys=13, heads=2, topk=3, key_dim=10, value_dim=VALUE_DIM,
+                            backend="torch").to(dtype)
+
+
+def _per_call(memory):
+    """A copy of ``memory`` that lays its keys out on every call (the reference)."""
+    twin = copy.deepcopy(memory)
+    twin.key_layouts = None
+    return twin
+
+
+def _decode(memory, tokens=1, seed=8):
+    return memory(torch.randn(tokens, D_MODEL, generator=torch.Generator().manual_seed(seed)).to(memory.keys.dtype))
+
+
+def _edit_no_grad(memory):
+    with torch.no_grad():
+        memory.keys.mul_(-1.5)
+
+
+def _edit_inference_mode(memory):
+    with torch.inference_mode():
+        memory.keys.mul_(-1.0)
+
+
+def _edit_vector_to_parameters(memory):
+    vector = nn.utils.parameters_to_vector(memory.parameters())
+    nn.utils.vector_to_parameters(vector * -1.0, memory.parameters())
+
+
+def _edit_adamw_step(memory):
+    optimizer = torch.optim.AdamW(memory.parameters(), lr=0.5)
+    _decode(memory, tokens=3).float().square().sum().backward()
+    optimizer.step()
+
+
+def _edit_data_then_new_cache(memory):
+    from smf_kernels.ops import KeyLayoutCache
+    memory.keys.data.mul_(-1.0)  # bumps no version: the documented remedy is a new cache
+    memory.key_layouts = KeyLayoutCache()
+
+
+KEY_EDITS = {
+    "in place under no_grad": _edit_no_grad,
+    "in place under inference_mode": _edit_inference_mode,
+    "load_state_dict": lambda m: m.load_state_dict({**m.state_dict(), "keys": -m.keys.detach().clone()}),
+    "a .data swap": lambda m: setattr(m.keys, "data", torch.flip(m.keys.detach(), [2]).clone()),
+    "vector_to_parameters": _edit_vector_to_parameters,
+    "an AdamW step": _edit_adamw_step,
+    ".data write, then a new cache": _edit_data_then_new_cache,
+}
+
+
+@pytest.mark.parametrize("edit", list(KEY_EDITS))
+def test_keys_edited_between_decodes_are_looked_up_as_they_are_now(edit):
+    memory = _decoder_memory()
+    before = _decode(memory)
+    KEY_EDITS[edit](memory)
+    after = _decode(memory)
+    assert torch.equal(after, _decode(_per_call(memory)))
+    assert not torch.equal(after, before)  # the edit changed the answer: a stale layout would show
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_no_grad_decoding_then_training_gives_the_per_call_gradients(dtype):
+    memory = _decoder_memory(dtype)
+    with torch.no_grad():
+        _decode(memory, tokens=2)  # the cache is made here, outside autograd
+    twin = _per_call(memory)
+    for module in (memory, twin):
+        _decode(module, tokens=5, seed=3).float().square().sum().backward()
+    for name, param in memory.named_parameters():
+        assert torch.equal(param.grad, dict(twin.named_parameters())[name].grad), name
+    assert not memory.keys.grad.eq(0).all()
+
+
+def test_a_deep_copy_with_edited_keys_leaves_the_original_lookup_alone():
+    memory = _decoder_memory()
+    original = _decode(memory)
+    copied = copy.deepcopy(memory)
+    with torch.no_grad():
+        copied.keys.mul_(-1.0)
+    assert torch.equal(_decode(copied), _decode(_per_call(copied)))
+    assert torch.equal(_decode(memory), original)
+
+
+def test_one_cache_alternating_between_two_keys_tensors_stays_right():
+    from smf_kernels.ops import KeyLayoutCache, product_key_topk
+    generator = torch.Generator().manual_seed(1)
+    query = torch.randn(4, 2, 10, generator=generator).bfloat16()
+    first, second = (torch.randn(2, 2, 13, 5, generator=generator).bfloat16() for _ in range(2))
+    cache = KeyLayoutCache()
+    for keys in (first, second, first, second[:, :, :, :]):
+        got, expected = product_key_topk(query, keys, 3, key_layouts=cache), product_key_topk(query, keys, 3)
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+@pytest.mark.parametrize("cache", [torch.zeros(3), {}, "cache"])
+def test_a_key_layouts_that_is_not_a_cache_is_refused_by_name(cache):
+    """was: TypeError "'torch.layout' object is not callable" or AttributeError (fix: product_key_topk checks)."""
+    from smf_kernels.ops import product_key_topk
+    with pytest.raises(TypeError) as err:
+        product_key_topk(torch.randn(3, 2, 10), torch.randn(2, 2, 13, 5), 3, key_layouts=cache)
+    assert f"key_layouts must be a KeyLayoutCache or None, got {type(cache).__name__}" in _one_line(err)
+
+
+def test_a_memory_made_under_inference_mode_decodes_as_one_made_outside():
+    with torch.inference_mode():
+        inside = _decoder_memory()
+        got = _decode(inside)
+    outside = _decoder_memory()
+    with torch.no_grad():
+        assert torch.equal(got, _decode(outside))
