@@ -164,8 +164,9 @@ class MemoryPatch:
                 touched is saved (a row whose bits did not move still has state that did). A table the optimizer
                 has not stepped gets none; one it steps densely is refused.
 
-        Tensors equal to the base bit for bit get no entry; ValueError for a model without memories, a tensor the
-        model lacks or of another shape, or a ``rows`` entry that is not ascending, unique and in range.
+        Tensors equal to the base bit for bit get no entry; ValueError for a model without memories, a base
+        without one of its values tables, a tensor the model lacks or of another shape, or a ``rows`` entry that is
+        not ascending, unique and in range.
         """
         state = model.state_dict(keep_vars=True)
         tables = _value_tables(model)
@@ -175,6 +176,10 @@ class MemoryPatch:
         configs = _memory_configs(model)
         names = list(memory_scope(model)) if isinstance(base, nn.Module) else list(base)
         base_state = base.state_dict(keep_vars=True) if isinstance(base, nn.Module) else base
+        unmatched = [name for name in tables if name not in base_state]
+        if unmatched:  # its changes would be left out of the patch without a word
+            raise ValueError(f"base: lacks the model's values table(s) {unmatched} (a base with memories at other "
+                             "layers?)")
         rows = dict(rows or {})
         unknown = sorted(set(rows) - set(tables.values()))
         if unknown:

@@ -747,3 +747,57 @@ def test_a_memory_made_under_inference_mode_decodes_as_one_made_outside():
     outside = _decoder_memory()
     with torch.no_grad():
         assert torch.equal(got, _decode(outside))
+
+
+# ======================================================================= save_patch against a memory adapter
+def _tiny_with_memories(layers, mode="additive", **overrides):
+    from smf.model import attach_memories
+    from smf.tiny import TINY_MEMORY_KWARGS, tiny_model
+    model = tiny_model()
+    attach_memories(model, layers, mode, **{**TINY_MEMORY_KWARGS, **overrides})
+    return model
+
+
+def _move_values(model, row=3):
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("memory.values"):
+                param[row] += 1
+
+
+@pytest.mark.parametrize("model_layers", [(2,), (1, 2)])
+def test_a_patch_against_an_adapter_of_other_layers_is_refused_not_empty(tmp_path, model_layers):
+    """was: the model's memories the adapter lacks were left out without a word (an empty patch for (2,))
+    (fix: between() refuses a base without one of the model's values tables)."""
+    from smf.model import save_memory_adapter
+    save_memory_adapter(_tiny_with_memories((1,)), tmp_path / "adapter")
+    model = _tiny_with_memories(model_layers)
+    _move_values(model)
+    with pytest.raises(ValueError) as err:
+        save_patch(model, tmp_path / "adapter", tmp_path / "patch")
+    assert "base: lacks the model's values table(s) ['model.layers.2.mlp.memory.values']" in _one_line(err)
+    assert not (tmp_path / "patch").exists()
+
+
+def test_a_patch_against_its_own_adapter_holds_only_the_moved_rows(tmp_path):
+    from smf.model import save_memory_adapter
+    model = _tiny_with_memories((1, 2))
+    save_memory_adapter(model, tmp_path / "adapter")
+    _move_values(model, row=7)
+    patch = save_patch(model, tmp_path / "adapter", tmp_path / "patch")
+    assert {name: entry.indices.tolist() for name, entry in patch.entries.items()} == {
+        "model.layers.1.mlp.memory.values": [7], "model.layers.2.mlp.memory.values": [7]}
+
+
+@pytest.mark.parametrize("other, message", [
+    ({"n_keys": 15}, r"base: model.layers.1.mlp.memory.keys is \(2, 2, 16, 16\) in the base but \(2, 2, 15, 16\)"),
+    ({"mode": "replacement"}, "base: 'model.layers.1.mlp.alpha' is not a tensor of the model"),
+])
+def test_a_patch_against_an_adapter_of_another_shape_or_mode_is_refused(tmp_path, other, message):
+    from smf.model import save_memory_adapter
+    save_memory_adapter(_tiny_with_memories((1,)), tmp_path / "adapter")
+    mode = other.pop("mode", "additive")
+    model = _tiny_with_memories((1,), mode, **other)
+    with pytest.raises(ValueError, match=message):
+        save_patch(model, tmp_path / "adapter", tmp_path / "patch")
+    assert not (tmp_path / "patch").exists()
