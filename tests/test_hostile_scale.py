@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 import smf_kernels.patch as patch_module
@@ -21,6 +20,7 @@ from smf_kernels.patch import PATCH_CONFIG, PATCH_WEIGHTS, MemoryPatch, fingerpr
 from smf_kernels.sparse import BackgroundStats, RowSparseAdamW, SparseMemoryController, StepDriver
 from smf_kernels.sparse.selection import (background_weights, default_rows_per_step, select_read_rows_padded,
                                           select_rows_padded, weighted_scores)
+from test_patches import _finetuned, _inputs, _rewrite, _same, _state
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -31,41 +31,6 @@ D_MODEL, VALUE_DIM = 40, 72  # awkward sizes: 13 ** 2 = 169 slots
 def _memory(dtype=torch.float32, seed=0, n_keys=13):
     torch.manual_seed(seed)
     return ProductKeyMemory(D_MODEL, n_keys=n_keys, heads=2, topk=3, key_dim=10, value_dim=VALUE_DIM).to(dtype)
-
-
-def _finetuned(base, rows, seed=1):
-    """A copy of ``base`` whose value ``rows`` moved by a random step."""
-    model = copy.deepcopy(base)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        model.values[torch.tensor(rows)] += torch.randn(len(rows), VALUE_DIM, generator=generator).to(
-            model.values.dtype)
-    return model
-
-
-def _state(module):
-    return {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}
-
-
-def _same(a, b):
-    return a.keys() == b.keys() and all(torch.equal(a[k].reshape(-1).view(torch.uint8),
-                                                    b[k].reshape(-1).view(torch.uint8)) for k in a)
-
-
-def _inputs(dtype=torch.float32):
-    return torch.randn(7, D_MODEL, generator=torch.Generator().manual_seed(5)).to(dtype)
-
-
-def _rewrite(directory, tensors=None, config=None):
-    """The patch in ``directory`` with its tensors and/or JSON edited and its checksum made to fit again."""
-    stored = load_file(str(directory / PATCH_WEIGHTS))
-    spec = json.loads((directory / PATCH_CONFIG).read_text())
-    if tensors is not None:
-        save_file(tensors(stored), str(directory / PATCH_WEIGHTS))
-    if config is not None:
-        config(spec)
-    spec["weights_sha256"] = patch_module.hashlib.sha256((directory / PATCH_WEIGHTS).read_bytes()).hexdigest()
-    (directory / PATCH_CONFIG).write_text(json.dumps(spec))
 
 
 def _one_line(err) -> str:
@@ -499,7 +464,8 @@ def _compact_state_dict():
 
 
 COMPACT_DAMAGES = {
-    "held_rows unsorted": (lambda s: s.update(held_rows=s["held_rows"].flip(0)), "held_rows must be strictly ascending"),
+    "held_rows unsorted": (lambda s: s.update(held_rows=s["held_rows"].flip(0)),
+                           "held_rows must be strictly ascending"),
     "held_rows duplicated": (lambda s: s["held_rows"].__setitem__(1, s["held_rows"][0]),
                              "held_rows must be strictly ascending"),
     "held_rows out of range": (lambda s: s["held_rows"].__setitem__(-1, M_ROWS), "rows in [0, 37)"),
