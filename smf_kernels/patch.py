@@ -192,6 +192,9 @@ class MemoryPatch:
             if name not in base_state:
                 raise ValueError(f"base: the base model has no tensor {name!r}")
             base_tensor = base_state[name].detach()
+            for where, held in (("model", tensor), ("base", base_tensor)):
+                if held.is_meta:
+                    raise ValueError(f"{where}: {name} is a meta tensor, which holds no values (not loaded yet?)")
             if base_tensor.shape != tensor.shape:
                 raise ValueError(f"base: {name} is {tuple(base_tensor.shape)} in the base but {tuple(tensor.shape)} "
                                  "in the model")
@@ -349,6 +352,9 @@ class MemoryPatch:
             target = state.get(name)
             if target is None:
                 raise ValueError(f"patch entry {name!r}: the model has no such tensor (a patch for another model?)")
+            if target.is_meta:
+                raise ValueError(f"patch entry {name}: the model's tensor is a meta tensor, which holds no values (not "
+                                 "loaded yet?); nothing was changed")
             if tuple(target.shape) != entry.shape or target.dtype != entry.dtype:
                 raise ValueError(f"patch entry {name}: the patch is for a {entry.shape} {entry.dtype} tensor, the "
                                  f"model's is {tuple(target.shape)} {target.dtype}")

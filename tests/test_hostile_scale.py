@@ -254,6 +254,23 @@ def test_the_fingerprint_covers_dtype_shape_and_config_not_the_device_or_strides
     assert fingerprint(table.t()) == fingerprint(table.t().contiguous())  # C order of what it shows
 
 
+def test_a_model_on_the_meta_device_is_refused_by_name_with_nothing_changed():
+    """was: NotImplementedError 'Cannot copy out of meta tensor' / 'aten::equal ... Meta tensors' (fix: merge()
+    and between() name the tensor that holds no values)."""
+    base = _memory()
+    patch = MemoryPatch.between(_finetuned(base, [1]), base)
+    unloaded = copy.deepcopy(base).to("meta")
+    with pytest.raises(ValueError) as err:
+        patch.merge(unloaded)
+    assert "patch entry values: the model's tensor is a meta tensor" in _one_line(err)
+    assert patch._replaced is None  # not merged: it still merges into a real model
+    with pytest.raises(ValueError) as err:
+        MemoryPatch.between(unloaded, base)
+    assert "model: keys is a meta tensor" in _one_line(err)
+    with pytest.raises(ValueError, match="base: keys is a meta tensor"):
+        MemoryPatch.between(base, unloaded)
+
+
 # ================================================================================================ row selection
 def _stable_top(scores, counts, num_rows):
     """The oracle: a stable descending sort of the masked scores (NaN first), its first min(T, M) ascending."""
@@ -527,6 +544,36 @@ def test_a_state_saved_from_an_fp32_table_loads_into_a_bf16_one_as_torch_casts_i
     assert torch.equal(loaded["row_step"], expected["row_step"])
     _row_steps(bf16, optimizer, 1, seed=3)  # steps
     assert torch.isfinite(bf16).all()
+
+
+def test_masked_clipped_steps_give_the_same_bits_in_both_forms():
+    """30 steps of 9 rows each, a random third of them masked out (``valid``), the gradient scaled: the compact
+    form's table, moments, counts and touched rows are the dense form's, bit for bit."""
+    compact_table, compact_optimizer = _table("compact")
+    dense_table, dense_optimizer = _table("dense")
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(30):
+        rows = torch.randperm(M_ROWS, generator=generator)[:9].sort().values
+        grad, valid = torch.randn(9, WIDTH, generator=generator), torch.rand(9, generator=generator) > 0.4
+        for table, optimizer in ((compact_table, compact_optimizer), (dense_table, dense_optimizer)):
+            optimizer.step_rows(table, rows, grad, valid=valid, grad_scale=torch.tensor(0.7))
+    assert torch.equal(compact_table, dense_table)
+    ours, theirs = compact_optimizer.row_state(compact_table), dense_optimizer.row_state(dense_table)
+    assert all(torch.equal(ours[key], theirs[key]) for key in theirs)
+    assert torch.equal(compact_optimizer.touched_rows(compact_table), dense_optimizer.touched_rows(dense_table))
+
+
+def test_a_compact_state_dict_survives_torch_save_with_weights_only(tmp_path):
+    param, optimizer = _table()
+    _row_steps(param, optimizer, 3)
+    torch.save(optimizer.state_dict(), tmp_path / "optimizer.pt")
+    resumed, resumed_optimizer = _table()
+    with torch.no_grad():
+        resumed.copy_(param)
+    resumed_optimizer.load_state_dict(torch.load(tmp_path / "optimizer.pt", weights_only=True))
+    _row_steps(param, optimizer, 2, seed=4)
+    _row_steps(resumed, resumed_optimizer, 2, seed=4)
+    assert torch.equal(resumed, param)
 
 
 @pytest.mark.parametrize("form", ["compact", "dense"])
