@@ -150,6 +150,10 @@ def test_layout_never_requires_grad_and_inference_mode_works(backend):
         _assert_same(memory.lookup(x), _uncached(memory).lookup(x))
         inference_keys = memory.keys.detach().clone()  # an inference tensor: no version, not cached
         assert memory.key_layouts.layout(inference_keys, backend) is None
+    # a functorch wrapper shows no storage: laid out per call
+    wrapped = torch.func.vmap(lambda k: torch.tensor(memory.key_layouts.layout(k, backend) is None))(
+        memory.keys.detach().unsqueeze(0))
+    assert bool(wrapped.all())
 
 
 @pytest.mark.skipif("ext" not in BACKENDS, reason="the compiled extension is not built")

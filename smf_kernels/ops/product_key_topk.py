@@ -34,10 +34,14 @@ class KeyLayoutCache:
 
     def layout(self, keys: torch.Tensor, backend: str) -> torch.Tensor | None:
         """The layout of ``keys`` (H, 2, n_keys, key_dim // 2) for ``backend`` (a resolved name); None where the
-        backend reads the keys as they are or the keys cannot be tracked (inference tensors carry no version)."""
+        backend reads the keys as they are or the keys cannot be tracked (inference tensors carry no version, a
+        functorch wrapper shows no storage): those are laid out per call."""
         if keys.is_inference():
             return None
-        stamp = self._stamp_of(keys, backend)
+        try:
+            stamp = self._stamp_of(keys, backend)
+        except NotImplementedError:  # "Cannot access storage of TensorWrapper"
+            return None
         if stamp != self._stamp:
             with torch.no_grad():
                 self._layout = implementation(backend).prepare_topk_keys(keys.detach())
