@@ -17,7 +17,7 @@ from collections.abc import Mapping
 import torch
 
 from smf_kernels._checks import check_non_negative, check_tensor
-from smf_kernels.sparse.background import _check_counts as _check_background_counts
+from smf_kernels.sparse.background import check_counts as check_background_counts
 
 logger = logging.getLogger(__name__)
 RULES = ("tfidf", "kl")
@@ -89,7 +89,7 @@ def background_weights(rule: str, doc_freq: torch.Tensor, reads: torch.Tensor, n
     _check_like_counts("reads", reads, doc_freq)
     if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 0:
         raise ValueError(f"num_batches must be a non-negative int, got {num_batches!r}")
-    _check_background_counts("background_weights", doc_freq, reads, num_batches)
+    check_background_counts("background_weights", doc_freq, reads, num_batches)
     if rule == "tfidf":
         return _inverse_doc_freq(doc_freq, num_batches)
     if rule == "kl":
