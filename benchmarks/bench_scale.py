@@ -130,7 +130,8 @@ def _tensors(obj, depth: int = 0):
 def held_bytes(layer: dict) -> dict:
     """Bytes of the tensors the layer and its step hold, by part, each storage counted once (in the first part
     that holds it): ``layer`` (parameters and buffers), ``background`` (the controller's statistics and the
-    selection weights made from them), ``optimizer`` (its state), ``sinks`` (the step's gradient sinks: call after the backward)."""
+    selection weights made from them), ``optimizer`` (its state), ``sinks`` (the step's gradient sinks: call after
+    the backward)."""
     controller = layer["controller"]
     parts = {"layer": list(layer["memory"].parameters()) + list(layer["memory"].buffers()),
              "background": list(_tensors(vars(controller.background))) + list(_tensors(controller._weights)),
@@ -481,6 +482,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     f"{getattr(args, name)}")
     if args.model_slots < 256 or math.isqrt(args.model_slots) ** 2 != args.model_slots:
         p.error(f"argument --model-slots: must be n_keys ** 2 with n_keys >= 16, got {args.model_slots}")
+    folder = os.path.dirname(os.path.abspath(args.json)) if args.json else None
+    if args.json and (os.path.isdir(args.json) or not os.path.isdir(folder) or not os.access(folder, os.W_OK)):
+        p.error(f"argument --json: cannot write {args.json!r} (a folder, or in a folder that is missing or not "
+                "writable); checked before any size runs")
     return args
 
 

@@ -82,6 +82,16 @@ def check_distinct(name: str, rows: torch.Tensor) -> None:
         torch._assert_async(~repeated.any(), f"{name} must hold distinct rows")
 
 
+def check_non_negative(name: str, values: torch.Tensor) -> None:
+    """Entries of ``values`` must be >= 0 (CPU: ValueError at once; an accelerator: a device-side assertion)."""
+    negative = (values < 0).any()
+    if values.device.type == "cpu":
+        if bool(negative):
+            raise ValueError(f"{name} must be non-negative, got {int(values.min())}")
+    else:
+        torch._assert_async(~negative, f"{name} must be non-negative")
+
+
 def check_ascending(name: str, rows: torch.Tensor) -> None:
     """Entries of the 1-D tensor ``rows`` must be strictly ascending (sorted and distinct)."""
     if rows.numel() < 2:

@@ -164,14 +164,22 @@ class MemoryPatch:
                 touched is saved (a row whose bits did not move still has state that did). A table the optimizer
                 has not stepped gets none; one it steps densely is refused.
 
-        Tensors equal to the base bit for bit get no entry; ValueError for a tensor the model lacks or of another
-        shape, or a ``rows`` entry that is not ascending, unique and in range.
+        Tensors equal to the base bit for bit get no entry; ValueError for a model without memories, a base
+        without one of its values tables, a tensor the model lacks or of another shape, or a ``rows`` entry that is
+        not ascending, unique and in range.
         """
         state = model.state_dict(keep_vars=True)
         tables = _value_tables(model)
+        if not tables:
+            raise ValueError(f"model: a {type(model).__name__} without memories (no ProductKeyMemory): a knowledge "
+                             "patch holds the changes of a model's memories")
         configs = _memory_configs(model)
         names = list(memory_scope(model)) if isinstance(base, nn.Module) else list(base)
         base_state = base.state_dict(keep_vars=True) if isinstance(base, nn.Module) else base
+        unmatched = [name for name in tables if name not in base_state]
+        if unmatched:  # its changes would be left out of the patch without a word
+            raise ValueError(f"base: lacks the model's values table(s) {unmatched} (a base with memories at other "
+                             "layers?)")
         rows = dict(rows or {})
         unknown = sorted(set(rows) - set(tables.values()))
         if unknown:
@@ -184,6 +192,9 @@ class MemoryPatch:
             if name not in base_state:
                 raise ValueError(f"base: the base model has no tensor {name!r}")
             base_tensor = base_state[name].detach()
+            for where, held in (("model", tensor), ("base", base_tensor)):
+                if held.is_meta:
+                    raise ValueError(f"{where}: {name} is a meta tensor, which holds no values (not loaded yet?)")
             if base_tensor.shape != tensor.shape:
                 raise ValueError(f"base: {name} is {tuple(base_tensor.shape)} in the base but {tuple(tensor.shape)} "
                                  "in the model")
@@ -206,8 +217,16 @@ class MemoryPatch:
 
     # -- files -------------------------------------------------------------------------------------------------
     def save(self, directory: str | Path) -> Path:
-        """Write ``patch.safetensors`` and ``patch.json`` into ``directory`` (created), each atomically; returns it."""
+        """Write ``patch.safetensors`` and ``patch.json`` into ``directory`` (created), each atomically; returns it.
+        ValueError before anything is written for an entry holding non-finite values (:meth:`load` refuses them),
+        NotADirectoryError for a ``directory`` that is a file."""
         directory = Path(directory)
+        for entry in self.entries.values():
+            if not all(bool(torch.isfinite(t).all()) for t in (entry.data, *(entry.moments or {}).values())):
+                raise ValueError(f"patch entry {entry.name} holds non-finite values (a run that diverged?); nothing "
+                                 f"was written to {str(directory)!r}")
+        if directory.exists() and not directory.is_dir():
+            raise NotADirectoryError(f"directory: {str(directory)!r} is a file, not a folder for a knowledge patch")
         directory.mkdir(parents=True, exist_ok=True)
         tensors = {}
         for entry in self.entries.values():
@@ -333,6 +352,9 @@ class MemoryPatch:
             target = state.get(name)
             if target is None:
                 raise ValueError(f"patch entry {name!r}: the model has no such tensor (a patch for another model?)")
+            if target.is_meta:
+                raise ValueError(f"patch entry {name}: the model's tensor is a meta tensor, which holds no values (not "
+                                 "loaded yet?); nothing was changed")
             if tuple(target.shape) != entry.shape or target.dtype != entry.dtype:
                 raise ValueError(f"patch entry {name}: the patch is for a {entry.shape} {entry.dtype} tensor, the "
                                  f"model's is {tuple(target.shape)} {target.dtype}")

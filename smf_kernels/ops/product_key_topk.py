@@ -15,9 +15,11 @@ class KeyLayoutCache:
 
     The keys are taken as unchanged while their version counter (bumped by every in-place write: an optimizer step,
     ``copy_``, ``load_state_dict``), storage pointer, dtype, device, shape and strides are; the cache holds the keys it
-    was built from, so that their memory cannot be reused by other keys of the same stamp. The layout is made under
-    ``no_grad`` from the detached keys: it never feeds autograd (the backward reads the live keys). One cache serves
-    one keys tensor at a time (:class:`~smf_kernels.memory.ProductKeyMemory` holds one per memory).
+    was built from, so that their memory cannot be reused by other keys of the same stamp. A write that bumps no
+    version (through ``.data``, e.g. ``keys.data.add_(x)``, or a NumPy view) is not seen: write under ``no_grad``
+    instead, or give the keys a new cache. The layout is made under ``no_grad`` from the detached keys: it never
+    feeds autograd (the backward reads the live keys). One cache serves one keys tensor at a time
+    (:class:`~smf_kernels.memory.ProductKeyMemory` holds one per memory).
     """
 
     def __init__(self) -> None:
@@ -124,6 +126,8 @@ def product_key_topk(
         indices: (N, H, topk) int64 slot ids ``i * n_keys + j`` in [0, n_keys**2).
     """
     check_topk_args(query, keys, topk)
+    if key_layouts is not None and not isinstance(key_layouts, KeyLayoutCache):
+        raise TypeError(f"key_layouts must be a KeyLayoutCache or None, got {type(key_layouts).__name__}")
     name = resolve_backend(backend, query.device, query.dtype)
     if key_layouts is None or torch.compiler.is_compiling():
         return _product_key_topk(query, keys, topk, name)

@@ -87,7 +87,7 @@ class BackgroundStats:
                     f"background statistics of layer {name!r} were built for config {self.configs[name]}, "
                     f"but the layer has config {memory.config()}"
                 )
-            _check_counts(f"background statistics of layer {name!r}", self.doc_freq[name], self.reads[name],
+            check_counts(f"background statistics of layer {name!r}", self.doc_freq[name], self.reads[name],
                           self.num_batches[name])
 
     def save(self, path: str | Path) -> None:
@@ -148,7 +148,7 @@ class BackgroundStats:
                     raise ValueError(f"{path}: {name}.{field} must be (M,) = ({num_slots},) int64 (n_keys "
                                      f"{layer['config']['n_keys']} in its header), got {tuple(tensor.shape)} "
                                      f"{tensor.dtype}")
-            _check_counts(f"{path}: layer {name!r}", tensors[f"{name}.doc_freq"], tensors[f"{name}.reads"],
+            check_counts(f"{path}: layer {name!r}", tensors[f"{name}.doc_freq"], tensors[f"{name}.reads"],
                           layer["num_batches"])
         stats = cls({name: layer["config"] for name, layer in layers.items()})  # sizes checked: the file's own
         for name, layer in layers.items():
@@ -159,7 +159,7 @@ class BackgroundStats:
         return stats
 
 
-def _check_counts(where: str, doc_freq: torch.Tensor, reads: torch.Tensor, num_batches: int) -> None:
+def check_counts(where: str, doc_freq: torch.Tensor, reads: torch.Tensor, num_batches: int) -> None:
     """ValueError unless the counts are ones that counting ``num_batches`` batches can produce."""
     if bool((doc_freq < 0).any()) or bool((reads < 0).any()):
         raise ValueError(f"{where}: {'doc_freq' if bool((doc_freq < 0).any()) else 'reads'} holds negative counts")

@@ -301,7 +301,8 @@ class MemoryStep:
         """Layer ``name``'s :func:`~smf_kernels.sparse.selection.background_weights` of the rule on ``device``
         ((M,) float64: the IDF, or the smoothed background distribution + eps), made once per background: again
         only when its statistics changed (other tensors, an in-place update such as ``add_batch``, another N) or
-        the table moved. The statistics live on the CPU; their copies on ``device`` are dropped once used."""
+        the table moved (a write through ``.data`` or a NumPy view bumps no version: :meth:`set_background` again).
+        The statistics live on the CPU; their copies on ``device`` are dropped once used."""
         doc_freq, reads = self.background.doc_freq[name], self.background.reads[name]
         source = (doc_freq, doc_freq._version, reads, reads._version, self.background.num_batches[name], device)
         made = self._weights.get(name)

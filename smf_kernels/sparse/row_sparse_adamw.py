@@ -72,11 +72,11 @@ class RowSparseAdamW(torch.optim.Optimizer):
                 converted[index] = self._in_form(param, saved)
         super().load_state_dict({**state_dict, "state": {**state_dict["state"], **converted}})
         # The base class casts every state tensor to a floating parameter's dtype, and an integer that went
-        # through bf16 would round (bf16 holds integers exactly only up to 256): restore the originals.
+        # through bf16 would round (bf16 holds integers exactly only up to 256): restore the originals, the
+        # moments cast as the base class casts them (a state saved from an fp32 table loads into a bf16 one).
         for index, param in zip(indices, params):
             if index in converted:
-                self.state[param] = {key: value.to(device=param.device) if isinstance(value, torch.Tensor) else value
-                                     for key, value in converted[index].items()}
+                self.state[param] = {key: _on_param(value, param) for key, value in converted[index].items()}
 
     def _in_form(self, param: torch.Tensor, saved: dict) -> dict:
         """A table's saved row state in the form this optimizer keeps for ``param``."""
@@ -223,15 +223,17 @@ class RowSparseAdamW(torch.optim.Optimizer):
         return group
 
     def row_state(self, param: torch.Tensor, rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """The dense-equivalent state of rows ``rows`` (R,) int64 of a table (every row when None), whatever form
-        holds it: ``exp_avg`` and ``exp_avg_sq`` (R, D), ``row_step`` (R,) int64; zeros for a row never
-        updated. New tensors (for tests and comparisons)."""
+        """The dense-equivalent state of rows ``rows`` (R,) int64 in [0, M) of a table (every row when None),
+        whatever form holds it: ``exp_avg`` and ``exp_avg_sq`` (R, D), ``row_step`` (R,) int64; zeros for a row
+        never updated. New tensors (for tests and comparisons)."""
         self._group_of(param)
         state = self.state.get(param, {})
         if "step" in state:
             raise ValueError("this parameter is updated with dense gradients, not by rows")
         if rows is None:
             rows = torch.arange(param.shape[0], device=param.device)
+        check_tensor("rows", rows, ndim=1, dtypes=(torch.int64,), shape_doc="(R,)")
+        check_index_range("rows", rows, param.shape[0])
         if not state:
             return {"exp_avg": param.new_zeros(rows.numel(), param.shape[1]),
                     "exp_avg_sq": param.new_zeros(rows.numel(), param.shape[1]),
@@ -352,3 +354,10 @@ class RowSparseAdamW(torch.optim.Optimizer):
         bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5
         denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
         param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+def _on_param(value, param: torch.Tensor):
+    """A loaded state entry on ``param``'s device; a floating one in ``param``'s dtype (as torch.optim casts it)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return value.to(device=param.device, dtype=param.dtype if value.is_floating_point() else value.dtype)

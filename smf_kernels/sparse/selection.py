@@ -16,7 +16,8 @@ from collections.abc import Mapping
 
 import torch
 
-from smf_kernels._checks import check_tensor
+from smf_kernels._checks import check_non_negative, check_tensor
+from smf_kernels.sparse.background import check_counts as check_background_counts
 
 logger = logging.getLogger(__name__)
 RULES = ("tfidf", "kl")
@@ -32,7 +33,9 @@ def default_rows_per_step(num_slots: int) -> int:
     """T for a memory of ``num_slots`` slots when none is given: the paper's share, ``num_slots * 512 // 16384``
     (rounded down), at least 1 and at most the paper's T = 512: 8 at 256 slots, 13 at 441, 512 at the paper's
     16,384 and at any larger memory (1,048,576 slots: 512, not 32,768). An explicit ``rows_per_step`` is not
-    capped."""
+    capped. ValueError for a ``num_slots`` that is not a positive int."""
+    if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
+        raise ValueError(f"num_slots must be a positive int (n_keys ** 2), got {num_slots!r}")
     return min(PAPER_ROWS_PER_STEP, max(1, num_slots * PAPER_ROWS_PER_STEP // PAPER_SLOTS))
 
 
@@ -78,9 +81,15 @@ def background_weights(rule: str, doc_freq: torch.Tensor, reads: torch.Tensor, n
     Returns:
         (M,) float64: "tfidf": the IDF ``log((N + 1) / (df(i) + 1))``; "kl": ``q(i) + eps``, with
         ``q(i) = (b(i) + 1) / sum_j (b(j) + 1)`` the add-one-smoothed background distribution.
+
+    ValueError (one host sync) for statistics that counting ``num_batches`` batches cannot produce (a negative
+    count, ``doc_freq`` above N, fewer reads than ``doc_freq``): they would make scores NaN or negative.
     """
     check_tensor("doc_freq", doc_freq, ndim=1, dtypes=(torch.int64,), shape_doc="(M,)")
     _check_like_counts("reads", reads, doc_freq)
+    if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 0:
+        raise ValueError(f"num_batches must be a non-negative int, got {num_batches!r}")
+    check_background_counts("background_weights", doc_freq, reads, num_batches)
     if rule == "tfidf":
         return _inverse_doc_freq(doc_freq, num_batches)
     if rule == "kl":
@@ -169,6 +178,8 @@ def select_rows_padded(scores: torch.Tensor, counts: torch.Tensor, num_rows: int
     _check_counts(counts)
     if not isinstance(scores, torch.Tensor) or scores.shape != counts.shape:
         raise ValueError(f"scores must be a tensor of the shape of counts (M,) = {tuple(counts.shape)}")
+    if not scores.is_floating_point():
+        raise TypeError(f"scores must be a floating tensor (unread slots score -inf), got {scores.dtype}")
     _check_num_rows(num_rows)
     rows = _top_positions(_mask_unread(scores, counts), min(num_rows, counts.numel()))
     return rows, (counts[rows] > 0)
@@ -206,6 +217,7 @@ def select_read_rows_padded(rule: str, counts: torch.Tensor, weights: torch.Tens
     _check_num_rows(num_rows)
     size = min(num_rows, counts.numel())
     read = counts.nonzero().squeeze(1)  # (K,) ascending: the host sync
+    check_non_negative("counts", counts[read])
     scores = _rule_scores(rule, counts[read], weights[read], eps)
     rows = read[_top_positions(scores, min(size, read.numel()))]  # equal scores: lower position = lower slot id
     if rows.numel() < size:  # the lowest-id unread slots fill the size: all below size + K
