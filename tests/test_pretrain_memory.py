@@ -95,8 +95,8 @@ def _suite(tmp_path, **changes) -> dict:
     raw.update(output_dir=str(tmp_path / "suite"), seeds=[5], world={k: v for k, v in WORLD.items() if k != "seed"},
                pretrain={**TINY, "memory": MEMORY},
                lr_sweep={"sparse": [1e-2], "lora": [1e-3], "full": [1e-3]}, matched_learning=[0.5])
-    raw["train"].update(layers=[1], n_keys=4, heads=1, topk=2, key_dim=4, rows_per_step=4, n_background=8,
-                        warmup_steps=0)
+    raw["train"].update(layers=[1], n_keys=4, heads=1, topk=2, key_dim=4, alpha_init=MEMORY["alpha_init"],
+                        rows_per_step=4, n_background=8, warmup_steps=0)
     raw["stages"] = {"sparse": {"epochs": 1}, "lora": {"epochs": 1}, "full": {"epochs": 1}}
     raw.update(changes)
     return raw
