@@ -115,3 +115,25 @@ def test_report_results_needs_out_and_out_needs_results(tmp_path, capsys):
     assert "--results needs --out DIR" in capsys.readouterr().err
     assert cli.main(["report", "--suite-dir", str(tmp_path), "--out", str(tmp_path)]) == 2
     assert "--out goes with --results" in capsys.readouterr().err
+
+
+def test_the_confirmation_table_on_the_page_is_the_shipped_results(tmp_path):
+    """docs/science.md's table of the confirmation seeds, recomputed from the shipped per-run results alone."""
+    from smf.suite.shipped import write_packed_report
+
+    write_packed_report(RESULTS / "science-confirm" / "results.json", tmp_path)
+    evaluated = json.loads((tmp_path / "matched_learning.json").read_text())["hypotheses"]
+    page = (ROOT / "docs" / "science.md").read_text(encoding="utf-8")
+    section = page[page.index("### Confirmation seeds 5-9"):page.index("### The earlier answer")]
+    labels = {"paper-like-vs-full": "paper-like SMF − full finetuning", "paper-like-vs-lora": "paper-like SMF − LoRA",
+              "paper-like-vs-large-step": "paper-like SMF − large-step SMF",
+              "large-step-vs-full": "large-step SMF − full finetuning"}
+    for entry in evaluated:
+        (row,) = [line for line in section.splitlines() if line.startswith(f"| {labels[entry['name']]} ")]
+        cells = [cell.strip() for cell in row.split("|")[1:-1]]
+        per_seed = [float(v.replace("−", "-")) for v in cells[2].split(" / ")]
+        assert per_seed == pytest.approx([entry["per_seed"][seed] for seed in sorted(entry["per_seed"], key=int)],
+                                         abs=5e-4)
+        mean, half = (float(v.replace("−", "-")) for v in cells[3].split(" ± "))
+        assert (mean, half) == pytest.approx((entry["mean"], entry["half_width"]), abs=5e-4)
+        assert cells[4] == entry["from_zero"] and cells[5].startswith(entry["verdict"])
