@@ -111,6 +111,9 @@ def test_a_damaged_packed_file_is_named_in_one_line(science_suite, tmp_path, cap
 def test_report_results_needs_out_and_out_needs_results(tmp_path, capsys):
     from smf import cli
 
+    assert cli.main(["report"]) == 2
+    assert "give --suite-dir DIR (a suite directory) or --results FILE" in capsys.readouterr().err
+
     assert cli.main(["report", "--results", str(tmp_path / "r.json")]) == 2
     assert "--results needs --out DIR" in capsys.readouterr().err
     assert cli.main(["report", "--suite-dir", str(tmp_path), "--out", str(tmp_path)]) == 2

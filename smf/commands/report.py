@@ -10,7 +10,7 @@ COMMANDS = {"report": "Table 1 (md/csv/tex), Pareto figure, parameter accounting
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str = "report") -> None:
-    source = parser.add_mutually_exclusive_group(required=True)
+    source = parser.add_mutually_exclusive_group()  # one of them, checked when it runs (a misspelt option named first)
     source.add_argument("--suite-dir", metavar="DIR", help="directory written by `smf suite`")
     source.add_argument("--results", metavar="FILE", help="a suite's packed per-run results (--pack; e.g. "
                         "docs/science/results/*/results.json): its tables drawn into --out, no run folders needed")
@@ -20,6 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser, command: str = "report") -> N
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.suite_dir is None and args.results is None:
+        raise ConfigError("give --suite-dir DIR (a suite directory) or --results FILE (a suite's packed results)")
     if args.results is not None:
         if args.out is None or args.pack is not None:
             raise ConfigError("--results needs --out DIR (where its tables go) and takes no --pack")
