@@ -28,7 +28,7 @@ KERNELS_LAYERS = (("hf",), ("fsdp", "sparse", "patch"), ("sharded",), ("memory",
 DEFERRED = {
     "smf.commands.eval": {"smf.eval.tasks", "smf.model.loading", "smf.train.distributed",  # when `smf eval` runs
                           "smf.suite.config"},  # the suite config's schema (pydantic): 30 ms of `smf --help`
-    "smf.commands.report": {"smf.suite.report"},  # matplotlib, torch: when `smf report` runs
+    "smf.commands.report": {"smf.suite.report", "smf.suite.shipped"},  # matplotlib, torch: when `smf report` runs
     "smf.commands.suite": {"smf.suite.report", "smf.suite.runner",  # torch: after the config's checks
                            "smf.suite.config", "smf.suite.dry_run"},  # the suite config's schema, as above
     "smf.commands.train": {"smf.train.background", "smf.train.loop"},  # when the stage runs

@@ -114,19 +114,41 @@ def test_the_chosen_configuration_and_sweep_rows_keep_schedules_apart():
 
 
 def test_hypothesis_verdicts_on_synthetic_paired_differences():
-    half = t_quantile(5) * 0.05 / 5 ** 0.5
+    half = t_quantile(5) * 0.05 / 5 ** 0.5  # 0.062
     spread = [0.15 - 0.05 * 2 ** 0.5, 0.15, 0.15, 0.15, 0.15 + 0.05 * 2 ** 0.5]  # mean 0.15, sd 0.05
-    confirmed = verdict(spread, 0.1, 5)
-    assert confirmed["verdict"] == CONFIRMED and confirmed["half_width"] == pytest.approx(half)
-    assert verdict([v - 0.15 for v in spread], 0.1, 5)["verdict"] == REFUTED       # [-0.06, 0.06] excludes 0.1
-    assert verdict([v - 0.08 for v in spread], 0.1, 5)["verdict"] == INCONCLUSIVE  # mean 0.07: neither
-    assert verdict([-v for v in spread], -0.1, 5)["verdict"] == CONFIRMED          # a keeps 0.1 less
+    clear = verdict([v + 0.1 for v in spread], 0.1, 5)  # [0.188, 0.312] lies beyond 0.1
+    assert clear["verdict"] == CONFIRMED and clear["half_width"] == pytest.approx(half)
+    assert clear["from_zero"] == "above 0" and "lies beyond +0.1" in clear["why"]
+    straddles = verdict(spread, 0.1, 5)  # [0.088, 0.212]: the mean reaches 0.1 and 0 is excluded, 0.1 is not
+    assert straddles["verdict"] == INCONCLUSIVE and straddles["from_zero"] == "above 0"
+    assert verdict([v - 0.15 for v in spread], 0.1, 5)["verdict"] == REFUTED       # [-0.06, 0.06] short of 0.1
+    assert verdict([v - 0.15 for v in spread], 0.1, 5)["from_zero"] == "includes 0"
+    assert verdict([v - 0.08 for v in spread], 0.1, 5)["verdict"] == INCONCLUSIVE  # [0.008, 0.132] holds 0.1
+    assert verdict([-v - 0.1 for v in spread], -0.1, 5)["verdict"] == CONFIRMED    # a keeps at least 0.1 less
+    negative = verdict([-v for v in spread], -0.1, 5)
+    assert negative["verdict"] == INCONCLUSIVE and negative["from_zero"] == "below 0"
     assert verdict([-v + 0.15 for v in spread], -0.1, 5)["verdict"] == REFUTED
     fewer = verdict(spread[:4], 0.1, 5)
     assert fewer["verdict"] == INCONCLUSIVE and "4 of 5" in fewer["why"]
-    assert verdict(spread[:1], 0.1, 5)["mean"] is None
+    assert verdict(spread[:1], 0.1, 5)["mean"] is None and verdict(spread[:1], 0.1, 5)["from_zero"] is None
     with pytest.raises(ValueError, match="nonzero"):
         verdict(spread, 0.0, 5)
+
+
+@pytest.mark.parametrize("threshold", [0.1, -0.1])
+def test_a_verdict_at_the_boundary_needs_the_whole_interval_beyond_the_threshold(threshold):
+    side = 1 if threshold > 0 else -1
+    spread = [-0.05 * 2 ** 0.5, 0.0, 0.0, 0.0, 0.05 * 2 ** 0.5]  # mean 0, sd 0.05
+    half = t_quantile(5) * 0.05 / 5 ** 0.5
+    for past, expected in ((1e-6, CONFIRMED), (-1e-6, INCONCLUSIVE)):  # the near end just past / just short
+        result = verdict([v + threshold + side * (half + past) for v in spread], threshold, 5)
+        assert result["verdict"] == expected, (threshold, past)
+    for past, expected in ((1e-6, REFUTED), (-1e-6, INCONCLUSIVE)):  # the far end just short of it / just past
+        assert verdict([v + threshold - side * (half + past) for v in spread], threshold, 5)["verdict"] == expected
+    touching = [v + side * half for v in spread]  # an end at 0 includes it
+    assert verdict([v - side * 1e-6 for v in touching], threshold, 5)["from_zero"] == "includes 0"
+    assert verdict([v + side * 1e-6 for v in touching], threshold, 5)["from_zero"] == ("above 0" if side > 0
+                                                                                       else "below 0")
 
 
 def test_hypotheses_are_evaluated_on_the_matched_learning_rows():

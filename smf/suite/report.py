@@ -393,6 +393,26 @@ def write_report_page(config: SuiteConfig, out_dir: Path) -> Path:
     return path
 
 
+def write_result_tables(config: SuiteConfig, results: list[dict], out_dir: Path) -> list[Path]:
+    """The tables the results records alone give (no stage or model files read): Table 1 and the Pareto figure, the
+    sweep, matched learning with the hypotheses (their registration record read from ``config.output_dir``), the
+    environment and the ablations the config has; returns the paths written into ``out_dir``."""
+    include_paper = config.model == DEFAULT_MODEL and not config.data.own  # the paper's numbers: the paper's data
+    sweep = config.swept  # Table 1 at each condition's chosen rate, 95% intervals (smf.suite.science)
+    paths = write_report(table_records(at_chosen_rates(results) if sweep else results), out_dir,
+                         include_paper=include_paper, model=config.model, labels=config.labels, intervals=sweep)
+    if sweep:
+        paths += write_sweep_table(config, results, out_dir)
+    if config.matched_learning:
+        paths += write_matched_learning(config, results, out_dir)
+    paths += write_environment(config, results, out_dir)
+    if config.authors_update:
+        paths += write_update_ablation(config, results, out_dir)
+    if config.count_reads_ablation:
+        paths += write_reads_ablation(config, results, out_dir)
+    return paths
+
+
 def write_suite_report(suite_dir: str | Path) -> list[Path]:
     """Table 1, the Pareto figure, the accounting and the status of the suite in ``suite_dir``; returns
     the paths written. A results file that fails its check (:mod:`smf.report.records`) is left out of the
@@ -405,19 +425,7 @@ def write_suite_report(suite_dir: str | Path) -> list[Path]:
         raise ConfigError(f"--suite-dir {str(suite_dir)!r} holds no finished run (results/*.json) to report")
     paths = []
     if results:
-        include_paper = config.model == DEFAULT_MODEL and not config.data.own  # the paper's numbers: the paper's data
-        sweep = config.swept  # Table 1 at each condition's chosen rate, 95% intervals (smf.suite.science)
-        paths += write_report(table_records(at_chosen_rates(results) if sweep else results), layout.root,
-                              include_paper=include_paper, model=config.model, labels=config.labels, intervals=sweep)
-        if sweep:
-            paths += write_sweep_table(config, results, layout.root)
-        if config.matched_learning:
-            paths += write_matched_learning(config, results, layout.root)
-        paths += write_environment(config, results, layout.root)
-        if config.authors_update:
-            paths += write_update_ablation(config, results, layout.root)
-        if config.count_reads_ablation:
-            paths += write_reads_ablation(config, results, layout.root)
+        paths += write_result_tables(config, results, layout.root)
         if config.world:  # the science preset: do the memories matter, and what carries the +S forgetting
             paths += write_science_diagnostics(config, results, layout.root)
         if config.world and config.variants:  # the locality experiment: which rows moved, which old facts went

@@ -1,0 +1,142 @@
+"""The shipped results (docs/science/results/): every registered hypothesis of seeds 0-4, re-evaluated by the standard
+rule from the per-seed differences the pages print, gives the verdict docs/science.md's table states (issue 58)."""
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from smf.report.hypotheses import verdict
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "science" / "results"
+REGISTERED = json.loads((RESULTS / "registered_seeds0-4.json").read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize("entry", REGISTERED["hypotheses"], ids=lambda e: f"{e['preset']}:{e['name']}")
+def test_a_registered_hypothesis_gets_the_verdict_the_page_states(entry):
+    evaluated = verdict(list(entry["per_seed"].values()), entry["threshold"], REGISTERED["seeds"])
+    assert evaluated["verdict"] == entry["verdict"]
+    page = (ROOT / "docs" / "science.md").read_text(encoding="utf-8")
+    (row,) = [line for line in page.splitlines() if line.startswith(f"| {entry['preset']}: {entry['row']} |")]
+    cells = [cell.strip(" *") for cell in row.split("|")[1:-1]]
+    assert cells[-2:] == [entry["old_verdict"], entry["verdict"]]
+    if evaluated["mean"] is not None and evaluated["pairs"] == REGISTERED["seeds"]:
+        low, high = (float(v.replace("−", "-")) for v in re.findall(r"[−+]\d\.\d+", cells[2]))
+        assert (low, high) == pytest.approx((evaluated["low"], evaluated["high"]), abs=6e-4)
+        assert cells[3] == evaluated["from_zero"]
+
+
+
+@pytest.fixture
+def science_suite(tmp_path):
+    """The confirmation preset's plan with synthetic results for every run (no training): within each method and
+    schedule, learning rises and old facts fall with the rate, so each seed's envelope reaches 0.5 and 0.9."""
+    import random
+
+    from smf.files import write_json_atomic
+    from smf.suite.config import load_suite_config
+    from smf.suite.plan import SuiteLayout, plan_runs, run_hash
+
+    config = load_suite_config("science_confirm", {"output_dir": str(tmp_path / "suite")})
+    layout = SuiteLayout(config.output_dir)
+    write_json_atomic(layout.config_file, config.to_dict())
+    write_json_atomic(layout.hypotheses_file, {"hypotheses": config.to_dict()["hypotheses"], "runs_finished": 0,
+                                               "runs_planned": 125, "registered_at": "2026-11-29T03:12:55+00:00"})
+    rng = random.Random(58)
+    curves: dict = {}  # (method, schedule, seed) -> its runs, rates rising
+    for run in plan_runs(config):
+        curves.setdefault((run.condition, run.variant, run.epochs, run.seed), []).append(run)
+    for run in plan_runs(config):
+        curve = curves[(run.condition, run.variant, run.epochs, run.seed)]
+        step = curve.index(run) / max(len(curve) - 1, 1)
+        learned = 0.1 if run.lr is None else 0.45 + 0.54 * step + rng.uniform(-0.02, 0.0)
+        kept = 0.98 if run.lr is None else 0.95 - (0.5 if run.condition == "lora" else 0.35) * learned \
+            + rng.uniform(-0.05, 0.05)
+        write_json_atomic(layout.results_path(run), {
+            "condition": run.condition, "seed": run.seed, **({} if run.lr is None else {"lr": run.lr}),
+            **({"variant": run.variant} if run.variant else {}), **({"epochs": run.epochs} if run.epochs else {}),
+            "metrics": {"learn_acc": learned, "heldout_ppl": rng.uniform(12, 19), "retain_acc": kept},
+            "timing": {"eval_s": {"learn": 1.0, "heldout": 2.0, "retain": 3.0}, "cpu_s": rng.uniform(4, 40)},
+            "sparse_steps": None, "cost": None, "config_hash": run_hash(config, run),
+            "artefact": f"{config.output_dir}/train/{run.name}/final", "environment": {"python": "3.11"}})
+    return config.output_dir
+
+
+def test_the_packed_results_give_the_suite_directorys_tables(science_suite, tmp_path, capsys):
+    from smf import cli
+    from smf.suite.report import collect_results, load_suite_dir, write_result_tables
+    from smf.suite.plan import SuiteLayout
+
+    packed = tmp_path / "results.json"
+    config = load_suite_dir(science_suite)
+    results, _, _ = collect_results(SuiteLayout(science_suite), config)
+    write_result_tables(config, results, science_suite)
+    from smf.suite.shipped import write_packed
+
+    write_packed(science_suite, packed)
+    text = packed.read_text(encoding="utf-8")
+    assert str(science_suite / "train") not in text and len(text) < 125 * 700  # no local paths; compact
+    assert cli.main(["report", "--results", str(packed), "--out", str(tmp_path / "shipped")]) == 0
+    assert "matched_learning.md" in capsys.readouterr().out
+    for name in ("matched_learning.json", "lr_sweep.json", "table1.md", "table1.csv", "environment.json"):
+        assert (tmp_path / "shipped" / name).read_text() == (science_suite / name).read_text(), name
+    matched = json.loads((tmp_path / "shipped" / "matched_learning.json").read_text())
+    assert sorted(h["name"] for h in matched["hypotheses"]) == sorted(config.hypotheses)
+    assert all(h["pairs"] == 5 for h in matched["hypotheses"])
+    assert "Registered 2026-11-29T03:12:55+00:00, when 0 of 125 runs had finished (before any run)." in \
+        (tmp_path / "shipped" / "matched_learning.md").read_text()
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda p: p.update(format="other/9"), "field format must be 'smf-suite-results/1'"),
+    (lambda p: p["runs"][3].update(environment=7), r"runs\[3\]\): field environment must be an index"),
+    (lambda p: p["runs"][3].update(seed=11), r"runs\[3\]\): run .*-seed11 is not a run of the packed suite"),
+    (lambda p: p["runs"][3]["metrics"].update(retain_acc=1.5), r"runs\[3\]\): field metrics.retain_acc"),
+    (lambda p: p["runs"][3].pop("condition"), r"runs\[3\]\): field condition must be present"),
+])
+def test_a_damaged_packed_file_is_named_in_one_line(science_suite, tmp_path, capsys, edit, message):
+    from smf import cli
+    from smf.suite.shipped import pack_suite
+
+    packed = pack_suite(science_suite)
+    edit(packed)
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(packed))
+    assert cli.main(["report", "--results", str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err) and err.count("\n") == 1, err
+
+
+def test_report_results_needs_out_and_out_needs_results(tmp_path, capsys):
+    from smf import cli
+
+    assert cli.main(["report"]) == 2
+    assert "give --suite-dir DIR (a suite directory) or --results FILE" in capsys.readouterr().err
+
+    assert cli.main(["report", "--results", str(tmp_path / "r.json")]) == 2
+    assert "--results needs --out DIR" in capsys.readouterr().err
+    assert cli.main(["report", "--suite-dir", str(tmp_path), "--out", str(tmp_path)]) == 2
+    assert "--out goes with --results" in capsys.readouterr().err
+
+
+def test_the_confirmation_table_on_the_page_is_the_shipped_results(tmp_path):
+    """docs/science.md's table of the confirmation seeds, recomputed from the shipped per-run results alone."""
+    from smf.suite.shipped import write_packed_report
+
+    write_packed_report(RESULTS / "science-confirm" / "results.json", tmp_path)
+    evaluated = json.loads((tmp_path / "matched_learning.json").read_text())["hypotheses"]
+    page = (ROOT / "docs" / "science.md").read_text(encoding="utf-8")
+    section = page[page.index("### Confirmation seeds 5-9"):page.index("### The earlier answer")]
+    labels = {"paper-like-vs-full": "paper-like SMF − full finetuning", "paper-like-vs-lora": "paper-like SMF − LoRA",
+              "paper-like-vs-large-step": "paper-like SMF − large-step SMF",
+              "large-step-vs-full": "large-step SMF − full finetuning"}
+    for entry in evaluated:
+        (row,) = [line for line in section.splitlines() if line.startswith(f"| {labels[entry['name']]} ")]
+        cells = [cell.strip() for cell in row.split("|")[1:-1]]
+        per_seed = [float(v.replace("−", "-")) for v in cells[2].split(" / ")]
+        assert per_seed == pytest.approx([entry["per_seed"][seed] for seed in sorted(entry["per_seed"], key=int)],
+                                         abs=5e-4)
+        mean, half = (float(v.replace("−", "-")) for v in cells[3].split(" ± "))
+        assert (mean, half) == pytest.approx((entry["mean"], entry["half_width"]), abs=5e-4)
+        assert cells[4] == entry["from_zero"] and cells[5].startswith(entry["verdict"])
