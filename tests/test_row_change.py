@@ -60,3 +60,16 @@ def test_the_exact_update_measures_from_the_rows_the_optimizer_steps():
     logged = step.row_change()
     assert abs(logged["row_change"] - expected[2]) < 1e-6 * expected[2] and logged["row_change"] > 0
     assert abs(logged["row_change_vs_start"] - expected[2]) < 1e-6 * expected[2]
+
+
+def test_start_norms_are_taken_a_chunk_of_rows_at_a_time_with_the_whole_tables_bits(monkeypatch):
+    from smf.train import steps
+
+    generator = torch.Generator().manual_seed(1)
+    for dtype in (torch.bfloat16, torch.float32):
+        table = torch.randn(101, 13, generator=generator).to(dtype)
+        whole = torch.linalg.vector_norm(table, dim=1, dtype=torch.float32)
+        monkeypatch.setattr(steps, "NORM_CHUNK_ROWS", 7)  # 15 chunks, the last one short
+        assert torch.equal(steps.row_norms(table), whole)
+        monkeypatch.setattr(steps, "NORM_CHUNK_ROWS", 1 << 16)
+        assert torch.equal(steps.row_norms(table), whole)

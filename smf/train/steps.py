@@ -57,6 +57,16 @@ class StepHooks:
         return {}
 
 
+NORM_CHUNK_ROWS = 1 << 16  # rows of a table whose norms are taken at once (a 1M x 896 bf16 table: 16 chunks)
+
+
+def row_norms(values: torch.Tensor) -> torch.Tensor:
+    """(M,) float32 norms of the rows of an (M, D) table, :data:`NORM_CHUNK_ROWS` rows at a time: a float32 norm of a
+    whole 16-bit table would first make a float32 copy of it (3.5 GiB for 1M x 896)."""
+    return torch.cat([torch.linalg.vector_norm(part, dim=1, dtype=torch.float32)
+                      for part in values.split(NORM_CHUNK_ROWS)])
+
+
 def _diverged(err: NonFiniteGradientError) -> ConfigError:
     return ConfigError(f"training diverged: the step's gradient of {', '.join(err.names)} holds inf or NaN (nothing "
                        "was updated); lower --lr or --max-grad-norm, or check the data")
@@ -116,7 +126,7 @@ class MemoryUpdateStep(StepHooks):
         if self._measure_leak:
             self._before = {name: memory.values.detach().clone() for name, memory in self.update.memories.items()}
         if self.world == 1 and not self._start_norms:
-            self._start_norms = {name: torch.linalg.vector_norm(memory.values.detach(), dim=1, dtype=torch.float32)
+            self._start_norms = {name: row_norms(memory.values.detach())
                                  for name, memory in self.update.memories.items()}
 
         def counting_forward() -> None:
