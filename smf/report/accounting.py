@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from smf.model import LORA_TARGETS, PAPER_LAYERS, attach_memories, count_parameters
 from smf.model.sizes import paper_qwen_config
 from smf.vocabulary import DEFAULT_MODEL
-from smf_kernels.sparse.selection import default_rows_per_step
+from smf_kernels.sparse.selection import check_rows_per_step, default_rows_per_step
 
 MODE_NAMES = {"replacement": "Replacement memory", "additive": "Additive memory", "additive+s": "Additive memory +S"}
 
@@ -93,9 +93,7 @@ def parameter_accounting(config: PretrainedConfig | None = None, *, layers: Sequ
     unset ones keep the paper's. ``rows_per_step`` None: each memory's default T (the paper's share of its slots).
     """
     config = paper_qwen_config() if config is None else config
-    if rows_per_step is not None and (isinstance(rows_per_step, bool) or not isinstance(rows_per_step, int)
-                                      or rows_per_step < 1):
-        raise ValueError(f"rows_per_step must be a positive int or None, got {rows_per_step!r}")
+    check_rows_per_step(rows_per_step)
     base = _meta_model(config)
     full = count_parameters(base)["total"]
     lora = lora_parameters(base, lora_rank)

@@ -43,8 +43,9 @@ from smf_kernels.sparse.background_collection import collect_background
 from smf_kernels.sparse.fill_plan import FillPlan, plan_fill
 from smf_kernels.sparse.row_grad_sink import READS_KEPT, ROWS_FIRST, check_fill
 from smf_kernels.sparse.row_gradients import BeforeRows, RowGradients, StepResult, check_finish
-from smf_kernels.sparse.selection import (RULES, background_weights, default_rows_per_step, select_read_rows_padded,
-                                          select_rows_padded, warn_if_not_sparse, weighted_scores)
+from smf_kernels.sparse.selection import (RULES, background_weights, check_rows_per_step, default_rows_per_step,
+                                          select_read_rows_padded, select_rows_padded, warn_if_not_sparse,
+                                          weighted_scores)
 
 logger = logging.getLogger(__name__)
 
@@ -82,9 +83,7 @@ class MemoryStep:
                  process_group: Any = None) -> None:
         if rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
-        if rows_per_step is not None and (isinstance(rows_per_step, bool) or not isinstance(rows_per_step, int)
-                                          or rows_per_step < 1):
-            raise ValueError(f"rows_per_step must be a positive int or None, got {rows_per_step!r}")
+        check_rows_per_step(rows_per_step)
         self.model = model
         self.memories = memories_of(model)
         self.rule, self.rows_per_step = rule, rows_per_step

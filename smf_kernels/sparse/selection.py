@@ -39,6 +39,14 @@ def default_rows_per_step(num_slots: int) -> int:
     return min(PAPER_ROWS_PER_STEP, max(1, num_slots * PAPER_ROWS_PER_STEP // PAPER_SLOTS))
 
 
+def check_rows_per_step(rows_per_step: object) -> None:
+    """ValueError unless ``rows_per_step`` (T) is a positive int or None (each memory's
+    :func:`default_rows_per_step`)."""
+    if rows_per_step is not None and (isinstance(rows_per_step, bool) or not isinstance(rows_per_step, int)
+                                      or rows_per_step < 1):
+        raise ValueError(f"rows_per_step must be a positive int or None, got {rows_per_step!r}")
+
+
 def warn_if_not_sparse(num_slots: Mapping[str, int], rows_per_step: int) -> None:
     """Log a warning when T = ``rows_per_step`` reaches the slot count of a memory (``num_slots``: layer
     name -> n_keys ** 2): every row a step reads is then updated, so nothing is sparse."""
