@@ -166,3 +166,16 @@ def test_additive_s_plans_the_additive_retrofit_and_the_ablation_its_own_train_d
     assert (sparse.mode, sparse.update, sparse.protocol) == ("additive+s", "authors", "clean")
     assert layout.train_dir(ablation).name == "additive+s-kl-authors-update-seed0"
     assert Run("additive+s-kl", 0).retrofit_mode == "additive"
+
+
+def test_the_confirmation_preset_is_the_science_preset_on_other_seeds():
+    """suite_science_confirm.yaml copies the science preset (its grids frozen, as registered): only the name, the
+    folder and the seeds may differ, so an edit to one preset that misses the other fails here."""
+    import yaml
+
+    configs = Path(__file__).parents[1] / "smf" / "configs"
+    science, confirm = (yaml.safe_load((configs / f"suite_{name}.yaml").read_text())
+                        for name in ("science", "science_confirm"))
+    assert {key for key in science.keys() | confirm.keys() if science.get(key) != confirm.get(key)} == \
+        {"name", "output_dir", "seeds"}
+    assert set(science["seeds"]).isdisjoint(confirm["seeds"])
