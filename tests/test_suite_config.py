@@ -171,8 +171,6 @@ def test_additive_s_plans_the_additive_retrofit_and_the_ablation_its_own_train_d
 def test_the_confirmation_preset_is_the_science_preset_on_other_seeds():
     """suite_science_confirm.yaml copies the science preset (its grids frozen, as registered): only the name, the
     folder and the seeds may differ, so an edit to one preset that misses the other fails here."""
-    import yaml
-
     configs = Path(__file__).parents[1] / "smf" / "configs"
     science, confirm = (yaml.safe_load((configs / f"suite_{name}.yaml").read_text())
                         for name in ("science", "science_confirm"))
