@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from dataclasses import dataclass
 
 from smf.errors import ConfigError
 
@@ -24,7 +25,26 @@ RETROFIT_MODE = {"replacement": "replacement", "additive": "additive", "additive
 # parser, `smf --help`) imports no torch; tests/test_cli_smf.py checks them against smf_kernels.
 RULES = ("tfidf", "kl")  # smf_kernels.sparse.selection.RULES: the slot scoring rules
 BACKENDS = ("torch", "triton", "ext")  # smf_kernels.backends.BACKENDS: the kernel backends
-SPARSE_UPDATES = ("exact", "dense_masked", "authors")  # smf train --update (it replaced --optimizer)
+
+
+@dataclass(frozen=True)
+class UpdateKind:
+    """A sparse update (``smf train --update``) and what it supports, as data: :mod:`smf.train.rules` refuses
+    what it does not support, :mod:`smf.train.recipes` builds it."""
+
+    name: str
+    row_optimizer: bool  # steps the selected rows with --row-optimizer (the others: torch AdamW on whole tables)
+    one_process: str | None = None  # why it runs in one process only (no torchrun, no --shard-memories); None: any
+    counts_every_position: str | None = None  # why --count-reads loss cannot steer it; None: it can
+
+
+# smf train --update (it replaced --optimizer): the exact row update and the two ablations.
+UPDATE_KINDS = {kind.name: kind for kind in (
+    UpdateKind("exact", row_optimizer=True),
+    UpdateKind("dense_masked", row_optimizer=False),
+    UpdateKind("authors", row_optimizer=False, one_process="the authors' single-GPU update",
+               counts_every_position="the authors' update counts every position, padding included"))}
+SPARSE_UPDATES = tuple(UPDATE_KINDS)
 ROW_OPTIMIZERS = ("adamw", "sgd")  # smf train --row-optimizer: RowSparseAdamW or RowSparseSGD (--update exact)
 # Removed command-line options -> what replaced them (docs/method.md#migrating-from---optimizer), for parse errors.
 REMOVED_OPTIONS = {

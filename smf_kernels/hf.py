@@ -28,6 +28,7 @@ from smf_kernels.fsdp import average_gradients
 from smf_kernels.patch import MemoryPatch
 from smf_kernels.sparse.controller import SparseMemoryController
 from smf_kernels.sparse.driver import StepDriver
+from smf_kernels.sparse.fill_plan import check_one_process
 from smf_kernels.sparse.row_sparse_adamw import RowSparseAdamW
 
 logger = logging.getLogger(__name__)
@@ -91,9 +92,10 @@ class SparseMemoryTrainer(Trainer):
                             f"{type(controller).__name__}")
         if self.args.fp16:
             raise ValueError("SparseMemoryTrainer does not support fp16 (its gradient scaler); use bf16 or fp32")
-        if self.args.torch_compile and not (self.args.gradient_accumulation_steps == 1 and self.args.world_size == 1):
-            raise ValueError("torch_compile=True needs gradient_accumulation_steps=1 and one process: the compiled "
-                             "backward then chooses the rows from the step's counts")
+        check_one_process(self.args.torch_compile, self.args.world_size, subject="torch_compile=True")
+        if self.args.torch_compile and self.args.gradient_accumulation_steps != 1:
+            raise ValueError("torch_compile=True needs gradient_accumulation_steps=1: the compiled backward then "
+                             "chooses the rows from the step's counts")
         requested = getattr(self.args, "activation_checkpointing", None) or self.args.gradient_checkpointing
         checkpointed = any(getattr(module, "gradient_checkpointing", False) is True for module in self.model.modules())
         if requested or checkpointed:

@@ -37,8 +37,10 @@ DEFERRED = {
     "smf.model.remote_code": {"smf.model.attach", "smf_kernels.memory"},  # the saved copy of this file runs without smf
     "smf.suite.config": {"smf.data.own_data", "smf.train.pretrain"},  # torch: `smf suite` / `smf eval` parse
     "smf.suite.dry_run": {"smf.train.pretrain"},  # torch: `smf suite --dry-run` of a config without a world
-    "smf.train.config": {"smf.model.adapter", "smf.model.loading", "smf.model.sizes", "smf.train.distributed",
+    "smf.train.config": {"smf.model.sizes", "smf.train.distributed",
                          "smf_kernels.backends"},  # torch: the CLI's parser reads the options defined here
+    "smf.train.rules": {"smf.model.adapter", "smf.model.loading",  # torch: the CLI checks a config's rules
+                        "smf_kernels.sparse.fill_plan"},  # the same; a world rule, when the trainer runs
     "smf.train.pretrain": {"smf.data.world_tokenizer",  # transformers: suite config checks import PretrainOptions
                            "smf.model.adapter", "smf.model.attach"},  # the same, for pretrain.memory
 }

@@ -1,9 +1,10 @@
 """The options of ``smf retrofit``, ``smf background`` and ``smf train``: :class:`RunConfig`, which holds the options
 of every section of :mod:`smf.train.sections` (where each is declared, with the paper's defaults:
 docs/method.md#two-stage-training), a tiny preset for CPU runs, and :func:`build_config`, which layers defaults <
-``preset`` < config file < command-line flags and runs the checks of the sections a run takes. Options left at
-None get the recipe's paper default when the run starts (:meth:`RunConfig.resolved`); :func:`refuse_unused` refuses
-a flag of a section the run does not take (:data:`smf.train.sections.STAGE_SECTIONS`)."""
+``preset`` < config file < command-line flags and checks the rules of the sections a run takes
+(:mod:`smf.train.rules`). Options left at None get the recipe's paper default when the run starts
+(:meth:`RunConfig.resolved`); :func:`refuse_unused` refuses a flag of a section the run does not take
+(:data:`smf.train.sections.STAGE_SECTIONS`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from smf.errors import ConfigError
 from smf.options import OPTIONS_CONFIG, checked, flag, only, read_file, takes
+from smf.train.rules import adapter_mode, check_run
 from smf.train.sections import SECTION_OF, SECTIONS, STAGE_SECTIONS, section_users
 from smf.vocabulary import TINY_MEMORY_KWARGS, TINY_MEMORY_LAYERS, TINY_MODEL, TRAIN_RECIPES
 
@@ -219,14 +221,7 @@ def frozen_alpha(config: RunConfig, command: str) -> str | None:
         return "--mode replacement has no alpha (the memory replaces the MLP)" if config.mode == "replacement" else None
     if config.recipe == "lora" or (config.recipe == "full" and config.adapter is None):
         return f"--recipe {config.recipe} trains no memory, so no alpha"
-    from smf.model.adapter import read_adapter_config  # deferred: smf.model imports torch
-    from smf.model.loading import adapter_dir
-
-    directory = adapter_dir(config.adapter)  # ConfigError naming --adapter
-    try:
-        saved = read_adapter_config(directory)["mode"]
-    except ValueError as err:
-        raise ConfigError(f"--adapter: {err}") from None
+    saved = adapter_mode(config.adapter)
     mode = (config.mode or saved) if config.recipe == "sparse" else saved
     if mode == "replacement":
         return "the adapter's memories are in mode replacement, which has no alpha"
@@ -249,9 +244,9 @@ def refuse_unused(config: RunConfig, command: str, cli_options: dict, file_optio
 
 def build_config(command: str, file_options: dict, cli_options: dict) -> RunConfig:
     """Defaults < preset (from file or flags) < file options < command-line options, checked (ConfigError): each value
-    by its type (choices, bounds, existing paths), then by the checks of the sections ``command``'s stage takes
-    (combinations, the model directory, what the stage needs), and that the device exists and the backend runs on
-    it."""
+    by its type (choices, bounds, existing paths), then by the rules of the sections ``command``'s stage takes
+    (:func:`smf.train.rules.check_run` without the world: combinations, the model directory, what the stage needs),
+    and that the device exists and the backend runs on it."""
     preset = cli_options.get("preset", file_options.get("preset"))
     options = {**(only(RunConfig, command, TINY_PRESET) if preset == "tiny" else {}), **file_options, **cli_options}
     given = {**file_options, **cli_options}
@@ -262,7 +257,6 @@ def build_config(command: str, file_options: dict, cli_options: dict) -> RunConf
         if options.get(own) is not None:
             options.pop(paper, None)  # the preset's paper data gives way to the user's own
     config = checked(RunConfig, options)
-    for section in STAGE_SECTIONS[config.stage(command)]:
-        SECTIONS[section].check(config, command)
+    check_run(config, command)
     check_device_and_backend(config.device, config.backend)
     return config

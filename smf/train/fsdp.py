@@ -177,10 +177,3 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                 if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == param.shape:
                     state[key] = distribute_tensor(value.to(param.device), param.device_mesh, param.placements,
                                                    src_data_rank=None)
-
-
-def check_fsdp_world(world: World) -> None:
-    """ConfigError when ``--fsdp`` runs in one process (there is nothing to shard over)."""
-    if world.size == 1:
-        raise ConfigError("--fsdp shards the base model over the torchrun processes; this run has one process "
-                          "(launch it with torchrun --nproc-per-node N, N >= 2, or drop --fsdp)")

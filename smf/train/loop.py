@@ -35,12 +35,13 @@ from smf.model.loading import FINAL_DIR, RUN_CONFIG
 from smf.model.read_mask import reads_counted_at_loss
 from smf.train.artifacts import save_final, write_run_config
 from smf.train.checkpoint import CHECKPOINT_FILE, LOG_FILE, load_checkpoint, rng_state, save_checkpoint, truncate_log
-from smf.train.config import RunConfig
+from smf.train.config import STAGE_COMMANDS, RunConfig
 from smf.train.data import StepPlan, check_own_rows, collate, target_tokens, training_features
 from smf.train.distributed import (Parallelism, World, all_reduce_sum, barrier, gather_objects, parallelize_ddp,
                                    setup_distributed)
-from smf.train.fsdp import check_fsdp_world, consolidated, local_part_of, parallelize_fsdp
+from smf.train.fsdp import consolidated, local_part_of, parallelize_fsdp
 from smf.train.recipes import TrainingSetup, build_setup
+from smf.train.rules import check_run
 from smf.train.run_dir import RunFiles, claim_output_dir
 from smf.train.sharding import SHARDS_DIR, remove_stale_shards, save_memory_shards
 from smf.train.steps import bf16_autocast
@@ -179,13 +180,12 @@ def train(config: RunConfig) -> dict:
     """
     check_own_rows(config)
     world = setup_distributed(config.device)
+    check_run(config, STAGE_COMMANDS[config.recipe], world.size)  # the world's rules too, before the model loads
     with claim_output_dir(Path(config.output_dir), world) as files:
         return _train(config, world, files)
 
 
 def _train(config: RunConfig, world: World, files: RunFiles) -> dict:
-    if config.fsdp:
-        check_fsdp_world(world)
     _prepare_output_dir(config, world, files)
     output_dir = Path(config.output_dir)
     logger.info("run options: %s", json.dumps(config.to_dict()))
@@ -199,9 +199,6 @@ def _train(config: RunConfig, world: World, files: RunFiles) -> dict:
     parallel = parallelize(setup, config, world)
     collator = CausalLMCollator(setup.tokenizer.pad_token_id)
     count_at_loss = config.recipe == "sparse" and config.count_reads == "loss"
-    if count_at_loss and config.update == "authors":
-        raise ConfigError("--count-reads loss: the authors' update counts every position, padding included; use "
-                          "the exact sparse update")
     checkpoint_path, log_path = files.path(CHECKPOINT_FILE), files.path(LOG_FILE)
 
     step = 0

@@ -27,6 +27,7 @@ from smf.model.memory_mode import set_memory_mode
 from smf.model.precision import authors_bf16_weights, cast_like_the_authors
 from smf.train.config import RunConfig
 from smf.train.distributed import World
+from smf.train.rules import check_sparse_mode
 from smf.train.sharding import parallelize_memories
 from smf.train.steps import DenseStep, MemoryUpdateStep, StepHooks, bf16_autocast
 from smf_kernels.sparse import (AuthorsSparseUpdate, BackgroundStats, DenseMaskedUpdate, RowSparseAdamW,
@@ -60,16 +61,12 @@ def resolve_background_file(path: str) -> Path:
 
 
 def set_sparse_mode(model: nn.Module, mode: str | None) -> None:
-    """Finetune the adapter's memories in ``mode`` (None: the adapter's own). The only change allowed is
-    additive -> additive+s (alpha trains too), how the paper's +S starts from the additive retrofit."""
-    blocks = memory_blocks(model)
-    saved = blocks[0].mode
-    if mode is None or mode == saved:
-        return
-    if mode != "additive+s" or saved != "additive":
-        raise ConfigError(f"--mode {mode} cannot finetune an adapter retrofitted in mode {saved!r}; only an additive "
-                          "adapter can be finetuned as additive+s (omit --mode to keep the adapter's mode)")
-    set_memory_mode(model, mode)
+    """Finetune the adapter's memories in ``mode`` (None: the adapter's own), as far as
+    :func:`smf.train.rules.check_sparse_mode` allows (additive -> additive+s)."""
+    saved = memory_blocks(model)[0].mode
+    check_sparse_mode(mode, saved)
+    if mode is not None and mode != saved:
+        set_memory_mode(model, mode)
 
 
 # The optimizer of each --row-optimizer (--recipe sparse --update exact); the ablations and the other recipes step
@@ -161,13 +158,8 @@ def recipe_model(config: RunConfig, world: World) -> tuple[nn.Module, object]:
 
 def sparse_step(config: RunConfig, model: nn.Module, world: World) -> MemoryUpdateStep:
     """--recipe sparse's step: ``config.update``'s :class:`~smf_kernels.sparse.MemoryStep` over ``model``'s
-    memories with the background statistics of ``config.background``, driven by :class:`MemoryUpdateStep`."""
-    if config.compile and world.size > 1:
-        raise ConfigError("--compile with --recipe sparse runs in one process: under torchrun every rank must "
-                          "select the same rows before its backward, outside the compiled graph")
-    if config.update == "authors" and world.size > 1:
-        raise ConfigError("--update authors runs in one process (the authors' single-GPU update); "
-                          "drop torchrun or choose --update exact")
+    memories with the background statistics of ``config.background``, driven by :class:`MemoryUpdateStep` (the
+    rules on ``world`` were checked before the model loaded: :func:`smf.train.rules.check_run`)."""
     update = UPDATES[config.update][0](model, rule=config.rule, rows_per_step=config.rows_per_step)
     step = MemoryUpdateStep(update, bf16_autocast(config.bf16, world.device), compiled=config.compile,
                             world=world.size, step_tokens=config.global_batch_size // world.size * config.max_length)

@@ -6,23 +6,22 @@ commands that take its flag (:func:`smf.options.option`); :class:`smf.train.conf
 Which options a run uses follows from its stage's sections (:data:`STAGE_SECTIONS`): an option of a section the
 stage does not take (``--lora-r`` for ``--recipe full``) cannot be given to it (``smf train: error: --lora-r is not
 used by this run``). Within a section it takes, a section's :meth:`unused` names the options that the run's other
-values leave idle (``--alpha-init`` under ``--mode replacement``), and its :meth:`check` refuses combinations of its
-options. Adding an option: one field in its section (a rule or check there, if it has one).
+values leave idle (``--alpha-init`` under ``--mode replacement``); the combinations of options a run refuses are the
+rules of :mod:`smf.train.rules`, each guarding one section. Adding an option: one field in its section (a rule
+there, if it has one).
 
 This module imports neither torch nor the model code (the command line's parser is built from it)."""
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 
 from smf.data.protocol import DEFAULT_PROTOCOL, PROTOCOLS
-from smf.errors import ConfigError
 from smf.options import AsList, DatasetPath, ExistingDir, ExistingPath, Seed, option
 from smf.vocabulary import (BACKENDS, COUNT_READS, DEFAULT_MODEL, LOSS_ON, MEMORY_MODES, ROW_OPTIMIZERS, RULES,
-                            SPARSE_UPDATES, TINY_MODEL, TRAIN_RECIPES, check_layers)
+                            SPARSE_UPDATES, TRAIN_RECIPES, UPDATE_KINDS)
 
 # The commands that take an option's flag.
 ALL, FIT = ("retrofit", "background", "train"), ("retrofit", "train")
@@ -31,17 +30,13 @@ SCALED = "scaled to the model (docs/own-data.md#memory-sizes); {} at Qwen-2.5-0.
 
 
 class Section:
-    """What every section has: the options its run leaves idle and the checks of its options together, both
-    read off a whole :class:`~smf.train.config.RunConfig` ``config`` of ``command``'s run (none by default)."""
+    """What every section has: the options its run leaves idle, read off a whole
+    :class:`~smf.train.config.RunConfig` ``config`` of ``command``'s run (none by default)."""
 
     @staticmethod
     def unused(config, command: str) -> dict[str, str]:
         """Options of this section that the run of ``config`` (which takes the section) does not use, with why."""
         return {}
-
-    @staticmethod
-    def check(config, command: str) -> None:
-        """ConfigError for options of this section that cannot go together."""
 
 
 @dataclasses.dataclass
@@ -59,11 +54,6 @@ class RunOptions(Section):
     compile: bool = option(False, "torch.compile the model, mode reduce-overhead (CUDA graphs on a GPU); --recipe "
                            "sparse then selects the rows before (or, one micro-batch, in) the backward, a step "
                            "without graph breaks (one process)", FIT)
-
-    @staticmethod
-    def check(config, command: str) -> None:
-        if config.output_dir is None:
-            raise ConfigError("--output-dir is required")
 
 
 @dataclasses.dataclass
@@ -83,13 +73,6 @@ class ModelOptions(Section):
         if command == "train" and config.recipe != "sparse" and config.adapter is None:
             return {"backend": f"this run has no memories (--recipe {config.recipe} without --adapter)"}
         return {}
-
-    @staticmethod
-    def check(config, command: str) -> None:
-        model = config.model
-        if model != TINY_MODEL and (model.startswith((".", "/", "~")) or Path(model).exists()) \
-                and not Path(model).is_dir():
-            raise ConfigError(f"--model: no such directory {model!r}")
 
 
 @dataclasses.dataclass
@@ -113,13 +96,6 @@ class MemoryOptions(Section):
         if command == "retrofit" and config.mode == "replacement":
             return {"alpha_init": "--mode replacement has no alpha (the memory replaces the MLP)"}
         return {}
-
-    @staticmethod
-    def check(config, command: str) -> None:
-        if config.layers is not None:
-            check_layers(config.layers, argument="--layers")
-        if config.topk is not None and config.n_keys is not None and config.topk > config.n_keys:
-            raise ConfigError(f"--topk {config.topk} must be <= --n-keys {config.n_keys}")
 
 
 @dataclasses.dataclass
@@ -150,20 +126,10 @@ class SparseOptions(Section):
 
     @staticmethod
     def unused(config, command: str) -> dict[str, str]:
-        if config.update != "exact":
+        if not UPDATE_KINDS[config.update].row_optimizer:
             return {"row_optimizer": f"--update {config.update} steps torch AdamW; only --update exact steps rows "
                                      "with it"}
         return {}
-
-    @staticmethod
-    def check(config, command: str) -> None:
-        if config.adapter is None:
-            raise ConfigError("--adapter (the retrofit run directory) is required for --recipe sparse")
-        if config.background is None:
-            raise ConfigError("--background (file from `smf background`) is required for --recipe sparse")
-        if config.count_reads == "loss" and config.compile:
-            raise ConfigError("--count-reads loss is not available with --compile (its mask is set by a forward "
-                              "hook); drop one of them")
 
 
 @dataclasses.dataclass
@@ -182,11 +148,6 @@ class BackgroundOptions(Section):
     n_background: PositiveInt = option(2000, "background documents (the paper's single-example batches)", BG)
     batch_size: PositiveInt = option(1, "background documents per forward, each counted apart (the same statistics "
                                      "as one per forward up to last-bit rounding; benchmarks/RESULTS.md)", BG)
-
-    @staticmethod
-    def check(config, command: str) -> None:
-        if config.adapter is None:
-            raise ConfigError("--adapter (the retrofit run directory) is required for background")
 
 
 @dataclasses.dataclass
@@ -259,12 +220,6 @@ class OptimizerOptions(Section):
         why = config.frozen_alpha(command) if config.alpha_lr is not None and command in FIT else None
         return {"alpha_lr": why} if why else {}
 
-    @staticmethod
-    def check(config, command: str) -> None:
-        if config.global_batch_size % config.micro_batch_size:
-            raise ConfigError(f"--global-batch-size {config.global_batch_size} is not a multiple of "
-                              f"--micro-batch-size {config.micro_batch_size}")
-
 
 @dataclasses.dataclass
 class ParallelismOptions(Section):
@@ -276,16 +231,6 @@ class ParallelismOptions(Section):
     fsdp: bool = option(False, "shard the base model (decoder layers, embeddings) and its optimizer state over the "
                         "torchrun processes with FSDP2; the memories stay out of it, replicated or split by "
                         "--shard-memories (docs/sharding.md#the-base-model-under-fsdp2)", TRAIN)
-
-    @staticmethod
-    def check(config, command: str) -> None:
-        sparse = command == "train" and config.recipe == "sparse"
-        if config.shard_memories and command == "train" and (not sparse or config.update == "authors"):
-            raise ConfigError(f"--shard-memories splits the memories of retrofit and --recipe sparse runs, not of "
-                              f"--recipe {config.recipe}{' --update authors (one process)' if sparse else ''}")
-        if command == "train" and config.fsdp and config.compile:
-            raise ConfigError("--fsdp is not available with --compile (the compiled step is not written for FSDP2's "
-                              "hooks); drop one of them")
 
 
 @dataclasses.dataclass

@@ -35,6 +35,16 @@ class FillPlan:
     select_after_forward: bool = False
 
 
+def check_one_process(compiled: bool, world: int, subject: str = "a compiled sparse step") -> None:
+    """ValueError naming ``subject`` (how the caller's user spells a compiled step) when a ``compiled`` sparse step
+    would run in ``world`` > 1 data-parallel processes: its backward chooses the rows from this process's counts,
+    which the other processes would not share. The one statement of the rule: :func:`plan_fill`, the HF Trainer and
+    ``smf train``'s rules (:mod:`smf.train.rules`) call it."""
+    if compiled and world > 1:
+        raise ValueError(f"{subject} runs in one process: under torch.distributed every process must select the "
+                         "same rows before its backward, outside the compiled graph")
+
+
 def plan_fill(micro_batches: int, *, compiled: bool, world: int, step_tokens: int | None = None,
               slots: int | None = None) -> FillPlan:
     """The fill of an exact step of ``micro_batches`` forwards and backwards per process.
@@ -43,8 +53,7 @@ def plan_fill(micro_batches: int, *, compiled: bool, world: int, step_tokens: in
         micro_batches: forwards (each with its backward) in the step on this process.
         compiled: the model runs under torch.compile: no host sync in its backward, so rows come first
             (one micro-batch: the backward chooses them; under accumulation: a counting forward).
-        world: data-parallel processes; a compiled step needs one (its backward chooses rows from this process's
-            counts, which other processes would not share): ValueError otherwise.
+        world: data-parallel processes; a compiled step needs one: ValueError otherwise (:func:`check_one_process`).
         step_tokens, slots: the most tokens a step holds on a process and the smallest memory's slot count;
             when both are given and the tokens exceed ``KEPT_READS_PER_SLOT x slots``, kept reads would take
             more memory than a dense gradient, so rows come first (a counting forward). Every process must pass
@@ -52,9 +61,7 @@ def plan_fill(micro_batches: int, *, compiled: bool, world: int, step_tokens: in
     """
     if micro_batches < 1:
         raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
-    if compiled and world > 1:
-        raise ValueError("a compiled sparse step runs in one process: under torch.distributed every process must "
-                         "select the same rows before its backward, outside the compiled graph")
+    check_one_process(compiled, world)
     if micro_batches == 1:
         return FillPlan(ROWS_FIRST, select_after_forward=not compiled)
     too_many = step_tokens is not None and slots is not None and step_tokens > KEPT_READS_PER_SLOT * slots
