@@ -33,6 +33,8 @@ class UpdateKind:
     what it does not support, :mod:`smf.train.recipes` builds it."""
 
     name: str
+    optimizer: str  # the --optimizer value it replaced (docs/method.md#migrating-from---optimizer): old configs and
+    # suite fingerprints (smf.suite.fingerprints) read it
     row_optimizer: bool  # steps the selected rows with --row-optimizer (the others: torch AdamW on whole tables)
     one_process: str | None = None  # why it runs in one process only (no torchrun, no --shard-memories); None: any
     counts_every_position: str | None = None  # why --count-reads loss cannot steer it; None: it can
@@ -40,9 +42,9 @@ class UpdateKind:
 
 # smf train --update (it replaced --optimizer): the exact row update and the two ablations.
 UPDATE_KINDS = {kind.name: kind for kind in (
-    UpdateKind("exact", row_optimizer=True),
-    UpdateKind("dense_masked", row_optimizer=False),
-    UpdateKind("authors", row_optimizer=False, one_process="the authors' single-GPU update",
+    UpdateKind("exact", "row_sparse", row_optimizer=True),
+    UpdateKind("dense_masked", "dense_masked", row_optimizer=False),
+    UpdateKind("authors", "authors", row_optimizer=False, one_process="the authors' single-GPU update",
                counts_every_position="the authors' update counts every position, padding included"))}
 SPARSE_UPDATES = tuple(UPDATE_KINDS)
 ROW_OPTIMIZERS = ("adamw", "sgd")  # smf train --row-optimizer: RowSparseAdamW or RowSparseSGD (--update exact)
@@ -75,8 +77,6 @@ TINY_MEMORY_KWARGS = {"n_keys": 16, "heads": 2, "topk": 4, "key_dim": 32}
 
 # Old spelling -> the one spelling (memory mode, sparse optimizer).
 DEPRECATED_SPELLINGS = {"additive_s": "additive+s", "row-sparse": "row_sparse", "dense-masked": "dense_masked"}
-# What the suite's fingerprints hash instead (smf.suite.plan), so that directories written before the renames match.
-FINGERPRINT_SPELLINGS = {"row_sparse": "row-sparse", "dense_masked": "dense-masked"}
 
 __all__ = ["CONDITIONS", "DEFAULT_MODEL", "EVAL_ROLES", "MEMORY_MODES", "RECIPES", "ROW_OPTIMIZERS", "RULES",
            "SPARSE_CONDITIONS", "SPARSE_UPDATES", "TASKS", "TINY_MODEL", "canonical", "check_layers", "condition_recipe",

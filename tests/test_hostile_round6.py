@@ -87,7 +87,7 @@ def _tiny_suite(tmp_path):
 
 
 def _whole_record(config, run) -> dict:
-    from smf.suite.plan import run_hash
+    from smf.suite.fingerprints import run_hash
     from smf.vocabulary import METRIC_OF_TASK
     return {"condition": run.condition, "seed": run.seed, "config_hash": run_hash(config, run),
             "metrics": {METRIC_OF_TASK[task]: 1.0 for task in config.eval.tasks},
@@ -198,7 +198,8 @@ def test_a_world_suites_run_hashes_do_not_depend_on_where_its_folder_is(tmp_path
     done in place."""
     import json
     from smf.suite.finished import run_state
-    from smf.suite.plan import SuiteLayout, options_fingerprint, plan_runs, run_hash, stage_fingerprints
+    from smf.suite.fingerprints import options_fingerprint, run_hash, stage_fingerprints
+    from smf.suite.plan import SuiteLayout, plan_runs
     here, there = _science_suite(tmp_path / "a"), _science_suite(tmp_path / "b")
     for run in plan_runs(here):
         assert run_hash(here, run) == run_hash(there, run)

@@ -40,7 +40,7 @@ DEFERRED = {
     "smf.train.config": {"smf.model.sizes", "smf.train.distributed",
                          "smf_kernels.backends"},  # torch: the CLI's parser reads the options defined here
     "smf.train.rules": {"smf.model.adapter", "smf.model.loading",  # torch: the CLI checks a config's rules
-                        "smf_kernels.sparse.fill_plan"},  # the same; a world rule, when the trainer runs
+                        "smf_kernels.sparse.fill_plan"},
     "smf.train.pretrain": {"smf.data.world_tokenizer",  # transformers: suite config checks import PretrainOptions
                            "smf.model.adapter", "smf.model.attach"},  # the same, for pretrain.memory
 }

@@ -12,7 +12,8 @@ from smf.errors import ConfigError
 from smf.suite.config import load_suite_config, parse_suite_config
 from smf.suite.locality_diagnostics import (Reads, changed_rows, quartile_rows, read_overlap, row_growth, run_locality,
                                               weight_on)
-from smf.suite.plan import SuiteLayout, plan_runs, run_hash, sparse_stage_dirs
+from smf.suite.fingerprints import run_hash
+from smf.suite.plan import SuiteLayout, plan_runs, sparse_stage_dirs
 from test_science import SMALL_PRETRAIN, SMALL_WORLD
 
 LOCALITY = Path(__file__).parents[1] / "smf" / "configs" / "suite_locality.yaml"

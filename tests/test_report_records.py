@@ -227,7 +227,8 @@ def sweep_suite(tmp_path):
 
     from smf.files import write_json_atomic
     from smf.suite.config import load_suite_config
-    from smf.suite.plan import plan_runs, run_hash
+    from smf.suite.fingerprints import run_hash
+    from smf.suite.plan import plan_runs
 
     config = load_suite_config("paper", {"output_dir": str(tmp_path / "suite"), "authors_update": [],
                                          "conditions": ["base", "additive-kl", "lora"],

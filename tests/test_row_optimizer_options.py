@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from smf.errors import ConfigError
 from smf.model.adapter import ADAPTER_WEIGHTS
-from smf.suite.plan import options_fingerprint
+from smf.suite.fingerprints import options_fingerprint
 from smf.train import build_config, train
 from smf.train.distributed import World
 from smf.train.loop import cosine_schedule

@@ -1,8 +1,8 @@
 """The rules on a run's options (smf.train.rules, issue 60), each in one place and checked before any model loads: the
-sparse stage's rules refused by the command line in one line (exit 2) with nothing on disk, those that need the
-number of processes refused by the trainer before it loads a model, the compiled step's one-process rule one
-function for smf train, the step's planner and the HF Trainer, and what a sparse update supports read off its
-registry entry."""
+sparse stage's rules refused by the command line in one line (exit 2) with nothing on disk (those that read the
+adapter or the number of processes by the trainer's start, before it writes or loads anything), the compiled step's
+one-process rule one function for smf train, the step's planner and the HF Trainer, and what a sparse update
+supports read off its registry entry."""
 import json
 
 import pytest

@@ -57,13 +57,13 @@ def test_a_section_check_runs_only_for_the_stages_that_take_it(tmp_path):
 def test_an_option_added_after_the_recorded_order_leaves_fingerprints_alone_at_its_default(monkeypatch):
     """Planted: lora_r as if added now (not in the recorded order); suite directories written before it still
     match while it stays at its default, and a run that sets it is another run."""
-    from smf.suite import plan
+    from smf.suite import fingerprints
 
-    before = plan.options_fingerprint({"lr": 0.1})
-    assert plan.options_fingerprint({"lr": 0.1, "lora_r": 16}) != before  # a recorded option: hashed at any value
-    monkeypatch.setattr(plan, "RECORDED_ORDER", tuple(name for name in RECORDED_ORDER if name != "lora_r"))
-    assert plan.options_fingerprint({"lr": 0.1, "lora_r": 16}) == before
-    assert plan.options_fingerprint({"lr": 0.1, "lora_r": 8}) != before
+    before = fingerprints.options_fingerprint({"lr": 0.1})
+    assert fingerprints.options_fingerprint({"lr": 0.1, "lora_r": 16}) != before  # recorded: hashed at any value
+    monkeypatch.setattr(fingerprints, "RECORDED_ORDER", tuple(name for name in RECORDED_ORDER if name != "lora_r"))
+    assert fingerprints.options_fingerprint({"lr": 0.1, "lora_r": 16}) == before
+    assert fingerprints.options_fingerprint({"lr": 0.1, "lora_r": 8}) != before
 
 
 def test_help_lists_each_flag_under_its_section_naming_the_recipes_that_take_it(capsys):

@@ -36,7 +36,8 @@ def science_suite(tmp_path):
 
     from smf.files import write_json_atomic
     from smf.suite.config import load_suite_config
-    from smf.suite.plan import SuiteLayout, plan_runs, run_hash
+    from smf.suite.fingerprints import run_hash
+    from smf.suite.plan import SuiteLayout, plan_runs
 
     config = load_suite_config("science_confirm", {"output_dir": str(tmp_path / "suite")})
     layout = SuiteLayout(config.output_dir)

@@ -289,7 +289,7 @@ def test_stream_preset_shares_the_science_bases_and_sweep():
 
 
 def test_a_suite_without_a_stream_records_no_stream_key(tmp_path):
-    """A suite directory recorded before streams existed keeps matching its config (smf.suite.plan.merged_plan)."""
+    """A suite directory recorded before streams existed keeps matching its config (smf.suite.fingerprints.merged_plan)."""
     raw = _raw(tmp_path / "suite")
     del raw["stream"]
     assert "stream" not in parse_suite_config(raw, tmp_path, check_paths=False).to_dict()

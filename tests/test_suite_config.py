@@ -115,7 +115,8 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):
 
 
 def test_dry_run_lists_the_plan_with_totals_and_runs_nothing(tmp_path, monkeypatch, capsys):
-    from smf.suite.plan import SuiteLayout, plan_runs, run_hash
+    from smf.suite.fingerprints import run_hash
+    from smf.suite.plan import SuiteLayout, plan_runs
 
     monkeypatch.chdir(tmp_path)
     assert cli.main(["suite", "--config", "tiny", "--dry-run"]) == 0

@@ -12,7 +12,8 @@ import pytest
 from smf import cli
 from smf.report import CONDITIONS, PAPER_TABLE1
 from smf.suite.config import load_suite_config
-from smf.suite.plan import SuiteLayout, plan_runs, run_hash
+from smf.suite.fingerprints import run_hash
+from smf.suite.plan import SuiteLayout, plan_runs
 from smf.files import write_json_atomic
 
 METRICS = ("medmcqa_acc", "wikitext_ppl", "triviaqa_acc")

@@ -16,7 +16,8 @@ import yaml
 from smf import cli
 from smf.suite import runner as runner_module
 from smf.suite.config import load_suite_config
-from smf.suite.plan import Run, SuiteLayout, merged_plan, plan_runs
+from smf.suite.fingerprints import merged_plan
+from smf.suite.plan import Run, SuiteLayout, plan_runs
 from smf.suite.runner import SuiteRunner, run_suite
 from smf.suite.report import write_suite_report
 from smf.tiny import tiny_model

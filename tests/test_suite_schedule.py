@@ -11,7 +11,8 @@ from smf.report.hypotheses import CONFIRMED, INCONCLUSIVE, REFUTED, evaluate_hyp
 from smf.report.intervals import t_quantile
 from smf.report.matched_learning import BELOW_SWEEP, NOT_REACHED, envelope, matched_learning
 from smf.suite.config import load_suite_config
-from smf.suite.plan import Run, plan_runs, run_hash
+from smf.suite.fingerprints import run_hash
+from smf.suite.plan import Run, plan_runs
 from smf.suite.science import chosen_settings, sweep_rows
 
 PAPER = {"authors_update": [], "conditions": ["base", "additive-kl", "lora", "full"]}

@@ -9,7 +9,7 @@ import pytest
 from smf.cli import build_parser
 from smf.errors import ConfigError
 from smf.model import attach_memories, load_memory_adapter, memory_blocks, save_memory_adapter
-from smf.suite.plan import options_fingerprint
+from smf.suite.fingerprints import options_fingerprint
 from smf.tiny import TINY_MEMORY_KWARGS, tiny_model
 from smf.commands.train import config_from_args
 from smf.vocabulary import CONDITIONS, check_layers, split_condition

@@ -185,7 +185,7 @@ class SuiteConfig:
 
     def to_dict(self) -> dict:
         """JSON-ready form; :func:`suite_config_from_dict` reads it back. Without a stream, no ``stream`` key: the
-        record of a suite written before streams existed stays equal (:func:`smf.suite.plan.merged_plan`)."""
+        record of a suite written before streams existed stays equal (:func:`smf.suite.fingerprints.merged_plan`)."""
         saved = to_jsonable_python(self)
         if not saved["stream"]:
             del saved["stream"]

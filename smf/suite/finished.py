@@ -2,7 +2,7 @@
 status file, and ``smf report`` (what it reads) share.
 
 A run is done when its results file is a regular file holding a record of this configuration (its run hash, with
-the paths inside the folder relative to it or, written before issue 57, absolute: :func:`smf.suite.plan.run_hashes`)
+the paths inside the folder relative to it or, written before issue 57, absolute: :func:`smf.suite.fingerprints.run_hashes`)
 that passes :func:`smf.report.records.check_results_record`; ``foreign`` when the file names another configuration's
 hash (the runner refuses to overwrite it); ``damaged`` when it is unreadable, not a record, or lacks a field (a file
 left half-written or edited: the runner computes the run again and replaces it); ``to do`` when there is none.
@@ -15,7 +15,8 @@ from smf.errors import ConfigError
 from smf.files import read_json_object
 from smf.report.records import check_results_record
 from smf.suite.config import SuiteConfig
-from smf.suite.plan import Run, SuiteLayout, run_hashes
+from smf.suite.fingerprints import run_hashes
+from smf.suite.plan import Run, SuiteLayout
 
 
 @dataclass(frozen=True)

@@ -35,9 +35,9 @@ from smf.model.loading import FINAL_DIR, RUN_CONFIG, load_model, read_run_config
 from smf.suite.config import SuiteConfig, pretrained_adapter, seed_config
 from smf.suite.cost import log_records, parameter_counts, sparse_step_stats, training_cost
 from smf.suite.finished import run_state
+from smf.suite.fingerprints import merged_plan, run_hash, stage_fingerprints
 from smf.suite.jobs import Task, run_tasks
-from smf.suite.plan import (Run, SuiteLayout, merged_plan, plan_runs, run_hash, stage_fingerprints,
-                            sparse_stage_dirs, stage_config)
+from smf.suite.plan import Run, SuiteLayout, plan_runs, sparse_stage_dirs, stage_config
 from smf.suite.science import prepare_science_inputs
 from smf.suite.status import write_status
 from smf.suite.stream import StreamRun
@@ -88,7 +88,7 @@ class _OncePerSuite(logging.Filter):
 
 def ensure_stage(kind: str, config: RunConfig, root: Path) -> dict:
     """Run one training stage (kind: retrofit, background or train) of the suite in folder ``root`` unless it already
-    finished (its marker's fingerprint: :func:`smf.suite.plan.stage_fingerprints`).
+    finished (its marker's fingerprint: :func:`smf.suite.fingerprints.stage_fingerprints`).
 
     Returns its marker: {"fingerprint", "seconds", "cpu_seconds" (process time of this process; markers written
     before it was recorded lack it), "resumed", "skipped"}.
@@ -236,7 +236,7 @@ class SuiteRunner:
 
     def record_plan(self) -> SuiteConfig:
         """Write ``suite_config.json``: this call's config joined with the one recorded there when both compute
-        the same (:func:`~smf.suite.plan.merged_plan`: a call on some seeds or conditions keeps the directory's
+        the same (:func:`~smf.suite.fingerprints.merged_plan`: a call on some seeds or conditions keeps the directory's
         fuller plan, and its report every finished run), else this call's config, which replaces it (the files
         of the old report are removed). Removes an update ablation report the recorded plan no longer has.
         Returns the recorded config."""

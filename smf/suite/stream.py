@@ -49,7 +49,8 @@ from smf.files import read_json_object, write_json_atomic
 from smf.model.loading import FINAL_DIR, load_model, load_run
 from smf.suite.config import SuiteConfig, seed_config
 from smf.suite.cost import log_records, parameter_counts, sparse_step_stats, training_cost
-from smf.suite.plan import Run, SuiteLayout, run_hash, run_hashes, sparse_stage_dirs, stage_config
+from smf.suite.fingerprints import run_hash, run_hashes
+from smf.suite.plan import Run, SuiteLayout, sparse_stage_dirs, stage_config
 from smf.train.checkpoint import LOG_FILE
 from smf.train.config import RunConfig
 from smf.vocabulary import METRIC_OF_TASK

@@ -18,7 +18,8 @@ from smf.errors import ConfigError
 from smf.options import OPTIONS_CONFIG, checked, flag, only, read_file, takes
 from smf.train.rules import adapter_mode, check_run
 from smf.train.sections import SECTION_OF, SECTIONS, STAGE_SECTIONS, section_users
-from smf.vocabulary import TINY_MEMORY_KWARGS, TINY_MEMORY_LAYERS, TINY_MODEL, TRAIN_RECIPES
+from smf.vocabulary import (DEPRECATED_SPELLINGS, TINY_MEMORY_KWARGS, TINY_MEMORY_LAYERS, TINY_MODEL, TRAIN_RECIPES,
+                            UPDATE_KINDS)
 
 logger = logging.getLogger(__name__)
 
@@ -128,8 +129,10 @@ OWN_INSTEAD_OF = (("retrofit_data", "oasst_path"), ("background_data", "oasst_pa
 # authors is --update exact | dense_masked | authors; --sparse-backward and --fused-update are gone (one exact path,
 # which fills the rows' gradient by itself: smf_kernels.sparse.controller).
 LEGACY_UPDATE_OPTIONS = ("optimizer", "sparse_backward", "fused_update")
-_UPDATE_OF_OPTIMIZER = {"row_sparse": "exact", "row-sparse": "exact", "dense_masked": "dense_masked",
-                        "dense-masked": "dense_masked", "authors": "authors"}
+# An --optimizer value, in its spelling before the renames too -> the --update that replaced it.
+_BY_OPTIMIZER = {kind.optimizer: kind.name for kind in UPDATE_KINDS.values()}
+UPDATE_OF_OPTIMIZER = {**_BY_OPTIMIZER, **{old: _BY_OPTIMIZER[new] for old, new in DEPRECATED_SPELLINGS.items()
+                                           if new in _BY_OPTIMIZER}}
 
 
 def migrate_update_options(options: dict, where: str) -> dict:
@@ -140,7 +143,7 @@ def migrate_update_options(options: dict, where: str) -> dict:
         return options
     migrated = {name: value for name, value in options.items() if name not in LEGACY_UPDATE_OPTIONS}
     if options.get("optimizer") is not None and "update" not in migrated:
-        migrated["update"] = _UPDATE_OF_OPTIMIZER.get(str(options["optimizer"]), options["optimizer"])
+        migrated["update"] = UPDATE_OF_OPTIMIZER.get(str(options["optimizer"]), options["optimizer"])
     message = (f"{where}: {', '.join(legacy)} {'is' if len(legacy) == 1 else 'are'} replaced by 'update' (exact, "
                "dense_masked or authors; the exact update fills the rows' gradient by itself): read as update "
                f"{migrated.get('update', 'exact')!r}")
@@ -149,21 +152,6 @@ def migrate_update_options(options: dict, where: str) -> dict:
     return migrated
 
 
-def fingerprint_form(options: dict) -> dict:
-    """Resolved train options in the form suite fingerprints hashed before --update existed (``optimizer``,
-    ``sparse_backward`` and ``fused_update`` in their defaults), so that stage directories written then still
-    match: new options (``update``) and old ones (run_config.json files of earlier runs) give the same dict."""
-    if "update" not in options and "optimizer" not in options:
-        return options
-    if "update" in options:
-        optimizer = {"exact": "row_sparse"}.get(options["update"], options["update"])
-    else:
-        optimizer = _UPDATE_OF_OPTIMIZER.get(options["optimizer"], options["optimizer"])
-        optimizer = {"exact": "row_sparse"}.get(optimizer, optimizer)
-    form = {name: value for name, value in options.items() if name != "update"}
-    form.update(optimizer=optimizer, sparse_backward="selected-rows" if options.get("compile") else "deferred",
-                fused_update=False)
-    return form
 # The tiny preset: the tiny model and memories of smf.vocabulary and the options in smf/configs/preset_tiny.yaml.
 TINY_PRESET = {"model": TINY_MODEL, "layers": list(TINY_MEMORY_LAYERS), **TINY_MEMORY_KWARGS, **{
     name: str((CONFIGS / value).resolve()) if name.endswith("_path") else value

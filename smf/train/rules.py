@@ -3,9 +3,10 @@ cannot state (combinations, what a stage needs, what the adapter or the number o
 checked by :func:`check_run` before any model loads.
 
 Each rule guards one section of :mod:`smf.train.sections` and is checked only for the stages that take it (a rule of
-the sparse section never stops a LoRA run); a world rule also reads the number of processes. The configuration
-(:func:`smf.train.config.build_config`, the command line's and the suite's) checks the rules without the world, and
-the trainer (:func:`smf.train.loop.train`) checks all of them once it knows the world, before it loads the model.
+the sparse section never stops a LoRA run). The configuration (:func:`smf.train.config.build_config`, the command
+line's and the suite's) checks the rules of the options; the trainer (:func:`smf.train.loop.train`) checks them again
+with the rules of its start (``at_start``: what the number of processes or the adapter's saved mode allows), before it
+claims the output directory or loads the model.
 What a sparse update supports is read off its entry in :data:`smf.vocabulary.UPDATE_KINDS`. Adding a rule: one
 function here, registered with :func:`rule`.
 
@@ -24,31 +25,32 @@ from smf.vocabulary import TINY_MODEL, UPDATE_KINDS, check_layers
 @dataclass(frozen=True)
 class Rule:
     """``check(config, command, world_size)`` raises a ConfigError when a ``command`` run of ``config`` breaks the
-    rule; it runs for the stages that take ``section``, and only once the world is known when ``world`` is set."""
+    rule; it runs for the stages that take ``section``, and with ``at_start`` only when the trainer starts (it reads
+    ``world_size``, the number of processes, or the adapter's files)."""
 
     section: str
     check: Callable[..., None]
-    world: bool = False
+    at_start: bool = False
 
 
 RULES: list[Rule] = []
 
 
-def rule(section: str, *, world: bool = False):
+def rule(section: str, *, at_start: bool = False):
     """Registers the decorated ``check(config, command, world_size)`` as a rule of ``section``."""
     def register(check):
-        RULES.append(Rule(section, check, world))
+        RULES.append(Rule(section, check, at_start))
         return check
     return register
 
 
 def check_run(config, command: str, world_size: int | None = None) -> None:
     """ConfigError for the first rule that a ``command`` run of ``config`` (a :class:`~smf.train.config.RunConfig`)
-    breaks: the rules of each section its stage takes, in the stage's section order; the world rules too when
-    ``world_size`` (the number of processes) is given."""
+    breaks: the rules of each section its stage takes, in the stage's section order; those of the trainer's start
+    too when ``world_size`` (the number of processes) is given."""
     for section in STAGE_SECTIONS[config.stage(command)]:
         for checked in RULES:
-            if checked.section == section and (world_size is not None or not checked.world):
+            if checked.section == section and (world_size is not None or not checked.at_start):
                 checked.check(config, command, world_size)
 
 
@@ -125,13 +127,13 @@ def _loss_reads(config, command: str, world_size: int | None) -> None:
         raise ConfigError(f"--count-reads loss: {every_position}; use the exact sparse update")
 
 
-@rule("sparse")
+@rule("sparse", at_start=True)
 def _mode_of_the_adapter(config, command: str, world_size: int | None) -> None:
     if config.mode is not None:
         check_sparse_mode(config.mode, adapter_mode(config.adapter))
 
 
-@rule("sparse", world=True)
+@rule("sparse", at_start=True)
 def _compiled_in_one_process(config, command: str, world_size: int | None) -> None:
     from smf_kernels.sparse.fill_plan import check_one_process  # deferred: torch, when the trainer runs
 
@@ -141,7 +143,7 @@ def _compiled_in_one_process(config, command: str, world_size: int | None) -> No
         raise ConfigError(str(err)) from None
 
 
-@rule("sparse", world=True)
+@rule("sparse", at_start=True)
 def _update_in_one_process(config, command: str, world_size: int | None) -> None:
     one_process = UPDATE_KINDS[config.update].one_process
     if one_process and world_size > 1:
@@ -187,7 +189,7 @@ def _fsdp_not_compiled(config, command: str, world_size: int | None) -> None:
                           "hooks); drop one of them")
 
 
-@rule("parallelism", world=True)
+@rule("parallelism", at_start=True)
 def _fsdp_over_processes(config, command: str, world_size: int | None) -> None:
     if command == "train" and config.fsdp and world_size == 1:
         raise ConfigError("--fsdp shards the base model over the torchrun processes; this run has one process "
