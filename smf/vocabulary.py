@@ -17,8 +17,28 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"  # the paper's base model
 TINY_MODEL = "tiny"  # :mod:`smf.tiny`, built in code
 
-RECIPES = ("retrofit", "sparse", "lora", "full")
-TRAIN_RECIPES = ("sparse", "lora", "full")  # what ``smf train --recipe`` takes
+
+@dataclass(frozen=True)
+class RecipeKind:
+    """A training recipe (docs/method.md#two-stage-training) and what it does with memories, as data: the run's
+    options (:mod:`smf.train.sections`, :mod:`smf.train.rules`) and its model (:mod:`smf.train.recipes`) read it."""
+
+    name: str
+    command: str  # the command that runs it: smf retrofit, or smf train --recipe {name}
+    memories: str  # where its memories come from: "fresh" (attached), "adapter" (--adapter, required) or "adapter if
+    # given" (none without --adapter)
+    trains_memories: bool  # its memories (and any alpha) train
+    shards_memories: bool  # --shard-memories can split them over the processes
+
+
+RECIPE_KINDS = {kind.name: kind for kind in (
+    RecipeKind("retrofit", "retrofit", "fresh", trains_memories=True, shards_memories=True),
+    RecipeKind("sparse", "train", "adapter", trains_memories=True, shards_memories=True),
+    RecipeKind("lora", "train", "adapter if given", trains_memories=False, shards_memories=False),
+    RecipeKind("full", "train", "adapter if given", trains_memories=True, shards_memories=False))}
+RECIPES = tuple(RECIPE_KINDS)
+TRAIN_RECIPES = tuple(name for name, kind in RECIPE_KINDS.items() if kind.command == "train")  # smf train --recipe
+
 MEMORY_MODES = ("replacement", "additive", "additive+s")  # +S: alpha trains in the sparse stage too
 RETROFIT_MODE = {"replacement": "replacement", "additive": "additive", "additive+s": "additive"}
 # The words of smf_kernels that commands take, restated so that this module (and with it the command line's
@@ -78,9 +98,9 @@ TINY_MEMORY_KWARGS = {"n_keys": 16, "heads": 2, "topk": 4, "key_dim": 32}
 # Old spelling -> the one spelling (memory mode, sparse optimizer).
 DEPRECATED_SPELLINGS = {"additive_s": "additive+s", "row-sparse": "row_sparse", "dense-masked": "dense_masked"}
 
-__all__ = ["CONDITIONS", "DEFAULT_MODEL", "EVAL_ROLES", "MEMORY_MODES", "RECIPES", "ROW_OPTIMIZERS", "RULES",
-           "SPARSE_CONDITIONS", "SPARSE_UPDATES", "TASKS", "TINY_MODEL", "canonical", "check_layers", "condition_recipe",
-           "split_condition"]
+__all__ = ["CONDITIONS", "DEFAULT_MODEL", "EVAL_ROLES", "MEMORY_MODES", "RECIPES", "RECIPE_KINDS", "ROW_OPTIMIZERS",
+           "RULES", "SPARSE_CONDITIONS", "SPARSE_UPDATES", "TASKS", "TINY_MODEL", "UPDATE_KINDS", "RecipeKind",
+           "UpdateKind", "canonical", "check_layers", "condition_recipe", "split_condition"]
 
 
 def canonical(value, argument: str):

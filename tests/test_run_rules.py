@@ -15,7 +15,7 @@ from smf.train.config import build_config
 from smf.train.distributed import World
 from smf.train.recipes import UPDATES
 from smf.train.rules import RULES, check_run
-from smf.vocabulary import SPARSE_UPDATES, UPDATE_KINDS
+from smf.vocabulary import RECIPE_KINDS, RECIPES, SPARSE_UPDATES, TRAIN_RECIPES, UPDATE_KINDS
 from smf_kernels.sparse import plan_fill
 from test_cli_smf import run_main
 from test_cli_reliability import one_line_error
@@ -82,6 +82,21 @@ def test_every_rule_lives_in_the_rules_module_and_guards_a_section():
     assert all(rule.section in sections.SECTIONS for rule in RULES)
     assert not any(hasattr(section, "check") for section in sections.SECTIONS.values())
     assert "raise " not in open(sections.__file__).read()  # the sections declare options; the rules refuse
+
+
+@pytest.mark.parametrize("recipe", ["lora", "full"])
+def test_the_memories_a_recipe_cannot_split_are_refused_by_its_registry_entry(tmp_path, capsys, recipe):
+    code, err = run_main(["train", "--preset", "tiny", "--recipe", recipe, "--shard-memories",
+                          "--output-dir", str(tmp_path / "run")], capsys)
+    one_line_error(code, err, f"--shard-memories splits the memories of retrofit and --recipe sparse runs, not of "
+                              f"--recipe {recipe}")
+    assert not RECIPE_KINDS[recipe].shards_memories and RECIPE_KINDS["sparse"].shards_memories
+
+
+def test_each_recipe_is_declared_once_with_what_it_does_with_memories():
+    assert RECIPES == tuple(RECIPE_KINDS) == ("retrofit", "sparse", "lora", "full")
+    assert TRAIN_RECIPES == ("sparse", "lora", "full")  # what smf train --recipe takes: its command
+    assert [name for name, kind in RECIPE_KINDS.items() if not kind.trains_memories] == ["lora"]
 
 
 def test_each_sparse_update_is_declared_once_with_what_it_supports():

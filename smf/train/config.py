@@ -18,8 +18,8 @@ from smf.errors import ConfigError
 from smf.options import OPTIONS_CONFIG, checked, flag, only, read_file, takes
 from smf.train.rules import adapter_mode, check_run
 from smf.train.sections import SECTION_OF, SECTIONS, STAGE_SECTIONS, section_users
-from smf.vocabulary import (DEPRECATED_SPELLINGS, TINY_MEMORY_KWARGS, TINY_MEMORY_LAYERS, TINY_MODEL, TRAIN_RECIPES,
-                            UPDATE_KINDS)
+from smf.vocabulary import (DEPRECATED_SPELLINGS, RECIPE_KINDS, TINY_MEMORY_KWARGS, TINY_MEMORY_LAYERS, TINY_MODEL,
+                            TRAIN_RECIPES, UPDATE_KINDS)
 
 logger = logging.getLogger(__name__)
 
@@ -207,7 +207,8 @@ def frozen_alpha(config: RunConfig, command: str) -> str | None:
     with an alpha. Reads the adapter's config (a small JSON file) when the mode is the adapter's."""
     if command == "retrofit":
         return "--mode replacement has no alpha (the memory replaces the MLP)" if config.mode == "replacement" else None
-    if config.recipe == "lora" or (config.recipe == "full" and config.adapter is None):
+    kind = RECIPE_KINDS[config.recipe]
+    if not kind.trains_memories or (kind.memories == "adapter if given" and config.adapter is None):
         return f"--recipe {config.recipe} trains no memory, so no alpha"
     saved = adapter_mode(config.adapter)
     mode = (config.mode or saved) if config.recipe == "sparse" else saved

@@ -19,7 +19,7 @@ from typing import Callable
 
 from smf.errors import ConfigError
 from smf.train.sections import STAGE_SECTIONS
-from smf.vocabulary import TINY_MODEL, UPDATE_KINDS, check_layers
+from smf.vocabulary import RECIPE_KINDS, TINY_MODEL, UPDATE_KINDS, check_layers
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,12 @@ def check_sparse_mode(mode: str | None, saved: str) -> None:
     if mode is not None and mode != saved and (mode != "additive+s" or saved != "additive"):
         raise ConfigError(f"--mode {mode} cannot finetune an adapter retrofitted in mode {saved!r}; only an additive "
                           "adapter can be finetuned as additive+s (omit --mode to keep the adapter's mode)")
+
+
+def _sharding_recipes() -> str:
+    """The recipes whose memories --shard-memories splits, as its messages name them."""
+    return " and ".join(name if kind.command == name else f"--recipe {name}"
+                        for name, kind in RECIPE_KINDS.items() if kind.shards_memories)
 
 
 # ---------------------------------------------------------------------------------------------------- run, model
@@ -133,6 +139,13 @@ def _mode_of_the_adapter(config, command: str, world_size: int | None) -> None:
         check_sparse_mode(config.mode, adapter_mode(config.adapter))
 
 
+@rule("sparse")
+def _update_with_sharded_memories(config, command: str, world_size: int | None) -> None:
+    if config.shard_memories and UPDATE_KINDS[config.update].one_process:
+        raise ConfigError(f"--shard-memories splits the memories of {_sharding_recipes()} runs, not of --recipe "
+                          f"{config.recipe} --update {config.update} (one process)")
+
+
 @rule("sparse", at_start=True)
 def _compiled_in_one_process(config, command: str, world_size: int | None) -> None:
     from smf_kernels.sparse.fill_plan import check_one_process  # deferred: torch, when the trainer runs
@@ -175,11 +188,9 @@ def _whole_micro_batches(config, command: str, world_size: int | None) -> None:
 
 @rule("parallelism")
 def _sharded_memories(config, command: str, world_size: int | None) -> None:
-    sparse = command == "train" and config.recipe == "sparse"
-    one_process = sparse and UPDATE_KINDS[config.update].one_process
-    if config.shard_memories and command == "train" and (not sparse or one_process):
-        raise ConfigError(f"--shard-memories splits the memories of retrofit and --recipe sparse runs, not of "
-                          f"--recipe {config.recipe}{f' --update {config.update} (one process)' if sparse else ''}")
+    if config.shard_memories and not RECIPE_KINDS[config.stage(command)].shards_memories:
+        raise ConfigError(f"--shard-memories splits the memories of {_sharding_recipes()} runs, not of --recipe "
+                          f"{config.recipe}")
 
 
 @rule("parallelism")

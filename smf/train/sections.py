@@ -20,8 +20,8 @@ from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, Pos
 
 from smf.data.protocol import DEFAULT_PROTOCOL, PROTOCOLS
 from smf.options import AsList, DatasetPath, ExistingDir, ExistingPath, Seed, option
-from smf.vocabulary import (BACKENDS, COUNT_READS, DEFAULT_MODEL, LOSS_ON, MEMORY_MODES, ROW_OPTIMIZERS, RULES,
-                            SPARSE_UPDATES, TRAIN_RECIPES, UPDATE_KINDS)
+from smf.vocabulary import (BACKENDS, COUNT_READS, DEFAULT_MODEL, LOSS_ON, MEMORY_MODES, RECIPE_KINDS, ROW_OPTIMIZERS,
+                            RULES, SPARSE_UPDATES, TRAIN_RECIPES, UPDATE_KINDS)
 
 # The commands that take an option's flag.
 ALL, FIT = ("retrofit", "background", "train"), ("retrofit", "train")
@@ -70,7 +70,7 @@ class ModelOptions(Section):
 
     @staticmethod
     def unused(config, command: str) -> dict[str, str]:
-        if command == "train" and config.recipe != "sparse" and config.adapter is None:
+        if command == "train" and RECIPE_KINDS[config.recipe].memories == "adapter if given" and config.adapter is None:
             return {"backend": f"this run has no memories (--recipe {config.recipe} without --adapter)"}
         return {}
 
