@@ -68,11 +68,26 @@ def test_a_rule_of_the_world_refuses_before_the_trainer_loads_the_model(tmp_path
     check_run(config, "train", 1)
 
 
+def test_a_global_batch_is_split_into_whole_micro_batches_on_every_process_before_the_model_loads(tmp_path,
+                                                                                                   monkeypatch):
+    config = build_config("train", {}, {"preset": "tiny", "recipe": "lora", "output_dir": str(tmp_path / "run"),
+                                        "global_batch_size": 6, "micro_batch_size": 3}).resolved("lora")
+    monkeypatch.setattr(loop, "setup_distributed", lambda device: World(0, 4, torch.device("cpu")))
+    monkeypatch.setattr(loop, "build_setup", lambda *args: pytest.fail("the model loaded"))
+    with pytest.raises(ConfigError, match="--global-batch-size 6 is not a multiple of --micro-batch-size 3 x 4 "
+                                          "processes"):
+        loop.train(config)
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(ConfigError, match="--global-batch-size 6 is not a multiple of --micro-batch-size 4$"):
+        build_config("train", {}, {"preset": "tiny", "recipe": "lora", "output_dir": str(tmp_path / "run"),
+                                   "global_batch_size": 6, "micro_batch_size": 4})
+
+
 def test_the_compiled_step_states_its_one_process_rule_once(tmp_path):
     with pytest.raises(ConfigError) as refused:
-        check_run(_sparse_config(tmp_path, compile=True), "train", 4)
+        check_run(_sparse_config(tmp_path, compile=True), "train", 2)
     with pytest.raises(ValueError) as planned:
-        plan_fill(1, compiled=True, world=4)
+        plan_fill(1, compiled=True, world=2)
     assert str(refused.value).startswith("--compile with --recipe sparse runs in one process: ")
     assert str(planned.value).startswith("a compiled sparse step runs in one process: ")
     assert str(refused.value).split(" runs in one process")[1] == str(planned.value).split(" runs in one process")[1]

@@ -32,6 +32,7 @@ from smf.data.own_data import load_own, one_batch_or_more, own_features
 from smf.data.paths import OWN_SCHEMAS
 from smf.errors import ConfigError
 from smf.train.config import RunConfig
+from smf.train.rules import check_batch_split
 
 logger = logging.getLogger(__name__)
 
@@ -123,10 +124,7 @@ class StepPlan:
     seed: int
 
     def __post_init__(self) -> None:
-        per_step = self.world_size * self.micro_batch_size
-        if self.global_batch_size % per_step:
-            raise ConfigError(f"--global-batch-size {self.global_batch_size} must be a multiple of "
-                              f"--micro-batch-size {self.micro_batch_size} x {self.world_size} processes")
+        check_batch_split(self.global_batch_size, self.micro_batch_size, self.world_size)
         if self.num_examples < self.global_batch_size:
             raise ConfigError(f"only {self.num_examples} training examples, fewer than one global batch "
                               f"({self.global_batch_size}); lower --global-batch-size or add data")

@@ -76,6 +76,15 @@ def check_sparse_mode(mode: str | None, saved: str) -> None:
                           "adapter can be finetuned as additive+s (omit --mode to keep the adapter's mode)")
 
 
+def check_batch_split(global_batch_size: int, micro_batch_size: int, processes: int = 1) -> None:
+    """ConfigError unless a step's ``global_batch_size`` examples split into whole micro-batches of
+    ``micro_batch_size`` on each of ``processes`` processes (the options' rule, and the trainer's at its start)."""
+    if global_batch_size % (micro_batch_size * processes):
+        over = f" x {processes} processes" if processes > 1 else ""
+        raise ConfigError(f"--global-batch-size {global_batch_size} is not a multiple of --micro-batch-size "
+                          f"{micro_batch_size}{over}")
+
+
 def _sharding_recipes() -> str:
     """The recipes whose memories --shard-memories splits, as its messages name them."""
     return " and ".join(name if kind.command == name else f"--recipe {name}"
@@ -178,9 +187,7 @@ def _background_adapter_given(config, command: str, world_size: int | None) -> N
 
 @rule("optimizer")
 def _whole_micro_batches(config, command: str, world_size: int | None) -> None:
-    if config.global_batch_size % config.micro_batch_size:
-        raise ConfigError(f"--global-batch-size {config.global_batch_size} is not a multiple of "
-                          f"--micro-batch-size {config.micro_batch_size}")
+    check_batch_split(config.global_batch_size, config.micro_batch_size, world_size or 1)
 
 
 # ---------------------------------------------------------------------------------------------------- parallelism
