@@ -5,11 +5,11 @@ some of its seeds or conditions joins it, :func:`merged_plan`).
 
 Each rule keeps what was written before a change matching: option values renamed since are hashed in their old
 spelling (:data:`FINGERPRINT_SPELLINGS`), the update options in the form hashed before ``--update`` replaced
-``--optimizer`` (:func:`fingerprint_form`), options added since are left out at the value that computes what was
-computed before them (:data:`LATER_OPTIONS`, and any option newer than
-:data:`smf.train.config.RECORDED_ORDER` at its default), and paths inside the suite folder are hashed relative to it
-(:func:`in_suite`) beside the absolute form written before issue 57. A new option, spelling or record key that must
-leave old directories matching is one entry here."""
+``--optimizer`` (:func:`fingerprint_form`, from each update's entry in :data:`smf.vocabulary.UPDATE_KINDS`), options
+added since are left out at the value that computes what was computed before them (:data:`LATER_OPTIONS`, and any
+option newer than :data:`smf.train.config.RECORDED_ORDER` at its default), and paths inside the suite folder are
+hashed relative to it (:func:`in_suite`) beside the absolute form written before issue 57. A new option, spelling or
+record key that must leave old directories matching is one entry here."""
 from __future__ import annotations
 
 import hashlib

@@ -6,9 +6,10 @@ Each rule guards one section of :mod:`smf.train.sections` and is checked only fo
 the sparse section never stops a LoRA run). The configuration (:func:`smf.train.config.build_config`, the command
 line's and the suite's) checks the rules of the options; the trainer (:func:`smf.train.loop.train`) checks them again
 with the rules of its start (``at_start``: what the number of processes or the adapter's saved mode allows), before it
-claims the output directory or loads the model.
-What a sparse update supports is read off its entry in :data:`smf.vocabulary.UPDATE_KINDS`. Adding a rule: one
-function here, registered with :func:`rule`.
+claims the output directory or loads the model. What a recipe or a sparse update supports is read off its entry in
+:data:`smf.vocabulary.RECIPE_KINDS` or :data:`~smf.vocabulary.UPDATE_KINDS`; the rule that a compiled sparse step runs
+in one process is :func:`smf_kernels.sparse.fill_plan.check_one_process`, which the step's planner and the HF Trainer
+call too. Adding a rule: one function here, registered with :func:`rule`.
 
 This module imports neither torch nor the model code (the command line checks a config without them)."""
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Callable
 
 from smf.errors import ConfigError
 from smf.train.sections import STAGE_SECTIONS
-from smf.vocabulary import RECIPE_KINDS, TINY_MODEL, UPDATE_KINDS, check_layers
+from smf.vocabulary import RECIPE_KINDS, RETROFIT_MODE, TINY_MODEL, UPDATE_KINDS, check_layers
 
 
 @dataclass(frozen=True)
@@ -69,9 +70,9 @@ def adapter_mode(adapter: str) -> str:
 
 def check_sparse_mode(mode: str | None, saved: str) -> None:
     """ConfigError unless --recipe sparse can finetune an adapter saved in mode ``saved`` in ``mode`` (None: the
-    adapter's own). The only change allowed is additive -> additive+s (alpha trains too), how the paper's +S
-    starts from the additive retrofit."""
-    if mode is not None and mode != saved and (mode != "additive+s" or saved != "additive"):
+    adapter's own): a mode other than the adapter's must start from a retrofit in the adapter's mode
+    (:data:`smf.vocabulary.RETROFIT_MODE`: additive -> additive+s, alpha training too, how the paper's +S starts)."""
+    if mode is not None and mode != saved and RETROFIT_MODE.get(mode) != saved:
         raise ConfigError(f"--mode {mode} cannot finetune an adapter retrofitted in mode {saved!r}; only an additive "
                           "adapter can be finetuned as additive+s (omit --mode to keep the adapter's mode)")
 
