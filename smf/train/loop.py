@@ -180,7 +180,7 @@ def train(config: RunConfig) -> dict:
     """
     check_own_rows(config)
     world = setup_distributed(config.device)
-    check_run(config, STAGE_COMMANDS[config.recipe], world.size)  # the world's rules too, before the model loads
+    check_run(config, STAGE_COMMANDS[config.recipe], world.size)  # with those of the start, before anything loads
     with claim_output_dir(Path(config.output_dir), world) as files:
         return _train(config, world, files)
 
