@@ -211,24 +211,6 @@ def _own_config(model: nn.Module, config_class: type) -> None:
             module.config = new
 
 
-def without_memories(model: nn.Module) -> tuple[object, dict[str, torch.Tensor]]:
-    """``model``'s config and state dict as they were before :func:`attach_memories` (copies; ``model`` is not
-    changed): the config of the base architecture's class without ``smf_memories``, and every tensor but the
-    memories' and alphas' (an additive block holds its MLP's weights under their names). What ``save_pretrained``
-    of the decoder alone takes. ValueError for replacement memories (their blocks dropped the MLPs)."""
-    replaced = [block.layer_index for block in memory_blocks(model) if not block.has_mlp]
-    if replaced:
-        raise ValueError(f"the memories at layers {replaced} replaced their MLPs: there is no decoder without them")
-    config = copy.deepcopy(model.config)
-    if getattr(type(config), "smf_base_model_type", None):
-        config.__class__ = type(config).__mro__[1]
-    if hasattr(config, CONFIG_KEY):
-        delattr(config, CONFIG_KEY)
-    prefixes = tuple(f"{name}.{part}" for name, module in model.named_modules() if isinstance(module, MemoryBlock)
-                     for part in ("memory.", "alpha"))
-    return config, {key: value for key, value in model.state_dict().items() if not key.startswith(prefixes)}
-
-
 def _install_mask_hooks(stack: nn.Module, blocks: list[MemoryBlock]) -> None:
     signature = inspect.signature(stack.forward)
 
