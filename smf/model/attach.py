@@ -85,8 +85,8 @@ DEFAULT_ALPHA_INIT = 0.01  # the paper's initial alpha
 def attach_memories(model: nn.Module, layers=None, mode: str = "additive",
                     alpha_init: float = DEFAULT_ALPHA_INIT, *,
                     layers_path: str | None = None, mlp_attr: str | None = None,
-                    **memory_kwargs) -> list[MemoryBlock]:
-    """Put a fresh fp32 ProductKeyMemory at each of ``layers`` of ``model`` (in place).
+                    dtype: torch.dtype | None = None, **memory_kwargs) -> list[MemoryBlock]:
+    """Put a fresh ProductKeyMemory (fp32, or ``dtype``) at each of ``layers`` of ``model`` (in place).
 
     Args:
         model: a decoder-only causal LM, e.g. ``Qwen2ForCausalLM``; ``model.model.layers[i].mlp``
@@ -98,6 +98,11 @@ def attach_memories(model: nn.Module, layers=None, mode: str = "additive",
             half and three quarters of the depth; the paper's 6, 12, 18 at Qwen-2.5-0.5B).
         mode: ``"replacement"``, ``"additive"`` or ``"additive+s"`` (see :class:`MemoryBlock`).
         alpha_init: initial scalar of the memory branch in additive modes (paper: 0.01).
+        dtype: the memories' dtype (None: float32). A bf16 memory is built memory by memory, its value table
+            drawn in float32 a block of rows at a time and rounded (``ProductKeyMemory(dtype=)``): the values of
+            float32 memories built from the same seed and cast afterwards, bit for bit on CPU, while the build
+            holds the tables in bf16 (a float32 build that is cast afterwards holds every table in float32 first).
+            ``alpha`` stays float32.
         **memory_kwargs: ProductKeyMemory arguments (n_keys, heads, topk, key_dim, value_dim,
             backend); unset sizes are scaled to the model (:mod:`smf.model.sizes`; the paper's at
             Qwen-2.5-0.5B), ``value_dim`` the hidden size. ``d_model`` is the model's hidden size.
@@ -131,7 +136,7 @@ def attach_memories(model: nn.Module, layers=None, mode: str = "additive",
         memory_kwargs = {**{name: scaled[name] for name in SCALED_KWARGS}, **memory_kwargs}
     layers = tuple(sorted(check_layers(layers, len(layer_list))))
     config_class = memory_config_class(type(model.config)) if model.config.model_type else None
-    blocks = _attach_blocks(model, stack, layer_list, mlp_attr, layers, mode, alpha_init, memory_kwargs)
+    blocks = _attach_blocks(model, stack, layer_list, mlp_attr, layers, mode, alpha_init, memory_kwargs, dtype)
     sizes = blocks[0].memory.config()
     sizes.pop("d_model")
     if config_class is None:
@@ -178,9 +183,9 @@ def attach_recorded_memories(model: nn.Module, spec) -> list[MemoryBlock]:
 
 
 def _attach_blocks(model: nn.Module, stack: nn.Module, layer_list: nn.ModuleList, mlp_attr: str, layers, mode: str,
-                   alpha_init: float, memory_kwargs: dict) -> list[MemoryBlock]:
-    """A fresh fp32 memory block in place of ``layer.{mlp_attr}`` at each of ``layers`` of ``layer_list``
-    (``stack``'s), by layer index."""
+                   alpha_init: float, memory_kwargs: dict, dtype: torch.dtype | None = None) -> list[MemoryBlock]:
+    """A fresh memory block (its memory fp32, or ``dtype``) in place of ``layer.{mlp_attr}`` at each of ``layers``
+    of ``layer_list`` (``stack``'s), by layer index."""
     d_model = model.config.get_text_config().hidden_size
     blocks = []
     for index in layers:
@@ -188,7 +193,8 @@ def _attach_blocks(model: nn.Module, stack: nn.Module, layer_list: nn.ModuleList
         device = next(layer.parameters()).device
         # transformers 4.x builds a model to load with its parameters on "meta" and its buffers real: so do we
         with torch.device(device) if device.type != "meta" else contextlib.nullcontext():
-            memory = ProductKeyMemory(d_model, **memory_kwargs).float()
+            memory = ProductKeyMemory(d_model, **memory_kwargs, dtype=dtype)
+            memory = memory if dtype is not None else memory.float()
         mlp = None if mode == "replacement" else getattr(layer, mlp_attr)
         block = MemoryBlock.create(memory, mlp, mode, index, alpha_init=alpha_init)
         block.set_owner(layer)
