@@ -69,10 +69,10 @@ class ProductKeyMemory(nn.Module):
         value_dim: width of a value row (default ``d_model``).
         backend: kernel backend for the ops (None = automatic, see
             :mod:`smf_kernels.backends`).
-        dtype: the parameters' dtype (None: torch's default). They are initialised in float32 and cast: a bf16
-            or fp16 value table is drawn in float32 and rounded a block of rows at a time on CPU (never held in
-            float32 whole), so a memory built in ``dtype`` equals, bit for bit, one built in float32 from the same
-            seed and cast to ``dtype`` afterwards (and leaves the generator in the same state).
+        dtype: the parameters' dtype (None: torch's default). They are initialised in float32 and cast; a bf16
+            or fp16 value table is drawn in float32 and rounded (on CPU a block of rows at a time, never held in
+            float32 whole). So a memory built in ``dtype`` equals, bit for bit, one built in float32 from the same
+            seed and cast to ``dtype`` afterwards, and leaves the generator in the same state.
 
     Read counting: after :meth:`set_read_counting` (True), every forward adds the
     reads of its valid tokens to the ``read_counts`` buffer ``(n_keys**2,)``

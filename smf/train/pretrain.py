@@ -241,6 +241,7 @@ def upgrade_base(final: str | Path) -> bool:
         shutil.rmtree(staged)
         raise ConfigError(f"--upgrade {final}: the re-laid model does not load back bit for bit; nothing changed")
     retired = final.with_name(final.name + ".retired")
+    shutil.rmtree(retired, ignore_errors=True)
     final.rename(retired)
     staged.rename(final)
     write_json_atomic(marker_path, {**marker, "files": _digests(final, marker_path)})
