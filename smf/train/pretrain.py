@@ -246,7 +246,7 @@ def upgrade_base(final: str | Path) -> bool:
     staged.rename(final)
     write_json_atomic(marker_path, {**marker, "files": _digests(final, marker_path)})
     shutil.rmtree(retired)
-    logger.info("%s: re-laid as a model with memories (%s)", final, ", ".join(sorted(marker["files"])))
+    logger.info("%s: re-laid as a model with memories; %s records its new file digests", final, marker_path)
     return True
 
 
