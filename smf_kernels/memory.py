@@ -69,10 +69,10 @@ class ProductKeyMemory(nn.Module):
         value_dim: width of a value row (default ``d_model``).
         backend: kernel backend for the ops (None = automatic, see
             :mod:`smf_kernels.backends`).
-        dtype: the parameters' dtype (None: torch's default). They are initialised in float32 and cast; a bf16
-            or fp16 value table is drawn in float32 and rounded (on CPU a block of rows at a time, never held in
-            float32 whole). So a memory built in ``dtype`` equals, bit for bit, one built in float32 from the same
-            seed and cast to ``dtype`` afterwards, and leaves the generator in the same state.
+        dtype: the parameters' dtype (None: torch's default). They are initialised in float32 and cast, the value
+            table on CPU a block of rows at a time (never held in float32 whole). So a memory built in ``dtype``
+            equals, bit for bit, one built in float32 from the same seed and cast to ``dtype`` afterwards, and
+            leaves the generator in the same state.
 
     Read counting: after :meth:`set_read_counting` (True), every forward adds the
     reads of its valid tokens to the ``read_counts`` buffer ``(n_keys**2,)``
@@ -153,12 +153,13 @@ class ProductKeyMemory(nn.Module):
         return torch.empty(self.num_slots, self.value_dim)
 
     def _init_values(self) -> None:
-        """Draw ``values`` as docs/method.md#the-memory-layer says (normal, std ``value_dim ** -0.5``). A bf16 or
-        fp16 table is drawn in float32 and rounded: on CPU a block of rows at a time (:func:`draw_normal_rows`, no
-        float32 copy of the table held), elsewhere whole; either way the float32 table's draws, cast."""
+        """Draw ``values`` as docs/method.md#the-memory-layer says (normal, std ``value_dim ** -0.5``). A table of
+        another dtype than float32 is drawn in float32 and cast: on CPU a block of rows at a time
+        (:func:`draw_normal_rows`, no float32 copy of the table held), elsewhere whole; either way the float32
+        table's draws, cast."""
         std = self.value_dim ** -0.5
         values = self.values
-        if values.dtype not in (torch.bfloat16, torch.float16) or values.device.type == "meta":
+        if values.dtype == torch.float32 or values.device.type == "meta":
             nn.init.normal_(values, std=std)
         elif values.device.type == "cpu":
             draw_normal_rows(self.num_slots, self.value_dim, std, values.device,

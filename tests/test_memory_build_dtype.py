@@ -1,7 +1,7 @@
-"""Memories built in bf16 / fp16 (``ProductKeyMemory(dtype=)``, ``attach_memories(dtype=)``; issue 56's leftover): the
-value table is drawn in float32 a block of rows at a time and rounded, so the memory equals, bit for bit, a float32
-memory built from the same seed and cast afterwards (the build that held every table in float32 first), and the
-generator ends where that build leaves it."""
+"""Memories built in bf16 or another dtype (``ProductKeyMemory(dtype=)``, ``attach_memories(dtype=)``; issue 56's
+leftover): the value table is drawn in float32 a block of rows at a time and cast, so the memory equals, bit for bit,
+a float32 memory built from the same seed and cast afterwards (the build that held every table in float32 first), and
+the generator ends where that build leaves it."""
 import pytest
 import torch
 
@@ -25,9 +25,9 @@ def _built(dtype, shape, **kwargs):
     return memory, torch.rand(5)  # what the generator gives next
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64, torch.float32])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_a_memory_built_in_half_precision_is_the_float32_build_cast(monkeypatch, shape, dtype):
+def test_a_memory_built_in_another_dtype_is_the_float32_build_cast(monkeypatch, shape, dtype):
     monkeypatch.setattr(memory_module, "_DRAW_ELEMENTS", shape[3])
     reference, after_reference = _built(None, shape)
     memory, after = _built(dtype, shape)

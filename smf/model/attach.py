@@ -98,11 +98,10 @@ def attach_memories(model: nn.Module, layers=None, mode: str = "additive",
             half and three quarters of the depth; the paper's 6, 12, 18 at Qwen-2.5-0.5B).
         mode: ``"replacement"``, ``"additive"`` or ``"additive+s"`` (see :class:`MemoryBlock`).
         alpha_init: initial scalar of the memory branch in additive modes (paper: 0.01).
-        dtype: the memories' dtype (None: float32). A bf16 memory is built memory by memory, its value table
-            drawn in float32 a block of rows at a time and rounded (``ProductKeyMemory(dtype=)``): the values of
-            float32 memories built from the same seed and cast afterwards, bit for bit on CPU, while the build
-            holds the tables in bf16 (a float32 build that is cast afterwards holds every table in float32 first).
-            ``alpha`` stays float32.
+        dtype: the memories' dtype (None: float32). Each memory is drawn in float32 and cast as it is built,
+            its value table a block of rows at a time on CPU (``ProductKeyMemory(dtype=)``): bit for bit the
+            float32 memories of the same seed cast afterwards, but no table held in float32 whole (elsewhere one
+            at a time; a float32 build cast afterwards holds them all first). ``alpha`` stays float32.
         **memory_kwargs: ProductKeyMemory arguments (n_keys, heads, topk, key_dim, value_dim,
             backend); unset sizes are scaled to the model (:mod:`smf.model.sizes`; the paper's at
             Qwen-2.5-0.5B), ``value_dim`` the hidden size. ``d_model`` is the model's hidden size.
