@@ -26,9 +26,10 @@ the layer's own tensors and the background statistics; touched: T rows of both A
 the step count); the first step's optimizer phase <= 2x its steady median. ``--model`` also steps a
 Qwen-2.5-0.5B-shaped random model (nothing downloaded) with memories of ``--model-slots`` at the paper's layers 6, 12,
 18 in mode additive+s (the sparse stage trains the values and alpha), fp32 (and bf16 weights with ``--bf16``,
-every parameter cast as the authors' protocol casts them), background from random counts, two steps of one
-micro-batch of ``--model-tokens`` tokens; target: the steps' peak RSS (the high-water mark restarted once the model
-is built, since a bf16 build makes its memories in fp32 first) <= 16 GiB fp32 / 9 GiB bf16.
+every parameter cast as the authors' protocol casts them; the memories built in bf16, ``attach_memories(dtype=)``:
+the same values as fp32 memories cast, without holding the tables in fp32), background from random counts, two steps
+of one micro-batch of ``--model-tokens`` tokens; target: the steps' peak RSS (the high-water mark restarted once the
+model is built, which it builds in fp32 first) <= 16 GiB fp32 / 9 GiB bf16.
 
     python benchmarks/bench_scale.py                                  # 16k, 262k, 1M slots, one thread
     python benchmarks/bench_scale.py --sizes 16384,1048576 --json scale.json
@@ -269,10 +270,11 @@ def build_model_step(args: argparse.Namespace, bf16: bool):
         fields["rope_parameters"] = {"rope_type": "default", "rope_theta": fields.pop("rope_theta")}
         model, layers, sizes = Qwen2ForCausalLM(Qwen2Config(**fields)), PAPER_LAYERS, dict(LAYER_KWARGS)
     sizes["n_keys"] = math.isqrt(args.model_slots)
-    attach_memories(model, list(layers), "additive+s", alpha_init=0.01, backend=args.backend, **sizes)
+    attach_memories(model, list(layers), "additive+s", alpha_init=0.01, backend=args.backend,
+                    dtype=torch.bfloat16 if bf16 else None, **sizes)  # bf16: no fp32 copy of the tables
     configure_trainable(model, "sparse")
     if bf16:
-        cast_like_the_authors(model)  # every parameter in bf16, the memories' values included
+        cast_like_the_authors(model)  # every parameter in bf16 (the memories already are), alpha included
     model.train()
     settings = StepSettings(recipe="sparse", bf16="off")
     controller = SparseMemoryController(model, rule=args.rule, rows_per_step=args.rows)
@@ -295,7 +297,7 @@ def measure_model(args: argparse.Namespace, bf16: bool) -> dict:
     dtype = "bf16" if bf16 else "fp32"
     start = time.perf_counter()
     model, setup, settings = build_model_step(args, bf16)
-    build_peak = rss_gib()  # the memories are made in fp32 and cast: a bf16 build peaks above its steps
+    build_peak = rss_gib()  # the base model is made in fp32 and cast: a bf16 build peaks above its final size
     gc.collect()
     steps_alone = reset_peak_rss()
     logger.info("[model %s] built in %.1f s (peak RSS %.2f GiB); stepping ...", dtype, time.perf_counter() - start,

@@ -28,6 +28,30 @@ def rename_legacy_projections(state_dict: dict, prefix: str = "") -> dict:
     return state_dict
 
 
+_DRAW_ELEMENTS = 1 << 22  # values drawn per block by draw_normal_rows (16 MiB of fp32)
+
+
+def draw_normal_rows(rows: int, width: int, std: float, device: torch.device | str, write,
+                     dtype: torch.dtype = torch.float32) -> None:
+    """Draw a (rows, width) table of normal values (mean 0, ``std``) in ``dtype`` a block of rows at a time, handing
+    each block to ``write(start, stop, block)`` (``block``: rows ``[start, stop)``, (stop - start, width), reused
+    for the next block). On CPU the blocks hold exactly what one ``normal_`` over the whole table draws, and the
+    generator ends in the same state: torch's CPU normal_ fills 16 values per step from the stream in order, so
+    blocks whose sizes are multiples of 16 values (the last one at least 16) draw the same."""
+    step = max(16, _DRAW_ELEMENTS // width // 16 * 16)  # rows per block: rows * width is a multiple of 16
+    block = torch.empty(min(step, rows), width, dtype=dtype, device=device)
+    start = 0
+    while start < rows:
+        stop = min(rows, start + step)
+        if 0 < (rows - stop) * width < 16:  # a last block under 16 values would be drawn differently
+            stop = rows
+            block = torch.empty(stop - start, width, dtype=dtype, device=device)
+        drawn = block[: stop - start]
+        nn.init.normal_(drawn, std=std)
+        write(start, stop, drawn)
+        start = stop
+
+
 class ProductKeyMemory(nn.Module):
     """Product-key memory layer (Lample et al. 2019; Berges et al. 2024).
 
@@ -45,6 +69,10 @@ class ProductKeyMemory(nn.Module):
         value_dim: width of a value row (default ``d_model``).
         backend: kernel backend for the ops (None = automatic, see
             :mod:`smf_kernels.backends`).
+        dtype: the parameters' dtype (None: torch's default). They are initialised in float32 and cast, the value
+            table on CPU a block of rows at a time (never held in float32 whole). So a memory built in ``dtype``
+            equals, bit for bit, one built in float32 from the same seed and cast to ``dtype`` afterwards, and
+            leaves the generator in the same state.
 
     Read counting: after :meth:`set_read_counting` (True), every forward adds the
     reads of its valid tokens to the ``read_counts`` buffer ``(n_keys**2,)``
@@ -63,6 +91,7 @@ class ProductKeyMemory(nn.Module):
         value_dim: int | None = None,
         *,
         backend: str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         for name, value in (("d_model", d_model), ("n_keys", n_keys), ("heads", heads), ("topk", topk),
@@ -76,6 +105,8 @@ class ProductKeyMemory(nn.Module):
         error = construction_error(backend)
         if error is not None:
             raise ValueError(f"backend: {error}")
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
         value_dim = d_model if value_dim is None else value_dim
         if isinstance(value_dim, bool) or not isinstance(value_dim, int) or value_dim < 1:
             raise ValueError(f"value_dim must be a positive int or None, got {value_dim!r}")
@@ -85,7 +116,8 @@ class ProductKeyMemory(nn.Module):
 
         self.query_map = MemoryProjection(d_model, heads * key_dim)
         self.keys = nn.Parameter(torch.empty(heads, 2, n_keys, key_dim // 2))
-        self.values = nn.Parameter(self._empty_values())
+        self.values = nn.Parameter(self._empty_values() if dtype is None else
+                                   torch.empty(n_keys * n_keys, value_dim, dtype=dtype))
         self.gate_map = MemoryProjection(d_model, value_dim)
         self.out_map = MemoryProjection(value_dim, d_model)
         self.register_buffer("read_counts", torch.zeros(self.num_slots, dtype=torch.int64), persistent=False)
@@ -95,6 +127,8 @@ class ProductKeyMemory(nn.Module):
         # step, load_state_dict, .to()): see smf_kernels.ops.KeyLayoutCache. Not state: never saved.
         self.key_layouts = KeyLayoutCache()
         self.reset_parameters()
+        if dtype is not None:
+            self.to(dtype)  # the small parameters, drawn in float32; the value table is already in dtype
 
     def config(self) -> dict:
         """Constructor arguments (without backend), e.g. for saving alongside weights."""
@@ -119,8 +153,19 @@ class ProductKeyMemory(nn.Module):
         return torch.empty(self.num_slots, self.value_dim)
 
     def _init_values(self) -> None:
-        """Draw ``values`` as docs/method.md#the-memory-layer says (normal, std ``value_dim ** -0.5``)."""
-        nn.init.normal_(self.values, std=self.value_dim ** -0.5)
+        """Draw ``values`` as docs/method.md#the-memory-layer says (normal, std ``value_dim ** -0.5``). A table of
+        another dtype than float32 is drawn in float32 and cast: on CPU a block of rows at a time
+        (:func:`draw_normal_rows`, no float32 copy of the table held), elsewhere whole; either way the float32
+        table's draws, cast."""
+        std = self.value_dim ** -0.5
+        values = self.values
+        if values.dtype == torch.float32 or values.device.type == "meta":
+            nn.init.normal_(values, std=std)
+        elif values.device.type == "cpu":
+            draw_normal_rows(self.num_slots, self.value_dim, std, values.device,
+                             lambda start, stop, block: values[start:stop].copy_(block))
+        else:
+            values.copy_(torch.empty(values.shape, dtype=torch.float32, device=values.device).normal_(std=std))
 
     def set_read_counting(self, enabled: bool) -> None:
         """Turn read counting on or off for later forwards.

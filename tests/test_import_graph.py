@@ -42,7 +42,8 @@ DEFERRED = {
     "smf.train.rules": {"smf.model.adapter", "smf.model.loading",  # torch: the CLI checks a config's rules
                         "smf_kernels.sparse.fill_plan"},
     "smf.train.pretrain": {"smf.data.world_tokenizer",  # transformers: suite config checks import PretrainOptions
-                           "smf.model.adapter", "smf.model.attach"},  # the same, for pretrain.memory
+                           "smf.model.adapter", "smf.model.attach",  # the same, for pretrain.memory
+                           "smf.model.loading"},  # the same, for --upgrade
 }
 
 
@@ -56,7 +57,9 @@ def _ours(module: str, package: str) -> bool:
 
 
 def _modules(*packages: str, root: Path = ROOT) -> dict[str, Path]:
-    return {_module_name(p, root): p for package in packages for p in (root / package).rglob("*.py")}
+    """The modules of ``packages``; not the package data (``smf/assets``: the code saved beside a shipped model)."""
+    return {_module_name(p, root): p for package in packages for p in (root / package).rglob("*.py")
+            if "assets" not in p.relative_to(root / package).parts}
 
 
 def _resolve(name: str, level: int, package: str) -> str | None:

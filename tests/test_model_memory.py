@@ -17,7 +17,6 @@ from smf.model import (
     memory_blocks,
     save_memory_adapter,
 )
-from smf.model.attach import without_memories
 from smf.tiny import TINY_MEMORY_KWARGS, TINY_MEMORY_LAYERS, save_tiny_pretrained, tiny_model
 
 VOCAB = 259
@@ -185,22 +184,6 @@ def test_adapter_round_trip_gives_identical_logits(tmp_path, mode):
     reloaded, _ = load_with_adapter(None, tmp_path / "adapter")  # the base model the adapter records
     assert torch.equal(load_with_adapter(str(base_dir), tmp_path / "adapter")[0](ids).logits, ref)
     assert torch.equal(reloaded(ids).logits, ref)
-
-
-def test_without_memories_gives_the_decoder_as_before_they_were_attached():
-    """What smf.train.pretrain saves of a base pretrained with its memories: the decoder's config and weights (the
-    additive blocks' MLP weights under their own names); the model keeps its memories."""
-    model = tiny_model()
-    config, state = model.config.to_dict(), dict(model.state_dict())
-    attach_memories(model, TINY_MEMORY_LAYERS, "additive", **TINY_MEMORY_KWARGS)
-    plain_config, plain_state = without_memories(model)
-    assert type(plain_config) is Qwen2Config and plain_config.to_dict() == config
-    assert plain_state.keys() == state.keys() and all(torch.equal(plain_state[k], state[k]) for k in state)
-    assert model.config.model_type == "qwen2_smf_memories" and len(model.state_dict()) > len(state)
-    replaced = tiny_model()
-    attach_memories(replaced, (2,), "replacement", **TINY_MEMORY_KWARGS)
-    with pytest.raises(ValueError, match=r"memories at layers \[2\] replaced their MLPs"):
-        without_memories(replaced)
 
 
 def test_bad_arguments_raise_clear_errors():

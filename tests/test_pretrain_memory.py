@@ -3,17 +3,25 @@ a memory adapter that load back to the network as pretrained; the fingerprint co
 base's stays what it was); bad memory options are refused in one line; a suite on such a base runs no retrofit, and
 its sparse, LoRA, full and base runs all hold the pretrained memories."""
 import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
 
 from smf.data.world import WorldOptions, build_world
 from smf.data.world_tokenizer import world_tokenizer
 from smf.errors import ConfigError
 from smf.model import memory_blocks
-from smf.model.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from smf.model.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_memory_adapter
+from smf.model.hf_auto import decoder_config
 from smf.model.loading import load_base, load_model, load_with_adapter
 from smf.suite.config import load_suite_config, parse_suite_config
 from smf.train import pretrain as module
@@ -32,21 +40,24 @@ def with_memories(tmp_path_factory):
     return directory, pretrain_world(WorldOptions.from_dict(WORLD), options, directory)
 
 
-def test_the_base_is_a_plain_decoder_plus_an_adapter_that_loads_back_as_pretrained(with_memories):
+def test_the_base_is_a_model_with_memories_plus_an_adapter_that_load_back_as_pretrained(with_memories):
     directory, marker = with_memories
     final = directory / FINAL
-    assert {ADAPTER_CONFIG, ADAPTER_WEIGHTS, "model.safetensors"} <= set(marker["files"])
+    assert {ADAPTER_CONFIG, ADAPTER_WEIGHTS, "model.safetensors", "modeling_smf_memories.py"} <= set(marker["files"])
     assert json.loads((final / ADAPTER_CONFIG).read_text())["base_model"] is None  # the folder moves (suites copy it)
-    plain, tokenizer = load_base(str(final))
-    assert not memory_blocks(plain) and plain.config.model_type == "qwen2"
-    model, _ = load_with_adapter(str(final), final)
+    whole, tokenizer = load_base(str(final))  # save_pretrained of the model with its memories
+    assert whole.config.model_type == "qwen2_smf_memories" and len(memory_blocks(whole)) == 1
+    model, _ = load_with_adapter(str(final), final)  # the adapter's memories in place of the loaded ones
     (block,) = memory_blocks(model)
     assert block.layer_index == 1 and block.mode == "additive" and block.memory.num_slots == 16
     assert float(block.alpha) != MEMORY["alpha_init"]  # alpha trained with the rest
     rows = build_world(WorldOptions.from_dict(WORLD)).datasets["eval_retain"]
     assert old_qa_accuracy(model, tokenizer, rows) == marker["old_qa_accuracy"]  # the network the marker measured
     ids = torch.tensor([tokenizer("Question: who is Ada?")["input_ids"]])
-    assert not torch.equal(model(input_ids=ids).logits, plain(input_ids=ids).logits)  # the memories matter
+    assert torch.equal(model(input_ids=ids).logits, whole(input_ids=ids).logits)
+    with torch.no_grad():
+        memory_blocks(whole)[0].alpha.zero_()
+    assert not torch.equal(model(input_ids=ids).logits, whole(input_ids=ids).logits)  # the memories matter
 
 
 def test_the_fingerprint_covers_the_memory_options_and_keeps_plain_bases(with_memories):
@@ -169,3 +180,113 @@ def test_every_shipped_base_is_intact_and_is_the_one_its_preset_asks_for():
         assert marker["reached_target"] and (ADAPTER_CONFIG in marker["files"]) == (preset == "science_pretrained")
     assets = Path(module.__file__).resolve().parents[1] / "assets"
     assert sum(path.stat().st_size for path in assets.rglob("*") if path.is_file()) <= 60 * 2 ** 20
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_a_plain_from_pretrained_of_the_base_loads_its_memories_or_asks_for_trust_remote_code(with_memories):
+    """Issue 57 item 5: a plain AutoModelForCausalLM load of the base gave the decoder without its memories, silently.
+    Now: with smf imported, the network as pretrained; without smf, transformers asks for trust_remote_code, and
+    with it the saved code's plain memories give the same logits."""
+    directory, _ = with_memories
+    final = directory / FINAL
+    model, _ = load_with_adapter(str(final), final)
+    ids = torch.tensor([[5, 17, 99, 3, 250, 41, 7]])
+    loaded = AutoModelForCausalLM.from_pretrained(final)
+    assert [block.layer_index for block in memory_blocks(loaded)] == [1]
+    assert torch.equal(_logits(loaded, ids), _logits(model, ids))
+    script = ("import json, sys, torch\nfrom transformers import AutoModelForCausalLM\n"
+              "try:\n    AutoModelForCausalLM.from_pretrained(sys.argv[1])\n"
+              "except ValueError as err:\n    print('ERROR', str(err).replace(chr(10), ' '))\n"
+              "assert not any(name.split('.')[0] == 'smf' for name in sys.modules)\n"
+              "model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)\n"
+              "print(json.dumps(model(input_ids=torch.tensor([[5, 17, 99, 3, 250, 41, 7]])).logits.tolist()))\n")
+    result = subprocess.run([sys.executable, "-c", script, str(final)], capture_output=True, text=True, timeout=300,
+                            stdin=subprocess.DEVNULL, env={**os.environ, "SMF_SAVED_CODE_PLAIN": "1"})
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()  # transformers' refused prompt (stdin closed), its error, the logits
+    error, logits = next(line for line in lines if "ERROR" in line), lines[-1]
+    assert "trust_remote_code=True" in error.partition("ERROR")[2], error
+    reference = _logits(model, ids)
+    assert float((torch.tensor(json.loads(logits)) - reference).norm() / reference.norm()) < 1e-5
+
+
+def _former_layout(final: Path, old: Path) -> None:
+    """Write into ``old`` the base of ``final`` as smf.train.pretrain saved it until 2026-11-29 (a plain decoder:
+    the base config and every tensor but the memories', beside the memory adapter), its record one folder up."""
+    model, _ = load_base(str(final))
+    shutil.copytree(final, old)
+    for name in ("model.safetensors", "config.json", "modeling_smf_memories.py"):
+        (old / name).unlink()
+    memories = tuple(f"{name}.{part}" for name, module in model.named_modules() if hasattr(module, "memory")
+                     for part in ("memory.", "alpha"))
+    model.config = decoder_config(model.config)
+    model.save_pretrained(old, state_dict={k: v for k, v in model.state_dict().items() if not k.startswith(memories)})
+    marker = json.loads((final.parent / module.MARKER).read_text())
+    (old.parent / module.MARKER).write_text(json.dumps({**marker, "files": module.file_digests(old)}))
+
+
+def test_a_base_in_the_former_layout_loads_with_a_warning_and_upgrades_bit_for_bit(with_memories, tmp_path, caplog,
+                                                                                   capsys):
+    directory, marker = with_memories
+    old = tmp_path / "pretrain" / FINAL
+    _former_layout(directory / FINAL, old)
+    ids = torch.tensor([[5, 17, 99, 3, 250, 41, 7]])
+    assert not memory_blocks(AutoModelForCausalLM.from_pretrained(old))  # what transformers made of it: no memories
+    reference = _logits(load_with_adapter(str(directory / FINAL), directory / FINAL)[0], ids)
+    with caplog.at_level(logging.WARNING, logger="smf.model.loading"):
+        first, _ = load_with_adapter(str(old), old)
+        load_model(str(old), old)  # warned once a process
+    warned = [r.getMessage() for r in caplog.records if "--upgrade" in r.getMessage()]
+    assert len(warned) == 1 and f"python -m smf.train.pretrain --upgrade {old}" in warned[0], warned
+    assert torch.equal(_logits(first, ids), reference)
+    assert module.main(["--upgrade", str(old)]) == 0
+    assert json.loads((old / "config.json").read_text())["model_type"] == "qwen2_smf_memories"
+    assert module._finished(old.parent, marker["fingerprint"])["files"] == module.file_digests(old)
+    assert not list(old.parent.glob(f"{FINAL}.*"))  # no staging or retired folder left
+    for model in (AutoModelForCausalLM.from_pretrained(old), load_with_adapter(str(old), old)[0]):
+        assert torch.equal(_logits(model, ids), reference)
+    assert module.main(["--upgrade", str(old)]) == 0  # already re-laid: nothing changes
+    assert capsys.readouterr().out.splitlines()[-1] == f"{old}: already a model with memories"
+    with pytest.raises(SystemExit) as caught:
+        module.main(["--upgrade", str(tmp_path)])
+    assert caught.value.code == 2
+    assert capsys.readouterr().err.startswith(f"error: --upgrade {tmp_path}: not a base pretrained with memories")
+    (old / "tokenizer.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        module.main(["--upgrade", str(old)])
+    assert "its files differ from those" in capsys.readouterr().err
+
+
+def test_an_adapter_replaces_held_memories_only_where_they_are_and_of_their_sizes(with_memories, tmp_path):
+    directory, _ = with_memories
+    final = directory / FINAL
+    other = tmp_path / "adapter"
+    shutil.copytree(final, other)
+    config = json.loads((other / ADAPTER_CONFIG).read_text())
+    tensors = load_file(str(other / ADAPTER_WEIGHTS))
+    (other / ADAPTER_CONFIG).write_text(json.dumps({**config, "mode": "additive+s"}))
+    model, _ = load_base(str(final))
+    load_memory_adapter(model, other)  # the held additive memories switch to the adapter's mode
+    assert memory_blocks(model)[0].mode == "additive+s" and model.config.smf_memories["mode"] == "additive+s"
+    save_file({name.replace("layers.1.", "layers.0."): tensor for name, tensor in tensors.items()},
+              str(other / ADAPTER_WEIGHTS))
+    (other / ADAPTER_CONFIG).write_text(json.dumps({**config, "layers": [0]}))
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"the model already holds memories \(additive\+s at layers \[1\]"):
+        load_memory_adapter(model, other)
+    assert all(torch.equal(tensor, before[name]) for name, tensor in model.state_dict().items())  # unchanged
+
+
+def test_the_shipped_bases_with_memories_load_whole_as_pretrained():
+    ids = torch.tensor([[5, 17, 99, 3, 250, 41, 7]])
+    shipped = sorted(module.SHIPPED.glob("base-memories-seed*"))
+    assert len(shipped) == 5
+    for directory in shipped:
+        assert json.loads((directory / "config.json").read_text())["model_type"] == "qwen2_smf_memories"
+        whole = AutoModelForCausalLM.from_pretrained(directory)
+        assert [block.layer_index for block in memory_blocks(whole)] == [1, 3]
+        assert torch.equal(_logits(whole, ids), _logits(load_with_adapter(str(directory), directory)[0], ids))

@@ -13,6 +13,7 @@ from torch import nn
 from smf.files import write_json_atomic
 from smf.model.attach import attach_memories, memory_blocks
 from smf.model.block import MODES, MemoryBlock
+from smf.model.memory_mode import ALPHA_MODES, set_memory_mode
 from smf.vocabulary import canonical, check_layers
 from smf_kernels import ProductKeyMemory
 from smf_kernels.memory import rename_legacy_projections
@@ -116,16 +117,23 @@ def _read_adapter_tensors(directory: Path, config: dict, d_model: int) -> dict[s
 
 
 def load_memory_adapter(model: nn.Module, directory: str | Path, backend: str | None = None) -> list[MemoryBlock]:
-    """Attach the memories saved in ``directory`` to ``model`` (a base model without memories).
+    """Attach the memories saved in ``directory`` to ``model``: a base model without memories, or one holding
+    memories at the adapter's layers and of its sizes (a base pretrained with its memories, loaded whole), whose
+    weights (and mode, additive or additive+s) the adapter's replace.
 
-    The files are read and checked first (names, shapes, dtypes): a missing, truncated, corrupt or
-    mismatched adapter raises (FileNotFoundError / ValueError) and leaves ``model`` unchanged.
+    The files are read and checked first (names, shapes, dtypes, and the memories ``model`` holds): a missing,
+    truncated, corrupt or mismatched adapter raises (FileNotFoundError / ValueError) and leaves ``model`` unchanged.
     """
     directory = Path(directory)
     config = read_adapter_config(directory)
     tensors = _read_adapter_tensors(directory, config, model.config.hidden_size)
-    blocks = attach_memories(model, layers=config["layers"], mode=config["mode"], backend=backend,
-                             **config["memory_kwargs"])
+    if memory_blocks(model):
+        blocks = _held_memories(model, directory, config)
+        for block in blocks:
+            block.memory.backend = backend
+    else:
+        blocks = attach_memories(model, layers=config["layers"], mode=config["mode"], backend=backend,
+                                 **config["memory_kwargs"])
     for block in blocks:
         prefix = f"layers.{block.layer_index}."
         state = {k[len(prefix) + len("memory."):]: v for k, v in tensors.items() if k.startswith(prefix + "memory.")}
@@ -134,3 +142,19 @@ def load_memory_adapter(model: nn.Module, directory: str | Path, backend: str | 
             with torch.no_grad():
                 block.alpha.copy_(tensors[prefix + "alpha"])
     return blocks
+
+
+def _held_memories(model: nn.Module, directory: Path, config: dict) -> list[MemoryBlock]:
+    """The memory blocks ``model`` holds, put in the adapter's mode, when they are where the adapter's are and of
+    their sizes; ValueError naming both otherwise (``model`` unchanged)."""
+    blocks = memory_blocks(model)
+    with torch.device("meta"):
+        sizes = ProductKeyMemory(model.config.hidden_size, **config["memory_kwargs"]).config()
+    held = {"layers": [block.layer_index for block in blocks], "sizes": blocks[0].memory.config()}
+    modes = {block.mode for block in blocks} | {config["mode"]}
+    if (held != {"layers": config["layers"], "sizes": sizes} or any(b.memory.config() != sizes for b in blocks)
+            or (len(modes) > 1 and not modes <= set(ALPHA_MODES))):
+        raise ValueError(f"{directory / ADAPTER_CONFIG}: the model already holds memories ({blocks[0].mode} at "
+                         f"layers {held['layers']}, {held['sizes']}) that the adapter's ({config['mode']} at layers "
+                         f"{config['layers']}, {sizes}) cannot replace; load the adapter on the base without them")
+    return set_memory_mode(model, config["mode"]) if config["mode"] != blocks[0].mode else blocks

@@ -85,8 +85,8 @@ DEFAULT_ALPHA_INIT = 0.01  # the paper's initial alpha
 def attach_memories(model: nn.Module, layers=None, mode: str = "additive",
                     alpha_init: float = DEFAULT_ALPHA_INIT, *,
                     layers_path: str | None = None, mlp_attr: str | None = None,
-                    **memory_kwargs) -> list[MemoryBlock]:
-    """Put a fresh fp32 ProductKeyMemory at each of ``layers`` of ``model`` (in place).
+                    dtype: torch.dtype | None = None, **memory_kwargs) -> list[MemoryBlock]:
+    """Put a fresh ProductKeyMemory (fp32, or ``dtype``) at each of ``layers`` of ``model`` (in place).
 
     Args:
         model: a decoder-only causal LM, e.g. ``Qwen2ForCausalLM``; ``model.model.layers[i].mlp``
@@ -98,6 +98,10 @@ def attach_memories(model: nn.Module, layers=None, mode: str = "additive",
             half and three quarters of the depth; the paper's 6, 12, 18 at Qwen-2.5-0.5B).
         mode: ``"replacement"``, ``"additive"`` or ``"additive+s"`` (see :class:`MemoryBlock`).
         alpha_init: initial scalar of the memory branch in additive modes (paper: 0.01).
+        dtype: the memories' dtype (None: float32). Each memory is drawn in float32 and cast as it is built,
+            its value table a block of rows at a time on CPU (``ProductKeyMemory(dtype=)``): bit for bit the
+            float32 memories of the same seed cast afterwards, but no table held in float32 whole (elsewhere one
+            at a time; a float32 build cast afterwards holds them all first). ``alpha`` stays float32.
         **memory_kwargs: ProductKeyMemory arguments (n_keys, heads, topk, key_dim, value_dim,
             backend); unset sizes are scaled to the model (:mod:`smf.model.sizes`; the paper's at
             Qwen-2.5-0.5B), ``value_dim`` the hidden size. ``d_model`` is the model's hidden size.
@@ -131,7 +135,7 @@ def attach_memories(model: nn.Module, layers=None, mode: str = "additive",
         memory_kwargs = {**{name: scaled[name] for name in SCALED_KWARGS}, **memory_kwargs}
     layers = tuple(sorted(check_layers(layers, len(layer_list))))
     config_class = memory_config_class(type(model.config)) if model.config.model_type else None
-    blocks = _attach_blocks(model, stack, layer_list, mlp_attr, layers, mode, alpha_init, memory_kwargs)
+    blocks = _attach_blocks(model, stack, layer_list, mlp_attr, layers, mode, alpha_init, memory_kwargs, dtype)
     sizes = blocks[0].memory.config()
     sizes.pop("d_model")
     if config_class is None:
@@ -178,9 +182,9 @@ def attach_recorded_memories(model: nn.Module, spec) -> list[MemoryBlock]:
 
 
 def _attach_blocks(model: nn.Module, stack: nn.Module, layer_list: nn.ModuleList, mlp_attr: str, layers, mode: str,
-                   alpha_init: float, memory_kwargs: dict) -> list[MemoryBlock]:
-    """A fresh fp32 memory block in place of ``layer.{mlp_attr}`` at each of ``layers`` of ``layer_list``
-    (``stack``'s), by layer index."""
+                   alpha_init: float, memory_kwargs: dict, dtype: torch.dtype | None = None) -> list[MemoryBlock]:
+    """A fresh memory block (its memory fp32, or ``dtype``) in place of ``layer.{mlp_attr}`` at each of ``layers``
+    of ``layer_list`` (``stack``'s), by layer index."""
     d_model = model.config.get_text_config().hidden_size
     blocks = []
     for index in layers:
@@ -188,7 +192,8 @@ def _attach_blocks(model: nn.Module, stack: nn.Module, layer_list: nn.ModuleList
         device = next(layer.parameters()).device
         # transformers 4.x builds a model to load with its parameters on "meta" and its buffers real: so do we
         with torch.device(device) if device.type != "meta" else contextlib.nullcontext():
-            memory = ProductKeyMemory(d_model, **memory_kwargs).float()
+            memory = ProductKeyMemory(d_model, **memory_kwargs, dtype=dtype)
+            memory = memory if dtype is not None else memory.float()
         mlp = None if mode == "replacement" else getattr(layer, mlp_attr)
         block = MemoryBlock.create(memory, mlp, mode, index, alpha_init=alpha_init)
         block.set_owner(layer)
@@ -209,24 +214,6 @@ def _own_config(model: nn.Module, config_class: type) -> None:
     for module in model.modules():
         if getattr(module, "config", None) is old:
             module.config = new
-
-
-def without_memories(model: nn.Module) -> tuple[object, dict[str, torch.Tensor]]:
-    """``model``'s config and state dict as they were before :func:`attach_memories` (copies; ``model`` is not
-    changed): the config of the base architecture's class without ``smf_memories``, and every tensor but the
-    memories' and alphas' (an additive block holds its MLP's weights under their names). What ``save_pretrained``
-    of the decoder alone takes. ValueError for replacement memories (their blocks dropped the MLPs)."""
-    replaced = [block.layer_index for block in memory_blocks(model) if not block.has_mlp]
-    if replaced:
-        raise ValueError(f"the memories at layers {replaced} replaced their MLPs: there is no decoder without them")
-    config = copy.deepcopy(model.config)
-    if getattr(type(config), "smf_base_model_type", None):
-        config.__class__ = type(config).__mro__[1]
-    if hasattr(config, CONFIG_KEY):
-        delattr(config, CONFIG_KEY)
-    prefixes = tuple(f"{name}.{part}" for name, module in model.named_modules() if isinstance(module, MemoryBlock)
-                     for part in ("memory.", "alpha"))
-    return config, {key: value for key, value in model.state_dict().items() if not key.startswith(prefixes)}
 
 
 def _install_mask_hooks(stack: nn.Module, blocks: list[MemoryBlock]) -> None:

@@ -24,10 +24,11 @@ class MemoryBlock(nn.Module):
       checkpoint holds the base model's weights under the base model's keys, plus
       ``...mlp.memory.*`` and ``...mlp.alpha``.
 
-    The memory and ``alpha`` are fp32 whatever the base model's dtype: ``h`` is cast to fp32
+    The memory and ``alpha`` are fp32 whatever the base model's dtype (the memory in another dtype only where
+    asked: ``attach_memories(dtype=)``, the authors' bf16 weights): ``h`` is cast to the memory's dtype
     for the memory and the memory branch is cast back to ``h``'s dtype. ``model.to(dtype)``,
     ``.half()`` and ``.bfloat16()`` convert the original MLP but leave the memory and ``alpha``
-    in float32 (devices still move).
+    in their dtype (devices still move).
 
     Padding: the owning model's pre-forward hook (installed by
     :func:`smf.model.attach_memories`) stores the call's 2-D ``attention_mask``

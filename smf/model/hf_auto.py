@@ -26,6 +26,7 @@ GPT-NeoX's ``embed_out``) are registered for the new type and classes too (trans
 """
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from pathlib import Path
@@ -63,6 +64,21 @@ def _auto_class(name: str):
 def base_model_type(config: PretrainedConfig) -> str | None:
     """``config.model_type`` without the memory suffix (``qwen2`` for ``qwen2_smf_memories``)."""
     return getattr(config, "smf_base_model_type", getattr(config, "model_type", None))
+
+
+def decoder_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The config of the decoder a memory config's memories were attached to: a copy of ``config`` of the base
+    architecture's class, without ``smf_memories`` and without the ``auto_map`` and ``architectures`` naming the
+    classes with memories; ``config`` itself when it is not a memory config."""
+    if not getattr(type(config), "smf_base_model_type", None):
+        return config
+    plain = copy.deepcopy(config)
+    plain.__class__ = type(config).__mro__[1]
+    for name in (CONFIG_KEY, "auto_map"):
+        if hasattr(plain, name):
+            delattr(plain, name)
+    plain.architectures = [name.removesuffix("WithSmfMemories") for name in (plain.architectures or [])] or None
+    return plain
 
 
 def memory_config_class(base: type) -> type:

@@ -119,6 +119,8 @@ def load_with_adapter(base: str | None, adapter: str | Path, device: torch.devic
         raise ConfigError(f"--adapter was trained on base model {recorded!r} but --model is {base!r}; "
                           f"pass --model {recorded}")
     model, tokenizer = load_base(base or recorded, device)
+    if (Path(base or recorded) / ADAPTER_CONFIG).is_file() and not memory_blocks(model):
+        _warn_decoder_beside_adapter(Path(base or recorded))
     try:
         load_memory_adapter(model, directory, backend=backend)
     except ConfigError:
@@ -126,6 +128,20 @@ def load_with_adapter(base: str | None, adapter: str | Path, device: torch.devic
     except (OSError, ValueError) as err:
         raise ConfigError(f"--adapter {str(adapter)!r}: {err}") from None
     return model.to(device).eval(), tokenizer
+
+
+_warned: set[Path] = set()  # directories warned about, once a process
+
+
+def _warn_decoder_beside_adapter(directory: Path) -> None:
+    """Warn (once a process) that ``directory`` holds a base pretrained with its memories in the layout written
+    until 2026-11-29: a plain decoder (``config.json`` of the base type) beside its memory adapter, which
+    transformers loads without the memories, silently."""
+    if directory.resolve() not in _warned:
+        _warned.add(directory.resolve())
+        logger.warning("%s: a base pretrained with memories, saved as a plain decoder beside its memory adapter (the "
+                       "layout until 2026-11-29): smf loads it with its memories, transformers without them; "
+                       "`python -m smf.train.pretrain --upgrade %s` re-lays it", directory, directory)
 
 
 def read_run_config(run_dir: str | Path) -> dict:

@@ -16,6 +16,7 @@ import math
 
 from transformers import AutoConfig, PretrainedConfig, Qwen2Config
 
+from smf.model.hf_auto import decoder_config
 from smf.vocabulary import DEFAULT_MODEL, TINY_MODEL
 
 PAPER_SIZES = {"hidden": 896, "intermediate": 4864, "layers": 24, "n_keys": 128, "heads": 4, "topk": 16,
@@ -62,11 +63,12 @@ def paper_qwen_config() -> Qwen2Config:
 
 def model_architecture(model: str) -> PretrainedConfig:
     """The transformers config of base model ``model`` without loading weights: built in for 'tiny' and the paper's
-    Qwen (no download), else read from the local directory or the hub cache (OSError or ValueError if it cannot)."""
+    Qwen (no download), else read from the local directory or the hub cache (OSError or ValueError if it cannot);
+    of a model saved with memories (a base pretrained with them), its decoder's."""
     if model == TINY_MODEL:
         from smf.tiny import tiny_config  # defers transformers' Qwen-2 model code and tokenizers (about 1.5 s)
 
         return tiny_config()
     if model == DEFAULT_MODEL:
         return paper_qwen_config()
-    return AutoConfig.from_pretrained(model)
+    return decoder_config(AutoConfig.from_pretrained(model))

@@ -17,9 +17,12 @@ of the pretraining texts and one of the tokenizer's vocabulary and merges. A fin
 when its fingerprint matches and its files still have the digests recorded when they were written.
 
 **Memories pretrained with the model** (``memory``: :class:`PretrainMemory`): additive memories attached to the fresh
-decoder, every parameter trained from the first step; saved as a plain decoder plus a memory adapter in ``final/``
-(:func:`save_base`), so sparse finetuning, LoRA and full finetuning start from it without a retrofit. The fingerprint
-covers the memory options; a plain base's is computed as before the option existed.
+decoder, every parameter trained from the first step; saved as a model with memories plus a memory adapter of them in
+``final/`` (:func:`save_base`), so a plain ``from_pretrained`` never gives the decoder without them, and sparse
+finetuning, LoRA and full finetuning start from it without a retrofit. Bases saved before 2026-11-29 hold a plain
+decoder beside the adapter: smf loads them as before (with a warning), :func:`upgrade_base` re-lays them
+(``--upgrade``). The fingerprint covers the memory options; a plain base's is computed as before the option
+existed.
 
 **Shipped bases.** The science preset's bases are package assets (``smf/assets/science/base-seed{S}/``, 1.2 MB each,
 made by ``python -m smf.train.pretrain --config science --seed S --output-dir DIR``; the with-memories bases of
@@ -28,7 +31,8 @@ equals the one asked for (and ``use_shipped`` is on), it is copied instead of pr
 from the same weights, to the bit. The run directory::
 
     pretrain_checkpoint.pt    model, optimizer, step and fingerprint (every ``save_every`` steps; tensors only)
-    final/                    save_pretrained model + tokenizer (``--model DIR`` takes it)
+    final/                    save_pretrained model + tokenizer (``--model DIR`` takes it; with memories also their
+                              memory adapter: ``--model DIR --adapter DIR``)
     pretrain_stage.json       written last: fingerprint, file digests, old-QA accuracy, epochs, seconds, source
 
 A directory with a checkpoint of the same fingerprint resumes from it (the data order is a function of the step, so
@@ -74,8 +78,8 @@ SHIPPED = Path(__file__).resolve().parents[1] / "assets" / "science"
 class PretrainMemory:
     """Memories attached before pretraining (``pretrain.memory:``): additive product-key memories at ``layers``,
     trained with every other parameter from the first step (Lin et al. 2025's setting; the retrofit's sizes and
-    names). The base is saved as a plain model plus a memory adapter (``final/``), so sparse finetuning, LoRA and
-    full finetuning start from it without a retrofit."""
+    names). The base is saved as a model with memories plus a memory adapter (``final/``), so sparse finetuning, LoRA
+    and full finetuning start from it without a retrofit."""
 
     __pydantic_config__ = ConfigDict(allow_inf_nan=False, extra="forbid")
 
@@ -189,28 +193,67 @@ def world_model(options: PretrainOptions, tokenizer):
 
 
 def save_base(model, options: PretrainOptions, tokenizer, final: Path) -> None:
-    """Save the pretrained ``model`` and ``tokenizer`` to ``final``: with ``options.memory``, as a plain decoder
-    (``save_pretrained`` of the model with its config and weights without the memories,
-    :func:`smf.model.attach.without_memories`; the additive blocks keep the MLPs' names) plus a memory adapter in
-    the same folder
-    (``memory_adapter.safetensors`` / ``.json``, :func:`smf.model.save_memory_adapter`, recording no base model:
-    the folder moves), so ``--model final --adapter final`` loads the network as pretrained."""
-    if options.memory is None:
-        model.save_pretrained(final)
-    else:
+    """Save the pretrained ``model`` and ``tokenizer`` to ``final`` (``save_pretrained``). With ``options.memory``
+    the model is saved with its memories, as every model with memories is (:mod:`smf.model.hf_auto`: a plain
+    ``from_pretrained`` gives it with them, or asks for ``trust_remote_code``; never the decoder alone), and a
+    memory adapter of them beside it (``memory_adapter.safetensors`` / ``.json``,
+    :func:`smf.model.save_memory_adapter`, recording no base model: the folder moves), so ``--model final
+    --adapter final`` starts sparse finetuning, LoRA and full finetuning from the network as pretrained."""
+    model.save_pretrained(final)
+    if options.memory is not None:
         from smf.model.adapter import ADAPTER_CONFIG, save_memory_adapter  # as world_model's
-        from smf.model.attach import without_memories
 
-        config, state = without_memories(model)
-        with_memories, model.config = model.config, config  # save_pretrained writes model.config
-        try:
-            model.save_pretrained(final, state_dict=state)
-        finally:
-            model.config = with_memories
         save_memory_adapter(model, final)
         config = json.loads((final / ADAPTER_CONFIG).read_text())
         write_json_atomic(final / ADAPTER_CONFIG, {**config, "base_model": None})
     tokenizer.save_pretrained(final)
+
+
+def upgrade_base(final: str | Path) -> bool:
+    """Re-lay the base pretrained with memories in ``final`` (a pretraining's ``final/``, its record one folder up,
+    or a shipped base's folder, its record inside) from the layout written until 2026-11-29, a plain decoder
+    (``config.json`` of type ``qwen2``, which transformers loads without the memories, silently) beside its memory
+    adapter, to :func:`save_base`'s; the record's file digests follow. The weights stay bit for bit (checked before
+    anything is replaced). Returns False, changing nothing, when ``final`` already has the current layout;
+    ConfigError when it holds no such base or its files differ from its record."""
+    from smf.model.adapter import ADAPTER_CONFIG, load_memory_adapter  # transformers, as world_model's
+    from smf.model.loading import load_base
+
+    final = Path(final)
+    marker_path = final / MARKER if (final / MARKER).is_file() else final.parent / MARKER
+    if not (final / ADAPTER_CONFIG).is_file() or not marker_path.is_file():
+        raise ConfigError(f"--upgrade {final}: not a base pretrained with memories (needs {ADAPTER_CONFIG} there and "
+                          f"{MARKER} there or one folder up)")
+    marker = read_json_object(marker_path, "pretraining marker", ("files",))
+    if _digests(final, marker_path) != marker["files"]:
+        raise ConfigError(f"--upgrade {final}: its files differ from those {marker_path} recorded; pretrain it again")
+    if json.loads((final / "config.json").read_text()).get("model_type", "").endswith("_smf_memories"):
+        return False
+    decoder, _ = load_base(str(final))
+    load_memory_adapter(decoder, final)
+    staged = final.with_name(final.name + ".upgrading")
+    shutil.rmtree(staged, ignore_errors=True)
+    shutil.copytree(final, staged, ignore=shutil.ignore_patterns("model*.safetensors*"))
+    decoder.save_pretrained(staged)
+    whole, _ = load_base(str(staged))
+    if whole.state_dict().keys() != decoder.state_dict().keys() or not all(
+            torch.equal(tensor, decoder.state_dict()[name]) for name, tensor in whole.state_dict().items()):
+        shutil.rmtree(staged)
+        raise ConfigError(f"--upgrade {final}: the re-laid model does not load back bit for bit; nothing changed")
+    retired = final.with_name(final.name + ".retired")
+    shutil.rmtree(retired, ignore_errors=True)
+    final.rename(retired)
+    staged.rename(final)
+    write_json_atomic(marker_path, {**marker, "files": _digests(final, marker_path)})
+    shutil.rmtree(retired)
+    logger.info("%s: re-laid as a model with memories; %s records its new file digests", final, marker_path)
+    return True
+
+
+def _digests(final: Path, marker_path: Path) -> dict[str, str]:
+    """:func:`file_digests` of ``final`` without the record, where it lies inside (a shipped base)."""
+    return {name: digest for name, digest in file_digests(final).items()
+            if final / name != marker_path}
 
 
 def epoch_batches(features: list[list[int]], batch_size: int, seed: int, epoch: int) -> list[list[list[int]]]:
@@ -429,13 +472,28 @@ def old_qa_accuracy(model, tokenizer, rows) -> float:
 def main(argv: list[str] | None = None) -> int:
     """``python -m smf.train.pretrain --config science --seed S --output-dir DIR``: pretrain the base of a suite
     config's world and pretraining options (with ``base_per_seed``, world and pretraining seed ``S``) here, never
-    copying a shipped one: the command that remakes the shipped bases (``smf/assets/science/``)."""
+    copying a shipped one: the command that remakes the shipped bases (``smf/assets/science/``). ``--upgrade FINAL``
+    re-lays a base pretrained with memories before 2026-11-29 instead (:func:`upgrade_base`)."""
     parser = argparse.ArgumentParser(prog="python -m smf.train.pretrain", description=main.__doc__)
-    parser.add_argument("--config", default="science", help="suite config: a file or a shipped name")
+    parser.add_argument("--config", help="suite config: a file or a shipped name (default: science)")
     parser.add_argument("--seed", type=int, help="world and pretraining seed (base_per_seed suites only; default 0)")
-    parser.add_argument("--output-dir", required=True, help="where pretrain_stage.json and final/ go")
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--output-dir", help="where pretrain_stage.json and final/ go")
+    target.add_argument("--upgrade", metavar="FINAL", help="re-lay the final/ folder of a base pretrained with "
+                        "memories before 2026-11-29 (a plain decoder beside its memory adapter) as a model with "
+                        "memories (upgrade_base), and exit")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.upgrade is not None:
+        if args.config is not None or args.seed is not None:
+            parser.error("--upgrade takes no --config or --seed (the base's folder says what it is)")
+        try:
+            changed = upgrade_base(args.upgrade)
+        except ConfigError as err:
+            parser.exit(2, f"error: {err}\n")
+        print(f"{args.upgrade}: {'re-laid as a model with memories' if changed else 'already a model with memories'}")
+        return 0
+    args.config = args.config or "science"
     try:
         path = Path(args.config) if Path(args.config).is_file() else CONFIGS / f"suite_{args.config}.yaml"
         if not path.is_file():

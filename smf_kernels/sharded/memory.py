@@ -10,14 +10,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from smf_kernels.memory import ProductKeyMemory
+from smf_kernels.memory import ProductKeyMemory, draw_normal_rows
 from smf_kernels.ops import silu_mul, weighted_gather
 from smf_kernels.sharded.exchange import (INDEX_LIMIT, AverageGradOverGroup, ExchangeColumns, GatherReads,
                                           OPERATIONS, READ_FIELDS, dtype_code, token_counts, token_offset)
 from smf_kernels.sharded.layout import SHARD_ATTRIBUTE, ColumnShard
-
-_DRAW_ELEMENTS = 1 << 22  # values drawn per chunk at initialisation (16 MiB of fp32)
-
 
 class ShardedProductKeyMemory(ProductKeyMemory):
     """:class:`~smf_kernels.ProductKeyMemory` whose ``values`` hold only this rank's columns of the table.
@@ -60,28 +57,15 @@ class ShardedProductKeyMemory(ProductKeyMemory):
 
     @torch.no_grad()
     def _init_values(self) -> None:
-        """The whole table's normal draws, a block of rows at a time, keeping this rank's columns.
-
-        torch's CPU normal_ fills 16 values per step from the stream in order, so blocks whose sizes are
-        multiples of 16 (the last one at least 16 values) draw exactly what one call over the table would.
-        """
+        """The whole table's normal draws, a block of rows at a time (:func:`~smf_kernels.memory.draw_normal_rows`:
+        on CPU exactly what one call over the table would draw), keeping this rank's columns."""
         self._tag_values()
         if self.values.device.type == "meta":
             return
-        rows, width = self.num_slots, self.value_dim
-        step = max(16, _DRAW_ELEMENTS // width // 16 * 16)  # rows per block: rows * width is a multiple of 16
-        block = torch.empty(min(step, rows), width, dtype=self.values.dtype, device=self.values.device)
-        std = self.value_dim ** -0.5
-        start = 0
-        while start < rows:
-            stop = min(rows, start + step)
-            if 0 < (rows - stop) * width < 16:  # a last block under 16 values would be drawn differently
-                stop = rows
-                block = torch.empty(stop - start, width, dtype=self.values.dtype, device=self.values.device)
-            drawn = block[: stop - start]
-            nn.init.normal_(drawn, std=std)
-            self.values[start:stop].copy_(drawn[:, self.shard.start:self.shard.stop])
-            start = stop
+        shard = self.shard
+        draw_normal_rows(self.num_slots, self.value_dim, self.value_dim ** -0.5, self.values.device,
+                         lambda start, stop, block: self.values[start:stop].copy_(block[:, shard.start:shard.stop]),
+                         dtype=self.values.dtype)
 
     def _tag_values(self) -> None:
         setattr(self.values, SHARD_ATTRIBUTE, self.shard)
