@@ -290,3 +290,15 @@ def test_the_shipped_bases_with_memories_load_whole_as_pretrained():
         whole = AutoModelForCausalLM.from_pretrained(directory)
         assert [block.layer_index for block in memory_blocks(whole)] == [1, 3]
         assert torch.equal(_logits(whole, ids), _logits(load_with_adapter(str(directory), directory)[0], ids))
+
+
+def test_a_retrofit_on_a_base_that_holds_memories_is_refused_in_one_line(with_memories, tmp_path, capsys):
+    """smf retrofit adds fresh memories to a plain base; on a base pretrained with memories it says so in one line
+    (exit 2) and writes nothing, instead of the attach's ValueError traceback."""
+    from smf import cli
+    directory, _ = with_memories
+    out = tmp_path / "retrofit"
+    code = cli.main(["retrofit", "--preset", "tiny", "--model", str(directory / FINAL), "--output-dir", str(out)])
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]  # not the loading bars
+    assert code == 2 and len(errors) == 1 and not out.exists()
+    assert errors[0].startswith("smf retrofit: error: --model: ") and "holds memories at layers [1]" in errors[0]

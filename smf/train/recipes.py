@@ -138,6 +138,11 @@ def recipe_model(config: RunConfig, world: World) -> tuple[nn.Module, object]:
     recipe = config.recipe
     if recipe == "retrofit":
         model, tokenizer = load_base(config.model, world.device)
+        if memory_blocks(model):
+            raise ConfigError(
+                f"--model: {config.model} already holds memories at layers "
+                f"{[b.layer_index for b in memory_blocks(model)]}; a retrofit adds fresh memories to a plain base "
+                f"(to train these: smf train --model {config.model} --adapter {config.model})")
         attach_memories(model, config.layers, config.mode, alpha_init=config.alpha_init,
                         n_keys=config.n_keys, heads=config.heads, topk=config.topk, key_dim=config.key_dim,
                         backend=config.backend)
