@@ -4,7 +4,7 @@
 - ``sparse``: memories from the retrofit adapter; only value rows picked each step by the
   :class:`SparseMemoryController` train (+ alpha in mode additive+s); :class:`RowSparseAdamW`, or
   :class:`RowSparseSGD` with ``--row-optimizer sgd`` (``--update exact``; the ablations ``--update dense_masked``
-  and ``--update authors`` step torch AdamW, :mod:`smf_kernels.sparse.ablations`).
+  and ``--update authors`` step torch AdamW, :mod:`smf_kernels.sparse.updates`).
 - ``--alpha-lr``: alpha in its own parameter group at that rate, in any recipe where it trains.
 - ``lora``: peft LoRA on the seven projections, of the base model or of the base model with the memories of
   ``adapter`` (frozen); AdamW.
