@@ -54,7 +54,8 @@ class SparseMemoryTrainer(Trainer):
             statistics set (``collect_background`` / ``set_background``).
 
     Per optimizer step, through the controller's ``begin`` / ``after_forward`` / ``finish``
-    (:class:`~smf_kernels.sparse.MemoryStep`, as ``smf train`` drives it): the first micro-batch's ``training_step`` begins the step with the fill it plans
+    (:class:`~smf_kernels.sparse.MemoryStep`, as ``smf train`` drives it): the first micro-batch's
+    ``training_step`` begins the step with the fill it plans
     (:func:`smf_kernels.sparse.plan_fill`: one micro-batch: rows first, selected between its forward and
     backward; under gradient accumulation: reads kept, no second forward); right before the Trainer's optimizer
     step, the controller ends the step (the selected rows' compact (T, D) gradient) and finishes it as ``smf train``
@@ -171,7 +172,7 @@ class SparseMemoryTrainer(Trainer):
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # inside accelerate's wrapper
         max_norm = self.sparse_max_grad_norm if self.sparse_max_grad_norm and self.sparse_max_grad_norm > 0 \
             else float("inf")  # the Trainer's convention: no clipping at 0 or below
-        result = self.controller.finish(optimizer, max_grad_norm=max_norm)  # raised: dropped, a later train() begins afresh
+        result = self.controller.finish(optimizer, max_grad_norm=max_norm)  # raised: dropped, train() begins afresh
         self.last_selected_rows = {} if result.skipped else result.selected
         self._sparse_grad_norm = float("nan") if result.skipped else float(result.grad_norm)
         if not result.skipped:

@@ -32,7 +32,7 @@ def loss_of(model, batch):
 
 
 @pytest.mark.parametrize("micro_batches, step_tokens", [(1, None), (2, None), (2, 10 ** 9)])
-def test_begin_and_finish_step_as_finish_step_does_and_hand_each_tables_rows_to_the_observers(micro_batches, step_tokens):
+def test_begin_and_finish_step_as_finish_step_does_and_hand_each_tables_rows_to_observers(micro_batches, step_tokens):
     """One micro-batch (rows selected after its forward), several with reads kept, several with a counting forward
     first: begin and finish give finish_step's weights, bit for bit, and before_rows sees the rows about to step."""
     finals, seen = [], []

@@ -13,7 +13,8 @@ the model and the micro-batches, from which the step plans its fill and runs its
 
 :class:`DenseStep` (retrofit, lora, full) checks, clips and steps; :class:`MemoryUpdateStep` drives a
 :class:`~smf_kernels.sparse.MemoryStep` of any ``--update`` kind (the exact update or an ablation,
-:mod:`smf_kernels.sparse.updates`), its log's row measurements a :class:`RowChangeLog` watching it. Every step ends in the one finishing sequence
+:mod:`smf_kernels.sparse.updates`), its log's row measurements a :class:`RowChangeLog` watching it. Every step
+ends in the one finishing sequence
 (:meth:`smf_kernels.sparse.RowGradients.apply`: non-finite check, clip, step, zero), the dense one with no rows.
 """
 from __future__ import annotations
@@ -36,10 +37,6 @@ def bf16_autocast(setting: str, device: torch.device):
 
 class StepHooks:
     """What a recipe does at each point of the trainer's step (see the module docstring)."""
-
-    def ddp_ignored_names(self) -> list[str]:
-        """Parameter and buffer names DDP must leave alone."""
-        return []
 
     def begin_step(self, model: nn.Module, micro_batches: list[dict]) -> None:
         """Before the step's first forward; ``model`` unwrapped, ``micro_batches`` this rank's."""
@@ -105,9 +102,6 @@ class MemoryUpdateStep(StepHooks):
         self.update, self.autocast, self.compiled, self.step_tokens = update, autocast, compiled, step_tokens
         self.log = update.observe(RowChangeLog(update, world))
 
-    def ddp_ignored_names(self) -> list[str]:
-        return self.update.ddp_ignored_names()  # the update reduces the memory values itself
-
     def begin_step(self, model: nn.Module, micro_batches: list[dict]) -> None:
         def counting_forward() -> None:
             with self.autocast():
@@ -124,6 +118,11 @@ class MemoryUpdateStep(StepHooks):
             self.log.rows = self.update.finish(optimizer, max_grad_norm=max_grad_norm).selected
         except NonFiniteGradientError as err:
             raise _diverged(err) from None
+
+    @property
+    def rows(self) -> dict[str, torch.Tensor]:
+        """Layer name -> (T',) int64 rows the latest step updated."""
+        return self.log.rows
 
     def step_log(self) -> dict:
         return self.log.fields()

@@ -31,8 +31,9 @@ def clip_sharded_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, m
     a sharded value table (:mod:`smf_kernels.sharded`) counting with the norm of the whole table's gradient: the
     shards' squared norms are summed over its group (one all_reduce per shard; every rank of the group must clip
     together; an FSDP2 shard likewise, over its mesh: each parameter's placement,
-    :func:`~smf_kernels.sharded.placement.placement_of`). Otherwise ``torch.nn.utils.clip_grad_norm_`` (norm_type 2), whose name it leaves alone: that one
-    would take a shard's norm for the table's. No host sync. ``max_norm``: :func:`check_max_norm`.
+    :func:`~smf_kernels.sharded.placement.placement_of`). Otherwise ``torch.nn.utils.clip_grad_norm_``
+    (norm_type 2), whose name it leaves alone: that one would take a shard's norm for the table's. No host sync.
+    ``max_norm``: :func:`check_max_norm`.
 
     Returns:
         The total norm before clipping, a 0-d tensor: float32, or float64 (the norm taken in float64)

@@ -57,6 +57,14 @@ from smf_kernels.sparse.updates import AuthorsMasked, DenseMasked, ExactRows, Up
 logger = logging.getLogger(__name__)
 
 
+def step_reduced_names(memories: dict[str, nn.Module]) -> list[str]:
+    """Names (in the model whose memories, layer name -> memory, these are) that DDP must not synchronise under a
+    sparse step: each memory's ``values`` (reduced by the step) and ``read_counts`` (DDP's default buffer
+    broadcast would overwrite every rank's counts with rank 0's)."""
+    prefixes = [f"{name}." if name else "" for name in memories]
+    return [prefix + field for prefix in prefixes for field in ("values", "read_counts")]
+
+
 class StepObserver:
     """Watches a :class:`MemoryStep` (:meth:`MemoryStep.observe`); each method does nothing unless overridden."""
 
@@ -139,11 +147,8 @@ class MemoryStep:
         return [memory.values for memory in self.memories.values()]
 
     def ddp_ignored_names(self) -> list[str]:
-        """Names (in ``model``) that DDP must not synchronise: each memory's ``values`` (reduced by
-        the controller) and ``read_counts`` (DDP's default buffer broadcast would overwrite every
-        rank's counts with rank 0's)."""
-        prefixes = [f"{name}." if name else "" for name in self.memories]
-        return [prefix + field for prefix in prefixes for field in ("values", "read_counts")]
+        """Names (in ``model``) that DDP must not synchronise: :func:`step_reduced_names` of its memories."""
+        return step_reduced_names(self.memories)
 
     def set_background(self, background: BackgroundStats) -> None:
         """Use ``background`` for scoring; raises ValueError if it was built for other memories."""
