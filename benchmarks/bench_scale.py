@@ -4,8 +4,8 @@ SMF's use is continual learning with large memories (~1M slots, Lin et al. 2025)
 with the rows it touches, not with the table. Each size runs in its own process (so that peak resident memory is
 that size's): a ProductKeyMemory(896) with ``n_keys`` = sqrt(slots), 4 heads, top-16, key_dim 256, only the values
 training (stage 2), T rows per step passed explicitly, RowSparseAdamW, background statistics from random counts.
-A step is the real step path, :class:`smf_kernels.sparse.StepDriver` over a
-:class:`~smf_kernels.sparse.SparseMemoryController` (one micro-batch of ``--tokens`` tokens: rows first, selected
+A step is the real step path, a :class:`~smf_kernels.sparse.SparseMemoryController`'s ``begin`` /
+``after_forward`` / ``finish`` (one micro-batch of ``--tokens`` tokens: rows first, selected
 after the forward). Reported per size:
 
   phases      medians of the timed steps: begin, forward, selection (after_forward), backward, optimizer
@@ -69,10 +69,10 @@ MODEL_RSS_MAX_GIB = {"fp32": 16.0, "bf16": 9.0}
 # ----------------------------------------------------------------------------------------------- one layer
 def build_layer(slots: int, args: argparse.Namespace, seed: int) -> dict:
     """A ProductKeyMemory(896) of ``slots`` slots (values training only), its controller with background
-    statistics from four random count vectors, a StepDriver, RowSparseAdamW, and a step's (tokens, 896) input and
+    statistics from four random count vectors, RowSparseAdamW, and a step's (tokens, 896) input and
     target."""
     from smf_kernels import ProductKeyMemory
-    from smf_kernels.sparse import BackgroundStats, RowSparseAdamW, SparseMemoryController, StepDriver
+    from smf_kernels.sparse import BackgroundStats, RowSparseAdamW, SparseMemoryController
 
     torch.manual_seed(seed)
     memory = ProductKeyMemory(D_MODEL, n_keys=math.isqrt(slots), backend=args.backend, **LAYER_KWARGS)
@@ -84,7 +84,7 @@ def build_layer(slots: int, args: argparse.Namespace, seed: int) -> dict:
     for _ in range(4):
         background.add_batch("", torch.randint(0, 3, (slots,), generator=generator))
     controller.set_background(background)
-    return dict(memory=memory, seed=seed, controller=controller, driver=StepDriver(controller),
+    return dict(memory=memory, seed=seed, controller=controller,
                 optimizer=RowSparseAdamW([memory.values], lr=5e-4),
                 inputs=torch.randn(args.tokens, D_MODEL), target=torch.randn(args.tokens, D_MODEL))
 
@@ -92,20 +92,20 @@ def build_layer(slots: int, args: argparse.Namespace, seed: int) -> dict:
 def timed_step(layer: dict, held: dict | None = None) -> dict:
     """One SMF step of ``layer``; seconds of each phase of :data:`PHASES`. ``held``: filled with the step's held
     bytes by part (:func:`held_bytes`, the sinks read after the backward, outside the timed phases)."""
-    memory, driver = layer["memory"], layer["driver"]
+    memory, step = layer["memory"], layer["controller"]
     t0 = time.perf_counter()
-    driver.begin(1)
+    step.begin(1)
     t1 = time.perf_counter()
     loss = (memory(layer["inputs"]) - layer["target"]).square().mean()
     t2 = time.perf_counter()
-    driver.after_forward()
+    step.after_forward()
     t3 = time.perf_counter()
     loss.backward()
     t4 = time.perf_counter()
     if held is not None:
         held.update(held_bytes(layer))
     t5 = time.perf_counter()
-    driver.finish(layer["optimizer"], max_grad_norm=1.0)
+    step.finish(layer["optimizer"], max_grad_norm=1.0)
     t6 = time.perf_counter()
     return dict(begin=t1 - t0, forward=t2 - t1, selection=t3 - t2, backward=t4 - t3, optimizer=t6 - t5,
                 step=(t4 - t0) + (t6 - t5))
@@ -137,7 +137,7 @@ def held_bytes(layer: dict) -> dict:
     parts = {"layer": list(layer["memory"].parameters()) + list(layer["memory"].buffers()),
              "background": list(_tensors(vars(controller.background))) + list(_tensors(controller._weights)),
              "optimizer": list(_tensors(layer["optimizer"].state)),
-             "sinks": list(_tensors(controller._sinks))}
+             "sinks": list(_tensors(controller.sinks))}
     seen, sizes = set(), {}
     for part, tensors in parts.items():
         sizes[part] = 0

@@ -67,7 +67,7 @@ PATHS = {"rows_first": ("exact", "rows_first"), "reads_kept": ("exact", "reads_k
 def held_gradient_bytes(controller, memory) -> int:
     """Bytes the step's backwards left for the value gradient: the sink's (T, D) buffer and kept reads, or the
     dense ``.grad``."""
-    sink = controller._sinks.get("")
+    sink = controller.sinks.get("")
     if sink is None:
         return tensor_bytes(memory.values.grad)
     kept = sum(tensor_bytes(t) for read in getattr(sink, "reads", ()) for t in read[:3])  # dense_masked's keeps none

@@ -3,8 +3,8 @@
 :class:`SparseMemoryTrainer` is a ``Trainer`` whose optimizer steps are SMF steps driven by a
 :class:`~smf_kernels.sparse.SparseMemoryController`: the Trainer keeps its own loop (gradient
 accumulation, LR schedulers, logging, checkpoints, ``resume_from_checkpoint``); the controller plans, begins and
-ends each step through the one driver ``smf train`` drives too (:class:`~smf_kernels.sparse.StepDriver`), whose
-finishing sequence runs right before the Trainer's optimizer step.
+ends each step (``begin`` / ``after_forward`` / ``finish``, as ``smf train`` drives it,
+:class:`~smf_kernels.sparse.MemoryStep`), its finishing sequence right before the Trainer's optimizer step.
 Example (README, "Training with the Hugging Face Trainer")::
 
     controller = SparseMemoryController(model, rule="tfidf", rows_per_step=512)
@@ -26,9 +26,8 @@ from transformers import Trainer, TrainerCallback
 
 from smf_kernels.fsdp import average_gradients
 from smf_kernels.patch import MemoryPatch
-from smf_kernels.sparse.controller import SparseMemoryController
-from smf_kernels.sparse.driver import StepDriver
 from smf_kernels.sparse.fill_plan import check_one_process
+from smf_kernels.sparse.memory_step import SparseMemoryController
 from smf_kernels.sparse.row_sparse_adamw import RowSparseAdamW
 
 logger = logging.getLogger(__name__)
@@ -55,11 +54,12 @@ class SparseMemoryTrainer(Trainer):
         controller: a :class:`SparseMemoryController` over the same model, with its background
             statistics set (``collect_background`` / ``set_background``).
 
-    Per optimizer step, through :class:`~smf_kernels.sparse.StepDriver` (``self.driver``, the one ``smf train``
-    drives): the first micro-batch's ``training_step`` begins the step with the fill it plans
+    Per optimizer step, through the controller's ``begin`` / ``after_forward`` / ``finish``
+    (:class:`~smf_kernels.sparse.MemoryStep`, as ``smf train`` drives it): the first micro-batch's
+    ``training_step`` begins the step with the fill it plans
     (:func:`smf_kernels.sparse.plan_fill`: one micro-batch: rows first, selected between its forward and
     backward; under gradient accumulation: reads kept, no second forward); right before the Trainer's optimizer
-    step, the driver ends the step (the selected rows' compact (T, D) gradient) and finishes it as ``smf train``
+    step, the controller ends the step (the selected rows' compact (T, D) gradient) and finishes it as ``smf train``
     does (:meth:`RowGradients.finish <smf_kernels.sparse.RowGradients.finish>`): every gradient of the step
     is checked for inf / NaN (the controller's ``nonfinite``: raise, or skip the step: no parameter moves), the
     rows' gradients join the global norm, which clips everything to ``args.max_grad_norm``, the optimizer steps
@@ -103,7 +103,6 @@ class SparseMemoryTrainer(Trainer):
                              "checkpointing would re-run each forward in the backward and count them twice: leave "
                              "it off in TrainingArguments and call model.gradient_checkpointing_disable()")
         self.controller = controller
-        self.driver = StepDriver(controller, compiled=bool(self.args.torch_compile), world=self.args.world_size)
         self._outside_fsdp = self._keep_out_of_fsdp2()
         self.sparse_max_grad_norm = self.args.max_grad_norm
         self.args = copy.copy(self.args)
@@ -150,32 +149,32 @@ class SparseMemoryTrainer(Trainer):
         super()._load_optimizer_and_scheduler(checkpoint)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        if not self.driver.in_step:  # the step's fill, planned as smf train plans it (plan_fill)
-            self.driver.begin(self.args.gradient_accumulation_steps)
+        if not self.controller.in_step:  # the step's fill, planned as smf train plans it (plan_fill)
+            self.controller.begin(self.args.gradient_accumulation_steps, compiled=bool(self.args.torch_compile))
         try:
             return super().training_step(model, inputs, num_items_in_batch)
         except BaseException:  # the step is lost: the next training_step begins a fresh one
-            self.driver.abort()
+            self.controller.abort_step()
             raise
 
     def compute_loss(self, model, inputs, *args, **kwargs):
         """The Trainer's loss, then the controller's ``after_forward()`` (in a step of one eager micro-batch it
         selects the rows from the forward's counts, before the backward, which writes only their gradient)."""
         result = super().compute_loss(model, inputs, *args, **kwargs)
-        if self.driver.in_step:
-            self.driver.after_forward()
+        if self.controller.in_step:
+            self.controller.after_forward()
         return result
 
     def _finish_smf_step(self) -> None:
-        """The step's end and finishing sequence (:meth:`StepDriver.finish`) on the Trainer's optimizer, the
-        gradients of the trainable parameters outside FSDP2 averaged first."""
-        if not self.driver.in_step:
+        """The step's end and finishing sequence (:meth:`MemoryStep.finish <smf_kernels.sparse.MemoryStep.finish>`)
+        on the Trainer's optimizer, the gradients of the trainable parameters outside FSDP2 averaged first."""
+        if not self.controller.in_step:
             return
         average_gradients(self._outside_fsdp)
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # inside accelerate's wrapper
         max_norm = self.sparse_max_grad_norm if self.sparse_max_grad_norm and self.sparse_max_grad_norm > 0 \
             else float("inf")  # the Trainer's convention: no clipping at 0 or below
-        result = self.driver.finish(optimizer, max_grad_norm=max_norm)  # raised: dropped, a later train() begins afresh
+        result = self.controller.finish(optimizer, max_grad_norm=max_norm)  # raised: dropped, train() begins afresh
         self.last_selected_rows = {} if result.skipped else result.selected
         self._sparse_grad_norm = float("nan") if result.skipped else float(result.grad_norm)
         if not result.skipped:

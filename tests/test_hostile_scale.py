@@ -17,7 +17,7 @@ import smf_kernels.patch as patch_module
 from smf.model import save_patch
 from smf_kernels import ProductKeyMemory
 from smf_kernels.patch import PATCH_CONFIG, PATCH_WEIGHTS, MemoryPatch, fingerprint
-from smf_kernels.sparse import BackgroundStats, RowSparseAdamW, SparseMemoryController, StepDriver
+from smf_kernels.sparse import BackgroundStats, RowSparseAdamW, SparseMemoryController
 from smf_kernels.sparse.selection import (background_weights, default_rows_per_step, select_read_rows_padded,
                                           select_rows_padded, weighted_scores)
 from test_patches import _finetuned, _inputs, _rewrite, _same, _state
@@ -369,11 +369,10 @@ def test_default_rows_per_step_is_the_papers_share_capped_at_512():
 
 
 def _selected(controller, memory, optimizer, x):
-    driver = StepDriver(controller)
-    driver.begin(1)
+    controller.begin(1)
     memory(x).square().mean().backward()
-    driver.after_forward()
-    return driver.finish(optimizer).selected[""]
+    controller.after_forward()
+    return controller.finish(optimizer).selected[""]
 
 
 @pytest.mark.parametrize("edit", ["add_batch", "index_put", "copy_", "data", "new tensor", "num_batches"])

@@ -1,19 +1,18 @@
-"""The per-touch row change a sparse step logs (smf.train.steps.MemoryUpdateStep.row_change): the median over the
+"""The per-touch row change a sparse step logs (smf.train.steps.RowChangeLog.row_change): the median over the
 updated rows of ||v_after - v_before|| relative to the row's norm before the step and at the first step, against a
 direct computation on random tables; nothing on several processes."""
 from types import SimpleNamespace
 
 import torch
 
-from smf.train.steps import MemoryUpdateStep
+from smf.train.steps import RowChangeLog
 
 
 def test_row_change_is_the_median_relative_change_of_the_updated_rows():
     generator = torch.Generator().manual_seed(0)
     tables = {name: torch.randn(37, 5, generator=generator) for name in ("layers.1", "layers.3")}
     memories = {name: SimpleNamespace(values=table.clone()) for name, table in tables.items()}
-    step = MemoryUpdateStep.__new__(MemoryUpdateStep)  # its hooks around one step, without a controller
-    step.update, step.world = SimpleNamespace(memories=memories), 1
+    step = RowChangeLog(SimpleNamespace(memories=memories))  # watching one step, without a controller
     step._start_norms = {name: (table * 1.7).norm(dim=1) for name, table in tables.items()}  # an earlier step's
     step._before = {name: table.clone() for name, table in tables.items()}
     step.rows = {"layers.1": torch.tensor([2, 9, 30]), "layers.3": torch.tensor([0, 11])}
@@ -34,7 +33,7 @@ def test_row_change_is_the_median_relative_change_of_the_updated_rows():
 
 def test_the_exact_update_measures_from_the_rows_the_optimizer_steps():
     """The exact update copies no table: row_change reads the T rows the optimizer's step_rows was about to step
-    (kept by MemoryUpdateStep._keep_rows, the driver's before_rows hook), the rows it updated being a subset of
+    (kept by RowChangeLog.before_rows, the step's hook), the rows it updated being a subset of
     them."""
     generator = torch.Generator().manual_seed(1)
     memories = {name: SimpleNamespace(values=torch.nn.Parameter(torch.randn(23, 4, generator=generator)))
@@ -46,13 +45,12 @@ def test_the_exact_update_measures_from_the_rows_the_optimizer_steps():
             with torch.no_grad():
                 param[rows] += grad
 
-    step = MemoryUpdateStep.__new__(MemoryUpdateStep)
-    step.update, step.world, step._before, step._stepped = SimpleNamespace(memories=memories), 1, {}, {}
+    step = RowChangeLog(SimpleNamespace(memories=memories))
     step._start_norms = {name: table.norm(dim=1) for name, table in start.items()}
     stepped = {"layers.0": torch.tensor([1, 4, 8, 20]), "layers.2": torch.tensor([0, 3, 22])}
     optimizer = RowOptimizer()
     for name, rows in stepped.items():  # as RowGradients.finish calls the hook, then steps the rows
-        step._keep_rows(memories[name].values, rows)
+        step.before_rows(memories[name].values, rows)
         optimizer.step_rows(memories[name].values, rows, 0.2 * torch.randn(len(rows), 4, generator=generator))
     step.rows = {"layers.0": torch.tensor([4, 20]), "layers.2": torch.tensor([0, 3, 22])}  # 5 updated
     expected = sorted(float((memories[name].values[row] - start[name][row]).norm() / start[name][row].norm())

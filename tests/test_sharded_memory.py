@@ -18,7 +18,7 @@ from helpers import backends_under_test, random_background, rel_err
 from smf_kernels import ProductKeyMemory
 from smf_kernels.sharded import (LEDGER, ColumnShard, ShardedProductKeyMemory, column_bounds, ddp_ignored_names,
                                  shard_memories)
-from smf_kernels.sharded.layout import gradient_copies
+from smf_kernels.sharded.placement import placement_of
 from smf_kernels.sharded import byte_model
 from smf_kernels.sharded.checkpoint import load_shards, replicated_optimizer_state, save_shard
 from smf_kernels.sparse import RowGradSink, RowSparseAdamW, RowSparseSGD, SparseMemoryController, clip_sharded_grad_norm_
@@ -456,7 +456,7 @@ def test_without_torch_distributed_a_sharded_memory_is_the_whole_layer():
     for name, param in reference.named_parameters():
         assert torch.equal(sharded.get_parameter(name), param)
         assert torch.equal(sharded.get_parameter(name).grad, param.grad), name
-    assert gradient_copies(sharded.values, 4) == 4  # one shard holding everything: an ordinary replicated table
+    assert placement_of(sharded.values).copies(4) == 4  # one shard holding everything: an ordinary replicated table
     rng = torch.get_rng_state()
     copy = ShardedProductKeyMemory.from_memory(reference)
     assert torch.equal(rng, torch.get_rng_state()), "converting draws no random numbers"
@@ -478,5 +478,5 @@ def test_sharding_misuse_raises():
     split = nn.Parameter(torch.zeros(4, 2))
     setattr(split, "_smf_column_shard", ColumnShard(4, 0, 2, (0, 2, 4)))
     with pytest.raises(ValueError, match="split over 2 ranks but gradients are averaged over 4"):
-        gradient_copies(split, 4)
-    assert gradient_copies(split, 2) == 1
+        placement_of(split).copies(4)
+    assert placement_of(split).copies(2) == 1

@@ -127,7 +127,7 @@ OWN_INSTEAD_OF = (("retrofit_data", "oasst_path"), ("background_data", "oasst_pa
 
 # The options --update replaced (docs/method.md#migrating-from---optimizer): --optimizer row_sparse | dense_masked |
 # authors is --update exact | dense_masked | authors; --sparse-backward and --fused-update are gone (one exact path,
-# which fills the rows' gradient by itself: smf_kernels.sparse.controller).
+# which fills the rows' gradient by itself: smf_kernels.sparse.updates.ExactRows).
 LEGACY_UPDATE_OPTIONS = ("optimizer", "sparse_backward", "fused_update")
 # An --optimizer value, in its spelling before the renames too -> the --update that replaced it.
 _BY_OPTIMIZER = {kind.optimizer: kind.name for kind in UPDATE_KINDS.values()}

@@ -4,10 +4,11 @@
 :func:`setup_distributed` then starts the default process group (NCCL on CUDA, gloo on CPU)
 unless the caller already did (tests start gloo themselves).
 
-Parallelisms are applied to the model before the loop by small functions, each returning the
-:class:`Parallelism` the loop runs its steps with (torchtitan's ``parallelize_*``): the memories split by
-columns (:func:`smf.train.sharding.parallelize_memories`, before the optimizer), the base model under FSDP2
-(:func:`smf.train.fsdp.parallelize_fsdp`) or DDP (:func:`parallelize_ddp`).
+Parallelisms are applied to the model, in order, by :func:`smf.train.parallel.parallelize` (torchtitan's
+``parallelize``), before the step and the optimizer are built, through small functions, each returning the
+:class:`Parallelism` the loop runs its steps with: the memories split by columns
+(:func:`smf.train.sharding.parallelize_memories`), the base model under FSDP2 (:func:`smf.train.fsdp.parallelize_fsdp`)
+or DDP (:func:`parallelize_ddp`).
 """
 from __future__ import annotations
 

@@ -6,7 +6,8 @@
   group) and the model with ``fully_shard`` over all processes. Every memory parameter (the memory modules
   and ``alpha``) is passed as ``ignored_params``: it stays a plain tensor, replicated (or column-sharded by
   ``--shard-memories``), so the row selection, the row-sparse update and its exactness are those of DDP.
-- :func:`parallelize_fsdp` applies it before the loop and says how it takes part in a step
+- :func:`parallelize_fsdp` applies it (in :func:`smf.train.parallel.parallelize`, before the optimizer is built)
+  and says how it takes part in a step
   (:class:`~smf.train.distributed.Parallelism`): FSDP reduce-scatters (averages) the gradients of the parameters
   it shards; the trainable parameters it leaves alone are averaged after the step's last backward, as DDP would,
   unless the step reduces them itself (the controller's value rows, a column shard's values). Clipping then
@@ -53,16 +54,13 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def shard_base_model(model: nn.Module, optimizer: torch.optim.Optimizer, world: World) -> None:
+def shard_base_model(model: nn.Module, world: World) -> None:
     """``fully_shard`` the decoder layers, the untied input embeddings and ``model`` over all ``world`` processes,
-    the memories left out (see the module docstring), and point ``optimizer`` (built on the model, no state yet)
-    at the sharded parameters that replace the model's. Collective."""
+    the memories left out (see the module docstring); the optimizer is built afterwards, on the sharded
+    parameters that replace the model's (:func:`smf.train.parallel.parallelize`). Collective."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    if optimizer.state:
-        raise RuntimeError("shard_base_model: the optimizer already holds state; shard before the first step")
-    names = {id(param): name for name, param in model.named_parameters()}
     mesh = init_device_mesh(world.device.type, (world.size,))
     ignored = memory_parameters(model)
     layers = decoder_layers(model)
@@ -74,9 +72,6 @@ def shard_base_model(model: nn.Module, optimizer: torch.optim.Optimizer, world: 
     if not tied:
         fully_shard(embeddings, mesh=mesh, ignored_params=ignored)
     fully_shard(model, mesh=mesh, ignored_params=ignored)
-    sharded = dict(model.named_parameters())
-    for group in optimizer.param_groups:
-        group["params"] = [sharded[names[id(param)]] for param in group["params"]]
     logger.info("--fsdp: %d decoder layers%s and the rest of the base model sharded over %d processes; %d memory "
                 "parameters left out", len(layers), "" if tied else ", the embeddings", world.size, len(ignored))
 
@@ -93,13 +88,12 @@ def _gradient_sync(model: nn.Module, last: bool) -> Iterator[None]:
     yield
 
 
-def parallelize_fsdp(model: nn.Module, optimizer: torch.optim.Optimizer, world: World,
-                     kept_out: list[str]) -> Parallelism:
+def parallelize_fsdp(model: nn.Module, world: World, kept_out: list[str]) -> Parallelism:
     """:func:`shard_base_model`, and how it takes part in a step: FSDP reduce-scatters (averages) the gradients
     of the parameters it shards once per step (at its last micro-batch); the trainable parameters it leaves alone
     are averaged over the processes after the last backward (one all_reduce), as DDP would, except those named
     in ``kept_out`` (reduced by the sparse step or by the sharded read itself). Collective."""
-    shard_base_model(model, optimizer, world)
+    shard_base_model(model, world)
     replicated = [p for name, p in model.named_parameters() if p.requires_grad and not isinstance(p, DTensor)
                   and name not in kept_out]
     return Parallelism(micro_batch=lambda last: _gradient_sync(model, last),

@@ -18,7 +18,6 @@ import logging
 import math
 import random
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -37,16 +36,15 @@ from smf.train.artifacts import save_final, write_run_config
 from smf.train.checkpoint import CHECKPOINT_FILE, LOG_FILE, load_checkpoint, rng_state, save_checkpoint, truncate_log
 from smf.train.config import STAGE_COMMANDS, RunConfig
 from smf.train.data import StepPlan, check_own_rows, collate, target_tokens, training_features
-from smf.train.distributed import (Parallelism, World, all_reduce_sum, barrier, gather_objects, parallelize_ddp,
-                                   setup_distributed)
-from smf.train.fsdp import consolidated, local_part_of, parallelize_fsdp
+from smf.train.distributed import Parallelism, World, all_reduce_sum, barrier, gather_objects, setup_distributed
+from smf.train.fsdp import consolidated, local_part_of
 from smf.train.recipes import TrainingSetup, build_setup
 from smf.train.rules import check_run
 from smf.train.run_dir import RunFiles, claim_output_dir
 from smf.train.sharding import SHARDS_DIR, remove_stale_shards, save_memory_shards
 from smf.train.steps import bf16_autocast
 from smf.vocabulary import TINY_MODEL
-from smf_kernels.sharded import ddp_ignored_names, unsharded_memories
+from smf_kernels.sharded import unsharded_memories
 
 logger = logging.getLogger(__name__)
 
@@ -87,22 +85,6 @@ def check_finite(setup: TrainingSetup, step: int, world: World, *, sharded: bool
                               "--max-grad-norm")
 
 
-def parallelize(setup: TrainingSetup, config: RunConfig, world: World) -> Parallelism:
-    """The parallelisms of ``config`` applied to ``setup.model`` before the loop (its memories were split before
-    its optimizer was built, :func:`~smf.train.recipes.build_setup`): the base model under FSDP2 (``--fsdp``) or
-    DDP, then ``--compile``; both leave alone what the step or the sharded read reduces itself. Returns how they
-    take part in a step, its ``module`` the one the forwards run through."""
-    kept_out = list(dict.fromkeys(setup.step.ddp_ignored_names() + ddp_ignored_names(setup.model)))
-    if config.fsdp:
-        parallel = parallelize_fsdp(setup.model, setup.optimizer, world, kept_out)
-    else:
-        parallel = parallelize_ddp(setup.model, world, kept_out)
-    module = parallel.module or setup.model
-    if config.compile:  # the compiled module syncs DDP's gradients at every micro-batch (no_sync is not reached)
-        return Parallelism(torch.compile(module, mode="reduce-overhead"))
-    return replace(parallel, module=module)
-
-
 def micro_batch_mean_scale(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """1 / (the micro-batch's target tokens, at least 1), a 0-d float32 tensor on the batch's device, computed
     there without a host sync: the reciprocal in float64 rounded once to float32, the very float that
@@ -115,7 +97,8 @@ def micro_batch_mean_scale(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 def run_step(wrapped: nn.Module, setup: TrainingSetup, scheduler, micro_batches: list[dict], num_tokens: int,
              config: RunConfig, world: World, parallel: Parallelism = Parallelism()) -> torch.Tensor:
     """One optimizer step over this rank's micro-batches, the recipe's hooks (:mod:`smf.train.steps`) and the
-    parallelisms applied to the model (``parallel``, :func:`parallelize`; ``wrapped``, its module) around its
+    parallelisms applied to the model (``parallel``, :func:`smf.train.parallel.parallelize`; ``wrapped``, its
+    module) around its
     forwards and backwards; returns this rank's summed token loss (0-d)."""
     autocast = bf16_autocast(config.bf16, world.device)
     per_micro_batch = config.recipe == "sparse" and get_protocol(config.protocol).sparse_loss_sums_micro_batch_means
@@ -196,7 +179,7 @@ def _train(config: RunConfig, world: World, files: RunFiles) -> dict:
                     config.seed)
     total_steps = plan.steps_per_epoch * config.epochs
     scheduler = cosine_schedule(setup.optimizer, config.warmup_steps, total_steps)
-    parallel = parallelize(setup, config, world)
+    parallel = setup.parallel
     collator = CausalLMCollator(setup.tokenizer.pad_token_id)
     count_at_loss = config.recipe == "sparse" and config.count_reads == "loss"
     checkpoint_path, log_path = files.path(CHECKPOINT_FILE), files.path(LOG_FILE)

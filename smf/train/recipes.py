@@ -4,7 +4,7 @@
 - ``sparse``: memories from the retrofit adapter; only value rows picked each step by the
   :class:`SparseMemoryController` train (+ alpha in mode additive+s); :class:`RowSparseAdamW`, or
   :class:`RowSparseSGD` with ``--row-optimizer sgd`` (``--update exact``; the ablations ``--update dense_masked``
-  and ``--update authors`` step torch AdamW, :mod:`smf_kernels.sparse.ablations`).
+  and ``--update authors`` step torch AdamW, :mod:`smf_kernels.sparse.updates`).
 - ``--alpha-lr``: alpha in its own parameter group at that rate, in any recipe where it trains.
 - ``lora``: peft LoRA on the seven projections, of the base model or of the base model with the memories of
   ``adapter`` (frozen); AdamW.
@@ -26,9 +26,9 @@ from smf.model.loading import load_base, load_with_adapter
 from smf.model.memory_mode import set_memory_mode
 from smf.model.precision import authors_bf16_weights, cast_like_the_authors
 from smf.train.config import RunConfig
-from smf.train.distributed import World
+from smf.train.distributed import Parallelism, World
+from smf.train.parallel import parallelize
 from smf.train.rules import check_sparse_mode
-from smf.train.sharding import parallelize_memories
 from smf.train.steps import DenseStep, MemoryUpdateStep, StepHooks, bf16_autocast
 from smf_kernels.sparse import (AuthorsSparseUpdate, BackgroundStats, DenseMaskedUpdate, RowSparseAdamW,
                                  RowSparseSGD, SparseMemoryController)
@@ -40,13 +40,15 @@ BACKGROUND_FILE = "background.safetensors"
 
 @dataclass
 class TrainingSetup:
-    """What the trainer needs from a recipe: the unwrapped model, its tokenizer and optimizer, and what the
-    recipe does around each step's forwards, backwards and optimizer step (:mod:`smf.train.steps`)."""
+    """What the trainer needs from a recipe: the unwrapped model, its tokenizer and optimizer, what the recipe does
+    around each step's forwards, backwards and optimizer step (:mod:`smf.train.steps`), and how the parallelisms
+    applied to the model take part in a step (``parallel``: its ``module`` is the one the forwards run through)."""
 
     model: nn.Module
     tokenizer: object
     optimizer: torch.optim.Optimizer
     step: StepHooks
+    parallel: Parallelism = Parallelism()
 
     def trainable_parameters(self) -> dict[str, nn.Parameter]:
         return {name: p for name, p in self.model.named_parameters() if p.requires_grad}
@@ -101,34 +103,34 @@ def param_groups(model: nn.Module, trainable: list[nn.Parameter], alpha_lr: floa
 
 
 def build_setup(config: RunConfig, world: World) -> TrainingSetup:
-    """Model, tokenizer, frozen/trainable parameters and optimizer of ``config.recipe``: the recipe's model, its
-    memories split over the processes (``--shard-memories``: :func:`~smf.train.sharding.parallelize_memories`,
-    before anything holds their parameters), its trainable parameters, its step and its optimizer. The other
-    parallelisms are applied to the result before the loop (:func:`smf.train.loop.parallelize`).
+    """Model, tokenizer, frozen/trainable parameters, parallelisms, step and optimizer of ``config.recipe``, in that
+    order: the recipe's model and its trainable parameters, the parallelisms applied to it
+    (:func:`~smf.train.parallel.parallelize`: memories, FSDP or DDP, compile; collective), then its step and its
+    optimizer, built on the parameters as the parallelisms left them.
 
     Uses torch's global RNG (seeded by the caller identically on every rank) to initialise
     fresh memories and LoRA weights.
     """
     recipe = config.recipe
     model, tokenizer = recipe_model(config, world)
-    if config.shard_memories:
-        parallelize_memories(model, world)
     if recipe == "lora":
         counts = {"trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
                   "total": sum(p.numel() for p in model.parameters())}
     else:
         counts = configure_trainable(model, recipe)
-    step = sparse_step(config, model, world) if recipe == "sparse" else DenseStep()
-    trainable = [p for p in model.parameters() if p.requires_grad]
     if authors_bf16_weights(config.protocol, config.bf16, world.device):
+        trainable = [p for p in model.parameters() if p.requires_grad]
         cast_like_the_authors(model, keep_fp32=() if recipe == "full" else trainable)
         logger.info("protocol %s: bf16 weights, %s", config.protocol,
                     "no fp32 master copy" if recipe == "full" else "the trainable parameters fp32")
+    parallel = parallelize(model, config, world)
+    step = sparse_step(config, model, world) if recipe == "sparse" else DenseStep()
+    trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = optimizer_class(config)(param_groups(model, trainable, config.alpha_lr), lr=config.lr,
                                         weight_decay=config.weight_decay)
     logger.info("recipe %s: %d of %d parameters trainable (%s)", recipe, counts["trainable"], counts["total"],
                 type(optimizer).__name__)
-    return TrainingSetup(model, tokenizer, optimizer, step)
+    return TrainingSetup(model, tokenizer, optimizer, step, parallel)
 
 
 def recipe_model(config: RunConfig, world: World) -> tuple[nn.Module, object]:

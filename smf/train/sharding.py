@@ -2,8 +2,9 @@
 (:mod:`smf_kernels.sharded`, docs/sharding.md).
 
 - :func:`parallelize_memories` replaces the model's memories by sharded copies, over a process group of
-  their own (their collectives never interleave with DDP's reducer on one communicator), before the optimizer
-  is built; DDP and FSDP then leave the shards alone (their gradients are averaged by the sharded read;
+  their own (their collectives never interleave with DDP's reducer on one communicator), first of the
+  parallelisms (:func:`smf.train.parallel.parallelize`), before the step and the optimizer are built; DDP and
+  FSDP then leave the shards alone (their gradients are averaged by the sharded read;
   :func:`smf_kernels.sharded.ddp_ignored_names`), and clipping takes the whole tables' norm;
 - checkpoints: every rank writes its shard file of a step into ``checkpoint-shards/step-{step}/`` before
   rank 0 writes ``checkpoint.pt`` naming that folder (so a kill at any moment leaves a checkpoint whose

@@ -7,13 +7,14 @@ The trainer's step (:func:`smf.train.loop.run_step`) is the same for every recip
         loss = forward(batch); hooks.after_forward(); loss.backward()
     hooks.finish_step(optimizer, max_grad_norm=max_grad_norm); scheduler.step()
 
-``after_forward()`` and ``finish_step(optimizer, *, max_grad_norm)`` are the sparse steps' own
-(:class:`smf_kernels.sparse.MemoryStep`); ``begin_step`` also takes the model and the micro-batches, from which
-the hooks plan the step's fill and run its counting forward (the library's ``begin_step`` takes the planned fill).
+``after_forward()`` is the sparse step's own (:class:`smf_kernels.sparse.MemoryStep`); ``begin_step`` also takes
+the model and the micro-batches, from which the step plans its fill and runs its counting forward
+(:meth:`MemoryStep.begin <smf_kernels.sparse.MemoryStep.begin>`).
 
-:class:`DenseStep` (retrofit, lora, full) checks, clips and steps; :class:`MemoryUpdateStep` drives any
-:class:`~smf_kernels.sparse.MemoryStep` (``--update``: the exact update, :class:`SparseMemoryController`, or an
-ablation, :mod:`smf_kernels.sparse.ablations`). Every step ends in the one finishing sequence
+:class:`DenseStep` (retrofit, lora, full) checks, clips and steps; :class:`MemoryUpdateStep` drives a
+:class:`~smf_kernels.sparse.MemoryStep` of any ``--update`` kind (the exact update or an ablation,
+:mod:`smf_kernels.sparse.updates`), its log's row measurements a :class:`RowChangeLog` watching it. Every step
+ends in the one finishing sequence
 (:meth:`smf_kernels.sparse.RowGradients.apply`: non-finite check, clip, step, zero), the dense one with no rows.
 """
 from __future__ import annotations
@@ -24,8 +25,7 @@ from torch import nn
 
 from smf.model.precision import bf16_enabled
 from smf.errors import ConfigError
-from smf_kernels.sparse import (MemoryStep, NonFiniteGradientError, RowGradients, SparseMemoryController, StepDriver,
-                                 rows_moved_outside)
+from smf_kernels.sparse import MemoryStep, NonFiniteGradientError, RowGradients, StepObserver, rows_moved_outside
 
 
 def bf16_autocast(setting: str, device: torch.device):
@@ -37,10 +37,6 @@ def bf16_autocast(setting: str, device: torch.device):
 
 class StepHooks:
     """What a recipe does at each point of the trainer's step (see the module docstring)."""
-
-    def ddp_ignored_names(self) -> list[str]:
-        """Parameter and buffer names DDP must leave alone."""
-        return []
 
     def begin_step(self, model: nn.Module, micro_batches: list[dict]) -> None:
         """Before the step's first forward; ``model`` unwrapped, ``micro_batches`` this rank's."""
@@ -94,64 +90,77 @@ class DenseStep(StepHooks):
 
 class MemoryUpdateStep(StepHooks):
     """The sparse recipe's step, for every ``--update``: ``update`` (a :class:`~smf_kernels.sparse.MemoryStep`)
-    plans each step's fill (:meth:`~smf_kernels.sparse.MemoryStep.plan`, from its micro-batches, ``compiled``,
-    the processes ``world`` and the most tokens a step holds on a process, ``step_tokens``: global batch /
-    processes x max length, a bound every process shares), begins it, runs the counting forward the plan asks
-    for (``model`` without grad, under the trainer's ``autocast``), and finishes it with ``finish_step``. The
-    rows it updated are kept for the log; a non-finite gradient ends the run with one line. An ablation's log also
-    counts the value rows that moved without being selected (from a copy of the tables made at each step's
-    start); the exact update's is 0 by construction (tests/test_sparse_exact.py). On one process every log row
-    also gives ``row_change``: the median over the step's updated rows (all layers) of the row's change relative to
-    its norm before the step, ||v_after - v_before|| / ||v_before|| (an ablation: from that copy of the tables; the
-    exact update copies no table, only the T rows the optimizer is about to step), and ``row_change_vs_start``: the
-    same change relative to the row's norm when this process started training (the norms at its first step; a
-    resumed run's are its resumption's)."""
+    begins each step (:meth:`~smf_kernels.sparse.MemoryStep.begin`: its fill planned from its micro-batches,
+    ``compiled`` and the most tokens a step holds on a process, ``step_tokens``: global batch / processes x max
+    length, a bound every process shares), with the counting forward the plan asks for (``model`` without grad,
+    under the trainer's ``autocast``), and finishes it (:meth:`~smf_kernels.sparse.MemoryStep.finish`). The rows it
+    updated are kept for the log; a non-finite gradient ends the run with one line. The log's row measurements
+    are a :class:`RowChangeLog` watching the step."""
 
     def __init__(self, update: MemoryStep, autocast, compiled: bool = False, world: int = 1,
                  step_tokens: int | None = None) -> None:
-        self.update, self.autocast, self.world = update, autocast, world
-        self._measure_leak = not isinstance(update, SparseMemoryController)
-        keep_rows = self._keep_rows if world == 1 and not self._measure_leak else None
-        self.driver = StepDriver(update, compiled=compiled, world=world, step_tokens=step_tokens,
-                                 before_rows=keep_rows)
-        self.rows: dict[str, torch.Tensor] = {}
-        self._before: dict[str, torch.Tensor] = {}  # layer -> (M, D) values at the start of the step (ablations)
-        self._stepped: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(values) -> (rows, their values before)
-        self._start_norms: dict[str, torch.Tensor] = {}  # layer -> (M,) row norms at the first step
-
-    def ddp_ignored_names(self) -> list[str]:
-        return self.update.ddp_ignored_names()  # the update reduces the memory values itself
+        self.update, self.autocast, self.compiled, self.step_tokens = update, autocast, compiled, step_tokens
+        self.log = update.observe(RowChangeLog(update, world))
 
     def begin_step(self, model: nn.Module, micro_batches: list[dict]) -> None:
-        if self._measure_leak:
-            self._before = {name: memory.values.detach().clone() for name, memory in self.update.memories.items()}
-        if self.world == 1 and not self._start_norms:
-            self._start_norms = {name: row_norms(memory.values.detach())
-                                 for name, memory in self.update.memories.items()}
-
         def counting_forward() -> None:
             with self.autocast():
                 for batch in micro_batches:
                     model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
 
-        self._stepped = {}
-        self.driver.begin(len(micro_batches), counting_forward)
+        self.update.begin(len(micro_batches), counting_forward, compiled=self.compiled, step_tokens=self.step_tokens)
 
     def after_forward(self) -> None:
-        self.driver.after_forward()
+        self.update.after_forward()
 
     def finish_step(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float) -> None:
         try:
-            self.rows = self.driver.finish(optimizer, max_grad_norm=max_grad_norm).selected
+            self.log.rows = self.update.finish(optimizer, max_grad_norm=max_grad_norm).selected
         except NonFiniteGradientError as err:
             raise _diverged(err) from None
 
-    def _keep_rows(self, values: nn.Parameter, rows: torch.Tensor) -> None:
-        """The driver's ``before_rows`` hook: keep the (T, D) rows of ``values`` about to step in ``_stepped``
-        (for :meth:`row_change`: T rows copied, never a whole table)."""
-        self._stepped[id(values)] = (rows, values.detach().index_select(0, rows))
+    @property
+    def rows(self) -> dict[str, torch.Tensor]:
+        """Layer name -> (T',) int64 rows the latest step updated."""
+        return self.log.rows
 
     def step_log(self) -> dict:
+        return self.log.fields()
+
+
+class RowChangeLog(StepObserver):
+    """What a sparse step's row of train_log.jsonl says about its rows, watching ``step`` (a
+    :class:`~smf_kernels.sparse.MemoryStep`): ``selected_rows``, the rows it updated (:attr:`rows`, set by the
+    trainer); ``rows_moved_outside``, for a kind that steps whole tables (an ablation), the value rows that moved
+    without being selected (from a copy of the tables made as each step begins; the exact update's is 0 by
+    construction, tests/test_sparse_exact.py); and, on one process, ``row_change``: the median over the step's
+    updated rows (all layers) of the row's change relative to its norm before the step,
+    ||v_after - v_before|| / ||v_before|| (from that copy of the tables, or, for the exact update, which copies no
+    table, from the T rows each table is about to step: :meth:`before_rows`), and ``row_change_vs_start``: the
+    same change relative to the row's norm when this process started training (the norms at its first step; a
+    resumed run's are its resumption's)."""
+
+    def __init__(self, step: MemoryStep, world: int = 1) -> None:
+        self.memories, self.world = step.memories, world
+        self.rows: dict[str, torch.Tensor] = {}
+        self._before: dict[str, torch.Tensor] = {}  # layer -> (M, D) values at the start of the step (ablations)
+        self._stepped: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(values) -> (rows, their values before)
+        self._start_norms: dict[str, torch.Tensor] = {}  # layer -> (M,) row norms at the first step
+
+    def began(self, step: MemoryStep) -> None:
+        if not step.update.rows:  # the whole tables step: keep them to see which rows moved
+            self._before = {name: memory.values.detach().clone() for name, memory in self.memories.items()}
+        if self.world == 1 and not self._start_norms:
+            self._start_norms = {name: row_norms(memory.values.detach()) for name, memory in self.memories.items()}
+        self._stepped = {}
+
+    def before_rows(self, values: nn.Parameter, rows: torch.Tensor) -> None:
+        """Keep the (T, D) rows of ``values`` about to step (for :meth:`row_change`: T rows copied, never a whole
+        table), on one process."""
+        if self.world == 1:
+            self._stepped[id(values)] = (rows, values.detach().index_select(0, rows))
+
+    def fields(self) -> dict:
         return {"selected_rows": sum(int(rows.numel()) for rows in self.rows.values()),
                 "rows_moved_outside": self.rows_moved_outside(), **self.row_change()}
 
@@ -163,7 +172,7 @@ class MemoryUpdateStep(StepHooks):
             return {}
         changes, vs_start = [], []
         for name, rows in self.rows.items():
-            table = self.update.memories[name].values  # the parameter the optimizer stepped (its id keys _stepped)
+            table = self.memories[name].values  # the parameter the optimizer stepped (its id keys _stepped)
             values = table.detach()
             if self._before:
                 before = self._before[name].index_select(0, rows).float()
@@ -180,7 +189,7 @@ class MemoryUpdateStep(StepHooks):
                 "row_change_vs_start": float(vs_start.median()) if vs_start.numel() else 0.0}
 
     def rows_moved_outside(self) -> int:
-        if not self._measure_leak:
+        if not self._before:
             return 0
-        after = {name: memory.values.detach() for name, memory in self.update.memories.items()}
+        after = {name: memory.values.detach() for name, memory in self.memories.items()}
         return rows_moved_outside(self._before, after, self.rows)

@@ -25,13 +25,14 @@ import torch
 from torch import nn
 
 from smf_kernels.sharded.layout import shard_of
+from smf_kernels.sharded.placement import placement_of
 
 FORMAT = "smf_kernels.sharded/1"
 
 
 def sharded_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     """Name -> Parameter of every sharded value table in ``model`` (whatever the group size)."""
-    return {name: param for name, param in model.named_parameters() if shard_of(param) is not None}
+    return {name: param for name, param in model.named_parameters() if placement_of(param).saved_apart}
 
 
 def _optimizer_indices(optimizer: torch.optim.Optimizer) -> dict[int, int]:

@@ -89,16 +89,3 @@ def is_split(tensor: torch.Tensor) -> bool:
     shard = shard_of(tensor)
     return shard is not None and shard.size > 1
 
-
-def gradient_copies(tensor: torch.Tensor, world: int) -> int:
-    """Over how many of ``world`` data-parallel ranks the gradient of ``tensor`` must still be averaged: all of
-    them for a replicated tensor, 1 (none besides this one) for a value-table shard, whose gradient the sharded
-    read already averages over its group. Raises ValueError for a shard whose group is smaller than ``world``
-    (copies of shards across groups are not supported yet, docs/sharding.md#beyond-one-group)."""
-    shard = shard_of(tensor)
-    if shard is None or shard.size == 1:
-        return world
-    if shard.size != world:
-        raise ValueError(f"a value table is split over {shard.size} ranks but gradients are averaged over {world}; "
-                         "split it over the same ranks as the data (the default process group)")
-    return 1

@@ -26,34 +26,37 @@ Usage (stage 2; only the memory values, plus e.g. a +S scale, are trainable)::
     loss.backward()
     controller.finish_step(optimizer, max_grad_norm=1.0)
 
-The step, one job per file: its protocol, :mod:`smf_kernels.sparse.memory_step`; its two fills and
-:func:`plan_fill`, :mod:`smf_kernels.sparse.fill_plan`; its gradients and the finishing sequence
-(:meth:`RowGradients.apply`), :mod:`smf_kernels.sparse.row_gradients`; the exact update,
-:mod:`smf_kernels.sparse.controller`; the ablations, :mod:`smf_kernels.sparse.ablations`; the one driver a training
-loop calls (``smf train``, the Hugging Face Trainer), :class:`StepDriver`. The controller holds no state that
-changes during training (resume = same background file + optimizer state_dict).
+The step is one object, :class:`MemoryStep` (:mod:`smf_kernels.sparse.memory_step`: ``begin`` / ``after_forward`` /
+``finish``, the one sequence ``smf train`` and the Hugging Face Trainer drive), whose update kind plugs in
+(:mod:`smf_kernels.sparse.updates`: the exact update, the default, and the two ablations; the named steps
+:class:`SparseMemoryController`, :class:`DenseMaskedUpdate` and :class:`AuthorsSparseUpdate` are it with each kind).
+Its two fills and :func:`plan_fill`: :mod:`smf_kernels.sparse.fill_plan`; its gradients and the finishing sequence
+(:meth:`RowGradients.apply`): :mod:`smf_kernels.sparse.row_gradients`. The step holds no state that changes during
+training (resume = same background file + optimizer state_dict).
 """
-from smf_kernels.sparse.ablations import AuthorsSparseUpdate, DenseMaskedUpdate, rows_moved_outside
 from smf_kernels.sparse.background import BackgroundStats
 from smf_kernels.sparse.clipping import clip_sharded_grad_norm_
-from smf_kernels.sparse.controller import SparseMemoryController
-from smf_kernels.sparse.driver import StepDriver
 from smf_kernels.sparse.fill_plan import FillPlan, plan_fill
-from smf_kernels.sparse.memory_step import MemoryStep
+from smf_kernels.sparse.memory_step import (AuthorsSparseUpdate, DenseMaskedUpdate, MemoryStep, SparseMemoryController,
+                                            StepObserver)
 from smf_kernels.sparse.row_grad_sink import FILLS, READS_KEPT, ROWS_FIRST, RowGradSink
 from smf_kernels.sparse.row_gradients import RowGradients, StepResult
 from smf_kernels.sparse.row_sparse_adamw import RowSparseAdamW
 from smf_kernels.sparse.row_sparse_sgd import RowSparseSGD
 from smf_kernels.sparse.selection import kl_scores, score_slots, select_top_rows, tfidf_scores
 from smf_kernels.sparse.step_checks import NonFiniteGradientError, StepMisuseError
+from smf_kernels.sparse.updates import AuthorsMasked, DenseMasked, ExactRows, UpdateKind, rows_moved_outside
 
 __all__ = [
     "FILLS",
     "READS_KEPT",
     "ROWS_FIRST",
+    "AuthorsMasked",
     "AuthorsSparseUpdate",
     "BackgroundStats",
+    "DenseMasked",
     "DenseMaskedUpdate",
+    "ExactRows",
     "FillPlan",
     "MemoryStep",
     "NonFiniteGradientError",
@@ -62,9 +65,10 @@ __all__ = [
     "RowSparseAdamW",
     "RowSparseSGD",
     "SparseMemoryController",
-    "StepDriver",
     "StepMisuseError",
+    "StepObserver",
     "StepResult",
+    "UpdateKind",
     "clip_sharded_grad_norm_",
     "kl_scores",
     "plan_fill",

@@ -11,7 +11,7 @@
   gradient from them: no second forward, about N x (D x itemsize + 12 L) bytes per layer for the step's N tokens.
 
 :func:`plan_fill` is the one place that chooses (through :meth:`~smf_kernels.sparse.MemoryStep.plan`, which the
-one driver of every loop calls: :class:`~smf_kernels.sparse.driver.StepDriver`).
+the step's ``begin`` every loop calls: :meth:`~smf_kernels.sparse.MemoryStep.begin`).
 """
 from __future__ import annotations
 

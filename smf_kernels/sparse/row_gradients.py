@@ -2,7 +2,7 @@
 (docs/method.md#what-sparse-means).
 
 **The finishing sequence**, :meth:`RowGradients.finish`, the one every caller goes through (``finish_step``, the
-one driver of ``smf train`` and the Trainer, :class:`~smf_kernels.sparse.driver.StepDriver`, and a caller's own
+step's :meth:`~smf_kernels.sparse.MemoryStep.finish` that ``smf train`` and the Trainer call, and a caller's own
 :meth:`RowGradients.apply`): its arguments are checked once, before anything moves (:func:`check_finish`); then
 every gradient of the step is checked for inf / NaN (:mod:`~smf_kernels.sparse.step_checks`: raise, or skip the
 step), all of them are clipped with the rows' gradients in the norm (a sharded table's shard counting as the whole
@@ -18,9 +18,8 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from smf_kernels.sharded.layout import is_split, shard_of
+from smf_kernels.sharded.placement import NormPart, placement_of
 from smf_kernels.sparse import step_checks
 from smf_kernels.sparse.clipping import check_max_norm, clip_coefficient
 
@@ -72,20 +71,11 @@ def check_finish(optimizer: torch.optim.Optimizer, values: dict[str, nn.Paramete
     return Finish(optimizer, params, max_grad_norm, nonfinite)
 
 
-class _MeshShard(NamedTuple):
-    """An FSDP-sharded parameter's process group: its gradient's squared norm is summed over it."""
-
-    group: Any
-
-
-def _local_grad(param: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """(this rank's part of ``param.grad``, what its norm is summed over: a sharded memory's
-    :class:`~smf_kernels.sharded.ColumnShard`, an FSDP shard's mesh group, or None for a whole gradient)."""
-    grad = param.grad
-    if isinstance(grad, DTensor):
-        sharded = any(placement.is_shard() for placement in grad.placements)
-        return grad.to_local(), _MeshShard(grad.device_mesh.get_group()) if sharded else None
-    return grad, shard_of(param) if is_split(param) else None
+def _local_grad(param: torch.Tensor) -> tuple[torch.Tensor, NormPart | None]:
+    """(this rank's part of ``param.grad``, what its squared norm is summed over: a :class:`NormPart` for a
+    sharded memory's column shard or an FSDP shard, None for a whole gradient), as ``param``'s placement says."""
+    placement = placement_of(param)
+    return placement.local(param.grad), placement.norm_part
 
 
 @dataclass
@@ -127,8 +117,7 @@ class RowGradients:
         if any(p.grad.is_sparse for p in with_grad):
             raise RuntimeError("a sparse .grad in a sparse step: the exact update keeps the rows' gradient compact")
         parts = [_local_grad(p) for p in with_grad]
-        parts += [(grad, shard_of(values) if is_split(values) else None)
-                  for values, _, grad, _ in self.tables.values()]
+        parts += [(grad, placement_of(values).norm_part) for values, _, grad, _ in self.tables.values()]
         total, coef = clip_coefficient([grad for grad, _ in parts], max_norm, shards=[shard for _, shard in parts])
         for grad, _ in parts[:len(with_grad)]:
             grad.mul_(coef.to(grad.dtype))

@@ -25,11 +25,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from smf_kernels._checks import check_ascending, check_index_range, check_scalar, check_tensor
 from smf_kernels.ops.row_adamw import check_hyper_parameters, row_adamw_
-from smf_kernels.sharded.layout import shard_of
+from smf_kernels.sharded.placement import placement_of
 from smf_kernels.sparse import compact_row_state as compact
 
 STATE_FORMS = ("compact", "dense")
@@ -88,7 +87,7 @@ class RowSparseAdamW(torch.optim.Optimizer):
 
     def _compact(self, param: torch.Tensor) -> bool:
         """Whether ``param``'s row state is held in the compact form (see the module docstring)."""
-        return self.state_form == "compact" and shard_of(param) is None and not isinstance(param, DTensor)
+        return self.state_form == "compact" and placement_of(param).whole_rows
 
     def _check_state(self, state_dict: dict) -> None:
         """Each saved parameter state: ``row_step`` (M,) >= 0 with ``exp_avg`` and ``exp_avg_sq`` (M, D) (row

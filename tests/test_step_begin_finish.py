@@ -1,12 +1,13 @@
-"""StepDriver, the one object smf train (smf.train.steps) and the HF Trainer (smf_kernels.hf) drive a sparse step
-through: it plans the fill and runs the counting forward the plan asks for, gives each table's rows to its
-``before_rows`` hook right before they step, finishes the step as ``finish_step`` does (the same bits), and drops a
-step whose finish raised, so that the loop's next ``begin`` starts afresh."""
+"""MemoryStep's begin / after_forward / finish, the sequence smf train (smf.train.steps) and the HF Trainer
+(smf_kernels.hf) drive a sparse step through: begin plans the fill and runs the counting forward the plan asks for,
+finish gives each table's rows to the observers' ``before_rows`` right before they step, finishes the step as
+``finish_step`` does (the same bits), and drops a step whose finish raised, so that the loop's next ``begin``
+starts afresh."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from smf_kernels.sparse import RowSparseAdamW, SparseMemoryController, StepDriver
+from smf_kernels.sparse import RowSparseAdamW, SparseMemoryController, StepObserver
 from helpers import MemoryLM, random_background
 
 VOCAB, WIDTH, SEQ = 40, 16, 5
@@ -31,29 +32,32 @@ def loss_of(model, batch):
 
 
 @pytest.mark.parametrize("micro_batches, step_tokens", [(1, None), (2, None), (2, 10 ** 9)])
-def test_the_driver_steps_as_finish_step_does_and_hands_each_tables_rows_to_its_hook(micro_batches, step_tokens):
+def test_begin_and_finish_step_as_finish_step_does_and_hand_each_tables_rows_to_observers(micro_batches, step_tokens):
     """One micro-batch (rows selected after its forward), several with reads kept, several with a counting forward
-    first: the driver's weights are finish_step's, bit for bit, and before_rows sees the rows about to step."""
+    first: begin and finish give finish_step's weights, bit for bit, and before_rows sees the rows about to step."""
     finals, seen = [], []
     for driven in (False, True):
         model, controller, optimizer = setup()
         step = batches(micro_batches)
         if driven:
-            driver = StepDriver(controller, step_tokens=step_tokens, before_rows=lambda v, rows: seen.append(
-                (v is model.memory.values, rows.clone(), v.detach()[rows].clone())))
+            class Keep(StepObserver):
+                def before_rows(self, v, rows):
+                    seen.append((v is model.memory.values, rows.clone(), v.detach()[rows].clone()))
+
+            controller.observe(Keep())
 
             def count():
                 for tokens, _ in step:
                     model(tokens, torch.ones(2, SEQ, dtype=torch.bool))
 
-            plan = driver.begin(micro_batches, count)
+            plan = controller.begin(micro_batches, count, step_tokens=step_tokens)
             assert plan.counting_forward == (step_tokens is not None)
             for batch in step:
                 loss = loss_of(model, batch)
-                driver.after_forward()
+                controller.after_forward()
                 loss.backward()
-            result = driver.finish(optimizer, max_grad_norm=0.5)
-            assert driver.last is result and not result.skipped and float(result.grad_norm) > 0
+            result = controller.finish(optimizer, max_grad_norm=0.5)
+            assert controller.last is result and not result.skipped and float(result.grad_norm) > 0
             selected = result.selected["memory"]
         else:
             controller.begin_step(controller.plan(micro_batches, step_tokens=step_tokens))
@@ -77,23 +81,21 @@ def test_the_driver_steps_as_finish_step_does_and_hands_each_tables_rows_to_its_
 
 def test_a_plan_that_needs_a_counting_forward_without_one_is_refused_before_the_step_begins():
     _, controller, _ = setup()
-    driver = StepDriver(controller, step_tokens=10 ** 9)
     with pytest.raises(ValueError, match="pass counting_forward"):
-        driver.begin(2)
-    assert not driver.in_step
+        controller.begin(2, step_tokens=10 ** 9)
+    assert not controller.in_step
 
 
 def test_a_refused_finish_drops_the_step_so_that_the_next_begins_afresh():
     model, controller, optimizer = setup()
-    driver = StepDriver(controller)
-    driver.begin(2)
+    controller.begin(2)
     for batch in batches(2):
         loss_of(model, batch).backward()
     with pytest.raises(TypeError, match="needs an optimizer with step_rows"):
-        driver.finish(torch.optim.AdamW([model.memory.values, model.alpha]), max_grad_norm=1.0)
-    assert not driver.in_step and driver.last is None and model.memory.values.grad is None
+        controller.finish(torch.optim.AdamW([model.memory.values, model.alpha]), max_grad_norm=1.0)
+    assert not controller.in_step and controller.last is None and model.memory.values.grad is None
     model.alpha.grad = None
-    driver.begin(2)
+    controller.begin(2)
     for batch in batches(2, seed=2):
         loss_of(model, batch).backward()
-    assert driver.finish(optimizer).selected["memory"].numel() > 0
+    assert controller.finish(optimizer).selected["memory"].numel() > 0
