@@ -79,6 +79,13 @@ inline void prefetch(const void* start, int64_t bytes) {
   for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset);
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+inline void prefetch_l2(const void* start, int64_t bytes) {  // prefetcht1: into L2, not L1
+  const char* p = static_cast<const char*>(start);
+  for (int64_t offset = 0; offset < bytes; offset += 64) _mm_prefetch(p + offset, _MM_HINT_T1);
+}
+#endif
+
 // Slot t of each of T distinct table rows rows[t], found by open addressing in a table of at least 2 T
 // entries: what the sparse backwards ask of a row, without an array the size of the table (8 MB zeroed per
 // call at 1M rows).
@@ -126,8 +133,10 @@ constexpr int64_t kAvx2Tile = 8 * kAvx2Vectors;
 
 // out[d0 .. d0 + 112) of one token. Column groups: prefetches this tile of the read kPrefetchReads
 // ahead (past the token's last read: the next token's reads, at the next tile or the group's first).
-// Whole rows (whole_rows, g0 = 0): the first tile prefetches the whole row of the read kPrefetchReads
-// ahead (the next token's past its last read), and the token's later tiles find its rows in L2.
+// Whole rows (whole_rows, g0 = 0): prefetches this tile of the next token's read l into L2, so that
+// the token's eight tile passes bring the next token's rows in whole, a tile's lines at a time, while
+// this token's rows are read from L2. (Prefetching a whole row 8 reads ahead into L1 stalled on the
+// prefetches: 80 ms at 1M rows, more than the column groups' 70.)
 template <typename T>
 inline void gather_tile_avx2(const T* values, const int64_t* token_indices, const float* token_weights,
                              int64_t per_token, int64_t reads_left, int64_t dim, int64_t d0, int64_t g0,
@@ -138,7 +147,7 @@ inline void gather_tile_avx2(const T* values, const int64_t* token_indices, cons
   for (int64_t l = 0; l < per_token; ++l) {
     const int64_t ahead = l + kPrefetchReads;
     if (whole_rows) {
-      if (d0 == 0 && ahead < reads_left) prefetch(values + token_indices[ahead] * dim, dim * sizeof(T));
+      if (per_token < reads_left) prefetch_l2(values + token_indices[per_token + l] * dim + d0, kAvx2Tile * sizeof(T));
     } else if (ahead < per_token) {
       prefetch(values + token_indices[ahead] * dim + d0, kAvx2Tile * sizeof(T));
     } else if (ahead < reads_left) {
@@ -161,12 +170,12 @@ inline void gather_tile_avx2(const T* values, const int64_t* token_indices, cons
 // stream through the rest): sysconf reports the whole chip's L3 there (256 MB on that VM), more
 // than one core ever sees. A smaller cache only costs extra passes over the ids and weights.
 constexpr int64_t kGatherCacheBudget = int64_t(16) << 20;
-// Past this, one tile's slice of the table is larger than the whole L3 and is read from DRAM anyway: then
-// whole rows in one pass, each row prefetched whole (its 3.5 KB in one stream of lines, one TLB miss instead of
-// one per column group). On the AVX-512 EPYC VM (one thread, N = 2048, L = 64, D = 896 fp32): 1M rows 73-76 ->
-// 48-50 ms, 262k rows 61-66 -> 47 ms; at 65k rows (29 MB slices) both took 47-49 ms, at 40k (18 MB) the
-// column groups were faster (34-40 against 42-44 ms).
-constexpr int64_t kGatherWholeRowsAbove = int64_t(32) << 20;
+// Past this (a table over 32 MB, the L3, in fp32 at D = 896), whole rows in one pass, the next token's rows
+// prefetched into L2 during this token's (gather_tile_avx2): each row's lines stream in together, one TLB miss a
+// row instead of one per column group. On the AVX-512 EPYC VM (one thread, N = 2048, L = 64, D = 896 fp32,
+// uniform random ids, best of 3, column groups -> whole rows): 16k rows 32.8 -> 25.6 ms, 40k 39.0 -> 28.3,
+// 65k 49.1 -> 32.4, 262k 76.7 -> 37.1, 1M 92.8 -> 35.2.
+constexpr int64_t kGatherWholeRowsAbove = int64_t(4) << 20;
 
 inline bool gather_whole_rows(int64_t num_rows, int64_t element_bytes) {
   return num_rows * element_bytes * kAvx2Tile > kGatherWholeRowsAbove;

@@ -85,21 +85,22 @@ def test_gather_forward_matches_reference(shape, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gather_forward_over_a_table_larger_than_the_cache_budget(dtype):
-    """A 40,000-row table: the AVX2 forward sweeps the tokens once per 112-column group (two groups
-    and a scalar remainder of 6 columns at D = 230), so its slice stays in L3."""
-    values, indices, weights = gather_inputs((40_000, 230, 37, 8), dtype)
-    counts = torch.zeros(40_000, dtype=torch.int64)
+    """A 32 MB table of 8,000 fp32 (16,000 bf16) rows of D = 1,000: the AVX2 forward sweeps the tokens once per
+    group of four 112-column tiles (two groups and a scalar remainder of 104 columns), so its slice stays in L3."""
+    rows = 8_000 if dtype == torch.float32 else 16_000
+    values, indices, weights = gather_inputs((rows, 1000, 37, 8), dtype)
+    counts = torch.zeros(rows, dtype=torch.int64)
     out = weighted_gather(values, indices, weights, counts=counts, backend="ext")
     assert rel_err(out, weighted_gather_reference(values.double(), indices, weights.double())) < TOL[dtype]
-    assert torch.equal(counts, torch.bincount(indices.flatten(), minlength=40_000))
+    assert torch.equal(counts, torch.bincount(indices.flatten(), minlength=rows))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gather_forward_over_a_table_larger_than_l3_reads_whole_rows_with_the_same_bits(dtype):
-    """A table whose 112-column slice exceeds 32 MB (90,000 rows fp32, 160,000 bf16, D = 230): the forward
+def test_gather_forward_over_a_large_table_reads_whole_rows_with_the_same_bits(dtype):
+    """A table whose 112-column slice exceeds 4 MB (20,000 rows fp32, 40,000 bf16, D = 230: 9 MB): the forward
     reads whole rows in one pass. Its sums are the same chains of multiply-adds as the column groups' of a small
     table holding the same rows: bit for bit equal, and the reference's within the dtype's bound."""
-    rows = 90_000 if dtype == torch.float32 else 160_000
+    rows = 20_000 if dtype == torch.float32 else 40_000
     values, indices, weights = gather_inputs((rows, 230, 37, 8), dtype)
     counts = torch.zeros(rows, dtype=torch.int64)
     out = weighted_gather(values, indices, weights, counts=counts, backend="ext")
