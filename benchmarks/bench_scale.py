@@ -14,7 +14,8 @@ after the forward). Reported per size:
               disturb far less than its wall time)
   floor       a lower bound of the step on this core (:func:`step_floor`): its matmul FLOPs at the measured
               one-thread sgemm rate plus the table rows it must read at the random-row read bandwidth measured on
-              the layer's own table (benchmarks/row_read_probe.c, built with the C compiler at hand)
+              the layer's own table (the faster of benchmarks/row_read_probe.c, built with the C compiler at hand,
+              and the layer's own gather of the same rows)
   ratio       the size's step over the smallest size's, from interleaved pairs (the two layers stepped
               alternately in one process, the order alternating; the median of the per-pair ratios of the
               thread CPU time, the wall-time ratio beside it)
@@ -285,8 +286,8 @@ def interleaved_ratios(layer: dict, base: int, args: argparse.Namespace, tag: st
 
 # ------------------------------------------------------------------------------------------------ the floor
 # The ext gather's choice of columns per pass (csrc/cpu_gather.cpp): slices of a 16 MB cache budget, whole rows
-# once a 112-column slice exceeds 32 MB.
-GATHER_TILE, GATHER_BUDGET, GATHER_WHOLE_ROWS_ABOVE = 112, 16 * MIB, 32 * MIB
+# once a 112-column slice exceeds 4 MB.
+GATHER_TILE, GATHER_BUDGET, GATHER_WHOLE_ROWS_ABOVE = 112, 16 * MIB, 4 * MIB
 
 
 def _row_read_probe():
@@ -315,10 +316,13 @@ def step_floor(layer: dict, args: argparse.Namespace) -> dict | None:
     projections and the sub-key scores forward, the output projection's input gradient backward) at the measured
     one-thread sgemm rate, plus the table bytes it must read (the forward's N x L random value rows, and T rows of
     the parameter, both moments (read and written) and the gradient in the optimizer) at the measured random-row
-    read bandwidth of this table (row_read_probe.c over the layer's own values, columns per pass as the ext gather
-    takes them). Activations, the selection and elementwise work are left out. None without the probe."""
+    read bandwidth of this table: the faster of row_read_probe.c (over the layer's own values, columns per pass as
+    the ext gather takes them) and the layer's own gather of the same rows. Activations, the selection and
+    elementwise work are left out. None without the probe."""
     memory = layer["memory"]
     values = memory.values.detach()
+    from smf_kernels.ops import weighted_gather
+
     probe = _row_read_probe() if values.dtype == torch.float32 else None  # the probe reads float32 rows
     if probe is None:
         return None
@@ -327,8 +331,15 @@ def step_floor(layer: dict, args: argparse.Namespace) -> dict | None:
     slice_bytes = rows * values.element_size() * GATHER_TILE
     cols = dim if slice_bytes > GATHER_WHOLE_ROWS_ABOVE else max(1, GATHER_BUDGET // slice_bytes) * GATHER_TILE
     ids = torch.randint(0, rows, (reads,), generator=torch.Generator().manual_seed(0))
-    out = torch.zeros(dim)
-    read_s = min(probe(values.data_ptr(), dim, ids.data_ptr(), reads, cols, out.data_ptr()) for _ in range(3))
+    out, weights = torch.zeros(dim), torch.full((tokens, reads // tokens), 1.0 / (reads // tokens))
+    read_s = []
+    for _ in range(3):  # the probe, and the layer's own gather of the same rows: the faster read counts
+        read_s.append(probe(values.data_ptr(), dim, ids.data_ptr(), reads, cols, out.data_ptr()))
+        start = time.thread_time()
+        with torch.no_grad():
+            weighted_gather(values, ids.view(tokens, -1), weights, backend=memory.resolved_backend(values.device))
+        read_s.append(time.thread_time() - start)
+    read_s = min(read_s)
     gbs = reads * dim * values.element_size() / read_s / 1e9
     a, w = torch.randn(tokens, D_MODEL), torch.randn(D_MODEL, D_MODEL)
     gemm_s = []
