@@ -10,7 +10,9 @@ and returns the weighted read; ours adds the gate and output projections of docs
 as a user calls it.
 
 Rows: ``forward`` (under no_grad); ``read only`` (under no_grad): ours without the gate and output projections
-(query projection, top-k, softmax, weighted gather: the work both layers do); ``forward+backward`` (the backward of
+(query projection, top-k, softmax, weighted gather: the work both layers do); ``forward, gated`` (under no_grad):
+ours against theirs with the gate and output ``nn.Linear`` a user adds to get the same function,
+``out(theirs(x) * silu(gate(x)))`` (like for like); ``forward+backward`` and ``fwd+bwd, gated`` (the backward of
 the output's sum, into every parameter).
 The two layers run in interleaved pairs (the order alternating between pairs), so each ratio compares runs taken
 side by side; the table shows the median of each layer's times (the thread's CPU time, which a loaded machine
@@ -62,6 +64,32 @@ def build_layers(backend):
     theirs = PKM(SHAPE["d_model"], heads=SHAPE["heads"], num_keys=SHAPE["n_keys"], topk=SHAPE["topk"],
                  dim_head=SHAPE["key_dim"] // 2)
     return ours, theirs
+
+
+class GatedTheirs:
+    """Their layer with the gate and output projections a user adds to get docs/method.md's function,
+    ``out(theirs(x) * silu(gate(x)))``: two ``nn.Linear(896, 896)`` initialised as ours are (seeded)."""
+
+    def __init__(self, theirs, d_model: int):
+        import torch
+        from torch import nn
+
+        torch.manual_seed(1)
+        self.theirs, self.gate, self.out = theirs, nn.Linear(d_model, d_model), nn.Linear(d_model, d_model)
+
+    def parameters(self):
+        yield from self.theirs.parameters()
+        yield from self.gate.parameters()
+        yield from self.out.parameters()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for module in (self.theirs, self.gate, self.out):
+            module.zero_grad(set_to_none=set_to_none)
+
+    def __call__(self, x):
+        import torch.nn.functional as F
+
+        return self.out(self.theirs(x) * F.silu(self.gate(x)))
 
 
 def _time(fn) -> tuple[float, float]:
@@ -158,9 +186,11 @@ def benchmark(args) -> dict:
         weights = torch.softmax(scores, dim=-1).view(flat.shape[0], -1)
         return weighted_gather(ours.values, indices.view(flat.shape[0], -1), weights)
 
+    gated = GatedTheirs(theirs, SHAPE["d_model"])
     with torch.no_grad():
         rows["forward"] = time_pairs(lambda: ours(x), lambda: theirs(x), args.pairs)
         rows["read only"] = time_pairs(read_only, lambda: theirs(x), args.pairs)
+        rows["forward, gated"] = time_pairs(lambda: ours(x), lambda: gated(x), args.pairs)
 
     def train_step(layer):
         def step():
@@ -169,6 +199,7 @@ def benchmark(args) -> dict:
         return step
 
     rows["forward+backward"] = time_pairs(train_step(ours), train_step(theirs), args.pairs)
+    rows["fwd+bwd, gated"] = time_pairs(train_step(ours), train_step(gated), args.pairs)
     result = {"shape": SHAPE, "tokens": args.tokens, "threads": torch.get_num_threads(), "dtype": "float32",
               "backend": ours.resolved_backend(x.device), "torch": torch.__version__,
               "machine": platform.processor() or platform.machine(), "load_average": os.getloadavg(), "rows": rows}

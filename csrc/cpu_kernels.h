@@ -58,7 +58,8 @@ void gather_backward_values(DType dtype, const void* grad_out, const int64_t* in
                             const int64_t* update_rows, int64_t num_update_rows, void* grad, int64_t num_rows,
                             int64_t num_tokens, int64_t per_token, int64_t dim, int threads);
 
-// Both gradients of the gather in one pass over the reads grouped by table row:
+// Both gradients of the gather in one pass over the reads grouped by table row (by output row
+// when only a sparse grad_values is asked for: nothing the size of the table is made):
 // grad_weights (N, L) acc as gather_backward_weights, grad_values (R, D) acc as
 // gather_backward_values; either output may be null (not computed). Each row's reads
 // are summed in token order and each weight gradient is one dot product, so the

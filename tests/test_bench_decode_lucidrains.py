@@ -36,7 +36,7 @@ def test_vs_lucidrains_table_and_json(tmp_path, capsys):
     out = tmp_path / "lr.json"
     assert bench.main(["--tokens", "5", "--pairs", "1", "--profile", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert set(result["rows"]) == {"forward", "read only", "forward+backward"}
+    assert set(result["rows"]) == {"forward", "read only", "forward, gated", "forward+backward", "fwd+bwd, gated"}
     assert all(row["ratio"] > 0 for row in result["rows"].values())
     assert "top-k" in result["profile"] and result["profile_theirs"]
     assert "ours/theirs" in capsys.readouterr().out

@@ -28,19 +28,31 @@ def test_tiny_sizes_print_a_row_each_and_the_targets(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| 256 |") or line.startswith("| 1,024 |")]
     assert [row.split("|")[1].strip() for row in rows] == ["256", "1,024"]  # smallest first, the ratios' base
-    assert all(" MiB (" in row.split("|")[14] and "rows)" in row.split("|")[14] for row in rows)  # a real patch
+    assert all(" MiB (" in row.split("|")[16] and "rows)" in row.split("|")[16] for row in rows)  # a real patch
+    assert all(" at " in row.split("|")[9] for row in rows)  # a floor per size
     assert "1,024 slots: step" in proc.stderr and "pair 2 of 2" in proc.stderr  # a line per size as it finishes
     report = json.loads(out.read_text())
     assert [r["slots"] for r in report["results"]] == [256, 1024]
     small, big = report["results"]
     assert set(big["phases_ms"]) == {"begin", "forward", "selection", "backward", "optimizer", "step"}
-    assert small["pair_ratios"] == [] and len(big["pair_ratios"]) == 2
+    assert small["pair_ratios"] == [] and len(big["pair_ratios"]) == len(big["cpu_pair_ratios"]) == 2
+    assert set(big["cpu_phases_ms"]) == set(big["phases_ms"]) and big["cpu_phases_ms"]["step"] > 0
+    for floor in (small["floor"], big["floor"], big["base_floor"]):  # FLOPs at the sgemm rate + rows at the probe's
+        assert floor["ms"] > 0 and floor["gflops"] > 0 and floor["gbs"] > 0
+        assert floor["ms"] == pytest.approx(floor["gflop"] / floor["gflops"] * 1e3 + floor["mb"] / floor["gbs"])
+    assert big["floor"]["gflop"] > small["floor"]["gflop"]  # the sub-key scores grow with n_keys
     assert set(big["held_bytes"]) == {"layer", "background", "optimizer", "sinks"}
     assert big["held_total_bytes"] == sum(big["held_bytes"].values())
     assert big["peak_rss_gib"] > 0 and big["checkpoint_bytes"] > big["held_bytes"]["optimizer"]
-    assert [t["target"].split()[0] for t in report["targets"]] == ["step", "selection", "held", "first"]
+    assert [t["target"].split()[0] for t in report["targets"]] == ["step", "the", "selection", "held", "first"]
     assert all(t["verdict"] in ("pass", "FAIL") for t in report["targets"])
     assert report["model"] == []
+
+
+def test_the_floor_ratio_adds_the_floors_extra_work_to_the_base_step(bench):
+    result = dict(floor=dict(ms=200.0), base_floor=dict(ms=150.0), base_cpu_step_ms=200.0)
+    assert bench.floor_ratio(result) == pytest.approx(1.25)
+    assert bench.floor_ratio(dict(result, floor=None)) is None
 
 
 def test_held_bytes_count_each_storage_once(bench):

@@ -85,13 +85,30 @@ def test_gather_forward_matches_reference(shape, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gather_forward_over_a_table_larger_than_the_cache_budget(dtype):
-    """A 40,000-row table: the AVX2 forward sweeps the tokens once per 112-column group (two groups
-    and a scalar remainder of 6 columns at D = 230), so its slice stays in L3."""
-    values, indices, weights = gather_inputs((40_000, 230, 37, 8), dtype)
-    counts = torch.zeros(40_000, dtype=torch.int64)
+    """A 32 MB table of 8,000 fp32 (16,000 bf16) rows of D = 1,000: the AVX2 forward sweeps the tokens once per
+    group of four 112-column tiles (two groups and a scalar remainder of 104 columns), so its slice stays in L3."""
+    rows = 8_000 if dtype == torch.float32 else 16_000
+    values, indices, weights = gather_inputs((rows, 1000, 37, 8), dtype)
+    counts = torch.zeros(rows, dtype=torch.int64)
     out = weighted_gather(values, indices, weights, counts=counts, backend="ext")
     assert rel_err(out, weighted_gather_reference(values.double(), indices, weights.double())) < TOL[dtype]
-    assert torch.equal(counts, torch.bincount(indices.flatten(), minlength=40_000))
+    assert torch.equal(counts, torch.bincount(indices.flatten(), minlength=rows))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_forward_over_a_large_table_reads_whole_rows_with_the_same_bits(dtype):
+    """A table whose 112-column slice exceeds 4 MB (20,000 rows fp32, 40,000 bf16, D = 230: 9 MB): the forward
+    reads whole rows in one pass. Its sums are the same chains of multiply-adds as the column groups' of a small
+    table holding the same rows: bit for bit equal, and the reference's within the dtype's bound."""
+    rows = 20_000 if dtype == torch.float32 else 40_000
+    values, indices, weights = gather_inputs((rows, 230, 37, 8), dtype)
+    counts = torch.zeros(rows, dtype=torch.int64)
+    out = weighted_gather(values, indices, weights, counts=counts, backend="ext")
+    used, small_indices = indices.unique(return_inverse=True)
+    small = weighted_gather(values[used].contiguous(), small_indices, weights, backend="ext")
+    assert torch.equal(out, small)
+    assert rel_err(out, weighted_gather_reference(values.double(), indices, weights.double())) < TOL[dtype]
+    assert torch.equal(counts, torch.bincount(indices.flatten(), minlength=rows))
 
 
 def test_gather_accepts_non_contiguous_inputs():
@@ -323,6 +340,32 @@ def test_topk_key_gradient_over_several_token_chunks_is_exact_and_thread_indepen
         torch.set_num_threads(threads)
     assert rel_err(got[0], want) < 1e-12
     assert torch.equal(got[0], got[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_row_value_gradient_is_the_same_bits_by_slot_by_row_and_dense(dtype):
+    """The value gradient of update rows (unsorted, one of them never read, one read many times) comes from three
+    groupings of the reads: by slot (no weight gradient: nothing the size of the table), by table row (with the
+    weight gradient) and dense; each row sums its reads in read order, so all three agree bit for bit."""
+    from smf_kernels.backends import ext_impl
+
+    values, indices, weights = gather_inputs((5000, 130, 61, 12), dtype)
+    indices[:, :4] = 7  # a hot row
+    unread = torch.tensor([i for i in range(5000) if i not in set(indices.flatten().tolist())][:1])
+    rows = torch.cat([indices.flatten().unique()[::3], unread])
+    rows = rows[torch.randperm(rows.numel())]
+    grad_out = torch.randn(61, 130).to(dtype)
+    backward = ext_impl.BACKEND.gather_backward
+    by_slot, none = backward(grad_out, values, indices, weights, rows, True, True, False)
+    by_row, grad_weights = backward(grad_out, values, indices, weights, rows, True, True, True)
+    dense, _ = backward(grad_out, values, indices, weights, None, True, True, False)
+    assert none.shape[0] == 0 and grad_weights.shape == (61, 12)
+    assert torch.equal(by_slot, by_row) and torch.equal(by_slot, dense[rows])
+    assert not by_slot[rows == unread[0]].any()
+    table = values.double().requires_grad_()
+    (want,) = torch.autograd.grad(weighted_gather_reference(table, indices, weights.double()), table,
+                                  grad_out.double())
+    assert rel_err(by_slot, want[rows]) < (1e-12 if dtype == torch.float64 else 1e-5)
 
 
 def test_fused_backward_sorts_many_reads_in_parallel_in_the_serial_order():
