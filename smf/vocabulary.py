@@ -1,5 +1,6 @@
-"""The words of the experiments, each spelled once: recipes, memory modes, selection rules, sparse
-updates, conditions, tasks, the default model and the tiny preset's sizes.
+"""The words of the experiments, each spelled once: recipes, memory modes, sparse updates, conditions, tasks, the
+default model and the tiny preset's sizes; the selection rules and kernel backends are smf_kernels' own, read from
+:mod:`smf_kernels.names` (which imports no torch, so neither does this module nor the command line's parser).
 
 Command line, config files, code and reports all use these spellings. Spellings an earlier version
 accepted from users are still read, with a deprecation warning (:func:`canonical`).
@@ -11,6 +12,7 @@ import warnings
 from dataclasses import dataclass
 
 from smf.errors import ConfigError
+from smf_kernels.names import BACKENDS, RULES  # the scoring rules and kernel backends, torch-free
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +43,6 @@ TRAIN_RECIPES = tuple(name for name, kind in RECIPE_KINDS.items() if kind.comman
 
 MEMORY_MODES = ("replacement", "additive", "additive+s")  # +S: alpha trains in the sparse stage too
 RETROFIT_MODE = {"replacement": "replacement", "additive": "additive", "additive+s": "additive"}
-# The words of smf_kernels that commands take, restated so that this module (and with it the command line's
-# parser, `smf --help`) imports no torch; tests/test_cli_smf.py checks them against smf_kernels.
-RULES = ("tfidf", "kl")  # smf_kernels.sparse.selection.RULES: the slot scoring rules
-BACKENDS = ("torch", "triton", "ext")  # smf_kernels.backends.BACKENDS: the kernel backends
 
 
 @dataclass(frozen=True)
