@@ -49,6 +49,7 @@ def test_a_sparse_rule_fails_in_one_line_before_the_model_loads(tmp_path, capsys
 
 def _sparse_config(tmp_path, **options):
     adapter = _adapter(tmp_path / "adapter", "additive")
+    (adapter / "background.safetensors").write_bytes(b"")  # the rules read no more of it than that it is there
     return build_config("train", {}, {"preset": "tiny", "recipe": "sparse", "adapter": str(adapter),
                                       "background": str(adapter), "output_dir": str(tmp_path / "run"),
                                       **options}).resolved("sparse")
@@ -66,6 +67,17 @@ def test_a_rule_of_the_world_refuses_before_the_trainer_loads_the_model(tmp_path
         loop.train(config)
     assert not (tmp_path / "run").exists()
     check_run(config, "train", 1)
+
+
+def test_a_background_folder_without_statistics_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """It was refused only when the step was built, after the model had loaded (the check lived in recipes.py)."""
+    monkeypatch.setattr(loop, "build_setup", lambda *args: pytest.fail("the model loaded"))
+    adapter = _adapter(tmp_path / "adapter", "additive")
+    code, err = run_main(["train", "--preset", "tiny", "--recipe", "sparse", "--adapter", str(adapter),
+                          "--background", str(adapter), "--output-dir", str(tmp_path / "run")], capsys)
+    one_line_error(code, err, f"--background {str(adapter)!r}: no background statistics file "
+                              "(background.safetensors) there")
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_global_batch_is_split_into_whole_micro_batches_on_every_process_before_the_model_loads(tmp_path,

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -28,14 +27,13 @@ from smf.model.precision import authors_bf16_weights, cast_like_the_authors
 from smf.train.config import RunConfig
 from smf.train.distributed import Parallelism, World
 from smf.train.parallel import parallelize
-from smf.train.rules import check_sparse_mode
+from smf.train.rules import background_file, check_sparse_mode
 from smf.train.steps import DenseStep, MemoryUpdateStep, StepHooks, bf16_autocast
 from smf_kernels.sparse import (AuthorsSparseUpdate, BackgroundStats, DenseMaskedUpdate, RowSparseAdamW,
                                  RowSparseSGD, SparseMemoryController)
 
 logger = logging.getLogger(__name__)
 
-BACKGROUND_FILE = "background.safetensors"
 
 
 @dataclass
@@ -52,14 +50,6 @@ class TrainingSetup:
 
     def trainable_parameters(self) -> dict[str, nn.Parameter]:
         return {name: p for name, p in self.model.named_parameters() if p.requires_grad}
-
-
-def resolve_background_file(path: str) -> Path:
-    """``path`` itself, or ``path``/background.safetensors when ``path`` is a directory."""
-    candidate = Path(path) / BACKGROUND_FILE if Path(path).is_dir() else Path(path)
-    if not candidate.is_file():
-        raise ConfigError(f"--background {path!r}: no background statistics file ({BACKGROUND_FILE}) there")
-    return candidate
 
 
 def set_sparse_mode(model: nn.Module, mode: str | None) -> None:
@@ -166,12 +156,13 @@ def recipe_model(config: RunConfig, world: World) -> tuple[nn.Module, object]:
 def sparse_step(config: RunConfig, model: nn.Module, world: World) -> MemoryUpdateStep:
     """--recipe sparse's step: ``config.update``'s :class:`~smf_kernels.sparse.MemoryStep` over ``model``'s
     memories with the background statistics of ``config.background``, driven by :class:`MemoryUpdateStep` (the
-    rules on ``world`` were checked before the model loaded: :func:`smf.train.rules.check_run`)."""
+    rules on ``world`` and that the file exists were checked before the model loaded: :func:`smf.train.rules.check_run`;
+    whether it fits the memories is checked here)."""
     update = UPDATES[config.update][0](model, rule=config.rule, rows_per_step=config.rows_per_step)
     step = MemoryUpdateStep(update, bf16_autocast(config.bf16, world.device), compiled=config.compile,
                             world=world.size, step_tokens=config.global_batch_size // world.size * config.max_length)
     try:
-        update.set_background(BackgroundStats.load(resolve_background_file(config.background), update.memories))
+        update.set_background(BackgroundStats.load(background_file(config.background), update.memories))
     except ValueError as err:
         raise ConfigError(f"--background: {err}") from err
     return step
