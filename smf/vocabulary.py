@@ -31,11 +31,12 @@ class RecipeKind:
     # given" (none without --adapter)
     trains_memories: bool  # its memories (and any alpha) train
     shards_memories: bool  # --shard-memories can split them over the processes
+    sparse_step: bool = False  # its memories' value rows train through the sparse step (--update, the sparse options)
 
 
 RECIPE_KINDS = {kind.name: kind for kind in (
     RecipeKind("retrofit", "retrofit", "fresh", trains_memories=True, shards_memories=True),
-    RecipeKind("sparse", "train", "adapter", trains_memories=True, shards_memories=True),
+    RecipeKind("sparse", "train", "adapter", trains_memories=True, shards_memories=True, sparse_step=True),
     RecipeKind("lora", "train", "adapter if given", trains_memories=False, shards_memories=False),
     RecipeKind("full", "train", "adapter if given", trains_memories=True, shards_memories=False))}
 RECIPES = tuple(RECIPE_KINDS)
@@ -53,16 +54,19 @@ class UpdateKind:
     name: str
     optimizer: str  # the --optimizer value it replaced (docs/method.md#migrating-from---optimizer): old configs and
     # suite fingerprints (smf.suite.fingerprints) read it
-    row_optimizer: bool  # steps the selected rows with --row-optimizer (the others: torch AdamW on whole tables)
+    kernel: str  # its kind in smf_kernels.sparse.updates, which the step composes (the class's name: no torch here)
+    row_optimizer: bool  # steps the selected rows with --row-optimizer (its kernel kind's ``rows``; the others: torch
+    # AdamW on whole tables)
     one_process: str | None = None  # why it runs in one process only (no torchrun, no --shard-memories); None: any
     counts_every_position: str | None = None  # why --count-reads loss cannot steer it; None: it can
 
 
 # smf train --update (it replaced --optimizer): the exact row update and the two ablations.
 UPDATE_KINDS = {kind.name: kind for kind in (
-    UpdateKind("exact", "row_sparse", row_optimizer=True),
-    UpdateKind("dense_masked", "dense_masked", row_optimizer=False),
-    UpdateKind("authors", "authors", row_optimizer=False, one_process="the authors' single-GPU update",
+    UpdateKind("exact", "row_sparse", "ExactRows", row_optimizer=True),
+    UpdateKind("dense_masked", "dense_masked", "DenseMasked", row_optimizer=False),
+    UpdateKind("authors", "authors", "AuthorsMasked", row_optimizer=False,
+               one_process="the authors' single-GPU update",
                counts_every_position="the authors' update counts every position, padding included"))}
 SPARSE_UPDATES = tuple(UPDATE_KINDS)
 ROW_OPTIMIZERS = ("adamw", "sgd")  # smf train --row-optimizer: RowSparseAdamW or RowSparseSGD (--update exact)

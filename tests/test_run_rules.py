@@ -13,10 +13,9 @@ from smf.errors import ConfigError
 from smf.train import sections
 from smf.train.config import build_config
 from smf.train.distributed import World
-from smf.train.recipes import UPDATES
 from smf.train.rules import RULES, check_run
 from smf.vocabulary import RECIPE_KINDS, RECIPES, SPARSE_UPDATES, TRAIN_RECIPES, UPDATE_KINDS
-from smf_kernels.sparse import plan_fill
+from smf_kernels.sparse import plan_fill, updates
 from test_cli_smf import run_main
 from test_cli_reliability import one_line_error
 
@@ -128,6 +127,14 @@ def test_each_recipe_is_declared_once_with_what_it_does_with_memories():
 
 def test_each_sparse_update_is_declared_once_with_what_it_supports():
     assert SPARSE_UPDATES == tuple(UPDATE_KINDS) == ("exact", "dense_masked", "authors")
-    assert set(UPDATES) == set(UPDATE_KINDS)  # what the recipe builds for each
     assert [kind.name for kind in UPDATE_KINDS.values() if kind.row_optimizer] == ["exact"]
     assert [kind.name for kind in UPDATE_KINDS.values() if kind.one_process] == ["authors"]
+
+
+def test_each_update_names_the_kernels_kind_the_step_composes_and_what_that_kind_steps():
+    """recipes.py switched on the names (UPDATES: name -> step class, optimizer); the entry now names the kind."""
+    for kind in UPDATE_KINDS.values():
+        kernel = getattr(updates, kind.kernel)
+        assert issubclass(kernel, updates.UpdateKind) and kernel is not updates.UpdateKind
+        assert kernel.rows == kind.row_optimizer, kind.name  # rows through step_rows: a row optimizer
+    assert len({kind.kernel for kind in UPDATE_KINDS.values()}) == len(UPDATE_KINDS)
