@@ -40,10 +40,10 @@ import sys
 import threading
 import time
 
+from smf_kernels.names import BACKENDS as BACKEND_NAMES  # imports no torch: --backends is checked at once
+
 PAPER = dict(n_keys=128, heads=4, topk=16, key_dim=256, value_dim=896)
 TINY = dict(n_keys=16, heads=2, topk=4, key_dim=32, value_dim=96)
-# smf_kernels.backends.BACKENDS, named here so that --backends is checked at once, before torch loads (~20 s).
-BACKEND_NAMES = ("torch", "triton", "ext")
 logger = logging.getLogger("bench_lookup")
 
 

@@ -1,5 +1,6 @@
-"""The words of the experiments, each spelled once: recipes, memory modes, selection rules, sparse
-updates, conditions, tasks, the default model and the tiny preset's sizes.
+"""The words of the experiments, each spelled once: recipes, memory modes, sparse updates, conditions, tasks, the
+default model and the tiny preset's sizes; the selection rules and kernel backends are smf_kernels' own, read from
+:mod:`smf_kernels.names` (which imports no torch, so neither does this module nor the command line's parser).
 
 Command line, config files, code and reports all use these spellings. Spellings an earlier version
 accepted from users are still read, with a deprecation warning (:func:`canonical`).
@@ -11,6 +12,7 @@ import warnings
 from dataclasses import dataclass
 
 from smf.errors import ConfigError
+from smf_kernels.names import BACKENDS, RULES  # the scoring rules and kernel backends, torch-free
 
 logger = logging.getLogger(__name__)
 
@@ -29,11 +31,12 @@ class RecipeKind:
     # given" (none without --adapter)
     trains_memories: bool  # its memories (and any alpha) train
     shards_memories: bool  # --shard-memories can split them over the processes
+    sparse_step: bool = False  # its memories' value rows train through the sparse step (--update, the sparse options)
 
 
 RECIPE_KINDS = {kind.name: kind for kind in (
     RecipeKind("retrofit", "retrofit", "fresh", trains_memories=True, shards_memories=True),
-    RecipeKind("sparse", "train", "adapter", trains_memories=True, shards_memories=True),
+    RecipeKind("sparse", "train", "adapter", trains_memories=True, shards_memories=True, sparse_step=True),
     RecipeKind("lora", "train", "adapter if given", trains_memories=False, shards_memories=False),
     RecipeKind("full", "train", "adapter if given", trains_memories=True, shards_memories=False))}
 RECIPES = tuple(RECIPE_KINDS)
@@ -41,10 +44,6 @@ TRAIN_RECIPES = tuple(name for name, kind in RECIPE_KINDS.items() if kind.comman
 
 MEMORY_MODES = ("replacement", "additive", "additive+s")  # +S: alpha trains in the sparse stage too
 RETROFIT_MODE = {"replacement": "replacement", "additive": "additive", "additive+s": "additive"}
-# The words of smf_kernels that commands take, restated so that this module (and with it the command line's
-# parser, `smf --help`) imports no torch; tests/test_cli_smf.py checks them against smf_kernels.
-RULES = ("tfidf", "kl")  # smf_kernels.sparse.selection.RULES: the slot scoring rules
-BACKENDS = ("torch", "triton", "ext")  # smf_kernels.backends.BACKENDS: the kernel backends
 
 
 @dataclass(frozen=True)
@@ -55,16 +54,19 @@ class UpdateKind:
     name: str
     optimizer: str  # the --optimizer value it replaced (docs/method.md#migrating-from---optimizer): old configs and
     # suite fingerprints (smf.suite.fingerprints) read it
-    row_optimizer: bool  # steps the selected rows with --row-optimizer (the others: torch AdamW on whole tables)
+    kernel: str  # its kind in smf_kernels.sparse.updates, which the step composes (the class's name: no torch here)
+    row_optimizer: bool  # steps the selected rows with --row-optimizer (its kernel kind's ``rows``; the others: torch
+    # AdamW on whole tables)
     one_process: str | None = None  # why it runs in one process only (no torchrun, no --shard-memories); None: any
     counts_every_position: str | None = None  # why --count-reads loss cannot steer it; None: it can
 
 
 # smf train --update (it replaced --optimizer): the exact row update and the two ablations.
 UPDATE_KINDS = {kind.name: kind for kind in (
-    UpdateKind("exact", "row_sparse", row_optimizer=True),
-    UpdateKind("dense_masked", "dense_masked", row_optimizer=False),
-    UpdateKind("authors", "authors", row_optimizer=False, one_process="the authors' single-GPU update",
+    UpdateKind("exact", "row_sparse", "ExactRows", row_optimizer=True),
+    UpdateKind("dense_masked", "dense_masked", "DenseMasked", row_optimizer=False),
+    UpdateKind("authors", "authors", "AuthorsMasked", row_optimizer=False,
+               one_process="the authors' single-GPU update",
                counts_every_position="the authors' update counts every position, padding included"))}
 SPARSE_UPDATES = tuple(UPDATE_KINDS)
 ROW_OPTIMIZERS = ("adamw", "sgd")  # smf train --row-optimizer: RowSparseAdamW or RowSparseSGD (--update exact)

@@ -301,12 +301,16 @@ def test_list_flags_take_commas_and_spaces_alike():
     assert parser.parse_args(["retrofit", "--layers", "2,4", "6"]).layers == [2, 4, 6]
 
 
-def test_words_restated_for_the_parser_match_smf_kernels():
-    from smf.vocabulary import BACKENDS, RULES
-    from smf_kernels.backends import BACKENDS as KERNEL_BACKENDS
-    from smf_kernels.sparse.selection import RULES as KERNEL_RULES
+def test_the_parser_and_the_kernels_read_one_declaration_of_their_words():
+    """The rules and backends were restated in smf.vocabulary (smf_kernels' modules loaded torch); now both sides
+    read smf_kernels.names."""
+    from smf import vocabulary
+    from smf_kernels import names
+    from smf_kernels.backends import BACKENDS
+    from smf_kernels.sparse.selection import RULES
 
-    assert (RULES, BACKENDS) == (KERNEL_RULES, KERNEL_BACKENDS)
+    assert vocabulary.RULES is names.RULES is RULES
+    assert vocabulary.BACKENDS is names.BACKENDS is BACKENDS
 
 
 # ---------------------------------------------------------------------------------------- issue 28 item 5
@@ -352,7 +356,8 @@ parser.format_help()
 for sub in next(a for a in parser._actions if a.dest == "command").choices.values():
     sub.format_help()
 heavy = ("torch", "transformers", "datasets", "peft", "smf_kernels", "smf.model", "matplotlib", "safetensors")
-print(sorted(m for m in sys.modules if m.startswith(heavy)))
+light = ("smf_kernels", "smf_kernels.names")  # the kernels' words, which import nothing
+print(sorted(m for m in sys.modules if m.startswith(heavy) and m not in light))
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -13,10 +13,9 @@ from smf.errors import ConfigError
 from smf.train import sections
 from smf.train.config import build_config
 from smf.train.distributed import World
-from smf.train.recipes import UPDATES
 from smf.train.rules import RULES, check_run
 from smf.vocabulary import RECIPE_KINDS, RECIPES, SPARSE_UPDATES, TRAIN_RECIPES, UPDATE_KINDS
-from smf_kernels.sparse import plan_fill
+from smf_kernels.sparse import plan_fill, updates
 from test_cli_smf import run_main
 from test_cli_reliability import one_line_error
 
@@ -49,6 +48,7 @@ def test_a_sparse_rule_fails_in_one_line_before_the_model_loads(tmp_path, capsys
 
 def _sparse_config(tmp_path, **options):
     adapter = _adapter(tmp_path / "adapter", "additive")
+    (adapter / "background.safetensors").write_bytes(b"")  # the rules read no more of it than that it is there
     return build_config("train", {}, {"preset": "tiny", "recipe": "sparse", "adapter": str(adapter),
                                       "background": str(adapter), "output_dir": str(tmp_path / "run"),
                                       **options}).resolved("sparse")
@@ -66,6 +66,17 @@ def test_a_rule_of_the_world_refuses_before_the_trainer_loads_the_model(tmp_path
         loop.train(config)
     assert not (tmp_path / "run").exists()
     check_run(config, "train", 1)
+
+
+def test_a_background_folder_without_statistics_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """It was refused only when the step was built, after the model had loaded (the check lived in recipes.py)."""
+    monkeypatch.setattr(loop, "build_setup", lambda *args: pytest.fail("the model loaded"))
+    adapter = _adapter(tmp_path / "adapter", "additive")
+    code, err = run_main(["train", "--preset", "tiny", "--recipe", "sparse", "--adapter", str(adapter),
+                          "--background", str(adapter), "--output-dir", str(tmp_path / "run")], capsys)
+    one_line_error(code, err, f"--background {str(adapter)!r}: no background statistics file "
+                              "(background.safetensors) there")
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_global_batch_is_split_into_whole_micro_batches_on_every_process_before_the_model_loads(tmp_path,
@@ -116,6 +127,14 @@ def test_each_recipe_is_declared_once_with_what_it_does_with_memories():
 
 def test_each_sparse_update_is_declared_once_with_what_it_supports():
     assert SPARSE_UPDATES == tuple(UPDATE_KINDS) == ("exact", "dense_masked", "authors")
-    assert set(UPDATES) == set(UPDATE_KINDS)  # what the recipe builds for each
     assert [kind.name for kind in UPDATE_KINDS.values() if kind.row_optimizer] == ["exact"]
     assert [kind.name for kind in UPDATE_KINDS.values() if kind.one_process] == ["authors"]
+
+
+def test_each_update_names_the_kernels_kind_the_step_composes_and_what_that_kind_steps():
+    """recipes.py switched on the names (UPDATES: name -> step class, optimizer); the entry now names the kind."""
+    for kind in UPDATE_KINDS.values():
+        kernel = getattr(updates, kind.kernel)
+        assert issubclass(kernel, updates.UpdateKind) and kernel is not updates.UpdateKind
+        assert kernel.rows == kind.row_optimizer, kind.name  # rows through step_rows: a row optimizer
+    assert len({kind.kernel for kind in UPDATE_KINDS.values()}) == len(UPDATE_KINDS)

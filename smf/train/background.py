@@ -26,7 +26,7 @@ from smf.train.artifacts import write_run_config
 from smf.train.config import TINY_PRESET, RunConfig, unused_options
 from smf.train.data import background_features, check_own_rows
 from smf.train.distributed import World, barrier, setup_distributed
-from smf.train.recipes import BACKGROUND_FILE
+from smf.train.rules import BACKGROUND_FILE
 from smf.train.run_dir import RunFiles, claim_output_dir
 from smf_kernels.sparse import SparseMemoryController
 from smf_kernels.sparse.background_collection import collect_background_batched

@@ -211,11 +211,12 @@ def frozen_alpha(config: RunConfig, command: str) -> str | None:
     if not kind.trains_memories or (kind.memories == "adapter if given" and config.adapter is None):
         return f"--recipe {config.recipe} trains no memory, so no alpha"
     saved = adapter_mode(config.adapter)
-    mode = (config.mode or saved) if config.recipe == "sparse" else saved
+    mode = (config.mode or saved) if kind.sparse_step else saved  # --mode: the sparse step's
     if mode == "replacement":
         return "the adapter's memories are in mode replacement, which has no alpha"
-    if config.recipe == "sparse" and mode != "additive+s":
-        return f"--recipe sparse in mode {mode} keeps alpha frozen (mode additive+s trains it: --mode additive+s)"
+    if kind.sparse_step and mode != "additive+s":
+        return (f"--recipe {config.recipe} in mode {mode} keeps alpha frozen (mode additive+s trains it: --mode "
+                "additive+s)")
     return None
 
 

@@ -43,7 +43,7 @@ from smf.train.rules import check_run
 from smf.train.run_dir import RunFiles, claim_output_dir
 from smf.train.sharding import SHARDS_DIR, remove_stale_shards, save_memory_shards
 from smf.train.steps import bf16_autocast
-from smf.vocabulary import TINY_MODEL
+from smf.vocabulary import RECIPE_KINDS, TINY_MODEL
 from smf_kernels.sharded import unsharded_memories
 
 logger = logging.getLogger(__name__)
@@ -101,7 +101,8 @@ def run_step(wrapped: nn.Module, setup: TrainingSetup, scheduler, micro_batches:
     module) around its
     forwards and backwards; returns this rank's summed token loss (0-d)."""
     autocast = bf16_autocast(config.bf16, world.device)
-    per_micro_batch = config.recipe == "sparse" and get_protocol(config.protocol).sparse_loss_sums_micro_batch_means
+    per_micro_batch = (RECIPE_KINDS[config.recipe].sparse_step
+                       and get_protocol(config.protocol).sparse_loss_sums_micro_batch_means)
     setup.step.begin_step(wrapped if config.compile else setup.model, micro_batches)
     loss_sum = torch.zeros((), device=world.device)
     for index, batch in enumerate(micro_batches):
@@ -181,7 +182,7 @@ def _train(config: RunConfig, world: World, files: RunFiles) -> dict:
     scheduler = cosine_schedule(setup.optimizer, config.warmup_steps, total_steps)
     parallel = setup.parallel
     collator = CausalLMCollator(setup.tokenizer.pad_token_id)
-    count_at_loss = config.recipe == "sparse" and config.count_reads == "loss"
+    count_at_loss = RECIPE_KINDS[config.recipe].sparse_step and config.count_reads == "loss"
     checkpoint_path, log_path = files.path(CHECKPOINT_FILE), files.path(LOG_FILE)
 
     step = 0
@@ -253,7 +254,7 @@ def _train(config: RunConfig, world: World, files: RunFiles) -> dict:
         with unsharded_memories(setup.model), consolidated(setup.model, None, world,
                                                            trainable_only=config.recipe != "full"):
             if world.is_main:
-                patch_base = config.adapter if config.recipe == "sparse" and config.save_patch else None
+                patch_base = config.adapter if RECIPE_KINDS[config.recipe].sparse_step and config.save_patch else None
                 save_final(setup.model, setup.tokenizer, config.recipe, final_dir, patch_base)
                 logger.info("saved the final %s artefact to %s", config.recipe, final_dir)
                 if config.recipe == "retrofit":

@@ -14,6 +14,7 @@ from smf.train.config import RunConfig
 from smf.train.distributed import Parallelism, World, parallelize_ddp
 from smf.train.fsdp import parallelize_fsdp
 from smf.train.sharding import parallelize_memories
+from smf.vocabulary import RECIPE_KINDS
 from smf_kernels.memory import memories_of
 from smf_kernels.sharded import ddp_ignored_names
 from smf_kernels.sparse.memory_step import step_reduced_names
@@ -25,7 +26,7 @@ def parallelize(model: nn.Module, config: RunConfig, world: World) -> Parallelis
     take part in a step, its ``module`` the one the forwards run through."""
     if config.shard_memories:
         parallelize_memories(model, world)
-    reduced = step_reduced_names(memories_of(model)) if config.recipe == "sparse" else []
+    reduced = step_reduced_names(memories_of(model)) if RECIPE_KINDS[config.recipe].sparse_step else []
     kept_out = list(dict.fromkeys(reduced + ddp_ignored_names(model)))
     if config.fsdp:
         parallel = parallelize_fsdp(model, world, kept_out)

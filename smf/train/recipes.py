@@ -2,7 +2,9 @@
 
 - ``retrofit``: fresh memories at ``layers``; every memory parameter (+ alpha) trains; AdamW.
 - ``sparse``: memories from the retrofit adapter; only value rows picked each step by the
-  :class:`SparseMemoryController` train (+ alpha in mode additive+s); :class:`RowSparseAdamW`, or
+  :class:`~smf_kernels.sparse.MemoryStep` of ``--update``'s kind train (+ alpha in mode additive+s); what each
+  recipe and update does is read off its entry in :data:`smf.vocabulary.RECIPE_KINDS` /
+  :data:`~smf.vocabulary.UPDATE_KINDS`; :class:`RowSparseAdamW`, or
   :class:`RowSparseSGD` with ``--row-optimizer sgd`` (``--update exact``; the ablations ``--update dense_masked``
   and ``--update authors`` step torch AdamW, :mod:`smf_kernels.sparse.updates`).
 - ``--alpha-lr``: alpha in its own parameter group at that rate, in any recipe where it trains.
@@ -15,7 +17,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -28,14 +29,13 @@ from smf.model.precision import authors_bf16_weights, cast_like_the_authors
 from smf.train.config import RunConfig
 from smf.train.distributed import Parallelism, World
 from smf.train.parallel import parallelize
-from smf.train.rules import check_sparse_mode
+from smf.train.rules import background_file, check_sparse_mode
 from smf.train.steps import DenseStep, MemoryUpdateStep, StepHooks, bf16_autocast
-from smf_kernels.sparse import (AuthorsSparseUpdate, BackgroundStats, DenseMaskedUpdate, RowSparseAdamW,
-                                 RowSparseSGD, SparseMemoryController)
+from smf.vocabulary import RECIPE_KINDS, UPDATE_KINDS
+from smf_kernels.sparse import BackgroundStats, MemoryStep, RowSparseAdamW, RowSparseSGD, updates
 
 logger = logging.getLogger(__name__)
 
-BACKGROUND_FILE = "background.safetensors"
 
 
 @dataclass
@@ -54,14 +54,6 @@ class TrainingSetup:
         return {name: p for name, p in self.model.named_parameters() if p.requires_grad}
 
 
-def resolve_background_file(path: str) -> Path:
-    """``path`` itself, or ``path``/background.safetensors when ``path`` is a directory."""
-    candidate = Path(path) / BACKGROUND_FILE if Path(path).is_dir() else Path(path)
-    if not candidate.is_file():
-        raise ConfigError(f"--background {path!r}: no background statistics file ({BACKGROUND_FILE}) there")
-    return candidate
-
-
 def set_sparse_mode(model: nn.Module, mode: str | None) -> None:
     """Finetune the adapter's memories in ``mode`` (None: the adapter's own), as far as
     :func:`smf.train.rules.check_sparse_mode` allows (additive -> additive+s)."""
@@ -71,19 +63,17 @@ def set_sparse_mode(model: nn.Module, mode: str | None) -> None:
         set_memory_mode(model, mode)
 
 
-# The optimizer of each --row-optimizer (--recipe sparse --update exact); the ablations and the other recipes step
-# torch AdamW.
+# The optimizer of each --row-optimizer, for a sparse update that steps rows (--update exact); the ablations and the
+# other recipes step torch AdamW.
 ROW_OPTIMIZERS = {"adamw": RowSparseAdamW, "sgd": RowSparseSGD}
-# --update -> (what selects and updates the value rows, its optimizer; None: the row optimizer above)
-UPDATES = {"exact": (SparseMemoryController, None), "dense_masked": (DenseMaskedUpdate, torch.optim.AdamW),
-           "authors": (AuthorsSparseUpdate, torch.optim.AdamW)}
 
 
 def optimizer_class(config: RunConfig) -> type[torch.optim.Optimizer]:
-    """The optimizer of ``config``'s run: :data:`UPDATES` for --recipe sparse, torch AdamW for the others."""
-    if config.recipe != "sparse":
-        return torch.optim.AdamW
-    return UPDATES[config.update][1] or ROW_OPTIMIZERS[config.row_optimizer]
+    """The optimizer of ``config``'s run: the --row-optimizer's where the recipe's sparse step updates rows (its
+    entries in :data:`~smf.vocabulary.RECIPE_KINDS` and :data:`~smf.vocabulary.UPDATE_KINDS`), else torch AdamW."""
+    if RECIPE_KINDS[config.recipe].sparse_step and UPDATE_KINDS[config.update].row_optimizer:
+        return ROW_OPTIMIZERS[config.row_optimizer]
+    return torch.optim.AdamW
 
 
 def param_groups(model: nn.Module, trainable: list[nn.Parameter], alpha_lr: float | None) -> list[dict]:
@@ -124,7 +114,7 @@ def build_setup(config: RunConfig, world: World) -> TrainingSetup:
         logger.info("protocol %s: bf16 weights, %s", config.protocol,
                     "no fp32 master copy" if recipe == "full" else "the trainable parameters fp32")
     parallel = parallelize(model, config, world)
-    step = sparse_step(config, model, world) if recipe == "sparse" else DenseStep()
+    step = sparse_step(config, model, world) if RECIPE_KINDS[recipe].sparse_step else DenseStep()
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = optimizer_class(config)(param_groups(model, trainable, config.alpha_lr), lr=config.lr,
                                         weight_decay=config.weight_decay)
@@ -135,10 +125,11 @@ def build_setup(config: RunConfig, world: World) -> TrainingSetup:
 
 def recipe_model(config: RunConfig, world: World) -> tuple[nn.Module, object]:
     """``config.recipe``'s model (on ``world.device``; before any parallelism and before its trainable parameters
-    are chosen) and its tokenizer: the base with fresh memories (retrofit), the adapter's memories in the run's
-    mode (sparse), the base or the base with the adapter's memories, with LoRA (lora) or as it is (full)."""
-    recipe = config.recipe
-    if recipe == "retrofit":
+    are chosen) and its tokenizer, by where its memories come from (:data:`~smf.vocabulary.RECIPE_KINDS`): the
+    base with fresh memories (retrofit); else the base, or the base with the memories of --adapter (required by
+    sparse), in the run's mode for the sparse step, with LoRA (lora) or as it is (full)."""
+    kind = RECIPE_KINDS[config.recipe]
+    if kind.memories == "fresh":
         model, tokenizer = load_base(config.model, world.device)
         if memory_blocks(model):
             raise ConfigError(
@@ -149,16 +140,12 @@ def recipe_model(config: RunConfig, world: World) -> tuple[nn.Module, object]:
                         n_keys=config.n_keys, heads=config.heads, topk=config.topk, key_dim=config.key_dim,
                         backend=config.backend)
         return model.to(world.device), tokenizer
-    if recipe == "sparse":
-        model, tokenizer = load_with_adapter(config.model, config.adapter, world.device, config.backend)
-        set_sparse_mode(model, config.mode)
-        return model, tokenizer
-    if recipe not in ("lora", "full"):
-        raise ConfigError(f"--recipe must be one of retrofit, sparse, lora, full; got {recipe!r}")
-    # from the base model, or (--adapter) the base with its memories (frozen under LoRA, trained by full)
+    # from the base model, or (--adapter) the base with its memories (frozen under LoRA, trained by the others)
     model, tokenizer = (load_base(config.model, world.device) if config.adapter is None else
                         load_with_adapter(config.model, config.adapter, world.device, config.backend))
-    if recipe == "lora":
+    if kind.sparse_step:
+        set_sparse_mode(model, config.mode)
+    if config.recipe == "lora":
         model = apply_lora(model, r=config.lora_r, alpha=config.lora_alpha, dropout=config.lora_dropout)
     return model, tokenizer
 
@@ -166,12 +153,14 @@ def recipe_model(config: RunConfig, world: World) -> tuple[nn.Module, object]:
 def sparse_step(config: RunConfig, model: nn.Module, world: World) -> MemoryUpdateStep:
     """--recipe sparse's step: ``config.update``'s :class:`~smf_kernels.sparse.MemoryStep` over ``model``'s
     memories with the background statistics of ``config.background``, driven by :class:`MemoryUpdateStep` (the
-    rules on ``world`` were checked before the model loaded: :func:`smf.train.rules.check_run`)."""
-    update = UPDATES[config.update][0](model, rule=config.rule, rows_per_step=config.rows_per_step)
+    rules on ``world`` and that the file exists were checked before the model loaded: :func:`smf.train.rules.check_run`;
+    whether it fits the memories is checked here)."""
+    kind = getattr(updates, UPDATE_KINDS[config.update].kernel)()  # the update kind its entry names
+    update = MemoryStep(model, update=kind, rule=config.rule, rows_per_step=config.rows_per_step)
     step = MemoryUpdateStep(update, bf16_autocast(config.bf16, world.device), compiled=config.compile,
                             world=world.size, step_tokens=config.global_batch_size // world.size * config.max_length)
     try:
-        update.set_background(BackgroundStats.load(resolve_background_file(config.background), update.memories))
+        update.set_background(BackgroundStats.load(background_file(config.background), update.memories))
     except ValueError as err:
         raise ConfigError(f"--background: {err}") from err
     return step

@@ -68,6 +68,19 @@ def adapter_mode(adapter: str) -> str:
         raise ConfigError(f"--adapter: {err}") from None
 
 
+BACKGROUND_FILE = "background.safetensors"  # what `smf background` writes in its output directory
+
+
+def background_file(path: str) -> Path:
+    """The background statistics file of --background ``path``: ``path`` itself, or ``path``/background.safetensors
+    when ``path`` is a directory (`smf background`'s output directory); ConfigError naming --background when there is
+    none."""
+    candidate = Path(path) / BACKGROUND_FILE if Path(path).is_dir() else Path(path)
+    if not candidate.is_file():
+        raise ConfigError(f"--background {path!r}: no background statistics file ({BACKGROUND_FILE}) there")
+    return candidate
+
+
 def check_sparse_mode(mode: str | None, saved: str) -> None:
     """ConfigError unless --recipe sparse can finetune an adapter saved in mode ``saved`` in ``mode`` (None: the
     adapter's own): a mode other than the adapter's must start from a retrofit in the adapter's mode
@@ -129,6 +142,11 @@ def _sparse_inputs_given(config, command: str, world_size: int | None) -> None:
         raise ConfigError("--adapter (the retrofit run directory) is required for --recipe sparse")
     if config.background is None:
         raise ConfigError("--background (file from `smf background`) is required for --recipe sparse")
+
+
+@rule("sparse", at_start=True)
+def _background_file_exists(config, command: str, world_size: int | None) -> None:
+    background_file(config.background)
 
 
 @rule("sparse")

@@ -28,8 +28,8 @@ import os
 import torch
 
 from smf_kernels.backends.torch_impl import Backend
+from smf_kernels.names import BACKENDS
 
-BACKENDS = ("torch", "triton", "ext")
 ENV_VAR = "SMF_KERNELS_BACKEND"
 
 

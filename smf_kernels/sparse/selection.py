@@ -17,10 +17,10 @@ from collections.abc import Mapping
 import torch
 
 from smf_kernels._checks import check_non_negative, check_tensor
+from smf_kernels.names import RULES
 from smf_kernels.sparse.background import check_counts as check_background_counts
 
 logger = logging.getLogger(__name__)
-RULES = ("tfidf", "kl")
 KL_EPS = 1e-8
 
 
