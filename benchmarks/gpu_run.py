@@ -22,13 +22,13 @@ Each stage writes ``DIR/<stage>.jsonl``, one line per item, appended and flushed
 is replaced: a poisoned CUDA context stays in its process) or outlasts its limit costs that item only, with a row
 saying why. A failure by design (the authors' layer in bf16 on CUDA) is recorded as expected and, like a dry run's
 Triton item that meets Triton 3.6's interpreter bug under numpy >= 2.4 (a kernel looping over a runtime integer
-raises; fixed in 3.7), leaves the exit status 0: 1 means an unexpected failure. ``DIR/summary.md`` is rewritten after every stage from whatever finished, with the targets
-(the layer at N = 16,384 in bf16 <= 2.0 ms, each kernel <= 2x its floor, the sparse step <= 0.8x full
-finetuning); ``DIR/gpu_run.log`` holds every process's output. Eight files in all, one folder deep (what the
-device tool brings back). The figures come first and the extension's build last: a build that hangs costs the
-build and its tests only. ``--dry-run`` runs the same stages on CPU at tiny shapes; its extension build parses
-setup.py's extensions and build_ext's options without compiling (no CUDA here), and its test stage collects the
-same test files without running them.
+raises; fixed in 3.7), leaves the exit status 0: 1 means an unexpected failure. ``DIR/summary.md`` is rewritten
+after every stage from whatever finished, with the targets (the layer at N = 16,384 in bf16 <= 2.0 ms, each kernel
+<= 2x its floor, the sparse step <= 0.8x full finetuning); ``DIR/gpu_run.log`` holds every process's output.
+Eight files in all, one folder deep (what the device tool brings back). The figures come first and the extension's
+build last: a build that hangs costs the build and its tests only. ``--dry-run`` runs the same stages on CPU at tiny
+shapes; its extension build parses setup.py's extensions and build_ext's options without compiling (no CUDA here),
+and its test stage collects the same test files without running them.
 """
 from __future__ import annotations
 
