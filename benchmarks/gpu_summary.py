@@ -64,8 +64,9 @@ def _targets(out: Path, dry_run: bool) -> list[str]:
 
 
 def expected_failure(stage: str, row: dict) -> str | None:
-    """Why the failed ``row`` of ``stage`` was expected (a dry run's skipped item, or a failure by design:
-    :data:`gpu_layer.EXPECTED_FAILURES`), or None: a failure that counts."""
+    """Why the failed ``row`` of ``stage`` was expected (a row marked so: a dry run's Triton item that met Triton
+    3.6's interpreter bug, see gpu_run.interpreter_bug; or a failure by design: :data:`gpu_layer.EXPECTED_FAILURES`),
+    or None: a failure that counts."""
     import gpu_layer
 
     if row.get("expected"):
