@@ -1,9 +1,9 @@
-"""The ext CPU top-k's bf16 pre-screen (csrc/cpu_topk.cpp, AVX512_BF16 builds, n_keys >= 512 and at least 24
+"""The ext CPU top-k's bf16 pre-screen (csrc/cpu_topk.cpp, AVX512_BF16 builds, n_keys >= 512 and at least 192
 tokens a call): it must give the fp32 tiles' results bit for bit, never dropping a true top-k member.
 
 The oracle is the same kernel without the pre-screen: each token's result does not depend on the others, and calls
-of fewer than 24 tokens (one token block) score every sub-key exactly. So a call of N >= 24 tokens must equal, bit
-for bit, the same tokens looked up in chunks of 23. On CPUs without AVX512_BF16 both are the exact path.
+of fewer than 192 tokens score every sub-key exactly. So a call of N >= 192 tokens must equal, bit for bit, the same
+tokens looked up in chunks of 191. On CPUs without AVX512_BF16 both are the exact path.
 """
 import pytest
 import torch
@@ -13,7 +13,7 @@ from smf_kernels import backends, build_ext
 from smf_kernels.ops import product_key_topk
 from smf_kernels.reference import product_key_topk_reference
 
-EXACT_CHUNK = 23  # tokens per call below the pre-screen's one token block (kTokenBlock = 24)
+EXACT_CHUNK = 191  # tokens per call below the pre-screen's kPrescreenTokens (192)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -52,8 +52,8 @@ def near_ties(keys, kind, gen):
 
 # (N, H, key_dim, n_keys, topk): half 37 (odd: a bf16 pair padded, d tails), 130 and 32; n_keys not a multiple
 # of 16; topk 1, 5, 16 (vector selection) and 17, 32 (general path).
-SHAPES = [(61, 2, 74, 531, 16), (50, 1, 260, 1024, 5), (37, 3, 64, 600, 17), (29, 2, 256, 512, 1),
-          (48, 1, 130, 777, 32)]
+SHAPES = [(203, 2, 74, 531, 16), (197, 1, 260, 1024, 5), (229, 3, 64, 600, 17), (193, 2, 256, 512, 1),
+          (211, 1, 130, 777, 32)]
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -76,7 +76,7 @@ def test_prescreen_keeps_rows_it_cannot_bound_exact():
     """Non-finite or huge entries (no bound: the row scores every sub-key exactly) and tiny ones (subnormal
     products, flushed by the bf16 dot products) beside ordinary rows."""
     gen = torch.Generator().manual_seed(7)
-    query = torch.randn(53, 2, 96, generator=gen)
+    query = torch.randn(201, 2, 96, generator=gen)
     keys = torch.randn(2, 2, 640, 48, generator=gen)
     query[3, 0, 5] = float("inf")
     query[4, 1, 50] = float("nan")
