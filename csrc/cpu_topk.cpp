@@ -2,6 +2,8 @@
 // and the backward.
 #include "cpu_common.h"
 
+#include <optional>
+
 namespace smf::cpu {
 namespace {
 
@@ -608,6 +610,256 @@ void select_product_topk(const A* const* half_scores, int64_t n_keys, [[maybe_un
   merge_topk(top, top_index, top + topk, top_index + topk, topk, n_keys, buffers.next.data(), scores, indices);
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// bf16 pre-screen of the sub-key scores (AVX512_BF16 builds, large n_keys): every sub-key is scored with
+// bfloat16 inputs and float32 accumulation (vdpbf16ps: 32 multiply-adds an instruction, twice the fp32 FMA's),
+// and only the sub-keys that can still be in the top k are scored again exactly, each by the same d-ordered
+// chain of fp32 FMAs from 0 as score_tile, so the scores and the selection are those of the fp32 tiles bit for bit.
+//
+// The bound. For a query half q and sub-key k (half components), s = the fp32 FMA chain, b = the bf16 score:
+//  - rounding to bf16 (round to nearest even, 8 significant bits) moves x by at most 2^-8 |x|, or by |x| < 2^-126
+//    where the result is subnormal (vdpbf16ps and the conversion may flush those to 0);
+//  - products of two bf16 are exact in fp32, |bq bk - q k| <= (2^-7 + 2^-16) |q||k| + 2^-125 (|q| + |k|) and the
+//    product flushed below 2^-126;
+//  - each accumulation rounds at most twice a pair (half roundings), each off by at most 2^-23 of the partial sum
+//    (twice round-to-nearest's 2^-24, whatever the hardware's rounding) plus 2^-126 flushed: at most
+//    1.01 half 2^-23 sum |q_d||k_d| + half 2^-126 (half 2^-23 <= 2^-11);
+//  - s is off the exact dot product by at most 1.01 half 2^-24 sum |q_d||k_d| (+ half 2^-149 underflow).
+// With sum |q_d||k_d| <= ||q|| ||k|| (Cauchy-Schwarz) and sum |q_d| <= sqrt(half) ||q||:
+//   |b - s| <= E = ||q|| max_j ||k_j|| (2^-7 + 2^-16 + 2 half 2^-23) + 2^-124 (sqrt(half) (||q|| + max ||k||) + half).
+// With T the k-th largest bf16 score, k sub-keys have s >= T - E; a sub-key with b < T - 2E has s < T - E, below
+// k others strictly, so it is not in the top k whatever the tie-break: the top k of the sub-keys with b >= T - 2E
+// are the top k of all. The norms are summed in double (a factor 1 + 2^-20 covers their rounding) and the
+// threshold rounded down to float. Rows with ||q||, max ||k|| or their product above 2^100 (infinities and NaNs
+// included) keep the exact scores of every sub-key: no overflow to reason about.
+//
+// From n_keys = kPrescreenKeys (one thread, 2,048 tokens, 4 heads, half 128; see benchmarks/RESULTS.md) and
+// kPrescreenTokens tokens a call: the bf16 keys are made every call (2H x padded x half values). At 1M slots a call
+// of 24 tokens took 0.86 ms instead of 0.58 (with the buffers zeroed), calls of 192 and 512 tokens the same time
+// with and without the pre-screen, 2,048 tokens 2-9% less.
+constexpr int64_t kPrescreenKeys = 512;
+constexpr int64_t kPrescreenTokens = 8 * kTokenBlock;
+constexpr double kPrescreenLimit = 0x1p100;
+
+// The 16 x 16 block x (row i: x[i]) transposed in place: x[i] lane l becomes old x[l] lane i.
+inline void transpose16(__m512 x[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(x[i], x[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(x[i], x[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    x[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    x[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    x[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    x[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+  }
+  for (int i = 0; i < 16; i += 8)
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_f32x4(x[i + j], x[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_f32x4(x[i + j], x[i + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    x[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
+    x[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+
+// The sub-keys as the pre-screen reads them: words (2H, padded / 16, pairs, 16) 32-bit words for the bf16 tiles,
+// word [b, p, e, l] the bf16 of components 2e (low half) and 2e + 1 (high half) of sub-key 16 p + l (0 past
+// half); rows (2H, padded, half) fp32, each sub-key's components contiguous for the exact rescoring; and
+// max_norm[b], the largest ||k_j|| over the n_keys sub-keys of (head, half) b (padding columns are 0).
+struct PrescreenKeys {
+  int64_t pairs;
+  std::unique_ptr<uint32_t[]> words;  // uninitialised (zeroing them took a third of their making): all written here
+  std::unique_ptr<float[]> rows;
+  std::vector<double> max_norm;
+
+  PrescreenKeys(const float* keys_t, int64_t blocks, int64_t half, int64_t padded_keys, int threads)
+      : pairs((half + 1) / 2), words(new uint32_t[blocks * padded_keys * pairs]),
+        rows(new float[blocks * padded_keys * half]), max_norm(blocks) {
+    const int64_t panels = padded_keys / 16;
+    std::vector<double> panel_norm2(blocks * padded_keys);  // ||k_j||^2 of sub-key j of block b at b * padded + j
+    // Interleaves [a0..a15, b0..b15] (cvtne2ps_pbh(b, a)) into [a0, b0, a1, b1, ...].
+    alignas(64) uint16_t order[32];
+    for (int l = 0; l < 32; ++l) order[l] = static_cast<uint16_t>(l / 2 + 16 * (l % 2));
+    const __m512i interleave = _mm512_load_si512(order);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t bp = 0; bp < blocks * panels; ++bp) {
+      const float* panel = keys_t + bp * half * 16;
+      uint32_t* out = words.get() + bp * pairs * 16;
+      for (int64_t e = 0; e < pairs; ++e) {
+        const __m512 even = _mm512_loadu_ps(panel + 2 * e * 16);
+        const __m512 odd = 2 * e + 1 < half ? _mm512_loadu_ps(panel + (2 * e + 1) * 16) : _mm512_setzero_ps();
+        const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even));
+        _mm512_storeu_si512(out + e * 16, _mm512_permutexvar_epi16(interleave, both));
+      }
+      // Rows: 16 components of the 16 sub-keys at a time, transposed; their squares summed in double by lanes.
+      float* row = rows.get() + bp * 16 * half;
+      __m512d norm2[2] = {_mm512_setzero_pd(), _mm512_setzero_pd()};
+      for (int64_t d0 = 0; d0 < half; d0 += 16) {
+        const int64_t width = std::min<int64_t>(16, half - d0);
+        __m512 x[16];
+        for (int64_t i = 0; i < 16; ++i) {
+          x[i] = i < width ? _mm512_loadu_ps(panel + (d0 + i) * 16) : _mm512_setzero_ps();
+          for (int g = 0; g < 2; ++g) {
+            const __m512d wide = _mm512_cvtps_pd(g ? _mm512_extractf32x8_ps(x[i], 1) : _mm512_castps512_ps256(x[i]));
+            norm2[g] = _mm512_fmadd_pd(wide, wide, norm2[g]);
+          }
+        }
+        transpose16(x);
+        const __mmask16 live = width == 16 ? __mmask16(0xffff) : __mmask16((1u << width) - 1);
+        for (int64_t l = 0; l < 16; ++l) _mm512_mask_storeu_ps(row + l * half + d0, live, x[l]);
+      }
+      _mm512_storeu_pd(panel_norm2.data() + bp * 16, norm2[0]);
+      _mm512_storeu_pd(panel_norm2.data() + bp * 16 + 8, norm2[1]);
+    }
+    for (int64_t b = 0; b < blocks; ++b) {
+      double largest = 0;
+      for (int64_t j = 0; j < padded_keys; ++j) {
+        const double norm2 = panel_norm2[b * padded_keys + j];
+        largest = norm2 == norm2 ? std::max(largest, norm2) : std::numeric_limits<double>::infinity();
+        if (largest == std::numeric_limits<double>::infinity()) break;  // NaN or inf: the pre-screen is off
+      }
+      max_norm[b] = std::sqrt(largest);
+    }
+  }
+};
+
+// q (half) fp32 as bf16 pairs: word e holds components 2e (low) and 2e + 1 (high), 0 past half.
+inline void bf16_pairs(const float* q, int64_t half, uint32_t* words) {
+  for (int64_t d0 = 0; d0 < half; d0 += 32) {
+    const int64_t left = std::min<int64_t>(32, half - d0);
+    const __mmask16 lo = left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
+    const __mmask16 hi = left >= 32 ? __mmask16(0xffff) : left > 16 ? __mmask16((1u << (left - 16)) - 1) : 0;
+    const __m512 a = _mm512_maskz_loadu_ps(lo, q + d0), b = _mm512_maskz_loadu_ps(hi, q + d0 + 16);
+    const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a));
+    const int64_t words_left = (left + 1) / 2;
+    _mm512_mask_storeu_epi32(words + d0 / 2, words_left >= 16 ? __mmask16(0xffff) : __mmask16((1u << words_left) - 1),
+                             both);
+  }
+}
+
+// out_r[j] = the bf16 score of q_r and column j for R query rows (bf16 pairs) and the 16 * V columns of V panels
+// of kb (panel v: (pairs, 16) words at kb + v * pairs * 16), as score_tile does in fp32.
+template <int R, int V>
+inline void bf16_score_tile(const uint32_t* const* q, const uint32_t* kb, int64_t pairs, float* const* out) {
+  __m512 acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t e = 0; e < pairs; ++e) {
+    __m512bh k[V];
+    for (int v = 0; v < V; ++v)
+      k[v] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(kb + (v * pairs + e) * 16));
+    for (int r = 0; r < R; ++r) {
+      const __m512bh b = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(q[r][e])));
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], b, k[v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(out[r] + 16 * v, acc[r][v]);
+}
+
+template <int R>
+inline void bf16_score_rows(const uint32_t* const* q, const uint32_t* kb, int64_t pairs, int64_t padded,
+                            float* const* out) {
+  for (int64_t j0 = 0; j0 < padded;) {
+    float* tile_out[R];
+    for (int r = 0; r < R; ++r) tile_out[r] = out[r] + j0;
+    const int64_t vectors = std::min<int64_t>(4, (padded - j0) / 16);
+    switch (vectors) {
+      case 4: bf16_score_tile<R, 4>(q, kb + j0 * pairs, pairs, tile_out); break;
+      case 3: bf16_score_tile<R, 3>(q, kb + j0 * pairs, pairs, tile_out); break;
+      case 2: bf16_score_tile<R, 2>(q, kb + j0 * pairs, pairs, tile_out); break;
+      default: bf16_score_tile<R, 1>(q, kb + j0 * pairs, pairs, tile_out); break;
+    }
+    j0 += 16 * vectors;
+  }
+}
+
+template <int R>
+void bf16_score_tail(const uint32_t* const* q, int64_t left, const uint32_t* kb, int64_t pairs, int64_t padded,
+                     float* const* out) {
+  if constexpr (R > 1) {
+    if (left < R) return bf16_score_tail<R - 1>(q, left, kb, pairs, padded, out);
+  }
+  bf16_score_rows<R>(q, kb, pairs, padded, out);
+}
+
+// block_scores with bf16 inputs: out[r * padded + j] = the bf16 score of q[r] and sub-key j.
+void bf16_block_scores(const uint32_t* const* q, int64_t rows, const uint32_t* kb, int64_t pairs, int64_t padded,
+                       float* out) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
+    float* tile_out[kTileRows];
+    const int64_t left = std::min(kTileRows, rows - r0);
+    for (int64_t r = 0; r < left; ++r) tile_out[r] = out + (r0 + r) * padded;
+    bf16_score_tail<kTileRows>(q + r0, left, kb, pairs, padded, tile_out);
+  }
+}
+
+// The bound E above for a query half q (half) against sub-keys of largest norm max_norm; +inf where the row
+// keeps every exact score (a norm or their product above kPrescreenLimit, or not a number).
+inline double prescreen_bound(const float* q, int64_t half, double max_norm) {
+  double norm2 = 0;  // in any order: its rounding (below half 2^-53 of it) is in the factor 1 + 2^-20
+#pragma omp simd reduction(+ : norm2)
+  for (int64_t d = 0; d < half; ++d) norm2 += double(q[d]) * q[d];
+  const double norm = std::sqrt(norm2);
+  if (!(norm <= kPrescreenLimit && max_norm <= kPrescreenLimit && norm * max_norm <= kPrescreenLimit))
+    return std::numeric_limits<double>::infinity();
+  const double relative = 0x1p-7 + 0x1p-16 + 2.0 * double(half) * 0x1p-23;
+  return (norm * max_norm * relative + 0x1p-124 * (std::sqrt(double(half)) * (norm + max_norm) + double(half))) *
+         (1 + 0x1p-20);
+}
+
+// out[p] = the fp32 score of q (half) and sub-key ids[p] (rows: (n, half) fp32), p < count <= 16, by the same
+// d-ordered chain of FMAs from 0 as score_tile, the candidates in lanes: their rows are read 16 components at a
+// time and transposed (a gather of 16 columns of the panel layout took 3x longer on the EPYC VM).
+inline void exact_scores16(const float* q, const float* rows, int64_t half, const int32_t* ids, int64_t count,
+                           float* out) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t d0 = 0; d0 < half; d0 += 16) {
+    const int64_t width = std::min<int64_t>(16, half - d0);
+    const __mmask16 live = width == 16 ? __mmask16(0xffff) : __mmask16((1u << width) - 1);
+    __m512 x[16];
+    for (int64_t p = 0; p < 16; ++p)
+      x[p] = p < count ? _mm512_maskz_loadu_ps(live, rows + ids[p] * half + d0) : _mm512_setzero_ps();
+    transpose16(x);
+    for (int64_t i = 0; i < width; ++i) acc = _mm512_fmadd_ps(_mm512_set1_ps(q[d0 + i]), x[i], acc);
+  }
+  _mm512_storeu_ps(out, acc);
+}
+
+// One half's top k (sorted, ties: lower index first) of the exact fp32 scores of q (half) against the sub-keys
+// rows (n_keys, half), from its bf16 scores b[0..n_keys) and bound E: the sub-keys with b >= T - 2E are rescored
+// exactly (exact_scores16) and ranked as select_topk ranks. Returns false (nothing written) where E is infinite.
+// `ids` and `exact` hold n_keys + 16.
+bool prescreened_topk(const float* q, const float* rows, int64_t half, const float* b, int64_t n_keys, double bound,
+                      int64_t topk, ProductTopkBuffers<float>& buffers, int32_t* ids, float* exact, float* top_values,
+                      int64_t* top_indices) {
+  if (!(bound < std::numeric_limits<double>::infinity())) return false;
+  select_topk_float(b, n_keys, topk, top_values, top_indices, buffers.scratch.data(), buffers.candidates.data());
+  const double wanted = double(top_values[topk - 1]) - 2 * bound;
+  float threshold = static_cast<float>(wanted);
+  if (double(threshold) > wanted) threshold = std::nextafter(threshold, -std::numeric_limits<float>::infinity());
+  const __m512 tv = _mm512_set1_ps(threshold);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  int64_t count = 0;
+  for (int64_t j0 = 0; j0 < n_keys; j0 += 16) {
+    const __mmask16 live = n_keys - j0 >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n_keys - j0)) - 1);
+    const __mmask16 keep = _mm512_mask_cmp_ps_mask(live, _mm512_maskz_loadu_ps(live, b + j0), tv, _CMP_GE_OQ);
+    _mm512_storeu_si512(ids + count,
+                        _mm512_maskz_compress_epi32(keep, _mm512_add_epi32(lane, _mm512_set1_epi32(int(j0)))));
+    count += _mm_popcnt_u32(keep);
+  }
+  for (int64_t p0 = 0; p0 < count; p0 += 16)
+    exact_scores16(q, rows, half, ids + p0, std::min<int64_t>(16, count - p0), exact + p0);
+  // Candidates in index order: equal scores keep the lower index first.
+  select_topk_float(exact, count, topk, top_values, top_indices, buffers.scratch.data(), buffers.candidates.data());
+  for (int64_t r = 0; r < topk; ++r) top_indices[r] = ids[top_indices[r]];
+  return true;
+}
+#endif
+
 template <typename A>
 void topk_select_impl(const A* sub_scores, A* scores, int64_t* indices, int64_t num_tokens, int64_t heads,
                       int64_t n_keys, int64_t topk, int threads) {
@@ -639,30 +891,80 @@ void topk_forward_float_impl(const T* query, const float* keys_t, float* scores,
                              int64_t heads, int64_t half, int64_t n_keys, int64_t padded_keys, int64_t topk,
                              int threads) {
   const int64_t blocks = (num_tokens + kTokenBlock - 1) / kTokenBlock;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  const bool prescreen = n_keys >= kPrescreenKeys && num_tokens >= kPrescreenTokens && half <= 4096;
+  const std::optional<PrescreenKeys> prescreen_keys =
+      prescreen ? std::optional<PrescreenKeys>(std::in_place, keys_t, heads * 2, half, padded_keys, threads) : std::nullopt;
+  const int64_t pairs = (half + 1) / 2;
+#endif
 #pragma omp parallel num_threads(threads)
   {
     // Both halves' scores of a block of tokens: half c of row r at (c * kTokenBlock + r) * padded_keys.
     // Uninitialised (a decoded token at 1M slots would zero 196 KB a call): every entry read is written first.
     const std::unique_ptr<float[]> block(new float[2 * kTokenBlock * padded_keys]);
     ProductTopkBuffers<float> buffers(n_keys, topk, padded_keys);
-    std::vector<float> converted(std::is_same_v<T, float> ? 0 : kTokenBlock * half);  // see float_row
+    std::vector<float> converted(std::is_same_v<T, float> ? 0 : 2 * kTokenBlock * half);  // see float_row
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    // The block's query rows as bf16 pairs, and a half's candidates and their exact scores (prescreened_topk).
+    std::vector<uint32_t> query_words(prescreen ? 2 * kTokenBlock * pairs : 0);
+    std::vector<int32_t> candidate_ids(prescreen ? n_keys + 16 : 0);
+    std::vector<float> candidate_scores(prescreen ? n_keys + 16 : 0);
+#endif
     // One (block, head) a task: a few decoded tokens still spread their heads over the threads.
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < blocks * heads; ++task) {
       const int64_t b = task / heads, h = task % heads;
       const int64_t n0 = b * kTokenBlock, rows = std::min(kTokenBlock, num_tokens - n0);
-      for (int64_t c = 0; c < 2; ++c) {
-        const float* q[kTokenBlock];
+      const float* q[2][kTokenBlock];
+      for (int64_t c = 0; c < 2; ++c)
         for (int64_t r = 0; r < rows; ++r)
-          q[r] = float_row(query + ((n0 + r) * heads + h) * 2 * half + c * half, r, half, converted.data());
-        float* out = block.get() + c * kTokenBlock * padded_keys;
-        block_scores(q, rows, keys_t + (h * 2 + c) * half * padded_keys, half, padded_keys, out);
-        // The padding columns' scores (0) become -inf, never selected.
+          q[c][r] = float_row(query + ((n0 + r) * heads + h) * 2 * half + c * half, r, half,
+                              converted.data() + c * kTokenBlock * half);
+      // Exact scores of rows [r0, r0 + count) of half c; the padding columns' scores (0) become -inf, never selected.
+      auto exact_scores = [&](int64_t c, int64_t r0, int64_t count) {
+        float* out = block.get() + (c * kTokenBlock + r0) * padded_keys;
+        block_scores(q[c] + r0, count, keys_t + (h * 2 + c) * half * padded_keys, half, padded_keys, out);
         if (n_keys < padded_keys)
-          for (int64_t r = 0; r < rows; ++r)
+          for (int64_t r = 0; r < count; ++r)
             std::fill(out + r * padded_keys + n_keys, out + (r + 1) * padded_keys,
                       -std::numeric_limits<float>::infinity());
+      };
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+      if (prescreen) {
+        for (int64_t c = 0; c < 2; ++c) {
+          const uint32_t* words[kTokenBlock];
+          for (int64_t r = 0; r < rows; ++r) {
+            uint32_t* row_words = query_words.data() + (c * kTokenBlock + r) * pairs;
+            bf16_pairs(q[c][r], half, row_words);
+            words[r] = row_words;
+          }
+          bf16_block_scores(words, rows, prescreen_keys->words.get() + (h * 2 + c) * padded_keys * pairs, pairs,
+                            padded_keys, block.get() + c * kTokenBlock * padded_keys);
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t nh = (n0 + r) * heads + h;
+          bool screened = true;
+          for (int64_t c = 0; c < 2 && screened; ++c)
+            screened = prescreened_topk(q[c][r], prescreen_keys->rows.get() + (h * 2 + c) * padded_keys * half, half,
+                                        block.get() + (c * kTokenBlock + r) * padded_keys, n_keys,
+                                        prescreen_bound(q[c][r], half, prescreen_keys->max_norm[h * 2 + c]), topk, buffers,
+                                        candidate_ids.data(), candidate_scores.data(), buffers.top.data() + c * topk,
+                                        buffers.top_index.data() + c * topk);
+          if (screened) {
+            merge_topk(buffers.top.data(), buffers.top_index.data(), buffers.top.data() + topk,
+                       buffers.top_index.data() + topk, topk, n_keys, buffers.next.data(), scores + nh * topk,
+                       indices + nh * topk);
+            continue;
+          }
+          for (int64_t c = 0; c < 2; ++c) exact_scores(c, r, 1);
+          const float* half_scores[2] = {block.get() + r * padded_keys, block.get() + (kTokenBlock + r) * padded_keys};
+          select_product_topk(half_scores, n_keys, padded_keys, topk, buffers, scores + nh * topk,
+                              indices + nh * topk);
+        }
+        continue;
       }
+#endif
+      for (int64_t c = 0; c < 2; ++c) exact_scores(c, 0, rows);
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t nh = (n0 + r) * heads + h;
         const float* half_scores[2] = {block.get() + r * padded_keys,
