@@ -185,13 +185,17 @@ def test_every_stage_is_evaluated_on_old_facts_and_every_task(stream):
 def test_report_has_stage_tables_matched_learning_and_forgetting_curves(stream):
     from smf.suite.report import write_suite_report
 
-    config, _, _ = stream
+    config, results, _ = stream
     written = {path.name for path in write_suite_report(config.output_dir)}
     assert {"stream.md", "stream.json", "stream_forgetting.png", "table1.md", "matched_learning.md"} <= written
     report = json.loads((config.output_dir / "stream.json").read_text())
     assert [row["method"][0] for row in report["stages"]] == ["additive+s-tfidf", "lora", "full"]
     assert all(list(row["stages"]) == ["0", "1", "2", "3"] for row in report["stages"])
-    assert list(report["matched_learning"]) == ["retain_acc", "task A", "task B"]
+    assert list(report["matched_learning"]) == ["retain_acc", "task A", "task B", "earlier tasks (mean)"]
+    from smf.suite.stream_report import EARLIER_MEAN, matched_records
+    records = matched_records(list(results.values()), ["A", "B", "C"])
+    assert records and all(record["metrics"][EARLIER_MEAN] == pytest.approx(
+        (record["metrics"]["task A"] + record["metrics"]["task B"]) / 2) for record in records)
     page = (config.output_dir / "report.md").read_text()
     assert "A stream of tasks" in page and "stream_forgetting.png" in page
 
