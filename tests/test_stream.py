@@ -200,6 +200,19 @@ def test_report_has_stage_tables_matched_learning_and_forgetting_curves(stream):
     assert "A stream of tasks" in page and "stream_forgetting.png" in page
 
 
+def test_the_packed_results_redraw_the_stream_report(stream, tmp_path):
+    from smf.suite.report import write_suite_report
+    from smf.suite.shipped import write_packed, write_packed_report
+
+    config, _, _ = stream
+    write_suite_report(config.output_dir)
+    packed = write_packed(config.output_dir, tmp_path / "results.json")
+    written = {path.name for path in write_packed_report(packed, tmp_path / "report")}
+    assert {"stream.md", "stream.json", "stream_forgetting.png"} <= written
+    for name in ("stream.md", "stream.json"):  # the records alone give it: the same as the suite folder's
+        assert (tmp_path / "report" / name).read_text() == (config.output_dir / name).read_text()
+
+
 def test_killed_stream_resumes_in_its_stage_with_the_same_files(stream, tmp_path, monkeypatch):
     from smf.suite.runner import run_suite
 

@@ -441,7 +441,7 @@ def write_report_page(config: SuiteConfig, out_dir: Path) -> Path:
 def write_result_tables(config: SuiteConfig, results: list[dict], out_dir: Path) -> list[Path]:
     """The tables the results records alone give (no stage or model files read): Table 1 and the Pareto figure, the
     sweep, matched learning with the hypotheses (their registration record read from ``config.output_dir``), the
-    environment and the ablations the config has; returns the paths written into ``out_dir``."""
+    environment, the ablations the config has and a stream's report; returns the paths written into ``out_dir``."""
     include_paper = config.model == DEFAULT_MODEL and not config.data.own  # the paper's numbers: the paper's data
     sweep = config.swept  # Table 1 at each condition's chosen rate, 95% intervals (smf.suite.science)
     paths = write_report(table_records(at_chosen_rates(results) if sweep else results), out_dir,
@@ -455,6 +455,8 @@ def write_result_tables(config: SuiteConfig, results: list[dict], out_dir: Path)
         paths += write_update_ablation(config, results, out_dir)
     if config.count_reads_ablation:
         paths += write_reads_ablation(config, results, out_dir)
+    if config.stream:  # tasks one after another: each stage's accuracies, forgetting curves (the records' stages)
+        paths += write_stream_report(config, results, out_dir, variant_label)
     return paths
 
 
@@ -475,8 +477,6 @@ def write_suite_report(suite_dir: str | Path) -> list[Path]:
             paths += write_science_diagnostics(config, results, layout.root)
         if config.world and config.variants:  # the locality experiment: which rows moved, which old facts went
             paths += write_locality(config, results, layout.root)
-        if config.stream:  # tasks one after another: each stage's accuracies, forgetting curves
-            paths += write_stream_report(config, results, layout.root, variant_label)
     paths += write_accounting(config, layout.root)
     paths += write_status(config, layout.root, failed={**foreign, **refused})
     paths.append(write_report_page(config, layout.root))

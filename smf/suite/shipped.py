@@ -10,8 +10,8 @@ and with its ``environment`` replaced by an index into the environments (a few h
 (:func:`smf.report.records.check_results_record`; the ``config_hash`` is kept but not recomputed: the world's files,
 which it covers, lie in the directory the runs ran in) and writes the tables the records alone give
 (:func:`smf.suite.report.write_result_tables`: Table 1, the sweep, matched learning with the hypotheses, the
-environment) and ``report.md`` into DIR. The science diagnostics, locality and stream reports need the stages' files
-and are not drawn from it.
+environment, a stream's report) and ``report.md`` into DIR. The science diagnostics and locality reports need the
+stages' files and are not drawn from it.
 """
 from __future__ import annotations
 
