@@ -137,7 +137,8 @@ def test_a_schedule_configuration_trains_its_epochs_in_every_stage(stream):
     from smf.suite.stream import StreamRun
 
     config, _, _ = stream
-    runner = SimpleNamespace(config=config, layout=SuiteLayout(config.output_dir), device=torch.device("cpu"))
+    runner = SimpleNamespace(config=config, layout=SuiteLayout(config.output_dir), device=torch.device("cpu"),
+                             shared_markers=lambda run: {})
     for run in _trained_runs(config):  # the configuration's epochs (the stage's configured 1 without), every stage
         streamed = StreamRun(runner, run, lambda stage, run_config: {})
         assert [streamed.stage_config(stage)[0].epochs for stage in (1, 2, 3)] == [run.epochs or 1] * 3

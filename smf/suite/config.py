@@ -463,15 +463,12 @@ def _stream_options(raw: dict) -> dict:
 
 
 def _check_stream(config: SuiteConfig) -> None:
-    """ConfigError unless ``config``'s stream evaluates each task (eval.tasks has learn), is on a plain base (not one
-    pretrained with its memories) and its smallest task fills one global batch of every trained stage."""
+    """ConfigError unless ``config``'s stream evaluates each task (eval.tasks has learn) and its smallest task fills
+    one global batch of every trained stage."""
     if not config.stream:
         return
     if "learn" not in config.eval.tasks:
         raise ConfigError(f"stream: eval.tasks {list(config.eval.tasks)} must include learn (each task's accuracy)")
-    if config.pretrain.get("memory"):  # smf.suite.stream would retrofit into the base's own folder (its adapter)
-        raise ConfigError("stream: not on a base pretrained with its memories (pretrain.memory) yet: the stream's "
-                          "first stage retrofits and its LoRA and full stages start from the plain model; remove one")
     options, world = StreamOptions.from_dict(config.stream), WorldOptions.from_dict(config.world)
     rows = options.train_rows(world.n_new, world.new_kind)
     stages = sorted({condition_recipe(c) for c in config.conditions} - {None})
@@ -621,8 +618,8 @@ def _check_hypotheses(config: SuiteConfig) -> None:
     if not (config.hypotheses or config.equal_compute):
         return
     if not config.matched_learning:
-        raise ConfigError("hypotheses and equal_compute are read at matched learning: give matched_learning (and a "
-                          "sweep) too")
+        what = "hypotheses are evaluated" if config.hypotheses else "equal_compute is read"
+        raise ConfigError(f"{what} at matched learning: give matched_learning (and a sweep) too")
     trained = [c for c in CONDITIONS if c != "base"]  # not only the suite's: --conditions may narrow it
     methods = [c for c in trained if not (c in SPARSE_CONDITIONS and config.variants)]
     methods += [f"{c}/{v}" for c in trained if c in SPARSE_CONDITIONS for v in config.variants
