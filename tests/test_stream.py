@@ -208,6 +208,8 @@ def test_the_packed_results_redraw_the_stream_report(stream, tmp_path):
     config, _, _ = stream
     write_suite_report(config.output_dir)
     packed = write_packed(config.output_dir, tmp_path / "results.json")
+    stages = [stage for run in json.loads(packed.read_text())["runs"] for stage in run["stream"]["stages"]]
+    assert stages and not any({"train_s", "eval_s"} & set(stage) for stage in stages)  # compact: no stage seconds
     written = {path.name for path in write_packed_report(packed, tmp_path / "report")}
     assert {"stream.md", "stream.json", "stream_forgetting.png"} <= written
     for name in ("stream.md", "stream.json"):  # the records alone give it: the same as the suite folder's
