@@ -2,6 +2,7 @@
 rule from the per-seed differences the pages print, gives the verdict docs/science.md's table states (issue 58)."""
 import json
 import re
+import statistics
 from pathlib import Path
 
 import pytest
@@ -154,3 +155,27 @@ def test_a_table_on_the_page_is_the_shipped_results(name, tmp_path):
         mean, half = (float(v.replace("−", "-")) for v in cells[3].split(" ± "))
         assert (mean, half) == pytest.approx((entry["mean"], entry["half_width"]), abs=5e-4)
         assert cells[4] == entry["from_zero"] and cells[5].startswith(entry["verdict"])
+
+
+def test_the_ten_task_streams_table_on_the_page_is_the_shipped_results(tmp_path):
+    """docs/science.md's ten-task stream table (means of the chosen configurations after tasks A, C, E, G, J),
+    recomputed from the shipped per-run results alone."""
+    from smf.suite.shipped import write_packed_report
+
+    write_packed_report(RESULTS / "stream10" / "results.json", tmp_path)
+    stream = json.loads((tmp_path / "stream.json").read_text())
+    rows = {row["method"][0]: row["stages"] for row in stream["stages"]}
+    methods = ("additive+s-tfidf", "lora", "full")  # the page's order: paper-like SMF / LoRA / full finetuning
+    page = (ROOT / "docs" / "science.md").read_text(encoding="utf-8")
+    section = page[page.index("### A stream of ten tasks"):page.index("### The earlier stream preset")]
+    columns = {"A": 1, "C": 3, "E": 5, "G": 7, "J": 10}
+    for series, key in (("old facts", "retain_acc"), ("task A", "A"), ("earlier tasks' mean", None)):
+        (row,) = [line for line in section.splitlines() if line.startswith(f"| {series}: ")]
+        cells = [cell.strip() for cell in row.split("|")[2:-1]]
+        for cell, stage in zip(cells, columns.values()):
+            if cell == "—":
+                continue
+            summary = {method: rows[method][str(stage)] for method in methods}
+            expected = [summary[m][key]["mean"] if key else statistics.fmean(
+                summary[m][task]["mean"] for task in stream["tasks"][:stage - 1]) for m in methods]
+            assert [float(v) for v in cell.split(" / ")] == pytest.approx(expected, abs=5.1e-3), (series, stage)  # two decimals
