@@ -189,7 +189,7 @@ def test_a_damaged_hypotheses_record_is_named_by_the_report(tmp_path, content, m
     record.parent.mkdir(parents=True)
     record.write_text(content)
     with pytest.raises(ConfigError, match=f"^{record}.*{message}"):
-        hypotheses_section(config, [], [])
+        hypotheses_section(config, {"configurations": [], "compute": []}, [])
 
 
 # ----------------------------------------------------------------------------------------------- pretrain.memory
@@ -218,8 +218,6 @@ def test_a_bad_pretrain_memory_is_refused_by_name(tmp_path, change, message):
      "variants.v: option 'n_keys' is 16 but pretrain.memory.n_keys is 8"),  # fixed: the runs ignored it
     ({"pretrain": {**PRETRAIN, "memory": [1]}}, "option 'memory': input should be a dictionary"),
     ({"pretrain": 0}, "pretrain must be a mapping, got int"),  # fixed: read as no pretraining ("model is required")
-    ({"stream": {"tasks": 2}},  # fixed: accepted, its first stage would retrofit into the base's own folder
-     "stream: not on a base pretrained with its memories (pretrain.memory) yet"),
 ])
 def test_what_a_base_with_pretrained_memories_cannot_run_is_refused(tmp_path, overrides, message):
     refused(tmp_path, message, **{"pretrain": {**PRETRAIN, "memory": MEMORY}, **overrides})

@@ -157,6 +157,36 @@ def test_a_suite_on_a_base_with_memories_runs_no_retrofit(tmp_path, monkeypatch)
     assert set(diagnostics["retrofit"]) == {"pretrained-seed5"}  # the pretrained memories, named apart per seed
 
 
+def test_a_stream_on_a_base_with_memories_starts_every_method_from_them(tmp_path):
+    from smf.suite import runner
+    from smf.suite.plan import Run
+    from smf.suite.stream import StreamLayout
+
+    raw = _suite(tmp_path, conditions=["base", "additive-kl", "lora", "full"], stream={"tasks": 2})
+    raw["train"].update(global_batch_size=4, micro_batch_size=4)
+    path = tmp_path / "suite.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    config = load_suite_config(str(path))
+    results = {r["condition"]: r for r in runner.run_suite(config)}
+    root, streams = config.output_dir, StreamLayout(config.output_dir, 2)
+    final = root / "bases" / "seed5" / "pretrain" / FINAL
+    assert not (root / "retrofit").exists() and all(len(r["stream"]["stages"]) == (1 if c == "base" else 2)
+                                                     for c, r in results.items())
+    pretrained = {name: tensor.clone() for name, tensor in load_with_adapter(str(final), final)[0].state_dict().items()
+                  if ".memory." in name or name.endswith(".alpha")}
+    runs = {"additive-kl": "additive-kl-lr0.01-seed5", "lora": "lora-lr0.001-seed5", "full": "full-lr0.001-seed5"}
+    for condition, run in runs.items():
+        stage_one = json.loads((streams.stage_dir(Run(condition, 5, lr=results[condition]["lr"]), 1)
+                                / "run_config.json").read_text())
+        assert stage_one["adapter"] == str(final), condition  # stage 1 starts from the pretrained memories
+        model, _ = load_model(str(final), root / "train" / run)  # after both stages
+        state = {name.replace("base_model.model.", "").replace(".base_layer", ""): tensor
+                 for name, tensor in model.state_dict().items() if ".memory." in name or name.endswith(".alpha")}
+        assert set(state) == set(pretrained), run  # the memories are still there after the stream
+        changed = any(not torch.equal(state[name], pretrained[name]) for name in pretrained)
+        assert changed == (condition != "lora"), run  # LoRA leaves them frozen, stage after stage
+
+
 def test_every_shipped_base_is_intact_and_is_the_one_its_preset_asks_for():
     from smf.suite.config import seed_config
 

@@ -2,6 +2,7 @@
 rule from the per-seed differences the pages print, gives the verdict docs/science.md's table states (issue 58)."""
 import json
 import re
+import statistics
 from pathlib import Path
 
 import pytest
@@ -121,17 +122,31 @@ def test_report_results_needs_out_and_out_needs_results(tmp_path, capsys):
     assert "--out goes with --results" in capsys.readouterr().err
 
 
-def test_the_confirmation_table_on_the_page_is_the_shipped_results(tmp_path):
-    """docs/science.md's table of the confirmation seeds, recomputed from the shipped per-run results alone."""
+PAGE_TABLES = {  # shipped results -> (the page's section: first heading, the next heading; hypothesis -> row label)
+    "science-confirm": (("### Confirmation seeds 5-9", "### Equal budget: the same schedules"), {
+        "paper-like-vs-full": "paper-like SMF − full finetuning", "paper-like-vs-lora": "paper-like SMF − LoRA",
+        "paper-like-vs-large-step": "paper-like SMF − large-step SMF",
+        "large-step-vs-full": "large-step SMF − full finetuning"}),
+    "science-budget": (("### Equal budget: the same schedules", "### The earlier answer"), {
+        "same-schedules-vs-full": "same schedules: paper-like SMF − full finetuning",
+        "same-schedules-vs-lora": "same schedules: paper-like SMF − LoRA",
+        "equal-compute-vs-full": "equal compute: paper-like SMF − full finetuning",
+        "equal-compute-vs-lora": "equal compute: paper-like SMF − LoRA"}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PAGE_TABLES))
+def test_a_table_on_the_page_is_the_shipped_results(name, tmp_path):
+    """A table of docs/science.md (per seed, mean ± 95%, against 0, verdict of every registered hypothesis),
+    recomputed from the shipped per-run results alone."""
     from smf.suite.shipped import write_packed_report
 
-    write_packed_report(RESULTS / "science-confirm" / "results.json", tmp_path)
+    (first, after), labels = PAGE_TABLES[name]
+    write_packed_report(RESULTS / name / "results.json", tmp_path)
     evaluated = json.loads((tmp_path / "matched_learning.json").read_text())["hypotheses"]
     page = (ROOT / "docs" / "science.md").read_text(encoding="utf-8")
-    section = page[page.index("### Confirmation seeds 5-9"):page.index("### The earlier answer")]
-    labels = {"paper-like-vs-full": "paper-like SMF − full finetuning", "paper-like-vs-lora": "paper-like SMF − LoRA",
-              "paper-like-vs-large-step": "paper-like SMF − large-step SMF",
-              "large-step-vs-full": "large-step SMF − full finetuning"}
+    section = page[page.index(first):page.index(after)]
+    assert sorted(entry["name"] for entry in evaluated) == sorted(labels)
     for entry in evaluated:
         (row,) = [line for line in section.splitlines() if line.startswith(f"| {labels[entry['name']]} ")]
         cells = [cell.strip() for cell in row.split("|")[1:-1]]
@@ -141,3 +156,27 @@ def test_the_confirmation_table_on_the_page_is_the_shipped_results(tmp_path):
         mean, half = (float(v.replace("−", "-")) for v in cells[3].split(" ± "))
         assert (mean, half) == pytest.approx((entry["mean"], entry["half_width"]), abs=5e-4)
         assert cells[4] == entry["from_zero"] and cells[5].startswith(entry["verdict"])
+
+
+def test_the_ten_task_streams_table_on_the_page_is_the_shipped_results(tmp_path):
+    """docs/science.md's ten-task stream table (means of the chosen configurations after tasks A, C, E, G, J),
+    recomputed from the shipped per-run results alone."""
+    from smf.suite.shipped import write_packed_report
+
+    write_packed_report(RESULTS / "stream10" / "results.json", tmp_path)
+    stream = json.loads((tmp_path / "stream.json").read_text())
+    rows = {row["method"][0]: row["stages"] for row in stream["stages"]}
+    methods = ("additive+s-tfidf", "lora", "full")  # the page's order: paper-like SMF / LoRA / full finetuning
+    page = (ROOT / "docs" / "science.md").read_text(encoding="utf-8")
+    section = page[page.index("### A stream of ten tasks"):page.index("### The earlier stream preset")]
+    columns = {"A": 1, "C": 3, "E": 5, "G": 7, "J": 10}
+    for series, key in (("old facts", "retain_acc"), ("task A", "A"), ("earlier tasks' mean", None)):
+        (row,) = [line for line in section.splitlines() if line.startswith(f"| {series}: ")]
+        cells = [cell.strip() for cell in row.split("|")[2:-1]]
+        for cell, stage in zip(cells, columns.values()):
+            if cell == "—":
+                continue
+            summary = {method: rows[method][str(stage)] for method in methods}
+            expected = [summary[m][key]["mean"] if key else statistics.fmean(
+                summary[m][task]["mean"] for task in stream["tasks"][:stage - 1]) for m in methods]
+            assert [float(v) for v in cell.split(" / ")] == pytest.approx(expected, abs=5.1e-3), (series, stage)  # two decimals

@@ -137,7 +137,8 @@ def test_a_schedule_configuration_trains_its_epochs_in_every_stage(stream):
     from smf.suite.stream import StreamRun
 
     config, _, _ = stream
-    runner = SimpleNamespace(config=config, layout=SuiteLayout(config.output_dir), device=torch.device("cpu"))
+    runner = SimpleNamespace(config=config, layout=SuiteLayout(config.output_dir), device=torch.device("cpu"),
+                             shared_markers=lambda run: {})
     for run in _trained_runs(config):  # the configuration's epochs (the stage's configured 1 without), every stage
         streamed = StreamRun(runner, run, lambda stage, run_config: {})
         assert [streamed.stage_config(stage)[0].epochs for stage in (1, 2, 3)] == [run.epochs or 1] * 3
@@ -185,15 +186,34 @@ def test_every_stage_is_evaluated_on_old_facts_and_every_task(stream):
 def test_report_has_stage_tables_matched_learning_and_forgetting_curves(stream):
     from smf.suite.report import write_suite_report
 
-    config, _, _ = stream
+    config, results, _ = stream
     written = {path.name for path in write_suite_report(config.output_dir)}
     assert {"stream.md", "stream.json", "stream_forgetting.png", "table1.md", "matched_learning.md"} <= written
     report = json.loads((config.output_dir / "stream.json").read_text())
     assert [row["method"][0] for row in report["stages"]] == ["additive+s-tfidf", "lora", "full"]
     assert all(list(row["stages"]) == ["0", "1", "2", "3"] for row in report["stages"])
-    assert list(report["matched_learning"]) == ["retain_acc", "task A", "task B"]
+    assert list(report["matched_learning"]) == ["retain_acc", "task A", "task B", "earlier tasks (mean)"]
+    from smf.suite.stream_report import EARLIER_MEAN, matched_records
+    records = matched_records(list(results.values()), ["A", "B", "C"])
+    assert records and all(record["metrics"][EARLIER_MEAN] == pytest.approx(
+        (record["metrics"]["task A"] + record["metrics"]["task B"]) / 2) for record in records)
     page = (config.output_dir / "report.md").read_text()
     assert "A stream of tasks" in page and "stream_forgetting.png" in page
+
+
+def test_the_packed_results_redraw_the_stream_report(stream, tmp_path):
+    from smf.suite.report import write_suite_report
+    from smf.suite.shipped import write_packed, write_packed_report
+
+    config, _, _ = stream
+    write_suite_report(config.output_dir)
+    packed = write_packed(config.output_dir, tmp_path / "results.json")
+    stages = [stage for run in json.loads(packed.read_text())["runs"] for stage in run["stream"]["stages"]]
+    assert stages and not any({"train_s", "eval_s"} & set(stage) for stage in stages)  # compact: no stage seconds
+    written = {path.name for path in write_packed_report(packed, tmp_path / "report")}
+    assert {"stream.md", "stream.json", "stream_forgetting.png"} <= written
+    for name in ("stream.md", "stream.json"):  # the records alone give it: the same as the suite folder's
+        assert (tmp_path / "report" / name).read_text() == (config.output_dir / name).read_text()
 
 
 def test_killed_stream_resumes_in_its_stage_with_the_same_files(stream, tmp_path, monkeypatch):

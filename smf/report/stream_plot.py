@@ -1,9 +1,9 @@
 """A stream's forgetting curves as a figure (``stream_forgetting.png``, beside ``stream.md``): one panel per method,
 accuracy after each stage (x: before the stream, after task A, after task B, ...) of the old facts (black squares)
-and of every task (a colour each), mean ± 95% interval over seeds. A task's line is dotted before the stage that
-trains it and solid from that stage on, so its fall after it is the forgetting of that task; the first point of every
-line is the base model's (when the suite ran the base condition). Each line is moved a little along x so that
-intervals do not hide one another."""
+and of every task (a colour each), mean ± 95% interval over seeds (fainter for a long stream). A task's line is
+dotted before the stage that trains it and solid from that stage on, so its fall after it is the forgetting of that
+task; the first point of every line is the base model's (when the suite ran the base condition). Each line is moved a
+little along x so that intervals do not hide one another."""
 from __future__ import annotations
 
 import math
@@ -15,6 +15,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 OLD_FACTS = "old facts"
+LONG = 4  # more tasks than this: letters as ticks, fainter intervals (eleven series share a panel)
 
 
 def plot_forgetting(panels: list[dict], tasks: list[str], out_path: Path, *, old_title: str) -> Path:
@@ -46,9 +47,13 @@ def plot_forgetting(panels: list[dict], tasks: list[str], out_path: Path, *, old
                       markersize=5, label=old_title if series == OLD_FACTS else f"task {series}")
             spread = [(x, value) for x, value in points if value[1] is not None]  # one seed: no interval
             axis.errorbar([x for x, _ in spread], [v[0] for _, v in spread], yerr=[v[1] for _, v in spread],
-                          color=colour, linestyle="", capsize=3, alpha=0.8)
+                          color=colour, linestyle="", capsize=3, alpha=0.8 if len(tasks) <= LONG else 0.3)
         axis.set_title(panel["label"], fontsize=9)
-        axis.set_xticks(list(stages), ["base"] + [f"after {task}" for task in tasks], fontsize=8)
+        if len(tasks) > LONG:  # a long stream: the task letters only, "after task" once under the axis
+            axis.set_xticks(list(stages), ["base"] + list(tasks), fontsize=8)
+            axis.set_xlabel("after task", fontsize=8)
+        else:
+            axis.set_xticks(list(stages), ["base"] + [f"after {task}" for task in tasks], fontsize=8)
         axis.set_ylim(-0.05, 1.05)
         axis.grid(alpha=0.3)
     for axis in axes.flat[len(panels):]:

@@ -20,7 +20,12 @@ number of configurations (epochs x rates summed): a maximum over more noisy runs
 ``hypotheses`` (name -> {a, b, level, threshold, statement}): contrasts registered before the runs, each "method ``a``
 minus method ``b`` keeps at least ``threshold`` more (a negative threshold: less) old knowledge at learned ``level``";
 evaluated by :mod:`smf.report.hypotheses` (paired 95% interval over seeds: confirmed, refuted or inconclusive); a
-method is a condition, or ``condition/variant``."""
+method is a condition, or ``condition/variant``. A hypothesis with ``envelope: compute`` is read on the equal-compute
+envelope instead of the envelope over every configuration.
+
+``equal_compute`` (a method, as in a hypothesis): the report adds an equal-compute envelope, each method's kept value
+over only its runs whose compute (CPU seconds, the shared retrofit and background included) is at most that of this
+method's costliest run of the seed (:mod:`smf.report.equal_compute`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -122,8 +127,12 @@ class SuiteConfig:
     # recipe -> {epochs: learning rates}: the schedule as part of the tuning budget (instead of that recipe's
     # lr_sweep; the module docstring)
     schedule_sweep: dict[str, dict[PositiveInt, tuple[PositiveFloat, ...]]] = field(default_factory=dict)
-    # name -> {a, b, level, threshold, statement}: contrasts registered before the runs (the module docstring)
+    # name -> {a, b, level, threshold, statement[, envelope]}: contrasts registered before the runs (the module
+    # docstring)
     hypotheses: dict[str, dict] = field(default_factory=dict)
+    # a method (condition or condition/variant) whose costliest run of a seed is the budget of the equal-compute
+    # envelope (the module docstring); empty: no such envelope
+    equal_compute: str = ""
 
     @field_validator("labels")
     @classmethod
@@ -184,11 +193,12 @@ class SuiteConfig:
         return [(None, lr) for lr in source.get("lr_sweep") or ()]
 
     def to_dict(self) -> dict:
-        """JSON-ready form; :func:`suite_config_from_dict` reads it back. Without a stream, no ``stream`` key: the
-        record of a suite written before streams existed stays equal (:func:`smf.suite.fingerprints.merged_plan`)."""
+        """JSON-ready form; :func:`suite_config_from_dict` reads it back. Without a stream (or ``equal_compute``), no
+        such key: the record of a suite written before they existed stays equal (:func:`smf.suite.fingerprints.merged_plan`)."""
         saved = to_jsonable_python(self)
-        if not saved["stream"]:
-            del saved["stream"]
+        for key in ("stream", "equal_compute"):  # absent from records written before they existed
+            if not saved[key]:
+                del saved[key]
         return saved
 
 
@@ -453,15 +463,12 @@ def _stream_options(raw: dict) -> dict:
 
 
 def _check_stream(config: SuiteConfig) -> None:
-    """ConfigError unless ``config``'s stream evaluates each task (eval.tasks has learn), is on a plain base (not one
-    pretrained with its memories) and its smallest task fills one global batch of every trained stage."""
+    """ConfigError unless ``config``'s stream evaluates each task (eval.tasks has learn) and its smallest task fills
+    one global batch of every trained stage."""
     if not config.stream:
         return
     if "learn" not in config.eval.tasks:
         raise ConfigError(f"stream: eval.tasks {list(config.eval.tasks)} must include learn (each task's accuracy)")
-    if config.pretrain.get("memory"):  # smf.suite.stream would retrofit into the base's own folder (its adapter)
-        raise ConfigError("stream: not on a base pretrained with its memories (pretrain.memory) yet: the stream's "
-                          "first stage retrofits and its LoRA and full stages start from the plain model; remove one")
     options, world = StreamOptions.from_dict(config.stream), WorldOptions.from_dict(config.world)
     rows = options.train_rows(world.n_new, world.new_kind)
     stages = sorted({condition_recipe(c) for c in config.conditions} - {None})
@@ -554,6 +561,9 @@ def _threshold(value: float) -> float:
     return value
 
 
+ENVELOPES = ("configurations", "compute")  # a hypothesis's envelope: over every configuration, or equal compute
+
+
 @dataclass(frozen=True)
 class Hypothesis:
     """One of ``hypotheses``: methods ``a`` and ``b`` (a condition, or ``condition/variant``), the matched_learning
@@ -565,17 +575,19 @@ class Hypothesis:
     level: _Number
     threshold: Annotated[_Number, AfterValidator(_threshold)]
     statement: _Text
+    envelope: Literal[ENVELOPES] = "configurations"  # which envelope it is read on (compute: needs equal_compute)
 
     @classmethod
     def checked(cls, raw, where: str) -> dict:
         """The entry ``raw`` of ``hypotheses`` named ``where`` (``hypotheses.h``), checked: its keys in the order
         given, level and threshold as floats; a one-line ConfigError naming the key otherwise."""
         entry = mapping(raw, where, HYPOTHESIS_KEYS)
-        missing = [key for key in HYPOTHESIS_KEYS if key not in entry]
+        missing = [key for key in HYPOTHESIS_KEYS if key not in entry and key != "envelope"]
         if missing:
             raise ConfigError(f"{where}: {', '.join(missing)} required (a, b: methods as condition or "
                               "condition/variant; level: a matched_learning level; threshold: the difference a - b "
-                              "that confirms, nonzero; statement: the claim in words)")
+                              "that confirms, nonzero; statement: the claim in words; optional envelope: "
+                              f"{' or '.join(ENVELOPES)})")
         values = dataclasses.asdict(checked(cls, entry, lambda key: f"{where}.{key}"))
         return {key: values[key] for key in entry}
 
@@ -601,17 +613,25 @@ def _hypotheses(raw) -> dict[str, dict]:
 def _check_hypotheses(config: SuiteConfig) -> None:
     """ConfigError for a hypothesis whose methods no suite of these variants runs (a method of a condition left out,
     e.g. by ``--conditions``, is evaluated as inconclusive), whose level is not a matched_learning level, or that
-    compares a method with itself (with fewer than two seeds they are evaluated as inconclusive)."""
-    if not config.hypotheses:
+    compares a method with itself (with fewer than two seeds they are evaluated as inconclusive); or for an
+    ``equal_compute`` that names no trained method, or a hypothesis on the compute envelope without it."""
+    if not (config.hypotheses or config.equal_compute):
         return
     if not config.matched_learning:
-        raise ConfigError("hypotheses are evaluated at matched learning: give matched_learning (and a sweep) too")
+        what = "hypotheses are evaluated" if config.hypotheses else "equal_compute is read"
+        raise ConfigError(f"{what} at matched learning: give matched_learning (and a sweep) too")
     trained = [c for c in CONDITIONS if c != "base"]  # not only the suite's: --conditions may narrow it
     methods = [c for c in trained if not (c in SPARSE_CONDITIONS and config.variants)]
     methods += [f"{c}/{v}" for c in trained if c in SPARSE_CONDITIONS for v in config.variants
                 if config.variant_runs(v, c)]
+    if config.equal_compute and config.equal_compute not in methods:
+        raise ConfigError(f"equal_compute: {config.equal_compute!r} is not a trained method of this suite; choose "
+                          f"from {', '.join(methods)}")
     for name, entry in config.hypotheses.items():
         where = f"hypotheses.{name}"
+        if entry.get("envelope") == "compute" and not config.equal_compute:
+            raise ConfigError(f"{where}.envelope: compute needs equal_compute (the method whose costliest run is "
+                              "the budget)")
         for key in ("a", "b"):
             if entry[key] not in methods:  # as written: 'additive-kl/' names no method
                 raise ConfigError(f"{where}.{key}: {entry[key]!r} is not a trained method of this suite; choose "

@@ -134,7 +134,7 @@ PLAN_KEYS = ("seeds", "conditions", "authors_update")  # what --seeds / --condit
 _NOT_SETTINGS = (*PLAN_KEYS, "name", "device", "output_dir")  # where and under which name, not what is computed
 
 
-_OPTIONAL_SECTIONS = ("stream", "schedule_sweep", "hypotheses")  # absent from records written before they existed
+_OPTIONAL_SECTIONS = ("stream", "schedule_sweep", "hypotheses", "equal_compute")  # absent from records before them
 
 
 def _computed_settings(saved: dict) -> dict:

@@ -22,6 +22,7 @@ from smf.files import read_json_object
 from smf.model.sizes import model_architecture
 from smf.report import accounting_markdown, parameter_accounting, write_report
 from smf.report.budget import cost_markdown, cost_rows, per_seed_markdown
+from smf.report.equal_compute import configurations_within, seed_budgets, within_budget
 from smf.report.hypotheses import evaluate_hypotheses, hypotheses_markdown
 from smf.report.matched_learning import format_cell, matched_learning
 from smf.report.matched_plot import plot_matched
@@ -250,9 +251,7 @@ def write_matched_learning(config: SuiteConfig, results: list[dict], out_dir: Pa
     if not any(kept in r["metrics"] for r in results):
         return []
     reference = result_variant({"condition": "full"})
-    rows = matched_learning(results, config.matched_learning, result_variant, learn, kept, reference)
-    rows.sort(key=lambda row: (config.conditions.index(row["method"][0]) if row["method"][0] in config.conditions
-                               else len(config.conditions), row["method"]))
+    rows = _sorted(config, matched_learning(results, config.matched_learning, result_variant, learn, kept, reference))
     levels = [str(level) for level in config.matched_learning]
     title = metric_title(kept, config.labels)
     lines = ["# Forgetting at matched learning\n",
@@ -260,8 +259,36 @@ def write_matched_learning(config: SuiteConfig, results: list[dict], out_dir: Pa
              "between the two learning rates of each seed's sweep that bracket the level; mean ± 95% Student-t "
              "interval over the seeds that reached it (k/n: only k of n seeds' sweeps measured the level; — : none "
              "did, the level lies above every rate's learning or below the lowest rate's). Second table: the "
-             "difference to full finetuning, paired by seed.\n",
-             "| Method | " + " | ".join(f"kept @ {level}" for level in levels) + " |",
+             "difference to full finetuning, paired by seed.\n"]
+    lines += _matched_tables(config, rows, levels, reference)
+    labels = {tuple(row["method"]): variant_label(row["method"], config.model) for row in rows}
+    compute_rows = equal_compute_section(config, results, learn, kept, reference, lines)
+    evaluated = hypotheses_section(config, {"configurations": rows, "compute": compute_rows}, lines)
+    lines += [""] + per_seed_markdown(rows, levels, labels, tuple(reference) if tuple(reference) in labels else None)
+    lines += cost_markdown(cost_rows(results, result_variant), rows, levels, labels)
+    lines.append("\n![Forgetting at matched learning](matched_learning.png)\n")
+    png_path = plot_matched(rows, levels, {tuple(row["method"]): variant_label(row["method"], config.model)
+                                           for row in rows}, out_dir / "matched_learning.png",
+                            learn_title=metric_title(learn, config.labels), kept_title=title)
+    md_path, json_path = out_dir / "matched_learning.md", out_dir / "matched_learning.json"
+    md_path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    json_path.write_text(json.dumps({"learn_metric": learn, "kept_metric": kept, "levels": config.matched_learning,
+                                     "rows": rows, **({"equal_compute_rows": compute_rows} if compute_rows else {}),
+                                     **({"hypotheses": evaluated} if evaluated else {})}, indent=1)
+                         + "\n", encoding="utf-8")
+    return [md_path, json_path, png_path]
+
+
+def _sorted(config: SuiteConfig, rows: list[dict]) -> list[dict]:
+    """Matched-learning ``rows`` in the order of the config's conditions (then by method)."""
+    return sorted(rows, key=lambda row: (config.conditions.index(row["method"][0]) if row["method"][0] in
+                                         config.conditions else len(config.conditions), row["method"]))
+
+
+def _matched_tables(config: SuiteConfig, rows: list[dict], levels: list[str], reference: tuple) -> list[str]:
+    """The kept table of the matched-learning ``rows`` (one row per method) and, where any method has one, the
+    table of paired differences to ``reference`` (full finetuning)."""
+    lines = ["| Method | " + " | ".join(f"kept @ {level}" for level in levels) + " |",
              "| --- | " + " | ".join("---:" for _ in levels) + " |"]
     for row in rows:
         cells = [format_cell(c["mean"], c["half_width"], c["measured"], len(row["seeds"]))
@@ -279,31 +306,49 @@ def write_matched_learning(config: SuiteConfig, results: list[dict], out_dir: Pa
                 cells.append("—" if not diff else format_cell(diff["mean"], diff["half_width"], diff["pairs"],
                                                              len(row["seeds"]), signed=True))
             lines.append(f"| {variant_label(row['method'], config.model)} | " + " | ".join(cells) + " |")
-    labels = {tuple(row["method"]): variant_label(row["method"], config.model) for row in rows}
-    evaluated = hypotheses_section(config, rows, lines)
-    lines += [""] + per_seed_markdown(rows, levels, labels, tuple(reference) if tuple(reference) in labels else None)
-    lines += cost_markdown(cost_rows(results, result_variant), rows, levels, labels)
-    lines.append("\n![Forgetting at matched learning](matched_learning.png)\n")
-    png_path = plot_matched(rows, levels, {tuple(row["method"]): variant_label(row["method"], config.model)
-                                           for row in rows}, out_dir / "matched_learning.png",
-                            learn_title=metric_title(learn, config.labels), kept_title=title)
-    md_path, json_path = out_dir / "matched_learning.md", out_dir / "matched_learning.json"
-    md_path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    json_path.write_text(json.dumps({"learn_metric": learn, "kept_metric": kept, "levels": config.matched_learning,
-                                     "rows": rows, **({"hypotheses": evaluated} if evaluated else {})}, indent=1)
-                         + "\n", encoding="utf-8")
-    return [md_path, json_path, png_path]
+    return lines
 
 
-def hypotheses_section(config: SuiteConfig, rows: list[dict], lines: list[str]) -> list[dict]:
-    """With ``hypotheses`` in ``config``: their evaluation on the matched-learning ``rows``
-    (:mod:`smf.report.hypotheses`), its section appended to ``lines`` (the tables above are then labelled
-    exploratory); returns the evaluated hypotheses (none without)."""
+def _method_key(spec: str) -> tuple:
+    """The report's method key (:func:`smf.suite.science.variant`) of a method ``condition[/variant]``."""
+    condition, variant = method_of(spec)
+    return condition, "exact", "all", variant
+
+
+def equal_compute_section(config: SuiteConfig, results: list[dict], learn: str, kept: str, reference: tuple,
+                          lines: list[str]) -> list[dict]:
+    """With ``equal_compute`` in ``config``: the matched-learning rows of the equal-compute envelope
+    (:mod:`smf.report.equal_compute`), its section appended to ``lines``; none without."""
+    if not config.equal_compute:
+        return []
+    budgets = seed_budgets(results, result_variant, _method_key(config.equal_compute))
+    inside = within_budget(results, budgets)
+    rows = _sorted(config, matched_learning(inside, config.matched_learning, result_variant, learn, kept, reference))
+    counts = configurations_within(results, budgets, result_variant)
+    levels = [str(level) for level in config.matched_learning]
+    budget_text = ", ".join(f"seed {seed}: {budget:.1f}" for seed, budget in sorted(budgets.items()))
+    lines += ["", "## Equal compute\n",
+              f"The same, each method reading only its runs whose compute (CPU seconds of training, plus for a sparse "
+              f"run the whole retrofit and background it starts from) is at most that of "
+              f"{variant_label(_method_key(config.equal_compute), config.model)}'s costliest run of the seed (the "
+              f"budget, CPU-s: {budget_text or 'none recorded'}; smf/report/equal_compute.py). Runs within the "
+              "budget, over all seeds: " + "; ".join(f"{variant_label(method, config.model)} {count}"
+                                                    for method, count in counts.items()) + ".\n"]
+    lines += _matched_tables(config, rows, levels, reference)
+    return rows
+
+
+def hypotheses_section(config: SuiteConfig, rows: dict[str, list[dict]], lines: list[str]) -> list[dict]:
+    """With ``hypotheses`` in ``config``: their evaluation (:mod:`smf.report.hypotheses`) on the matched-learning
+    rows of their envelope (``rows``: envelope name -> rows; "configurations", and "compute" for the equal-compute
+    envelope), its section appended to ``lines`` (the tables above are then labelled exploratory); returns the
+    evaluated hypotheses in the config's order (none without)."""
     if not config.hypotheses:
         return []
     specs = {spec for hypothesis in config.hypotheses.values() for spec in (hypothesis["a"], hypothesis["b"])}
-    methods = {spec: (method_of(spec)[0], "exact", "all", method_of(spec)[1]) for spec in specs}
-    evaluated = evaluate_hypotheses(config.hypotheses, rows, methods, len(config.seeds))
+    methods = {spec: _method_key(spec) for spec in specs}
+    evaluated = [evaluate_hypotheses({name: hypothesis}, rows[hypothesis.get("envelope", "configurations")], methods,
+                                     len(config.seeds))[0] for name, hypothesis in config.hypotheses.items()]
     record = SuiteLayout(config.output_dir).hypotheses_file
     registered = read_json_object(record, "hypotheses record", ("registered_at", "runs_finished", "runs_planned")) \
         if record.is_file() else None
@@ -396,7 +441,7 @@ def write_report_page(config: SuiteConfig, out_dir: Path) -> Path:
 def write_result_tables(config: SuiteConfig, results: list[dict], out_dir: Path) -> list[Path]:
     """The tables the results records alone give (no stage or model files read): Table 1 and the Pareto figure, the
     sweep, matched learning with the hypotheses (their registration record read from ``config.output_dir``), the
-    environment and the ablations the config has; returns the paths written into ``out_dir``."""
+    environment, the ablations the config has and a stream's report; returns the paths written into ``out_dir``."""
     include_paper = config.model == DEFAULT_MODEL and not config.data.own  # the paper's numbers: the paper's data
     sweep = config.swept  # Table 1 at each condition's chosen rate, 95% intervals (smf.suite.science)
     paths = write_report(table_records(at_chosen_rates(results) if sweep else results), out_dir,
@@ -410,6 +455,8 @@ def write_result_tables(config: SuiteConfig, results: list[dict], out_dir: Path)
         paths += write_update_ablation(config, results, out_dir)
     if config.count_reads_ablation:
         paths += write_reads_ablation(config, results, out_dir)
+    if config.stream:  # tasks one after another: each stage's accuracies, forgetting curves (the records' stages)
+        paths += write_stream_report(config, results, out_dir, variant_label)
     return paths
 
 
@@ -430,8 +477,6 @@ def write_suite_report(suite_dir: str | Path) -> list[Path]:
             paths += write_science_diagnostics(config, results, layout.root)
         if config.world and config.variants:  # the locality experiment: which rows moved, which old facts went
             paths += write_locality(config, results, layout.root)
-        if config.stream:  # tasks one after another: each stage's accuracies, forgetting curves
-            paths += write_stream_report(config, results, layout.root, variant_label)
     paths += write_accounting(config, layout.root)
     paths += write_status(config, layout.root, failed={**foreign, **refused})
     paths.append(write_report_page(config, layout.root))

@@ -152,12 +152,17 @@ class SuiteRunner:
                                                                 lr=run.lr, epochs=run.epochs, adapter=pretrained),
                                           layout.root)}
         retrofit_dir, background_dir = sparse_stage_dirs(layout, run, config)
-        markers = {kind: self.shared_stage(run, kind) for kind in shared_stages(config)}
+        markers = self.shared_markers(run)
         markers["train"] = ensure_stage("train", stage_config(
             config, "sparse", run.seed, layout.train_dir(run), mode=run.mode, rule=run.rule, adapter=retrofit_dir,
             background=background_dir, update="authors" if run.update == "authors" else None, lr=run.lr,
             count_reads=run.reads, variant=run.variant, epochs=run.epochs), layout.root)
         return markers
+
+    def shared_markers(self, run: Run) -> dict[str, dict]:
+        """Train (or reuse) every shared stage the sparse ``run`` starts from (:func:`shared_stages`); returns their
+        markers by kind."""
+        return {kind: self.shared_stage(run, kind) for kind in shared_stages(seed_config(self.config, run.seed))}
 
     def shared_stage(self, run: Run, kind: str) -> dict:
         """Train (or reuse) the shared ``kind`` stage (retrofit, or background: its retrofit must be done) the sparse

@@ -5,13 +5,14 @@ docs/science.md recomputable without training), and the report drawn from it.
 the paths of the machine that ran it), the
 hypotheses' registration record (``hypotheses_registered.json``, or null), each distinct environment once, and every
 finished run's results record (:meth:`smf.suite.runner.SuiteRunner.run_one`) without its ``artefact`` (a local path)
-and with its ``environment`` replaced by an index into the environments (a few hundred bytes a run).
+and with its ``environment`` replaced by an index into the environments (a few hundred bytes a run; a stream run's
+stages without their per-stage seconds, ``train_s`` and ``eval_s``, whose sums the run's ``timing`` keeps).
 ``smf report --results FILE --out DIR`` reads it back, checks every record as a suite directory's are checked
 (:func:`smf.report.records.check_results_record`; the ``config_hash`` is kept but not recomputed: the world's files,
 which it covers, lie in the directory the runs ran in) and writes the tables the records alone give
 (:func:`smf.suite.report.write_result_tables`: Table 1, the sweep, matched learning with the hypotheses, the
-environment) and ``report.md`` into DIR. The science diagnostics, locality and stream reports need the stages' files
-and are not drawn from it.
+environment, a stream's report) and ``report.md`` into DIR. The science diagnostics and locality reports need the
+stages' files and are not drawn from it.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from smf.suite.report import collect_results, load_suite_dir, write_report_page,
 
 FORMAT = "smf-suite-results/1"
 DROPPED = ("artefact",)  # where the run's model lay on the machine that ran it
+STAGE_DROPPED = ("train_s", "eval_s")  # a stream stage's seconds (the run's timing holds their sums)
 
 
 def pack_suite(suite_dir: str | Path) -> dict:
@@ -45,11 +47,18 @@ def pack_suite(suite_dir: str | Path) -> dict:
         if environment not in environments:
             environments.append(environment)
         runs.append({**{key: value for key, value in record.items() if key not in DROPPED},
+                     **({"stream": _compact_stream(record["stream"])} if record.get("stream") else {}),
                      "environment": environments.index(environment)})
     registered = read_json_object(layout.hypotheses_file, "hypotheses record") \
         if layout.hypotheses_file.is_file() else None
     return {"format": FORMAT, "suite": _portable(read_json_object(layout.config_file, "suite config record")),
             "registered": registered, "environments": environments, "runs": runs}
+
+
+def _compact_stream(stream: dict) -> dict:
+    """A results record's ``stream`` without each stage's :data:`STAGE_DROPPED` seconds."""
+    return {**stream, "stages": [{key: value for key, value in stage.items() if key not in STAGE_DROPPED}
+                                 for stage in stream["stages"]]}
 
 
 def _portable(suite: dict) -> dict:

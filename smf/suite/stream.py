@@ -16,6 +16,11 @@ configuration, on its task at the run's rate):
   stage gets the same trainable capacity, as a model finetuned week by week would.
 - full: stage k continues from stage k-1's weights (a new optimizer and schedule per stage, as for every method).
 
+On a base pretrained with its memories (``pretrain.memory``) nothing is retrofitted: stage 1 of every method starts
+from the base with its pretrained memories (sparse: they are the memories it trains, its background statistics
+computed on them; LoRA and full: they are part of the network, frozen under LoRA), and later stages continue from
+what the previous stage left, memories included (the merged LoRA model and the full model hold them).
+
 Stage k's run directory is ``stream/{run}/stage{k}-task{X}/``, the last stage's the run's usual ``train/{run}/``
 (so Table 1, ``smf eval`` and the diagnostics read the model after the whole stream); its evaluation goes to
 ``eval/{run}/stage{k}/`` (``taskX/learn.jsonl`` per task) and its record to ``stream/{run}/stage{k}.json``, written
@@ -47,7 +52,7 @@ from smf.errors import ConfigError
 from smf.eval.tasks import evaluate_model, load_eval_sets
 from smf.files import read_json_object, write_json_atomic
 from smf.model.loading import FINAL_DIR, load_model, load_run
-from smf.suite.config import SuiteConfig, seed_config
+from smf.suite.config import SuiteConfig, pretrained_adapter, seed_config
 from smf.suite.cost import log_records, parameter_counts, sparse_step_stats, training_cost
 from smf.suite.fingerprints import run_hash, run_hashes
 from smf.suite.plan import Run, SuiteLayout, sparse_stage_dirs, stage_config
@@ -145,23 +150,18 @@ class StreamRun:
         previous = None if stage == 1 else layout.stage_dir(run, stage - 1)
         if run.recipe == "sparse":
             retrofit_dir, background_dir = sparse_stage_dirs(self.runner.layout, run, self.config)
-            markers = {}
-            if stage == 1:
-                markers["retrofit"] = self.train_stage("retrofit", stage_config(
-                    self.config, "retrofit", run.seed, retrofit_dir, mode=run.retrofit_mode, variant=run.variant))
-                markers["background"] = self.train_stage("background", stage_config(
-                    self.config, "background", run.seed, background_dir, adapter=retrofit_dir, variant=run.variant))
+            markers = self.runner.shared_markers(run) if stage == 1 else {}
             return stage_config(dataclasses.replace(self.config, data=data), "sparse", run.seed,
                                 layout.stage_dir(run, stage), mode=run.mode, rule=run.rule,
                                 adapter=previous or retrofit_dir, background=background_dir,
                                 update="authors" if run.update == "authors" else None, lr=run.lr,
                                 count_reads=run.reads, variant=run.variant, epochs=run.epochs), markers
-        model = self.config.model
-        if previous is not None:
-            model = str(previous / FINAL_DIR) if run.recipe == "full" else str(
-                merge_lora(previous, layout.merged_dir(run, stage - 1), self.runner.device))
+        model, adapter = self.config.model, pretrained_adapter(self.config)
+        if previous is not None:  # the previous stage's model, its memories (if any) part of it
+            model, adapter = str(previous / FINAL_DIR) if run.recipe == "full" else str(
+                merge_lora(previous, layout.merged_dir(run, stage - 1), self.runner.device)), None
         return stage_config(dataclasses.replace(self.config, data=data, model=model), run.recipe, run.seed,
-                            layout.stage_dir(run, stage), lr=run.lr, epochs=run.epochs), {}
+                            layout.stage_dir(run, stage), lr=run.lr, epochs=run.epochs, adapter=adapter), {}
 
     def eval_sets(self, task: int | None) -> dict:
         """The evaluation sets of the old knowledge (``task`` None: every configured role but learn), or of task
@@ -180,7 +180,7 @@ class StreamRun:
     def evaluate(self, stage: int, run_dir: Path | None) -> tuple[dict, dict, dict]:
         """(metrics of the old knowledge, accuracy per task name, seconds per evaluation) of the model after
         ``stage`` (``run_dir`` None: the base model)."""
-        model, tokenizer = load_model(self.config.model, run_dir, self.runner.device)
+        model, tokenizer = load_model(self.config.model, run_dir or pretrained_adapter(self.config), self.runner.device)
         out_dir = self.layout.eval_dir(self.run, stage)
         if run_dir is not None:
             self._counts = parameter_counts(model, self.run.recipe)

@@ -6,8 +6,8 @@ docs/science.md#a-stream-of-tasks), from the ``stream`` records of its results f
   accuracy, the held-out perplexity and every task's accuracy after each stage, mean ± 95% interval over seeds, the
   base model's first;
 - matched learning at the final stage: learning is the last task's accuracy, and each method's kept value is read off
-  each seed's sweep (:mod:`smf.report.matched_learning`) on every kept axis: the old facts and each earlier task,
-  with the difference to full finetuning paired by seed;
+  each seed's sweep (:mod:`smf.report.matched_learning`) on every kept axis: the old facts, each earlier task and
+  (with two or more) the earlier tasks' mean, with the difference to full finetuning paired by seed;
 - the forgetting curves of every method (:func:`smf.report.stream_plot.plot_forgetting`).
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ from smf.suite.science import variant as result_variant
 
 OLD_KEY, HELDOUT_KEY = "retain_acc", "heldout_ppl"
 LEARNED = "learned"  # the matched-learning records' learning metric: the last task's accuracy
+EARLIER_MEAN = "earlier tasks (mean)"  # the kept axis of the earlier tasks' mean accuracy after the stream
 
 
 def _stage_values(runs: list[dict]) -> dict[int, dict[str, list[float]]]:
@@ -64,18 +65,22 @@ def stage_rows(config: SuiteConfig, results: list[dict]) -> list[dict]:
     return rows
 
 
-def _matched_records(results: list[dict], tasks: list[str]) -> list[dict]:
+def matched_records(results: list[dict], tasks: list[str]) -> list[dict]:
     """Each swept stream run as a matched-learning record: ``learned`` the last task's accuracy after the stream,
-    the old facts and every earlier task's accuracy as kept axes."""
+    the old facts, every earlier task's accuracy and, with more than one earlier task, their mean
+    (:data:`EARLIER_MEAN`) as kept axes."""
     records = []
     for result in results:
         if result.get("lr") is None or not result.get("stream"):
             continue
         final = result["stream"]["stages"][-1]
+        earlier = {f"task {task}": final["tasks"][task] for task in tasks[:-1]}
+        if len(earlier) > 1:
+            earlier[EARLIER_MEAN] = sum(earlier.values()) / len(earlier)
         records.append({**{k: result.get(k) for k in ("condition", "seed", "update", "reads", "variant", "lr",
                                                       "epochs")},
                         "metrics": {LEARNED: final["tasks"][tasks[-1]], OLD_KEY: final["metrics"].get(OLD_KEY),
-                                    **{f"task {task}": final["tasks"][task] for task in tasks[:-1]}}})
+                                    **earlier}})
     return records
 
 
@@ -117,14 +122,15 @@ def write_stream_report(config: SuiteConfig, results: list[dict], out_dir: Path,
         lines.append("")
     matched = {}
     if config.matched_learning:
-        records = _matched_records(results, tasks)
+        records = matched_records(results, tasks)
         reference = result_variant({"condition": "full"})
         levels = [str(level) for level in config.matched_learning]
         lines += ["### Matched learning after the stream\n",
                   f"Kept at a given task-{tasks[-1]} accuracy after the whole stream, read off each seed's sweep "
                   "(interpolated between the two rates that bracket the level; k/n: only k of n seeds reached it; "
                   "—: none did); in brackets the difference to full finetuning, paired by seed.\n"]
-        for axis in (OLD_KEY, *[f"task {task}" for task in tasks[:-1]]):
+        earlier = [f"task {task}" for task in tasks[:-1]]
+        for axis in (OLD_KEY, *earlier, *([EARLIER_MEAN] if len(earlier) > 1 else [])):
             axis_rows = matched_learning(records, config.matched_learning, result_variant, LEARNED, axis, reference)
             order = {condition: index for index, condition in enumerate(config.conditions)}
             axis_rows.sort(key=lambda r: (order.get(r["method"][0], 99), str(r["method"])))
