@@ -502,7 +502,7 @@ def targets(results: list[dict]) -> list[dict]:
                  measured=f"{big['cpu_ratio_to_base']:.2f}x (wall {big['ratio_to_base']:.2f}x)",
                  ok=big["cpu_ratio_to_base"] <= STEP_RATIO_MAX)
             ] if big["slots"] != base else []  # one size: no ratio
-    reachable = floor_ratio(big)
+    reachable = floor_ratio(big, next(r for r in results if r["slots"] == base))
     if reachable is not None:
         rows.append(dict(target=f"the floor allows <= {STEP_RATIO_MAX}x (best ratio: {base:,}'s step + the floor's "
                                 f"extra work at {big['slots']:,})",
@@ -521,13 +521,23 @@ def targets(results: list[dict]) -> list[dict]:
     return rows
 
 
-def floor_ratio(result: dict) -> float | None:
+def floor_ratio(result: dict, base: dict | None = None) -> float | None:
     """The best step ratio the floor allows a size against the pairs' base: (the base's step CPU time in the pairs
-    + this size's floor - the base's floor) / the base's step CPU time; None without floors or pairs."""
+    + this size's floor - the base's floor) / the base's step CPU time; None without floors or pairs. Both floors
+    take the fastest sgemm rate measured in the run, and the base's the fastest read of its table (its floor in this
+    process, ``base_floor``, and in its own, ``base``'s): a rate measured slow under load would otherwise make the
+    base's floor the larger one."""
     if not result.get("floor") or not result.get("base_floor"):
         return None
-    base_ms = result["base_cpu_step_ms"]
-    return (base_ms + result["floor"]["ms"] - result["base_floor"]["ms"]) / base_ms
+    base_floors = [result["base_floor"]] + ([base["floor"]] if base and base.get("floor") else [])
+    gflops = max(floor["gflops"] for floor in (result["floor"], *base_floors))
+
+    def floor_ms(floor: dict, gbs: float) -> float:  # GFLOP / (GFLOP/s) in ms, plus MB / (GB/s), which is ms
+        return 1e3 * floor["gflop"] / gflops + floor["mb"] / gbs
+
+    extra = (floor_ms(result["floor"], result["floor"]["gbs"])
+             - floor_ms(result["base_floor"], max(floor["gbs"] for floor in base_floors)))
+    return (result["base_cpu_step_ms"] + extra) / result["base_cpu_step_ms"]
 
 
 def format_table(results: list[dict]) -> str:

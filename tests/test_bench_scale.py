@@ -50,8 +50,12 @@ def test_tiny_sizes_print_a_row_each_and_the_targets(tmp_path):
 
 
 def test_the_floor_ratio_adds_the_floors_extra_work_to_the_base_step(bench):
-    result = dict(floor=dict(ms=200.0), base_floor=dict(ms=150.0), base_cpu_step_ms=200.0)
-    assert bench.floor_ratio(result) == pytest.approx(1.25)
+    big = dict(gflop=20.0, gflops=100.0, mb=500.0, gbs=10.0)  # 200 ms of FLOPs + 50 ms of rows
+    slow_base = dict(gflop=10.0, gflops=50.0, mb=500.0, gbs=20.0)  # its sgemm measured at half the rate (load)
+    result = dict(floor=big, base_floor=slow_base, base_cpu_step_ms=500.0)
+    assert bench.floor_ratio(result) == pytest.approx((500.0 + 250.0 - (100.0 + 25.0)) / 500.0)  # at 100 GFLOP/s
+    own = dict(floor=dict(slow_base, gflops=80.0, gbs=25.0))  # the base's own process read its table faster
+    assert bench.floor_ratio(result, own) == pytest.approx((500.0 + 250.0 - (100.0 + 20.0)) / 500.0)
     assert bench.floor_ratio(dict(result, floor=None)) is None
 
 
