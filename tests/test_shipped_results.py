@@ -158,25 +158,95 @@ def test_a_table_on_the_page_is_the_shipped_results(name, tmp_path):
         assert cells[4] == entry["from_zero"] and cells[5].startswith(entry["verdict"])
 
 
-def test_the_ten_task_streams_table_on_the_page_is_the_shipped_results(tmp_path):
-    """docs/science.md's ten-task stream table (means of the chosen configurations after tasks A, C, E, G, J),
-    recomputed from the shipped per-run results alone."""
-    from smf.suite.shipped import write_packed_report
+STREAM10_METHODS = {"additive+s-tfidf": "paper-like SMF", "lora": "LoRA", "full": "full finetuning"}
 
-    write_packed_report(RESULTS / "stream10" / "results.json", tmp_path)
-    stream = json.loads((tmp_path / "stream.json").read_text())
-    rows = {row["method"][0]: row["stages"] for row in stream["stages"]}
-    methods = ("additive+s-tfidf", "lora", "full")  # the page's order: paper-like SMF / LoRA / full finetuning
+
+@pytest.fixture(scope="module")
+def stream10_report(tmp_path_factory):
+    """(stream.json, matched_learning.json, the results records, the page's ten-task section) of the shipped
+    ten-task stream results, the report redrawn from them alone."""
+    from smf.suite.shipped import read_packed, write_packed_report
+
+    out = tmp_path_factory.mktemp("stream10")
+    write_packed_report(RESULTS / "stream10" / "results.json", out)
+    _, results, _ = read_packed(RESULTS / "stream10" / "results.json", out)
     page = (ROOT / "docs" / "science.md").read_text(encoding="utf-8")
     section = page[page.index("### A stream of ten tasks"):page.index("### The earlier stream preset")]
+    return (json.loads((out / "stream.json").read_text()), json.loads((out / "matched_learning.json").read_text()),
+            results, section)
+
+
+def _mean_and_half(cell: str) -> tuple[float, float]:
+    mean, half = (float(v.replace("−", "-")) for v in cell.split(" ± "))
+    return mean, half
+
+
+def test_the_ten_task_streams_table_on_the_page_is_the_shipped_results(stream10_report):
+    """docs/science.md's ten-task stream table (each method at its chosen configuration: mean ± 95% over the seeds
+    after tasks A, C, E, G, J), recomputed from the shipped per-run results alone."""
+    from smf.report.matched_learning import mean_interval
+    from smf.suite.science import at_chosen_rates
+
+    stream, _, results, section = stream10_report
+    rows = {row["method"][0]: row for row in stream["stages"]}
+    assert all(row["seeds"] == [0, 1, 2, 3, 4] for row in rows.values())
+    chosen = [r for r in at_chosen_rates(results) if r.get("stream") and r["condition"] in STREAM10_METHODS]
     columns = {"A": 1, "C": 3, "E": 5, "G": 7, "J": 10}
     for series, key in (("old facts", "retain_acc"), ("task A", "A"), ("earlier tasks' mean", None)):
-        (row,) = [line for line in section.splitlines() if line.startswith(f"| {series}: ")]
-        cells = [cell.strip() for cell in row.split("|")[2:-1]]
-        for cell, stage in zip(cells, columns.values()):
-            if cell == "—":
-                continue
-            summary = {method: rows[method][str(stage)] for method in methods}
-            expected = [summary[m][key]["mean"] if key else statistics.fmean(
-                summary[m][task]["mean"] for task in stream["tasks"][:stage - 1]) for m in methods]
-            assert [float(v) for v in cell.split(" / ")] == pytest.approx(expected, abs=5.1e-3), (series, stage)  # two decimals
+        for method, name in STREAM10_METHODS.items():
+            (row,) = [line for line in section.splitlines() if line.startswith(f"| {series}: {name} |")]
+            cells = [cell.strip() for cell in row.split("|")[2:-1]]
+            assert len(cells) == len(columns)
+            for cell, stage in zip(cells, columns.values()):
+                if key:
+                    summary = rows[method]["stages"][str(stage)][key]
+                    expected = (summary["mean"], summary["half_width"])
+                elif stage == 1:  # no earlier task
+                    assert cell == "—"
+                    continue
+                else:  # each seed's mean over the tasks before this stage, then mean ± 95% over the seeds
+                    expected = mean_interval([statistics.fmean(
+                        stage_record["tasks"][task] for task in stream["tasks"][:stage - 1])
+                        for run in chosen if run["condition"] == method
+                        for stage_record in run["stream"]["stages"] if stage_record["stage"] == stage])
+                assert _mean_and_half(cell) == pytest.approx(expected, abs=5.1e-3), (series, name, stage)  # two decimals
+
+
+STREAM10_HYPOTHESES = {  # the page's row label -> (where it is evaluated: the registered name, or stream.md's axis)
+    "old facts: paper-like SMF − full finetuning ≥ +0.10 at 0.9": "stream10-paper-like-vs-full",
+    "old facts: paper-like SMF − LoRA ≥ +0.10 at 0.9": "stream10-paper-like-vs-lora",
+    "task A: paper-like SMF − full finetuning ≥ +0.10 at 0.9": "task A",
+    "earlier tasks' mean: paper-like SMF − full finetuning ≥ +0.10 at 0.9": "earlier tasks (mean)",
+}
+
+
+def test_the_ten_task_streams_hypotheses_on_the_page_are_the_shipped_results(stream10_report):
+    """The four hypotheses the ten-task preset registered (two evaluated in matched_learning.md, two from
+    stream.md's paired differences to full finetuning), by the standard rule from the shipped results alone: the
+    page's per-seed values, mean ± 95%, against 0 and verdict."""
+    stream, matched, _, section = stream10_report
+    registered = {entry["name"]: entry for entry in matched["hypotheses"]}
+    for label, source in STREAM10_HYPOTHESES.items():
+        if source in registered:
+            evaluated = registered[source]
+        else:
+            (row,) = [row for row in stream["matched_learning"][source] if row["method"][0] == "additive+s-tfidf"]
+            per_seed = (row["levels"]["0.9"]["vs_reference"] or {}).get("per_seed", {})
+            evaluated = {"per_seed": per_seed, **verdict(list(per_seed.values()), 0.10, 5)}
+        (line,) = [line for line in section.splitlines() if line.startswith(f"| {label} |")]
+        cells = [cell.strip(" *") for cell in line.split("|")[1:-1]]
+        shown = cells[1].split(" / ")
+        assert len(shown) == 5
+        for seed, value in enumerate(shown):
+            if str(seed) in evaluated["per_seed"]:
+                assert float(value.replace("−", "-")) == pytest.approx(evaluated["per_seed"][str(seed)], abs=5e-4)
+            else:
+                assert value == "—", (label, seed)
+        if evaluated["mean"] is None:
+            assert cells[2:5] == ["—", "—", "—"]
+        else:
+            assert _mean_and_half(cells[2]) == pytest.approx((evaluated["mean"], evaluated["half_width"]), abs=5e-4)
+            low, high = (float(v.replace("−", "-")) for v in re.findall(r"[−+]\d\.\d+", cells[3]))
+            assert (low, high) == pytest.approx((evaluated["low"], evaluated["high"]), abs=6e-4)
+            assert cells[4] == evaluated["from_zero"]
+        assert cells[5].startswith(evaluated["verdict"]), label
