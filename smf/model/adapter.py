@@ -14,6 +14,7 @@ from smf.files import write_json_atomic
 from smf.model.attach import attach_memories, memory_blocks
 from smf.model.block import MODES, MemoryBlock
 from smf.model.memory_mode import ALPHA_MODES, set_memory_mode
+from smf.model.relocation import weights_digest
 from smf.vocabulary import canonical, check_layers
 from smf_kernels import ProductKeyMemory
 from smf_kernels.memory import rename_legacy_projections
@@ -27,8 +28,10 @@ def save_memory_adapter(model: nn.Module, directory: str | Path) -> Path:
     """Write the memories of ``model`` (weights and alpha; safetensors) and their placement (json).
 
     Files: ``memory_adapter.safetensors`` with keys ``layers.{i}.memory.{param}`` and
-    ``layers.{i}.alpha``; ``memory_adapter.json`` with mode, layers, memory kwargs and the base
-    model's name. The base model itself is not saved. Returns the directory.
+    ``layers.{i}.alpha``; ``memory_adapter.json`` with mode, layers, memory kwargs, the base
+    model's name and, for a base in a local directory, ``base_sha256``, the digest of its weights
+    (:func:`smf.model.relocation.weights_digest`: the base is known by content when it moved). The base model
+    itself is not saved. Returns the directory.
     """
     blocks = memory_blocks(model)
     if not blocks:
@@ -43,11 +46,14 @@ def save_memory_adapter(model: nn.Module, directory: str | Path) -> Path:
             tensors[f"layers.{block.layer_index}.alpha"] = block.alpha.detach().cpu().float()
     memory_kwargs = blocks[0].memory.config()
     memory_kwargs.pop("d_model")
+    base = getattr(getattr(model, "config", None), "_name_or_path", None)
+    digest = weights_digest(base)
     config = {
         "mode": blocks[0].mode,
         "layers": [block.layer_index for block in blocks],
         "memory_kwargs": memory_kwargs,
-        "base_model": getattr(getattr(model, "config", None), "_name_or_path", None),
+        "base_model": base,
+        **({} if digest is None else {"base_sha256": digest}),
     }
     save_file(tensors, str(directory / ADAPTER_WEIGHTS))
     write_json_atomic(directory / ADAPTER_CONFIG, config)
@@ -76,6 +82,9 @@ def read_adapter_config(directory: str | Path) -> dict:
     check_layers(config["layers"], argument=f"{path}: layers")
     if not isinstance(config.get("base_model"), (str, type(None))):
         raise ValueError(f"{path}: base_model must be a model name or null, got {config['base_model']!r}")
+    if not isinstance(config.get("base_sha256"), (str, type(None))):
+        raise ValueError(f"{path}: base_sha256 must be the base's weights digest (hex) or absent, got "
+                         f"{config['base_sha256']!r}")
     return config
 
 

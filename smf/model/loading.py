@@ -30,6 +30,7 @@ from smf.model.adapter import ADAPTER_CONFIG, load_memory_adapter, read_adapter_
 from smf.model.attach import CONFIG_KEY, memory_blocks
 from smf.model.hf_auto import SUFFIX, register_memory_type
 from smf.model.memory_spec import check_memory_spec, forget_renaming
+from smf.model.relocation import moved_roots, relocated, weights_digest
 from smf.vocabulary import DEFAULT_MODEL, RECIPES, TINY_MODEL
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
@@ -104,23 +105,26 @@ def load_with_adapter(base: str | None, adapter: str | Path, device: torch.devic
     """(base model with the memory adapter's memories attached, tokenizer).
 
     ``adapter``: an adapter folder or a retrofit run directory. ``base``: the base model, which must be
-    the one the adapter was trained on; None uses the one the adapter records.
+    the one the adapter was trained on: its recorded path, or the same weights elsewhere (:func:`_same_base`);
+    None uses the one the adapter records (where a run folder holding both moved: its new place there).
     """
     directory = adapter_dir(adapter)
     try:
-        recorded = read_adapter_config(directory).get("base_model")
+        config = read_adapter_config(directory)
     except ConfigError:
         raise
     except (OSError, ValueError) as err:  # not an adapter this code wrote: one line naming the argument
         raise ConfigError(f"--adapter {str(adapter)!r}: {err}") from None
+    recorded = config.get("base_model")
     if base is None and not recorded:
         raise ConfigError(f"the adapter in {str(directory)!r} records no base model; pass --model")
-    if base is not None and recorded and recorded != base:
+    if base is not None and recorded and recorded != base and not _same_base(base, config, directory):
         raise ConfigError(f"--adapter was trained on base model {recorded!r} but --model is {base!r}; "
                           f"pass --model {recorded}")
-    model, tokenizer = load_base(base or recorded, device)
-    if (Path(base or recorded) / ADAPTER_CONFIG).is_file() and not memory_blocks(model):
-        _warn_decoder_beside_adapter(Path(base or recorded))
+    base = base or relocated(recorded, _moved_with(directory))
+    model, tokenizer = load_base(base, device)
+    if (Path(base) / ADAPTER_CONFIG).is_file() and not memory_blocks(model):
+        _warn_decoder_beside_adapter(Path(base))
     try:
         load_memory_adapter(model, directory, backend=backend)
     except ConfigError:
@@ -128,6 +132,33 @@ def load_with_adapter(base: str | None, adapter: str | Path, device: torch.devic
     except (OSError, ValueError) as err:
         raise ConfigError(f"--adapter {str(adapter)!r}: {err}") from None
     return model.to(device).eval(), tokenizer
+
+
+def _same_base(base: str, config: dict, directory: Path) -> bool:
+    """Whether ``base`` is the base the adapter in ``directory`` (its ``config``) was trained on, although the path
+    differs from the recorded one: the same weights (the ``base_sha256`` it records), or, for an adapter written
+    before it recorded one, the recorded base's place in a run folder that moved with the adapter since
+    (:func:`_moved_with`)."""
+    if config.get("base_sha256") is not None:
+        same = weights_digest(base) == config["base_sha256"]
+    else:
+        roots = _moved_with(directory)
+        same = roots is not None and Path(relocated(config["base_model"], roots)).absolute() == Path(base).absolute()
+    if same:
+        logger.info("%s: the adapter's base %s, which moved to %s", directory, config["base_model"], base)
+    return same
+
+
+def _moved_with(directory: Path) -> tuple[Path, Path] | None:
+    """(old, new) of the folder that moved with the retrofit run whose ``final/`` adapter ``directory`` is
+    (:func:`smf.model.relocation.moved_roots`: its run_config.json records where it ran); None when it did not move
+    or is no run's."""
+    if directory.name != FINAL_DIR or not (directory.parent / RUN_CONFIG).is_file():
+        return None
+    try:
+        return moved_roots(read_run_config(directory.parent).get("output_dir"), directory.parent)
+    except ConfigError:
+        return None
 
 
 _warned: set[Path] = set()  # directories warned about, once a process
@@ -161,7 +192,9 @@ def read_run_config(run_dir: str | Path) -> dict:
 
 def load_run(run_dir: str | Path, device: torch.device | str = "cpu",
              backend: str | None = None) -> tuple[nn.Module, object]:
-    """(model in eval mode, tokenizer) from the ``final/`` artefact of a finished training run."""
+    """(model in eval mode, tokenizer) from the ``final/`` artefact of a finished training run. A run whose folder
+    moved since (its recorded ``output_dir`` is elsewhere) finds the base and adapter it recorded inside that folder
+    at their new place (:func:`smf.model.relocation.relocated`)."""
     run_dir = Path(run_dir)
     final = run_dir / FINAL_DIR
     if not (run_dir / RUN_CONFIG).is_file() or not final.is_dir():
@@ -169,9 +202,11 @@ def load_run(run_dir: str | Path, device: torch.device | str = "cpu",
     options = read_run_config(run_dir)
     if options["recipe"] == "full":
         return load_base(str(final), device, argument="--adapter")
+    roots = moved_roots(options.get("output_dir"), run_dir)  # a folder that moved: its base and adapter with it
     if options["recipe"] == "lora":
-        return _load_peft(options["model"], final, device, options.get("adapter"), backend)
-    return load_with_adapter(options["model"], final, device, backend)
+        return _load_peft(relocated(options["model"], roots), final, device, relocated(options.get("adapter"), roots),
+                          backend)
+    return load_with_adapter(relocated(options["model"], roots), final, device, backend)
 
 
 def _load_peft(base: str, adapter: Path, device: torch.device | str, memories: str | None = None,

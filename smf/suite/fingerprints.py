@@ -69,6 +69,19 @@ def stage_fingerprints(options: dict, root: Path) -> tuple[str, str]:
     return options_fingerprint(in_suite(options, Path(root))), options_fingerprint(options)
 
 
+def recorded_fingerprint(options: dict, output_dir: Path, root: Path) -> str:
+    """The fingerprint (:func:`stage_fingerprints`) of the options the stage directory ``output_dir`` of the suite
+    folder ``root`` recorded (its run_config.json): paths inside the folder relative to where it lay when they were
+    written (its recorded ``output_dir``, less the stage's place in the folder), so a stage stopped and then moved
+    with its folder resumes."""
+    root = Path(root).absolute()
+    place = Path(output_dir).absolute().relative_to(root).parts
+    written = Path(options.get("output_dir") or "")
+    if place and written.is_absolute() and written.parts[-len(place):] == place:
+        root = Path(*written.parts[:-len(place)])
+    return stage_fingerprints(options, root)[0]
+
+
 def fingerprint_form(options: dict) -> dict:
     """Resolved train options in the form suite fingerprints hashed before --update existed (``optimizer``,
     ``sparse_backward`` and ``fused_update`` in their defaults), so that stage directories written then still

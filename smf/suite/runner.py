@@ -35,7 +35,7 @@ from smf.model.loading import FINAL_DIR, RUN_CONFIG, load_model, read_run_config
 from smf.suite.config import SuiteConfig, pretrained_adapter, seed_config
 from smf.suite.cost import log_records, parameter_counts, sparse_step_stats, training_cost
 from smf.suite.finished import run_state
-from smf.suite.fingerprints import merged_plan, run_hash, stage_fingerprints
+from smf.suite.fingerprints import merged_plan, recorded_fingerprint, run_hash, stage_fingerprints
 from smf.suite.jobs import Task, run_tasks
 from smf.suite.plan import Run, SuiteLayout, plan_runs, sparse_stage_dirs, stage_config
 from smf.suite.science import prepare_science_inputs
@@ -105,7 +105,7 @@ def ensure_stage(kind: str, config: RunConfig, root: Path) -> dict:
             raise ConfigError(foreign)
         return {**marker, "skipped": True}
     if (output_dir / RUN_CONFIG).is_file():
-        if stage_fingerprints(read_run_config(output_dir), root)[0] != fingerprint:
+        if recorded_fingerprint(read_run_config(output_dir), output_dir, root) != fingerprint:
             raise ConfigError(foreign)
     resume = (output_dir / CHECKPOINT_FILE).is_file()
     logger.info("%s %s: %s", "resuming" if resume else "starting", kind, output_dir)
