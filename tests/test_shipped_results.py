@@ -110,6 +110,31 @@ def test_a_damaged_packed_file_is_named_in_one_line(science_suite, tmp_path, cap
     assert re.search(message, err) and err.count("\n") == 1, err
 
 
+def test_a_packed_run_names_its_base_relative_to_the_suite_folder(science_suite, tmp_path):
+    """A run's ``model`` (its seed's pretrained base, inside the folder) is packed as ``<suite>/...``, also where the
+    record was written in the folder before it moved, or in another folder and copied in: no local path is packed."""
+    from smf.suite.config import seed_config
+    from smf.suite.plan import SuiteLayout
+    from smf.suite.report import load_suite_dir
+    from smf.suite.shipped import pack_suite
+
+    config = load_suite_dir(science_suite)
+    for index, path in enumerate(sorted(SuiteLayout(science_suite).results_dir.glob("*.json"))):
+        record = json.loads(path.read_text())
+        model = Path(seed_config(config, record["seed"]).model)
+        where = (model, tmp_path / "before-it-moved" / model.relative_to(science_suite))[index % 2]
+        path.write_text(json.dumps({**record, "model": str(where)}))
+    packed = pack_suite(science_suite)
+    assert {run["model"] for run in packed["runs"]} == {f"<suite>/bases/seed{seed}/pretrain/final"
+                                                        for seed in config.seeds}
+    assert str(tmp_path) not in json.dumps(packed)
+
+
+def test_the_shipped_results_hold_no_local_path():
+    for path in sorted(RESULTS.glob("*/results.json")):
+        assert '"/' not in path.read_text(encoding="utf-8"), path
+
+
 def test_report_results_needs_out_and_out_needs_results(tmp_path, capsys):
     from smf import cli
 

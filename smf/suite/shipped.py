@@ -4,9 +4,11 @@ docs/science.md recomputable without training), and the report drawn from it.
 ``smf report --suite-dir DIR --pack FILE`` writes the file: the recorded suite config (``suite_config.json``, without
 the paths of the machine that ran it), the
 hypotheses' registration record (``hypotheses_registered.json``, or null), each distinct environment once, and every
-finished run's results record (:meth:`smf.suite.runner.SuiteRunner.run_one`) without its ``artefact`` (a local path)
-and with its ``environment`` replaced by an index into the environments (a few hundred bytes a run; a stream run's
-stages without their per-stage seconds, ``train_s`` and ``eval_s``, whose sums the run's ``timing`` keeps).
+finished run's results record (:meth:`smf.suite.runner.SuiteRunner.run_one`) without its ``artefact`` (a local path),
+its ``model`` written relative to the suite folder where the base lies inside it (``<suite>/bases/seed5/pretrain/final``,
+as run hashes write it: :func:`portable_model`), and with its ``environment`` replaced by an index into the
+environments (a few hundred bytes a run; a stream run's stages without their per-stage seconds, ``train_s`` and
+``eval_s``, whose sums the run's ``timing`` keeps).
 ``smf report --results FILE --out DIR`` reads it back, checks every record as a suite directory's are checked
 (:func:`smf.report.records.check_results_record`; the ``config_hash`` is kept but not recomputed: the world's files,
 which it covers, lie in the directory the runs ran in) and writes the tables the records alone give
@@ -22,7 +24,8 @@ from pathlib import Path
 from smf.errors import ConfigError
 from smf.files import read_json_object, write_json_atomic
 from smf.report.records import check_results_record
-from smf.suite.config import SuiteConfig, suite_config_from_dict
+from smf.suite.config import SuiteConfig, seed_config, suite_config_from_dict
+from smf.suite.fingerprints import IN_SUITE, in_suite
 from smf.suite.plan import Run, SuiteLayout, plan_runs
 from smf.suite.report import collect_results, load_suite_dir, write_report_page, write_result_tables
 
@@ -47,12 +50,27 @@ def pack_suite(suite_dir: str | Path) -> dict:
         if environment not in environments:
             environments.append(environment)
         runs.append({**{key: value for key, value in record.items() if key not in DROPPED},
+                     **({"model": portable_model(record, config)} if "model" in record else {}),
                      **({"stream": _compact_stream(record["stream"])} if record.get("stream") else {}),
                      "environment": environments.index(environment)})
     registered = read_json_object(layout.hypotheses_file, "hypotheses record") \
         if layout.hypotheses_file.is_file() else None
     return {"format": FORMAT, "suite": _portable(read_json_object(layout.config_file, "suite config record")),
             "registered": registered, "environments": environments, "runs": runs}
+
+
+def portable_model(record: dict, config: SuiteConfig) -> str:
+    """The ``model`` of the results ``record`` of a run of ``config``, relative to the suite folder where the base lies
+    inside it (:func:`smf.suite.fingerprints.in_suite`), also where the record was written in the folder before it
+    moved (or in another folder, and copied in): there its path ends as the run's planned base does; a hub id or a
+    base outside the folder as it is."""
+    root = Path(config.output_dir).absolute()
+    planned = in_suite(seed_config(config, record["seed"]).model, root)
+    inside = Path(planned.removeprefix(IN_SUITE + "/")).parts if planned.startswith(IN_SUITE + "/") else None
+    recorded = in_suite(record["model"], root)
+    if inside and Path(recorded).is_absolute() and Path(recorded).parts[-len(inside):] == inside:
+        return planned
+    return recorded
 
 
 def _compact_stream(stream: dict) -> dict:
