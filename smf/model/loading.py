@@ -105,8 +105,9 @@ def load_with_adapter(base: str | None, adapter: str | Path, device: torch.devic
     """(base model with the memory adapter's memories attached, tokenizer).
 
     ``adapter``: an adapter folder or a retrofit run directory. ``base``: the base model, which must be
-    the one the adapter was trained on: its recorded path, or the same weights elsewhere (:func:`_same_base`);
-    None uses the one the adapter records (where a run folder holding both moved: its new place there).
+    the one the adapter was trained on: its recorded path, or the same weights elsewhere (the adapter's
+    ``base_sha256``; one written before it recorded that: the recorded base's place in the run folder that moved
+    with it); None uses the one the adapter records (where a run folder holding both moved: its new place there).
     """
     directory = adapter_dir(adapter)
     try:
