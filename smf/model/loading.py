@@ -141,12 +141,13 @@ def _same_base(base: str, config: dict, directory: Path) -> bool:
     before it recorded one, the recorded base's place in a run folder that moved with the adapter since
     (:func:`_moved_with`)."""
     if config.get("base_sha256") is not None:
-        same = weights_digest(base) == config["base_sha256"]
+        same, how = weights_digest(base) == config["base_sha256"], "holds its weights"
     else:
         roots = _moved_with(directory)
         same = roots is not None and Path(relocated(config["base_model"], roots)).absolute() == Path(base).absolute()
+        how = "is where it lies in the run folder that moved with the adapter"
     if same:
-        logger.info("%s: the adapter's base %s, which moved to %s", directory, config["base_model"], base)
+        logger.info("%s: trained on base %s; %s %s", directory, config["base_model"], base, how)
     return same
 
 
