@@ -471,6 +471,39 @@ inline __m512 sort16(__m512 x) {
   return bitonic_merge16(x);
 }
 
+// The lane maxima of the first and of the second half of the 16-wide vectors of s[0..n) (-inf past n) into
+// lane_max[0] and [1]: 32 distinct scores or -inf fillers. False where a score is NaN. Two registers, not a
+// register array indexed by the half: that one was kept in memory, a store and a reload a vector.
+inline bool lane_maxima(const float* s, int64_t n, __m512* lane_max) {
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 first = minus_inf, second = minus_inf;
+  __mmask16 nan = 0;
+  const int64_t vectors = (n + 15) / 16, first_half = (vectors + 1) / 2;
+  for (int64_t v = 0; v < vectors; ++v) {
+    const int64_t j0 = 16 * v;
+    const __mmask16 live = n - j0 >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j0)) - 1);
+    const __m512 x = _mm512_mask_loadu_ps(minus_inf, live, s + j0);
+    nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    if (v < first_half)
+      first = _mm512_max_ps(first, x);
+    else
+      second = _mm512_max_ps(second, x);
+  }
+  lane_max[0] = first;
+  lane_max[1] = second;
+  return nan == 0;
+}
+
+// The k-th largest (k <= 16) of the 32 lane maxima: both sorted, the larger of a[l] and b[15 - l] per lane.
+inline float kth_lane_maximum(const __m512* lane_max, int64_t k) {
+  const __m512 first = sort16(lane_max[0]);
+  const __m512 second = _mm512_permutexvar_ps(
+      _mm512_setr_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), sort16(lane_max[1]));
+  alignas(64) float top_maxima[16];
+  _mm512_store_ps(top_maxima, bitonic_merge16(_mm512_max_ps(first, second)));
+  return top_maxima[k - 1];
+}
+
 // The float32 select_topk for k <= 16 and no NaN. Threshold: the lane maxima of the
 // first and of the second half of the 16-wide vectors are 32 distinct scores (or -inf
 // fillers), so the k-th largest of them, t, has k scores >= t and the top k are among
@@ -479,26 +512,11 @@ inline __m512 sort16(__m512 x) {
 // Returns false (nothing written) where it does not apply; then the caller falls back.
 bool select_topk_vector(const float* s, int64_t n, int64_t k, float* top_values, int64_t* top_indices) {
   if (k > 16) return false;
-  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __m512 lane_max[2] = {minus_inf, minus_inf};
-  __mmask16 nan = 0;
-  const int64_t vectors = (n + 15) / 16, first_half = (vectors + 1) / 2;
-  for (int64_t v = 0; v < vectors; ++v) {
-    const int64_t j0 = 16 * v;
-    const __mmask16 live = n - j0 >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j0)) - 1);
-    const __m512 x = _mm512_mask_loadu_ps(minus_inf, live, s + j0);
-    nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    lane_max[v >= first_half] = _mm512_max_ps(lane_max[v >= first_half], x);
-  }
-  if (nan) return false;
-  // Top 16 of the 32 lane maxima: both sorted, the larger of a[l] and b[15 - l] per lane.
-  const __m512 first = sort16(lane_max[0]);
-  const __m512 second = _mm512_permutexvar_ps(
-      _mm512_setr_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), sort16(lane_max[1]));
-  alignas(64) float top_maxima[16];
-  _mm512_store_ps(top_maxima, bitonic_merge16(_mm512_max_ps(first, second)));
-  const float t = top_maxima[k - 1];
+  __m512 lane_max[2];
+  if (!lane_maxima(s, n, lane_max)) return false;  // a NaN
+  const float t = kth_lane_maximum(lane_max, k);
   const __m512 threshold = _mm512_set1_ps(t);
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   alignas(64) float candidate_values[kMaxRankCandidates + 16];
   alignas(64) int32_t candidate_indices[kMaxRankCandidates + 16];
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -876,30 +894,10 @@ bool prescreened_topk(const float* q, const float* rows, int64_t half, const flo
                       int64_t topk, ProductTopkBuffers<float>& buffers, int32_t* ids, float* exact, float* top_values,
                       int64_t* top_indices) {
   if (!(bound < std::numeric_limits<double>::infinity())) return false;
-  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  // The lane maxima of each half of the vectors in two registers (a register array indexed by the half was kept
-  // in memory, a store and reload a vector).
-  __m512 lane_max_first = minus_inf, lane_max_second = minus_inf;
-  __mmask16 nan = 0;
-  const int64_t vectors = (n_keys + 15) / 16, first_half = (vectors + 1) / 2;
-  for (int64_t v = 0; v < vectors; ++v) {
-    const int64_t j0 = 16 * v;
-    const __mmask16 live = n_keys - j0 >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n_keys - j0)) - 1);
-    const __m512 x = _mm512_mask_loadu_ps(minus_inf, live, b + j0);
-    nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    if (v < first_half)
-      lane_max_first = _mm512_max_ps(lane_max_first, x);
-    else
-      lane_max_second = _mm512_max_ps(lane_max_second, x);
-  }
-  if (nan) return false;
-  const __m512 first = sort16(lane_max_first);
-  const __m512 second = _mm512_permutexvar_ps(
-      _mm512_setr_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), sort16(lane_max_second));
-  alignas(64) float top_maxima[16];
-  _mm512_store_ps(top_maxima, bitonic_merge16(_mm512_max_ps(first, second)));
+  __m512 lane_max[2];
+  if (!lane_maxima(b, n_keys, lane_max)) return false;  // a NaN
   // Scores >= t - 2E (values into exact, indices into ids), in index order; every score where k > 16.
-  const float t = topk <= 16 ? top_maxima[topk - 1] : -std::numeric_limits<float>::infinity();
+  const float t = topk <= 16 ? kth_lane_maximum(lane_max, topk) : -std::numeric_limits<float>::infinity();
   const __m512 wide = _mm512_set1_ps(threshold_below(t, bound));
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   int64_t count = 0;
