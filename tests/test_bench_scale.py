@@ -59,6 +59,17 @@ def test_the_floor_ratio_adds_the_floors_extra_work_to_the_base_step(bench):
     assert bench.floor_ratio(dict(result, floor=None)) is None
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
+def test_huge_pages_reach_the_children_and_the_layers(bench):
+    args = bench.parse_args(["--huge-pages", "--tokens", "40", "--rows", "24"])
+    assert "--huge-pages" in bench.common_options(args)
+    assert "--huge-pages" not in bench.common_options(bench.parse_args([]))
+    layer = bench.build_layer(400, args, seed=0)
+    assert layer["memory"].huge_pages
+    plain = bench.build_layer(400, bench.parse_args(["--tokens", "40", "--rows", "24"]), seed=0)
+    assert torch.equal(layer["memory"].values, plain["memory"].values)
+
+
 def test_held_bytes_count_each_storage_once(bench):
     args = bench.parse_args(["--tokens", "40", "--rows", "24"])
     layer = bench.build_layer(400, args, seed=0)
