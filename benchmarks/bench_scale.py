@@ -42,7 +42,7 @@ model is built, which it builds in fp32 first) <= 16 GiB fp32 / 9 GiB bf16.
     python benchmarks/bench_scale.py                                  # 16k, 262k, 1M slots, one thread
     python benchmarks/bench_scale.py --sizes 16384,1048576 --json scale.json
     python benchmarks/bench_scale.py --sizes 16384 --model --bf16     # and the 0.5B model with 1M-slot memories
-    python benchmarks/bench_scale.py --sizes 16384,1048576 --huge-pages   # value tables on transparent huge pages
+    python benchmarks/bench_scale.py --sizes 16384,1048576 --huge-pages   # every table on huge pages (default: >= 512 MiB)
 """
 from __future__ import annotations
 
@@ -240,6 +240,7 @@ def measure_layer(slots: int, base: int, args: argparse.Namespace) -> dict:
             steps.append(seconds)
         logger.info("%s step %d of %d: %.3f s", tag, index + 1, args.warmup + args.repeats, seconds["step"])
     result = dict(slots=slots, n_keys=math.isqrt(slots), tokens=args.tokens, rows=args.rows,
+                  huge_pages=layer["memory"].huge_pages,
                   backend=resolve_backend(args.backend, torch.device("cpu"), torch.float32),
                   phases_ms={phase: 1e3 * statistics.median(s[phase] for s in steps) for phase in PHASES},
                   cpu_phases_ms={phase: 1e3 * statistics.median(s["cpu_" + phase] for s in steps)
@@ -470,8 +471,8 @@ def common_options(args: argparse.Namespace) -> list[str]:
         options += ["--backend", args.backend]
     if args.model_tiny:
         options.append("--model-tiny")
-    if args.huge_pages:
-        options.append("--huge-pages")
+    if args.huge_pages is not None:
+        options.append("--huge-pages" if args.huge_pages else "--no-huge-pages")
     return options
 
 
@@ -616,8 +617,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5, help="timed steps (medians are reported)")
     p.add_argument("--pairs", type=int, default=5, help="interleaved pairs per size (the median ratio is reported)")
     p.add_argument("--threads", type=int, default=1, help="torch threads of each measuring process")
-    p.add_argument("--huge-pages", action="store_true",
-                   help="the layers' value tables on transparent huge pages (ProductKeyMemory(huge_pages=True))")
+    p.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=None,
+                   help="the layers' value tables on transparent huge pages (ProductKeyMemory(huge_pages=True)) or "
+                        "not (--no-huge-pages); neither: the layer's default, huge pages for tables of at least "
+                        "512 MiB")
     p.add_argument("--model", action="store_true", help="also step the 0.5B-shaped model with large memories")
     p.add_argument("--bf16", action="store_true", help="the model run in bf16 weights too")
     p.add_argument("--model-slots", type=int, default=1048576, help="slots of each of the model's memories")
@@ -679,10 +682,11 @@ def main(argv=None) -> int:
     backends = sorted({r["backend"] for r in results if "backend" in r})
     print(f"one SMF step of ProductKeyMemory({D_MODEL}, heads 4, top-16, key_dim 256): {args.tokens} tokens, "
           f"T = {args.rows}, RowSparseAdamW, rule {args.rule}, backend {', '.join(backends) or '-'}, "
-          f"{args.threads} torch thread(s), medians of {args.repeats}"
-          f"{', value tables on huge pages (THP ' + transparent_huge_pages() + ')' if args.huge_pages else ''}; "
-          f"{where}\n")
+          f"{args.threads} torch thread(s), medians of {args.repeats}; {where}\n")
     print(format_table(results))
+    huge = [f"{r['slots']:,}" for r in results if r.get("huge_pages")]
+    print(f"\nvalue tables on transparent huge pages (THP {transparent_huge_pages()}): {', '.join(huge) or 'none'}"
+          + (" (the layers' default: tables of at least 512 MiB)" if args.huge_pages is None else ""))
     if models:
         print()
         print(format_model_table(models))

@@ -972,7 +972,7 @@ inline const float* float_row(const BFloat16* row, int64_t r, int64_t half, floa
 // topk_forward_float_impl with the pre-screen. The tasks run half-major, then head by head over every token
 // block: one (half, head)'s bf16 and fp32 sub-keys (768 KB at n_keys 1,024, half 128) stay in L2 for all its
 // blocks, where (block, head) tasks with both halves each brought 1.5 MB back from L3 (the lookup at 1M slots,
-// 2,048 tokens: 59-74 ms under load, 46 ms idle). The first half's top k of every (token, head) is kept
+// 2,048 tokens, one thread, load 9-11: 59-76 -> 43-58 ms CPU). The first half's top k of every (token, head) is kept
 // (first_top, first_index: N x H x k) until the second half's, then merged. A half whose bound is infinite
 // (prescreened_topk false) is scored and selected exactly, as select_product_topk selects each half.
 template <typename T>

@@ -1,12 +1,14 @@
 """CPU tensors on transparent huge pages (Linux), for large value tables.
 
 A step of a 1M-slot memory reads 2,048 x 64 random rows of a 3.5 GiB table: with 4 KB pages nearly every row read
-also misses the TLB. Memory advised ``MADV_HUGEPAGE`` before its pages are first written is faulted in as 2 MB pages
-(where the system's THP mode is ``always`` or ``madvise``), so no later ``MADV_COLLAPSE`` of the table is needed.
-Measured (benchmarks/RESULTS.md, 2026-11-29): the ext gather of a step's reads 13% faster at 1M slots and 10% at
-16k; but faulting a 3.5 GiB table in as huge pages took 7 s more system time on the project's VM (the kernel
-compacts memory for each 2 MB page), so :class:`~smf_kernels.memory.ProductKeyMemory` uses them only when asked
-(``huge_pages=True``).
+also misses the TLB, and the page walk reads page tables of 7 MiB (1/512 of the table) that no L2 holds. Memory
+advised ``MADV_HUGEPAGE`` before its pages are first written is faulted in as 2 MB pages (where the system's THP
+mode is ``always`` or ``madvise``), so no later ``MADV_COLLAPSE`` of the table is needed. Measured
+(benchmarks/RESULTS.md, 2026-11-29): the ext gather of a step's reads 13% faster at 1M slots and 10% at 16k, the
+1M/16k step ratio 1.25-1.27x -> 1.19-1.20x; faulting a 3.5 GiB table in as huge pages took 7 s more system time
+on the project's VM (the kernel compacts memory for each 2 MB page).
+:class:`~smf_kernels.memory.ProductKeyMemory` uses them by default for tables of at least
+:data:`HUGE_PAGES_MIN_BYTES`.
 """
 from __future__ import annotations
 
@@ -15,6 +17,9 @@ import mmap
 import torch
 
 HUGE_PAGE_BYTES = 2 << 20  # x86-64 and arm64 with 4 KB base pages
+# Tables from which ProductKeyMemory(huge_pages=None) takes huge pages: their 4 KB page tables (1/512 of the table,
+# 1 MiB here) outgrow a core's L2, so that the gather's page walks go to L3 or memory.
+HUGE_PAGES_MIN_BYTES = 512 << 20
 _THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from smf_kernels import ProductKeyMemory
+from smf_kernels import memory as memory_module
 from smf_kernels.huge_pages import empty_on_huge_pages, huge_page_bytes, transparent_huge_pages
 
 pytestmark = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="MADV_HUGEPAGE is Linux's")
@@ -54,8 +55,19 @@ def test_memory_on_huge_pages_is_the_same_memory(dtype):
     assert huge.values.data_ptr() == pointer and torch.equal(huge.values, plain.values)
 
 
+def test_memory_takes_huge_pages_by_default_for_large_tables(monkeypatch):
+    assert not ProductKeyMemory(16, n_keys=8, topk=4, key_dim=8).huge_pages  # 4 KiB
+    monkeypatch.setattr(memory_module, "HUGE_PAGES_MIN_BYTES", 64 * 16 * 4)  # this table's size
+    expected = transparent_huge_pages() in ("always", "madvise")
+    assert ProductKeyMemory(16, n_keys=8, topk=4, key_dim=8).huge_pages == expected
+    assert not ProductKeyMemory(16, n_keys=8, topk=4, key_dim=8, dtype=torch.bfloat16).huge_pages  # 2 KiB
+    assert not ProductKeyMemory(16, n_keys=8, topk=4, key_dim=8, huge_pages=False).huge_pages
+    with torch.device("meta"):  # not on CPU: no huge pages, and no error
+        assert not ProductKeyMemory(16, n_keys=8, topk=4, key_dim=8).huge_pages
+
+
 def test_memory_huge_pages_must_be_a_bool_on_cpu():
-    with pytest.raises(ValueError, match="huge_pages must be a bool"):
+    with pytest.raises(ValueError, match="huge_pages must be a bool or None"):
         ProductKeyMemory(16, n_keys=8, topk=4, key_dim=8, huge_pages="yes")
     with torch.device("meta"), pytest.raises(ValueError, match="huge_pages needs a CPU table"):
         ProductKeyMemory(16, n_keys=8, topk=4, key_dim=8, huge_pages=True)
