@@ -42,7 +42,7 @@ model is built, which it builds in fp32 first) <= 16 GiB fp32 / 9 GiB bf16.
     python benchmarks/bench_scale.py                                  # 16k, 262k, 1M slots, one thread
     python benchmarks/bench_scale.py --sizes 16384,1048576 --json scale.json
     python benchmarks/bench_scale.py --sizes 16384 --model --bf16     # and the 0.5B model with 1M-slot memories
-    python benchmarks/bench_scale.py --sizes 16384,1048576 --huge-pages   # every table on huge pages (default: >= 512 MiB)
+    python benchmarks/bench_scale.py --sizes 16384,1048576 --huge-pages   # both tables on huge pages
 """
 from __future__ import annotations
 

@@ -995,7 +995,8 @@ void prescreened_forward(const T* query, const float* keys_t, float* scores, int
     for (int64_t c = 0; c < 2; ++c) {
 #pragma omp for schedule(static)
       for (int64_t task = 0; task < heads * blocks; ++task) {
-        const int64_t h = task / blocks, n0 = task % blocks * kTokenBlock, rows = std::min(kTokenBlock, num_tokens - n0);
+        const int64_t h = task / blocks, n0 = task % blocks * kTokenBlock;
+        const int64_t rows = std::min(kTokenBlock, num_tokens - n0);
         const int64_t key_block = h * 2 + c;
         const float* q[kTokenBlock];
         const uint32_t* words[kTokenBlock];

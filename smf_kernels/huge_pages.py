@@ -5,7 +5,7 @@ also misses the TLB, and the page walk reads page tables of 7 MiB (1/512 of the 
 advised ``MADV_HUGEPAGE`` before its pages are first written is faulted in as 2 MB pages (where the system's THP
 mode is ``always`` or ``madvise``), so no later ``MADV_COLLAPSE`` of the table is needed. Measured
 (benchmarks/RESULTS.md, 2026-11-29): the ext gather of a step's reads 13% faster at 1M slots and 10% at 16k, the
-1M/16k step ratio 1.25-1.27x -> 1.19-1.20x; faulting a 3.5 GiB table in as huge pages took 7 s more system time
+1M/16k step ratio 1.21-1.27x -> 1.19-1.23x; faulting a 3.5 GiB table in as huge pages took 7 s more system time
 on the project's VM (the kernel compacts memory for each 2 MB page).
 :class:`~smf_kernels.memory.ProductKeyMemory` uses them by default for tables of at least
 :data:`HUGE_PAGES_MIN_BYTES`.
