@@ -42,7 +42,8 @@ def empty_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     mode allows (:func:`transparent_huge_pages` "always" or "madvise"; with "never" they are ordinary pages).
     The tensor keeps the mapping alive; it is unmapped when the last tensor viewing it is freed. A copy
     (``.clone()``, ``.to(dtype)``, ``copy.deepcopy``, ``torch.load``) is an ordinary tensor; ``copy_`` into it
-    (``load_state_dict``) keeps it where it is.
+    (``load_state_dict``) keeps it where it is; ``share_memory_()`` moves it to shared memory. Its storage cannot
+    be resized (``resize_`` raises).
 
     ValueError for an empty shape or a non-positive size; RuntimeError where the system has no
     ``MADV_HUGEPAGE`` (not Linux)."""
