@@ -42,6 +42,7 @@ model is built, which it builds in fp32 first) <= 16 GiB fp32 / 9 GiB bf16.
     python benchmarks/bench_scale.py                                  # 16k, 262k, 1M slots, one thread
     python benchmarks/bench_scale.py --sizes 16384,1048576 --json scale.json
     python benchmarks/bench_scale.py --sizes 16384 --model --bf16     # and the 0.5B model with 1M-slot memories
+    python benchmarks/bench_scale.py --sizes 16384,1048576 --huge-pages   # both tables on huge pages
 """
 from __future__ import annotations
 
@@ -63,6 +64,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from smf_kernels.backends import BACKENDS, resolve_backend  # noqa: E402
+from smf_kernels.huge_pages import transparent_huge_pages  # noqa: E402
 
 logger = logging.getLogger("bench_scale")
 D_MODEL, LAYER_KWARGS = 896, dict(heads=4, topk=16, key_dim=256)
@@ -83,7 +85,8 @@ def build_layer(slots: int, args: argparse.Namespace, seed: int) -> dict:
     from smf_kernels.sparse import BackgroundStats, RowSparseAdamW, SparseMemoryController
 
     torch.manual_seed(seed)
-    memory = ProductKeyMemory(D_MODEL, n_keys=math.isqrt(slots), backend=args.backend, **LAYER_KWARGS)
+    memory = ProductKeyMemory(D_MODEL, n_keys=math.isqrt(slots), backend=args.backend, huge_pages=args.huge_pages,
+                              **LAYER_KWARGS)
     memory.requires_grad_(False)
     memory.values.requires_grad_(True)
     controller = SparseMemoryController(memory, rule=args.rule, rows_per_step=args.rows)
@@ -237,6 +240,7 @@ def measure_layer(slots: int, base: int, args: argparse.Namespace) -> dict:
             steps.append(seconds)
         logger.info("%s step %d of %d: %.3f s", tag, index + 1, args.warmup + args.repeats, seconds["step"])
     result = dict(slots=slots, n_keys=math.isqrt(slots), tokens=args.tokens, rows=args.rows,
+                  huge_pages=layer["memory"].huge_pages,
                   backend=resolve_backend(args.backend, torch.device("cpu"), torch.float32),
                   phases_ms={phase: 1e3 * statistics.median(s[phase] for s in steps) for phase in PHASES},
                   cpu_phases_ms={phase: 1e3 * statistics.median(s["cpu_" + phase] for s in steps)
@@ -467,6 +471,8 @@ def common_options(args: argparse.Namespace) -> list[str]:
         options += ["--backend", args.backend]
     if args.model_tiny:
         options.append("--model-tiny")
+    if args.huge_pages is not None:
+        options.append("--huge-pages" if args.huge_pages else "--no-huge-pages")
     return options
 
 
@@ -611,6 +617,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5, help="timed steps (medians are reported)")
     p.add_argument("--pairs", type=int, default=5, help="interleaved pairs per size (the median ratio is reported)")
     p.add_argument("--threads", type=int, default=1, help="torch threads of each measuring process")
+    p.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=None,
+                   help="the layers' value tables on transparent huge pages (ProductKeyMemory(huge_pages=True)) or "
+                        "not (--no-huge-pages); neither: the layer's default, huge pages for tables of at least "
+                        "512 MiB")
     p.add_argument("--model", action="store_true", help="also step the 0.5B-shaped model with large memories")
     p.add_argument("--bf16", action="store_true", help="the model run in bf16 weights too")
     p.add_argument("--model-slots", type=int, default=1048576, help="slots of each of the model's memories")
@@ -674,6 +684,9 @@ def main(argv=None) -> int:
           f"T = {args.rows}, RowSparseAdamW, rule {args.rule}, backend {', '.join(backends) or '-'}, "
           f"{args.threads} torch thread(s), medians of {args.repeats}; {where}\n")
     print(format_table(results))
+    huge = [f"{r['slots']:,}" for r in results if r.get("huge_pages")]
+    print(f"\nvalue tables on transparent huge pages (THP {transparent_huge_pages()}): {', '.join(huge) or 'none'}"
+          + (" (the layers' default: tables of at least 512 MiB)" if args.huge_pages is None else ""))
     if models:
         print()
         print(format_model_table(models))

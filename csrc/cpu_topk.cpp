@@ -2,7 +2,7 @@
 // and the backward.
 #include "cpu_common.h"
 
-#include <optional>
+#include <functional>
 
 namespace smf::cpu {
 namespace {
@@ -471,6 +471,39 @@ inline __m512 sort16(__m512 x) {
   return bitonic_merge16(x);
 }
 
+// The lane maxima of the first and of the second half of the 16-wide vectors of s[0..n) (-inf past n) into
+// lane_max[0] and [1]: 32 distinct scores or -inf fillers. False where a score is NaN. Two registers, not a
+// register array indexed by the half: that one was kept in memory, a store and a reload a vector.
+inline bool lane_maxima(const float* s, int64_t n, __m512* lane_max) {
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 first = minus_inf, second = minus_inf;
+  __mmask16 nan = 0;
+  const int64_t vectors = (n + 15) / 16, first_half = (vectors + 1) / 2;
+  for (int64_t v = 0; v < vectors; ++v) {
+    const int64_t j0 = 16 * v;
+    const __mmask16 live = n - j0 >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j0)) - 1);
+    const __m512 x = _mm512_mask_loadu_ps(minus_inf, live, s + j0);
+    nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    if (v < first_half)
+      first = _mm512_max_ps(first, x);
+    else
+      second = _mm512_max_ps(second, x);
+  }
+  lane_max[0] = first;
+  lane_max[1] = second;
+  return nan == 0;
+}
+
+// The k-th largest (k <= 16) of the 32 lane maxima: both sorted, the larger of a[l] and b[15 - l] per lane.
+inline float kth_lane_maximum(const __m512* lane_max, int64_t k) {
+  const __m512 first = sort16(lane_max[0]);
+  const __m512 second = _mm512_permutexvar_ps(
+      _mm512_setr_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), sort16(lane_max[1]));
+  alignas(64) float top_maxima[16];
+  _mm512_store_ps(top_maxima, bitonic_merge16(_mm512_max_ps(first, second)));
+  return top_maxima[k - 1];
+}
+
 // The float32 select_topk for k <= 16 and no NaN. Threshold: the lane maxima of the
 // first and of the second half of the 16-wide vectors are 32 distinct scores (or -inf
 // fillers), so the k-th largest of them, t, has k scores >= t and the top k are among
@@ -479,26 +512,11 @@ inline __m512 sort16(__m512 x) {
 // Returns false (nothing written) where it does not apply; then the caller falls back.
 bool select_topk_vector(const float* s, int64_t n, int64_t k, float* top_values, int64_t* top_indices) {
   if (k > 16) return false;
-  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __m512 lane_max[2] = {minus_inf, minus_inf};
-  __mmask16 nan = 0;
-  const int64_t vectors = (n + 15) / 16, first_half = (vectors + 1) / 2;
-  for (int64_t v = 0; v < vectors; ++v) {
-    const int64_t j0 = 16 * v;
-    const __mmask16 live = n - j0 >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j0)) - 1);
-    const __m512 x = _mm512_mask_loadu_ps(minus_inf, live, s + j0);
-    nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    lane_max[v >= first_half] = _mm512_max_ps(lane_max[v >= first_half], x);
-  }
-  if (nan) return false;
-  // Top 16 of the 32 lane maxima: both sorted, the larger of a[l] and b[15 - l] per lane.
-  const __m512 first = sort16(lane_max[0]);
-  const __m512 second = _mm512_permutexvar_ps(
-      _mm512_setr_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), sort16(lane_max[1]));
-  alignas(64) float top_maxima[16];
-  _mm512_store_ps(top_maxima, bitonic_merge16(_mm512_max_ps(first, second)));
-  const float t = top_maxima[k - 1];
+  __m512 lane_max[2];
+  if (!lane_maxima(s, n, lane_max)) return false;  // a NaN
+  const float t = kth_lane_maximum(lane_max, k);
   const __m512 threshold = _mm512_set1_ps(t);
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   alignas(64) float candidate_values[kMaxRankCandidates + 16];
   alignas(64) int32_t candidate_indices[kMaxRankCandidates + 16];
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -829,32 +847,96 @@ inline void exact_scores16(const float* q, const float* rows, int64_t half, cons
   _mm512_storeu_ps(out, acc);
 }
 
+// The k-th largest of v[0..m) (k <= m <= 64, no NaN): the smallest value with at most k - 1 values above it.
+inline float kth_largest64(const float* v, int64_t m, int64_t k) {
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const int64_t vectors = (m + 15) / 16;
+  __m512 x[4];
+  __m512i above[4];
+  for (int64_t i = 0; i < vectors; ++i) {
+    const __mmask16 live = m - 16 * i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (m - 16 * i)) - 1);
+    x[i] = _mm512_mask_loadu_ps(minus_inf, live, v + 16 * i);
+    above[i] = _mm512_setzero_si512();
+  }
+  const __m512i one = _mm512_set1_epi32(1);
+  for (int64_t p = 0; p < m; ++p) {
+    const __m512 other = _mm512_set1_ps(v[p]);
+    for (int64_t i = 0; i < vectors; ++i)
+      above[i] = _mm512_mask_add_epi32(above[i], _mm512_cmp_ps_mask(other, x[i], _CMP_GT_OQ), above[i], one);
+  }
+  __m512 smallest = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+  const __m512i within = _mm512_set1_epi32(static_cast<int>(k));
+  for (int64_t i = 0; i < vectors; ++i) {
+    const __mmask16 live = m - 16 * i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (m - 16 * i)) - 1);
+    const __mmask16 top = _mm512_mask_cmplt_epi32_mask(live, above[i], within);
+    smallest = _mm512_mask_min_ps(smallest, top, smallest, x[i]);
+  }
+  return _mm512_reduce_min_ps(smallest);
+}
+
+// The largest float <= x - 2 bound (bound >= 0, finite): the pre-screen's threshold below a k-th score x.
+inline float threshold_below(float x, double bound) {
+  const double wanted = double(x) - 2 * bound;
+  float threshold = static_cast<float>(wanted);
+  if (double(threshold) > wanted) threshold = std::nextafter(threshold, -std::numeric_limits<float>::infinity());
+  return threshold;
+}
+
 // One half's top k (sorted, ties: lower index first) of the exact fp32 scores of q (half) against the sub-keys
-// rows (n_keys, half), from its bf16 scores b[0..n_keys) and bound E: the sub-keys with b >= T - 2E are rescored
-// exactly (exact_scores16) and ranked as select_topk ranks. Returns false (nothing written) where E is infinite.
-// `ids` and `exact` hold n_keys + 16.
+// rows (n_keys, half), from its bf16 scores b[0..n_keys) and bound E: the sub-keys with b >= T - 2E (T the k-th
+// largest b) are rescored exactly (exact_scores16) and ranked as select_topk ranks. T is found without ranking
+// every score: t, the k-th largest of the 32 lane maxima (of the first and of the second half of the 16-wide
+// vectors: k distinct scores >= t, so t <= T), gives in one pass the scores >= t - 2E (about 40 of 1,024), which
+// hold the top k and every candidate; T is the k-th largest of those, and the candidates those >= T - 2E, in index
+// order. The candidates are the same as a selection of all n_keys scores gives.
+// Returns false (nothing written) where E is infinite or a score is NaN. `ids` and `exact` hold n_keys + 16.
 bool prescreened_topk(const float* q, const float* rows, int64_t half, const float* b, int64_t n_keys, double bound,
                       int64_t topk, ProductTopkBuffers<float>& buffers, int32_t* ids, float* exact, float* top_values,
                       int64_t* top_indices) {
   if (!(bound < std::numeric_limits<double>::infinity())) return false;
-  select_topk_float(b, n_keys, topk, top_values, top_indices, buffers.scratch.data(), buffers.candidates.data());
-  const double wanted = double(top_values[topk - 1]) - 2 * bound;
-  float threshold = static_cast<float>(wanted);
-  if (double(threshold) > wanted) threshold = std::nextafter(threshold, -std::numeric_limits<float>::infinity());
-  const __m512 tv = _mm512_set1_ps(threshold);
+  __m512 lane_max[2];
+  if (!lane_maxima(b, n_keys, lane_max)) return false;  // a NaN
+  // Scores >= t - 2E (values into exact, indices into ids), in index order; every score where k > 16.
+  const float t = topk <= 16 ? kth_lane_maximum(lane_max, topk) : -std::numeric_limits<float>::infinity();
+  const __m512 wide = _mm512_set1_ps(threshold_below(t, bound));
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   int64_t count = 0;
   for (int64_t j0 = 0; j0 < n_keys; j0 += 16) {
     const __mmask16 live = n_keys - j0 >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n_keys - j0)) - 1);
-    const __mmask16 keep = _mm512_mask_cmp_ps_mask(live, _mm512_maskz_loadu_ps(live, b + j0), tv, _CMP_GE_OQ);
+    const __m512 x = _mm512_maskz_loadu_ps(live, b + j0);
+    const __mmask16 keep = _mm512_mask_cmp_ps_mask(live, x, wide, _CMP_GE_OQ);
+    // Compress in registers, then a full store: compress straight to memory is slow on AMD.
+    _mm512_storeu_ps(exact + count, _mm512_maskz_compress_ps(keep, x));
     _mm512_storeu_si512(ids + count,
                         _mm512_maskz_compress_epi32(keep, _mm512_add_epi32(lane, _mm512_set1_epi32(int(j0)))));
     count += _mm_popcnt_u32(keep);
   }
-  for (int64_t p0 = 0; p0 < count; p0 += 16)
-    exact_scores16(q, rows, half, ids + p0, std::min<int64_t>(16, count - p0), exact + p0);
+  if (count < topk) return false;  // not with t <= T; kept as a guard
+  float kth;
+  if (count <= 64) {
+    kth = kth_largest64(exact, count, topk);
+  } else {  // many scores near t (ties): the k-th largest by a partial sort of a copy
+    float* copy = buffers.scratch.data();
+    std::copy(exact, exact + count, copy);
+    std::nth_element(copy, copy + topk - 1, copy + count, std::greater<float>());
+    kth = copy[topk - 1];
+  }
+  // The candidates: those >= T - 2E, compacted in place (a store at `kept` <= p0 ends by p0 + 16, past what it
+  // overwrites only the lanes just loaded).
+  const __m512 narrow = _mm512_set1_ps(threshold_below(kth, bound));
+  int64_t kept = 0;
+  for (int64_t p0 = 0; p0 < count; p0 += 16) {
+    const __mmask16 live = count - p0 >= 16 ? __mmask16(0xffff) : __mmask16((1u << (count - p0)) - 1);
+    const __m512 x = _mm512_maskz_loadu_ps(live, exact + p0);
+    const __m512i j = _mm512_maskz_loadu_epi32(live, ids + p0);
+    const __mmask16 keep = _mm512_mask_cmp_ps_mask(live, x, narrow, _CMP_GE_OQ);
+    _mm512_storeu_si512(ids + kept, _mm512_maskz_compress_epi32(keep, j));
+    kept += _mm_popcnt_u32(keep);
+  }
+  for (int64_t p0 = 0; p0 < kept; p0 += 16)
+    exact_scores16(q, rows, half, ids + p0, std::min<int64_t>(16, kept - p0), exact + p0);
   // Candidates in index order: equal scores keep the lower index first.
-  select_topk_float(exact, count, topk, top_values, top_indices, buffers.scratch.data(), buffers.candidates.data());
+  select_topk_float(exact, kept, topk, top_values, top_indices, buffers.scratch.data(), buffers.candidates.data());
   for (int64_t r = 0; r < topk; ++r) top_indices[r] = ids[top_indices[r]];
   return true;
 }
@@ -886,16 +968,77 @@ inline const float* float_row(const BFloat16* row, int64_t r, int64_t half, floa
   return out;
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// topk_forward_float_impl with the pre-screen. The tasks run half-major, then head by head over every token
+// block: one (half, head)'s bf16 and fp32 sub-keys (768 KB at n_keys 1,024, half 128) stay in L2 for all its
+// blocks, where (block, head) tasks with both halves each brought 1.5 MB back from L3 (the lookup at 1M slots,
+// 2,048 tokens, one thread, load 9-11: 59-76 -> 43-58 ms CPU). The first half's top k of every (token, head) is kept
+// (first_top, first_index: N x H x k) until the second half's, then merged. A half whose bound is infinite
+// (prescreened_topk false) is scored and selected exactly, as select_product_topk selects each half.
+template <typename T>
+void prescreened_forward(const T* query, const float* keys_t, float* scores, int64_t* indices, int64_t num_tokens,
+                         int64_t heads, int64_t half, int64_t n_keys, int64_t padded_keys, int64_t topk, int threads) {
+  const int64_t blocks = (num_tokens + kTokenBlock - 1) / kTokenBlock;
+  const PrescreenKeys prescreen_keys(keys_t, heads * 2, half, padded_keys, threads);
+  const int64_t pairs = (half + 1) / 2;
+  const std::unique_ptr<float[]> first_top(new float[num_tokens * heads * topk]);
+  const std::unique_ptr<int64_t[]> first_index(new int64_t[num_tokens * heads * topk]);
+#pragma omp parallel num_threads(threads)
+  {
+    // A block's scores of one half: row r at r * padded_keys (uninitialised: every entry read is written first).
+    const std::unique_ptr<float[]> block(new float[kTokenBlock * padded_keys]);
+    ProductTopkBuffers<float> buffers(n_keys, topk, padded_keys);
+    std::vector<float> converted(std::is_same_v<T, float> ? 0 : kTokenBlock * half);  // see float_row
+    std::vector<uint32_t> query_words(kTokenBlock * pairs);  // the block's query rows as bf16 pairs
+    std::vector<int32_t> candidate_ids(n_keys + 16);
+    std::vector<float> candidate_scores(n_keys + 16);
+    for (int64_t c = 0; c < 2; ++c) {
+#pragma omp for schedule(static)
+      for (int64_t task = 0; task < heads * blocks; ++task) {
+        const int64_t h = task / blocks, n0 = task % blocks * kTokenBlock;
+        const int64_t rows = std::min(kTokenBlock, num_tokens - n0);
+        const int64_t key_block = h * 2 + c;
+        const float* q[kTokenBlock];
+        const uint32_t* words[kTokenBlock];
+        for (int64_t r = 0; r < rows; ++r) {
+          q[r] = float_row(query + ((n0 + r) * heads + h) * 2 * half + c * half, r, half, converted.data());
+          uint32_t* row_words = query_words.data() + r * pairs;
+          bf16_pairs(q[r], half, row_words);
+          words[r] = row_words;
+        }
+        bf16_block_scores(words, rows, prescreen_keys.words.get() + key_block * padded_keys * pairs, pairs,
+                          padded_keys, block.get());
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t nh = (n0 + r) * heads + h;
+          float* top = c == 0 ? first_top.get() + nh * topk : buffers.top.data() + topk;
+          int64_t* top_index = c == 0 ? first_index.get() + nh * topk : buffers.top_index.data() + topk;
+          float* row_scores = block.get() + r * padded_keys;
+          if (!prescreened_topk(q[r], prescreen_keys.rows.get() + key_block * padded_keys * half, half, row_scores,
+                                n_keys, prescreen_bound(q[r], half, prescreen_keys.max_norm[key_block]), topk, buffers,
+                                candidate_ids.data(), candidate_scores.data(), top, top_index)) {
+            block_scores(q + r, 1, keys_t + key_block * half * padded_keys, half, padded_keys, row_scores);
+            select_topk_float(row_scores, n_keys, topk, top, top_index, buffers.scratch.data(),
+                              buffers.candidates.data());
+          }
+          if (c == 1)
+            merge_topk(first_top.get() + nh * topk, first_index.get() + nh * topk, top, top_index, topk, n_keys,
+                       buffers.next.data(), scores + nh * topk, indices + nh * topk);
+        }
+      }
+    }
+  }
+}
+#endif
+
 template <typename T>
 void topk_forward_float_impl(const T* query, const float* keys_t, float* scores, int64_t* indices, int64_t num_tokens,
                              int64_t heads, int64_t half, int64_t n_keys, int64_t padded_keys, int64_t topk,
                              int threads) {
   const int64_t blocks = (num_tokens + kTokenBlock - 1) / kTokenBlock;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  const bool prescreen = n_keys >= kPrescreenKeys && num_tokens >= kPrescreenTokens && half <= 4096;
-  const std::optional<PrescreenKeys> prescreen_keys =
-      prescreen ? std::optional<PrescreenKeys>(std::in_place, keys_t, heads * 2, half, padded_keys, threads) : std::nullopt;
-  const int64_t pairs = (half + 1) / 2;
+  if (n_keys >= kPrescreenKeys && num_tokens >= kPrescreenTokens && half <= 4096)
+    return prescreened_forward(query, keys_t, scores, indices, num_tokens, heads, half, n_keys, padded_keys, topk,
+                               threads);
 #endif
 #pragma omp parallel num_threads(threads)
   {
@@ -904,12 +1047,6 @@ void topk_forward_float_impl(const T* query, const float* keys_t, float* scores,
     const std::unique_ptr<float[]> block(new float[2 * kTokenBlock * padded_keys]);
     ProductTopkBuffers<float> buffers(n_keys, topk, padded_keys);
     std::vector<float> converted(std::is_same_v<T, float> ? 0 : 2 * kTokenBlock * half);  // see float_row
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-    // The block's query rows as bf16 pairs, and a half's candidates and their exact scores (prescreened_topk).
-    std::vector<uint32_t> query_words(prescreen ? 2 * kTokenBlock * pairs : 0);
-    std::vector<int32_t> candidate_ids(prescreen ? n_keys + 16 : 0);
-    std::vector<float> candidate_scores(prescreen ? n_keys + 16 : 0);
-#endif
     // One (block, head) a task: a few decoded tokens still spread their heads over the threads.
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < blocks * heads; ++task) {
@@ -929,41 +1066,6 @@ void topk_forward_float_impl(const T* query, const float* keys_t, float* scores,
             std::fill(out + r * padded_keys + n_keys, out + (r + 1) * padded_keys,
                       -std::numeric_limits<float>::infinity());
       };
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-      if (prescreen) {
-        for (int64_t c = 0; c < 2; ++c) {
-          const uint32_t* words[kTokenBlock];
-          for (int64_t r = 0; r < rows; ++r) {
-            uint32_t* row_words = query_words.data() + (c * kTokenBlock + r) * pairs;
-            bf16_pairs(q[c][r], half, row_words);
-            words[r] = row_words;
-          }
-          bf16_block_scores(words, rows, prescreen_keys->words.get() + (h * 2 + c) * padded_keys * pairs, pairs,
-                            padded_keys, block.get() + c * kTokenBlock * padded_keys);
-        }
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t nh = (n0 + r) * heads + h;
-          bool screened = true;
-          for (int64_t c = 0; c < 2 && screened; ++c)
-            screened = prescreened_topk(q[c][r], prescreen_keys->rows.get() + (h * 2 + c) * padded_keys * half, half,
-                                        block.get() + (c * kTokenBlock + r) * padded_keys, n_keys,
-                                        prescreen_bound(q[c][r], half, prescreen_keys->max_norm[h * 2 + c]), topk, buffers,
-                                        candidate_ids.data(), candidate_scores.data(), buffers.top.data() + c * topk,
-                                        buffers.top_index.data() + c * topk);
-          if (screened) {
-            merge_topk(buffers.top.data(), buffers.top_index.data(), buffers.top.data() + topk,
-                       buffers.top_index.data() + topk, topk, n_keys, buffers.next.data(), scores + nh * topk,
-                       indices + nh * topk);
-            continue;
-          }
-          for (int64_t c = 0; c < 2; ++c) exact_scores(c, r, 1);
-          const float* half_scores[2] = {block.get() + r * padded_keys, block.get() + (kTokenBlock + r) * padded_keys};
-          select_product_topk(half_scores, n_keys, padded_keys, topk, buffers, scores + nh * topk,
-                              indices + nh * topk);
-        }
-        continue;
-      }
-#endif
       for (int64_t c = 0; c < 2; ++c) exact_scores(c, 0, rows);
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t nh = (n0 + r) * heads + h;

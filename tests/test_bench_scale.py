@@ -47,6 +47,8 @@ def test_tiny_sizes_print_a_row_each_and_the_targets(tmp_path):
     assert [t["target"].split()[0] for t in report["targets"]] == ["step", "the", "selection", "held", "first"]
     assert all(t["verdict"] in ("pass", "FAIL") for t in report["targets"])
     assert report["model"] == []
+    assert small["huge_pages"] is False and big["huge_pages"] is False  # tables far below 512 MiB
+    assert "value tables on transparent huge pages" in proc.stdout
 
 
 def test_the_floor_ratio_adds_the_floors_extra_work_to_the_base_step(bench):
@@ -57,6 +59,18 @@ def test_the_floor_ratio_adds_the_floors_extra_work_to_the_base_step(bench):
     own = dict(floor=dict(slow_base, gflops=80.0, gbs=25.0))  # the base's own process read its table faster
     assert bench.floor_ratio(result, own) == pytest.approx((500.0 + 250.0 - (100.0 + 20.0)) / 500.0)
     assert bench.floor_ratio(dict(result, floor=None)) is None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
+def test_huge_pages_reach_the_children_and_the_layers(bench):
+    args = bench.parse_args(["--huge-pages", "--tokens", "40", "--rows", "24"])
+    assert "--huge-pages" in bench.common_options(args)
+    assert "--no-huge-pages" in bench.common_options(bench.parse_args(["--no-huge-pages"]))
+    assert not {"--huge-pages", "--no-huge-pages"} & set(bench.common_options(bench.parse_args([])))  # the default
+    layer = bench.build_layer(400, args, seed=0)
+    assert layer["memory"].huge_pages
+    plain = bench.build_layer(400, bench.parse_args(["--tokens", "40", "--rows", "24"]), seed=0)
+    assert torch.equal(layer["memory"].values, plain["memory"].values)
 
 
 def test_held_bytes_count_each_storage_once(bench):

@@ -86,3 +86,24 @@ def test_prescreen_keeps_rows_it_cannot_bound_exact():
     keys[0, 1] *= 1e-19
     got = product_key_topk(query, keys, 16, backend="ext")
     assert_same_bits(got, chunked(query, keys, 16))
+
+
+def test_prescreen_is_the_same_on_any_number_of_threads():
+    """The pre-screened forward runs half by half over (head, token block) tasks and merges the halves after: 2 and
+    3 threads (tasks split unevenly, a half's tops written by one thread and merged by another) give one thread's
+    result bit for bit."""
+    gen = torch.Generator().manual_seed(11)
+    query = torch.randn(221, 3, 100, generator=gen)
+    keys = torch.randn(3, 2, 545, 50, generator=gen)
+    query[7, 1, 3] = float("inf")  # one half kept exact
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for num_threads in (1, 2, 3):
+            torch.set_num_threads(num_threads)
+            results.append(product_key_topk(query, keys, 16, backend="ext"))
+    finally:
+        torch.set_num_threads(threads)
+    for got in results[1:]:
+        assert_same_bits(got, results[0])
+    assert_same_bits(results[0], chunked(query, keys, 16))
