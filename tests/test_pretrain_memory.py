@@ -123,6 +123,23 @@ def test_a_suite_refuses_what_a_base_with_memories_cannot_run(tmp_path):
     assert load_suite_config("science_pretrained").pretrain["memory"]["layers"] == [1, 3]
 
 
+def test_the_16384_slot_pretrained_preset_holds_the_retrofits_memories_and_schedule_equal():
+    """Pretrained vs retrofitted at 16,384 slots (issue 58 item 5) compares the same memories, world, base sizes and
+    paper-like SMF (T, +S, alpha's rate, the six configurations) on the same seeds; only how the memories came is
+    meant to differ."""
+    pretrained, retrofitted = load_suite_config("science_pretrained16k"), load_suite_config("science")
+    memory = pretrained.pretrain["memory"]
+    paper_like = {**retrofitted.train, **retrofitted.variants["paper-like"]}
+    assert {key: paper_like[key] for key in memory if key != "layers"} == {k: v for k, v in memory.items()
+                                                                           if k != "layers"}
+    assert memory["layers"] == paper_like["layers"] and memory["n_keys"] ** 2 == 16384
+    assert pretrained.variants["paper-like"] == {key: value for key, value in retrofitted.variants["paper-like"].items()
+                                                 if key != "n_keys"}
+    assert pretrained.seeds == retrofitted.seeds and pretrained.world == retrofitted.world
+    assert {k: v for k, v in pretrained.pretrain.items() if k != "memory"} == retrofitted.pretrain
+    assert pretrained.schedule_sweep["full"] == retrofitted.schedule_sweep["full"]
+
+
 def test_a_suite_on_a_base_with_memories_runs_no_retrofit(tmp_path, monkeypatch):
     from smf.suite import runner
 
