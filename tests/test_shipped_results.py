@@ -132,6 +132,10 @@ PAGE_TABLES = {  # shipped results -> (the page's section: first heading, the ne
         "same-schedules-vs-lora": "same schedules: paper-like SMF − LoRA",
         "equal-compute-vs-full": "equal compute: paper-like SMF − full finetuning",
         "equal-compute-vs-lora": "equal compute: paper-like SMF − LoRA"}),
+    "factorial": (("### What does the work: a registered fractional factorial", "### Confirmation seeds 5-9"), {
+        "factorial-slots": "A slots: 16,384 − 1,024", "factorial-share": "B T's share: 3.1% − 12.5%",
+        "factorial-plus-s": "C mode: +S − plain additive", "factorial-alpha": "D alpha's rate: its own − the rows'",
+        "factorial-steps": "E per-touch step: small − large"}),
 }
 
 
@@ -156,6 +160,8 @@ def test_a_table_on_the_page_is_the_shipped_results(name, tmp_path):
         mean, half = (float(v.replace("−", "-")) for v in cells[3].split(" ± "))
         assert (mean, half) == pytest.approx((entry["mean"], entry["half_width"]), abs=5e-4)
         assert cells[4] == entry["from_zero"] and cells[5].startswith(entry["verdict"])
+        if entry.get("aliases"):  # a factor's effect: the interactions it is confounded with, as registered
+            assert cells[6] == entry["aliases"]
 
 
 STREAM10_METHODS = {"additive+s-tfidf": "paper-like SMF", "lora": "LoRA", "full": "full finetuning"}
