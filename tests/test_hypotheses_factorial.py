@@ -19,7 +19,7 @@ FACTOR = {"a": PLUS, "b": MINUS, "level": 0.9, "threshold": 0.1, "statement": "C
 
 def _rows(cells: dict[str, tuple]) -> list[dict]:
     """matched_learning rows of ``cells`` (method -> kept value per seed, a string for a level not reached)."""
-    return [{"method": (method,), "levels": {"0.9": {"per_seed": {str(seed): value for seed, value in enumerate(kept)}}}}
+    return [{"method": (method,), "levels": {"0.9": {"per_seed": dict(zip(map(str, range(len(kept))), kept))}}}
             for method, kept in cells.items()]
 
 
@@ -72,7 +72,8 @@ def test_a_factor_level_is_checked_at_load(tmp_path):
     config = parse(tmp_path, matched_learning=[0.5],
                    hypotheses={"h": {**HYPOTHESIS, "a": ["additive-tfidf", "additive-kl"], "b": ["lora", "full"],
                                      "aliases": "AB"}})
-    assert config.hypotheses["h"]["a"] == ["additive-tfidf", "additive-kl"] and config.hypotheses["h"]["aliases"] == "AB"
+    hypothesis = config.hypotheses["h"]
+    assert hypothesis["a"] == ["additive-tfidf", "additive-kl"] and hypothesis["aliases"] == "AB"
 
 
 @pytest.mark.parametrize("change, message", [
