@@ -16,11 +16,16 @@ the threshold and the interval exclude zero):
 Apart from the verdict, ``from_zero`` says whether the interval excludes zero ("above 0", "below 0") or not
 ("includes 0"): a difference can be clear of zero and still not confirm the size claimed.
 
+A side may be a factor's level in a factorial design (a list of methods, the cells at that level): its value per seed
+is the mean of its cells', over the seeds every one of them measured, so the difference is the factor's main effect
+(:func:`side_per_seed`); :func:`hypotheses_markdown` lists these in a table of factor effects, with their aliases.
+
 Every other contrast in a report is exploratory (no correction for multiplicity).
 """
 from __future__ import annotations
 
 from smf.report.matched_learning import mean_interval
+from smf.suite.config import side_methods
 
 CONFIRMED, REFUTED, INCONCLUSIVE = "confirmed", "refuted", "inconclusive"
 
@@ -55,28 +60,45 @@ def verdict(differences: list[float], threshold: float, seeds: int) -> dict:
     return {**result, "verdict": INCONCLUSIVE, "why": f"{span} holds {threshold:+g}"}
 
 
+def side_per_seed(cells: list[dict[str, float | str]]) -> dict[str, float]:
+    """Seed -> the mean of ``cells``' values (each: seed -> kept value, or a string for a level not measured) over
+    the seeds every cell measured, in the first cell's order; one cell: its measured values, unchanged."""
+    measured = [{seed: value for seed, value in cell.items() if not isinstance(value, str)} for cell in cells]
+    return {seed: sum(cell[seed] for cell in measured) / len(measured) for seed in measured[0]
+            if all(seed in cell for cell in measured)}
+
+
 def evaluate_hypotheses(hypotheses: dict[str, dict], rows: list[dict], methods: dict[str, tuple],
                         seeds: int) -> list[dict]:
     """One entry per hypothesis (name -> {a, b, level, threshold, statement}): its paired per-seed differences and
     :func:`verdict`. ``rows``: :func:`~smf.report.matched_learning.matched_learning` rows; ``methods``: each
-    hypothesis's method string -> the row's method key; ``seeds``: the suite's number of seeds."""
+    hypothesis's method string -> the row's method key; ``seeds``: the suite's number of seeds. A side that lists
+    methods (a factor's level) is the mean of its cells per seed (:func:`side_per_seed`)."""
     by_method = {tuple(row["method"]): row for row in rows}
     evaluated = []
     for name, hypothesis in hypotheses.items():
         level = str(hypothesis["level"])
-        cells = [by_method.get(tuple(methods[hypothesis[side]]), {}).get("levels", {}).get(level, {})
-                 for side in ("a", "b")]
-        a, b = (cell.get("per_seed", {}) for cell in cells)
-        differences = {seed: value - b[seed] for seed, value in a.items()
-                       if not isinstance(value, str) and not isinstance(b.get(seed, ""), str)}
+        a, b = (side_per_seed([by_method.get(tuple(methods[method]), {}).get("levels", {}).get(level, {})
+                               .get("per_seed", {}) for method in side_methods(hypothesis[side])])
+                for side in ("a", "b"))
+        differences = {seed: value - b[seed] for seed, value in a.items() if seed in b}
         evaluated.append({"name": name, **hypothesis, "per_seed": differences,
                           **verdict(list(differences.values()), hypothesis["threshold"], seeds)})
     return evaluated
 
 
+def _per_seed_text(entry: dict) -> str:
+    return " / ".join(f"{value:+.3f}" for _, value in sorted(entry["per_seed"].items(), key=lambda i: int(i[0])))
+
+
+def _interval_text(entry: dict) -> str:
+    return "—" if entry["mean"] is None else f"{entry['mean']:+.3f} ± {entry['half_width']:.3f}"
+
+
 def hypotheses_markdown(evaluated: list[dict], labels: dict[str, str], registered: dict | None) -> list[str]:
     """The report's section on the hypotheses (:func:`evaluate_hypotheses`); ``labels``: method string -> its table
-    label; ``registered``: the registration record (when, and how many runs had finished then), or None."""
+    label; ``registered``: the registration record (when, and how many runs had finished then), or None. Hypotheses
+    on factors' levels (sides that list cells) get a table of factor effects of their own."""
     lines = ["## Pre-registered hypotheses\n"]
     if registered:
         when = (f"Registered {registered['registered_at']}, when {registered['runs_finished']} of "
@@ -87,13 +109,30 @@ def hypotheses_markdown(evaluated: list[dict], labels: dict[str, str], registere
               "it lies beyond the threshold the other way; otherwise, or when not every seed measured the level, "
               "inconclusive. Whether the interval excludes 0 is said apart (a difference can be clear of 0 and "
               "still not reach the size claimed). **Every other contrast in this report is exploratory** (not "
-              "corrected for multiplicity).\n",
-              "| Hypothesis | Contrast | Level | Threshold | Per seed | Mean ± 95% | Against 0 | Verdict |",
-              "| --- | --- | ---: | ---: | --- | ---: | --- | --- |"]
-    for entry in evaluated:
-        per_seed = " / ".join(f"{value:+.3f}" for _, value in sorted(entry["per_seed"].items(), key=lambda i: int(i[0])))
-        interval = "—" if entry["mean"] is None else f"{entry['mean']:+.3f} ± {entry['half_width']:.3f}"
+              "corrected for multiplicity).\n"]
+    contrasts = [entry for entry in evaluated if isinstance(entry["a"], str) and isinstance(entry["b"], str)]
+    factors = [entry for entry in evaluated if entry not in contrasts]
+    if contrasts:
+        lines += ["| Hypothesis | Contrast | Level | Threshold | Per seed | Mean ± 95% | Against 0 | Verdict |",
+                  "| --- | --- | ---: | ---: | --- | ---: | --- | --- |"]
+    for entry in contrasts:
         lines.append(f"| {entry['name']}: {entry['statement']} | {labels[entry['a']]} − {labels[entry['b']]} | "
-                     f"{entry['level']:g} | {entry['threshold']:+g} | {per_seed or '—'} | {interval} | "
-                     f"{entry['from_zero'] or '—'} | **{entry['verdict']}** ({entry['why']}) |")
+                     f"{entry['level']:g} | {entry['threshold']:+g} | {_per_seed_text(entry) or '—'} | "
+                     f"{_interval_text(entry)} | {entry['from_zero'] or '—'} | **{entry['verdict']}** "
+                     f"({entry['why']}) |")
+    if factors:
+        lines += ["", "### Factor effects\n",
+                  "Each factor's main effect: per seed, the mean kept value of the cells at its level a minus the mean "
+                  "of the cells at its level b (each cell its envelope over its configurations); in a fractional "
+                  "design each effect is confounded with the interactions named beside it (aliased: the design "
+                  "cannot tell them apart).\n",
+                  "| Factor | Level a (cells) | Level b (cells) | Learned | Threshold | Per seed | Mean ± 95% | "
+                  "Against 0 | Verdict | Aliased with |",
+                  "| --- | --- | --- | ---: | ---: | --- | ---: | --- | --- | --- |"]
+    for entry in factors:
+        cells = [", ".join(labels[method] for method in side_methods(entry[side])) for side in ("a", "b")]
+        lines.append(f"| {entry['name']}: {entry['statement']} | {cells[0]} | {cells[1]} | {entry['level']:g} | "
+                     f"{entry['threshold']:+g} | {_per_seed_text(entry) or '—'} | {_interval_text(entry)} | "
+                     f"{entry['from_zero'] or '—'} | **{entry['verdict']}** ({entry['why']}) | "
+                     f"{entry.get('aliases') or '—'} |")
     return lines + [""]

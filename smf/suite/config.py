@@ -20,8 +20,10 @@ number of configurations (epochs x rates summed): a maximum over more noisy runs
 ``hypotheses`` (name -> {a, b, level, threshold, statement}): contrasts registered before the runs, each "method ``a``
 minus method ``b`` keeps at least ``threshold`` more (a negative threshold: less) old knowledge at learned ``level``";
 evaluated by :mod:`smf.report.hypotheses` (paired 95% interval over seeds: confirmed, refuted or inconclusive); a
-method is a condition, or ``condition/variant``. A hypothesis with ``envelope: compute`` is read on the equal-compute
-envelope instead of the envelope over every configuration.
+method is a condition, or ``condition/variant``. A side may instead be a list of methods, a factor's level in a
+factorial design: per seed, the mean of those cells (its effect: the mean of a's cells minus the mean of b's), with
+optional ``aliases`` (the interactions the effect is confounded with, in words). A hypothesis with
+``envelope: compute`` is read on the equal-compute envelope instead of the envelope over every configuration.
 
 ``equal_compute`` (a method, as in a hypothesis): the report adds an equal-compute envelope, each method's kept value
 over only its runs whose compute (CPU seconds, the shared retrofit and background included) is at most that of this
@@ -564,30 +566,46 @@ def _threshold(value: float) -> float:
 ENVELOPES = ("configurations", "compute")  # a hypothesis's envelope: over every configuration, or equal compute
 
 
+def _is_side(value) -> bool:
+    """A hypothesis's side: a method, or a non-empty list of distinct methods (a factor's level)."""
+    methods = [value] if isinstance(value, str) else value if isinstance(value, list) and value else [None]
+    return all(isinstance(method, str) and method.strip() for method in methods) and len(set(methods)) == len(methods)
+
+
+_Side = Annotated[str | list[str], _given("a method, or a non-empty list of distinct methods (a factor's level: the "
+                                          "mean of those cells)", _is_side)]
+
+
+def side_methods(side: str | list[str]) -> list[str]:
+    """The methods of a hypothesis's side (:class:`Hypothesis`): the one method, or the cells of a factor's level."""
+    return [side] if isinstance(side, str) else list(side)
+
+
 @dataclass(frozen=True)
 class Hypothesis:
-    """One of ``hypotheses``: methods ``a`` and ``b`` (a condition, or ``condition/variant``), the matched_learning
-    ``level`` it is read at, the difference a - b that confirms it (``threshold``) and the claim in words (what
-    they name is checked against the suite: :func:`_check_hypotheses`)."""
+    """One of ``hypotheses``: methods ``a`` and ``b`` (a condition, or ``condition/variant``; or each a list of them,
+    a factor's two levels), the matched_learning ``level`` it is read at, the difference a - b that confirms it
+    (``threshold``) and the claim in words (what they name is checked against the suite: :func:`_check_hypotheses`)."""
 
-    a: _Text
-    b: _Text
+    a: _Side
+    b: _Side
     level: _Number
     threshold: Annotated[_Number, AfterValidator(_threshold)]
     statement: _Text
     envelope: Literal[ENVELOPES] = "configurations"  # which envelope it is read on (compute: needs equal_compute)
+    aliases: _Text | None = None  # a factor's effect: what it is confounded with in a fractional design
 
     @classmethod
     def checked(cls, raw, where: str) -> dict:
         """The entry ``raw`` of ``hypotheses`` named ``where`` (``hypotheses.h``), checked: its keys in the order
         given, level and threshold as floats; a one-line ConfigError naming the key otherwise."""
         entry = mapping(raw, where, HYPOTHESIS_KEYS)
-        missing = [key for key in HYPOTHESIS_KEYS if key not in entry and key != "envelope"]
+        missing = [key for key in HYPOTHESIS_KEYS if key not in entry and key not in ("envelope", "aliases")]
         if missing:
             raise ConfigError(f"{where}: {', '.join(missing)} required (a, b: methods as condition or "
                               "condition/variant; level: a matched_learning level; threshold: the difference a - b "
                               "that confirms, nonzero; statement: the claim in words; optional envelope: "
-                              f"{' or '.join(ENVELOPES)})")
+                              f"{' or '.join(ENVELOPES)}; optional aliases: a factor's confounded interactions)")
         values = dataclasses.asdict(checked(cls, entry, lambda key: f"{where}.{key}"))
         return {key: values[key] for key in entry}
 
@@ -633,11 +651,16 @@ def _check_hypotheses(config: SuiteConfig) -> None:
             raise ConfigError(f"{where}.envelope: compute needs equal_compute (the method whose costliest run is "
                               "the budget)")
         for key in ("a", "b"):
-            if entry[key] not in methods:  # as written: 'additive-kl/' names no method
-                raise ConfigError(f"{where}.{key}: {entry[key]!r} is not a trained method of this suite; choose "
-                                  f"from {', '.join(methods)}")
-        if method_of(entry["a"]) == method_of(entry["b"]):
+            for method in side_methods(entry[key]):
+                if method not in methods:  # as written: 'additive-kl/' names no method
+                    raise ConfigError(f"{where}.{key}: {method!r} is not a trained method of this suite; choose "
+                                      f"from {', '.join(methods)}")
+        shared = {method_of(m) for m in side_methods(entry["a"])} & {method_of(m) for m in side_methods(entry["b"])}
+        if shared and isinstance(entry["a"], str) and isinstance(entry["b"], str):
             raise ConfigError(f"{where}: a and b are the same method")
+        if shared:
+            raise ConfigError(f"{where}: a and b both hold {'/'.join(filter(None, min(shared)))} (a factor's two "
+                              "levels are disjoint sets of cells)")
         if entry["level"] not in config.matched_learning:
             raise ConfigError(f"{where}.level: {entry['level']:g} is not a matched_learning level "
                               f"({', '.join(f'{level:g}' for level in config.matched_learning)})")

@@ -29,7 +29,7 @@ from smf.report.matched_plot import plot_matched
 from smf.report.paper_results import HIGHER_IS_BETTER, display_name, metric_keys, metric_title
 from smf.report.sweep_plot import plot_sweep
 from smf.report.table import stat_text, summarize
-from smf.suite.config import SuiteConfig, base_root, method_of, suite_config_from_dict
+from smf.suite.config import SuiteConfig, base_root, method_of, side_methods, suite_config_from_dict
 from smf.suite.finished import run_state
 from smf.suite.locality_diagnostics import write_locality
 from smf.suite.plan import SuiteLayout, plan_runs, stage_settings
@@ -345,7 +345,8 @@ def hypotheses_section(config: SuiteConfig, rows: dict[str, list[dict]], lines: 
     evaluated hypotheses in the config's order (none without)."""
     if not config.hypotheses:
         return []
-    specs = {spec for hypothesis in config.hypotheses.values() for spec in (hypothesis["a"], hypothesis["b"])}
+    specs = {spec for hypothesis in config.hypotheses.values() for side in (hypothesis["a"], hypothesis["b"])
+             for spec in side_methods(side)}
     methods = {spec: _method_key(spec) for spec in specs}
     evaluated = [evaluate_hypotheses({name: hypothesis}, rows[hypothesis.get("envelope", "configurations")], methods,
                                      len(config.seeds))[0] for name, hypothesis in config.hypotheses.items()]
