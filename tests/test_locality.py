@@ -71,8 +71,11 @@ def test_suites_without_variants_keep_their_hashes():
     ({"variants": {"a": {"rows_per_step": 0, "lr_sweep": [1e-2, 1e-1]}}}, "rows_per_step"),
     ({"variants": {"a": {"lr_sweep": [1e-2, -1]}}}, "variants.a.lr_sweep"),
     ({"variants": {"A b": {"lr_sweep": [1e-2, 1e-1]}}}, "a variant's name is part of its runs' names"),
-    ({"variants": {"a": {"n_keys": 16, "lr_sweep": [1e-2, 1e-1]}, "b": {"n_keys": 16, "lr_sweep": [1, 2]}}},
-     "variants.b: the same options as variants.a"),
+    ({"variants": {"a": {"n_keys": 16, "lr_sweep": [1e-2, 1e-1]}, "b": {"n_keys": 16, "lr_sweep": [1e-1, 2]}}},
+     r"variants.b: the same options as variants.a and a configuration in common with it \(epochs, lr\) \(None, 0.1\)"),
+    ({"variants": {"a": {"n_keys": 16, "lr_sweep": [1e-2, 1e-1]},
+                   "b": {"n_keys": 16, "schedule_sweep": {10: [3e-3], 40: [1e-1, 2]}}}},
+     r"variants.b: the same options as variants.a and a configuration in common with it \(epochs, lr\) \(40, 0.1\)"),
     ({"lr_sweep": {"sparse": [1e-2, 1e-1], "lora": [1e-3, 1e-2]}}, "sparse: not used with variants"),
     ({"lr_sweep": {}}, "no learning rates for lora"),
 ])
