@@ -85,6 +85,18 @@ def test_variants_are_checked_in_one_line(tmp_path, change, message):
     assert "\n" not in str(error.value)
 
 
+def test_variants_with_the_same_options_run_when_their_grids_share_no_configuration(tmp_path):
+    """A second grid of one method (the same options, other configurations): each variant's runs, the same hash
+    where only the variant's name would differ."""
+    config = _parse(_raw(tmp_path, variants={"a": {"n_keys": 16, "lr_sweep": [1e-2, 1e-1]},
+                                             "b": {"n_keys": 16, "schedule_sweep": {10: [3e-2], 40: [5e-1]}}}),
+                    tmp_path)
+    runs = [run for run in plan_runs(config) if run.variant]
+    assert {(run.variant, run.epochs, run.lr) for run in runs if run.condition == "additive-tfidf"} == {
+        ("a", None, 1e-2), ("a", None, 1e-1), ("b", 10, 3e-2), ("b", 40, 5e-1)}
+    assert config.variant_options("a") == config.variant_options("b")
+
+
 def test_a_variants_combination_is_checked_naming_it(tmp_path):
     raw = yaml.safe_load(LOCALITY.read_text())
     raw.update(output_dir=str(tmp_path), variants={"tiny-k": {"n_keys": 2, "lr_sweep": [1, 2, 3, 4, 5]}})
