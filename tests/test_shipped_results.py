@@ -179,6 +179,9 @@ def test_pretrained_vs_retrofitted_at_16384_slots_on_the_page_is_the_shipped_res
     section = page[page.index("### Pretrained vs retrofitted at 16,384 slots"):
                    page.index("### The schedule in the budget on")]
     retrofitted = levels[("science-retrofit16k", "additive+s-tfidf", "paper-like")]
+    (second,) = json.loads((RESULTS / "science-pretrained16k" / "hypotheses_registered_second.json").read_text(
+        encoding="utf-8"))["hypotheses"].values()
+    assert (second["level"], second["threshold"]) == (0.9, -0.10)
     for label, pretrained, other, threshold in (
             ("pretrained 16,384 slots: paper-like SMF − full finetuning ≥ +0.10 at 0.9",
              levels[("science-pretrained16k", "additive+s-tfidf", "paper-like")],
@@ -186,7 +189,7 @@ def test_pretrained_vs_retrofitted_at_16384_slots_on_the_page_is_the_shipped_res
             ("pretrained − retrofitted paper-like SMF ≤ −0.10 at 0.9",
              levels[("science-pretrained16k", "additive+s-tfidf", "paper-like")], retrofitted, -0.10),
             ("second registration, placed grid: pretrained − retrofitted paper-like SMF ≤ −0.10 at 0.9",
-             levels[("science-pretrained16k", "additive+s-tfidf", "placed")], retrofitted, -0.10)):
+             levels[("science-pretrained16k", "additive+s-tfidf", "placed")], retrofitted, second["threshold"])):
         per_seed = {seed: value - other[seed] for seed, value in pretrained.items()
                     if not isinstance(value, str) and not isinstance(other.get(seed, ""), str)}
         evaluated = verdict(list(per_seed.values()), threshold, 5)
