@@ -71,8 +71,11 @@ def test_suites_without_variants_keep_their_hashes():
     ({"variants": {"a": {"rows_per_step": 0, "lr_sweep": [1e-2, 1e-1]}}}, "rows_per_step"),
     ({"variants": {"a": {"lr_sweep": [1e-2, -1]}}}, "variants.a.lr_sweep"),
     ({"variants": {"A b": {"lr_sweep": [1e-2, 1e-1]}}}, "a variant's name is part of its runs' names"),
-    ({"variants": {"a": {"n_keys": 16, "lr_sweep": [1e-2, 1e-1]}, "b": {"n_keys": 16, "lr_sweep": [1, 2]}}},
-     "variants.b: the same options as variants.a"),
+    ({"variants": {"a": {"n_keys": 16, "lr_sweep": [1e-2, 1e-1]}, "b": {"n_keys": 16, "lr_sweep": [1e-1, 2]}}},
+     r"variants.b: the same options as variants.a and a configuration in common with it \(epochs, lr\) \(None, 0.1\)"),
+    ({"variants": {"a": {"n_keys": 16, "lr_sweep": [1e-2, 1e-1]},
+                   "b": {"n_keys": 16, "schedule_sweep": {10: [3e-3], 40: [1e-1, 2]}}}},
+     r"variants.b: the same options as variants.a and a configuration in common with it \(epochs, lr\) \(40, 0.1\)"),
     ({"lr_sweep": {"sparse": [1e-2, 1e-1], "lora": [1e-3, 1e-2]}}, "sparse: not used with variants"),
     ({"lr_sweep": {}}, "no learning rates for lora"),
 ])
@@ -80,6 +83,18 @@ def test_variants_are_checked_in_one_line(tmp_path, change, message):
     with pytest.raises(ConfigError, match=message) as error:
         _parse(_raw(tmp_path, **change), tmp_path)
     assert "\n" not in str(error.value)
+
+
+def test_variants_with_the_same_options_run_when_their_grids_share_no_configuration(tmp_path):
+    """A second grid of one method (the same options, other configurations): each variant's runs, the same hash
+    where only the variant's name would differ."""
+    config = _parse(_raw(tmp_path, variants={"a": {"n_keys": 16, "lr_sweep": [1e-2, 1e-1]},
+                                             "b": {"n_keys": 16, "schedule_sweep": {10: [3e-2], 40: [5e-1]}}}),
+                    tmp_path)
+    runs = [run for run in plan_runs(config) if run.variant]
+    assert {(run.variant, run.epochs, run.lr) for run in runs if run.condition == "additive-tfidf"} == {
+        ("a", None, 1e-2), ("a", None, 1e-1), ("b", 10, 3e-2), ("b", 40, 5e-1)}
+    assert config.variant_options("a") == config.variant_options("b")
 
 
 def test_a_variants_combination_is_checked_naming_it(tmp_path):

@@ -138,6 +138,10 @@ def test_the_16384_slot_pretrained_preset_holds_the_retrofits_memories_and_sched
     assert pretrained.seeds == retrofitted.seeds and pretrained.world == retrofitted.world
     assert {k: v for k, v in pretrained.pretrain.items() if k != "memory"} == retrofitted.pretrain
     assert pretrained.schedule_sweep["full"] == retrofitted.schedule_sweep["full"]
+    grid = {"paper-like": pretrained.configurations(None, "paper-like"),
+            "placed": pretrained.configurations(None, "placed")}  # the second registration: only its grid differs
+    assert pretrained.variant_options("placed") == pretrained.variant_options("paper-like")
+    assert len(grid["placed"]) == len(grid["paper-like"]) == 6 and not set(grid["placed"]) & set(grid["paper-like"])
 
 
 def test_a_suite_on_a_base_with_memories_runs_no_retrofit(tmp_path, monkeypatch):

@@ -265,10 +265,28 @@ def _variants(raw) -> dict[str, dict]:
         variants[name] = {**checked_options(options, where), **own}
     same = {}
     for name, options in variants.items():
-        twin = same.setdefault(repr(sorted((k, v) for k, v in options.items() if k not in VARIANT_OWN_KEYS)), name)
-        if twin != name:
-            raise ConfigError(f"variants.{name}: the same options as variants.{twin}; give each variant its own")
+        twins = same.setdefault(repr(sorted((k, v) for k, v in options.items() if k not in VARIANT_OWN_KEYS)), [])
+        for twin in twins:  # the same options: a second grid of one method, so no configuration may be in both
+            common = _common_configurations(options, variants[twin])
+            if common:
+                raise ConfigError(f"variants.{name}: the same options as variants.{twin} and a configuration in "
+                                  f"common with it (epochs, lr) {common[0]}; give each variant its own options or "
+                                  "its own configurations")
+        twins.append(name)
     return variants
+
+
+def _common_configurations(a: dict, b: dict) -> list[tuple[int | None, float]]:
+    """(epochs, lr) of checked variant ``a``'s configurations that variant ``b`` runs too; an ``lr_sweep`` rate
+    (epochs None: the stage's) counts as at every schedule."""
+    def grid(variant):
+        if "schedule_sweep" in variant:
+            return [(epochs, lr) for epochs, rates in variant["schedule_sweep"].items() for lr in rates]
+        return [(None, lr) for lr in variant["lr_sweep"]]
+    theirs = grid(b)
+    return [(epochs, lr) for epochs, lr in grid(a)
+            if any(lr == other_lr and None in (epochs, other_epochs) or (epochs, lr) == (other_epochs, other_lr)
+                   for other_epochs, other_lr in theirs)]
 
 
 def _input_path(value, base_dir: Path, where: str, check_exists: bool, kind: str = "dataset"):
