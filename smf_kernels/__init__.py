@@ -12,7 +12,7 @@ Layers, top to bottom; a module imports only from its own package or from a lowe
 5. ``smf_kernels.ops``: the ops with their autograd and checks;
 6. ``smf_kernels.backends``: the registry and the backends, a class each (torch, the base; triton, ext);
 7. ``smf_kernels.triton_kernels`` (raw kernels), ``reference`` (the float64 oracle), ``build_ext``, ``_checks``,
-   ``projection``;
+   ``projection``, ``huge_pages`` (value tables allocated on transparent huge pages);
 8. ``smf_kernels._rows``, ``smf_kernels._precision``, ``smf_kernels.names`` (the words callers pass as strings:
    scoring rules, backends; it imports nothing, so ``smf --help`` reads them without torch).
 

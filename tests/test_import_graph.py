@@ -18,7 +18,7 @@ SMF_LAYERS = (("cli",), ("commands",), ("suite",), ("train", "eval", "report"), 
               ("tiny", "options", "threads", "environment", "files", "_lazy"), ("vocabulary",), ("errors",))
 # smf_kernels/__init__.py's layers, top to bottom, by package or top-level module (smf_kernels.<name>), the same rule.
 KERNELS_LAYERS = (("hf",), ("fsdp", "sparse", "patch"), ("sharded",), ("memory",), ("ops",), ("backends",),
-                  ("triton_kernels", "reference", "build_ext", "_checks", "projection"), ("_rows", "_precision", "names"))
+                  ("triton_kernels", "reference", "build_ext", "_checks", "projection", "huge_pages"), ("_rows", "_precision", "names"))
 
 # The imports of smf / smf_kernels modules made inside functions, by importing module. Each defers what the target
 # loads and the importer does not: torch and transformers, so that the command line builds its parser and checks a

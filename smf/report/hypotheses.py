@@ -25,9 +25,13 @@ Every other contrast in a report is exploratory (no correction for multiplicity)
 from __future__ import annotations
 
 from smf.report.matched_learning import mean_interval
-from smf.suite.config import side_methods
 
 CONFIRMED, REFUTED, INCONCLUSIVE = "confirmed", "refuted", "inconclusive"
+
+
+def side_methods(side: str | list[str]) -> list[str]:
+    """The methods of a hypothesis's side (:class:`smf.suite.config.Hypothesis`): the one method, or the cells of a factor's level."""
+    return [side] if isinstance(side, str) else list(side)
 
 
 def from_zero(low: float, high: float) -> str:

@@ -41,6 +41,7 @@ from pydantic import (AfterValidator, BeforeValidator, Field, PositiveFloat, Pos
 from pydantic_core import to_jsonable_python
 
 from smf.data.paths import OWN_KEYS, OWN_SCHEMAS, DataPaths
+from smf.report.hypotheses import side_methods
 from smf.report.paper_results import METRIC_TITLES
 from smf.data.protocol import DEFAULT_PROTOCOL, PROTOCOLS
 from smf.data.stream_tasks import StreamOptions
@@ -592,11 +593,6 @@ def _is_side(value) -> bool:
 
 _Side = Annotated[str | list[str], _given("a method, or a non-empty list of distinct methods (a factor's level: the "
                                           "mean of those cells)", _is_side)]
-
-
-def side_methods(side: str | list[str]) -> list[str]:
-    """The methods of a hypothesis's side (:class:`Hypothesis`): the one method, or the cells of a factor's level."""
-    return [side] if isinstance(side, str) else list(side)
 
 
 @dataclass(frozen=True)

@@ -23,13 +23,13 @@ from smf.model.sizes import model_architecture
 from smf.report import accounting_markdown, parameter_accounting, write_report
 from smf.report.budget import cost_markdown, cost_rows, per_seed_markdown
 from smf.report.equal_compute import configurations_within, seed_budgets, within_budget
-from smf.report.hypotheses import evaluate_hypotheses, hypotheses_markdown
+from smf.report.hypotheses import evaluate_hypotheses, hypotheses_markdown, side_methods
 from smf.report.matched_learning import format_cell, matched_learning
 from smf.report.matched_plot import plot_matched
 from smf.report.paper_results import HIGHER_IS_BETTER, display_name, metric_keys, metric_title
 from smf.report.sweep_plot import plot_sweep
 from smf.report.table import stat_text, summarize
-from smf.suite.config import SuiteConfig, base_root, method_of, side_methods, suite_config_from_dict
+from smf.suite.config import SuiteConfig, base_root, method_of, suite_config_from_dict
 from smf.suite.finished import run_state
 from smf.suite.locality_diagnostics import write_locality
 from smf.suite.plan import SuiteLayout, plan_runs, stage_settings
