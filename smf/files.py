@@ -6,6 +6,7 @@ raised while handling the OSError; the OSError is the one reported)."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 from collections.abc import Callable
@@ -23,6 +24,16 @@ def os_error_behind(err: BaseException) -> OSError | None:
         seen.add(id(err))
         err = err.__cause__ or err.__context__
     return None
+
+
+def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
+    """sha256 (64 hex digits) of the file at ``path``, read a ``chunk`` of bytes at a time (a base's weights need not
+    fit in memory twice)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def write_atomic(path: str | Path, write: Callable[[Path], object]) -> Path:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from smf.files import file_sha256
+
 WEIGHT_SUFFIXES = (".safetensors", ".bin")  # what a save_pretrained folder holds its weights in (a shard index too)
 DIGEST_FILES = ("config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json")
 
@@ -29,8 +31,7 @@ def weights_digest(name: str | Path | None) -> str | None:
         return None
     digest = hashlib.sha256()
     for path in files:
-        with path.open("rb") as handle:
-            digest.update(f"{path.name}\0{hashlib.file_digest(handle, 'sha256').hexdigest()}\n".encode())
+        digest.update(f"{path.name}\0{file_sha256(path)}\n".encode())
     return digest.hexdigest()
 
 

@@ -61,7 +61,7 @@ from tqdm.auto import tqdm
 from smf.data.world import WorldOptions, build_world, chance_accuracy
 from smf.environment import environment
 from smf.errors import ConfigError
-from smf.files import read_json_object, write_json_atomic
+from smf.files import file_sha256, read_json_object, write_json_atomic
 from smf.options import OPTIONS_CONFIG, Distinct, checked, checked_option, mapping, read_file, section_names
 from smf.train.config import CONFIGS
 
@@ -165,8 +165,7 @@ def base_fingerprint(world_options, options: PretrainOptions) -> str:
 
 def file_digests(directory: Path) -> dict[str, str]:
     """file name -> sha256 of every file in ``directory`` (a saved model and tokenizer)."""
-    return {path.name: hashlib.sha256(path.read_bytes()).hexdigest()
-            for path in sorted(directory.iterdir()) if path.is_file()}
+    return {path.name: file_sha256(path) for path in sorted(directory.iterdir()) if path.is_file()}
 
 
 def world_model(options: PretrainOptions, tokenizer):
