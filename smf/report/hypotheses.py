@@ -30,7 +30,8 @@ CONFIRMED, REFUTED, INCONCLUSIVE = "confirmed", "refuted", "inconclusive"
 
 
 def side_methods(side: str | list[str]) -> list[str]:
-    """The methods of a hypothesis's side (:class:`smf.suite.config.Hypothesis`): the one method, or the cells of a factor's level."""
+    """The methods of a hypothesis's side (:class:`smf.suite.config.Hypothesis`): the one method, or the cells of a
+    factor's level."""
     return [side] if isinstance(side, str) else list(side)
 
 

@@ -286,7 +286,7 @@ def _common_configurations(a: dict, b: dict) -> list[tuple[int | None, float]]:
         return [(None, lr) for lr in variant["lr_sweep"]]
     theirs = grid(b)
     return [(epochs, lr) for epochs, lr in grid(a)
-            if any(lr == other_lr and None in (epochs, other_epochs) or (epochs, lr) == (other_epochs, other_lr)
+            if any(lr == other_lr and (epochs == other_epochs or None in (epochs, other_epochs))
                    for other_epochs, other_lr in theirs)]
 
 
