@@ -107,7 +107,7 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):
     assert err.startswith("smf suite: error: conditions: input should be 'base', ") and err.count("\n") == 1
     assert err.rstrip().endswith("got 'dense'")
     assert cli.main(["suite", "--config", "no-such-config"]) == 2
-    assert "shipped: factorial, locality, newkind, paper, science, science_budget, science_confirm, science_pretrained, science_pretrained16k, stream, stream10, tiny" in capsys.readouterr().err
+    assert "shipped: factorial, factorial2, locality, newkind, paper, science, science_budget, science_confirm, science_pretrained, science_pretrained16k, stream, stream10, tiny" in capsys.readouterr().err
     assert cli.main(["report", "--suite-dir", str(tmp_path / "nowhere")]) == 2
     assert "is not a suite directory" in capsys.readouterr().err
     assert cli.main(["eval", "--model", "tiny", "--adapter", str(tmp_path / "nowhere")]) == 2
