@@ -152,7 +152,7 @@ PAGE_TABLES = {  # shipped results -> (the page's section: first heading, the ne
         "paper-like-vs-full": "paper-like SMF − full finetuning", "paper-like-vs-lora": "paper-like SMF − LoRA",
         "paper-like-vs-large-step": "paper-like SMF − large-step SMF",
         "large-step-vs-full": "large-step SMF − full finetuning"}),
-    "science-budget": (("### Equal budget: the same schedules", "### The earlier answer"), {
+    "science-budget": (("### Equal budget: the same schedules", "## Commands"), {
         "same-schedules-vs-full": "same schedules: paper-like SMF − full finetuning",
         "same-schedules-vs-lora": "same schedules: paper-like SMF − LoRA",
         "equal-compute-vs-full": "equal compute: paper-like SMF − full finetuning",
@@ -253,7 +253,7 @@ def stream10_report(tmp_path_factory):
     write_packed_report(RESULTS / "stream10" / "results.json", out)
     _, results, _ = read_packed(RESULTS / "stream10" / "results.json", out)
     page = (ROOT / "docs" / "science.md").read_text(encoding="utf-8")
-    section = page[page.index("### A stream of ten tasks"):page.index("### The earlier stream preset")]
+    section = page[page.index("### A stream of ten tasks"):page.index("## Time")]
     return (json.loads((out / "stream.json").read_text()), json.loads((out / "matched_learning.json").read_text()),
             results, section)
 
