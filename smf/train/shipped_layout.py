@@ -7,7 +7,7 @@ adapter beside it (``memory_adapter.safetensors``, the same tensors under the ad
 them once: the adapter's weights are left out and written again from the model by the copy
 (:func:`smf.model.adapter.memory_tensors`, as :func:`smf.train.pretrain.save_base` wrote them), and the model's
 weights ship xz-compressed (``model.safetensors.xz``: LZMA2 with ``lc=0 lp=2 pb=2``, literals aligned to float32's
-four bytes, 15% smaller than xz's defaults' 8%; any ``xz -d`` reads it). A plain base ships as saved. Every file the
+four bytes: 15% smaller, where xz's default settings give 8%; any ``xz -d`` reads it). A plain base ships as saved. Every file the
 copy writes is checked against the sha256 its pretraining recorded, so a copy is the pretrained base to the bit or
 an error naming the file, never a silently different base.
 """
@@ -77,10 +77,10 @@ def unpack_shipped(source: Path, files: dict[str, str], final: Path) -> None:
             shutil.copyfile(source / name, final / name)
         elif shipped is not None:
             _decompress(source / shipped, final / name)
-    if derived:
-        _check(final, {name: digest for name, digest in files.items() if name not in derived})
+    _check(final, {name: digest for name, digest in files.items() if name not in derived})
+    if derived:  # written from the model only once the model is the recorded one
         _write_adapter_weights(final)
-    _check(final, files)
+        _check(final, {name: files[name] for name in derived})
 
 
 def _decompress(packed: Path, target: Path) -> None:
