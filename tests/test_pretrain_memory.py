@@ -264,6 +264,7 @@ def test_a_base_shipped_and_copied_back_is_bit_identical_and_a_damaged_xz_is_nam
     directory, marker = with_memories
     shipped = tmp_path / "base-test"
     module.ship_base(directory, shipped)
+    assert [path.name for path in tmp_path.iterdir()] == ["base-test"]  # no staging folder left
     assert {path.name for path in shipped.iterdir()} == (set(marker["files"]) - {ADAPTER_WEIGHTS, "model.safetensors"}
                                                          | {"model.safetensors.xz", module.MARKER})
     packed = shipped / "model.safetensors.xz"

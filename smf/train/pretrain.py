@@ -360,13 +360,16 @@ def ship_base(output_dir: str | Path, destination: str | Path) -> None:
     _finished(output_dir, marker["fingerprint"])  # its files still have the recorded digests
     if destination.exists():
         raise ConfigError(f"--ship-to {destination}: it exists; delete it or name a new folder")
-    staged = destination.with_name(destination.name + ".partial")
+    staged = destination.with_name(f".{destination.name}.partial")  # not a base-* folder the lookup would read
     shutil.rmtree(staged, ignore_errors=True)
-    write_shipped(output_dir / FINAL, marker["files"], staged)
-    shutil.copyfile(output_dir / MARKER, staged / MARKER)
-    with tempfile.TemporaryDirectory() as scratch:
-        unpack_shipped(staged, marker["files"], Path(scratch))
-    staged.rename(destination)
+    try:
+        write_shipped(output_dir / FINAL, marker["files"], staged)
+        shutil.copyfile(output_dir / MARKER, staged / MARKER)
+        with tempfile.TemporaryDirectory() as scratch:
+            unpack_shipped(staged, marker["files"], Path(scratch))
+        staged.rename(destination)
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
 
 
 def _load_checkpoint(path: Path, fingerprint: str, model, optimizer) -> int:
@@ -500,11 +503,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, help="world and pretraining seed (base_per_seed suites only; default 0)")
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--output-dir", help="where pretrain_stage.json and final/ go")
-    parser.add_argument("--ship-to", metavar="DEST", help="with --output-dir: then lay the base out as a shipped "
-                        "base in the new folder DEST (smf/assets/science/base-*; ship_base)")
     target.add_argument("--upgrade", metavar="FINAL", help="re-lay the final/ folder of a base pretrained with "
                         "memories before 2026-11-29 (a plain decoder beside its memory adapter) as a model with "
                         "memories (upgrade_base), and exit")
+    parser.add_argument("--ship-to", metavar="DEST", help="with --output-dir: then lay the base out as a shipped "
+                        "base in the new folder DEST (smf/assets/science/base-*; ship_base)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.upgrade is not None:
