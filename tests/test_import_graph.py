@@ -44,6 +44,7 @@ DEFERRED = {
     "smf.train.pretrain": {"smf.data.world_tokenizer",  # transformers: suite config checks import PretrainOptions
                            "smf.model.adapter", "smf.model.attach",  # the same, for pretrain.memory
                            "smf.model.loading"},  # the same, for --upgrade
+    "smf.train.shipped_layout": {"smf.model.adapter", "smf.model.loading"},  # the same (smf.train.pretrain imports it)
 }
 
 

@@ -2,8 +2,10 @@
 a memory adapter that load back to the network as pretrained; the fingerprint covers the memory options (and a plain
 base's stays what it was); bad memory options are refused in one line; a suite on such a base runs no retrofit, and
 its sparse, LoRA, full and base runs all hold the pretrained memories."""
+import hashlib
 import json
 import logging
+import lzma
 import os
 import shutil
 import subprocess
@@ -26,6 +28,7 @@ from smf.model.loading import load_base, load_model, load_with_adapter
 from smf.suite.config import load_suite_config, parse_suite_config
 from smf.train import pretrain as module
 from smf.train.pretrain import FINAL, PretrainOptions, old_qa_accuracy, pretrain_fingerprint, pretrain_world
+from smf.train.shipped_layout import shipped_name
 
 WORLD = {"seed": 5, "n_old": 24, "n_new": 4, "bio_renders": 2, "heldout_people": 4, "n_retain": 24}
 TINY = {"hidden_size": 16, "intermediate_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1,
@@ -208,11 +211,18 @@ def test_a_stream_on_a_base_with_memories_starts_every_method_from_them(tmp_path
         assert changed == (condition != "lora"), run  # LoRA leaves them frozen, stage after stage
 
 
+SHIPPED_PREFIX = {"science": "base-seed", "science_pretrained": "base-memories-seed",
+                  "science_pretrained16k": "base-memories16k-seed"}
+
+
 def test_every_shipped_base_is_intact_and_is_the_one_its_preset_asks_for():
+    """Each shipped base holds what its layout ships (smf.train.shipped_layout: with memories, the model's weights
+    once, xz-compressed) with the digests its pretraining recorded, is the base of the preset and seed its name says,
+    and all the assets fit in 60 MiB."""
     from smf.suite.config import seed_config
 
     tokenizer, wanted = world_tokenizer(), {}
-    for preset in ("science", "science_pretrained"):
+    for preset in SHIPPED_PREFIX:
         config = load_suite_config(preset)
         for seed in range(5):
             own = seed_config(config, seed)
@@ -221,16 +231,58 @@ def test_every_shipped_base_is_intact_and_is_the_one_its_preset_asks_for():
             wanted[pretrain_fingerprint(world, PretrainOptions.from_dict(own.pretrain), texts, tokenizer)] = (
                 preset, seed)
     shipped = sorted(module.SHIPPED.glob("base-*"))
-    assert len(shipped) >= 5
+    assert len(shipped) == 15
     for directory in shipped:
         marker = json.loads((directory / module.MARKER).read_text())
-        assert module.file_digests(directory) == {**marker["files"], module.MARKER: module.file_digests(directory)[
-            module.MARKER]}, directory.name
+        names = {name: shipped_name(name, marker["files"]) for name in marker["files"]}
+        assert {path.name for path in directory.iterdir()} == {*names.values(), module.MARKER} - {None}
+        for name, held in names.items():
+            if held is not None:
+                data = (directory / held).read_bytes()
+                data = lzma.decompress(data, format=lzma.FORMAT_XZ) if held.endswith(".xz") else data
+                assert hashlib.sha256(data).hexdigest() == marker["files"][name], (directory.name, name)
         preset, seed = wanted[marker["fingerprint"]]
-        assert directory.name == f"base-{'memories-' if preset == 'science_pretrained' else ''}seed{seed}"
-        assert marker["reached_target"] and (ADAPTER_CONFIG in marker["files"]) == (preset == "science_pretrained")
+        assert directory.name == f"{SHIPPED_PREFIX[preset]}{seed}"
+        assert marker["reached_target"] and (ADAPTER_CONFIG in marker["files"]) == (preset != "science")
+        assert (names[ADAPTER_WEIGHTS] is None and names["model.safetensors"].endswith(".xz")
+                if preset != "science" else names["model.safetensors"] == "model.safetensors")
     assets = Path(module.__file__).resolve().parents[1] / "assets"
     assert sum(path.stat().st_size for path in assets.rglob("*") if path.is_file()) <= 60 * 2 ** 20
+
+
+def test_the_copy_of_a_shipped_16384_slot_base_is_the_pretrained_base_to_the_bit(tmp_path):
+    """What the suite copies for science_pretrained16k (its adapter's weights written again from the model, the
+    model's decompressed) has every digest its pretraining recorded, so the runs' hashes and results stand."""
+    source = module.SHIPPED / "base-memories16k-seed0"
+    copied = module._copy_shipped(source, tmp_path / "run")
+    assert copied["source"] == "shipped (base-memories16k-seed0)"
+    assert module.file_digests(tmp_path / "run" / FINAL) == json.loads((source / module.MARKER).read_text())["files"]
+    assert ADAPTER_WEIGHTS in copied["files"] and not (source / ADAPTER_WEIGHTS).exists()
+
+
+def test_a_base_shipped_and_copied_back_is_bit_identical_and_a_damaged_xz_is_named(with_memories, tmp_path):
+    directory, marker = with_memories
+    shipped = tmp_path / "base-test"
+    module.ship_base(directory, shipped)
+    assert [path.name for path in tmp_path.iterdir()] == ["base-test"]  # no staging folder left
+    assert {path.name for path in shipped.iterdir()} == (set(marker["files"]) - {ADAPTER_WEIGHTS, "model.safetensors"}
+                                                         | {"model.safetensors.xz", module.MARKER})
+    packed = shipped / "model.safetensors.xz"
+    assert lzma.decompress(packed.read_bytes()) == (directory / FINAL / "model.safetensors").read_bytes()
+    module._copy_shipped(shipped, tmp_path / "copy")
+    assert module.file_digests(tmp_path / "copy" / FINAL) == marker["files"]
+    with pytest.raises(ConfigError, match="it exists"):
+        module.ship_base(directory, shipped)
+    whole = packed.read_bytes()
+    unreadable = "model.safetensors.xz cannot be decompressed"
+    for damaged, cause in ((whole[:len(whole) // 2], unreadable),  # truncated
+                           (whole[:200] + bytes([whole[200] ^ 1]) + whole[201:], unreadable),  # one bit flipped
+                           (lzma.compress(b"another file"), "model.safetensors differs from its record")):
+        packed.write_bytes(damaged)
+        with pytest.raises(ConfigError, match=r"a damaged install\?\)") as refused:
+            module._copy_shipped(shipped, tmp_path / "again")
+        assert f"the shipped base {shipped}: {cause}" in str(refused.value)
+        assert not (tmp_path / "again" / module.MARKER).exists()
 
 
 def _logits(model, ids):
@@ -332,11 +384,13 @@ def test_an_adapter_replaces_held_memories_only_where_they_are_and_of_their_size
     assert all(torch.equal(tensor, before[name]) for name, tensor in model.state_dict().items())  # unchanged
 
 
-def test_the_shipped_bases_with_memories_load_whole_as_pretrained():
+def test_the_shipped_bases_with_memories_load_whole_as_pretrained(tmp_path):
     ids = torch.tensor([[5, 17, 99, 3, 250, 41, 7]])
     shipped = sorted(module.SHIPPED.glob("base-memories-seed*"))
     assert len(shipped) == 5
-    for directory in shipped:
+    for source in shipped:
+        module._copy_shipped(source, tmp_path / source.name)  # as the suite copies it
+        directory = tmp_path / source.name / FINAL
         assert json.loads((directory / "config.json").read_text())["model_type"] == "qwen2_smf_memories"
         whole = AutoModelForCausalLM.from_pretrained(directory)
         assert [block.layer_index for block in memory_blocks(whole)] == [1, 3]

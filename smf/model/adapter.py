@@ -24,6 +24,21 @@ ADAPTER_CONFIG = "memory_adapter.json"
 MEMORY_KWARGS = ("n_keys", "heads", "topk", "key_dim", "value_dim")  # what an adapter records of its memories
 
 
+def memory_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors a memory adapter of ``model`` holds (``memory_adapter.safetensors``): ``layers.{i}.memory.{param}``
+    and ``layers.{i}.alpha``, float32 on the CPU; ValueError when ``model`` has no memories."""
+    blocks = memory_blocks(model)
+    if not blocks:
+        raise ValueError("model has no memories to save; call smf.model.attach_memories first")
+    tensors = {}  # fp32, exactly, whatever dtype a parameter trained in (the authors' protocol keeps some bf16)
+    for block in blocks:
+        for name, tensor in block.memory.state_dict().items():
+            tensors[f"layers.{block.layer_index}.memory.{name}"] = tensor.detach().cpu().float().contiguous()
+        if block.alpha is not None:
+            tensors[f"layers.{block.layer_index}.alpha"] = block.alpha.detach().cpu().float()
+    return tensors
+
+
 def save_memory_adapter(model: nn.Module, directory: str | Path) -> Path:
     """Write the memories of ``model`` (weights and alpha; safetensors) and their placement (json).
 
@@ -33,17 +48,10 @@ def save_memory_adapter(model: nn.Module, directory: str | Path) -> Path:
     (:func:`smf.model.relocation.weights_digest`: the base is known by content when it moved). The base model
     itself is not saved. Returns the directory.
     """
+    tensors = memory_tensors(model)
     blocks = memory_blocks(model)
-    if not blocks:
-        raise ValueError("model has no memories to save; call smf.model.attach_memories first")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = {}  # fp32, exactly, whatever dtype a parameter trained in (the authors' protocol keeps some bf16)
-    for block in blocks:
-        for name, tensor in block.memory.state_dict().items():
-            tensors[f"layers.{block.layer_index}.memory.{name}"] = tensor.detach().cpu().float().contiguous()
-        if block.alpha is not None:
-            tensors[f"layers.{block.layer_index}.alpha"] = block.alpha.detach().cpu().float()
     memory_kwargs = blocks[0].memory.config()
     memory_kwargs.pop("d_model")
     base = getattr(getattr(model, "config", None), "_name_or_path", None)

@@ -25,10 +25,12 @@ decoder beside the adapter: smf loads them as before (with a warning), :func:`up
 existed.
 
 **Shipped bases.** The science preset's bases are package assets (``smf/assets/science/base-seed{S}/``, 1.2 MB each,
-made by ``python -m smf.train.pretrain --config science --seed S --output-dir DIR``; the with-memories bases of
-``--config science_pretrained`` in ``base-memories-seed{S}/``): where an asset's fingerprint
-equals the one asked for (and ``use_shipped`` is on), it is copied instead of pretrained, so every machine starts
-from the same weights, to the bit. The run directory::
+made by ``python -m smf.train.pretrain --config science --seed S --output-dir DIR --ship-to DEST``; the with-memories
+bases of ``--config science_pretrained`` in ``base-memories-seed{S}/``, of ``science_pretrained16k`` in
+``base-memories16k-seed{S}/``, their weights held once and xz-compressed: :mod:`smf.train.shipped_layout`): where an
+asset's fingerprint equals the one asked for (and ``use_shipped`` is on), it is copied instead of pretrained, each
+file checked against its recorded digest, so every machine starts from the same weights, to the bit. The run
+directory::
 
     pretrain_checkpoint.pt    model, optimizer, step and fingerprint (every ``save_every`` steps; tensors only)
     final/                    save_pretrained model + tokenizer (``--model DIR`` takes it; with memories also their
@@ -48,6 +50,7 @@ import logging
 import math
 import random
 import shutil
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -64,6 +67,7 @@ from smf.errors import ConfigError
 from smf.files import file_sha256, read_json_object, write_json_atomic
 from smf.options import OPTIONS_CONFIG, Distinct, checked, checked_option, mapping, read_file, section_names
 from smf.train.config import CONFIGS
+from smf.train.shipped_layout import missing_shipped, unpack_shipped, write_shipped
 
 logger = logging.getLogger(__name__)
 
@@ -333,19 +337,39 @@ def _copy_shipped(source: Path, output_dir: Path) -> dict:
     if stray:
         raise ConfigError(f"{final} holds {', '.join(stray)}, not a file of the shipped base this output folder "
                           f"({output_dir}) is to receive: delete {final} (or the folder) or use another --output-dir")
-    missing = [name for name in marker["files"] if not (source / name).is_file()]
+    missing = missing_shipped(source, marker["files"])
     if missing:
         raise _damaged(source, f"{', '.join(missing)} missing")
     final.mkdir(parents=True, exist_ok=True)
-    for name in marker["files"]:
-        shutil.copyfile(source / name, final / name)
-    copied = file_digests(final)
-    differ = [name for name, digest in marker["files"].items() if copied.get(name) != digest]
-    if differ:
-        raise _damaged(source, f"{', '.join(differ)} differ{'s' if len(differ) == 1 else ''} from its record")
+    try:
+        unpack_shipped(source, marker["files"], final)
+    except ConfigError as err:
+        raise _damaged(source, str(err)) from None
     marker = {**marker, "source": f"shipped ({source.name})"}
     write_json_atomic(output_dir / MARKER, marker)
     return marker
+
+
+def ship_base(output_dir: str | Path, destination: str | Path) -> None:
+    """Lay out the finished base in ``output_dir`` (its ``final/`` and record) as a shipped base in the new folder
+    ``destination`` (``smf/assets/science/base-*``: the files as :mod:`smf.train.shipped_layout` ships them, the
+    record beside them), checked by unpacking it again; ConfigError when ``output_dir`` holds no intact finished
+    base or ``destination`` exists."""
+    output_dir, destination = Path(output_dir), Path(destination)
+    marker = read_json_object(output_dir / MARKER, "pretraining marker", ("fingerprint", "files"))
+    _finished(output_dir, marker["fingerprint"])  # its files still have the recorded digests
+    if destination.exists():
+        raise ConfigError(f"--ship-to {destination}: it exists; delete it or name a new folder")
+    staged = destination.with_name(f".{destination.name}.partial")  # not a base-* folder the lookup would read
+    shutil.rmtree(staged, ignore_errors=True)
+    try:
+        write_shipped(output_dir / FINAL, marker["files"], staged)
+        shutil.copyfile(output_dir / MARKER, staged / MARKER)
+        with tempfile.TemporaryDirectory() as scratch:
+            unpack_shipped(staged, marker["files"], Path(scratch))
+        staged.rename(destination)
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
 
 
 def _load_checkpoint(path: Path, fingerprint: str, model, optimizer) -> int:
@@ -471,7 +495,8 @@ def old_qa_accuracy(model, tokenizer, rows) -> float:
 def main(argv: list[str] | None = None) -> int:
     """``python -m smf.train.pretrain --config science --seed S --output-dir DIR``: pretrain the base of a suite
     config's world and pretraining options (with ``base_per_seed``, world and pretraining seed ``S``) here, never
-    copying a shipped one: the command that remakes the shipped bases (``smf/assets/science/``). ``--upgrade FINAL``
+    copying a shipped one (a finished one is reused): the command that remakes the shipped bases
+    (``smf/assets/science/``), ``--ship-to DEST`` laying it out as one (:func:`ship_base`). ``--upgrade FINAL``
     re-lays a base pretrained with memories before 2026-11-29 instead (:func:`upgrade_base`)."""
     parser = argparse.ArgumentParser(prog="python -m smf.train.pretrain", description=main.__doc__)
     parser.add_argument("--config", help="suite config: a file or a shipped name (default: science)")
@@ -481,11 +506,13 @@ def main(argv: list[str] | None = None) -> int:
     target.add_argument("--upgrade", metavar="FINAL", help="re-lay the final/ folder of a base pretrained with "
                         "memories before 2026-11-29 (a plain decoder beside its memory adapter) as a model with "
                         "memories (upgrade_base), and exit")
+    parser.add_argument("--ship-to", metavar="DEST", help="with --output-dir: then lay the base out as a shipped "
+                        "base in the new folder DEST (smf/assets/science/base-*; ship_base)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.upgrade is not None:
-        if args.config is not None or args.seed is not None:
-            parser.error("--upgrade takes no --config or --seed (the base's folder says what it is)")
+        if args.config is not None or args.seed is not None or args.ship_to is not None:
+            parser.error("--upgrade takes no --config, --seed or --ship-to (the base's folder says what it is)")
         try:
             changed = upgrade_base(args.upgrade)
         except ConfigError as err:
@@ -510,6 +537,8 @@ def main(argv: list[str] | None = None) -> int:
         if threads is not None:
             torch.set_num_threads(threads)
         marker = pretrain_world(world, options, args.output_dir)
+        if args.ship_to is not None:
+            ship_base(args.output_dir, args.ship_to)
     except ConfigError as err:
         parser.exit(2, f"error: {err}\n")
     print(json.dumps({k: v for k, v in marker.items() if k != "environment"}, indent=1))
