@@ -148,6 +148,11 @@ def test_report_results_needs_out_and_out_needs_results(tmp_path, capsys):
 
 
 PAGE_TABLES = {  # shipped results -> (the page's section: first heading, the next heading; hypothesis -> row label)
+    "science": (("### Five seeds, the schedule in the budget", "## Results: memories pretrained"), {
+        "paper-like-vs-full": "paper-like SMF − full finetuning ≥ +0.10",
+        "paper-like-vs-lora": "paper-like SMF − LoRA ≥ +0.10",
+        "paper-like-vs-large-step": "paper-like SMF − large-step SMF ≥ +0.10",
+        "large-step-vs-full": "large-step SMF − full finetuning ≤ −0.10"}),
     "science-confirm": (("### Confirmation seeds 5-9", "### Equal budget: the same schedules"), {
         "paper-like-vs-full": "paper-like SMF − full finetuning", "paper-like-vs-lora": "paper-like SMF − LoRA",
         "paper-like-vs-large-step": "paper-like SMF − large-step SMF",
@@ -178,19 +183,21 @@ def test_a_table_on_the_page_is_the_shipped_results(name, tmp_path):
     assert sorted(entry["name"] for entry in evaluated) == sorted(labels)
     for entry in evaluated:
         (row,) = [line for line in section.splitlines() if line.startswith(f"| {labels[entry['name']]} ")]
-        cells = [cell.strip() for cell in row.split("|")[1:-1]]
-        assert cells[5].startswith(entry["verdict"])
+        cells = [cell.strip(" *") for cell in row.split("|")[1:-1]]
+        per_seed_at = next(i for i, cell in enumerate(cells) if cell.count(" / ") == 4 or cell == "—")  # layouts differ
+        mean_cell, against_zero = cells[per_seed_at + 1:per_seed_at + 3]
+        assert cells[-1].startswith(entry["verdict"]) or cells[-2].startswith(entry["verdict"])
         if entry["mean"] is None:  # no seed measured both sides (the factorial: a cell that never reaches the level)
-            assert not entry["per_seed"] and cells[2:5] == ["—", "—", "—"]
+            assert not entry["per_seed"] and cells[per_seed_at:per_seed_at + 3] == ["—", "—", "—"]
         else:
-            per_seed = [float(v.replace("−", "-")) for v in cells[2].split(" / ")]
+            per_seed = [float(v.replace("−", "-")) for v in cells[per_seed_at].split(" / ")]
             assert per_seed == pytest.approx(
                 [entry["per_seed"][seed] for seed in sorted(entry["per_seed"], key=int)], abs=5e-4)
-            mean, half = (float(v.replace("−", "-")) for v in cells[3].split(" ± "))
-            assert (mean, half) == pytest.approx((entry["mean"], entry["half_width"]), abs=5e-4)
-            assert cells[4] == entry["from_zero"]
+            assert _mean_and_half(mean_cell) == pytest.approx((entry["mean"], entry["half_width"]), abs=5e-4)
+            if against_zero in ("above 0", "below 0", "includes 0"):
+                assert against_zero == entry["from_zero"]
         if entry.get("aliases"):  # a factor's effect: the interactions it is confounded with, as registered
-            assert cells[6] == entry["aliases"]
+            assert cells[-1] == entry["aliases"]
 
 
 def test_pretrained_vs_retrofitted_at_16384_slots_on_the_page_is_the_shipped_results(tmp_path):
@@ -375,3 +382,69 @@ def test_the_factorials_exploratory_fit_on_the_page_is_the_shipped_results(tmp_p
         shown = [float(v.replace("−", "-")) for v in cells[1].split(" / ")]
         assert shown == pytest.approx(list(effects[:, index]), abs=5e-4), factor
         assert _mean_and_half(cells[2]) == pytest.approx(mean_interval(list(effects[:, index])), abs=5e-4), factor
+
+
+NUMBER = re.compile(r"([−+]?\d+\.\d+)(?: ± (\d+\.\d+))?(?: \((\d)/(\d)\))?")
+
+
+def _shown(cell: str) -> list[tuple[float, float | None, int | None]]:
+    """The values a table cell of the page shows, in order: (value, its ± half width or None, k of "(k/n)" or None);
+    "—" shows none."""
+    return [(float(value.replace("−", "-")), float(half) if half else None, int(k) if k else None)
+            for value, half, k, _ in NUMBER.findall(cell)]
+
+
+def _summary(level: dict, seeds: int, paired: bool) -> list[tuple[float, float | None, int | None]]:
+    """What the page shows for one level of a matched-learning row (``paired``: its difference to the reference):
+    mean ± 95% when every seed measured it, "(k/n)" beside when only k did, nothing when none did."""
+    summary = level["vs_reference"] if paired else level
+    measured = (summary or {}).get("pairs" if paired else "measured", 0)
+    if not measured:
+        return []
+    half = summary["half_width"] if measured > 1 else None
+    return [(summary["mean"], half, None if measured == seeds else measured)]
+
+
+def _assert_kept_table(section: str, rows: dict, columns: list[tuple[str, bool]], seeds: int) -> None:
+    """Every row of the page's table in ``section`` whose label ``rows`` maps to a matched-learning row shows, cell by
+    cell (``columns``: (level, paired with the reference)), the values the shipped results give."""
+    for label, row in rows.items():
+        (line,) = [line for line in section.splitlines() if line.startswith(f"| {label} |")]
+        shown = [value for cell in line.split("|")[2:-1] for value in _shown(cell)]
+        expected = [value for level, paired in columns for value in _summary(row["levels"][level], seeds, paired)]
+        assert len(shown) == len(expected), label
+        for (value, half, k), (e_value, e_half, e_k) in zip(shown, expected):
+            assert (value, k) == (pytest.approx(e_value, abs=5.1e-4), e_k), label
+            assert (half is None) == (e_half is None) and (half is None or half == pytest.approx(e_half, abs=5.1e-4))
+
+
+SCIENCE_METHODS = {"Additive sparse (TF-IDF), large-step": ("additive-tfidf", "large-step"),
+                   "Additive sparse +S (TF-IDF), paper-like": ("additive+s-tfidf", "paper-like"),
+                   "LoRA r16": ("lora", None), "Full finetune": ("full", None)}
+
+
+def test_the_science_presets_tables_on_the_page_are_the_shipped_results(tmp_path):
+    """docs/science.md's five-seed science tables (each method's old facts kept at 0.5 / 0.9 / 0.97 learned, and its
+    difference to full finetuning), recomputed from the shipped per-run results alone."""
+    from smf.suite.shipped import write_packed_report
+
+    write_packed_report(RESULTS / "science" / "results.json", tmp_path)
+    rows = {(row["method"][0], row["method"][3] if len(row["method"]) > 3 else None): row
+            for row in json.loads((tmp_path / "matched_learning.json").read_text())["rows"]}
+    page = (ROOT / "docs" / "science.md").read_text(encoding="utf-8")
+    section = page[page.index("### Five seeds, the schedule in the budget"):page.index("**Pre-registered hypotheses** (in")]
+    kept, paired = section.split("| Method − full finetuning (paired by seed) |")
+    by_label = {label: rows[method] for label, method in SCIENCE_METHODS.items()}
+    _assert_kept_table(kept, by_label, [("0.5", False), ("0.9", False), ("0.97", False)], 5)
+    _assert_kept_table(paired, {k: v for k, v in by_label.items() if k != "Full finetune"},
+                       [("0.5", True), ("0.9", True), ("0.97", True)], 5)
+    report = (tmp_path / "matched_learning.md").read_text(encoding="utf-8")
+    cost = page[page.index("**Cost beside kept**"):page.index("![Forgetting at matched learning, five seeds")]
+    for label, (condition, variant) in SCIENCE_METHODS.items():  # steps, train CPU-s and TFLOPs, row change
+        (line,) = [line for line in cost.splitlines() if line.startswith(f"| {label} |")]
+        shown = [cell.strip() for cell in line.split("|")[2:-1]]
+        name = label.split(",")[0].replace(" r16", "") + (f" [{variant}]" if variant else "")
+        (drawn,) = [row for row in report.splitlines() if row.startswith(f"| {name} | 6 |")]
+        cells = [cell.strip() for cell in drawn.split("|")[3:-1]]
+        row_change = "—" if cells[4] == "—" else f"{cells[4].split(' (')[0]}; {cells[5].split(' (')[0]}"
+        assert shown == [cells[0], cells[1], cells[2], row_change], label
