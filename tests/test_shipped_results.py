@@ -162,7 +162,11 @@ PAGE_TABLES = {  # shipped results -> (the page's section: first heading, the ne
         "same-schedules-vs-lora": "same schedules: paper-like SMF − LoRA",
         "equal-compute-vs-full": "equal compute: paper-like SMF − full finetuning",
         "equal-compute-vs-lora": "equal compute: paper-like SMF − LoRA"}),
-    "factorial": (("### What does the work: a registered fractional factorial", "### Confirmation seeds 5-9"), {
+    "factorial2": (("### The second fraction, registered after the first", "### Confirmation seeds 5-9"), {
+        "factorial2-slots": "A slots: 16,384 − 1,024", "factorial2-share": "B T's share: 3.1% − 12.5%",
+        "factorial2-plus-s": "C mode: +S − plain additive", "factorial2-alpha": "D alpha's rate: its own − the rows'",
+        "factorial2-steps": "E per-touch step: small − large"}),
+    "factorial": (("### What does the work: a registered fractional factorial", "### The second fraction, registered"), {
         "factorial-slots": "A slots: 16,384 − 1,024", "factorial-share": "B T's share: 3.1% − 12.5%",
         "factorial-plus-s": "C mode: +S − plain additive", "factorial-alpha": "D alpha's rate: its own − the rows'",
         "factorial-steps": "E per-touch step: small − large"}),
@@ -197,7 +201,7 @@ def test_a_table_on_the_page_is_the_shipped_results(name, tmp_path):
             if against_zero in ("above 0", "below 0", "includes 0"):
                 assert against_zero == entry["from_zero"]
         if entry.get("aliases"):  # a factor's effect: the interactions it is confounded with, as registered
-            assert cells[-1] == entry["aliases"]
+            assert cells[-1].replace("−", "-") == entry["aliases"]
 
 
 def test_pretrained_vs_retrofitted_at_16384_slots_on_the_page_is_the_shipped_results(tmp_path):
@@ -360,7 +364,7 @@ def test_the_factorials_exploratory_fit_on_the_page_is_the_shipped_results(tmp_p
             if row["method"][3] in FACTORIAL_CELLS}
     page = (ROOT / "docs" / "science.md").read_text(encoding="utf-8")
     section = page[page.index("### What does the work: a registered fractional factorial"):
-                   page.index("### Confirmation seeds 5-9")]
+                   page.index("### The second fraction, registered after the first")]
     lines = section.splitlines()
     for cell, per_seed in rows.items():
         (line,) = [line for line in lines if line.startswith(f"| cell {cell} ")]
@@ -448,3 +452,91 @@ def test_the_science_presets_tables_on_the_page_are_the_shipped_results(tmp_path
         cells = [cell.strip() for cell in drawn.split("|")[3:-1]]
         row_change = "—" if cells[4] == "—" else f"{cells[4].split(' (')[0]}; {cells[5].split(' (')[0]}"
         assert shown == [cells[0], cells[1], cells[2], row_change], label
+
+
+STREAM_METHODS = {"Additive sparse (TF-IDF), large-step": ("additive-tfidf", "large-step"),
+                  "Additive sparse +S (TF-IDF), paper-like": ("additive+s-tfidf", "paper-like"),
+                  "LoRA r16": ("lora", None), "Full finetune": ("full", None)}
+
+
+def test_the_three_task_streams_tables_on_the_page_are_the_shipped_results(tmp_path):
+    """docs/science.md's three-task stream: old facts and tasks A and B kept at matched task-C learning (each cell
+    kept, and in brackets its difference to full finetuning), and the four registered hypotheses (three evaluated in
+    matched_learning.md, the header's task-A one from stream.md's paired differences), by the standard rule from the
+    shipped per-run results alone."""
+    from smf.suite.shipped import write_packed_report
+
+    write_packed_report(RESULTS / "stream" / "results.json", tmp_path)
+    axes = json.loads((tmp_path / "stream.json").read_text())["matched_learning"]
+    rows = {axis: {(row["method"][0], row["method"][3] if len(row["method"]) > 3 else None): row for row in axis_rows}
+            for axis, axis_rows in axes.items()}
+    page = (ROOT / "docs" / "science.md").read_text(encoding="utf-8")
+    section = page[page.index("**Results: five seeds, the schedule in the budget** (`smf suite --config stream`"):
+                   page.index("### A stream of ten tasks")]
+    columns = [("retain_acc", "0.5"), ("retain_acc", "0.9"), ("task A", "0.9"), ("task B", "0.9")]
+    for label, method in STREAM_METHODS.items():
+        (line,) = [line for line in section.splitlines() if line.startswith(f"| {label} |")]
+        shown = [value for cell in line.split("|")[2:-1] for value in _shown(cell)]
+        expected = [value for axis, level in columns for paired in (False, True)
+                    for value in _summary(rows[axis][method]["levels"][level], 5, paired)]
+        assert shown == [(pytest.approx(v, abs=5.1e-4), None if h is None else pytest.approx(h, abs=5.1e-4), k)
+                         for v, h, k in expected], label
+    registered = {entry["name"]: entry for entry in json.loads(
+        (tmp_path / "matched_learning.json").read_text())["hypotheses"]}
+    task_a = rows["task A"][("additive+s-tfidf", "paper-like")]["levels"]["0.9"]["vs_reference"]["per_seed"]
+    hypotheses = {"paper-like SMF − full finetuning ≥ +0.10 old facts": registered["stream-paper-like-vs-full"],
+                  "paper-like SMF − LoRA ≥ +0.10 old facts": registered["stream-paper-like-vs-lora"],
+                  "large-step SMF − full finetuning ≤ −0.10 old facts": registered["stream-large-step-vs-full"],
+                  "paper-like SMF − full finetuning ≥ +0.10 of task A": {
+                      "per_seed": task_a, **verdict(list(task_a.values()), 0.10, 5)}}
+    for label, evaluated in hypotheses.items():
+        (line,) = [line for line in section.splitlines() if line.startswith(f"| {label}")]
+        cells = [cell.strip(" *") for cell in line.split("|")[1:-1]]
+        shown = [float(v.replace("−", "-")) for v in cells[1].split(" / ")]
+        digits = 2 if label.endswith("task A") else 3  # the header's hypothesis was evaluated by hand, two decimals
+        assert shown == pytest.approx([evaluated["per_seed"][str(seed)] for seed in range(5)], abs=0.51 * 10 ** -digits)
+        assert _mean_and_half(cells[2]) == pytest.approx((evaluated["mean"], evaluated["half_width"]), abs=5e-4)
+        assert cells[3].startswith(evaluated["verdict"]), label
+
+
+FACTORIAL2_CELLS = {"g1": "-----", "g2": "+--++", "f3": "-+-++", "f4": "++---", "f5": "--++-", "f6": "+-+-+",
+                    "g7": "-++-+", "g8": "++++-"}  # A B C D E of each cell (smf/configs/suite_factorial2.yaml)
+
+
+def test_the_factorials_second_fraction_and_both_fractions_fit_on_the_page_are_the_shipped_results(tmp_path):
+    """docs/science.md's second fraction: each cell's kept value at 0.9 learned (mean ± 95%, per seed), and the
+    exploratory fit of the five main effects to both fractions' cells that reach 0.9 on every seed (the shared cells
+    once), recomputed from the two fractions' shipped per-run results alone."""
+    import numpy as np
+
+    from smf.report.matched_learning import mean_interval
+    from smf.suite.shipped import write_packed_report
+
+    cells = {}
+    for name in ("factorial", "factorial2"):
+        write_packed_report(RESULTS / name / "results.json", tmp_path / name)
+        cells[name] = {row["method"][3]: row["levels"]["0.9"]["per_seed"]
+                       for row in json.loads((tmp_path / name / "matched_learning.json").read_text())["rows"]
+                       if row["method"][3]}
+    assert all(cells["factorial"][cell] == cells["factorial2"][cell] for cell in ("f3", "f4", "f5", "f6"))
+    page = (ROOT / "docs" / "science.md").read_text(encoding="utf-8")
+    section = page[page.index("### The second fraction, registered after the first"):
+                   page.index("### Confirmation seeds 5-9")]
+    for cell, per_seed in cells["factorial2"].items():
+        (line,) = [line for line in section.splitlines() if line.startswith(f"| cell {cell} ")]
+        shown = [part.strip() for part in line.split("|")[2:-1]]
+        assert _mean_and_half(shown[0]) == pytest.approx(mean_interval(list(per_seed.values())), abs=5e-4), cell
+        assert [float(v) for v in shown[1].split(" / ")] == pytest.approx(
+            [per_seed[str(seed)] for seed in range(5)], abs=5e-4), cell
+    levels = {**FACTORIAL_CELLS, **FACTORIAL2_CELLS}
+    both = {cell: per_seed for name in ("factorial", "factorial2") for cell, per_seed in cells[name].items()
+            if all(not isinstance(value, str) for value in per_seed.values())}
+    assert sorted(both) == ["f1", "f2", "f3", "f4", "f5", "f6", "f8", "g1", "g2", "g7", "g8"]
+    design = np.array([[1.0] + [1.0 if level == "+" else -1.0 for level in levels[cell]] for cell in both])
+    effects = np.array([2 * np.linalg.lstsq(design, [both[cell][str(seed)] for cell in both], rcond=None)[0][1:]
+                        for seed in range(5)])
+    fit = section[section.index("Exploratory (not registered): the two fractions"):]
+    for index, label in enumerate(("A slots", "B T's share", "C +S", "D alpha's rate", "E per-touch step")):
+        pattern = r"\s+".join(map(re.escape, label.split())) + r"\s+([−+]\d\.\d{3} ± \d\.\d{3})"
+        (match,) = re.findall(pattern, fit)
+        assert _mean_and_half(match) == pytest.approx(mean_interval(list(effects[:, index])), abs=5e-4), label
