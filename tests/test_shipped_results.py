@@ -162,6 +162,10 @@ PAGE_TABLES = {  # shipped results -> (the page's section: first heading, the ne
         "same-schedules-vs-lora": "same schedules: paper-like SMF − LoRA",
         "equal-compute-vs-full": "equal compute: paper-like SMF − full finetuning",
         "equal-compute-vs-lora": "equal compute: paper-like SMF − LoRA"}),
+    "science-pretrained": (("### The schedule in the budget on pretrained memories", "## Results: the locality suite"), {
+        "small-step-vs-full": "small-step SMF − full finetuning ≥ +0.10 at 0.9",
+        "small-step-vs-lora": "small-step SMF − LoRA ≥ +0.10 at 0.9",
+        "large-step-vs-full-at-0.5": "large-step SMF − full finetuning ≥ +0.10 at 0.5"}),
     "factorial2": (("### The second fraction, registered after the first", "### Confirmation seeds 5-9"), {
         "factorial2-slots": "A slots: 16,384 − 1,024", "factorial2-share": "B T's share: 3.1% − 12.5%",
         "factorial2-plus-s": "C mode: +S − plain additive", "factorial2-alpha": "D alpha's rate: its own − the rows'",
@@ -540,3 +544,55 @@ def test_the_factorials_second_fraction_and_both_fractions_fit_on_the_page_are_t
         pattern = r"\s+".join(map(re.escape, label.split())) + r"\s+([−+]\d\.\d{3} ± \d\.\d{3})"
         (match,) = re.findall(pattern, fit)
         assert _mean_and_half(match) == pytest.approx(mean_interval(list(effects[:, index])), abs=5e-4), label
+
+
+PACKS = {"science": "science", "pretrained": "science-pretrained", "stream": "stream", "new kind": "newkind",
+         "factorial": "factorial", "factorial, second fraction": "factorial2"}  # the table's preset -> its results
+
+
+@pytest.fixture(scope="module")
+def evaluated_packs(tmp_path_factory):
+    """preset -> {hypothesis name: its evaluation} drawn from each preset's shipped per-run results alone (the
+    stream's task-A hypothesis, registered in its header, from stream.md's paired differences)."""
+    from smf.suite.shipped import write_packed_report
+
+    evaluated = {}
+    for preset, pack in PACKS.items():
+        out = tmp_path_factory.mktemp(pack)
+        write_packed_report(RESULTS / pack / "results.json", out)
+        evaluated[preset] = {entry["name"]: entry
+                             for entry in json.loads((out / "matched_learning.json").read_text())["hypotheses"]}
+        if (out / "stream.json").is_file():
+            (row,) = [row for row in json.loads((out / "stream.json").read_text())["matched_learning"]["task A"]
+                      if row["method"][0] == "additive+s-tfidf" and row["method"][3] == "paper-like"]
+            evaluated[preset]["task A (the preset's header)"] = {
+                "per_seed": row["levels"]["0.9"]["vs_reference"]["per_seed"]}
+    return evaluated
+
+
+@pytest.mark.parametrize("entry", REGISTERED["hypotheses"], ids=lambda e: f"{e['preset']}:{e['name']}")
+def test_the_verdicts_tables_per_seed_values_are_the_shipped_results(entry, evaluated_packs):
+    """Every per-seed difference behind the verdicts table (registered_seeds0-4.json) is its preset's shipped
+    results' (as the page prints them: three decimals, a few two)."""
+    shipped = evaluated_packs[entry["preset"]][entry["name"]]["per_seed"]
+    assert sorted(entry["per_seed"]) == sorted(shipped)
+    for seed, value in entry["per_seed"].items():
+        assert value == pytest.approx(shipped[seed], abs=0.0051 if round(value, 2) == value else 0.00051), seed
+
+
+def test_the_pretrained_presets_table_on_the_page_is_the_shipped_results(tmp_path):
+    """docs/science.md's table of the 1,024-slot pretrained preset (each method's old facts kept at 0.5 / 0.9 / 0.97
+    learned beside its difference to full finetuning), recomputed from the shipped per-run results alone."""
+    from smf.suite.shipped import write_packed_report
+
+    write_packed_report(RESULTS / "science-pretrained" / "results.json", tmp_path)
+    rows = {(row["method"][0], row["method"][3] if len(row["method"]) > 3 else None): row
+            for row in json.loads((tmp_path / "matched_learning.json").read_text())["rows"]}
+    page = (ROOT / "docs" / "science.md").read_text(encoding="utf-8")
+    section = page[page.index("### The schedule in the budget on pretrained memories"):
+                   page.index("**Pre-registered hypotheses** (paired by seed, 95% t-interval")]
+    labels = {"Additive sparse (TF-IDF), large-step": ("additive-tfidf", "large-step"),
+              "Additive sparse +S (TF-IDF), small-step": ("additive+s-tfidf", "small-step"),
+              "LoRA r16": ("lora", None), "Full finetune": ("full", None)}
+    _assert_kept_table(section, {label: rows[method] for label, method in labels.items()},
+                       [(level, paired) for level in ("0.5", "0.9", "0.97") for paired in (False, True)], 5)
