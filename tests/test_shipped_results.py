@@ -405,7 +405,7 @@ def _shown(cell: str) -> list[tuple[float, float | None, int | None]]:
 def _summary(level: dict, seeds: int, paired: bool) -> list[tuple[float, float | None, int | None]]:
     """What the page shows for one level of a matched-learning row (``paired``: its difference to the reference):
     mean ± 95% when every seed measured it, "(k/n)" beside when only k did, nothing when none did."""
-    summary = level["vs_reference"] if paired else level
+    summary = level.get("vs_reference") if paired else level
     measured = (summary or {}).get("pairs" if paired else "measured", 0)
     if not measured:
         return []
