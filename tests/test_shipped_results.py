@@ -178,14 +178,12 @@ PAGE_TABLES = {  # shipped results -> (the page's section: first heading, the ne
 
 
 @pytest.mark.parametrize("name", sorted(PAGE_TABLES))
-def test_a_table_on_the_page_is_the_shipped_results(name, tmp_path):
+def test_a_table_on_the_page_is_the_shipped_results(name, shipped_report):
     """A table of docs/science.md (per seed, mean ± 95%, against 0, verdict of every registered hypothesis),
     recomputed from the shipped per-run results alone."""
-    from smf.suite.shipped import write_packed_report
-
     (first, after), labels = PAGE_TABLES[name]
-    write_packed_report(RESULTS / name / "results.json", tmp_path)
-    evaluated = json.loads((tmp_path / "matched_learning.json").read_text())["hypotheses"]
+    out = shipped_report(name)
+    evaluated = json.loads((out / "matched_learning.json").read_text())["hypotheses"]
     page = (ROOT / "docs" / "science.md").read_text(encoding="utf-8")
     section = page[page.index(first):page.index(after)]
     assert sorted(entry["name"] for entry in evaluated) == sorted(labels)
@@ -208,18 +206,18 @@ def test_a_table_on_the_page_is_the_shipped_results(name, tmp_path):
             assert cells[-1].replace("−", "-") == entry["aliases"]
 
 
-def test_pretrained_vs_retrofitted_at_16384_slots_on_the_page_is_the_shipped_results(tmp_path):
+def test_pretrained_vs_retrofitted_at_16384_slots_on_the_page_is_the_shipped_results(shipped_report, tmp_path):
     """The 16,384-slot pretrained preset's registered hypotheses (paper-like SMF − full finetuning, and across presets
     the paper-like SMF on pretrained − on retrofitted memories, same seeds: first on the science grid, then, registered
     anew, on the grid placed for the pretrained memories), by the standard rule from the two suites' shipped per-run
     results alone: the page's per-seed values ("—" where a seed measured no value), mean ± 95%, against 0 and verdict;
     and the page's "every configuration learned all or nearly all new facts" on the science grid."""
-    from smf.suite.shipped import read_packed, write_packed_report
+    from smf.suite.shipped import read_packed
 
     levels = {}
     for name in ("science-pretrained16k", "science-retrofit16k"):
-        write_packed_report(RESULTS / name / "results.json", tmp_path / name)
-        rows = json.loads((tmp_path / name / "matched_learning.json").read_text())["rows"]
+        out = shipped_report(name)
+        rows = json.loads((out / "matched_learning.json").read_text())["rows"]
         levels.update({(name, row["method"][0], row["method"][3] if len(row["method"]) > 3 else None):
                        row["levels"]["0.9"]["per_seed"] for row in rows})
     _, results, _ = read_packed(RESULTS / "science-pretrained16k" / "results.json", tmp_path / "again")
@@ -259,13 +257,29 @@ STREAM10_METHODS = {"additive+s-tfidf": "paper-like SMF", "lora": "LoRA", "full"
 
 
 @pytest.fixture(scope="module")
-def stream10_report(tmp_path_factory):
+def shipped_report(tmp_path_factory):
+    """name -> the folder of the report drawn from the shipped results ``docs/science/results/{name}/`` alone (each
+    drawn once per module: the tests read the same reports)."""
+    from smf.suite.shipped import write_packed_report
+
+    drawn: dict[str, Path] = {}
+
+    def report(name: str) -> Path:
+        if name not in drawn:
+            drawn[name] = tmp_path_factory.mktemp(name)
+            write_packed_report(RESULTS / name / "results.json", drawn[name])
+        return drawn[name]
+
+    return report
+
+
+@pytest.fixture(scope="module")
+def stream10_report(shipped_report):
     """(stream.json, matched_learning.json, the results records, the page's ten-task section) of the shipped
     ten-task stream results, the report redrawn from them alone."""
-    from smf.suite.shipped import read_packed, write_packed_report
+    from smf.suite.shipped import read_packed
 
-    out = tmp_path_factory.mktemp("stream10")
-    write_packed_report(RESULTS / "stream10" / "results.json", out)
+    out = shipped_report("stream10")
     _, results, _ = read_packed(RESULTS / "stream10" / "results.json", out)
     page = (ROOT / "docs" / "science.md").read_text(encoding="utf-8")
     section = page[page.index("### A stream of ten tasks"):page.index("## Time")]
@@ -353,18 +367,16 @@ FACTORIAL_CELLS = {"f1": "----+", "f2": "+--+-", "f3": "-+-++", "f4": "++---", "
                    "f7": "-++--", "f8": "+++++"}  # A B C D E of each cell (smf/configs/suite_factorial.yaml)
 
 
-def test_the_factorials_exploratory_fit_on_the_page_is_the_shipped_results(tmp_path):
+def test_the_factorials_exploratory_fit_on_the_page_is_the_shipped_results(shipped_report):
     """docs/science.md's exploratory reading of the factorial: each cell's kept value at 0.9 learned (mean ± 95%),
     and per seed the five main effects fitted by least squares to the cells that measured 0.9 on every seed (twice
     each coefficient), mean ± 95% over the seeds, recomputed from the shipped per-run results alone."""
     import numpy as np
 
     from smf.report.matched_learning import mean_interval
-    from smf.suite.shipped import write_packed_report
-
-    write_packed_report(RESULTS / "factorial" / "results.json", tmp_path)
+    out = shipped_report("factorial")
     rows = {row["method"][3]: row["levels"]["0.9"]["per_seed"]
-            for row in json.loads((tmp_path / "matched_learning.json").read_text())["rows"]
+            for row in json.loads((out / "matched_learning.json").read_text())["rows"]
             if row["method"][3] in FACTORIAL_CELLS}
     page = (ROOT / "docs" / "science.md").read_text(encoding="utf-8")
     section = page[page.index("### What does the work: a registered fractional factorial"):
@@ -431,14 +443,12 @@ SCIENCE_METHODS = {"Additive sparse (TF-IDF), large-step": ("additive-tfidf", "l
                    "LoRA r16": ("lora", None), "Full finetune": ("full", None)}
 
 
-def test_the_science_presets_tables_on_the_page_are_the_shipped_results(tmp_path):
+def test_the_science_presets_tables_on_the_page_are_the_shipped_results(shipped_report):
     """docs/science.md's five-seed science tables (each method's old facts kept at 0.5 / 0.9 / 0.97 learned, and its
     difference to full finetuning), recomputed from the shipped per-run results alone."""
-    from smf.suite.shipped import write_packed_report
-
-    write_packed_report(RESULTS / "science" / "results.json", tmp_path)
+    out = shipped_report("science")
     rows = {(row["method"][0], row["method"][3] if len(row["method"]) > 3 else None): row
-            for row in json.loads((tmp_path / "matched_learning.json").read_text())["rows"]}
+            for row in json.loads((out / "matched_learning.json").read_text())["rows"]}
     page = (ROOT / "docs" / "science.md").read_text(encoding="utf-8")
     section = page[page.index("### Five seeds, the schedule in the budget"):page.index("**Pre-registered hypotheses** (in")]
     kept, paired = section.split("| Method − full finetuning (paired by seed) |")
@@ -446,7 +456,7 @@ def test_the_science_presets_tables_on_the_page_are_the_shipped_results(tmp_path
     _assert_kept_table(kept, by_label, [("0.5", False), ("0.9", False), ("0.97", False)], 5)
     _assert_kept_table(paired, {k: v for k, v in by_label.items() if k != "Full finetune"},
                        [("0.5", True), ("0.9", True), ("0.97", True)], 5)
-    report = (tmp_path / "matched_learning.md").read_text(encoding="utf-8")
+    report = (out / "matched_learning.md").read_text(encoding="utf-8")
     cost = page[page.index("**Cost beside kept**"):page.index("![Forgetting at matched learning, five seeds")]
     for label, (condition, variant) in SCIENCE_METHODS.items():  # steps, train CPU-s and TFLOPs, row change
         (line,) = [line for line in cost.splitlines() if line.startswith(f"| {label} |")]
@@ -463,15 +473,13 @@ STREAM_METHODS = {"Additive sparse (TF-IDF), large-step": ("additive-tfidf", "la
                   "LoRA r16": ("lora", None), "Full finetune": ("full", None)}
 
 
-def test_the_three_task_streams_tables_on_the_page_are_the_shipped_results(tmp_path):
+def test_the_three_task_streams_tables_on_the_page_are_the_shipped_results(shipped_report):
     """docs/science.md's three-task stream: old facts and tasks A and B kept at matched task-C learning (each cell
     kept, and in brackets its difference to full finetuning), and the four registered hypotheses (three evaluated in
     matched_learning.md, the header's task-A one from stream.md's paired differences), by the standard rule from the
     shipped per-run results alone."""
-    from smf.suite.shipped import write_packed_report
-
-    write_packed_report(RESULTS / "stream" / "results.json", tmp_path)
-    axes = json.loads((tmp_path / "stream.json").read_text())["matched_learning"]
+    out = shipped_report("stream")
+    axes = json.loads((out / "stream.json").read_text())["matched_learning"]
     rows = {axis: {(row["method"][0], row["method"][3] if len(row["method"]) > 3 else None): row for row in axis_rows}
             for axis, axis_rows in axes.items()}
     page = (ROOT / "docs" / "science.md").read_text(encoding="utf-8")
@@ -486,7 +494,7 @@ def test_the_three_task_streams_tables_on_the_page_are_the_shipped_results(tmp_p
         assert shown == [(pytest.approx(v, abs=5.1e-4), None if h is None else pytest.approx(h, abs=5.1e-4), k)
                          for v, h, k in expected], label
     registered = {entry["name"]: entry for entry in json.loads(
-        (tmp_path / "matched_learning.json").read_text())["hypotheses"]}
+        (out / "matched_learning.json").read_text())["hypotheses"]}
     task_a = rows["task A"][("additive+s-tfidf", "paper-like")]["levels"]["0.9"]["vs_reference"]["per_seed"]
     hypotheses = {"paper-like SMF − full finetuning ≥ +0.10 old facts": registered["stream-paper-like-vs-full"],
                   "paper-like SMF − LoRA ≥ +0.10 old facts": registered["stream-paper-like-vs-lora"],
@@ -507,20 +515,18 @@ FACTORIAL2_CELLS = {"g1": "-----", "g2": "+--++", "f3": "-+-++", "f4": "++---", 
                     "g7": "-++-+", "g8": "++++-"}  # A B C D E of each cell (smf/configs/suite_factorial2.yaml)
 
 
-def test_the_factorials_second_fraction_and_both_fractions_fit_on_the_page_are_the_shipped_results(tmp_path):
+def test_the_factorials_second_fraction_and_both_fractions_fit_on_the_page_are_the_shipped_results(shipped_report):
     """docs/science.md's second fraction: each cell's kept value at 0.9 learned (mean ± 95%, per seed), and the
     exploratory fit of the five main effects to both fractions' cells that reach 0.9 on every seed (the shared cells
     once), recomputed from the two fractions' shipped per-run results alone."""
     import numpy as np
 
     from smf.report.matched_learning import mean_interval
-    from smf.suite.shipped import write_packed_report
-
     cells = {}
     for name in ("factorial", "factorial2"):
-        write_packed_report(RESULTS / name / "results.json", tmp_path / name)
+        out = shipped_report(name)
         cells[name] = {row["method"][3]: row["levels"]["0.9"]["per_seed"]
-                       for row in json.loads((tmp_path / name / "matched_learning.json").read_text())["rows"]
+                       for row in json.loads((out / "matched_learning.json").read_text())["rows"]
                        if row["method"][3]}
     assert all(cells["factorial"][cell] == cells["factorial2"][cell] for cell in ("f3", "f4", "f5", "f6"))
     page = (ROOT / "docs" / "science.md").read_text(encoding="utf-8")
@@ -551,15 +557,12 @@ PACKS = {"science": "science", "pretrained": "science-pretrained", "stream": "st
 
 
 @pytest.fixture(scope="module")
-def evaluated_packs(tmp_path_factory):
+def evaluated_packs(shipped_report):
     """preset -> {hypothesis name: its evaluation} drawn from each preset's shipped per-run results alone (the
     stream's task-A hypothesis, registered in its header, from stream.md's paired differences)."""
-    from smf.suite.shipped import write_packed_report
-
     evaluated = {}
     for preset, pack in PACKS.items():
-        out = tmp_path_factory.mktemp(pack)
-        write_packed_report(RESULTS / pack / "results.json", out)
+        out = shipped_report(pack)
         evaluated[preset] = {entry["name"]: entry
                              for entry in json.loads((out / "matched_learning.json").read_text())["hypotheses"]}
         if (out / "stream.json").is_file():
@@ -580,14 +583,12 @@ def test_the_verdicts_tables_per_seed_values_are_the_shipped_results(entry, eval
         assert value == pytest.approx(shipped[seed], abs=0.0051 if round(value, 2) == value else 0.00051), seed
 
 
-def test_the_pretrained_presets_table_on_the_page_is_the_shipped_results(tmp_path):
+def test_the_pretrained_presets_table_on_the_page_is_the_shipped_results(shipped_report):
     """docs/science.md's table of the 1,024-slot pretrained preset (each method's old facts kept at 0.5 / 0.9 / 0.97
     learned beside its difference to full finetuning), recomputed from the shipped per-run results alone."""
-    from smf.suite.shipped import write_packed_report
-
-    write_packed_report(RESULTS / "science-pretrained" / "results.json", tmp_path)
+    out = shipped_report("science-pretrained")
     rows = {(row["method"][0], row["method"][3] if len(row["method"]) > 3 else None): row
-            for row in json.loads((tmp_path / "matched_learning.json").read_text())["rows"]}
+            for row in json.loads((out / "matched_learning.json").read_text())["rows"]}
     page = (ROOT / "docs" / "science.md").read_text(encoding="utf-8")
     section = page[page.index("### The schedule in the budget on pretrained memories"):
                    page.index("**Pre-registered hypotheses** (paired by seed, 95% t-interval")]
