@@ -597,3 +597,19 @@ def test_the_pretrained_presets_table_on_the_page_is_the_shipped_results(shipped
               "LoRA r16": ("lora", None), "Full finetune": ("full", None)}
     _assert_kept_table(section, {label: rows[method] for label, method in labels.items()},
                        [(level, paired) for level in ("0.5", "0.9", "0.97") for paired in (False, True)], 5)
+
+
+def test_the_locality_suites_table_on_the_page_is_the_shipped_results(shipped_report):
+    """docs/science.md's locality table (each variant's old facts kept at 0.5 / 0.9 learned and its difference to full
+    finetuning, three seeds), recomputed from the shipped per-run results alone."""
+    out = shipped_report("locality")
+    rows = {row["method"][3] or row["method"][0]: row
+            for row in json.loads((out / "matched_learning.json").read_text())["rows"]}
+    page = (ROOT / "docs" / "science.md").read_text(encoding="utf-8")
+    section = page[page.index("## Results: the locality suite"):page.index("![Locality variants at matched learning]")]
+    labels = {f"{slots:,} slots, {rows_label}, {optimizer}": rows[f"s{slots}-{t}-{optimizer.lower()}"]
+              for slots in (1024, 16384) for t, rows_label in (("t16", "T 16"), ("t128", "T 128"),
+                                                                 ("tall", "every read row"))
+              for optimizer in ("AdamW", "SGD")}
+    _assert_kept_table(section, labels, [("0.5", False), ("0.9", False), ("0.5", True), ("0.9", True)], 3)
+    _assert_kept_table(section, {"Full finetune (5 rates)": rows["full"]}, [("0.5", False), ("0.9", False)], 3)
