@@ -613,3 +613,26 @@ def test_the_locality_suites_table_on_the_page_is_the_shipped_results(shipped_re
               for optimizer in ("AdamW", "SGD")}
     _assert_kept_table(section, labels, [("0.5", False), ("0.9", False), ("0.5", True), ("0.9", True)], 3)
     _assert_kept_table(section, {"Full finetune (5 rates)": rows["full"]}, [("0.5", False), ("0.9", False)], 3)
+
+
+def test_the_new_kind_presets_hypotheses_in_the_locality_page_are_the_shipped_results(shipped_report):
+    """docs/locality.md's two registered hypotheses of the new-kind preset (paper-like SMF − full finetuning at 0.9
+    and at 0.5 learned), by the standard rule from the shipped per-run results alone: per seed ("—" where a seed
+    measured no value), mean and verdict."""
+    out = shipped_report("newkind")
+    evaluated = {entry["name"]: entry for entry in json.loads((out / "matched_learning.json").read_text())["hypotheses"]}
+    page = (ROOT / "docs" / "locality.md").read_text(encoding="utf-8")
+    section = page[page.index("## A world where locality can be tested"):page.index("## Time")]
+    for label, name in (("paper-like SMF − full finetuning ≥ +0.10 at 0.9 learned", "newkind-paper-like-vs-full"),
+                        ("paper-like SMF − full finetuning ≥ +0.10 at 0.5 learned", "newkind-paper-like-vs-full-at-0.5")):
+        entry = evaluated[name]
+        (line,) = [line for line in section.splitlines() if line.startswith(f"| {label} |")]
+        cells = [cell.strip(" *") for cell in line.split("|")[1:-1]]
+        for seed, shown in enumerate(cells[1].split(" / ")):
+            if str(seed) in entry["per_seed"]:
+                value = float(shown.replace("−", "-"))
+                assert value == pytest.approx(entry["per_seed"][str(seed)], abs=0.0051 if len(shown) < 6 else 0.00051)
+            else:
+                assert shown == "—", (label, seed)
+        assert float(cells[2].split(" ")[0].replace("−", "-")) == pytest.approx(entry["mean"], abs=5e-4)
+        assert cells[3].startswith(entry["verdict"]), label
