@@ -12,14 +12,19 @@ from smf.report.hypotheses import verdict
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "science" / "results"
 REGISTERED = json.loads((RESULTS / "registered_seeds0-4.json").read_text(encoding="utf-8"))
+PAGE = (ROOT / "docs" / "science.md").read_text(encoding="utf-8")
+
+
+def _section(first: str, after: str, page: str = PAGE) -> str:
+    """The part of ``page`` (docs/science.md) from the text ``first`` to the text ``after``."""
+    return page[page.index(first):page.index(after)]
 
 
 @pytest.mark.parametrize("entry", REGISTERED["hypotheses"], ids=lambda e: f"{e['preset']}:{e['name']}")
 def test_a_registered_hypothesis_gets_the_verdict_the_page_states(entry):
     evaluated = verdict(list(entry["per_seed"].values()), entry["threshold"], REGISTERED["seeds"])
     assert evaluated["verdict"] == entry["verdict"]
-    page = (ROOT / "docs" / "science.md").read_text(encoding="utf-8")
-    (row,) = [line for line in page.splitlines() if line.startswith(f"| {entry['preset']}: {entry['row']} |")]
+    (row,) = [line for line in PAGE.splitlines() if line.startswith(f"| {entry['preset']}: {entry['row']} |")]
     cells = [cell.strip(" *") for cell in row.split("|")[1:-1]]
     assert cells[-2:] == [entry["old_verdict"], entry["verdict"]]
     if evaluated["mean"] is not None and evaluated["pairs"] == REGISTERED["seeds"]:
@@ -162,7 +167,8 @@ PAGE_TABLES = {  # shipped results -> (the page's section: first heading, the ne
         "same-schedules-vs-lora": "same schedules: paper-like SMF − LoRA",
         "equal-compute-vs-full": "equal compute: paper-like SMF − full finetuning",
         "equal-compute-vs-lora": "equal compute: paper-like SMF − LoRA"}),
-    "science-pretrained": (("### The schedule in the budget on pretrained memories", "## Results: the locality suite"), {
+    "science-pretrained": (("### The schedule in the budget on pretrained memories",
+                            "## Results: the locality suite"), {
         "small-step-vs-full": "small-step SMF − full finetuning ≥ +0.10 at 0.9",
         "small-step-vs-lora": "small-step SMF − LoRA ≥ +0.10 at 0.9",
         "large-step-vs-full-at-0.5": "large-step SMF − full finetuning ≥ +0.10 at 0.5"}),
@@ -170,7 +176,8 @@ PAGE_TABLES = {  # shipped results -> (the page's section: first heading, the ne
         "factorial2-slots": "A slots: 16,384 − 1,024", "factorial2-share": "B T's share: 3.1% − 12.5%",
         "factorial2-plus-s": "C mode: +S − plain additive", "factorial2-alpha": "D alpha's rate: its own − the rows'",
         "factorial2-steps": "E per-touch step: small − large"}),
-    "factorial": (("### What does the work: a registered fractional factorial", "### The second fraction, registered"), {
+    "factorial": (("### What does the work: a registered fractional factorial",
+                   "### The second fraction, registered"), {
         "factorial-slots": "A slots: 16,384 − 1,024", "factorial-share": "B T's share: 3.1% − 12.5%",
         "factorial-plus-s": "C mode: +S − plain additive", "factorial-alpha": "D alpha's rate: its own − the rows'",
         "factorial-steps": "E per-touch step: small − large"}),
@@ -184,8 +191,7 @@ def test_a_table_on_the_page_is_the_shipped_results(name, shipped_report):
     (first, after), labels = PAGE_TABLES[name]
     out = shipped_report(name)
     evaluated = json.loads((out / "matched_learning.json").read_text())["hypotheses"]
-    page = (ROOT / "docs" / "science.md").read_text(encoding="utf-8")
-    section = page[page.index(first):page.index(after)]
+    section = _section(first, after)
     assert sorted(entry["name"] for entry in evaluated) == sorted(labels)
     for entry in evaluated:
         (row,) = [line for line in section.splitlines() if line.startswith(f"| {labels[entry['name']]} ")]
@@ -223,9 +229,7 @@ def test_pretrained_vs_retrofitted_at_16384_slots_on_the_page_is_the_shipped_res
     _, results, _ = read_packed(RESULTS / "science-pretrained16k" / "results.json", tmp_path / "again")
     learned = [r["metrics"]["learn_acc"] for r in results if r.get("variant") == "paper-like"]
     assert len(learned) == 30 and min(learned) >= 0.99  # the page: 0.994-1.000 in all 30 runs
-    page = (ROOT / "docs" / "science.md").read_text(encoding="utf-8")
-    section = page[page.index("### Pretrained vs retrofitted at 16,384 slots"):
-                   page.index("### The schedule in the budget on")]
+    section = _section("### Pretrained vs retrofitted at 16,384 slots", "### The schedule in the budget on")
     retrofitted = levels[("science-retrofit16k", "additive+s-tfidf", "paper-like")]
     (second,) = json.loads((RESULTS / "science-pretrained16k" / "hypotheses_registered_second.json").read_text(
         encoding="utf-8"))["hypotheses"].values()
@@ -281,8 +285,7 @@ def stream10_report(shipped_report):
 
     out = shipped_report("stream10")
     _, results, _ = read_packed(RESULTS / "stream10" / "results.json", out)
-    page = (ROOT / "docs" / "science.md").read_text(encoding="utf-8")
-    section = page[page.index("### A stream of ten tasks"):page.index("## Time")]
+    section = _section("### A stream of ten tasks", "## Time")
     return (json.loads((out / "stream.json").read_text()), json.loads((out / "matched_learning.json").read_text()),
             results, section)
 
@@ -320,7 +323,8 @@ def test_the_ten_task_streams_table_on_the_page_is_the_shipped_results(stream10_
                         stage_record["tasks"][task] for task in stream["tasks"][:stage - 1])
                         for run in chosen if run["condition"] == method
                         for stage_record in run["stream"]["stages"] if stage_record["stage"] == stage])
-                assert _mean_and_half(cell) == pytest.approx(expected, abs=5.1e-3), (series, name, stage)  # two decimals
+                # two decimals on the page
+                assert _mean_and_half(cell) == pytest.approx(expected, abs=5.1e-3), (series, name, stage)
 
 
 STREAM10_HYPOTHESES = {  # the page's row label -> (where it is evaluated: the registered name, or stream.md's axis)
@@ -367,20 +371,42 @@ FACTORIAL_CELLS = {"f1": "----+", "f2": "+--+-", "f3": "-+-++", "f4": "++---", "
                    "f7": "-++--", "f8": "+++++"}  # A B C D E of each cell (smf/configs/suite_factorial.yaml)
 
 
+def _fitted_effects(cells: dict[str, dict[str, float]], levels: dict[str, str]):
+    """Per seed (rows, seeds 0-4) the five main effects A-E (columns) fitted by least squares to ``cells`` (cell ->
+    seed -> kept at 0.9) with the levels ``levels`` gives them (cell -> "+-+-+"), interactions assumed zero: twice
+    each coefficient."""
+    import numpy as np
+
+    design = np.array([[1.0] + [1.0 if level == "+" else -1.0 for level in levels[cell]] for cell in cells])
+    return np.array([2 * np.linalg.lstsq(design, [cells[cell][str(seed)] for cell in cells], rcond=None)[0][1:]
+                     for seed in range(5)])
+
+
+def _assert_fit_table(lines: list[str], label: str, effects) -> None:
+    """The rows ``| {label} {factor}...`` of the page's fit table show each factor's per-seed effects and their mean ±
+    95% (``effects``: :func:`_fitted_effects`)."""
+    from smf.report.matched_learning import mean_interval
+
+    for index, factor in enumerate("ABCDE"):
+        (line,) = [line for line in lines if line.startswith(f"| {label} {factor} ")]
+        cells = [cell.strip() for cell in line.split("|")[1:-1]]
+        shown = [float(v.replace("−", "-")) for v in cells[1].split(" / ")]
+        assert shown == pytest.approx(list(effects[:, index]), abs=5e-4), factor
+        assert _mean_and_half(cells[2]) == pytest.approx(mean_interval(list(effects[:, index])), abs=5e-4), factor
+
+
 def test_the_factorials_exploratory_fit_on_the_page_is_the_shipped_results(shipped_report):
     """docs/science.md's exploratory reading of the factorial: each cell's kept value at 0.9 learned (mean ± 95%),
     and per seed the five main effects fitted by least squares to the cells that measured 0.9 on every seed (twice
     each coefficient), mean ± 95% over the seeds, recomputed from the shipped per-run results alone."""
-    import numpy as np
-
     from smf.report.matched_learning import mean_interval
+
     out = shipped_report("factorial")
     rows = {row["method"][3]: row["levels"]["0.9"]["per_seed"]
             for row in json.loads((out / "matched_learning.json").read_text())["rows"]
             if row["method"][3] in FACTORIAL_CELLS}
-    page = (ROOT / "docs" / "science.md").read_text(encoding="utf-8")
-    section = page[page.index("### What does the work: a registered fractional factorial"):
-                   page.index("### The second fraction, registered after the first")]
+    section = _section("### What does the work: a registered fractional factorial",
+                       "### The second fraction, registered after the first")
     lines = section.splitlines()
     for cell, per_seed in rows.items():
         (line,) = [line for line in lines if line.startswith(f"| cell {cell} ")]
@@ -390,18 +416,10 @@ def test_the_factorials_exploratory_fit_on_the_page_is_the_shipped_results(shipp
             assert shown.startswith("—"), cell
         else:
             assert _mean_and_half(shown.split(" (")[0]) == pytest.approx(mean_interval(values), abs=5e-4), cell
-    fitted = [cell for cell, per_seed in rows.items() if all(not isinstance(v, str) for v in per_seed.values())]
+    fitted = {cell: per_seed for cell, per_seed in rows.items()
+              if all(not isinstance(v, str) for v in per_seed.values())}
     assert "f7" not in fitted  # it never reaches 0.9 (the registered effects have no value)
-    seeds = sorted(rows["f8"], key=int)
-    design = np.array([[1.0] + [1.0 if level == "+" else -1.0 for level in FACTORIAL_CELLS[cell]] for cell in fitted])
-    effects = np.array([2 * np.linalg.lstsq(design, [rows[cell][seed] for cell in fitted], rcond=None)[0][1:]
-                        for seed in seeds])
-    for index, factor in enumerate("ABCDE"):
-        (line,) = [line for line in lines if line.startswith(f"| fit {factor} ")]
-        cells = [cell.strip() for cell in line.split("|")[1:-1]]
-        shown = [float(v.replace("−", "-")) for v in cells[1].split(" / ")]
-        assert shown == pytest.approx(list(effects[:, index]), abs=5e-4), factor
-        assert _mean_and_half(cells[2]) == pytest.approx(mean_interval(list(effects[:, index])), abs=5e-4), factor
+    _assert_fit_table(lines, "fit", _fitted_effects(fitted, FACTORIAL_CELLS))
 
 
 NUMBER = re.compile(r"([−+]?\d+\.\d+)(?: ± (\d+\.\d+))?(?: \((\d)/(\d)\))?")
@@ -423,6 +441,11 @@ def _summary(level: dict, seeds: int, paired: bool) -> list[tuple[float, float |
         return []
     half = summary["half_width"] if measured > 1 else None
     return [(summary["mean"], half, None if measured == seeds else measured)]
+
+
+def _by_method(rows: list[dict]) -> dict[tuple[str, str | None], dict]:
+    """Matched-learning rows keyed by (condition, variant or None)."""
+    return {(row["method"][0], row["method"][3] if len(row["method"]) > 3 else None): row for row in rows}
 
 
 def _assert_kept_table(section: str, rows: dict, columns: list[tuple[str, bool]], seeds: int) -> None:
@@ -447,17 +470,15 @@ def test_the_science_presets_tables_on_the_page_are_the_shipped_results(shipped_
     """docs/science.md's five-seed science tables (each method's old facts kept at 0.5 / 0.9 / 0.97 learned, and its
     difference to full finetuning), recomputed from the shipped per-run results alone."""
     out = shipped_report("science")
-    rows = {(row["method"][0], row["method"][3] if len(row["method"]) > 3 else None): row
-            for row in json.loads((out / "matched_learning.json").read_text())["rows"]}
-    page = (ROOT / "docs" / "science.md").read_text(encoding="utf-8")
-    section = page[page.index("### Five seeds, the schedule in the budget"):page.index("**Pre-registered hypotheses** (in")]
+    rows = _by_method(json.loads((out / "matched_learning.json").read_text())["rows"])
+    section = _section("### Five seeds, the schedule in the budget", "**Pre-registered hypotheses** (in")
     kept, paired = section.split("| Method − full finetuning (paired by seed) |")
     by_label = {label: rows[method] for label, method in SCIENCE_METHODS.items()}
     _assert_kept_table(kept, by_label, [("0.5", False), ("0.9", False), ("0.97", False)], 5)
     _assert_kept_table(paired, {k: v for k, v in by_label.items() if k != "Full finetune"},
                        [("0.5", True), ("0.9", True), ("0.97", True)], 5)
     report = (out / "matched_learning.md").read_text(encoding="utf-8")
-    cost = page[page.index("**Cost beside kept**"):page.index("![Forgetting at matched learning, five seeds")]
+    cost = _section("**Cost beside kept**", "![Forgetting at matched learning, five seeds")
     for label, (condition, variant) in SCIENCE_METHODS.items():  # steps, train CPU-s and TFLOPs, row change
         (line,) = [line for line in cost.splitlines() if line.startswith(f"| {label} |")]
         shown = [cell.strip() for cell in line.split("|")[2:-1]]
@@ -468,11 +489,6 @@ def test_the_science_presets_tables_on_the_page_are_the_shipped_results(shipped_
         assert shown == [cells[0], cells[1], cells[2], row_change], label
 
 
-STREAM_METHODS = {"Additive sparse (TF-IDF), large-step": ("additive-tfidf", "large-step"),
-                  "Additive sparse +S (TF-IDF), paper-like": ("additive+s-tfidf", "paper-like"),
-                  "LoRA r16": ("lora", None), "Full finetune": ("full", None)}
-
-
 def test_the_three_task_streams_tables_on_the_page_are_the_shipped_results(shipped_report):
     """docs/science.md's three-task stream: old facts and tasks A and B kept at matched task-C learning (each cell
     kept, and in brackets its difference to full finetuning), and the four registered hypotheses (three evaluated in
@@ -480,13 +496,11 @@ def test_the_three_task_streams_tables_on_the_page_are_the_shipped_results(shipp
     shipped per-run results alone."""
     out = shipped_report("stream")
     axes = json.loads((out / "stream.json").read_text())["matched_learning"]
-    rows = {axis: {(row["method"][0], row["method"][3] if len(row["method"]) > 3 else None): row for row in axis_rows}
-            for axis, axis_rows in axes.items()}
-    page = (ROOT / "docs" / "science.md").read_text(encoding="utf-8")
-    section = page[page.index("**Results: five seeds, the schedule in the budget** (`smf suite --config stream`"):
-                   page.index("### A stream of ten tasks")]
+    rows = {axis: _by_method(axis_rows) for axis, axis_rows in axes.items()}
+    section = _section("**Results: five seeds, the schedule in the budget** (`smf suite --config stream`",
+                       "### A stream of ten tasks")
     columns = [("retain_acc", "0.5"), ("retain_acc", "0.9"), ("task A", "0.9"), ("task B", "0.9")]
-    for label, method in STREAM_METHODS.items():
+    for label, method in SCIENCE_METHODS.items():
         (line,) = [line for line in section.splitlines() if line.startswith(f"| {label} |")]
         shown = [value for cell in line.split("|")[2:-1] for value in _shown(cell)]
         expected = [value for axis, level in columns for paired in (False, True)
@@ -518,10 +532,9 @@ FACTORIAL2_CELLS = {"g1": "-----", "g2": "+--++", "f3": "-+-++", "f4": "++---", 
 def test_the_factorials_second_fraction_and_both_fractions_fit_on_the_page_are_the_shipped_results(shipped_report):
     """docs/science.md's second fraction: each cell's kept value at 0.9 learned (mean ± 95%, per seed), and the
     exploratory fit of the five main effects to both fractions' cells that reach 0.9 on every seed (the shared cells
-    once), recomputed from the two fractions' shipped per-run results alone."""
-    import numpy as np
-
+    once: per seed, mean ± 95%), recomputed from the two fractions' shipped per-run results alone."""
     from smf.report.matched_learning import mean_interval
+
     cells = {}
     for name in ("factorial", "factorial2"):
         out = shipped_report(name)
@@ -529,27 +542,17 @@ def test_the_factorials_second_fraction_and_both_fractions_fit_on_the_page_are_t
                        for row in json.loads((out / "matched_learning.json").read_text())["rows"]
                        if row["method"][3]}
     assert all(cells["factorial"][cell] == cells["factorial2"][cell] for cell in ("f3", "f4", "f5", "f6"))
-    page = (ROOT / "docs" / "science.md").read_text(encoding="utf-8")
-    section = page[page.index("### The second fraction, registered after the first"):
-                   page.index("### Confirmation seeds 5-9")]
+    section = _section("### The second fraction, registered after the first", "### Confirmation seeds 5-9")
     for cell, per_seed in cells["factorial2"].items():
         (line,) = [line for line in section.splitlines() if line.startswith(f"| cell {cell} ")]
         shown = [part.strip() for part in line.split("|")[2:-1]]
         assert _mean_and_half(shown[0]) == pytest.approx(mean_interval(list(per_seed.values())), abs=5e-4), cell
         assert [float(v) for v in shown[1].split(" / ")] == pytest.approx(
             [per_seed[str(seed)] for seed in range(5)], abs=5e-4), cell
-    levels = {**FACTORIAL_CELLS, **FACTORIAL2_CELLS}
     both = {cell: per_seed for name in ("factorial", "factorial2") for cell, per_seed in cells[name].items()
             if all(not isinstance(value, str) for value in per_seed.values())}
     assert sorted(both) == ["f1", "f2", "f3", "f4", "f5", "f6", "f8", "g1", "g2", "g7", "g8"]
-    design = np.array([[1.0] + [1.0 if level == "+" else -1.0 for level in levels[cell]] for cell in both])
-    effects = np.array([2 * np.linalg.lstsq(design, [both[cell][str(seed)] for cell in both], rcond=None)[0][1:]
-                        for seed in range(5)])
-    fit = section[section.index("Exploratory (not registered): the two fractions"):]
-    for index, label in enumerate(("A slots", "B T's share", "C +S", "D alpha's rate", "E per-touch step")):
-        pattern = r"\s+".join(map(re.escape, label.split())) + r"\s+([−+]\d\.\d{3} ± \d\.\d{3})"
-        (match,) = re.findall(pattern, fit)
-        assert _mean_and_half(match) == pytest.approx(mean_interval(list(effects[:, index])), abs=5e-4), label
+    _assert_fit_table(section.splitlines(), "both", _fitted_effects(both, {**FACTORIAL_CELLS, **FACTORIAL2_CELLS}))
 
 
 PACKS = {"science": "science", "pretrained": "science-pretrained", "stream": "stream", "new kind": "newkind",
@@ -587,11 +590,9 @@ def test_the_pretrained_presets_table_on_the_page_is_the_shipped_results(shipped
     """docs/science.md's table of the 1,024-slot pretrained preset (each method's old facts kept at 0.5 / 0.9 / 0.97
     learned beside its difference to full finetuning), recomputed from the shipped per-run results alone."""
     out = shipped_report("science-pretrained")
-    rows = {(row["method"][0], row["method"][3] if len(row["method"]) > 3 else None): row
-            for row in json.loads((out / "matched_learning.json").read_text())["rows"]}
-    page = (ROOT / "docs" / "science.md").read_text(encoding="utf-8")
-    section = page[page.index("### The schedule in the budget on pretrained memories"):
-                   page.index("**Pre-registered hypotheses** (paired by seed, 95% t-interval")]
+    rows = _by_method(json.loads((out / "matched_learning.json").read_text())["rows"])
+    section = _section("### The schedule in the budget on pretrained memories",
+                       "**Pre-registered hypotheses** (paired by seed, 95% t-interval")
     labels = {"Additive sparse (TF-IDF), large-step": ("additive-tfidf", "large-step"),
               "Additive sparse +S (TF-IDF), small-step": ("additive+s-tfidf", "small-step"),
               "LoRA r16": ("lora", None), "Full finetune": ("full", None)}
@@ -605,8 +606,7 @@ def test_the_locality_suites_table_on_the_page_is_the_shipped_results(shipped_re
     out = shipped_report("locality")
     rows = {row["method"][3] or row["method"][0]: row
             for row in json.loads((out / "matched_learning.json").read_text())["rows"]}
-    page = (ROOT / "docs" / "science.md").read_text(encoding="utf-8")
-    section = page[page.index("## Results: the locality suite"):page.index("![Locality variants at matched learning]")]
+    section = _section("## Results: the locality suite", "![Locality variants at matched learning]")
     labels = {f"{slots:,} slots, {rows_label}, {optimizer}": rows[f"s{slots}-{t}-{optimizer.lower()}"]
               for slots in (1024, 16384) for t, rows_label in (("t16", "T 16"), ("t128", "T 128"),
                                                                  ("tall", "every read row"))
@@ -620,11 +620,13 @@ def test_the_new_kind_presets_hypotheses_in_the_locality_page_are_the_shipped_re
     and at 0.5 learned), by the standard rule from the shipped per-run results alone: per seed ("—" where a seed
     measured no value), mean and verdict."""
     out = shipped_report("newkind")
-    evaluated = {entry["name"]: entry for entry in json.loads((out / "matched_learning.json").read_text())["hypotheses"]}
-    page = (ROOT / "docs" / "locality.md").read_text(encoding="utf-8")
-    section = page[page.index("## A world where locality can be tested"):page.index("## Time")]
+    evaluated = {entry["name"]: entry
+                 for entry in json.loads((out / "matched_learning.json").read_text())["hypotheses"]}
+    section = _section("## A world where locality can be tested", "## Time",
+                       (ROOT / "docs" / "locality.md").read_text(encoding="utf-8"))
     for label, name in (("paper-like SMF − full finetuning ≥ +0.10 at 0.9 learned", "newkind-paper-like-vs-full"),
-                        ("paper-like SMF − full finetuning ≥ +0.10 at 0.5 learned", "newkind-paper-like-vs-full-at-0.5")):
+                        ("paper-like SMF − full finetuning ≥ +0.10 at 0.5 learned",
+                         "newkind-paper-like-vs-full-at-0.5")):
         entry = evaluated[name]
         (line,) = [line for line in section.splitlines() if line.startswith(f"| {label} |")]
         cells = [cell.strip(" *") for cell in line.split("|")[1:-1]]
